@@ -1,0 +1,147 @@
+# libshadowkv build.
+#   make            build/libshadowkv.a, build/libshadowkv.so, tools
+#   make demo       install missing packages, build and run the demo (the main job)
+#   make check      install missing packages, build and run every test
+#   make bench      build/skv-bench
+#   make install PREFIX=/usr/local
+#
+# The exact-selection contract (DESIGN.md section 5) needs IEEE arithmetic in
+# source order: -ffp-contract=off everywhere, never -ffast-math.
+
+CC      ?= gcc
+PREFIX  ?= /usr/local
+BUILD   ?= build
+
+# FMA and AVX2 for the cpu backend when this machine has them (fmaf then is one
+# instruction; results are IEEE either way, so selection stays bit-identical).
+CPU_ARCH ?= $(shell grep -qw fma /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo -mavx2 -mfma)
+
+WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wno-unused-parameter
+BASEFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -O2 -g -fPIC -ffp-contract=off -fno-fast-math \
+             -fvisibility=hidden -Iinclude -Ilib $(WARN)
+CFLAGS  ?=
+ALLCFLAGS := $(BASEFLAGS) $(CFLAGS)
+OMPFLAGS := -fopenmp
+LIBS    := -llapacke -lopenblas -lm $(OMPFLAGS) -lpthread
+
+LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) $(wildcard cuda/*.c)
+LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
+HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
+            $(wildcard cuda/*.h)
+
+COMMON_SRC := $(wildcard tests/common/*.c)
+COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC))
+COMMON_HDR := $(wildcard tests/common/*.h)
+TEST_SRC   := $(wildcard tests/*.c)
+TEST_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
+
+STATIC := $(BUILD)/libshadowkv.a
+SHARED := $(BUILD)/libshadowkv.so
+DEPS_STAMP := $(BUILD)/.deps-ok
+
+.PHONY: all lib demo check bench tests install uninstall clean deps link-check
+
+all: lib $(BUILD)/demo $(BUILD)/skv-bench $(TEST_BIN)
+lib: $(STATIC) $(SHARED)
+
+# ---- system packages (a fresh Debian machine has none of these) -------------
+# Installs what is missing through apt-get, once; a no-op when present.
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP):
+	@mkdir -p $(BUILD)
+	@if printf '#include <cblas.h>\n#include <lapacke.h>\nint main(void){return 0;}\n' | \
+	    $(CC) -x c - -o $(BUILD)/.depprobe -llapacke -lopenblas -fopenmp >/dev/null 2>&1 && \
+	    command -v pkg-config >/dev/null 2>&1; then :; else \
+	  echo "make: installing libopenblas-dev liblapacke-dev pkg-config (apt-get)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libopenblas-dev liblapacke-dev pkg-config >/dev/null || \
+	  { echo "make: could not install libopenblas-dev liblapacke-dev pkg-config"; exit 1; }; \
+	fi
+	@rm -f $(BUILD)/.depprobe
+	@touch $@
+
+# ---- library ------------------------------------------------------------------
+$(BUILD)/obj/lib/%.o: lib/%.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -c $< -o $@
+
+$(BUILD)/obj/ref/%.o: ref/%.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -c $< -o $@
+
+$(BUILD)/obj/cpu/%.o: cpu/%.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(CPU_ARCH) -c $< -o $@
+
+$(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) -c $< -o $@
+
+$(STATIC): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(SHARED): $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ -Wl,-soname,libshadowkv.so.0 $(LIBS)
+
+# ---- tests, demo, bench (linked statically against the library) -------------
+$(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common -c $< -o $@
+
+$(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) lib/skv_numerics.h
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+
+$(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+
+$(BUILD)/skv-bench: bench/skv_bench.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+
+tests: $(TEST_BIN)
+bench: $(BUILD)/skv-bench
+
+demo: $(BUILD)/demo
+	./$(BUILD)/demo $(DEMO_ARGS)
+
+# make check: every test binary, then the install + pkg-config link check.
+check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench
+	@fail=0; for t in $(TEST_BIN); do \
+	  echo "== $$t"; ./$$t || { echo "FAILED: $$t"; fail=1; }; \
+	done; \
+	$(MAKE) --no-print-directory link-check || fail=1; \
+	if [ $$fail = 0 ]; then echo "make check: all test binaries passed"; else echo "make check: FAILURES"; exit 1; fi
+
+# Installs into a staging prefix and builds examples/link_example.c with
+# pkg-config only, then runs it.
+link-check: lib
+	@rm -rf $(BUILD)/stage
+	@$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/$(BUILD)/stage >/dev/null
+	@echo "== link_example (installed copy, pkg-config)"
+	@PKG_CONFIG_PATH=$(CURDIR)/$(BUILD)/stage/lib/pkgconfig; export PKG_CONFIG_PATH; \
+	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example examples/link_example.c \
+	    $$(pkg-config --cflags --libs shadowkv) && \
+	  LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/stage/lib ./$(BUILD)/link_example && \
+	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_static examples/link_example.c \
+	    $$(pkg-config --cflags shadowkv) $(CURDIR)/$(BUILD)/stage/lib/libshadowkv.a \
+	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') && \
+	  ./$(BUILD)/link_example_static
+
+install: lib
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 include/shadowkv.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(STATIC) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(SHARED) $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0
+	ln -sf libshadowkv.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv.so
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|0.1.0|' shadowkv.pc.in \
+	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/include/shadowkv.h $(DESTDIR)$(PREFIX)/lib/libshadowkv.a \
+	  $(DESTDIR)$(PREFIX)/lib/libshadowkv.so $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0 \
+	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,422 @@
+/*
+ * shadowkv.h - public C API of libshadowkv.
+ *
+ * libshadowkv implements ShadowKV-style sparse attention for long-context
+ * decoding (Sun et al., ICML 2025): pre-RoPE keys are kept as a rank-r
+ * factorization U W, values of non-outlier chunks live in a host store, and
+ * each decode step attends to outliers, the local window, the generated tokens
+ * and a query-dependent set of S chunks whose keys are rebuilt on the fly.
+ *
+ * Conventions
+ *  - Every function returning skv_status returns SKV_OK (0) on success.
+ *    On failure nothing observable has changed: the cache is exactly as it was.
+ *  - Tensors are row-major, bf16 (skv_bf16, the upper 16 bits of an IEEE
+ *    float) unless stated; attention outputs are float.
+ *  - With the ref and cpu backends all pointers are host pointers. With the
+ *    cuda backend, tensors passed to skv_prefill, skv_decode and skv_op_* are
+ *    device pointers (as with cuBLAS).
+ *  - The library never prints and never exits. A failing call leaves a
+ *    message naming the bad argument and its value in skv_last_error()
+ *    (thread-local) and, for calls on a cache, in skv_cache_last_error().
+ *  - Thread safety: separate caches may be used from separate threads at once.
+ *    Calls on one cache must be serialized by the caller. skv_op_* functions
+ *    are reentrant.
+ *
+ * Everything here is C99 and usable from C++.
+ */
+#ifndef SHADOWKV_H
+#define SHADOWKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Symbol visibility: the library is built with -fvisibility=hidden. */
+#if defined(__GNUC__) && !defined(SKV_STATIC_ONLY)
+#define SKV_API __attribute__((visibility("default")))
+#else
+#define SKV_API
+#endif
+
+#define SKV_VERSION_MAJOR 0
+#define SKV_VERSION_MINOR 1
+#define SKV_VERSION_PATCH 0
+
+/** A bfloat16 value: the upper 16 bits of an IEEE-754 binary32. */
+typedef uint16_t skv_bf16;
+
+/** Status codes. Values are pinned and will not change. */
+typedef enum skv_status {
+    SKV_OK = 0,
+    SKV_ERR_INVALID_ARGUMENT = 1,  /**< an argument is out of range */
+    SKV_ERR_NULL_POINTER = 2,      /**< a required pointer is NULL */
+    SKV_ERR_INVALID_CONFIG = 3,    /**< a config field is invalid */
+    SKV_ERR_SIZE_OVERFLOW = 4,     /**< a size product overflows */
+    SKV_ERR_PROMPT_TOO_SHORT = 5,  /**< prompt has fewer than O + S context chunks */
+    SKV_ERR_PROMPT_TOO_LONG = 6,   /**< prompt longer than config.max_prompt_len */
+    SKV_ERR_NOT_PREFILLED = 7,     /**< decode before every layer of every sequence was prefilled */
+    SKV_ERR_ALREADY_PREFILLED = 8, /**< prefill of a (layer, sequence) twice */
+    SKV_ERR_CAPACITY = 9,          /**< generated-token capacity exhausted */
+    SKV_ERR_NONFINITE = 10,        /**< NaN or Inf in an input tensor */
+    SKV_ERR_OUT_OF_MEMORY = 11,    /**< an allocation failed */
+    SKV_ERR_UNSUPPORTED = 12,      /**< the backend does not implement this */
+    SKV_ERR_NO_DEVICE = 13,        /**< the backend has no usable device */
+    SKV_ERR_NUMERICAL = 14,        /**< a numerical routine failed (LAPACK info != 0) */
+    SKV_ERR_NO_SELECTION = 15      /**< introspection of a selection before any decode step */
+} skv_status;
+
+/** Number of status codes (one past the largest). */
+#define SKV_STATUS_COUNT 16
+
+/** Static, never-NULL English name of a status ("SKV_ERR_CAPACITY: ..."). */
+SKV_API const char *skv_status_string(skv_status status);
+
+/**
+ * Message of the last failing call made by this thread (any entry point),
+ * or "" if none failed yet. Valid until the thread's next failing call.
+ */
+SKV_API const char *skv_last_error(void);
+
+/** Backends. */
+typedef enum skv_backend {
+    SKV_BACKEND_AUTO = 0, /**< cuda if usable, else cpu */
+    SKV_BACKEND_REF = 1,  /**< portable single-thread reference: the oracle */
+    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS */
+    SKV_BACKEND_CUDA = 3  /**< NVIDIA GPUs */
+} skv_backend;
+
+/** Static name of a backend: "auto", "ref", "cpu", "cuda", or "invalid". */
+SKV_API const char *skv_backend_name(skv_backend backend);
+
+/**
+ * Parses "auto", "ref", "cpu" or "cuda" into *out.
+ * Returns SKV_ERR_INVALID_ARGUMENT for anything else, SKV_ERR_NULL_POINTER
+ * for NULL arguments.
+ */
+SKV_API skv_status skv_backend_parse(const char *name, skv_backend *out);
+
+/**
+ * Whether a backend can run on this machine: SKV_OK, SKV_ERR_NO_DEVICE
+ * (cuda without a usable GPU or not compiled in), or SKV_ERR_INVALID_ARGUMENT.
+ * SKV_BACKEND_AUTO is always available.
+ */
+SKV_API skv_status skv_backend_available(skv_backend backend);
+
+/* ------------------------------------------------------------------------ */
+/* Configuration                                                            */
+/* ------------------------------------------------------------------------ */
+
+/** Rotary position embedding settings. */
+typedef struct skv_rope_config {
+    float theta;                   /**< base; default 500000 */
+    int32_t rotary_dim;            /**< rotated dims R (even, <= head_dim); 0 = head_dim */
+    int32_t interleaved;           /**< 0: pairs (i, i+R/2) (rotate-half); 1: pairs (2i, 2i+1) (GPT-J) */
+    int32_t llama3_scaling;        /**< 1: apply Llama-3 frequency scaling; default 0 */
+    float scaling_factor;          /**< Llama-3 factor; default 8 */
+    float low_freq_factor;         /**< default 1 */
+    float high_freq_factor;        /**< default 4 */
+    int32_t original_max_position; /**< default 8192 */
+} skv_rope_config;
+
+/** Cache configuration. Obtain defaults from skv_config_default(). */
+typedef struct skv_config {
+    int32_t n_layers;         /**< L; default 32 */
+    int32_t n_q_heads;        /**< Hq; default 32 */
+    int32_t n_kv_heads;       /**< Hk, divides Hq; default 8 */
+    int32_t head_dim;         /**< D, even; default 128 */
+    int32_t rank;             /**< r of the key factorization; default 160 */
+    int32_t chunk_size;       /**< c tokens per chunk; default 8 */
+    int32_t budget;           /**< selected tokens per KV head, multiple of c; default 2048 */
+    int32_t n_outlier_chunks; /**< O; default 48 */
+    int32_t n_local_chunks;   /**< Lc; default 4 */
+    skv_rope_config rope;     /**< RoPE; defaults theta 500000, no scaling */
+    float attn_scale;         /**< softmax scale; 0 = 1/sqrt(head_dim) */
+    int32_t batch_size;       /**< B sequences held by the cache; default 1 */
+    int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
+    int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
+    skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND overrides */
+    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default */
+    void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
+} skv_config;
+
+/** Defaults for a Llama-3-8B shape (see field docs). */
+SKV_API skv_config skv_config_default(void);
+
+/**
+ * Checks every field of *cfg. Returns SKV_OK, SKV_ERR_NULL_POINTER,
+ * SKV_ERR_INVALID_CONFIG (message names the field and value) or
+ * SKV_ERR_SIZE_OVERFLOW (a buffer size would overflow).
+ */
+SKV_API skv_status skv_config_validate(const skv_config *cfg);
+
+/**
+ * Bytes a cache created from *cfg will hold, before anything is created.
+ * device_bytes: the device-resident part (factors, landmarks, outliers,
+ * local window, generated tokens, RoPE tables, decode workspace);
+ * host_bytes: the value store. With ref/cpu both live in host memory; the
+ * split is what a cuda cache would place on each side.
+ * Either output pointer may be NULL. Fails like skv_config_validate.
+ */
+SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes);
+
+/* ------------------------------------------------------------------------ */
+/* Cache                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/** Opaque cache handle. */
+typedef struct skv_cache skv_cache;
+
+/**
+ * Creates a cache and allocates all of its memory (see skv_cache_memory).
+ * The backend is cfg->backend unless the environment variable SKV_BACKEND
+ * (ref|cpu|cuda|auto) is set. auto picks cuda when usable, else cpu.
+ * Returns SKV_OK and *out, or an error with *out set to NULL:
+ * SKV_ERR_INVALID_CONFIG, SKV_ERR_SIZE_OVERFLOW, SKV_ERR_NO_DEVICE,
+ * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NULL_POINTER.
+ */
+SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out);
+
+/** Frees a cache. NULL is accepted and ignored. */
+SKV_API void skv_cache_free(skv_cache *cache);
+
+/** The backend the cache runs on (never SKV_BACKEND_AUTO). */
+SKV_API skv_backend skv_cache_backend(const skv_cache *cache);
+
+/** The cache's configuration, as validated (backend resolved). */
+SKV_API const skv_config *skv_cache_config(const skv_cache *cache);
+
+/** Message of the last failing call on this cache, or "". */
+SKV_API const char *skv_cache_last_error(const skv_cache *cache);
+
+/**
+ * Prefill of one layer of one sequence with a prompt of n tokens at
+ * positions 0..n-1.
+ *  k_pre  [n, Hk, D]  pre-RoPE keys (required)
+ *  v      [n, Hk, D]  values (required)
+ *  k_post [n, Hk, D]  post-RoPE keys, or NULL to let the library apply RoPE
+ * Builds the rank-r factorization of k_pre viewed as [n, Hk*D], the bf16
+ * landmarks, the outlier chunks, the local window (kept exact) and moves the
+ * candidate chunks' values to the host store.
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT (layer/seq out of
+ * range), SKV_ERR_PROMPT_TOO_SHORT (floor(n/c) - Lc < O + S),
+ * SKV_ERR_PROMPT_TOO_LONG, SKV_ERR_ALREADY_PREFILLED, SKV_ERR_NONFINITE,
+ * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NUMERICAL. On error nothing is stored.
+ */
+SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int64_t n,
+                       const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post);
+
+/**
+ * One decode step of one layer for the whole batch (all B sequences).
+ *  q   [B, Hq, D]  post-RoPE queries of the new token
+ *  k   [B, Hk, D]  post-RoPE key of the new token (the caller ropes it at
+ *                  position n_b + generated tokens so far)
+ *  v   [B, Hk, D]  value of the new token
+ *  out [B, Hq, D]  float attention output
+ * Appends k, v to each sequence's generated region of this layer, selects S
+ * chunks per KV head, rebuilds their keys, fetches their values and attends
+ * over outliers, local window, selected and generated tokens.
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NOT_PREFILLED,
+ * SKV_ERR_CAPACITY, SKV_ERR_NONFINITE. On error nothing is appended and the
+ * previous selection is kept.
+ */
+SKV_API skv_status skv_decode(skv_cache *cache, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                      const skv_bf16 *v, float *out);
+
+/* ------------------------------------------------------------------------ */
+/* Introspection (read-only, host outputs)                                  */
+/* ------------------------------------------------------------------------ */
+
+/** Shape of one (layer, sequence) of a cache. */
+typedef struct skv_seq_info {
+    int32_t prefilled;    /**< 1 once prefilled */
+    int64_t n;            /**< prompt length */
+    int32_t n_chunks;     /**< N = floor(n/c) - Lc context chunks */
+    int32_t n_candidates; /**< N - O */
+    int32_t n_outliers;   /**< O */
+    int32_t n_selected;   /**< S = budget / c */
+    int32_t n_local;      /**< local-window tokens: n - N*c */
+    int32_t n_generated;  /**< generated tokens appended so far */
+    int32_t has_selection;/**< 1 once a decode step ran */
+} skv_seq_info;
+
+/** Fills *info for (layer, seq). Errors: NULL pointer, out-of-range index. */
+SKV_API skv_status skv_cache_seq_info(const skv_cache *cache, int32_t layer, int32_t seq,
+                              skv_seq_info *info);
+
+/**
+ * Chunk ids selected at the last decode step for (layer, seq, kv_head), in
+ * increasing order, into ids[0..S). SKV_ERR_NO_SELECTION before the first step,
+ * SKV_ERR_NOT_PREFILLED before prefill.
+ */
+SKV_API skv_status skv_cache_selected(const skv_cache *cache, int32_t layer, int32_t seq,
+                              int32_t kv_head, int32_t *ids);
+
+/** Outlier chunk ids of (layer, seq, kv_head), increasing, into ids[0..O). */
+SKV_API skv_status skv_cache_outliers(const skv_cache *cache, int32_t layer, int32_t seq,
+                              int32_t kv_head, int32_t *ids);
+
+/** Candidate chunk ids of (layer, seq, kv_head), increasing, into ids[0..N-O). */
+SKV_API skv_status skv_cache_candidates(const skv_cache *cache, int32_t layer, int32_t seq,
+                                int32_t kv_head, int32_t *ids);
+
+/** bf16 landmarks of the candidates of (layer, seq, kv_head), [N-O, D]. */
+SKV_API skv_status skv_cache_landmarks(const skv_cache *cache, int32_t layer, int32_t seq,
+                               int32_t kv_head, skv_bf16 *landmarks);
+
+/** Cumulative wall time per phase, in milliseconds, since create or reset. */
+typedef struct skv_stats {
+    double prefill_factorize_ms;
+    double prefill_rope_ms;
+    double prefill_landmarks_ms; /**< landmarks and outliers */
+    double prefill_offload_ms;   /**< outlier/local copies and value offload */
+    double decode_select_ms;     /**< append, score, softmax, top-k */
+    double decode_rebuild_ms;
+    double decode_fetch_ms;
+    double decode_attention_ms;
+    int64_t n_prefill_calls;
+    int64_t n_decode_calls;
+} skv_stats;
+
+/** Copies the cache's phase timings into *stats. */
+SKV_API skv_status skv_cache_stats(const skv_cache *cache, skv_stats *stats);
+
+/** Zeroes the cache's phase timings. */
+SKV_API skv_status skv_cache_stats_reset(skv_cache *cache);
+
+/* ------------------------------------------------------------------------ */
+/* Op-level API: one function per dispatch slot, explicit backend.          */
+/* Kernel developers run SKV_BACKEND_REF on the same inputs as their kernel.*/
+/* SKV_BACKEND_AUTO resolves as in skv_cache_create (env SKV_BACKEND is not */
+/* consulted here). Outputs are fully written on SKV_OK and untouched on an */
+/* argument error.                                                          */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Number of floats in each of the cos and sin tables for n_positions
+ * positions: n_positions * R/2, R the rotary dim. 0 on invalid input.
+ */
+SKV_API size_t skv_rope_table_len(const skv_rope_config *rope, int32_t head_dim, int64_t n_positions);
+
+/**
+ * Builds RoPE tables on the host, in double rounded to float:
+ * cos_tab[p*R/2 + i] = cos(p * f_i), sin_tab likewise, for p < n_positions,
+ * f_i = theta^(-2i/R) (Llama-3 scaled if enabled). Every backend uses these.
+ */
+SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t head_dim, int64_t n_positions,
+                                float *cos_tab, float *sin_tab);
+
+/**
+ * Rank-r factorization of a [n, d] (bf16): U [n, r] and W [r, d] (float) with
+ * U W close to the best rank-r approximation (DESIGN.md section 6). Compare
+ * backends on the product U W only. Requires 1 <= r <= min(n, d).
+ * Errors: SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE, SKV_ERR_NUMERICAL,
+ * SKV_ERR_OUT_OF_MEMORY.
+ */
+SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
+                            const skv_bf16 *a, float *u, float *w);
+
+/**
+ * RoPE of n_tokens tokens at positions pos0..pos0+n_tokens-1:
+ * in/out [n_tokens, n_heads, head_dim] bf16 (rotated in float, rounded once).
+ * Tables from skv_rope_table_build with at least pos0 + n_tokens positions.
+ * in == out is allowed.
+ */
+SKV_API skv_status skv_op_rope(skv_backend backend, const skv_rope_config *rope, int32_t head_dim,
+                       int64_t n_tokens, int32_t n_heads, int64_t pos0, const float *cos_tab,
+                       const float *sin_tab, const skv_bf16 *in, skv_bf16 *out);
+
+/**
+ * Landmarks and outliers of N context chunks of c tokens.
+ *  k_post        [N*c, Hk, D]  post-RoPE keys (token-major, as prefill gets them)
+ *  outlier_ids   [Hk, O]       the O lowest-scoring chunks per head, increasing
+ *  candidate_ids [Hk, N-O]     the others, increasing
+ *  landmarks     [Hk, N-O, D]  bf16 landmarks of the candidates, in candidate order
+ * Requires 0 <= O < N.
+ */
+SKV_API skv_status skv_op_landmarks_outliers(skv_backend backend, int32_t n_chunks, int32_t chunk,
+                                     int32_t n_kv_heads, int32_t head_dim, int32_t n_outliers,
+                                     const skv_bf16 *k_post, int32_t *outlier_ids,
+                                     int32_t *candidate_ids, skv_bf16 *landmarks);
+
+/**
+ * Scores candidates against one token's queries and selects S per KV head.
+ *  q             [Hq, D]          post-RoPE queries
+ *  landmarks     [Hk, n_cand, D]  bf16
+ *  candidate_ids [Hk, n_cand]     chunk ids, or NULL
+ *  sel_idx       [Hk, S]          selected candidate indices, increasing
+ *  sel_ids       [Hk, S]          candidate_ids[sel_idx], or NULL (needs candidate_ids)
+ *  amax          [Hk, n_cand]     max over the group of softmax probabilities, or NULL
+ * Requires 1 <= S <= n_cand. scale as config.attn_scale (0 = 1/sqrt(D)).
+ */
+SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                               int32_t head_dim, int32_t n_cand, int32_t n_select, float scale,
+                               const skv_bf16 *q, const skv_bf16 *landmarks,
+                               const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
+                               float *amax);
+
+/**
+ * Rebuilds post-RoPE keys of selected chunks from the factorization.
+ *  u        [n, r] bf16, w [r, Hk*D] bf16 (n >= (max chunk id + 1) * c)
+ *  chunk_ids[Hk, S]            chunk id j: tokens j*c .. j*c+c-1 at those positions
+ *  k_out    [Hk, S*c, D] bf16  k = RoPE(U[t] W_h), float accumulate, rounded once
+ */
+SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_config *rope,
+                               int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk,
+                               int32_t n_select, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                               const int32_t *chunk_ids, const float *cos_tab,
+                               const float *sin_tab, skv_bf16 *k_out);
+
+/**
+ * Gathers value chunks from a store.
+ *  store [Hk, n_store, c, D] bf16, idx [Hk, S] (0 <= idx < n_store),
+ *  v_out [Hk, S*c, D].
+ */
+SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads, int32_t head_dim,
+                                int32_t chunk, int32_t n_store, int32_t n_select,
+                                const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+
+/** A span of keys/values for skv_op_sparse_attention. */
+typedef struct skv_kv_span {
+    const skv_bf16 *k;     /**< key of (token t, head h) at k[h*head_stride + t*token_stride] */
+    const skv_bf16 *v;     /**< value, same layout */
+    int64_t n_tokens;      /**< may be 0 (then k, v may be NULL) */
+    int64_t head_stride;   /**< elements between KV heads */
+    int64_t token_stride;  /**< elements between tokens */
+} skv_kv_span;
+
+/** Most spans one attention call takes. */
+#define SKV_MAX_SPANS 16
+
+/**
+ * Attention of one token's queries q [Hq, D] over the union of spans
+ * (float accumulation, stable softmax), GQA: query head i uses KV head
+ * i / (Hq/Hk). out [Hq, D] float. At least one token in total.
+ */
+SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                   int32_t head_dim, float scale, const skv_bf16 *q,
+                                   int32_t n_spans, const skv_kv_span *spans, float *out);
+
+/**
+ * Dense attention of q [Hq, D] over n_tokens keys/values [n_tokens, Hk, D]
+ * (the prompt layout). out [Hq, D] float. The baseline sparse decode is
+ * compared against.
+ */
+SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                 int32_t head_dim, float scale, const skv_bf16 *q,
+                                 int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v,
+                                 float *out);
+
+/** float -> bf16, round to nearest even (NaN stays NaN). */
+SKV_API skv_bf16 skv_bf16_from_float(float x);
+
+/** bf16 -> float (exact). */
+SKV_API float skv_bf16_to_float(skv_bf16 x);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SHADOWKV_H */

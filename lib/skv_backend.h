@@ -1,0 +1,92 @@
+/*
+ * skv_backend.h - THE dispatch table (private to the library).
+ *
+ * Every backend fills one `struct skv_backend_ops`. ref fills every slot;
+ * other backends start from ref's table (skv_ref_ops) and override the slots
+ * they implement. A NULL slot is reported as SKV_ERR_UNSUPPORTED by lib/,
+ * never called. Arguments reaching a slot have been validated by lib/
+ * (shapes, ranges, NULLs, finiteness), so slots only compute.
+ */
+#ifndef SKV_BACKEND_H
+#define SKV_BACKEND_H
+
+#include "shadowkv.h"
+
+/* Where a buffer lives. */
+typedef enum skv_mem_kind {
+    SKV_MEM_DEVICE = 0, /* device-resident part of the cache (host memory for ref/cpu) */
+    SKV_MEM_HOST = 1    /* host value store (pinned for cuda) */
+} skv_mem_kind;
+
+struct skv_backend_ops {
+    const char *name;
+
+    /* --- infrastructure ---------------------------------------------------- */
+    /* SKV_OK if usable; otherwise SKV_ERR_NO_DEVICE and a message in msg. */
+    skv_status (*probe)(char *msg, size_t cap);
+    /* Zero-initialized allocation; NULL on failure. free accepts NULL. */
+    void *(*mem_alloc)(size_t bytes, skv_mem_kind kind);
+    void (*mem_free)(void *p, skv_mem_kind kind);
+    /* 2D copy (cudaMemcpy2D semantics): height rows of width bytes. Either side
+       may be host or backend memory. */
+    skv_status (*copy2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                         size_t height);
+    /* SKV_OK if all n bf16 values are finite, SKV_ERR_NONFINITE and the index of
+       the first non-finite one in *first_bad otherwise. */
+    skv_status (*check_finite)(const skv_bf16 *x, int64_t n, int64_t *first_bad);
+    /* Thread count hint from config.n_threads (0 = default). Optional. */
+    void (*set_threads)(int32_t n_threads);
+
+    /* --- ops (one public skv_op_* per slot; see shadowkv.h) ----------------- */
+    skv_status (*factorize)(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
+    skv_status (*rope)(const skv_rope_config *rope, int32_t head_dim, int64_t n_tokens,
+                       int32_t n_heads, int64_t pos0, const float *cos_tab, const float *sin_tab,
+                       const skv_bf16 *in, skv_bf16 *out);
+    skv_status (*landmarks_outliers)(int32_t n_chunks, int32_t chunk, int32_t n_kv_heads,
+                                     int32_t head_dim, int32_t n_outliers, const skv_bf16 *k_post,
+                                     int32_t *outlier_ids, int32_t *candidate_ids,
+                                     skv_bf16 *landmarks);
+    skv_status (*score_select)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                               int32_t n_cand, int32_t n_select, float scale, const skv_bf16 *q,
+                               const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                               int32_t *sel_idx, int32_t *sel_ids, float *amax);
+    skv_status (*rebuild_keys)(const skv_rope_config *rope, int32_t head_dim, int32_t n_kv_heads,
+                               int32_t rank, int32_t chunk, int32_t n_select, int64_t n,
+                               const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                               const float *cos_tab, const float *sin_tab, skv_bf16 *k_out);
+    skv_status (*gather_values)(int32_t n_kv_heads, int32_t head_dim, int32_t chunk,
+                                int32_t n_store, int32_t n_select, const skv_bf16 *store,
+                                const int32_t *idx, skv_bf16 *v_out);
+    skv_status (*sparse_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                                   float scale, const skv_bf16 *q, int32_t n_spans,
+                                   const skv_kv_span *spans, float *out);
+    skv_status (*full_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                                 float scale, const skv_bf16 *q, int64_t n_tokens,
+                                 const skv_bf16 *k, const skv_bf16 *v, float *out);
+};
+
+/* The registered tables. */
+extern const struct skv_backend_ops skv_ref_ops;
+/* Fills *ops from ref's table, then overrides with cpu slots. */
+void skv_cpu_fill_ops(struct skv_backend_ops *ops);
+/* Fills the cuda table (may leave slots NULL until implemented). */
+void skv_cuda_fill_ops(struct skv_backend_ops *ops);
+
+/* Registry: the table of a resolved backend (REF/CPU/CUDA), or NULL. */
+const struct skv_backend_ops *skv_backend_ops_get(skv_backend backend);
+
+/* Shared helpers for backends (host code, lib/skv_util.c). */
+
+/*
+ * Top-k by key, descending, ties by lower index first; writes the k winning
+ * indices in increasing index order into out. keys[0..n) are ordering keys
+ * (see skv_select_key / skv_outlier_key). If ascending != 0 the k smallest
+ * keys win instead. scratch: n int32 of workspace.
+ */
+void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, int32_t *scratch,
+                      int32_t *out);
+
+/* Monotonic wall clock in milliseconds. */
+double skv_now_ms(void);
+
+#endif /* SKV_BACKEND_H */

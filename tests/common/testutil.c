@@ -1,0 +1,113 @@
+#include "testutil.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <time.h>
+
+skvt_counts skvt_counts_g;
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void skvt_rng_seed(skvt_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t skvt_rng_u64(skvt_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+double skvt_rng_uniform(skvt_rng *r) { return (double)(skvt_rng_u64(r) >> 11) * 0x1.0p-53; }
+
+double skvt_rng_normal(skvt_rng *r)
+{
+    double u1 = skvt_rng_uniform(r), u2 = skvt_rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+int64_t skvt_rng_range(skvt_rng *r, int64_t lo, int64_t hi)
+{
+    if (hi <= lo) return lo;
+    return lo + (int64_t)(skvt_rng_u64(r) % (uint64_t)(hi - lo + 1));
+}
+
+uint64_t skvt_base_seed(const char *test_name)
+{
+    const char *e = getenv("SKV_SEED");
+    uint64_t seed;
+    if (e && *e) {
+        seed = strtoull(e, NULL, 10);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        seed = ((uint64_t)ts.tv_sec * 1000003ull) ^ (uint64_t)ts.tv_nsec;
+        seed %= 1000000000000ull;
+    }
+    printf("%s: seed %llu (replay with SKV_SEED=%llu)\n", test_name, (unsigned long long)seed,
+           (unsigned long long)seed);
+    fflush(stdout);
+    return seed;
+}
+
+int skvt_check_(int cond, const char *file, int line, const char *fmt, ...)
+{
+    if (cond) {
+        skvt_counts_g.passed++;
+        return 1;
+    }
+    skvt_counts_g.failed++;
+    va_list ap;
+    va_start(ap, fmt);
+    printf("FAIL %s:%d: ", file, line);
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    fflush(stdout);
+    return 0;
+}
+
+void skvt_skip(const char *why)
+{
+    skvt_counts_g.skipped++;
+    printf("SKIP: %s\n", why);
+}
+
+int skvt_finish(void)
+{
+    if (skvt_counts_g.skipped)
+        printf("%ld passed, %ld failed, %ld skipped\n", skvt_counts_g.passed, skvt_counts_g.failed,
+               skvt_counts_g.skipped);
+    else
+        printf("%ld passed, %ld failed\n", skvt_counts_g.passed, skvt_counts_g.failed);
+    fflush(stdout);
+    return skvt_counts_g.failed ? 1 : 0;
+}
+
+void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale)
+{
+    for (size_t i = 0; i < n; i++) x[i] = skv_bf16_from_float((float)(scale * skvt_rng_normal(r)));
+}
+
+void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n)
+{
+    for (size_t i = 0; i < n; i++) y[i] = (double)skv_bf16_to_float(x[i]);
+}

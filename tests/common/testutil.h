@@ -1,0 +1,49 @@
+/*
+ * testutil.h - shared by tests, demo and bench: seeded RNG, pass/fail
+ * counting and the closing line "N passed, N failed[, N skipped]".
+ */
+#ifndef SKV_TESTUTIL_H
+#define SKV_TESTUTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include "shadowkv.h"
+
+/* xoshiro256** seeded by splitmix64. */
+typedef struct skvt_rng { uint64_t s[4]; } skvt_rng;
+void skvt_rng_seed(skvt_rng *r, uint64_t seed);
+uint64_t skvt_rng_u64(skvt_rng *r);
+double skvt_rng_uniform(skvt_rng *r);          /* [0, 1) */
+double skvt_rng_normal(skvt_rng *r);           /* N(0, 1) */
+int64_t skvt_rng_range(skvt_rng *r, int64_t lo, int64_t hi); /* [lo, hi] */
+
+/*
+ * The run's base seed: $SKV_SEED if set, else from the clock. Printed once
+ * ("seed: N (replay with SKV_SEED=N)") on stdout.
+ */
+uint64_t skvt_base_seed(const char *test_name);
+
+/* Counters and the closing line. */
+typedef struct skvt_counts { long passed, failed, skipped; } skvt_counts;
+extern skvt_counts skvt_counts_g;
+
+/* Records one check; prints "FAIL: ..." with file:line on failure. Returns cond. */
+int skvt_check_(int cond, const char *file, int line, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+#define SKVT_CHECK(cond, ...) skvt_check_(!!(cond), __FILE__, __LINE__, __VA_ARGS__)
+/* Status equality check with both names printed. */
+#define SKVT_CHECK_STATUS(got, want, what) \
+    SKVT_CHECK((got) == (want), "%s: got %s, want %s", (what), skv_status_string(got), skv_status_string(want))
+void skvt_skip(const char *why);
+
+/* Prints "N passed, N failed[, N skipped]" and returns the exit code (0 iff no failure). */
+int skvt_finish(void);
+
+/* Helpers on bf16 buffers. */
+void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale);
+void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n);
+
+#endif
