@@ -1,0 +1,472 @@
+/*
+ * The cache: create/free, prefill, decode, introspection.
+ *
+ * All memory is allocated at create (two arenas: device-resident part and host
+ * value store, laid out by skv_layout_compute). Prefill allocates scratch for
+ * the factorization; decode allocates nothing. Every call checks all of its
+ * arguments and the cache state before it changes anything, and publishes its
+ * results last, so a failing call leaves the cache as it was.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "skv_internal.h"
+#include "skv_numerics.h"
+
+/* Host-side bookkeeping of one (layer, sequence). */
+typedef struct skv_slot {
+    int32_t prefilled;
+    int32_t has_selection;
+    int64_t n;
+    int32_t n_chunks, n_cand, n_local, n_gen;
+} skv_slot;
+
+struct skv_cache {
+    skv_config cfg; /* validated, backend resolved */
+    skv_layout lay;
+    const struct skv_backend_ops *ops;
+    char *dev;      /* device arena */
+    char *host;     /* host arena (value store) */
+    skv_slot *slots;/* [n_layers * batch_size] */
+    skv_stats stats;
+    char err[SKV_ERRMSG_CAP];
+};
+
+#define SLOT_INDEX(c, l, b) ((size_t)(l) * (size_t)(c)->cfg.batch_size + (size_t)(b))
+/* Typed pointer to a per-slot region of the device arena. */
+#define DEV(c, l, b, field, type) \
+    ((type *)((c)->dev + SLOT_INDEX(c, l, b) * (c)->lay.slot_device + (c)->lay.field))
+#define HOST(c, l, b, field, type) \
+    ((type *)((c)->host + SLOT_INDEX(c, l, b) * (c)->lay.slot_host + (c)->lay.field))
+#define SHARED(c, field, type) ((type *)((c)->dev + (c)->lay.field))
+
+static const size_t B2 = sizeof(skv_bf16);
+
+SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
+{
+    if (out) *out = NULL;
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_create: cfg is NULL");
+    if (!out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_create: out is NULL");
+    skv_config c = *cfg;
+    const char *env = getenv("SKV_BACKEND");
+    if (env && *env && skv_backend_parse(env, &c.backend) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_INVALID_CONFIG,
+                        "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
+    skv_layout lay;
+    skv_status st = skv_layout_compute(NULL, &c, &lay);
+    if (st) return st;
+    const struct skv_backend_ops *ops;
+    st = skv_backend_resolve(NULL, c.backend, &c.backend, &ops);
+    if (st) return st;
+
+    skv_cache *k = calloc(1, sizeof *k);
+    if (!k) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of host memory");
+    k->cfg = c;
+    k->lay = lay;
+    k->ops = ops;
+    size_t n_slots = (size_t)c.n_layers * (size_t)c.batch_size;
+    k->slots = calloc(n_slots, sizeof *k->slots);
+    k->dev = ops->mem_alloc(lay.device_total, SKV_MEM_DEVICE);
+    k->host = ops->mem_alloc(lay.host_total, SKV_MEM_HOST);
+    size_t tab = skv_rope_table_len(&c.rope, c.head_dim, lay.n_positions);
+    float *cs = malloc(tab * sizeof *cs), *sn = malloc(tab * sizeof *sn);
+    if (!k->slots || !k->dev || !k->host || !cs || !sn) {
+        free(cs);
+        free(sn);
+        skv_cache_free(k);
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY,
+                        "skv_cache_create: out of memory (device arena %zu bytes, host arena %zu bytes)",
+                        lay.device_total, lay.host_total);
+    }
+    skv_rope_table_build(&c.rope, c.head_dim, lay.n_positions, cs, sn);
+    st = ops->copy2d(SHARED(k, rope_cos, void), 0, cs, 0, tab * sizeof *cs, 1);
+    if (!st) st = ops->copy2d(SHARED(k, rope_sin, void), 0, sn, 0, tab * sizeof *sn, 1);
+    free(cs);
+    free(sn);
+    if (st) {
+        skv_cache_free(k);
+        return skv_fail(NULL, st, "skv_cache_create: copying the RoPE tables failed");
+    }
+    if (ops->set_threads) ops->set_threads(c.n_threads);
+    *out = k;
+    return SKV_OK;
+}
+
+SKV_API void skv_cache_free(skv_cache *cache)
+{
+    if (!cache) return;
+    if (cache->ops) {
+        cache->ops->mem_free(cache->dev, SKV_MEM_DEVICE);
+        cache->ops->mem_free(cache->host, SKV_MEM_HOST);
+    }
+    free(cache->slots);
+    free(cache);
+}
+
+SKV_API skv_backend skv_cache_backend(const skv_cache *cache)
+{
+    return cache ? cache->cfg.backend : SKV_BACKEND_AUTO;
+}
+
+SKV_API const skv_config *skv_cache_config(const skv_cache *cache) { return cache ? &cache->cfg : NULL; }
+
+SKV_API const char *skv_cache_last_error(const skv_cache *cache) { return cache ? cache->err : ""; }
+
+/* ---- shared checks ----------------------------------------------------------------- */
+
+static skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, int32_t seq)
+{
+    if (layer < 0 || layer >= c->cfg.n_layers)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: layer = %d, must be in [0, %d)", fn, layer,
+                        c->cfg.n_layers);
+    if (seq < 0 || seq >= c->cfg.batch_size)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: seq = %d, must be in [0, %d)", fn, seq,
+                        c->cfg.batch_size);
+    return SKV_OK;
+}
+
+/* NaN/Inf check of a [tokens, heads, D] tensor; the message names the element. */
+static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *what, const skv_bf16 *x,
+                                   int64_t tokens, int32_t heads)
+{
+    int64_t bad = -1, D = c->cfg.head_dim;
+    if (c->ops->check_finite(x, tokens * heads * D, &bad) == SKV_OK) return SKV_OK;
+    return skv_fail(c->err, SKV_ERR_NONFINITE, "%s: %s[%lld][%lld][%lld] is NaN or Inf", fn, what,
+                    (long long)(bad / (heads * D)), (long long)(bad / D % heads), (long long)(bad % D));
+}
+
+static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what, skv_status st)
+{
+    return skv_fail(c->err, st, "%s: %s failed on backend %s: %s", fn, what, c->ops->name,
+                    skv_status_string(st));
+}
+
+/* ---- prefill -------------------------------------------------------------------------- */
+
+SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
+                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    static const char fn[] = "skv_prefill";
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!k_pre) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: k_pre is NULL", fn);
+    if (!v) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: v is NULL", fn);
+    skv_status st = skv_check_index(c, fn, layer, seq);
+    if (st) return st;
+    const skv_config *g = &c->cfg;
+    const struct skv_backend_ops *ops = c->ops;
+    skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
+    if (sl->prefilled)
+        return skv_fail(c->err, SKV_ERR_ALREADY_PREFILLED, "%s: layer %d of sequence %d is already prefilled",
+                        fn, layer, seq);
+    if (n > g->max_prompt_len)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_LONG, "%s: n = %lld > max_prompt_len = %lld", fn,
+                        (long long)n, (long long)g->max_prompt_len);
+    const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
+    const int32_t S = c->lay.S, r = g->rank;
+    int64_t N = n / cs - g->n_local_chunks;
+    if (n < 1 || N < (int64_t)O + S)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                        "%s: n = %lld gives N = floor(n/c) - Lc = %lld context chunks, need O + S = %d "
+                        "(at least %lld tokens)",
+                        fn, (long long)n, (long long)N, O + S, (long long)(O + S + g->n_local_chunks) * cs);
+    if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
+    if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
+    if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
+
+    const int32_t n_cand = (int32_t)N - O, n_local = (int32_t)(n - N * cs);
+    const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
+    skv_bf16 *kp_tmp = NULL;
+    float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
+    float *wf = ops->mem_alloc((size_t)r * HkD * sizeof(float), SKV_MEM_DEVICE);
+    int32_t *ids = malloc(((size_t)Hk * O + (size_t)Hk * n_cand) * sizeof *ids);
+    if (!k_post) kp_tmp = ops->mem_alloc((size_t)n * HkD * B2, SKV_MEM_DEVICE);
+    if (!uf || !wf || !ids || (!k_post && !kp_tmp)) {
+        st = skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for prefill scratch (n = %lld)", fn,
+                      (long long)n);
+        goto done;
+    }
+    double t0 = skv_now_ms(), t1, t2, t3, t4;
+    /* 1. RoPE (unless the caller gave post-RoPE keys) */
+    if (!k_post) {
+        st = ops->rope(&g->rope, D, n, Hk, 0, SHARED(c, rope_cos, float), SHARED(c, rope_sin, float), k_pre,
+                       kp_tmp);
+        if (st) {
+            st = skv_slot_failed(c, fn, "rope", st);
+            goto done;
+        }
+        k_post = kp_tmp;
+    }
+    t1 = skv_now_ms();
+    /* 2. factorization of k_pre as [n, Hk*D], stored in bf16 */
+    st = ops->factorize(n, (int32_t)HkD, r, k_pre, uf, wf);
+    if (st) {
+        st = skv_slot_failed(c, fn, "factorize", st);
+        goto done;
+    }
+    {
+        skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
+        for (size_t i = 0; i < (size_t)n * r; i++) u[i] = skv_f32_to_bf16(uf[i]);
+        for (size_t i = 0; i < (size_t)r * HkD; i++) w[i] = skv_f32_to_bf16(wf[i]);
+    }
+    t2 = skv_now_ms();
+    /* 3. landmarks, outliers, candidates */
+    int32_t *out_ids = DEV(c, layer, seq, out_ids, int32_t), *cand_ids = DEV(c, layer, seq, cand_ids, int32_t);
+    st = ops->landmarks_outliers((int32_t)N, cs, Hk, D, O, k_post, out_ids, cand_ids,
+                                 DEV(c, layer, seq, landmarks, skv_bf16));
+    if (st) {
+        st = skv_slot_failed(c, fn, "landmarks_outliers", st);
+        goto done;
+    }
+    t3 = skv_now_ms();
+    /* 4. exact outliers and local window stay; candidate values go to the host store */
+    int32_t *h_out = ids, *h_cand = ids + (size_t)Hk * O;
+    if (O) st = ops->copy2d(h_out, 0, out_ids, 0, (size_t)Hk * O * sizeof *ids, 1);
+    if (!st) st = ops->copy2d(h_cand, 0, cand_ids, 0, (size_t)Hk * n_cand * sizeof *ids, 1);
+    skv_bf16 *ok_ = DEV(c, layer, seq, out_k, skv_bf16), *ov = DEV(c, layer, seq, out_v, skv_bf16);
+    skv_bf16 *lk = DEV(c, layer, seq, loc_k, skv_bf16), *lv = DEV(c, layer, seq, loc_v, skv_bf16);
+    skv_bf16 *vs = HOST(c, layer, seq, vstore, skv_bf16);
+    for (int32_t h = 0; h < Hk && !st; h++) {
+        for (int32_t o = 0; o < O && !st; o++) {
+            size_t src = ((size_t)h_out[(size_t)h * O + o] * cs * Hk + h) * D;
+            size_t dst = ((size_t)h * O + o) * cs * D;
+            st = ops->copy2d(ok_ + dst, row, k_post + src, tok, row, (size_t)cs);
+            if (!st) st = ops->copy2d(ov + dst, row, v + src, tok, row, (size_t)cs);
+        }
+        size_t lsrc = ((size_t)N * cs * Hk + h) * D, ldst = (size_t)h * n_local * D;
+        if (!st && n_local) st = ops->copy2d(lk + ldst, row, k_post + lsrc, tok, row, (size_t)n_local);
+        if (!st && n_local) st = ops->copy2d(lv + ldst, row, v + lsrc, tok, row, (size_t)n_local);
+        for (int32_t m = 0; m < n_cand && !st; m++) {
+            size_t src = ((size_t)h_cand[(size_t)h * n_cand + m] * cs * Hk + h) * D;
+            st = ops->copy2d(vs + ((size_t)h * n_cand + m) * cs * D, row, v + src, tok, row, (size_t)cs);
+        }
+    }
+    if (st) {
+        st = skv_slot_failed(c, fn, "offload copy", st);
+        goto done;
+    }
+    t4 = skv_now_ms();
+    /* publish */
+    sl->n = n;
+    sl->n_chunks = (int32_t)N;
+    sl->n_cand = n_cand;
+    sl->n_local = n_local;
+    sl->n_gen = 0;
+    sl->has_selection = 0;
+    sl->prefilled = 1;
+    c->stats.prefill_rope_ms += t1 - t0;
+    c->stats.prefill_factorize_ms += t2 - t1;
+    c->stats.prefill_landmarks_ms += t3 - t2;
+    c->stats.prefill_offload_ms += t4 - t3;
+    c->stats.n_prefill_calls++;
+done:
+    ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
+    ops->mem_free(uf, SKV_MEM_DEVICE);
+    ops->mem_free(wf, SKV_MEM_DEVICE);
+    free(ids);
+    return st;
+}
+
+/* ---- decode ---------------------------------------------------------------------------- */
+
+SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                              const skv_bf16 *v, float *out)
+{
+    static const char fn[] = "skv_decode";
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!q || !k || !v || !out)
+        return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: %s is NULL", fn,
+                        !q ? "q" : !k ? "k" : !v ? "v" : "out");
+    skv_status st = skv_check_index(c, fn, layer, 0);
+    if (st) return st;
+    const skv_config *g = &c->cfg;
+    const struct skv_backend_ops *ops = c->ops;
+    const int32_t B = g->batch_size, Hq = g->n_q_heads, Hk = g->n_kv_heads, D = g->head_dim;
+    const int32_t cs = g->chunk_size, S = c->lay.S, O = g->n_outlier_chunks, cap = g->gen_capacity;
+    for (int32_t b = 0; b < B; b++)
+        for (int32_t l = 0; l < g->n_layers; l++)
+            if (!c->slots[SLOT_INDEX(c, l, b)].prefilled)
+                return skv_fail(c->err, SKV_ERR_NOT_PREFILLED,
+                                "%s: layer %d of sequence %d is not prefilled (every layer of every "
+                                "sequence must be prefilled before decode)",
+                                fn, l, b);
+    for (int32_t b = 0; b < B; b++)
+        if (c->slots[SLOT_INDEX(c, layer, b)].n_gen >= cap)
+            return skv_fail(c->err, SKV_ERR_CAPACITY,
+                            "%s: sequence %d, layer %d already holds gen_capacity = %d generated tokens", fn,
+                            b, layer, cap);
+    if ((st = skv_check_tensor(c, fn, "q", q, B, Hq))) return st;
+    if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
+    if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
+
+    const float scale = skv_resolve_scale(g->attn_scale, D);
+    const float *cos_t = SHARED(c, rope_cos, float), *sin_t = SHARED(c, rope_sin, float);
+    skv_bf16 *ks = SHARED(c, ws_k, skv_bf16), *vsel = SHARED(c, ws_v, skv_bf16);
+    double t_sel = 0, t_reb = 0, t_fet = 0, t_att = 0, t;
+    for (int32_t b = 0; b < B; b++) {
+        const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+        int32_t *sidx = SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S;
+        int32_t *sids = SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S;
+        const skv_bf16 *qb = q + (size_t)b * Hq * D;
+        t = skv_now_ms();
+        st = ops->score_select(Hq, Hk, D, sl->n_cand, S, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
+                               DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL);
+        if (st) return skv_slot_failed(c, fn, "score_select", st);
+        t_sel += skv_now_ms() - t;
+        t = skv_now_ms();
+        st = ops->rebuild_keys(&g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16),
+                               DEV(c, layer, b, w, skv_bf16), sids, cos_t, sin_t, ks);
+        if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
+        t_reb += skv_now_ms() - t;
+        t = skv_now_ms();
+        st = ops->gather_values(Hk, D, cs, sl->n_cand, S, HOST(c, layer, b, vstore, skv_bf16), sidx, vsel);
+        if (st) return skv_slot_failed(c, fn, "gather_values", st);
+        t_fet += skv_now_ms() - t;
+        t = skv_now_ms();
+        const int64_t oc = (int64_t)O * cs;
+        skv_kv_span spans[5] = {
+            {DEV(c, layer, b, out_k, skv_bf16), DEV(c, layer, b, out_v, skv_bf16), oc, oc * D, D},
+            {DEV(c, layer, b, loc_k, skv_bf16), DEV(c, layer, b, loc_v, skv_bf16), sl->n_local,
+             (int64_t)sl->n_local * D, D},
+            {ks, vsel, (int64_t)S * cs, (int64_t)S * cs * D, D},
+            {DEV(c, layer, b, gen_k, skv_bf16), DEV(c, layer, b, gen_v, skv_bf16), sl->n_gen,
+             (int64_t)cap * D, D},
+            /* the new token, appended only when the whole step succeeded */
+            {k + (size_t)b * Hk * D, v + (size_t)b * Hk * D, 1, D, D},
+        };
+        st = ops->sparse_attention(Hq, Hk, D, scale, qb, 5, spans, out + (size_t)b * Hq * D);
+        if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
+        t_att += skv_now_ms() - t;
+    }
+    /* publish: append k, v and keep the selection */
+    t = skv_now_ms();
+    for (int32_t b = 0; b < B && !st; b++) {
+        skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+        size_t row = (size_t)D * B2, hs = (size_t)cap * D * B2;
+        st = ops->copy2d(DEV(c, layer, b, gen_k, skv_bf16) + (size_t)sl->n_gen * D, hs, k + (size_t)b * Hk * D,
+                         row, row, (size_t)Hk);
+        if (!st)
+            st = ops->copy2d(DEV(c, layer, b, gen_v, skv_bf16) + (size_t)sl->n_gen * D, hs,
+                             v + (size_t)b * Hk * D, row, row, (size_t)Hk);
+        size_t sel_bytes = (size_t)Hk * S * sizeof(int32_t);
+        if (!st)
+            st = ops->copy2d(DEV(c, layer, b, sel_idx, int32_t), 0,
+                             SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
+        if (!st)
+            st = ops->copy2d(DEV(c, layer, b, sel_ids, int32_t), 0,
+                             SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
+        if (st) return skv_slot_failed(c, fn, "append copy", st);
+        sl->n_gen++;
+        sl->has_selection = 1;
+    }
+    t_sel += skv_now_ms() - t;
+    c->stats.decode_select_ms += t_sel;
+    c->stats.decode_rebuild_ms += t_reb;
+    c->stats.decode_fetch_ms += t_fet;
+    c->stats.decode_attention_ms += t_att;
+    c->stats.n_decode_calls++;
+    return SKV_OK;
+}
+
+/* ---- introspection ----------------------------------------------------------------------- */
+
+static skv_status skv_intro_check(const skv_cache *cc, const char *fn, int32_t layer, int32_t seq,
+                                  int32_t kv_head, const void *dst, const skv_slot **sl)
+{
+    skv_cache *c = (skv_cache *)cc; /* only the error buffer is written */
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!dst) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: output is NULL", fn);
+    skv_status st = skv_check_index(c, fn, layer, seq);
+    if (st) return st;
+    if (kv_head < 0 || kv_head >= c->cfg.n_kv_heads)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: kv_head = %d, must be in [0, %d)", fn, kv_head,
+                        c->cfg.n_kv_heads);
+    *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
+    if (!(*sl)->prefilled)
+        return skv_fail(c->err, SKV_ERR_NOT_PREFILLED, "%s: layer %d of sequence %d is not prefilled", fn,
+                        layer, seq);
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_seq_info(const skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *info)
+{
+    static const char fn[] = "skv_cache_seq_info";
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!info) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "%s: info is NULL", fn);
+    skv_status st = skv_check_index((skv_cache *)c, fn, layer, seq);
+    if (st) return st;
+    const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
+    memset(info, 0, sizeof *info);
+    info->prefilled = sl->prefilled;
+    info->n_outliers = c->cfg.n_outlier_chunks;
+    info->n_selected = c->lay.S;
+    if (!sl->prefilled) return SKV_OK;
+    info->n = sl->n;
+    info->n_chunks = sl->n_chunks;
+    info->n_candidates = sl->n_cand;
+    info->n_local = sl->n_local;
+    info->n_generated = sl->n_gen;
+    info->has_selection = sl->has_selection;
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_selected(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                      int32_t *ids)
+{
+    const skv_slot *sl;
+    skv_status st = skv_intro_check(c, "skv_cache_selected", layer, seq, kv_head, ids, &sl);
+    if (st) return st;
+    if (!sl->has_selection)
+        return skv_fail((char *)c->err, SKV_ERR_NO_SELECTION,
+                        "skv_cache_selected: no decode step has run for layer %d", layer);
+    size_t S = (size_t)c->lay.S;
+    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, sel_ids, int32_t) + (size_t)kv_head * S, 0,
+                          S * sizeof *ids, 1);
+}
+
+SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                      int32_t *ids)
+{
+    const skv_slot *sl;
+    skv_status st = skv_intro_check(c, "skv_cache_outliers", layer, seq, kv_head, ids, &sl);
+    if (st) return st;
+    size_t O = (size_t)c->cfg.n_outlier_chunks;
+    if (!O) return SKV_OK;
+    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, out_ids, int32_t) + (size_t)kv_head * O, 0,
+                          O * sizeof *ids, 1);
+}
+
+SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                        int32_t *ids)
+{
+    const skv_slot *sl;
+    skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, &sl);
+    if (st) return st;
+    size_t m = (size_t)sl->n_cand;
+    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, cand_ids, int32_t) + (size_t)kv_head * m, 0,
+                          m * sizeof *ids, 1);
+}
+
+SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                       skv_bf16 *landmarks)
+{
+    const skv_slot *sl;
+    skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, &sl);
+    if (st) return st;
+    size_t m = (size_t)sl->n_cand * (size_t)c->cfg.head_dim;
+    return c->ops->copy2d(landmarks, 0, DEV(c, layer, seq, landmarks, skv_bf16) + (size_t)kv_head * m, 0,
+                          m * B2, 1);
+}
+
+SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)
+{
+    if (!c || !stats) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: NULL argument");
+    *stats = c->stats;
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
+{
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats_reset: cache is NULL");
+    memset(&c->stats, 0, sizeof c->stats);
+    return SKV_OK;
+}

@@ -1,0 +1,353 @@
+/* Config defaults and validation, the cache memory layout, RoPE tables,
+   the backend registry. */
+#include <pthread.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "skv_internal.h"
+
+SKV_API skv_config skv_config_default(void)
+{
+    skv_config c;
+    memset(&c, 0, sizeof c);
+    c.n_layers = 32;
+    c.n_q_heads = 32;
+    c.n_kv_heads = 8;
+    c.head_dim = 128;
+    c.rank = 160;
+    c.chunk_size = 8;
+    c.budget = 2048;
+    c.n_outlier_chunks = 48;
+    c.n_local_chunks = 4;
+    c.rope.theta = 500000.0f;
+    c.rope.rotary_dim = 0;
+    c.rope.interleaved = 0;
+    c.rope.llama3_scaling = 0;
+    c.rope.scaling_factor = 8.0f;
+    c.rope.low_freq_factor = 1.0f;
+    c.rope.high_freq_factor = 4.0f;
+    c.rope.original_max_position = 8192;
+    c.attn_scale = 0.0f;
+    c.batch_size = 1;
+    c.max_prompt_len = 32768;
+    c.gen_capacity = 1024;
+    c.backend = SKV_BACKEND_AUTO;
+    c.n_threads = 0;
+    c.cuda_stream = NULL;
+    return c;
+}
+
+/* Largest head_dim / chunk etc. accepted: keeps every index within int32 and
+   per-row scratch small. */
+#define SKV_MAX_HEAD_DIM 1024
+#define SKV_MAX_PROMPT ((int64_t)1 << 30)
+
+skv_status skv_rope_validate(char *errbuf, const skv_rope_config *rope, int32_t head_dim)
+{
+    if (!(rope->theta > 1.0f) || !isfinite(rope->theta))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "rope.theta = %g: must be finite and > 1",
+                        (double)rope->theta);
+    if (rope->rotary_dim < 0 || rope->rotary_dim > head_dim || rope->rotary_dim % 2)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "rope.rotary_dim = %d: must be even and in [0, head_dim = %d] (0 = head_dim)",
+                        rope->rotary_dim, head_dim);
+    if (rope->interleaved != 0 && rope->interleaved != 1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "rope.interleaved = %d: must be 0 or 1",
+                        rope->interleaved);
+    if (rope->llama3_scaling != 0 && rope->llama3_scaling != 1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "rope.llama3_scaling = %d: must be 0 or 1",
+                        rope->llama3_scaling);
+    if (rope->llama3_scaling) {
+        if (!(rope->scaling_factor >= 1.0f) || !isfinite(rope->scaling_factor))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "rope.scaling_factor = %g: must be >= 1",
+                            (double)rope->scaling_factor);
+        if (!(rope->low_freq_factor > 0.0f) || !(rope->high_freq_factor > rope->low_freq_factor) ||
+            !isfinite(rope->high_freq_factor))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rope.low_freq_factor = %g, rope.high_freq_factor = %g: need 0 < low < high",
+                            (double)rope->low_freq_factor, (double)rope->high_freq_factor);
+        if (rope->original_max_position < 1)
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "rope.original_max_position = %d: must be >= 1",
+                            rope->original_max_position);
+    }
+    return SKV_OK;
+}
+
+#define POSITIVE(field)                                                                        \
+    if (cfg->field < 1)                                                                        \
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, #field " = %lld: must be >= 1",        \
+                        (long long)cfg->field);
+
+static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
+{
+    if (!cfg) return skv_fail(errbuf, SKV_ERR_NULL_POINTER, "cfg is NULL");
+    POSITIVE(n_layers)
+    POSITIVE(n_q_heads)
+    POSITIVE(n_kv_heads)
+    POSITIVE(head_dim)
+    POSITIVE(rank)
+    POSITIVE(chunk_size)
+    POSITIVE(budget)
+    POSITIVE(batch_size)
+    POSITIVE(max_prompt_len)
+    POSITIVE(gen_capacity)
+    if (cfg->n_q_heads % cfg->n_kv_heads)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "n_q_heads = %d is not a multiple of n_kv_heads = %d", cfg->n_q_heads,
+                        cfg->n_kv_heads);
+    if (cfg->head_dim % 2 || cfg->head_dim > SKV_MAX_HEAD_DIM)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "head_dim = %d: must be even and <= %d",
+                        cfg->head_dim, SKV_MAX_HEAD_DIM);
+    if (cfg->budget % cfg->chunk_size)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "budget = %d is not a multiple of chunk_size = %d", cfg->budget,
+                        cfg->chunk_size);
+    if (cfg->n_outlier_chunks < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_outlier_chunks = %d: must be >= 0",
+                        cfg->n_outlier_chunks);
+    if (cfg->n_local_chunks < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_local_chunks = %d: must be >= 0",
+                        cfg->n_local_chunks);
+    if (!isfinite(cfg->attn_scale) || cfg->attn_scale < 0.0f)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "attn_scale = %g: must be finite and >= 0 (0 = 1/sqrt(head_dim))",
+                        (double)cfg->attn_scale);
+    if ((int)cfg->backend < SKV_BACKEND_AUTO || (int)cfg->backend > SKV_BACKEND_CUDA)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "backend = %d: not a skv_backend value",
+                        (int)cfg->backend);
+    if (cfg->n_threads < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_threads = %d: must be >= 0 (0 = default)",
+                        cfg->n_threads);
+    skv_status st = skv_rope_validate(errbuf, &cfg->rope, cfg->head_dim);
+    if (st) return st;
+    if (cfg->max_prompt_len > SKV_MAX_PROMPT)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "max_prompt_len = %lld: must be <= %lld",
+                        (long long)cfg->max_prompt_len, (long long)SKV_MAX_PROMPT);
+    if (cfg->gen_capacity > (1 << 24))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "gen_capacity = %d: must be <= %d",
+                        cfg->gen_capacity, 1 << 24);
+    /* smallest valid prompt: (O + S + Lc) chunks; computed in 64 bits */
+    int64_t S = cfg->budget / cfg->chunk_size;
+    int64_t min_chunks = (int64_t)cfg->n_outlier_chunks + S + cfg->n_local_chunks;
+    int64_t min_prompt = min_chunks * cfg->chunk_size;
+    if (min_prompt > cfg->max_prompt_len)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "max_prompt_len = %lld < (O + S + Lc) * c = %lld: no prompt could be prefilled",
+                        (long long)cfg->max_prompt_len, (long long)min_prompt);
+    int64_t width = (int64_t)cfg->n_kv_heads * cfg->head_dim;
+    if (cfg->rank > width || cfg->rank > min_prompt)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "rank = %d: must be <= n_kv_heads * head_dim = %lld and <= the shortest "
+                        "valid prompt (O + S + Lc) * c = %lld",
+                        cfg->rank, (long long)width, (long long)min_prompt);
+    return SKV_OK;
+}
+
+/* Appends a region of count elements of elem bytes, 256-byte aligned. */
+static int skv_region(size_t *cursor, size_t count, size_t elem, size_t *offset)
+{
+    size_t bytes, start;
+    if (!skv_mul_size(count, elem, &bytes)) return 0;
+    if (!skv_add_size(*cursor, 255, &start)) return 0;
+    start &= ~(size_t)255;
+    *offset = start;
+    return skv_add_size(start, bytes, cursor);
+}
+
+skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay)
+{
+    skv_status st = skv_config_check(errbuf, cfg);
+    if (st) return st;
+    memset(lay, 0, sizeof *lay);
+    size_t c = (size_t)cfg->chunk_size, D = (size_t)cfg->head_dim, Hk = (size_t)cfg->n_kv_heads;
+    size_t r = (size_t)cfg->rank, O = (size_t)cfg->n_outlier_chunks;
+    size_t nmax = (size_t)cfg->max_prompt_len, cap = (size_t)cfg->gen_capacity;
+    lay->S = cfg->budget / cfg->chunk_size;
+    lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -
+                              cfg->n_outlier_chunks);
+    lay->local_max = (cfg->n_local_chunks + 1) * cfg->chunk_size - 1;
+    lay->n_positions = cfg->max_prompt_len + cfg->gen_capacity;
+    size_t S = (size_t)lay->S, cm = (size_t)lay->cand_max, lm = (size_t)lay->local_max;
+    size_t HkD = Hk * D, b2 = sizeof(skv_bf16), i4 = sizeof(int32_t), t;
+    size_t dev = 0, host = 0;
+    int ok = 1;
+    ok = ok && skv_region(&dev, nmax * r, b2, &lay->u);
+    ok = ok && skv_region(&dev, r * HkD, b2, &lay->w);
+    ok = ok && skv_mul_size(Hk * cm, D, &t) && skv_region(&dev, t, b2, &lay->landmarks);
+    ok = ok && skv_region(&dev, Hk * cm, i4, &lay->cand_ids);
+    ok = ok && skv_region(&dev, Hk * O, i4, &lay->out_ids);
+    ok = ok && skv_region(&dev, Hk * O * c * D, b2, &lay->out_k);
+    ok = ok && skv_region(&dev, Hk * O * c * D, b2, &lay->out_v);
+    ok = ok && skv_region(&dev, Hk * lm * D, b2, &lay->loc_k);
+    ok = ok && skv_region(&dev, Hk * lm * D, b2, &lay->loc_v);
+    ok = ok && skv_region(&dev, Hk * cap * D, b2, &lay->gen_k);
+    ok = ok && skv_region(&dev, Hk * cap * D, b2, &lay->gen_v);
+    ok = ok && skv_region(&dev, Hk * S, i4, &lay->sel_idx);
+    ok = ok && skv_region(&dev, Hk * S, i4, &lay->sel_ids);
+    ok = ok && skv_add_size(dev, 255, &t) && ((lay->slot_device = t & ~(size_t)255), 1);
+    ok = ok && skv_mul_size(cm * c, HkD, &t) && skv_region(&host, t, b2, &lay->vstore);
+    ok = ok && skv_add_size(host, 255, &t) && ((lay->slot_host = t & ~(size_t)255), 1);
+    /* L * B slots, then shared regions */
+    size_t slots = (size_t)cfg->n_layers * (size_t)cfg->batch_size, R2;
+    R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
+    ok = ok && skv_mul_size(slots, lay->slot_device, &dev);
+    ok = ok && skv_mul_size((size_t)lay->n_positions, R2, &t) && skv_region(&dev, t, 4, &lay->rope_cos);
+    ok = ok && skv_mul_size((size_t)lay->n_positions, R2, &t) && skv_region(&dev, t, 4, &lay->rope_sin);
+    ok = ok && skv_mul_size(Hk * S * c, D, &t) && skv_region(&dev, t, b2, &lay->ws_k);
+    ok = ok && skv_mul_size(Hk * S * c, D, &t) && skv_region(&dev, t, b2, &lay->ws_v);
+    ok = ok && skv_mul_size((size_t)cfg->batch_size, Hk * S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
+    ok = ok && skv_mul_size((size_t)cfg->batch_size, Hk * S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
+    lay->device_total = dev;
+    ok = ok && skv_mul_size(slots, lay->slot_host, &lay->host_total);
+    /* int32 indices inside ops: tokens per head and per slot must fit */
+    ok = ok && nmax * HkD / HkD == nmax && (uint64_t)cm * c <= (uint64_t)INT32_MAX;
+    if (!ok)
+        return skv_fail(errbuf, SKV_ERR_SIZE_OVERFLOW,
+                        "cache size overflows size_t (n_layers = %d, batch_size = %d, max_prompt_len = "
+                        "%lld, n_kv_heads = %d, head_dim = %d, rank = %d, gen_capacity = %d)",
+                        cfg->n_layers, cfg->batch_size, (long long)cfg->max_prompt_len,
+                        cfg->n_kv_heads, cfg->head_dim, cfg->rank, cfg->gen_capacity);
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_config_validate(const skv_config *cfg)
+{
+    skv_layout lay;
+    return skv_layout_compute(NULL, cfg, &lay);
+}
+
+SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes)
+{
+    skv_layout lay;
+    skv_status st = skv_layout_compute(NULL, cfg, &lay);
+    if (st) return st;
+    if (device_bytes) *device_bytes = lay.device_total;
+    if (host_bytes) *host_bytes = lay.host_total;
+    return SKV_OK;
+}
+
+/* ---- RoPE tables ------------------------------------------------------------ */
+
+SKV_API size_t skv_rope_table_len(const skv_rope_config *rope, int32_t head_dim, int64_t n_positions)
+{
+    size_t n;
+    if (!rope || head_dim < 2 || head_dim > SKV_MAX_HEAD_DIM || n_positions < 0 ||
+        skv_rope_validate(NULL, rope, head_dim) != SKV_OK)
+        return 0;
+    if (!skv_mul_size((size_t)n_positions, (size_t)skv_rotary_dim(rope, head_dim) / 2, &n)) return 0;
+    return n;
+}
+
+/* Inverse frequency of pair i, in double, with optional Llama-3 scaling. */
+static double skv_rope_inv_freq(const skv_rope_config *rope, int32_t R, int32_t i)
+{
+    double inv = pow((double)rope->theta, -2.0 * (double)i / (double)R);
+    if (!rope->llama3_scaling) return inv;
+    const double pi2 = 6.283185307179586476925;
+    double wavelen = pi2 / inv, orig = (double)rope->original_max_position;
+    double lo = (double)rope->low_freq_factor, hi = (double)rope->high_freq_factor;
+    double factor = (double)rope->scaling_factor;
+    if (wavelen < orig / hi) return inv;
+    if (wavelen > orig / lo) return inv / factor;
+    double smooth = (orig / wavelen - lo) / (hi - lo);
+    return (1.0 - smooth) * inv / factor + smooth * inv;
+}
+
+SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t head_dim,
+                                        int64_t n_positions, float *cos_tab, float *sin_tab)
+{
+    if (!rope || !cos_tab || !sin_tab)
+        return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_rope_table_build: %s is NULL",
+                        !rope ? "rope" : !cos_tab ? "cos_tab" : "sin_tab");
+    if (head_dim < 2 || head_dim % 2 || head_dim > SKV_MAX_HEAD_DIM)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                        "skv_rope_table_build: head_dim = %d must be even in [2, %d]", head_dim,
+                        SKV_MAX_HEAD_DIM);
+    if (n_positions < 0)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "skv_rope_table_build: n_positions = %lld < 0",
+                        (long long)n_positions);
+    skv_status st = skv_rope_validate(NULL, rope, head_dim);
+    if (st) return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "skv_rope_table_build: %s", skv_last_error());
+    int32_t R = skv_rotary_dim(rope, head_dim), h = R / 2;
+    double inv[SKV_MAX_HEAD_DIM / 2];
+    for (int32_t i = 0; i < h; i++) inv[i] = skv_rope_inv_freq(rope, R, i);
+    for (int64_t p = 0; p < n_positions; p++)
+        for (int32_t i = 0; i < h; i++) {
+            double a = (double)p * inv[i];
+            cos_tab[p * h + i] = (float)cos(a);
+            sin_tab[p * h + i] = (float)sin(a);
+        }
+    return SKV_OK;
+}
+
+/* ---- backend registry -------------------------------------------------------- */
+
+static struct skv_backend_ops skv_cpu_table, skv_cuda_table;
+static pthread_once_t skv_tables_once = PTHREAD_ONCE_INIT;
+
+static void skv_tables_init(void)
+{
+    skv_cpu_fill_ops(&skv_cpu_table);
+    skv_cuda_fill_ops(&skv_cuda_table);
+}
+
+const struct skv_backend_ops *skv_backend_ops_get(skv_backend backend)
+{
+    pthread_once(&skv_tables_once, skv_tables_init);
+    switch (backend) {
+    case SKV_BACKEND_REF: return &skv_ref_ops;
+    case SKV_BACKEND_CPU: return &skv_cpu_table;
+    case SKV_BACKEND_CUDA: return &skv_cuda_table;
+    default: return NULL;
+    }
+}
+
+SKV_API const char *skv_backend_name(skv_backend backend)
+{
+    switch (backend) {
+    case SKV_BACKEND_AUTO: return "auto";
+    case SKV_BACKEND_REF: return "ref";
+    case SKV_BACKEND_CPU: return "cpu";
+    case SKV_BACKEND_CUDA: return "cuda";
+    default: return "invalid";
+    }
+}
+
+SKV_API skv_status skv_backend_parse(const char *name, skv_backend *out)
+{
+    if (!name || !out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_backend_parse: NULL argument");
+    static const skv_backend all[] = {SKV_BACKEND_AUTO, SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (strcmp(name, skv_backend_name(all[i])) == 0) {
+            *out = all[i];
+            return SKV_OK;
+        }
+    return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                    "backend name \"%.64s\": expected auto, ref, cpu or cuda", name);
+}
+
+SKV_API skv_status skv_backend_available(skv_backend backend)
+{
+    skv_backend got;
+    const struct skv_backend_ops *ops;
+    return skv_backend_resolve(NULL, backend, &got, &ops);
+}
+
+skv_status skv_backend_resolve(char *errbuf, skv_backend want, skv_backend *got,
+                               const struct skv_backend_ops **ops)
+{
+    char msg[256] = "";
+    if (want == SKV_BACKEND_AUTO) {
+        const struct skv_backend_ops *cu = skv_backend_ops_get(SKV_BACKEND_CUDA);
+        want = (cu->probe && cu->probe(msg, sizeof msg) == SKV_OK) ? SKV_BACKEND_CUDA : SKV_BACKEND_CPU;
+    }
+    const struct skv_backend_ops *o = skv_backend_ops_get(want);
+    if (!o) return skv_fail(errbuf, SKV_ERR_INVALID_ARGUMENT, "backend = %d: not a skv_backend value", (int)want);
+    if (!o->probe) return skv_fail(errbuf, SKV_ERR_NO_DEVICE, "backend %s: not usable", o->name);
+    if (o->probe(msg, sizeof msg) != SKV_OK)
+        return skv_fail(errbuf, SKV_ERR_NO_DEVICE, "backend %s: %s", skv_backend_name(want), msg);
+    *got = want;
+    *ops = o;
+    return SKV_OK;
+}

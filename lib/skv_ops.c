@@ -1,0 +1,282 @@
+/*
+ * Op-level API: argument checks, then one dispatch-table slot. Every check
+ * happens before any output is written.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "skv_internal.h"
+
+/* Resolves the backend and the slot; a NULL slot is SKV_ERR_UNSUPPORTED. */
+#define SKV_GET_SLOT(fn, slot)                                                                     \
+    const struct skv_backend_ops *ops;                                                             \
+    do {                                                                                           \
+        skv_backend got_;                                                                          \
+        skv_status st_ = skv_backend_resolve(NULL, backend, &got_, &ops);                          \
+        if (st_) return st_;                                                                       \
+        if (!ops->slot)                                                                            \
+            return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", \
+                            fn, ops->name, #slot);                                                          \
+    } while (0)
+
+#define SKV_NONNULL(fn, p) \
+    if (!(p)) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: %s is NULL", fn, #p)
+
+#define SKV_RANGE(fn, x, lo, hi)                                                                   \
+    if ((int64_t)(x) < (int64_t)(lo) || (int64_t)(x) > (int64_t)(hi))                              \
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: %s = %lld, must be in [%lld, %lld]", fn, \
+                        #x, (long long)(x), (long long)(lo), (long long)(hi))
+
+/* Rejects NaN/Inf; the message names the tensor and the flat index. */
+static skv_status skv_finite(const struct skv_backend_ops *ops, const char *fn, const char *what,
+                             const skv_bf16 *x, int64_t n)
+{
+    int64_t bad = -1;
+    if (ops->check_finite(x, n, &bad) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_NONFINITE, "%s: %s[%lld] is NaN or Inf", fn, what, (long long)bad);
+    return SKV_OK;
+}
+
+#define SKV_FINITE(fn, x, n)                                                                       \
+    do {                                                                                           \
+        skv_status stf_ = skv_finite(ops, fn, #x, x, (int64_t)(n));                                \
+        if (stf_) return stf_;                                                                     \
+    } while (0)
+
+/* Gives a failing slot's status a message. */
+static skv_status skv_slot_result(const char *fn, const struct skv_backend_ops *ops, skv_status st)
+{
+    if (st != SKV_OK)
+        return skv_fail(NULL, st, "%s: backend %s failed: %s", fn, ops->name, skv_status_string(st));
+    return SKV_OK;
+}
+
+#define SKV_MAX_D 1024
+
+SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
+                                    const skv_bf16 *a, float *u, float *w)
+{
+    static const char fn[] = "skv_op_factorize";
+    SKV_NONNULL(fn, a);
+    SKV_NONNULL(fn, u);
+    SKV_NONNULL(fn, w);
+    SKV_RANGE(fn, n, 1, (int64_t)1 << 31);
+    SKV_RANGE(fn, d, 1, 65536);
+    SKV_RANGE(fn, r, 1, n < d ? n : d);
+    SKV_GET_SLOT(fn, factorize);
+    SKV_FINITE(fn, a, n * d);
+    return skv_slot_result(fn, ops, ops->factorize(n, d, r, a, u, w));
+}
+
+static skv_status skv_rope_args(const char *fn, const skv_rope_config *rope, int32_t head_dim)
+{
+    if (!rope) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: rope is NULL", fn);
+    if (head_dim < 2 || head_dim % 2 || head_dim > SKV_MAX_D)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: head_dim = %d must be even in [2, %d]", fn,
+                        head_dim, SKV_MAX_D);
+    if (skv_rope_validate(NULL, rope, head_dim))
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: %s", fn, skv_last_error());
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_op_rope(skv_backend backend, const skv_rope_config *rope, int32_t head_dim,
+                               int64_t n_tokens, int32_t n_heads, int64_t pos0, const float *cos_tab,
+                               const float *sin_tab, const skv_bf16 *in, skv_bf16 *out)
+{
+    static const char fn[] = "skv_op_rope";
+    skv_status st = skv_rope_args(fn, rope, head_dim);
+    if (st) return st;
+    SKV_NONNULL(fn, cos_tab);
+    SKV_NONNULL(fn, sin_tab);
+    SKV_NONNULL(fn, in);
+    SKV_NONNULL(fn, out);
+    SKV_RANGE(fn, n_tokens, 0, (int64_t)1 << 31);
+    SKV_RANGE(fn, n_heads, 1, 65536);
+    SKV_RANGE(fn, pos0, 0, (int64_t)1 << 31);
+    SKV_GET_SLOT(fn, rope);
+    SKV_FINITE(fn, in, n_tokens * n_heads * head_dim);
+    return skv_slot_result(fn, ops, ops->rope(rope, head_dim, n_tokens, n_heads, pos0, cos_tab, sin_tab, in, out));
+}
+
+SKV_API skv_status skv_op_landmarks_outliers(skv_backend backend, int32_t n_chunks, int32_t chunk,
+                                             int32_t n_kv_heads, int32_t head_dim, int32_t n_outliers,
+                                             const skv_bf16 *k_post, int32_t *outlier_ids,
+                                             int32_t *candidate_ids, skv_bf16 *landmarks)
+{
+    static const char fn[] = "skv_op_landmarks_outliers";
+    SKV_NONNULL(fn, k_post);
+    SKV_NONNULL(fn, candidate_ids);
+    SKV_NONNULL(fn, landmarks);
+    if (n_outliers > 0) SKV_NONNULL(fn, outlier_ids);
+    SKV_RANGE(fn, n_chunks, 1, INT32_MAX / 1024);
+    SKV_RANGE(fn, chunk, 1, 4096);
+    SKV_RANGE(fn, n_kv_heads, 1, 65536);
+    SKV_RANGE(fn, head_dim, 1, SKV_MAX_D);
+    SKV_RANGE(fn, n_outliers, 0, n_chunks - 1);
+    SKV_GET_SLOT(fn, landmarks_outliers);
+    SKV_FINITE(fn, k_post, (int64_t)n_chunks * chunk * n_kv_heads * head_dim);
+    return skv_slot_result(fn, ops, ops->landmarks_outliers(n_chunks, chunk, n_kv_heads, head_dim, n_outliers, k_post,
+                                   outlier_ids, candidate_ids, landmarks));
+}
+
+SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                       int32_t head_dim, int32_t n_cand, int32_t n_select, float scale,
+                                       const skv_bf16 *q, const skv_bf16 *landmarks,
+                                       const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
+                                       float *amax)
+{
+    static const char fn[] = "skv_op_score_select";
+    SKV_NONNULL(fn, q);
+    SKV_NONNULL(fn, landmarks);
+    SKV_NONNULL(fn, sel_idx);
+    if (sel_ids) SKV_NONNULL(fn, candidate_ids);
+    SKV_RANGE(fn, n_kv_heads, 1, 65536);
+    SKV_RANGE(fn, n_q_heads, n_kv_heads, 65536);
+    if (n_q_heads % n_kv_heads)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: n_q_heads = %d is not a multiple of n_kv_heads = %d",
+                        fn, n_q_heads, n_kv_heads);
+    SKV_RANGE(fn, head_dim, 1, SKV_MAX_D);
+    SKV_RANGE(fn, n_cand, 1, INT32_MAX / 1024);
+    SKV_RANGE(fn, n_select, 1, n_cand);
+    if (!isfinite(scale) || scale < 0.0f)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: scale = %g must be finite and >= 0", fn, (double)scale);
+    SKV_GET_SLOT(fn, score_select);
+    SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
+    SKV_FINITE(fn, landmarks, (int64_t)n_kv_heads * n_cand * head_dim);
+    if (candidate_ids)
+        for (int64_t i = 0; i < (int64_t)n_kv_heads * n_cand; i++)
+            if (candidate_ids[i] < 0)
+                return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn,
+                                (long long)i, candidate_ids[i]);
+    return skv_slot_result(fn, ops, ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
+                             skv_resolve_scale(scale, head_dim), q, landmarks, candidate_ids, sel_idx,
+                             sel_ids, amax));
+}
+
+SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_config *rope,
+                                       int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk,
+                                       int32_t n_select, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                       const int32_t *chunk_ids, const float *cos_tab,
+                                       const float *sin_tab, skv_bf16 *k_out)
+{
+    static const char fn[] = "skv_op_rebuild_keys";
+    skv_status st = skv_rope_args(fn, rope, head_dim);
+    if (st) return st;
+    SKV_NONNULL(fn, u);
+    SKV_NONNULL(fn, w);
+    SKV_NONNULL(fn, chunk_ids);
+    SKV_NONNULL(fn, cos_tab);
+    SKV_NONNULL(fn, sin_tab);
+    SKV_NONNULL(fn, k_out);
+    SKV_RANGE(fn, n_kv_heads, 1, 65536);
+    SKV_RANGE(fn, chunk, 1, 4096);
+    SKV_RANGE(fn, n_select, 1, INT32_MAX / 4096);
+    SKV_RANGE(fn, n, chunk, (int64_t)1 << 31);
+    SKV_RANGE(fn, rank, 1, (int64_t)n_kv_heads * head_dim);
+    for (int64_t i = 0; i < (int64_t)n_kv_heads * n_select; i++)
+        if (chunk_ids[i] < 0 || ((int64_t)chunk_ids[i] + 1) * chunk > n)
+            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                            "%s: chunk_ids[%lld] = %d: its tokens exceed n = %lld", fn, (long long)i,
+                            chunk_ids[i], (long long)n);
+    SKV_GET_SLOT(fn, rebuild_keys);
+    SKV_FINITE(fn, u, n * rank);
+    SKV_FINITE(fn, w, (int64_t)rank * n_kv_heads * head_dim);
+    return skv_slot_result(fn, ops, ops->rebuild_keys(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids,
+                             cos_tab, sin_tab, k_out));
+}
+
+SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads, int32_t head_dim,
+                                        int32_t chunk, int32_t n_store, int32_t n_select,
+                                        const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+{
+    static const char fn[] = "skv_op_gather_values";
+    SKV_NONNULL(fn, store);
+    SKV_NONNULL(fn, idx);
+    SKV_NONNULL(fn, v_out);
+    SKV_RANGE(fn, n_kv_heads, 1, 65536);
+    SKV_RANGE(fn, head_dim, 1, SKV_MAX_D);
+    SKV_RANGE(fn, chunk, 1, 4096);
+    SKV_RANGE(fn, n_store, 1, INT32_MAX / 4096);
+    SKV_RANGE(fn, n_select, 1, INT32_MAX / 4096);
+    for (int64_t i = 0; i < (int64_t)n_kv_heads * n_select; i++)
+        if (idx[i] < 0 || idx[i] >= n_store)
+            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: idx[%lld] = %d, must be in [0, %d)", fn,
+                            (long long)i, idx[i], n_store);
+    SKV_GET_SLOT(fn, gather_values);
+    return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, store, idx, v_out));
+}
+
+static skv_status skv_attn_args(const char *fn, int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                                float scale, const skv_bf16 *q, const float *out)
+{
+    if (!q) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: q is NULL", fn);
+    if (!out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: out is NULL", fn);
+    SKV_RANGE(fn, n_kv_heads, 1, 65536);
+    SKV_RANGE(fn, n_q_heads, n_kv_heads, 65536);
+    if (n_q_heads % n_kv_heads)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: n_q_heads = %d is not a multiple of n_kv_heads = %d",
+                        fn, n_q_heads, n_kv_heads);
+    SKV_RANGE(fn, head_dim, 1, SKV_MAX_D);
+    if (!isfinite(scale) || scale < 0.0f)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: scale = %g must be finite and >= 0", fn, (double)scale);
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                           int32_t head_dim, float scale, const skv_bf16 *q,
+                                           int32_t n_spans, const skv_kv_span *spans, float *out)
+{
+    static const char fn[] = "skv_op_sparse_attention";
+    skv_status st = skv_attn_args(fn, n_q_heads, n_kv_heads, head_dim, scale, q, out);
+    if (st) return st;
+    SKV_NONNULL(fn, spans);
+    SKV_RANGE(fn, n_spans, 1, SKV_MAX_SPANS);
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_spans; i++) {
+        const skv_kv_span *s = &spans[i];
+        if (s->n_tokens < 0 || s->n_tokens > ((int64_t)1 << 31))
+            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: spans[%d].n_tokens = %lld out of range", fn,
+                            i, (long long)s->n_tokens);
+        if (s->n_tokens == 0) continue;
+        if (!s->k || !s->v)
+            return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: spans[%d].%s is NULL", fn, i, !s->k ? "k" : "v");
+        if (s->head_stride < 0 || s->token_stride < 0)
+            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: spans[%d] has a negative stride", fn, i);
+        total += s->n_tokens;
+    }
+    if (total < 1)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: the spans hold no token", fn);
+    SKV_GET_SLOT(fn, sparse_attention);
+    SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
+    for (int32_t i = 0; i < n_spans; i++) {
+        const skv_kv_span *s = &spans[i];
+        for (int32_t h = 0; h < n_kv_heads; h++)
+            for (int64_t t = 0; t < s->n_tokens; t++) {
+                int64_t off = h * s->head_stride + t * s->token_stride, bad;
+                if (ops->check_finite(s->k + off, head_dim, &bad) || ops->check_finite(s->v + off, head_dim, &bad))
+                    return skv_fail(NULL, SKV_ERR_NONFINITE,
+                                    "%s: spans[%d] token %lld head %d has NaN or Inf", fn, i, (long long)t, h);
+            }
+    }
+    return skv_slot_result(fn, ops, ops->sparse_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q,
+                                 n_spans, spans, out));
+}
+
+SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                         int32_t head_dim, float scale, const skv_bf16 *q,
+                                         int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v,
+                                         float *out)
+{
+    static const char fn[] = "skv_op_full_attention";
+    skv_status st = skv_attn_args(fn, n_q_heads, n_kv_heads, head_dim, scale, q, out);
+    if (st) return st;
+    SKV_NONNULL(fn, k);
+    SKV_NONNULL(fn, v);
+    SKV_RANGE(fn, n_tokens, 1, (int64_t)1 << 31);
+    SKV_GET_SLOT(fn, full_attention);
+    SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
+    SKV_FINITE(fn, k, n_tokens * n_kv_heads * head_dim);
+    SKV_FINITE(fn, v, n_tokens * n_kv_heads * head_dim);
+    return skv_slot_result(fn, ops, ops->full_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q,
+                               n_tokens, k, v, out));
+}

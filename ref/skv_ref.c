@@ -1,0 +1,311 @@
+/*
+ * ref backend: the oracle. Plain C99 loops, one thread, LAPACKE for the
+ * eigensolver. Written to be read; every other backend is checked against it.
+ * Decisions use skv_numerics.h only (DESIGN.md section 5).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <lapacke.h>
+
+#include "skv_backend.h"
+#include "skv_numerics.h"
+
+/* ---- infrastructure ----------------------------------------------------------- */
+
+static skv_status skv_ref_probe(char *msg, size_t cap)
+{
+    (void)msg;
+    (void)cap;
+    return SKV_OK;
+}
+
+static void *skv_ref_mem_alloc(size_t bytes, skv_mem_kind kind)
+{
+    (void)kind;
+    return calloc(1, bytes ? bytes : 1);
+}
+
+static void skv_ref_mem_free(void *p, skv_mem_kind kind)
+{
+    (void)kind;
+    free(p);
+}
+
+static skv_status skv_ref_copy2d(void *dst, size_t dpitch, const void *src, size_t spitch,
+                                 size_t width, size_t height)
+{
+    for (size_t i = 0; i < height; i++)
+        memcpy((char *)dst + i * dpitch, (const char *)src + i * spitch, width);
+    return SKV_OK;
+}
+
+static skv_status skv_ref_check_finite(const skv_bf16 *x, int64_t n, int64_t *first_bad)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!skv_bf16_isfinite(x[i])) {
+            *first_bad = i;
+            return SKV_ERR_NONFINITE;
+        }
+    return SKV_OK;
+}
+
+/* ---- factorize: Gram matrix in double + LAPACK eigensolver -------------------- */
+
+/*
+ * A = K viewed as [n, d]. G = A^T A (double). Its top-r eigenvectors V_r are
+ * the top right singular vectors of A; W = V_r^T, U = A V_r. Exact arithmetic
+ * would give the best rank-r approximation; double keeps it there.
+ */
+static skv_status skv_ref_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                                    float *w)
+{
+    double *g = malloc((size_t)d * d * sizeof *g);
+    double *row = malloc((size_t)d * sizeof *row);
+    double *evals = malloc((size_t)d * sizeof *evals);
+    double *z = malloc((size_t)d * r * sizeof *z);
+    lapack_int *isuppz = malloc((size_t)2 * r * sizeof *isuppz);
+    skv_status st = SKV_OK;
+    if (!g || !row || !evals || !z || !isuppz) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    memset(g, 0, (size_t)d * d * sizeof *g);
+    for (int64_t t = 0; t < n; t++) {
+        for (int32_t i = 0; i < d; i++) row[i] = skv_bf16_to_f32(a[t * d + i]);
+        for (int32_t i = 0; i < d; i++) /* upper triangle */
+            for (int32_t j = i; j < d; j++) g[(size_t)i * d + j] += row[i] * row[j];
+    }
+    /* eigenvalues in ascending order; ask for the r largest */
+    lapack_int m = 0;
+    lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', d, g, d, 0.0, 0.0, d - r + 1, d,
+                                     0.0, &m, evals, z, r, isuppz);
+    if (info != 0 || m != r) {
+        st = SKV_ERR_NUMERICAL;
+        goto done;
+    }
+    /* column k of z (ascending); output rank index q = r-1-k (descending) */
+    for (int32_t q = 0; q < r; q++)
+        for (int32_t i = 0; i < d; i++) w[(size_t)q * d + i] = (float)z[(size_t)i * r + (r - 1 - q)];
+    for (int64_t t = 0; t < n; t++)
+        for (int32_t q = 0; q < r; q++) {
+            double acc = 0.0;
+            for (int32_t i = 0; i < d; i++)
+                acc += (double)skv_bf16_to_f32(a[t * d + i]) * z[(size_t)i * r + (r - 1 - q)];
+            u[t * r + q] = (float)acc;
+        }
+done:
+    free(g);
+    free(row);
+    free(evals);
+    free(z);
+    free(isuppz);
+    return st;
+}
+
+/* ---- RoPE --------------------------------------------------------------------- */
+
+static skv_status skv_ref_rope(const skv_rope_config *rope, int32_t head_dim, int64_t n_tokens,
+                               int32_t n_heads, int64_t pos0, const float *cos_tab,
+                               const float *sin_tab, const skv_bf16 *in, skv_bf16 *out)
+{
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : head_dim, h2 = R / 2;
+    float x[1024];
+    for (int64_t t = 0; t < n_tokens; t++)
+        for (int32_t h = 0; h < n_heads; h++) {
+            size_t off = ((size_t)t * n_heads + h) * head_dim;
+            for (int32_t d = 0; d < head_dim; d++) x[d] = skv_bf16_to_f32(in[off + d]);
+            skv_rope_row_f32(x, head_dim, R, rope->interleaved, cos_tab + (pos0 + t) * h2,
+                             sin_tab + (pos0 + t) * h2, out + off);
+        }
+    return SKV_OK;
+}
+
+/* ---- landmarks and outliers --------------------------------------------------- */
+
+static skv_status skv_ref_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                             const skv_bf16 *k_post, int32_t *outlier_ids,
+                                             int32_t *candidate_ids, skv_bf16 *landmarks)
+{
+    if (N <= 0 || O < 0 || O >= N) return SKV_ERR_INVALID_ARGUMENT; /* lib/ checked; keeps sizes positive */
+    float *mean = malloc((size_t)N * D * sizeof *mean);
+    float *score = malloc((size_t)N * sizeof *score);
+    int32_t *scratch = malloc((size_t)N * sizeof *scratch);
+    char *is_out = malloc((size_t)N);
+    skv_status st = SKV_OK;
+    if (!mean || !score || !scratch || !is_out) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    for (int32_t h = 0; h < Hk; h++) {
+        for (int32_t j = 0; j < N; j++) {
+            const skv_bf16 *k = k_post + ((size_t)j * c * Hk + h) * D;
+            score[j] = skv_outlier_key(skv_chunk_landmark_score(k, (int64_t)Hk * D, c, D, mean + (size_t)j * D));
+        }
+        int32_t *oid = outlier_ids + (size_t)h * O;
+        skv_topk_indices(score, N, O, 1, scratch, oid);
+        memset(is_out, 0, (size_t)N);
+        for (int32_t o = 0; o < O; o++) is_out[oid[o]] = 1;
+        int32_t m = 0, n_cand = N - O;
+        for (int32_t j = 0; j < N; j++) {
+            if (is_out[j]) continue;
+            candidate_ids[(size_t)h * n_cand + m] = j;
+            skv_bf16 *l = landmarks + ((size_t)h * n_cand + m) * D;
+            for (int32_t d = 0; d < D; d++) l[d] = skv_f32_to_bf16(mean[(size_t)j * D + d]);
+            m++;
+        }
+    }
+done:
+    free(mean);
+    free(score);
+    free(scratch);
+    free(is_out);
+    return st;
+}
+
+/* ---- score and select --------------------------------------------------------- */
+
+static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+                                       float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                       const int32_t *candidate_ids, int32_t *sel_idx,
+                                       int32_t *sel_ids, float *amax)
+{
+    int32_t G = Hq / Hk;
+    float *s = malloc((size_t)n_cand * sizeof *s);
+    float *a = malloc((size_t)n_cand * sizeof *a);
+    int32_t *scratch = malloc((size_t)n_cand * sizeof *scratch);
+    if (!s || !a || !scratch) {
+        free(s);
+        free(a);
+        free(scratch);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    for (int32_t h = 0; h < Hk; h++) {
+        const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
+        for (int32_t g = 0; g < G; g++) {
+            const skv_bf16 *qi = q + (size_t)(h * G + g) * D;
+            for (int32_t j = 0; j < n_cand; j++) s[j] = SKV_MUL(skv_dot_bf16(qi, L + (size_t)j * D, D), scale);
+            float M = s[0];
+            for (int32_t j = 1; j < n_cand; j++)
+                if (s[j] > M) M = s[j];
+            for (int32_t j = 0; j < n_cand; j++) s[j] = skv_expf(SKV_SUB(s[j], M));
+            float Z = skv_canonical_sum(s, n_cand);
+            for (int32_t j = 0; j < n_cand; j++) {
+                float p = SKV_DIV(s[j], Z);
+                if (g == 0 || p > a[j]) a[j] = p;
+            }
+        }
+        if (amax) memcpy(amax + (size_t)h * n_cand, a, (size_t)n_cand * sizeof *a);
+        for (int32_t j = 0; j < n_cand; j++) a[j] = skv_select_key(a[j]);
+        int32_t *si = sel_idx + (size_t)h * S;
+        skv_topk_indices(a, n_cand, S, 0, scratch, si);
+        if (sel_ids)
+            for (int32_t k = 0; k < S; k++) sel_ids[(size_t)h * S + k] = candidate_ids[(size_t)h * n_cand + si[k]];
+    }
+    free(s);
+    free(a);
+    free(scratch);
+    return SKV_OK;
+}
+
+/* ---- rebuild keys ------------------------------------------------------------- */
+
+static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
+                                       int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
+                                       const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out)
+{
+    (void)n;
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    size_t width = (size_t)Hk * D;
+    float x[1024];
+    for (int32_t h = 0; h < Hk; h++)
+        for (int32_t s = 0; s < S; s++)
+            for (int32_t i = 0; i < c; i++) {
+                int64_t t = (int64_t)chunk_ids[(size_t)h * S + s] * c + i;
+                for (int32_t d = 0; d < D; d++) {
+                    float acc = 0.0f;
+                    for (int32_t k = 0; k < r; k++)
+                        acc += skv_bf16_to_f32(u[(size_t)t * r + k]) *
+                               skv_bf16_to_f32(w[(size_t)k * width + (size_t)h * D + d]);
+                    x[d] = acc;
+                }
+                skv_rope_row_f32(x, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                                 k_out + (((size_t)h * S + s) * c + i) * D);
+            }
+    return SKV_OK;
+}
+
+/* ---- gather values ------------------------------------------------------------ */
+
+static skv_status skv_ref_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
+                                        const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+{
+    size_t block = (size_t)c * D;
+    for (int32_t h = 0; h < Hk; h++)
+        for (int32_t s = 0; s < S; s++)
+            memcpy(v_out + ((size_t)h * S + s) * block,
+                   store + ((size_t)h * n_store + idx[(size_t)h * S + s]) * block, block * sizeof *store);
+    return SKV_OK;
+}
+
+/* ---- attention ---------------------------------------------------------------- */
+
+/* One query head over spans: two passes (max, then weighted sum). */
+static void skv_ref_attend_head(const skv_bf16 *qi, int32_t h, int32_t D, float scale,
+                                int32_t n_spans, const skv_kv_span *spans, float *out)
+{
+    float m = -INFINITY, z = 0.0f;
+    for (int32_t sp = 0; sp < n_spans; sp++)
+        for (int64_t t = 0; t < spans[sp].n_tokens; t++) {
+            const skv_bf16 *k = spans[sp].k + h * spans[sp].head_stride + t * spans[sp].token_stride;
+            float s = skv_dot_bf16(qi, k, D) * scale;
+            if (s > m) m = s;
+        }
+    for (int32_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int32_t sp = 0; sp < n_spans; sp++)
+        for (int64_t t = 0; t < spans[sp].n_tokens; t++) {
+            size_t off = (size_t)(h * spans[sp].head_stride + t * spans[sp].token_stride);
+            float e = expf(skv_dot_bf16(qi, spans[sp].k + off, D) * scale - m);
+            z += e;
+            for (int32_t d = 0; d < D; d++) out[d] += e * skv_bf16_to_f32(spans[sp].v[off + d]);
+        }
+    for (int32_t d = 0; d < D; d++) out[d] /= z;
+}
+
+static skv_status skv_ref_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                           const skv_bf16 *q, int32_t n_spans,
+                                           const skv_kv_span *spans, float *out)
+{
+    int32_t G = Hq / Hk;
+    for (int32_t i = 0; i < Hq; i++)
+        skv_ref_attend_head(q + (size_t)i * D, i / G, D, scale, n_spans, spans, out + (size_t)i * D);
+    return SKV_OK;
+}
+
+static skv_status skv_ref_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                         const skv_bf16 *q, int64_t n_tokens, const skv_bf16 *k,
+                                         const skv_bf16 *v, float *out)
+{
+    skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
+    return skv_ref_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out);
+}
+
+const struct skv_backend_ops skv_ref_ops = {
+    /* .name = */ "ref",
+    /* .probe = */ skv_ref_probe,
+    /* .mem_alloc = */ skv_ref_mem_alloc,
+    /* .mem_free = */ skv_ref_mem_free,
+    /* .copy2d = */ skv_ref_copy2d,
+    /* .check_finite = */ skv_ref_check_finite,
+    /* .set_threads = */ NULL,
+    /* .factorize = */ skv_ref_factorize,
+    /* .rope = */ skv_ref_rope,
+    /* .landmarks_outliers = */ skv_ref_landmarks_outliers,
+    /* .score_select = */ skv_ref_score_select,
+    /* .rebuild_keys = */ skv_ref_rebuild_keys,
+    /* .gather_values = */ skv_ref_gather_values,
+    /* .sparse_attention = */ skv_ref_sparse_attention,
+    /* .full_attention = */ skv_ref_full_attention,
+};
