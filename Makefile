@@ -106,13 +106,10 @@ bench: $(BUILD)/skv-bench
 demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
-# make check: every test binary, then the install + pkg-config link check.
+# make check: every test binary, then the install + pkg-config link check;
+# ends with the summed "N passed, N failed, N skipped".
 check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench
-	@fail=0; for t in $(TEST_BIN); do \
-	  echo "== $$t"; ./$$t || { echo "FAILED: $$t"; fail=1; }; \
-	done; \
-	$(MAKE) --no-print-directory link-check || fail=1; \
-	if [ $$fail = 0 ]; then echo "make check: all test binaries passed"; else echo "make check: FAILURES"; exit 1; fi
+	@bash tests/run_all.sh $(TEST_BIN)
 
 # Installs into a staging prefix and builds examples/link_example.c with
 # pkg-config only, then runs it.

@@ -1,0 +1,764 @@
+/*
+ * cpu backend: OpenMP + OpenBLAS/LAPACKE. Starts from ref's table and
+ * overrides every op slot.
+ *
+ * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
+ * to ref (DESIGN.md section 5). They are computed from skv_numerics.h; where a
+ * loop is vectorized, it is vectorized ACROSS independent chains (candidates,
+ * tokens, dims), so every lane runs exactly the fmaf/add/div sequence of the
+ * shared scalar function, in the same order. Only IEEE-rounded AVX ops are
+ * used there (vfmadd, vadd, vmul, vdiv, vsqrt, vmax with fmaxf's NaN rule).
+ * Tolerance-checked ops (factorize, rebuild, attention) use BLAS and any
+ * summation order.
+ *
+ * Threads: BLAS calls are made from the calling thread only, never inside an
+ * OpenMP region (a pthreads OpenBLAS would nest its own pool under ours).
+ * Scratch: per-call malloc, no global or thread-local state, so separate
+ * caches can run concurrently on separate threads. glibc's dynamic mmap
+ * threshold makes the repeated large per-step allocations of the decode path
+ * come from the heap after the first step, so they do not page-fault.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <lapacke.h>
+#include <omp.h>
+
+#include "skv_backend.h"
+#include "skv_numerics.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SKV_CPU_SIMD 1
+#else
+#define SKV_CPU_SIMD 0
+#endif
+
+#define SKV_CPU_MAX_D 1024 /* lib/ rejects head_dim > 1024 */
+
+static int skv_cpu_min(int a, int b) { return a < b ? a : b; }
+
+/* ---- SIMD helpers -------------------------------------------------------------- */
+
+#if SKV_CPU_SIMD
+/* 8 bf16 -> 8 float, exact (bf16 is the upper half of a float). */
+static inline __m256 skv_cpu_ld8(const skv_bf16 *p)
+{
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 8 float -> 8 bf16 with skv_f32_to_bf16's rounding and NaN rule, bit for bit. */
+static inline void skv_cpu_st8(skv_bf16 *p, __m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rn = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    __m256i qn = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i r = _mm256_blendv_epi8(rn, qn, nan);
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi)); /* values <= 0xffff: no saturation */
+}
+
+/* In-register 8x8 transpose: r[i] lane j  ->  r[j] lane i. */
+static inline void skv_cpu_transpose8(__m256 r[8])
+{
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* Column d of 8 bf16 rows (row i at p[i]) as one vector, lane i = row i. */
+static inline __m256 skv_cpu_col8(const skv_bf16 *const p[8], int d)
+{
+    return _mm256_setr_ps(skv_bf16_to_f32(p[0][d]), skv_bf16_to_f32(p[1][d]), skv_bf16_to_f32(p[2][d]),
+                          skv_bf16_to_f32(p[3][d]), skv_bf16_to_f32(p[4][d]), skv_bf16_to_f32(p[5][d]),
+                          skv_bf16_to_f32(p[6][d]), skv_bf16_to_f32(p[7][d]));
+}
+
+static inline float skv_cpu_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* bf16 -> float of n contiguous values. */
+static void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
+{
+    int64_t i = 0;
+#if SKV_CPU_SIMD
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, skv_cpu_ld8(in + i));
+#endif
+    for (; i < n; i++) out[i] = skv_bf16_to_f32(in[i]);
+}
+
+/*
+ * skv_rope_row_f32, vectorized over pairs for the rotate-half layout: the same
+ * fmaf/mul per element and the same bf16 rounding, so the output is identical
+ * (tests compare rope bit for bit against ref). Interleaved pairs and the
+ * rotary tail go through the shared scalar function.
+ */
+static void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float *cs,
+                             const float *sn, skv_bf16 *out)
+{
+#if SKV_CPU_SIMD
+    int h2 = R / 2;
+    if (!interleaved && h2 >= 8) {
+        int i = 0;
+        for (; i + 8 <= h2; i += 8) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h2);
+            __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
+            __m256 nbs = _mm256_xor_ps(_mm256_mul_ps(b, s), _mm256_set1_ps(-0.0f)); /* -(y*s) */
+            skv_cpu_st8(out + i, _mm256_fmadd_ps(a, c, nbs));
+            skv_cpu_st8(out + i + h2, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+        }
+        for (; i < h2; i++) {
+            float xo, yo;
+            skv_rope_rotate(x[i], x[i + h2], cs[i], sn[i], &xo, &yo);
+            out[i] = skv_f32_to_bf16(xo);
+            out[i + h2] = skv_f32_to_bf16(yo);
+        }
+        for (int d = R; d < D; d++) out[d] = skv_f32_to_bf16(x[d]);
+        return;
+    }
+#endif
+    skv_rope_row_f32(x, D, R, interleaved, cs, sn, out);
+}
+
+/* ---- infrastructure -------------------------------------------------------------- */
+
+static void skv_cpu_set_threads(int32_t n)
+{
+    /* Sets the calling thread's OpenMP default (lib/ calls this at cache create). */
+    if (n > 0) omp_set_num_threads(n);
+}
+
+/* First non-finite index, like ref; blocks in parallel, min of the first hits. */
+static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n, int64_t *first_bad)
+{
+    const int64_t B = 1 << 16;
+    int64_t nb = (n + B - 1) / B, first = n;
+    if (n <= 4 * B) { /* lib/ also checks single rows: no OpenMP overhead for those */
+        for (int64_t i = 0; i < n; i++)
+            if (!skv_bf16_isfinite(x[i])) {
+                *first_bad = i;
+                return SKV_ERR_NONFINITE;
+            }
+        return SKV_OK;
+    }
+#pragma omp parallel for schedule(static) reduction(min : first)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * B, hi = lo + B < n ? lo + B : n;
+        unsigned bad = 0;
+        for (int64_t i = lo; i < hi; i++) bad |= (x[i] & 0x7f80u) == 0x7f80u; /* vectorizes */
+        if (!bad) continue;
+        for (int64_t i = lo; i < hi; i++)
+            if (!skv_bf16_isfinite(x[i])) {
+                if (i < first) first = i;
+                break;
+            }
+    }
+    if (first == n) return SKV_OK;
+    *first_bad = first;
+    return SKV_ERR_NONFINITE;
+}
+
+/* ---- factorize ------------------------------------------------------------------ */
+
+/* bf16 rows [rows, d] -> double, serially (we are between BLAS calls). */
+static void skv_cpu_rows_f64(const skv_bf16 *a, int64_t rows, int32_t d, double *out)
+{
+    for (int64_t i = 0; i < rows * d; i++) out[i] = (double)skv_bf16_to_f32(a[i]);
+}
+
+/*
+ * Top-r eigenvectors of the symmetric m x m matrix g (upper triangle, row
+ * major), descending by eigenvalue, into v [m, r] (column q = q-th largest).
+ */
+static skv_status skv_cpu_top_eigvecs(double *g, int32_t m, int32_t r, double *v)
+{
+    double *evals = malloc((size_t)m * sizeof *evals), *z = malloc((size_t)m * r * sizeof *z);
+    lapack_int *isuppz = malloc((size_t)2 * m * sizeof *isuppz), found = 0, info = 0;
+    skv_status st = SKV_OK;
+    if (!evals || !z || !isuppz) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', m, g, m, 0.0, 0.0, m - r + 1, m, 0.0, &found,
+                          evals, z, r, isuppz);
+    if (info == LAPACK_WORK_MEMORY_ERROR || info == LAPACK_TRANSPOSE_MEMORY_ERROR) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    if (info != 0 || found != r) {
+        st = SKV_ERR_NUMERICAL;
+        goto done;
+    }
+    for (int32_t i = 0; i < m; i++)
+        for (int32_t q = 0; q < r; q++) v[(size_t)i * r + q] = z[(size_t)i * r + (r - 1 - q)];
+done:
+    free(evals);
+    free(z);
+    free(isuppz);
+    return st;
+}
+
+/*
+ * Same math as ref (Gram matrix in double, LAPACK dsyevr, U = A V_r in double),
+ * with BLAS-3 for the two big products. A is streamed in row blocks converted
+ * to double, so memory stays O(d^2 + block), not O(n d) doubles.
+ * n < d: the smaller Gram A A^T gives U = top eigenvectors, W = U^T A.
+ */
+static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                                    float *w)
+{
+    skv_status st = SKV_OK;
+    if (n < d) {
+        int32_t m = (int32_t)n;
+        double *ad = malloc((size_t)n * d * sizeof *ad), *g = calloc((size_t)m * m, sizeof *g);
+        double *v = malloc((size_t)m * r * sizeof *v), *wd = malloc((size_t)r * d * sizeof *wd);
+        if (!ad || !g || !v || !wd) st = SKV_ERR_OUT_OF_MEMORY;
+        if (!st) {
+            skv_cpu_rows_f64(a, n, d, ad);
+            cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, m, d, 1.0, ad, d, 0.0, g, m);
+            st = skv_cpu_top_eigvecs(g, m, r, v);
+        }
+        if (!st) {
+            cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r, d, m, 1.0, v, r, ad, d, 0.0, wd, d);
+            for (size_t i = 0; i < (size_t)m * r; i++) u[i] = (float)v[i];
+            for (size_t i = 0; i < (size_t)r * d; i++) w[i] = (float)wd[i];
+        }
+        free(ad);
+        free(g);
+        free(v);
+        free(wd);
+        return st;
+    }
+    /* block rows: ~8 MB of doubles, enough K for dsyrk/dgemm to run near peak */
+    int64_t nb = ((int64_t)1 << 20) / d;
+    if (nb < 64) nb = 64;
+    if (nb > n) nb = n;
+    double *g = calloc((size_t)d * d, sizeof *g), *blk = malloc((size_t)nb * d * sizeof *blk);
+    double *v = malloc((size_t)d * r * sizeof *v), *ub = malloc((size_t)nb * r * sizeof *ub);
+    if (!g || !blk || !v || !ub) st = SKV_ERR_OUT_OF_MEMORY;
+    for (int64_t t = 0; !st && t < n; t += nb) {
+        int64_t rows = n - t < nb ? n - t : nb;
+        skv_cpu_rows_f64(a + (size_t)t * d, rows, d, blk);
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, (int)rows, 1.0, blk, d, 1.0, g, d);
+    }
+    if (!st) st = skv_cpu_top_eigvecs(g, d, r, v);
+    for (int64_t t = 0; !st && t < n; t += nb) {
+        int64_t rows = n - t < nb ? n - t : nb;
+        skv_cpu_rows_f64(a + (size_t)t * d, rows, d, blk);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, r, d, 1.0, blk, d, v, r, 0.0, ub, r);
+        for (size_t i = 0; i < (size_t)rows * r; i++) u[(size_t)t * r + i] = (float)ub[i];
+    }
+    if (!st)
+        for (int32_t q = 0; q < r; q++)
+            for (int32_t i = 0; i < d; i++) w[(size_t)q * d + i] = (float)v[(size_t)i * r + q];
+    free(g);
+    free(blk);
+    free(v);
+    free(ub);
+    return st;
+}
+
+/* ---- RoPE --------------------------------------------------------------------------- */
+
+static skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H,
+                               int64_t pos0, const float *cos_tab, const float *sin_tab,
+                               const skv_bf16 *in, skv_bf16 *out)
+{
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    int64_t rows = n_tokens * H;
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t row = 0; row < rows; row++) {
+        float x[SKV_CPU_MAX_D]; /* row converted first: in == out is allowed */
+        int64_t t = row / H;
+        skv_cpu_to_f32(in + row * D, x, D);
+        skv_cpu_rope_row(x, D, R, rope->interleaved, cos_tab + (pos0 + t) * h2, sin_tab + (pos0 + t) * h2,
+                         out + row * D);
+    }
+    return SKV_OK;
+}
+
+/* ---- landmarks and outliers ----------------------------------------------------------- */
+
+/*
+ * skv_chunk_landmark_score, vectorized across the chunk's tokens: lane i is
+ * token i's cos chain (ab, aa, bb: fmaf over d in order, from 0), so each lane
+ * reproduces the scalar function's value exactly; the min over tokens is then
+ * taken in token order with the same NaN rule. The mean is vectorized over d
+ * (each d is its own in-order token sum).
+ */
+static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, float *mean)
+{
+#if SKV_CPU_SIMD
+    int d = 0;
+    __m256 inv_c = _mm256_set1_ps((float)c);
+    for (; d + 8 <= D; d += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int t = 0; t < c; t++) acc = _mm256_add_ps(acc, skv_cpu_ld8(k + t * ts + d));
+        _mm256_storeu_ps(mean + d, _mm256_div_ps(acc, inv_c));
+    }
+    for (; d < D; d++) {
+        float acc = 0.0f;
+        for (int t = 0; t < c; t++) acc = SKV_ADD(acc, skv_bf16_to_f32(k[t * ts + d]));
+        mean[d] = SKV_DIV(acc, (float)c);
+    }
+    float best = 0.0f;
+    for (int t0 = 0; t0 < c; t0 += 8) {
+        int nt = skv_cpu_min(8, c - t0);
+        const skv_bf16 *p[8];
+        for (int i = 0; i < 8; i++) p[i] = k + (t0 + skv_cpu_min(i, nt - 1)) * ts; /* pad: repeat a row */
+        __m256 ab = _mm256_setzero_ps(), aa = ab, bb = ab;
+        for (d = 0; d + 8 <= D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = skv_cpu_ld8(p[i] + d);
+            skv_cpu_transpose8(r);
+            for (int e = 0; e < 8; e++) {
+                __m256 m = _mm256_broadcast_ss(mean + d + e);
+                ab = _mm256_fmadd_ps(r[e], m, ab);
+                aa = _mm256_fmadd_ps(r[e], r[e], aa);
+                bb = _mm256_fmadd_ps(m, m, bb);
+            }
+        }
+        for (; d < D; d++) {
+            __m256 x = skv_cpu_col8(p, d), m = _mm256_broadcast_ss(mean + d);
+            ab = _mm256_fmadd_ps(x, m, ab);
+            aa = _mm256_fmadd_ps(x, x, aa);
+            bb = _mm256_fmadd_ps(m, m, bb);
+        }
+        /* vmaxps(x, 1e-8) returns 1e-8 when x is NaN, as fmaxf does */
+        __m256 den = _mm256_max_ps(_mm256_mul_ps(_mm256_sqrt_ps(aa), _mm256_sqrt_ps(bb)), _mm256_set1_ps(1e-8f));
+        float sv[8];
+        _mm256_storeu_ps(sv, _mm256_div_ps(ab, den));
+        for (int i = 0; i < nt; i++) {
+            float s = sv[i];
+            if (t0 + i == 0 || s < best || s != s) best = s;
+            if (best != best) return best;
+        }
+    }
+    return best;
+#else
+    return skv_chunk_landmark_score(k, ts, c, D, mean);
+#endif
+}
+
+static skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                             const skv_bf16 *k_post, int32_t *outlier_ids,
+                                             int32_t *candidate_ids, skv_bf16 *landmarks)
+{
+    if (N <= 0 || O < 0 || O >= N) return SKV_ERR_INVALID_ARGUMENT;
+    size_t nh = (size_t)Hk * N;
+    skv_bf16 *lm = malloc(nh * D * sizeof *lm); /* every chunk's landmark, [Hk, N, D] */
+    float *key = malloc(nh * sizeof *key);
+    int32_t *scratch = malloc(nh * sizeof *scratch);
+    char *is_out = calloc(nh, 1);
+    if (!lm || !key || !scratch || !is_out) {
+        free(lm);
+        free(key);
+        free(scratch);
+        free(is_out);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    int32_t n_cand = N - O;
+#pragma omp parallel
+    {
+        /* token-major input: chunk j of head h is c rows of stride Hk*D */
+#pragma omp for schedule(static)
+        for (int64_t jh = 0; jh < (int64_t)nh; jh++) {
+            int64_t j = jh / Hk, h = jh % Hk;
+            float mean[SKV_CPU_MAX_D];
+            float s = skv_cpu_chunk_score(k_post + ((size_t)j * c * Hk + h) * D, (int64_t)Hk * D, c, D, mean);
+            key[h * N + j] = skv_outlier_key(s);
+            skv_bf16 *l = lm + ((size_t)h * N + j) * D;
+            for (int32_t d = 0; d < D; d++) l[d] = skv_f32_to_bf16(mean[d]);
+        }
+#pragma omp for schedule(static)
+        for (int32_t h = 0; h < Hk; h++) {
+            int32_t *oid = outlier_ids + (size_t)h * O;
+            char *mark = is_out + (size_t)h * N;
+            if (O > 0) skv_topk_indices(key + (size_t)h * N, N, O, 1, scratch + (size_t)h * N, oid);
+            for (int32_t o = 0; o < O; o++) mark[oid[o]] = 1;
+            int32_t m = 0;
+            for (int32_t j = 0; j < N; j++) {
+                if (mark[j]) continue;
+                candidate_ids[(size_t)h * n_cand + m] = j;
+                memcpy(landmarks + ((size_t)h * n_cand + m) * D, lm + ((size_t)h * N + j) * D, (size_t)D * sizeof *lm);
+                m++;
+            }
+        }
+    }
+    free(lm);
+    free(key);
+    free(scratch);
+    free(is_out);
+    return SKV_OK;
+}
+
+/* ---- score and select --------------------------------------------------------------- */
+
+/*
+ * dot(q_g, L_j) for 8 candidates j (rows L, L+D, ...) and 4 queries qf[4][D]:
+ * lanes are candidates, each lane is skv_dot_bf16's fmaf chain over d = 0..D-1
+ * from 0, so the values are bit-identical to it. out[g*ld + lane].
+ */
+#if SKV_CPU_SIMD
+static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out, int64_t ld)
+{
+    const skv_bf16 *p[8];
+    for (int i = 0; i < 8; i++) p[i] = L + (size_t)i * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = skv_cpu_ld8(p[i] + d);
+        skv_cpu_transpose8(r);
+        for (int e = 0; e < 8; e++) {
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + d + e), r[e], a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + D + d + e), r[e], a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 2 * D + d + e), r[e], a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 3 * D + d + e), r[e], a3);
+        }
+    }
+    for (; d < D; d++) {
+        __m256 x = skv_cpu_col8(p, d);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + d), x, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + D + d), x, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 2 * D + d), x, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 3 * D + d), x, a3);
+    }
+    _mm256_storeu_ps(out, a0);
+    _mm256_storeu_ps(out + ld, a1);
+    _mm256_storeu_ps(out + 2 * ld, a2);
+    _mm256_storeu_ps(out + 3 * ld, a3);
+}
+#endif
+
+static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+                                       float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                       const int32_t *candidate_ids, int32_t *sel_idx,
+                                       int32_t *sel_ids, float *amax)
+{
+    int32_t G = Hq / Hk, G4 = (G + 3) / 4 * 4; /* queries padded to groups of 4 (zero rows) */
+    const int32_t JB = 64;                     /* candidates per work item */
+    int64_t nblk = (n_cand + JB - 1) / JB;
+    float *s = malloc((size_t)Hk * G4 * n_cand * sizeof *s);     /* scores, then probabilities */
+    float *qf = calloc((size_t)Hk * G4 * D, sizeof *qf);
+    float *a = malloc((size_t)Hk * n_cand * sizeof *a);
+    int32_t *scratch = malloc((size_t)Hk * n_cand * sizeof *scratch);
+    if (!s || !qf || !a || !scratch) {
+        free(s);
+        free(qf);
+        free(a);
+        free(scratch);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + ((size_t)(i / G) * G4 + i % G) * D, D);
+#pragma omp parallel
+    {
+        /* 1. s = dot(q, L) * scale, items = (head, block of candidates, group of 4 queries) */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < (int64_t)Hk * nblk * (G4 / 4); it++) {
+            int64_t g4 = it % (G4 / 4), b = it / (G4 / 4) % nblk, h = it / (G4 / 4) / nblk;
+            int32_t j0 = (int32_t)b * JB, j1 = skv_cpu_min(j0 + JB, n_cand), j = j0;
+            const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
+            const float *qg = qf + ((size_t)h * G4 + g4 * 4) * D;
+            float *sg = s + ((size_t)h * G4 + g4 * 4) * n_cand;
+#if SKV_CPU_SIMD
+            for (; j + 8 <= j1; j += 8) skv_cpu_dot8x4(qg, D, L + (size_t)j * D, sg + j, n_cand);
+#endif
+            for (; j < j1; j++)
+                for (int g = 0; g < 4; g++) sg[g * n_cand + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
+            for (int g = 0; g < 4; g++)
+                for (j = j0; j < j1; j++) sg[g * n_cand + j] = SKV_MUL(sg[g * n_cand + j], scale);
+        }
+        /* 2. softmax per query head, exactly as ref */
+#pragma omp for schedule(static)
+        for (int32_t i = 0; i < Hq; i++) {
+            float *si = s + ((size_t)(i / G) * G4 + i % G) * n_cand;
+            float M = si[0];
+            for (int32_t j = 1; j < n_cand; j++)
+                if (si[j] > M) M = si[j];
+            for (int32_t j = 0; j < n_cand; j++) si[j] = skv_expf(SKV_SUB(si[j], M));
+            float Z = skv_canonical_sum(si, n_cand);
+            for (int32_t j = 0; j < n_cand; j++) si[j] = SKV_DIV(si[j], Z);
+        }
+        /* 3. max over the group, top-S per KV head */
+#pragma omp for schedule(static)
+        for (int32_t h = 0; h < Hk; h++) {
+            float *ah = a + (size_t)h * n_cand;
+            const float *sh = s + (size_t)h * G4 * n_cand;
+            memcpy(ah, sh, (size_t)n_cand * sizeof *ah);
+            for (int32_t g = 1; g < G; g++)
+                for (int32_t j = 0; j < n_cand; j++)
+                    if (sh[(size_t)g * n_cand + j] > ah[j]) ah[j] = sh[(size_t)g * n_cand + j];
+            if (amax) memcpy(amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
+            for (int32_t j = 0; j < n_cand; j++) ah[j] = skv_select_key(ah[j]);
+            int32_t *si = sel_idx + (size_t)h * S;
+            skv_topk_indices(ah, n_cand, S, 0, scratch + (size_t)h * n_cand, si);
+            if (sel_ids)
+                for (int32_t k = 0; k < S; k++) sel_ids[(size_t)h * S + k] = candidate_ids[(size_t)h * n_cand + si[k]];
+        }
+    }
+    free(s);
+    free(qf);
+    free(a);
+    free(scratch);
+    return SKV_OK;
+}
+
+/* ---- rebuild keys --------------------------------------------------------------------- */
+
+/*
+ * The decode hot spot. Gather the selected tokens' U rows as float (all heads,
+ * one parallel region), one sgemm per head against W_h read in place from the
+ * float copy of W (ldb = Hk*D), then RoPE (one parallel region). Float
+ * accumulation inside sgemm: tolerance-checked (DESIGN.md section 6).
+ */
+static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
+                                       int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
+                                       const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out)
+{
+    (void)n;
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    int64_t M = (int64_t)S * c, rows = (int64_t)Hk * M, width = (int64_t)Hk * D;
+    float *wf = malloc((size_t)r * width * sizeof *wf);
+    float *uf = malloc((size_t)rows * r * sizeof *uf);
+    float *x = malloc((size_t)rows * D * sizeof *x);
+    if (!wf || !uf || !x) {
+        free(wf);
+        free(uf);
+        free(x);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(static) nowait
+        for (int32_t k = 0; k < r; k++) skv_cpu_to_f32(w + (size_t)k * width, wf + (size_t)k * width, width);
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
+            int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
+            skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
+        }
+    }
+    for (int32_t h = 0; h < Hk; h++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, D, r, 1.0f, uf + (size_t)h * M * r, r,
+                    wf + (size_t)h * D, (int)width, 0.0f, x + (size_t)h * M * D, D);
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
+        skv_cpu_rope_row(x + (size_t)row * D, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                         k_out + (size_t)row * D);
+    }
+    free(wf);
+    free(uf);
+    free(x);
+    return SKV_OK;
+}
+
+/* ---- gather values --------------------------------------------------------------------- */
+
+static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
+                                        const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+{
+    size_t block = (size_t)c * D;
+#pragma omp parallel for schedule(static)
+    for (int64_t hs = 0; hs < (int64_t)Hk * S; hs++)
+        memcpy(v_out + hs * block, store + ((size_t)(hs / S) * n_store + idx[hs]) * block, block * sizeof *store);
+    return SKV_OK;
+}
+
+/* ---- attention ------------------------------------------------------------------------- */
+
+/*
+ * Split-K attention (flash-decoding): the tokens of each KV head (spans
+ * concatenated) are cut into blocks of SKV_CPU_BT; each (head, block) item
+ * computes, for the G query heads of the group, its block max m, sum of
+ * weights l and unnormalized sum acc; the blocks are then merged in order.
+ * Fixed block size, fixed merge order: the result does not depend on the
+ * thread count. Reads bf16 K/V directly (no float copy).
+ */
+#define SKV_CPU_BT 256
+
+struct skv_cpu_attn {
+    int32_t G, Hk, D, Dp, n_spans;
+    float scale;
+    const float *qf;        /* [Hq, Dp], zero padded */
+    const skv_kv_span *spans;
+    const int64_t *off;     /* span start offsets in the concatenated token list */
+    float *part;            /* per item: [G] m, [G] l, [G][Dp] acc */
+};
+
+static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1, float *sc)
+{
+    int32_t G = A->G, D = A->D, Dp = A->Dp;
+    int64_t nt = t1 - t0;
+    const float *qh = A->qf + (size_t)h * G * Dp;
+    float *m = A->part, *l = m + G, *acc = l + G;
+    /* pass 1: scores sc[g*BT + tt] */
+    int sp = 0;
+    while (A->off[sp + 1] <= t0) sp++;
+    for (int64_t t = t0; t < t1; t++) {
+        while (A->off[sp + 1] <= t) sp++;
+        const skv_kv_span *s = &A->spans[sp];
+        const skv_bf16 *k = s->k + h * s->head_stride + (t - A->off[sp]) * s->token_stride;
+        for (int32_t g = 0; g < G; g++) {
+            const float *qg = qh + (size_t)g * Dp;
+            float dot = 0.0f;
+            int32_t d = 0;
+#if SKV_CPU_SIMD
+            __m256 v0 = _mm256_setzero_ps(), v1 = v0;
+            for (; d + 16 <= D; d += 16) {
+                v0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), skv_cpu_ld8(k + d), v0);
+                v1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), skv_cpu_ld8(k + d + 8), v1);
+            }
+            for (; d + 8 <= D; d += 8) v0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), skv_cpu_ld8(k + d), v0);
+            dot = skv_cpu_hsum(_mm256_add_ps(v0, v1));
+#endif
+            for (; d < D; d++) dot += qg[d] * skv_bf16_to_f32(k[d]);
+            sc[(size_t)g * SKV_CPU_BT + (t - t0)] = dot * A->scale;
+        }
+    }
+    for (int32_t g = 0; g < G; g++) {
+        float *sg = sc + (size_t)g * SKV_CPU_BT, mx = sg[0], sum = 0.0f;
+        for (int64_t tt = 1; tt < nt; tt++) mx = sg[tt] > mx ? sg[tt] : mx;
+        for (int64_t tt = 0; tt < nt; tt++) {
+            sg[tt] = expf(sg[tt] - mx);
+            sum += sg[tt];
+        }
+        m[g] = mx;
+        l[g] = sum;
+    }
+    /* pass 2: acc_g = sum_t w_gt v_t */
+    memset(acc, 0, (size_t)G * Dp * sizeof *acc);
+    sp = 0;
+    while (A->off[sp + 1] <= t0) sp++;
+    for (int64_t t = t0; t < t1; t++) {
+        while (A->off[sp + 1] <= t) sp++;
+        const skv_kv_span *s = &A->spans[sp];
+        const skv_bf16 *v = s->v + h * s->head_stride + (t - A->off[sp]) * s->token_stride;
+        int32_t d = 0;
+#if SKV_CPU_SIMD
+        for (; d + 8 <= D; d += 8) {
+            __m256 vv = skv_cpu_ld8(v + d);
+            for (int32_t g = 0; g < G; g++) {
+                float *ag = acc + (size_t)g * Dp + d;
+                __m256 wg = _mm256_broadcast_ss(sc + (size_t)g * SKV_CPU_BT + (t - t0));
+                _mm256_storeu_ps(ag, _mm256_fmadd_ps(wg, vv, _mm256_loadu_ps(ag)));
+            }
+        }
+#endif
+        for (; d < D; d++) {
+            float vd = skv_bf16_to_f32(v[d]);
+            for (int32_t g = 0; g < G; g++) acc[(size_t)g * Dp + d] += sc[(size_t)g * SKV_CPU_BT + (t - t0)] * vd;
+        }
+    }
+}
+
+static skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                           const skv_bf16 *q, int32_t n_spans,
+                                           const skv_kv_span *spans, float *out)
+{
+    int32_t G = Hq / Hk, Dp = (D + 7) / 8 * 8;
+    int64_t off[SKV_MAX_SPANS + 2];
+    off[0] = 0;
+    for (int32_t s = 0; s < n_spans; s++) off[s + 1] = off[s] + spans[s].n_tokens;
+    off[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
+    int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
+    size_t item_sz = (size_t)G * (2 + Dp);
+    int nt = omp_get_max_threads();
+    float *qf = calloc((size_t)Hq * Dp, sizeof *qf);
+    float *part = malloc((size_t)items * item_sz * sizeof *part);
+    float *sc = malloc((size_t)nt * G * SKV_CPU_BT * sizeof *sc);
+    if (!qf || !part || !sc) {
+        free(qf);
+        free(part);
+        free(sc);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
+    struct skv_cpu_attn A = {G, Hk, D, Dp, n_spans, scale, qf, spans, off, NULL};
+#pragma omp parallel num_threads(nt)
+    {
+        float *my_sc = sc + (size_t)omp_get_thread_num() * G * SKV_CPU_BT;
+        struct skv_cpu_attn Ai = A;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t h = it / nblk, b = it % nblk, t0 = b * SKV_CPU_BT;
+            Ai.part = part + (size_t)it * item_sz;
+            skv_cpu_attn_item(&Ai, (int32_t)h, t0, t0 + SKV_CPU_BT < T ? t0 + SKV_CPU_BT : T, my_sc);
+        }
+        /* merge the blocks of each (head, query) in block order */
+#pragma omp for schedule(static)
+        for (int32_t i = 0; i < Hq; i++) {
+            int32_t h = i / G, g = i % G;
+            float M = -INFINITY, L = 0.0f, *o = out + (size_t)i * D;
+            for (int64_t b = 0; b < nblk; b++) {
+                float mb = part[(size_t)(h * nblk + b) * item_sz + g];
+                M = mb > M ? mb : M;
+            }
+            memset(o, 0, (size_t)D * sizeof *o);
+            for (int64_t b = 0; b < nblk; b++) {
+                const float *p = part + (size_t)(h * nblk + b) * item_sz;
+                float f = expf(p[g] - M);
+                const float *ab = p + 2 * G + (size_t)g * Dp;
+                L += f * p[G + g];
+                for (int32_t d = 0; d < D; d++) o[d] += f * ab[d];
+            }
+            for (int32_t d = 0; d < D; d++) o[d] /= L;
+        }
+    }
+    free(qf);
+    free(part);
+    free(sc);
+    return SKV_OK;
+}
+
+static skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                         const skv_bf16 *q, int64_t n_tokens, const skv_bf16 *k,
+                                         const skv_bf16 *v, float *out)
+{
+    skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
+    return skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out);
+}
+
+/* ---- table ----------------------------------------------------------------------------- */
+
+void skv_cpu_fill_ops(struct skv_backend_ops *ops)
+{
+    *ops = skv_ref_ops;
+    ops->name = "cpu";
+    ops->check_finite = skv_cpu_check_finite;
+    ops->set_threads = skv_cpu_set_threads;
+    ops->factorize = skv_cpu_factorize;
+    ops->rope = skv_cpu_rope;
+    ops->landmarks_outliers = skv_cpu_landmarks_outliers;
+    ops->score_select = skv_cpu_score_select;
+    ops->rebuild_keys = skv_cpu_rebuild_keys;
+    ops->gather_values = skv_cpu_gather_values;
+    ops->sparse_attention = skv_cpu_sparse_attention;
+    ops->full_attention = skv_cpu_full_attention;
+}

@@ -1,0 +1,838 @@
+/*
+ * backend_ops.c - every op of every non-ref backend against ref (the ggml
+ * test-backend-ops pattern, see STYLE.md).
+ *
+ * A table of cases {op, shape, init, tolerance}. For each case the inputs are
+ * drawn once from a seed derived from the base seed and the case's index (so
+ * `-s SEED -o OP` replays a case), ref runs on them, then every other
+ * available backend runs on identical copies. Every buffer the op sees sits
+ * between guard zones filled with a sentinel; outputs are poisoned (0xFF
+ * bytes: NaN for float/bf16, -1 for ids) before the call. After the call:
+ * status, guards, inputs unchanged, no poison left, no NaN/Inf, then the
+ * metric: decision outputs (landmarks, outlier/candidate ids, sel_idx,
+ * sel_ids, amax, rope, gathered values) bitwise; float outputs by
+ * NMSE = sum (a-b)^2 / sum a^2 against ref; factorize on the product U W.
+ *
+ *   backend_ops [-b cpu|cuda|ref] [-o op] [-s seed] [--perf] [-v]
+ *
+ * The cuda backend takes device pointers; buffers are staged through
+ * libcudart loaded with dlopen, so the test needs no CUDA at build time.
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "skv_numerics.h"
+#include "testutil.h"
+
+enum { OP_FACTORIZE, OP_ROPE, OP_LANDMARKS, OP_SCORE, OP_REBUILD, OP_GATHER, OP_SPARSE, OP_FULL, N_OPS };
+static const char *op_names[N_OPS] = {"factorize",     "rope",          "landmarks_outliers",
+                                      "score_select",  "rebuild_keys",  "gather_values",
+                                      "sparse_attention", "full_attention"};
+
+enum { INIT_NORMAL, INIT_LOWRANK, INIT_TIES, INIT_NEEDLE, INIT_HUGE, INIT_TINY, N_INITS };
+static const char *init_names[N_INITS] = {"normal", "lowrank", "ties", "needle", "huge", "tiny"};
+
+enum { F_INPLACE = 1, F_MINIMAL = 2, F_STRIDED = 4 };
+
+/*
+ * One case. Field use per op:
+ *  factorize  n, d, r
+ *  rope       n tokens, hk heads, D, R, inter, llama3, pos0 (F_INPLACE: in == out)
+ *  landmarks  N chunks, c, hk, D, O
+ *  score      hq, hk, D, N candidates, S, scale (F_MINIMAL: optional pointers NULL)
+ *  rebuild    n tokens, r, hk, D, c, S, R, inter, llama3
+ *  gather     hk, D, c, N store chunks, S
+ *  sparse     hq, hk, D, S spans, n tokens of the largest span, scale (F_STRIDED: padded strides)
+ *  full       hq, hk, D, n tokens, scale
+ */
+typedef struct tcase {
+    int op, init;
+    double tol; /* NMSE tolerance of the float outputs; decisions are always bitwise */
+    int64_t n, pos0;
+    int32_t d, r, hq, hk, D, c, N, O, S, R, inter, llama3, flags;
+    float scale;
+} tcase;
+
+static const tcase cases[] = {
+    /* factorize: backends differ in algorithm (Gram vs SVD, float vs double), so
+       the product is compared; 1e-5 is ~ (3e-3)^2, far below the rank-r error */
+    {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 512, .d = 256, .r = 32},
+    {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 1024, .d = 512, .r = 160},
+    {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 2048, .d = 1024, .r = 160},
+    {OP_FACTORIZE, INIT_HUGE, 1e-5, .n = 768, .d = 256, .r = 64},
+    {OP_FACTORIZE, INIT_TINY, 1e-5, .n = 512, .d = 384, .r = 48},
+    {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 200, .d = 128, .r = 128},  /* r = d: exact */
+    {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 96, .d = 512, .r = 96},   /* wide, r = n */
+    {OP_FACTORIZE, INIT_TIES, 1e-5, .n = 640, .d = 256, .r = 40},     /* duplicate rows, rank < r */
+    /* rope: the formula and tables are pinned (DESIGN 3.2), so bitwise */
+    {OP_ROPE, INIT_NORMAL, 0, .n = 37, .hk = 8, .D = 128, .R = 128, .pos0 = 0},
+    {OP_ROPE, INIT_NORMAL, 0, .n = 64, .hk = 4, .D = 64, .R = 64, .inter = 1, .pos0 = 1000},
+    {OP_ROPE, INIT_HUGE, 0, .n = 17, .hk = 2, .D = 256, .R = 96, .pos0 = 131000},
+    {OP_ROPE, INIT_NORMAL, 0, .n = 33, .hk = 8, .D = 128, .R = 64, .inter = 1, .llama3 = 1, .pos0 = 20000},
+    {OP_ROPE, INIT_TINY, 0, .n = 16, .hk = 8, .D = 128, .R = 128, .llama3 = 1, .pos0 = 7, .flags = F_INPLACE},
+    /* landmarks and outliers: all bitwise (DESIGN 5) */
+    {OP_LANDMARKS, INIT_NORMAL, 0, .N = 64, .c = 8, .hk = 8, .D = 128, .O = 8},
+    {OP_LANDMARKS, INIT_LOWRANK, 0, .N = 300, .c = 8, .hk = 2, .D = 128, .O = 48},
+    {OP_LANDMARKS, INIT_TIES, 0, .N = 120, .c = 4, .hk = 4, .D = 64, .O = 17},
+    {OP_LANDMARKS, INIT_TIES, 0, .N = 33, .c = 16, .hk = 1, .D = 256, .O = 32},
+    {OP_LANDMARKS, INIT_HUGE, 0, .N = 80, .c = 8, .hk = 8, .D = 128, .O = 10},
+    {OP_LANDMARKS, INIT_TINY, 0, .N = 50, .c = 8, .hk = 2, .D = 128, .O = 5},
+    {OP_LANDMARKS, INIT_NORMAL, 0, .N = 40, .c = 4, .hk = 1, .D = 64, .O = 0},
+    /* score and select: sel_idx, sel_ids and amax bitwise */
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 64},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 256},
+    {OP_SCORE, INIT_TIES, 0, .hq = 8, .hk = 1, .D = 64, .N = 4000, .S = 333, .scale = 0.3f},
+    {OP_SCORE, INIT_NEEDLE, 0, .hq = 8, .hk = 8, .D = 256, .N = 500, .S = 1},
+    {OP_SCORE, INIT_HUGE, 0, .hq = 16, .hk = 4, .D = 128, .N = 700, .S = 50},
+    {OP_SCORE, INIT_TINY, 0, .hq = 32, .hk = 8, .D = 128, .N = 300, .S = 100},
+    {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 2000, .S = 256},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 77},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .flags = F_MINIMAL},
+    /* rebuild keys: float accumulation order is free, bf16 output:
+       1e-5 allows ~1 bf16 ulp (2^-8 relative) on a few percent of elements */
+    {OP_REBUILD, INIT_NORMAL, 1e-5, .n = 4096, .r = 160, .hk = 8, .D = 128, .c = 8, .S = 32, .R = 128},
+    {OP_REBUILD, INIT_LOWRANK, 1e-5, .n = 2048, .r = 32, .hk = 1, .D = 64, .c = 4, .S = 100, .R = 64, .inter = 1},
+    {OP_REBUILD, INIT_HUGE, 1e-5, .n = 8192, .r = 96, .hk = 2, .D = 256, .c = 16, .S = 20, .R = 128, .llama3 = 1},
+    {OP_REBUILD, INIT_TINY, 1e-5, .n = 1024, .r = 64, .hk = 4, .D = 128, .c = 8, .S = 16, .R = 96, .inter = 1},
+    /* gather: a copy, bitwise */
+    {OP_GATHER, INIT_NORMAL, 0, .hk = 8, .D = 128, .c = 8, .N = 200, .S = 64},
+    {OP_GATHER, INIT_TIES, 0, .hk = 2, .D = 64, .c = 4, .N = 50, .S = 50},
+    {OP_GATHER, INIT_NORMAL, 0, .hk = 1, .D = 256, .c = 16, .N = 9, .S = 3},
+    /* attention: float outputs, order of accumulation free */
+    {OP_SPARSE, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 4, .n = 512, .scale = 0.08838834764f},
+    {OP_SPARSE, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 64, .S = 16, .n = 300, .scale = 0.125f, .flags = F_STRIDED},
+    {OP_SPARSE, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 256, .S = 3, .n = 1000, .scale = 0.0625f},
+    {OP_SPARSE, INIT_TINY, 1e-9, .hq = 8, .hk = 8, .D = 128, .S = 2, .n = 64, .scale = 0.05f, .flags = F_STRIDED},
+    {OP_SPARSE, INIT_TIES, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 5, .n = 700, .scale = 0.08838834764f},
+    {OP_FULL, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 4096, .scale = 0.08838834764f},
+    {OP_FULL, INIT_NORMAL, 1e-9, .hq = 8, .hk = 8, .D = 64, .n = 1, .scale = 0.125f},
+    {OP_FULL, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 256, .n = 3000, .scale = 0.0625f},
+    {OP_FULL, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 128, .n = 1500, .scale = 0.08838834764f},
+    {OP_FULL, INIT_LOWRANK, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 8192, .scale = 0.08838834764f},
+};
+#define N_CASES ((int)(sizeof cases / sizeof cases[0]))
+
+static int verbose;
+
+/* ---- tensors and guarded buffers --------------------------------------- */
+
+typedef enum { T_BF16, T_F32, T_I32 } ttype;
+static size_t tsize(ttype t) { return t == T_BF16 ? 2 : 4; }
+
+enum { CMP_EXACT, CMP_NMSE, CMP_FACTOR_U, CMP_FACTOR_W };
+
+typedef struct tensor {
+    const char *name;
+    ttype type;
+    size_t n;   /* elements */
+    void *host; /* inputs: the data; outputs: ref's result once ref ran */
+    int cmp;    /* outputs only */
+    int absent; /* passed as NULL */
+} tensor;
+
+#define MAX_IN 8
+#define MAX_OUT 4
+typedef struct problem {
+    tensor in[MAX_IN], out[MAX_OUT];
+    int n_in, n_out;
+    skv_rope_config rope;
+    int n_spans;
+    struct { int64_t k_off, v_off, n_tokens, head_stride, token_stride; } span[SKV_MAX_SPANS];
+} problem;
+
+#define GUARD 256
+static unsigned char guard_byte(size_t i) { return (unsigned char)(0xA5u ^ (i * 37u)); }
+
+/* minimal cudart, resolved at run time */
+static struct {
+    int loaded;
+    int (*malloc_)(void **, size_t);
+    int (*free_)(void *);
+    int (*memcpy_)(void *, const void *, size_t, int);
+    int (*sync)(void);
+} cu;
+
+static int cuda_load(char *why, size_t cap)
+{
+    const char *libs[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"};
+    void *h = NULL;
+    for (size_t i = 0; i < sizeof libs / sizeof libs[0] && !h; i++) h = dlopen(libs[i], RTLD_NOW);
+    if (!h) {
+        snprintf(why, cap, "cuda available but libcudart could not be loaded to stage device buffers");
+        return 0;
+    }
+    /* dlsym returns void *; a union avoids the object-to-function pointer cast warning */
+    union { void *p; int (*f)(void **, size_t); } m = {dlsym(h, "cudaMalloc")};
+    union { void *p; int (*f)(void *); } f = {dlsym(h, "cudaFree")};
+    union { void *p; int (*f)(void *, const void *, size_t, int); } c = {dlsym(h, "cudaMemcpy")};
+    union { void *p; int (*f)(void); } s = {dlsym(h, "cudaDeviceSynchronize")};
+    if (!m.p || !f.p || !c.p || !s.p) {
+        snprintf(why, cap, "libcudart lacks cudaMalloc/cudaFree/cudaMemcpy/cudaDeviceSynchronize");
+        return 0;
+    }
+    cu.malloc_ = m.f, cu.free_ = f.f, cu.memcpy_ = c.f, cu.sync = s.f, cu.loaded = 1;
+    return 1;
+}
+
+/* A buffer with guard zones; img is the host image [guard | body | guard]. */
+typedef struct gbuf {
+    unsigned char *img;
+    unsigned char *dev; /* cuda: the device copy of img */
+    size_t bytes;
+} gbuf;
+
+static int gbuf_make(gbuf *g, size_t bytes, const void *fill, int on_dev)
+{
+    g->bytes = bytes;
+    g->dev = NULL;
+    g->img = malloc(bytes + 2 * GUARD);
+    if (!g->img) return 0;
+    for (size_t i = 0; i < GUARD; i++) g->img[i] = g->img[GUARD + bytes + i] = guard_byte(i);
+    if (fill) memcpy(g->img + GUARD, fill, bytes);
+    else memset(g->img + GUARD, 0xFF, bytes);
+    if (on_dev) {
+        void *p = NULL;
+        if (cu.malloc_(&p, bytes + 2 * GUARD) != 0) return 0;
+        g->dev = p;
+        if (cu.memcpy_(g->dev, g->img, bytes + 2 * GUARD, 1) != 0) return 0;
+    }
+    return 1;
+}
+static void *gbuf_ptr(gbuf *g) { return (g->dev ? g->dev : g->img) + GUARD; }
+static void *gbuf_body(gbuf *g) { return g->img + GUARD; }
+static void gbuf_fetch(gbuf *g)
+{
+    if (g->dev) cu.memcpy_(g->img, g->dev, g->bytes + 2 * GUARD, 2);
+}
+static int gbuf_guards_ok(const gbuf *g)
+{
+    for (size_t i = 0; i < GUARD; i++)
+        if (g->img[i] != guard_byte(i) || g->img[GUARD + g->bytes + i] != guard_byte(i)) return 0;
+    return 1;
+}
+static void gbuf_free(gbuf *g)
+{
+    if (g->dev) cu.free_(g->dev);
+    free(g->img);
+    g->img = NULL;
+    g->dev = NULL;
+}
+
+/* ---- input generation -------------------------------------------------- */
+
+static skvt_rng rng;
+
+static void *xmalloc(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "backend_ops: out of memory (%zu bytes)\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+static skv_bf16 *new_bf16(size_t n) { return xmalloc(n * sizeof(skv_bf16)); }
+static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
+
+/* rows x cols keys with low-rank structure and a few heavy channels, like real keys */
+static void fill_lowrank(skv_bf16 *x, int64_t rows, int cols, int k, double noise)
+{
+    double *b = xmalloc(sizeof(double) * (size_t)rows * (size_t)k);
+    double *c = xmalloc(sizeof(double) * (size_t)k * (size_t)cols);
+    double *chan = xmalloc(sizeof(double) * (size_t)cols);
+    for (int64_t i = 0; i < rows * k; i++) b[i] = skvt_rng_normal(&rng);
+    for (int64_t i = 0; i < (int64_t)k * cols; i++) c[i] = skvt_rng_normal(&rng) / ((double)(i / cols) + 1.0);
+    for (int j = 0; j < cols; j++) chan[j] = skvt_rng_uniform(&rng) < 0.05 ? 8.0 : 1.0;
+    for (int64_t i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            double s = 0;
+            for (int t = 0; t < k; t++) s += b[i * k + t] * c[(int64_t)t * cols + j];
+            x[i * cols + j] = bf(chan[j] * (s / sqrt((double)k) + noise * skvt_rng_normal(&rng)));
+        }
+    free(b);
+    free(c);
+    free(chan);
+}
+
+/* fill by init kind: normal, lowrank, huge rows, tiny; ties/needle are op-specific */
+static void fill_kind(skv_bf16 *x, int64_t rows, int cols, int init)
+{
+    size_t n = (size_t)rows * (size_t)cols;
+    switch (init) {
+    case INIT_LOWRANK: fill_lowrank(x, rows, cols, cols < 16 ? cols : 16, 0.05); break;
+    case INIT_TINY: skvt_fill_bf16_normal(&rng, x, n, 0x1p-60); break;
+    case INIT_HUGE:
+        skvt_fill_bf16_normal(&rng, x, n, 1.0);
+        for (int64_t i = 0; i < rows; i++)
+            if (skvt_rng_uniform(&rng) < 0.02)
+                for (int j = 0; j < cols; j++) x[i * cols + j] = bf(1e3 * skvt_rng_normal(&rng));
+        break;
+    default: skvt_fill_bf16_normal(&rng, x, n, 1.0); break;
+    }
+}
+
+static void add_in(problem *p, const char *name, ttype t, size_t n, void *host)
+{
+    tensor *x = &p->in[p->n_in++];
+    memset(x, 0, sizeof *x);
+    x->name = name, x->type = t, x->n = n, x->host = host;
+}
+
+static void add_out(problem *p, const char *name, ttype t, size_t n, int cmp, int absent)
+{
+    tensor *x = &p->out[p->n_out++];
+    memset(x, 0, sizeof *x);
+    x->name = name, x->type = t, x->n = n, x->cmp = cmp, x->absent = absent;
+    x->host = xmalloc(n * tsize(t));
+}
+
+/* sorted distinct ids in [0, range), count of them, including 0 and range-1 when count >= 2 */
+static void pick_sorted(int32_t *ids, int count, int range)
+{
+    char *used = calloc((size_t)range, 1);
+    int k = 0;
+    if (count >= 2) {
+        used[0] = used[range - 1] = 1;
+        k = 2;
+    }
+    while (k < count) {
+        int j = (int)skvt_rng_range(&rng, 0, range - 1);
+        if (!used[j]) used[j] = 1, k++;
+    }
+    k = 0;
+    for (int j = 0; j < range; j++)
+        if (used[j]) ids[k++] = j;
+    free(used);
+}
+
+static void rope_tables(problem *p, const tcase *tc, int64_t npos)
+{
+    p->rope = skv_config_default().rope;
+    p->rope.rotary_dim = tc->R;
+    p->rope.interleaved = tc->inter;
+    p->rope.llama3_scaling = tc->llama3;
+    size_t len = skv_rope_table_len(&p->rope, tc->D, npos);
+    float *ct = xmalloc(len * sizeof(float)), *st = xmalloc(len * sizeof(float));
+    skv_status s = skv_rope_table_build(&p->rope, tc->D, npos, ct, st);
+    if (s != SKV_OK) printf("  rope tables: %s\n", skv_status_string(s));
+    add_in(p, "cos_tab", T_F32, len, ct);
+    add_in(p, "sin_tab", T_F32, len, st);
+}
+
+static void make_problem(const tcase *tc, problem *p)
+{
+    memset(p, 0, sizeof *p);
+    int init = tc->init;
+    switch (tc->op) {
+    case OP_FACTORIZE: {
+        skv_bf16 *a = new_bf16((size_t)tc->n * (size_t)tc->d);
+        if (init == INIT_TIES) { /* rows repeat 12 base rows: rank 12 < r, tied singular values */
+            skvt_fill_bf16_normal(&rng, a, (size_t)12 * (size_t)tc->d, 1.0);
+            for (int64_t i = 12; i < tc->n; i++) memcpy(a + i * tc->d, a + (i % 12) * tc->d, sizeof(skv_bf16) * (size_t)tc->d);
+        } else {
+            fill_kind(a, tc->n, tc->d, init);
+        }
+        add_in(p, "a", T_BF16, (size_t)tc->n * (size_t)tc->d, a);
+        add_out(p, "u", T_F32, (size_t)tc->n * (size_t)tc->r, CMP_FACTOR_U, 0);
+        add_out(p, "w", T_F32, (size_t)tc->r * (size_t)tc->d, CMP_FACTOR_W, 0);
+        break;
+    }
+    case OP_ROPE: {
+        size_t n = (size_t)tc->n * (size_t)tc->hk * (size_t)tc->D;
+        skv_bf16 *x = new_bf16(n);
+        fill_kind(x, tc->n * tc->hk, tc->D, init);
+        add_in(p, "in", T_BF16, n, x);
+        rope_tables(p, tc, tc->pos0 + tc->n);
+        add_out(p, "out", T_BF16, n, CMP_EXACT, 0);
+        break;
+    }
+    case OP_LANDMARKS: {
+        int64_t rows = (int64_t)tc->N * tc->c;
+        size_t n = (size_t)rows * (size_t)tc->hk * (size_t)tc->D;
+        skv_bf16 *k = new_bf16(n);
+        fill_kind(k, rows * tc->hk, tc->D, init);
+        if (init == INIT_TIES) {
+            /* chunk j >= 5 repeats chunk j % 5 (tied scores); every 7th chunk
+               is one token repeated (cos = 1); every 11th is all zero (cos = 0) */
+            size_t chunk_elems = (size_t)tc->c * (size_t)tc->hk * (size_t)tc->D;
+            for (int j = 5; j < tc->N; j++) memcpy(k + j * chunk_elems, k + (j % 5) * chunk_elems, chunk_elems * 2);
+            for (int j = 0; j < tc->N; j += 7)
+                for (int t = 1; t < tc->c; t++)
+                    memcpy(k + j * chunk_elems + (size_t)t * tc->hk * tc->D, k + j * chunk_elems,
+                           (size_t)tc->hk * tc->D * 2);
+            for (int j = 3; j < tc->N; j += 11) memset(k + j * chunk_elems, 0, chunk_elems * 2);
+        }
+        add_in(p, "k_post", T_BF16, n, k);
+        add_out(p, "outlier_ids", T_I32, (size_t)tc->hk * (size_t)tc->O, CMP_EXACT, 0);
+        add_out(p, "candidate_ids", T_I32, (size_t)tc->hk * (size_t)(tc->N - tc->O), CMP_EXACT, 0);
+        add_out(p, "landmarks", T_BF16, (size_t)tc->hk * (size_t)(tc->N - tc->O) * (size_t)tc->D, CMP_EXACT, 0);
+        break;
+    }
+    case OP_SCORE: {
+        int G = tc->hq / tc->hk, D = tc->D, N = tc->N;
+        skv_bf16 *q = new_bf16((size_t)tc->hq * D), *l = new_bf16((size_t)tc->hk * N * D);
+        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)tc->hk * N);
+        fill_kind(q, tc->hq, D, init == INIT_HUGE ? INIT_NORMAL : init);
+        fill_kind(l, (int64_t)tc->hk * N, D, init == INIT_HUGE ? INIT_NORMAL : init);
+        if (init == INIT_HUGE) /* scores in the hundreds: most probabilities underflow to exactly 0 */
+            for (int i = 0; i < tc->hq * D; i++) q[i] = bf(skv_bf16_to_float(q[i]) * 40.0);
+        if (init == INIT_TIES) /* candidate j repeats candidate j % 7 of its head: many exact ties */
+            for (int h = 0; h < tc->hk; h++)
+                for (int j = 7; j < N; j++) memcpy(l + ((size_t)h * N + j) * D, l + ((size_t)h * N + j % 7) * D, 2 * (size_t)D);
+        if (init == INIT_NEEDLE) /* one candidate per KV head along a query of its group */
+            for (int h = 0; h < tc->hk; h++) {
+                int j = (int)skvt_rng_range(&rng, 0, N - 1), g = (int)skvt_rng_range(&rng, 0, G - 1);
+                for (int d = 0; d < D; d++) l[((size_t)h * N + j) * D + d] = bf(2.0 * skv_bf16_to_float(q[(h * G + g) * D + d]));
+            }
+        for (int h = 0; h < tc->hk; h++) pick_sorted(ids + (size_t)h * N, N, 3 * N + 10);
+        add_in(p, "q", T_BF16, (size_t)tc->hq * D, q);
+        add_in(p, "landmarks", T_BF16, (size_t)tc->hk * N * D, l);
+        add_in(p, "candidate_ids", T_I32, (size_t)tc->hk * N, ids);
+        int minimal = (tc->flags & F_MINIMAL) != 0;
+        p->in[2].absent = minimal;
+        add_out(p, "sel_idx", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, 0);
+        add_out(p, "sel_ids", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, minimal);
+        add_out(p, "amax", T_F32, (size_t)tc->hk * N, CMP_EXACT, minimal);
+        break;
+    }
+    case OP_REBUILD: {
+        int64_t n = tc->n;
+        int hd = tc->hk * tc->D, nchunks = (int)(n / tc->c);
+        skv_bf16 *u = new_bf16((size_t)n * tc->r), *w = new_bf16((size_t)tc->r * hd);
+        fill_kind(u, n, tc->r, init);
+        if (init == INIT_LOWRANK) /* U = A V: decaying columns */
+            for (int64_t i = 0; i < n * tc->r; i++) u[i] = bf(skv_bf16_to_float(u[i]) * 20.0 / (1.0 + (double)(i % tc->r)));
+        skvt_fill_bf16_normal(&rng, w, (size_t)tc->r * hd, (init == INIT_TINY ? 0x1p-40 : 1.0) / sqrt((double)tc->r));
+        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
+        for (int h = 0; h < tc->hk; h++) pick_sorted(ids + (size_t)h * tc->S, tc->S, nchunks);
+        add_in(p, "u", T_BF16, (size_t)n * tc->r, u);
+        add_in(p, "w", T_BF16, (size_t)tc->r * hd, w);
+        add_in(p, "chunk_ids", T_I32, (size_t)tc->hk * tc->S, ids);
+        rope_tables(p, tc, n);
+        add_out(p, "k_out", T_BF16, (size_t)tc->hk * tc->S * tc->c * tc->D, CMP_NMSE, 0);
+        break;
+    }
+    case OP_GATHER: {
+        size_t n = (size_t)tc->hk * tc->N * tc->c * tc->D;
+        skv_bf16 *st = new_bf16(n);
+        skvt_fill_bf16_normal(&rng, st, n, 1.0);
+        int32_t *idx = xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
+        for (int h = 0; h < tc->hk; h++) {
+            if (init == INIT_TIES) /* any order, repeats allowed: a plain gather */
+                for (int s = 0; s < tc->S; s++) idx[h * tc->S + s] = (int32_t)skvt_rng_range(&rng, 0, tc->N - 1);
+            else
+                pick_sorted(idx + (size_t)h * tc->S, tc->S, tc->N);
+        }
+        add_in(p, "store", T_BF16, n, st);
+        add_in(p, "idx", T_I32, (size_t)tc->hk * tc->S, idx);
+        add_out(p, "v_out", T_BF16, (size_t)tc->hk * tc->S * tc->c * tc->D, CMP_EXACT, 0);
+        break;
+    }
+    case OP_SPARSE:
+    case OP_FULL: {
+        int D = tc->D, hk = tc->hk, G = tc->hq / tc->hk;
+        skv_bf16 *q = new_bf16((size_t)tc->hq * D);
+        fill_kind(q, tc->hq, D, init == INIT_TINY ? INIT_TINY : INIT_NORMAL);
+        /* spans: span s has n / (s+1) tokens (span 1 empty when there are > 2),
+           alternating token-major [T, Hk, D] and head-major [Hk, T, D] layouts,
+           with padding when F_STRIDED */
+        int nsp = tc->op == OP_FULL ? 1 : tc->S;
+        int pad = (tc->flags & F_STRIDED) ? 8 : 0;
+        int64_t total = 0;
+        for (int s = 0; s < nsp; s++) {
+            int64_t T = (nsp > 2 && s == 1) ? 0 : (tc->op == OP_FULL ? tc->n : tc->n / (s + 1));
+            int head_major = tc->op == OP_SPARSE && s % 2 == 1;
+            p->span[s].n_tokens = T;
+            p->span[s].token_stride = head_major ? D + pad : (int64_t)hk * (D + pad);
+            p->span[s].head_stride = head_major ? T * (D + pad) + pad : D + pad;
+            p->span[s].k_off = p->span[s].v_off = total;
+            total += T * hk * (D + pad) + (head_major ? hk * pad : 0);
+        }
+        p->n_spans = nsp;
+        total = (total + D - 1) / D * D; /* whole rows, so padding holds ordinary values too */
+        skv_bf16 *k = new_bf16((size_t)total), *v = new_bf16((size_t)total);
+        fill_kind(k, total / D, D, init == INIT_TIES || init == INIT_NEEDLE ? INIT_NORMAL : init);
+        fill_kind(v, total / D, D, INIT_NORMAL);
+        if (init == INIT_TIES) /* many identical keys: equal scores */
+            for (int64_t i = 0; i < total; i++) k[i] = k[i % (3 * D)];
+        if (init == INIT_NEEDLE) /* in each span one key per KV head along a query of its group */
+            for (int s = 0; s < nsp; s++)
+                for (int h = 0; h < hk && p->span[s].n_tokens > 0; h++) {
+                    int64_t t = skvt_rng_range(&rng, 0, p->span[s].n_tokens - 1);
+                    int g = (int)skvt_rng_range(&rng, 0, G - 1);
+                    skv_bf16 *dst = k + p->span[s].k_off + h * p->span[s].head_stride + t * p->span[s].token_stride;
+                    for (int d = 0; d < D; d++) dst[d] = bf(3.0 * skv_bf16_to_float(q[(h * G + g) * D + d]));
+                }
+        add_in(p, "q", T_BF16, (size_t)tc->hq * D, q);
+        add_in(p, "k", T_BF16, (size_t)total, k);
+        add_in(p, "v", T_BF16, (size_t)total, v);
+        add_out(p, "out", T_F32, (size_t)tc->hq * D, CMP_NMSE, 0);
+        break;
+    }
+    }
+}
+
+static void free_problem(problem *p)
+{
+    for (int i = 0; i < p->n_in; i++) free(p->in[i].host);
+    for (int i = 0; i < p->n_out; i++) free(p->out[i].host);
+}
+
+static void params_string(const tcase *tc, char *s, size_t cap)
+{
+    switch (tc->op) {
+    case OP_FACTORIZE: snprintf(s, cap, "n=%lld,d=%d,r=%d", (long long)tc->n, tc->d, tc->r); break;
+    case OP_ROPE:
+        snprintf(s, cap, "tokens=%lld,heads=%d,D=%d,R=%d,inter=%d,llama3=%d,pos0=%lld%s", (long long)tc->n, tc->hk,
+                 tc->D, tc->R, tc->inter, tc->llama3, (long long)tc->pos0, tc->flags & F_INPLACE ? ",inplace" : "");
+        break;
+    case OP_LANDMARKS: snprintf(s, cap, "N=%d,c=%d,Hk=%d,D=%d,O=%d", tc->N, tc->c, tc->hk, tc->D, tc->O); break;
+    case OP_SCORE:
+        snprintf(s, cap, "Hq=%d,Hk=%d,D=%d,cand=%d,S=%d,scale=%g%s", tc->hq, tc->hk, tc->D, tc->N, tc->S,
+                 (double)tc->scale, tc->flags & F_MINIMAL ? ",minimal" : "");
+        break;
+    case OP_REBUILD:
+        snprintf(s, cap, "n=%lld,r=%d,Hk=%d,D=%d,c=%d,S=%d,R=%d,inter=%d,llama3=%d", (long long)tc->n, tc->r, tc->hk,
+                 tc->D, tc->c, tc->S, tc->R, tc->inter, tc->llama3);
+        break;
+    case OP_GATHER: snprintf(s, cap, "Hk=%d,D=%d,c=%d,store=%d,S=%d", tc->hk, tc->D, tc->c, tc->N, tc->S); break;
+    case OP_SPARSE:
+        snprintf(s, cap, "Hq=%d,Hk=%d,D=%d,spans=%d,tokens=%lld%s", tc->hq, tc->hk, tc->D, tc->S, (long long)tc->n,
+                 tc->flags & F_STRIDED ? ",strided" : "");
+        break;
+    default: snprintf(s, cap, "Hq=%d,Hk=%d,D=%d,n=%lld", tc->hq, tc->hk, tc->D, (long long)tc->n); break;
+    }
+    size_t l = strlen(s);
+    snprintf(s + l, cap - l, ",init=%s", init_names[tc->init]);
+}
+
+/* ---- running one backend ------------------------------------------------ */
+
+typedef struct run {
+    gbuf in[MAX_IN], out[MAX_OUT];
+} run;
+
+static skv_status call_op(skv_backend be, const tcase *tc, problem *p, run *r)
+{
+    void *in[MAX_IN], *out[MAX_OUT];
+    for (int i = 0; i < p->n_in; i++) in[i] = p->in[i].absent ? NULL : gbuf_ptr(&r->in[i]);
+    for (int i = 0; i < p->n_out; i++) out[i] = p->out[i].absent ? NULL : gbuf_ptr(&r->out[i]);
+    switch (tc->op) {
+    case OP_FACTORIZE: return skv_op_factorize(be, tc->n, tc->d, tc->r, in[0], out[0], out[1]);
+    case OP_ROPE:
+        return skv_op_rope(be, &p->rope, tc->D, tc->n, tc->hk, tc->pos0, in[1], in[2],
+                           (tc->flags & F_INPLACE) ? out[0] : in[0], out[0]);
+    case OP_LANDMARKS:
+        return skv_op_landmarks_outliers(be, tc->N, tc->c, tc->hk, tc->D, tc->O, in[0], out[0], out[1], out[2]);
+    case OP_SCORE:
+        return skv_op_score_select(be, tc->hq, tc->hk, tc->D, tc->N, tc->S, tc->scale, in[0], in[1], in[2], out[0],
+                                   out[1], out[2]);
+    case OP_REBUILD:
+        return skv_op_rebuild_keys(be, &p->rope, tc->D, tc->hk, tc->r, tc->c, tc->S, tc->n, in[0], in[1], in[2],
+                                   in[3], in[4], out[0]);
+    case OP_GATHER: return skv_op_gather_values(be, tc->hk, tc->D, tc->c, tc->N, tc->S, in[0], in[1], out[0]);
+    case OP_SPARSE: {
+        skv_kv_span sp[SKV_MAX_SPANS];
+        for (int s = 0; s < p->n_spans; s++) {
+            int empty = p->span[s].n_tokens == 0;
+            sp[s].k = empty ? NULL : (const skv_bf16 *)in[1] + p->span[s].k_off;
+            sp[s].v = empty ? NULL : (const skv_bf16 *)in[2] + p->span[s].v_off;
+            sp[s].n_tokens = p->span[s].n_tokens;
+            sp[s].head_stride = p->span[s].head_stride;
+            sp[s].token_stride = p->span[s].token_stride;
+        }
+        return skv_op_sparse_attention(be, tc->hq, tc->hk, tc->D, tc->scale, in[0], p->n_spans, sp, out[0]);
+    }
+    default: return skv_op_full_attention(be, tc->hq, tc->hk, tc->D, tc->scale, in[0], tc->n, in[1], in[2], out[0]);
+    }
+}
+
+static int setup_run(problem *p, run *r, int on_dev, const tcase *tc)
+{
+    memset(r, 0, sizeof *r);
+    for (int i = 0; i < p->n_in; i++)
+        if (!gbuf_make(&r->in[i], p->in[i].n * tsize(p->in[i].type), p->in[i].host, on_dev)) return 0;
+    for (int i = 0; i < p->n_out; i++) {
+        /* rope in place: the output buffer starts as the input */
+        const void *fill = (tc->op == OP_ROPE && (tc->flags & F_INPLACE)) ? p->in[0].host : NULL;
+        if (!gbuf_make(&r->out[i], p->out[i].n * tsize(p->out[i].type), fill, on_dev)) return 0;
+    }
+    return 1;
+}
+
+static void free_run(problem *p, run *r)
+{
+    for (int i = 0; i < p->n_in; i++) gbuf_free(&r->in[i]);
+    for (int i = 0; i < p->n_out; i++) gbuf_free(&r->out[i]);
+}
+
+static double elem(const void *x, ttype t, size_t i)
+{
+    if (t == T_BF16) return skv_bf16_to_float(((const skv_bf16 *)x)[i]);
+    if (t == T_F32) return ((const float *)x)[i];
+    return ((const int32_t *)x)[i];
+}
+
+/* Self-checks of one run: guards, untouched inputs, no poison, finite floats. */
+static int self_checks(problem *p, run *r, char *msg, size_t cap)
+{
+    msg[0] = 0;
+    for (int i = 0; i < p->n_in; i++) {
+        gbuf_fetch(&r->in[i]);
+        if (!gbuf_guards_ok(&r->in[i])) return snprintf(msg, cap, "input %s: guard zone overwritten", p->in[i].name), 0;
+        if (memcmp(gbuf_body(&r->in[i]), p->in[i].host, r->in[i].bytes) != 0)
+            return snprintf(msg, cap, "input %s modified", p->in[i].name), 0;
+    }
+    for (int i = 0; i < p->n_out; i++) {
+        if (p->out[i].absent) continue;
+        gbuf *g = &r->out[i];
+        gbuf_fetch(g);
+        if (!gbuf_guards_ok(g)) return snprintf(msg, cap, "output %s: guard zone overwritten", p->out[i].name), 0;
+        size_t es = tsize(p->out[i].type);
+        const unsigned char *b = gbuf_body(g);
+        for (size_t e = 0; e < p->out[i].n; e++) {
+            int poison = 1;
+            for (size_t k = 0; k < es; k++) poison &= b[e * es + k] == 0xFF;
+            if (poison) return snprintf(msg, cap, "output %s[%zu] never written (poison)", p->out[i].name, e), 0;
+            if (p->out[i].type != T_I32 && !isfinite(elem(b, p->out[i].type, e)))
+                return snprintf(msg, cap, "output %s[%zu] = %g not finite", p->out[i].name, e,
+                                elem(b, p->out[i].type, e)),
+                       0;
+        }
+    }
+    return 1;
+}
+
+/* U W in double, [n, d] */
+static double *product(const float *u, const float *w, int64_t n, int d, int r)
+{
+    double *x = calloc((size_t)n * (size_t)d, sizeof(double));
+    for (int64_t i = 0; i < n; i++)
+        for (int k = 0; k < r; k++) {
+            double a = u[i * r + k];
+            const float *wr = w + (size_t)k * d;
+            double *xr = x + i * d;
+            for (int j = 0; j < d; j++) xr[j] += a * wr[j];
+        }
+    return x;
+}
+
+static double nmse(const double *a, const double *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += a[i] * a[i];
+    }
+    return den > 0 ? num / den : (num > 0 ? INFINITY : 0.0);
+}
+
+/* Compares run r against ref's outputs (p->out[].host). Fills metric text. */
+static int compare(const tcase *tc, problem *p, run *r, char *msg, size_t cap)
+{
+    int ok = 1;
+    size_t len = 0;
+    msg[0] = 0;
+    for (int i = 0; i < p->n_out; i++) {
+        tensor *t = &p->out[i];
+        if (t->absent) continue;
+        const void *got = gbuf_body(&r->out[i]);
+        if (t->cmp == CMP_EXACT) {
+            size_t es = tsize(t->type), bad = 0, first = 0;
+            for (size_t e = 0; e < t->n; e++) {
+                int same = memcmp((const char *)got + e * es, (const char *)t->host + e * es, es) == 0;
+                /* NaN == NaN whatever the payload (ref and device may make different NaNs) */
+                if (!same && t->type != T_I32) same = isnan(elem(got, t->type, e)) && isnan(elem(t->host, t->type, e));
+                if (!same && !bad++) first = e;
+            }
+            if (bad) {
+                ok = 0;
+                len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "%s: %zu of %zu differ ([%zu] %.9g vs ref %.9g) ",
+                                        t->name, bad, t->n, first, elem(got, t->type, first), elem(t->host, t->type, first));
+            } else {
+                len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "%s exact ", t->name);
+            }
+        } else if (t->cmp == CMP_NMSE) {
+            double *a = xmalloc(t->n * sizeof(double)), *b = xmalloc(t->n * sizeof(double));
+            for (size_t e = 0; e < t->n; e++) a[e] = elem(t->host, t->type, e), b[e] = elem(got, t->type, e);
+            double m = nmse(a, b, t->n);
+            ok &= m <= tc->tol;
+            len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "NMSE(%s)=%.3g<=%.1g ", t->name, m, tc->tol);
+            free(a);
+            free(b);
+        } else if (t->cmp == CMP_FACTOR_U) {
+            double *a = product(t->host, p->out[i + 1].host, tc->n, tc->d, tc->r);
+            double *b = product(got, gbuf_body(&r->out[i + 1]), tc->n, tc->d, tc->r);
+            double m = nmse(a, b, (size_t)tc->n * tc->d);
+            ok &= m <= tc->tol;
+            len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "NMSE(UW)=%.3g<=%.1g ", m, tc->tol);
+            free(a);
+            free(b);
+        }
+    }
+    return ok;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* median time of repeated calls (at least 3, until ~300 ms or 50 calls) */
+static double perf(skv_backend be, const tcase *tc, problem *p, run *r)
+{
+    double t[50];
+    int k = 0;
+    double start = now_ms();
+    while (k < 50 && (k < 3 || now_ms() - start < 300)) {
+        double t0 = now_ms();
+        call_op(be, tc, p, r);
+        if (be == SKV_BACKEND_CUDA) cu.sync();
+        t[k++] = now_ms() - t0;
+    }
+    qsort(t, (size_t)k, sizeof(double), cmp_double);
+    return t[k / 2];
+}
+
+static uint64_t case_seed(uint64_t base, int i)
+{
+    uint64_t z = base + 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    return z ^ (z >> 27);
+}
+
+static void usage(void)
+{
+    printf("usage: backend_ops [-b ref|cpu|cuda] [-o op] [-s seed] [--perf] [-v]\nops:");
+    for (int i = 0; i < N_OPS; i++) printf(" %s", op_names[i]);
+    printf("\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *only_backend = NULL, *only_op = NULL;
+    int do_perf = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-b") && i + 1 < argc) only_backend = argv[++i];
+        else if (!strcmp(argv[i], "-o") && i + 1 < argc) only_op = argv[++i];
+        else if (!strcmp(argv[i], "-s") && i + 1 < argc) setenv("SKV_SEED", argv[++i], 1);
+        else if (!strcmp(argv[i], "--perf")) do_perf = 1;
+        else if (!strcmp(argv[i], "-v")) verbose = 1;
+        else {
+            usage();
+            return 2;
+        }
+    }
+    if (only_op) {
+        int found = 0;
+        for (int i = 0; i < N_OPS; i++) found |= !strcmp(only_op, op_names[i]);
+        if (!found) {
+            printf("unknown op '%s'\n", only_op);
+            usage();
+            return 2;
+        }
+    }
+    skv_backend filter = SKV_BACKEND_AUTO;
+    if (only_backend && skv_backend_parse(only_backend, &filter) != SKV_OK) {
+        printf("unknown backend '%s'\n", only_backend);
+        return 2;
+    }
+    uint64_t base = skvt_base_seed("backend_ops");
+
+    /* which non-ref backends run */
+    const skv_backend others[] = {SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
+    int use[2] = {0, 0};
+    for (int b = 0; b < 2; b++) {
+        if (only_backend && filter != others[b]) continue;
+        skv_status s = skv_backend_available(others[b]);
+        if (s != SKV_OK) {
+            char why[256];
+            snprintf(why, sizeof why, "backend %s: %s (%s)", skv_backend_name(others[b]), skv_status_string(s),
+                     skv_last_error());
+            skvt_skip(why);
+            continue;
+        }
+        if (others[b] == SKV_BACKEND_CUDA) {
+            char why[256];
+            if (!cuda_load(why, sizeof why)) {
+                skvt_skip(why);
+                continue;
+            }
+        }
+        use[b] = 1;
+    }
+
+    double t_start = now_ms();
+    for (int ci = 0; ci < N_CASES; ci++) {
+        const tcase *tc = &cases[ci];
+        if (only_op && strcmp(only_op, op_names[tc->op])) continue;
+        skvt_rng_seed(&rng, case_seed(base, ci));
+        problem p;
+        make_problem(tc, &p);
+        char params[200], msg[600];
+        params_string(tc, params, sizeof params);
+
+        /* ref: the oracle; its own run gets the same canary checks */
+        run rr;
+        if (!setup_run(&p, &rr, 0, tc)) {
+            printf("out of memory\n");
+            return 2;
+        }
+        skv_status s = call_op(SKV_BACKEND_REF, tc, &p, &rr);
+        int ok = s == SKV_OK && self_checks(&p, &rr, msg, sizeof msg);
+        if (s != SKV_OK) snprintf(msg, sizeof msg, "status %s (%s)", skv_status_string(s), skv_last_error());
+        if (!ok || verbose || filter == SKV_BACKEND_REF)
+            printf("%-18s %-62s %-4s %s %s\n", op_names[tc->op], params, "ref", ok ? "canaries ok" : msg,
+                   ok ? "PASS" : "FAIL");
+        SKVT_CHECK(ok, "%s %s ref: %s", op_names[tc->op], params, msg);
+        if (!ok) {
+            free_run(&p, &rr);
+            free_problem(&p);
+            continue;
+        }
+        for (int i = 0; i < p.n_out; i++)
+            if (!p.out[i].absent) memcpy(p.out[i].host, gbuf_body(&rr.out[i]), rr.out[i].bytes);
+        if (do_perf) printf("PERF %-18s %-62s %-4s median %.3f ms\n", op_names[tc->op], params, "ref", perf(SKV_BACKEND_REF, tc, &p, &rr));
+        free_run(&p, &rr);
+
+        for (int b = 0; b < 2; b++) {
+            if (!use[b]) continue;
+            skv_backend be = others[b];
+            run r;
+            if (!setup_run(&p, &r, be == SKV_BACKEND_CUDA, tc)) {
+                printf("could not allocate buffers for %s\n", skv_backend_name(be));
+                return 2;
+            }
+            s = call_op(be, tc, &p, &r);
+            if (be == SKV_BACKEND_CUDA) cu.sync();
+            if (s != SKV_OK) {
+                ok = 0;
+                snprintf(msg, sizeof msg, "status %s (%s)", skv_status_string(s), skv_last_error());
+            } else {
+                ok = self_checks(&p, &r, msg, sizeof msg) && compare(tc, &p, &r, msg, sizeof msg);
+            }
+            printf("%-18s %-62s %-4s %s %s\n", op_names[tc->op], params, skv_backend_name(be), msg, ok ? "PASS" : "FAIL");
+            SKVT_CHECK(ok, "%s %s %s (replay: -s %llu -o %s -b %s)", op_names[tc->op], params, skv_backend_name(be),
+                       (unsigned long long)base, op_names[tc->op], skv_backend_name(be));
+            if (do_perf)
+                printf("PERF %-18s %-62s %-4s median %.3f ms\n", op_names[tc->op], params, skv_backend_name(be),
+                       perf(be, tc, &p, &r));
+            free_run(&p, &r);
+        }
+        free_problem(&p);
+    }
+    printf("backend_ops: %.1f s\n", (now_ms() - t_start) / 1e3);
+    return skvt_finish();
+}

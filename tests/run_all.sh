@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every test binary given on the command line, then the link check;
+# prints each binary's closing line and, last, the summed
+# "N passed, N failed, N skipped". Exits non-zero on any failure.
+set -u
+total_p=0 total_f=0 total_s=0 bad=0
+for t in "$@"; do
+  echo "== $t"
+  start=$(date +%s%N)
+  log=$(mktemp)
+  "./$t" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+  rm -f "$log"
+  if [ -z "$line" ]; then echo "FAILED: $t printed no 'N passed, N failed' line (exit $rc)"; bad=1; total_f=$((total_f + 1)); continue; fi
+  p=$(echo "$line" | sed -E 's/^([0-9]+) passed.*/\1/')
+  f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+  s=$(echo "$line" | sed -nE 's/.* ([0-9]+) skipped.*/\1/p')
+  total_p=$((total_p + p)) total_f=$((total_f + f)) total_s=$((total_s + ${s:-0}))
+  [ "$rc" -ne 0 ] && { echo "FAILED: $t (exit $rc)"; bad=1; [ "$f" -eq 0 ] && total_f=$((total_f + 1)); }
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  echo "   $t: $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+done
+if make --no-print-directory link-check; then total_p=$((total_p + 1)); else total_f=$((total_f + 1)); bad=1; fi
+echo "make check: $([ $bad = 0 ] && echo all passed || echo FAILURES)"
+echo "$total_p passed, $total_f failed, $total_s skipped"
+exit $bad
