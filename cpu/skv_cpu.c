@@ -100,7 +100,71 @@ static inline float skv_cpu_hsum(__m256 v)
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/*
+ * GEMM micro-kernels (BLIS style) for the tolerance-checked products
+ * (factorize, rebuild). Why not OpenBLAS here: the Debian OpenBLAS 0.3.21
+ * DYNAMIC_ARCH build detects this VM's Xeon as "Prescott" and runs SSE3
+ * kernels at ~1/5 of AVX2 speed (dsyrk 12 GFLOP/s on 2 cores); and BLAS
+ * threads interleaved with OpenMP regions fight over the cores.
+ * Packed panels: a[p*6 + i], b[p*NR + j] for p < k; 12 accumulators.
+ */
+#define SKV_CPU_FMA2(ci0, ci1, i)                          \
+    x = _mm256_broadcast_ss(a + (i));                      \
+    ci0 = _mm256_fmadd_ps(x, b0, ci0);                     \
+    ci1 = _mm256_fmadd_ps(x, b1, ci1)
+
+/* float 6x16 tile, written to c (row stride ldc). */
+static void skv_cpu_skern(int k, const float *a, const float *b, float *c, int64_t ldc)
+{
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, x;
+    for (int p = 0; p < k; p++, a += 6, b += 16) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        SKV_CPU_FMA2(c00, c01, 0);
+        SKV_CPU_FMA2(c10, c11, 1);
+        SKV_CPU_FMA2(c20, c21, 2);
+        SKV_CPU_FMA2(c30, c31, 3);
+        SKV_CPU_FMA2(c40, c41, 4);
+        SKV_CPU_FMA2(c50, c51, 5);
+    }
+    __m256 cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 6; i++) {
+        _mm256_storeu_ps(c + i * ldc, cc[2 * i]);
+        _mm256_storeu_ps(c + i * ldc + 8, cc[2 * i + 1]);
+    }
+}
+
+#define SKV_CPU_DFMA2(ci0, ci1, i)                         \
+    x = _mm256_broadcast_sd(a + (i));                      \
+    ci0 = _mm256_fmadd_pd(x, b0, ci0);                     \
+    ci1 = _mm256_fmadd_pd(x, b1, ci1)
+
+/* double 6x8 tile, written to t[6*8]. */
+static void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t)
+{
+    __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256d c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, x;
+    for (int64_t p = 0; p < k; p++, a += 6, b += 8) {
+        __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+        SKV_CPU_DFMA2(c00, c01, 0);
+        SKV_CPU_DFMA2(c10, c11, 1);
+        SKV_CPU_DFMA2(c20, c21, 2);
+        SKV_CPU_DFMA2(c30, c31, 3);
+        SKV_CPU_DFMA2(c40, c41, 4);
+        SKV_CPU_DFMA2(c50, c51, 5);
+    }
+    __m256d cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 12; i++) _mm256_storeu_pd(t + 4 * i, cc[i]);
+}
 #endif
+
+/* 64-byte aligned scratch (no 32-byte loads split across cache lines); free(). */
+static void *skv_cpu_alloc(size_t bytes)
+{
+    void *p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
+}
 
 /* bf16 -> float of n contiguous values. */
 static void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
@@ -223,11 +287,75 @@ done:
     return st;
 }
 
+#if SKV_CPU_SIMD
+/*
+ * G = A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel.
+ * A is streamed in blocks of KC rows, packed (bf16 -> double) twice: as
+ * 6-column slivers (the kernel's "a") and 8-column slivers (its "b"); each
+ * work item owns one 8-column strip of G, so no two threads write the same
+ * element. Triangular strips: dynamic schedule, longest first.
+ */
+static void skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g, double *xa, double *xb)
+{
+    const int64_t KC = 256;
+    int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
+#pragma omp parallel
+    for (int64_t t0 = 0; t0 < n; t0 += KC) {
+        int64_t kc = n - t0 < KC ? n - t0 : KC;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < kc; p++) {
+            const skv_bf16 *row = a + (size_t)(t0 + p) * d;
+            for (int32_t q = 0; q < na; q++)
+                for (int32_t i = 0; i < 6; i++)
+                    xa[((size_t)q * kc + p) * 6 + i] = q * 6 + i < d ? skv_bf16_to_f32(row[q * 6 + i]) : 0.0;
+            for (int32_t q = 0; q < nb; q++)
+                for (int32_t j = 0; j < 8; j++)
+                    xb[((size_t)q * kc + p) * 8 + j] = q * 8 + j < d ? skv_bf16_to_f32(row[q * 8 + j]) : 0.0;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int32_t jj = 0; jj < nb; jj++) {
+            int32_t js = nb - 1 - jj, j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+            for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
+                double t[48];
+                skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * kc * 6, xb + (size_t)js * kc * 8, t);
+                for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++)
+                    for (int32_t j = 0; j < nj; j++) g[(size_t)(i0 + i) * d + j0 + j] += t[i * 8 + j];
+            }
+        }
+    }
+}
+
+/* u [n, r] = A V (double accumulate, rounded once), V packed as 8-column slivers vb. */
+static void skv_cpu_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, const double *vb, float *u,
+                            double *ap_all)
+{
+    int32_t nr = (r + 7) / 8;
+#pragma omp parallel
+    {
+        double *ap = ap_all + (size_t)omp_get_thread_num() * 6 * d;
+#pragma omp for schedule(static)
+        for (int64_t t0 = 0; t0 < n; t0 += 6) {
+            int32_t rows = (int32_t)(n - t0 < 6 ? n - t0 : 6);
+            for (int32_t i = 0; i < 6; i++)
+                for (int32_t k = 0; k < d; k++)
+                    ap[(size_t)k * 6 + i] = i < rows ? skv_bf16_to_f32(a[(size_t)(t0 + i) * d + k]) : 0.0;
+            for (int32_t js = 0; js < nr; js++) {
+                double t[48];
+                skv_cpu_dkern(d, ap, vb + (size_t)js * d * 8, t);
+                for (int32_t i = 0; i < rows; i++)
+                    for (int32_t j = 0; j < skv_cpu_min(8, r - js * 8); j++)
+                        u[(size_t)(t0 + i) * r + js * 8 + j] = (float)t[i * 8 + j];
+            }
+        }
+    }
+}
+#endif
+
 /*
  * Same math as ref (Gram matrix in double, LAPACK dsyevr, U = A V_r in double),
- * with BLAS-3 for the two big products. A is streamed in row blocks converted
- * to double, so memory stays O(d^2 + block), not O(n d) doubles.
- * n < d: the smaller Gram A A^T gives U = top eigenvectors, W = U^T A.
+ * parallel and blocked; A is streamed, so memory stays O(d^2 + block), not
+ * O(n d) doubles. n < d: the smaller Gram A A^T gives U = top eigenvectors,
+ * W = U^T A (BLAS; prompts are longer than Hk*D in practice).
  */
 static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                                     float *w)
@@ -254,13 +382,36 @@ static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_b
         free(wd);
         return st;
     }
-    /* block rows: ~8 MB of doubles, enough K for dsyrk/dgemm to run near peak */
+    double *g = calloc((size_t)d * d, sizeof *g), *v = malloc((size_t)d * r * sizeof *v);
+#if SKV_CPU_SIMD
+    int32_t nr = (r + 7) / 8;
+    size_t kc = (size_t)(n < 256 ? n : 256), ws = (size_t)(d + 7) * kc;
+    double *xa = skv_cpu_alloc(ws * sizeof *xa), *xb = skv_cpu_alloc(ws * sizeof *xb);
+    double *vb = skv_cpu_alloc((size_t)nr * 8 * d * sizeof *vb);
+    double *ap = skv_cpu_alloc((size_t)omp_get_max_threads() * 6 * d * sizeof *ap);
+    if (!g || !v || !xa || !xb || !vb || !ap) st = SKV_ERR_OUT_OF_MEMORY;
+    if (!st) {
+        skv_cpu_gram(n, d, a, g, xa, xb);
+        st = skv_cpu_top_eigvecs(g, d, r, v);
+    }
+    if (!st) {
+        for (int32_t js = 0; js < nr; js++)
+            for (int32_t k = 0; k < d; k++)
+                for (int32_t j = 0; j < 8; j++)
+                    vb[((size_t)js * d + k) * 8 + j] = js * 8 + j < r ? v[(size_t)k * r + js * 8 + j] : 0.0;
+        skv_cpu_project(n, d, r, a, vb, u, ap);
+    }
+    free(xa);
+    free(xb);
+    free(vb);
+    free(ap);
+#else
+    /* portable build: BLAS-3 on row blocks of ~8 MB of doubles */
     int64_t nb = ((int64_t)1 << 20) / d;
     if (nb < 64) nb = 64;
     if (nb > n) nb = n;
-    double *g = calloc((size_t)d * d, sizeof *g), *blk = malloc((size_t)nb * d * sizeof *blk);
-    double *v = malloc((size_t)d * r * sizeof *v), *ub = malloc((size_t)nb * r * sizeof *ub);
-    if (!g || !blk || !v || !ub) st = SKV_ERR_OUT_OF_MEMORY;
+    double *blk = malloc((size_t)nb * d * sizeof *blk), *ub = malloc((size_t)nb * r * sizeof *ub);
+    if (!g || !v || !blk || !ub) st = SKV_ERR_OUT_OF_MEMORY;
     for (int64_t t = 0; !st && t < n; t += nb) {
         int64_t rows = n - t < nb ? n - t : nb;
         skv_cpu_rows_f64(a + (size_t)t * d, rows, d, blk);
@@ -273,13 +424,14 @@ static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_b
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, r, d, 1.0, blk, d, v, r, 0.0, ub, r);
         for (size_t i = 0; i < (size_t)rows * r; i++) u[(size_t)t * r + i] = (float)ub[i];
     }
+    free(blk);
+    free(ub);
+#endif
     if (!st)
         for (int32_t q = 0; q < r; q++)
             for (int32_t i = 0; i < d; i++) w[(size_t)q * d + i] = (float)v[(size_t)i * r + q];
     free(g);
-    free(blk);
     free(v);
-    free(ub);
     return st;
 }
 
@@ -532,10 +684,11 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
 /* ---- rebuild keys --------------------------------------------------------------------- */
 
 /*
- * The decode hot spot. Gather the selected tokens' U rows as float (all heads,
- * one parallel region), one sgemm per head against W_h read in place from the
- * float copy of W (ldb = Hk*D), then RoPE (one parallel region). Float
- * accumulation inside sgemm: tolerance-checked (DESIGN.md section 6).
+ * The decode hot spot: per KV head, X = U_sel W_h (M = S*c rows, K = r,
+ * N = D), float accumulation (tolerance-checked, DESIGN.md section 6), then
+ * RoPE. Fused per work item of 48 rows: gather the rows' U (bf16 -> float,
+ * packed), the 6x16 kernel against W_h packed once per call, RoPE, store; the
+ * float X never leaves the thread's cache.
  */
 static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                        int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
@@ -544,7 +697,60 @@ static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, i
 {
     (void)n;
     int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
-    int64_t M = (int64_t)S * c, rows = (int64_t)Hk * M, width = (int64_t)Hk * D;
+    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D;
+#if SKV_CPU_SIMD
+    enum { RB = 48 }; /* rows per item: 8 slivers of 6 */
+    int32_t ns = (D + 15) / 16, Dp = ns * 16;
+    int64_t nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
+    int nt = omp_get_max_threads();
+    size_t per_thread = (size_t)RB * r + (size_t)RB * Dp;
+    float *wb = skv_cpu_alloc((size_t)Hk * ns * r * 16 * sizeof *wb); /* [h][sliver][k][16] */
+    float *buf = skv_cpu_alloc((size_t)nt * per_thread * sizeof *buf);
+    if (!wb || !buf) {
+        free(wb);
+        free(buf);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r;
+#pragma omp for schedule(static)
+        for (int64_t hk = 0; hk < (int64_t)Hk * r; hk++) {
+            int64_t h = hk / r, k = hk % r;
+            const skv_bf16 *wr = w + (size_t)k * width + h * D;
+            for (int32_t j = 0; j < Dp; j++)
+                wb[(((size_t)h * ns + j / 16) * r + k) * 16 + j % 16] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t h = it / nrb, m0 = it % nrb * RB;
+            int32_t rows = (int32_t)(M - m0 < RB ? M - m0 : RB), nsl = (rows + 5) / 6;
+            for (int32_t i = 0; i < nsl * 6; i++) { /* ap[sliver][k][6] */
+                float *dst = ap + (size_t)(i / 6) * 6 * r + i % 6;
+                if (i < rows) {
+                    int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+                    const skv_bf16 *ur = u + (size_t)t * r;
+                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = skv_bf16_to_f32(ur[k]);
+                } else {
+                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = 0.0f;
+                }
+            }
+            for (int32_t q = 0; q < nsl; q++)
+                for (int32_t js = 0; js < ns; js++)
+                    skv_cpu_skern(r, ap + (size_t)q * 6 * r, wb + ((size_t)h * ns + js) * r * 16,
+                                  x + (size_t)q * 6 * Dp + js * 16, Dp);
+            for (int32_t i = 0; i < rows; i++) {
+                int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+                skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                                 k_out + ((size_t)h * M + m) * D);
+            }
+        }
+    }
+    free(wb);
+    free(buf);
+#else
+    /* portable build: gather U rows as float, one sgemm per head (W_h in place, ldb = Hk*D), RoPE */
+    int64_t rows = (int64_t)Hk * M;
     float *wf = malloc((size_t)r * width * sizeof *wf);
     float *uf = malloc((size_t)rows * r * sizeof *uf);
     float *x = malloc((size_t)rows * D * sizeof *x);
@@ -554,15 +760,11 @@ static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, i
         free(x);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel
-    {
-#pragma omp for schedule(static) nowait
-        for (int32_t k = 0; k < r; k++) skv_cpu_to_f32(w + (size_t)k * width, wf + (size_t)k * width, width);
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
-            int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
-            skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
-        }
+    skv_cpu_to_f32(w, wf, (int64_t)r * width);
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
+        int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
+        skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
     }
     for (int32_t h = 0; h < Hk; h++)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, D, r, 1.0f, uf + (size_t)h * M * r, r,
@@ -576,6 +778,7 @@ static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, i
     free(wf);
     free(uf);
     free(x);
+#endif
     return SKV_OK;
 }
 

@@ -370,11 +370,12 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
 /* ---- introspection ----------------------------------------------------------------------- */
 
 static skv_status skv_intro_check(const skv_cache *cc, const char *fn, int32_t layer, int32_t seq,
-                                  int32_t kv_head, const void *dst, const skv_slot **sl)
+                                  int32_t kv_head, const void *dst, const char *dst_name,
+                                  const skv_slot **sl)
 {
     skv_cache *c = (skv_cache *)cc; /* only the error buffer is written */
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
-    if (!dst) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: output is NULL", fn);
+    if (!dst) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: %s is NULL", fn, dst_name);
     skv_status st = skv_check_index(c, fn, layer, seq);
     if (st) return st;
     if (kv_head < 0 || kv_head >= c->cfg.n_kv_heads)
@@ -413,7 +414,7 @@ SKV_API skv_status skv_cache_selected(const skv_cache *c, int32_t layer, int32_t
                                       int32_t *ids)
 {
     const skv_slot *sl;
-    skv_status st = skv_intro_check(c, "skv_cache_selected", layer, seq, kv_head, ids, &sl);
+    skv_status st = skv_intro_check(c, "skv_cache_selected", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
     if (!sl->has_selection)
         return skv_fail((char *)c->err, SKV_ERR_NO_SELECTION,
@@ -427,7 +428,7 @@ SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t
                                       int32_t *ids)
 {
     const skv_slot *sl;
-    skv_status st = skv_intro_check(c, "skv_cache_outliers", layer, seq, kv_head, ids, &sl);
+    skv_status st = skv_intro_check(c, "skv_cache_outliers", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
     size_t O = (size_t)c->cfg.n_outlier_chunks;
     if (!O) return SKV_OK;
@@ -439,7 +440,7 @@ SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32
                                         int32_t *ids)
 {
     const skv_slot *sl;
-    skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, &sl);
+    skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
     size_t m = (size_t)sl->n_cand;
     return c->ops->copy2d(ids, 0, DEV(c, layer, seq, cand_ids, int32_t) + (size_t)kv_head * m, 0,
@@ -450,7 +451,7 @@ SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_
                                        skv_bf16 *landmarks)
 {
     const skv_slot *sl;
-    skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, &sl);
+    skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, "landmarks", &sl);
     if (st) return st;
     size_t m = (size_t)sl->n_cand * (size_t)c->cfg.head_dim;
     return c->ops->copy2d(landmarks, 0, DEV(c, layer, seq, landmarks, skv_bf16) + (size_t)kv_head * m, 0,
@@ -459,7 +460,8 @@ SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_
 
 SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)
 {
-    if (!c || !stats) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: NULL argument");
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: cache is NULL");
+    if (!stats) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "skv_cache_stats: stats is NULL");
     *stats = c->stats;
     return SKV_OK;
 }

@@ -92,6 +92,11 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     POSITIVE(batch_size)
     POSITIVE(max_prompt_len)
     POSITIVE(gen_capacity)
+    if (cfg->n_q_heads > 65536 || cfg->n_kv_heads > 65536)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_q_heads = %d, n_kv_heads = %d: must be <= 65536",
+                        cfg->n_q_heads, cfg->n_kv_heads);
+    if (cfg->chunk_size > 4096)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "chunk_size = %d: must be <= 4096", cfg->chunk_size);
     if (cfg->n_q_heads % cfg->n_kv_heads)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "n_q_heads = %d is not a multiple of n_kv_heads = %d", cfg->n_q_heads,
@@ -144,6 +149,13 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     return SKV_OK;
 }
 
+/* a * b * c into *out; 0 on overflow. */
+static int skv_mul3(size_t a, size_t b, size_t c, size_t *out)
+{
+    size_t t;
+    return skv_mul_size(a, b, &t) && skv_mul_size(t, c, out);
+}
+
 /* Appends a region of count elements of elem bytes, 256-byte aligned. */
 static int skv_region(size_t *cursor, size_t count, size_t elem, size_t *offset)
 {
@@ -169,39 +181,41 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     lay->local_max = (cfg->n_local_chunks + 1) * cfg->chunk_size - 1;
     lay->n_positions = cfg->max_prompt_len + cfg->gen_capacity;
     size_t S = (size_t)lay->S, cm = (size_t)lay->cand_max, lm = (size_t)lay->local_max;
-    size_t HkD = Hk * D, b2 = sizeof(skv_bf16), i4 = sizeof(int32_t), t;
+    size_t HkD = 0, b2 = sizeof(skv_bf16), i4 = sizeof(int32_t), t, oc = 0;
     size_t dev = 0, host = 0;
-    int ok = 1;
-    ok = ok && skv_region(&dev, nmax * r, b2, &lay->u);
-    ok = ok && skv_region(&dev, r * HkD, b2, &lay->w);
-    ok = ok && skv_mul_size(Hk * cm, D, &t) && skv_region(&dev, t, b2, &lay->landmarks);
-    ok = ok && skv_region(&dev, Hk * cm, i4, &lay->cand_ids);
-    ok = ok && skv_region(&dev, Hk * O, i4, &lay->out_ids);
-    ok = ok && skv_region(&dev, Hk * O * c * D, b2, &lay->out_k);
-    ok = ok && skv_region(&dev, Hk * O * c * D, b2, &lay->out_v);
-    ok = ok && skv_region(&dev, Hk * lm * D, b2, &lay->loc_k);
-    ok = ok && skv_region(&dev, Hk * lm * D, b2, &lay->loc_v);
-    ok = ok && skv_region(&dev, Hk * cap * D, b2, &lay->gen_k);
-    ok = ok && skv_region(&dev, Hk * cap * D, b2, &lay->gen_v);
-    ok = ok && skv_region(&dev, Hk * S, i4, &lay->sel_idx);
-    ok = ok && skv_region(&dev, Hk * S, i4, &lay->sel_ids);
+    int ok = skv_mul_size(Hk, D, &HkD) && skv_mul_size(O, c, &oc);
+#define REGION(cursor, a, b_, elem, off) (skv_mul3(a, b_, 1, &t) && skv_region(cursor, t, elem, off))
+    ok = ok && REGION(&dev, nmax, r, b2, &lay->u);
+    ok = ok && REGION(&dev, r, HkD, b2, &lay->w);
+    ok = ok && REGION(&dev, cm, HkD, b2, &lay->landmarks);
+    ok = ok && REGION(&dev, Hk, cm, i4, &lay->cand_ids);
+    ok = ok && REGION(&dev, Hk, O, i4, &lay->out_ids);
+    ok = ok && REGION(&dev, oc, HkD, b2, &lay->out_k);
+    ok = ok && REGION(&dev, oc, HkD, b2, &lay->out_v);
+    ok = ok && REGION(&dev, lm, HkD, b2, &lay->loc_k);
+    ok = ok && REGION(&dev, lm, HkD, b2, &lay->loc_v);
+    ok = ok && REGION(&dev, cap, HkD, b2, &lay->gen_k);
+    ok = ok && REGION(&dev, cap, HkD, b2, &lay->gen_v);
+    ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_idx);
+    ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_ids);
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->slot_device = t & ~(size_t)255), 1);
-    ok = ok && skv_mul_size(cm * c, HkD, &t) && skv_region(&host, t, b2, &lay->vstore);
+    ok = ok && skv_mul3(cm, c, HkD, &t) && skv_region(&host, t, b2, &lay->vstore);
     ok = ok && skv_add_size(host, 255, &t) && ((lay->slot_host = t & ~(size_t)255), 1);
     /* L * B slots, then shared regions */
-    size_t slots = (size_t)cfg->n_layers * (size_t)cfg->batch_size, R2;
-    R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
+    size_t slots = 0, R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
+    ok = ok && skv_mul_size((size_t)cfg->n_layers, (size_t)cfg->batch_size, &slots);
     ok = ok && skv_mul_size(slots, lay->slot_device, &dev);
-    ok = ok && skv_mul_size((size_t)lay->n_positions, R2, &t) && skv_region(&dev, t, 4, &lay->rope_cos);
-    ok = ok && skv_mul_size((size_t)lay->n_positions, R2, &t) && skv_region(&dev, t, 4, &lay->rope_sin);
-    ok = ok && skv_mul_size(Hk * S * c, D, &t) && skv_region(&dev, t, b2, &lay->ws_k);
-    ok = ok && skv_mul_size(Hk * S * c, D, &t) && skv_region(&dev, t, b2, &lay->ws_v);
-    ok = ok && skv_mul_size((size_t)cfg->batch_size, Hk * S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
-    ok = ok && skv_mul_size((size_t)cfg->batch_size, Hk * S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
+    ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_cos);
+    ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_sin);
+    ok = ok && skv_mul3(S, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_k);
+    ok = ok && skv_mul3(S, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_v);
+    ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
+    ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
+#undef REGION
     lay->device_total = dev;
     ok = ok && skv_mul_size(slots, lay->slot_host, &lay->host_total);
-    /* int32 indices inside ops: tokens per head and per slot must fit */
-    ok = ok && nmax * HkD / HkD == nmax && (uint64_t)cm * c <= (uint64_t)INT32_MAX;
+    /* ops index tokens of one head of one slot with int32 chunk ids */
+    ok = ok && (uint64_t)cm * c <= (uint64_t)INT32_MAX;
     if (!ok)
         return skv_fail(errbuf, SKV_ERR_SIZE_OVERFLOW,
                         "cache size overflows size_t (n_layers = %d, batch_size = %d, max_prompt_len = "
@@ -232,7 +246,7 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
 SKV_API size_t skv_rope_table_len(const skv_rope_config *rope, int32_t head_dim, int64_t n_positions)
 {
     size_t n;
-    if (!rope || head_dim < 2 || head_dim > SKV_MAX_HEAD_DIM || n_positions < 0 ||
+    if (!rope || head_dim < 2 || head_dim % 2 || head_dim > SKV_MAX_HEAD_DIM || n_positions < 0 ||
         skv_rope_validate(NULL, rope, head_dim) != SKV_OK)
         return 0;
     if (!skv_mul_size((size_t)n_positions, (size_t)skv_rotary_dim(rope, head_dim) / 2, &n)) return 0;
@@ -267,8 +281,9 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
     if (n_positions < 0)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "skv_rope_table_build: n_positions = %lld < 0",
                         (long long)n_positions);
-    skv_status st = skv_rope_validate(NULL, rope, head_dim);
-    if (st) return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "skv_rope_table_build: %s", skv_last_error());
+    char why[SKV_ERRMSG_CAP];
+    if (skv_rope_validate(why, rope, head_dim))
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "skv_rope_table_build: %s", why);
     int32_t R = skv_rotary_dim(rope, head_dim), h = R / 2;
     double inv[SKV_MAX_HEAD_DIM / 2];
     for (int32_t i = 0; i < h; i++) inv[i] = skv_rope_inv_freq(rope, R, i);
@@ -316,7 +331,8 @@ SKV_API const char *skv_backend_name(skv_backend backend)
 
 SKV_API skv_status skv_backend_parse(const char *name, skv_backend *out)
 {
-    if (!name || !out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_backend_parse: NULL argument");
+    if (!name || !out)
+        return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_backend_parse: %s is NULL", !name ? "name" : "out");
     static const skv_backend all[] = {SKV_BACKEND_AUTO, SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (strcmp(name, skv_backend_name(all[i])) == 0) {

@@ -74,8 +74,9 @@ static skv_status skv_rope_args(const char *fn, const skv_rope_config *rope, int
     if (head_dim < 2 || head_dim % 2 || head_dim > SKV_MAX_D)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: head_dim = %d must be even in [2, %d]", fn,
                         head_dim, SKV_MAX_D);
-    if (skv_rope_validate(NULL, rope, head_dim))
-        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: %s", fn, skv_last_error());
+    char why[SKV_ERRMSG_CAP];
+    if (skv_rope_validate(why, rope, head_dim))
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: %s", fn, why);
     return SKV_OK;
 }
 

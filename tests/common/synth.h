@@ -109,18 +109,22 @@ typedef struct skvs_ref_stats {
 
 /*
  * Double-precision references for the query q [Hq, D] of the latest step,
- * over the prompt and all generated tokens (needs keep and skvs_seq_attach):
- *  out_full   [Hq, D]  dense attention;
- *  out_oracle [Hq, D]  attention over the same outlier chunks, local window and
- *                      generated tokens as the library, plus, per KV head, the
- *                      `budget` candidate tokens with the truly highest
- *                      a_t = max over the GQA group of the full softmax
- *                      probability p_{i,t} (the library's rule, section 4.4 of
- *                      DESIGN.md, applied per token to exact keys).
- * Either output may be NULL. needle: chunk id for needle_mass (or -1).
+ * over the prompt and all generated tokens, with the exact keys (needs keep
+ * and skvs_seq_attach). Every output is [Hq, D] and may be NULL:
+ *  out_full      dense attention;
+ *  out_oracle    attention over the library's always-kept tokens (outlier
+ *                chunks, local window, generated tokens) plus, per KV head,
+ *                the `budget` candidate tokens with the truly highest
+ *                a_t = max over the GQA group of the full softmax probability
+ *                p_{i,t} (the library's rule, DESIGN.md 4.4, applied per token);
+ *  out_selected  the always-kept tokens plus the chunks in selected [Hk, S]
+ *                (e.g. from skv_cache_selected): the library's selection with
+ *                exact keys, which separates selection error from key-rebuild
+ *                error. Ignored if selected is NULL.
+ * needle: chunk id for needle_mass (or -1).
  */
-skv_status skvs_reference(const skvs_seq *s, const skv_bf16 *q, int32_t needle, float *out_full,
-                          float *out_oracle, skvs_ref_stats *st);
+skv_status skvs_reference(const skvs_seq *s, const skv_bf16 *q, int32_t needle, const int32_t *selected,
+                          float *out_full, float *out_oracle, float *out_selected, skvs_ref_stats *st);
 
 /* ||x - ref||_2 / ||ref||_2 in double. */
 double skvs_rel_err(const float *x, const float *ref, size_t n);
