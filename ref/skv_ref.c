@@ -252,26 +252,43 @@ static skv_status skv_ref_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
 
 /* ---- attention ---------------------------------------------------------------- */
 
-/* One query head over spans: two passes (max, then weighted sum). */
+/*
+ * One query head over spans: two passes (max, then weighted sum). The sums
+ * are float in two levels, per block of 256 tokens and then over blocks: one
+ * running sum would drop the many tiny weights of a long context once a sink
+ * token's weight ~1 is in it (131k weights of e^-17 are 0.5% of the mass).
+ */
+#define SKV_REF_BLOCK 256
 static void skv_ref_attend_head(const skv_bf16 *qi, int32_t h, int32_t D, float scale,
                                 int32_t n_spans, const skv_kv_span *spans, float *out)
 {
-    float m = -INFINITY, z = 0.0f;
+    float m = -INFINITY, z = 0.0f, zb = 0.0f, ob[1024];
+    int64_t in_block = 0;
     for (int32_t sp = 0; sp < n_spans; sp++)
         for (int64_t t = 0; t < spans[sp].n_tokens; t++) {
             const skv_bf16 *k = spans[sp].k + h * spans[sp].head_stride + t * spans[sp].token_stride;
             float s = skv_dot_bf16(qi, k, D) * scale;
             if (s > m) m = s;
         }
-    for (int32_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int32_t d = 0; d < D; d++) out[d] = ob[d] = 0.0f;
     for (int32_t sp = 0; sp < n_spans; sp++)
         for (int64_t t = 0; t < spans[sp].n_tokens; t++) {
             size_t off = (size_t)(h * spans[sp].head_stride + t * spans[sp].token_stride);
             float e = expf(skv_dot_bf16(qi, spans[sp].k + off, D) * scale - m);
-            z += e;
-            for (int32_t d = 0; d < D; d++) out[d] += e * skv_bf16_to_f32(spans[sp].v[off + d]);
+            zb += e;
+            for (int32_t d = 0; d < D; d++) ob[d] += e * skv_bf16_to_f32(spans[sp].v[off + d]);
+            if (++in_block == SKV_REF_BLOCK) { /* fold the block into the totals */
+                z += zb;
+                zb = 0.0f;
+                for (int32_t d = 0; d < D; d++) {
+                    out[d] += ob[d];
+                    ob[d] = 0.0f;
+                }
+                in_block = 0;
+            }
         }
-    for (int32_t d = 0; d < D; d++) out[d] /= z;
+    z += zb;
+    for (int32_t d = 0; d < D; d++) out[d] = (out[d] + ob[d]) / z;
 }
 
 static skv_status skv_ref_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,

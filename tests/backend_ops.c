@@ -13,6 +13,9 @@
  * sel_ids, amax, rope, gathered values) bitwise; float outputs by
  * NMSE = sum (a-b)^2 / sum a^2 against ref; factorize on the product U W.
  *
+ * The cpu backend is also rerun with 1 and 3 OpenMP threads: its outputs
+ * must not depend on the thread count (bitwise), as its source promises.
+ *
  *   backend_ops [-b cpu|cuda|ref] [-o op] [-s seed] [--perf] [-v]
  *
  * The cuda backend takes device pointers; buffers are staged through
@@ -23,6 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "skv_numerics.h"
 #include "testutil.h"
@@ -92,11 +98,11 @@ static const tcase cases[] = {
     {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 77},
     {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .flags = F_MINIMAL},
     /* rebuild keys: float accumulation order is free, bf16 output:
-       1e-5 allows ~1 bf16 ulp (2^-8 relative) on a few percent of elements */
-    {OP_REBUILD, INIT_NORMAL, 1e-5, .n = 4096, .r = 160, .hk = 8, .D = 128, .c = 8, .S = 32, .R = 128},
-    {OP_REBUILD, INIT_LOWRANK, 1e-5, .n = 2048, .r = 32, .hk = 1, .D = 64, .c = 4, .S = 100, .R = 64, .inter = 1},
-    {OP_REBUILD, INIT_HUGE, 1e-5, .n = 8192, .r = 96, .hk = 2, .D = 256, .c = 16, .S = 20, .R = 128, .llama3 = 1},
-    {OP_REBUILD, INIT_TINY, 1e-5, .n = 1024, .r = 64, .hk = 4, .D = 128, .c = 8, .S = 16, .R = 96, .inter = 1},
+       1e-6 allows 1 bf16 ulp (2^-8 relative) on ~5% of the elements */
+    {OP_REBUILD, INIT_NORMAL, 1e-6, .n = 4096, .r = 160, .hk = 8, .D = 128, .c = 8, .S = 32, .R = 128},
+    {OP_REBUILD, INIT_LOWRANK, 1e-6, .n = 2048, .r = 32, .hk = 1, .D = 64, .c = 4, .S = 100, .R = 64, .inter = 1},
+    {OP_REBUILD, INIT_HUGE, 1e-6, .n = 8192, .r = 96, .hk = 2, .D = 256, .c = 16, .S = 20, .R = 128, .llama3 = 1},
+    {OP_REBUILD, INIT_TINY, 1e-6, .n = 1024, .r = 64, .hk = 4, .D = 128, .c = 8, .S = 16, .R = 96, .inter = 1},
     /* gather: a copy, bitwise */
     {OP_GATHER, INIT_NORMAL, 0, .hk = 8, .D = 128, .c = 8, .N = 200, .S = 64},
     {OP_GATHER, INIT_TIES, 0, .hk = 2, .D = 64, .c = 4, .N = 50, .S = 50},
@@ -144,7 +150,10 @@ typedef struct problem {
 } problem;
 
 #define GUARD 256
-static unsigned char guard_byte(size_t i) { return (unsigned char)(0xA5u ^ (i * 37u)); }
+/* Each guard zone gets its own pattern, so bytes copied from one buffer's
+   guard into another's (an off-by-one gather, say) do not look intact. */
+static unsigned guard_salt;
+static unsigned char guard_byte(size_t i, unsigned salt) { return (unsigned char)(0xA5u ^ (i * 37u) ^ (salt * 101u)); }
 
 /* minimal cudart, resolved at run time */
 static struct {
@@ -182,15 +191,20 @@ typedef struct gbuf {
     unsigned char *img;
     unsigned char *dev; /* cuda: the device copy of img */
     size_t bytes;
+    unsigned salt; /* front guard pattern; the back one uses salt + 1 */
 } gbuf;
 
 static int gbuf_make(gbuf *g, size_t bytes, const void *fill, int on_dev)
 {
     g->bytes = bytes;
     g->dev = NULL;
+    g->salt = guard_salt += 2;
     g->img = malloc(bytes + 2 * GUARD);
     if (!g->img) return 0;
-    for (size_t i = 0; i < GUARD; i++) g->img[i] = g->img[GUARD + bytes + i] = guard_byte(i);
+    for (size_t i = 0; i < GUARD; i++) {
+        g->img[i] = guard_byte(i, g->salt);
+        g->img[GUARD + bytes + i] = guard_byte(i, g->salt + 1);
+    }
     if (fill) memcpy(g->img + GUARD, fill, bytes);
     else memset(g->img + GUARD, 0xFF, bytes);
     if (on_dev) {
@@ -210,7 +224,7 @@ static void gbuf_fetch(gbuf *g)
 static int gbuf_guards_ok(const gbuf *g)
 {
     for (size_t i = 0; i < GUARD; i++)
-        if (g->img[i] != guard_byte(i) || g->img[GUARD + g->bytes + i] != guard_byte(i)) return 0;
+        if (g->img[i] != guard_byte(i, g->salt) || g->img[GUARD + g->bytes + i] != guard_byte(i, g->salt + 1)) return 0;
     return 1;
 }
 static void gbuf_free(gbuf *g)
@@ -826,6 +840,27 @@ int main(int argc, char **argv)
             printf("%-18s %-62s %-4s %s %s\n", op_names[tc->op], params, skv_backend_name(be), msg, ok ? "PASS" : "FAIL");
             SKVT_CHECK(ok, "%s %s %s (replay: -s %llu -o %s -b %s)", op_names[tc->op], params, skv_backend_name(be),
                        (unsigned long long)base, op_names[tc->op], skv_backend_name(be));
+#ifdef _OPENMP
+            if (ok && be == SKV_BACKEND_CPU) {
+                int nt0 = omp_get_max_threads(), same = 1;
+                const int nts[2] = {1, 3};
+                for (int k = 0; k < 2; k++) {
+                    run r2;
+                    if (nts[k] == nt0) continue;
+                    if (!setup_run(&p, &r2, 0, tc)) return 2;
+                    omp_set_num_threads(nts[k]);
+                    s = call_op(be, tc, &p, &r2);
+                    omp_set_num_threads(nt0);
+                    same &= s == SKV_OK;
+                    for (int i = 0; i < p.n_out && s == SKV_OK; i++)
+                        if (!p.out[i].absent) same &= memcmp(gbuf_body(&r.out[i]), gbuf_body(&r2.out[i]), r.out[i].bytes) == 0;
+                    free_run(&p, &r2);
+                }
+                if (!same) printf("%-18s %-62s %-4s outputs change with the thread count (1/3 vs %d) FAIL\n",
+                                  op_names[tc->op], params, "cpu", nt0);
+                SKVT_CHECK(same, "%s %s cpu: outputs depend on the OpenMP thread count", op_names[tc->op], params);
+            }
+#endif
             if (do_perf)
                 printf("PERF %-18s %-62s %-4s median %.3f ms\n", op_names[tc->op], params, skv_backend_name(be),
                        perf(be, tc, &p, &r));

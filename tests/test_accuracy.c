@@ -134,6 +134,7 @@ static void test_factorize(void)
 {
     struct { int spec, n, d, r; } cs[] = {
         {SPEC_INV, 2048, 256, 32},
+        {SPEC_INV, 256, 1024, 128}, /* wide: n < d */
         {SPEC_EXP, 4096, 512, 160},
         {SPEC_CLUSTER, 3072, 1024, 128},
         {SPEC_RANKDEF, 2048, 512, 64},
@@ -479,6 +480,7 @@ static void test_score_select(void)
         {32, 8, 128, 2000, 256, 0.0f, 0}, {8, 1, 64, 500, 50, 0.25f, 0}, {16, 16, 256, 300, 1, 0.0f, 0},
         {32, 8, 128, 1000, 100, 0.0f, 1}, /* peaky: q x 12 */
         {32, 8, 128, 800, 64, 0.0f, 2},   /* duplicated landmarks: ties */
+        {32, 8, 128, 16000, 256, 0.0f, 0}, /* 128k-token prompt, c = 8 */
     };
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         int hq = cs[ci].hq, hk = cs[ci].hk, D = cs[ci].D, m = cs[ci].m, S = cs[ci].S;
@@ -770,6 +772,50 @@ static void test_attention(void)
         }
         free(q), free(k), free(v), free(want), free(out), free(kh), free(vh);
     }
+
+    /*
+     * Attention sink over a long context: token 0 has score 17 above the other
+     * 131071 tokens, whose weights e^-17 = 4.1e-8 are each below half an ulp
+     * of 1 but together hold 0.5% of the mass. Accumulating the softmax
+     * denominator and numerator in one running float sum from the sink onwards
+     * drops all of them (error ~5e-3 > 2e-3); blocked or pairwise sums do not.
+     * Scores are exact: q and the keys are one-hot along dim 0.
+     */
+    {
+        const int D = 128;
+        const int64_t T = 131072;
+        float scale = (float)(1.0 / sqrt((double)D));
+        skv_bf16 *q = xmalloc(sizeof(skv_bf16) * D), *k = xmalloc(sizeof(skv_bf16) * (size_t)T * D),
+                 *v = xmalloc(sizeof(skv_bf16) * (size_t)T * D);
+        memset(q, 0, sizeof(skv_bf16) * D);
+        memset(k, 0, sizeof(skv_bf16) * (size_t)T * D);
+        q[0] = bf(8.0);
+        k[0] = bf(17.0 / (8.0 * scale)); /* the sink's score: 17 (up to bf16 rounding) */
+        for (int64_t t = 0; t < T; t++)
+            for (int d = 0; d < D; d++) v[t * D + d] = bf(t == 0 ? -1.0 : 1.0 + 0.01 * (d % 7));
+        double want[128];
+        float out[128];
+        skv_kv_span one = {k, v, T, D, D};
+        attention_double(1, 1, D, scale, q, 1, &one, want);
+        /* the same tokens as sparse spans: sink alone, then the rest */
+        skv_kv_span two[2] = {{k, v, 1, D, D}, {k + D, v + D, T - 1, D, D}};
+        for (int bi = 0; bi < n_backends; bi++) {
+            skv_backend be = backends[bi];
+            if (SKVT_CHECK_STATUS(skv_op_full_attention(be, 1, 1, D, scale, q, T, k, v, out), SKV_OK, "full_attention sink")) {
+                double e = worst_head_error(out, want, 1, D);
+                printf("full_attention   %-4s attention sink n=%lld: rel L2 %.3g\n", skv_backend_name(be), (long long)T, e);
+                SKVT_CHECK(e <= 2e-3, "full_attention %s attention sink n=%lld: rel L2 error %.3g > 2e-3",
+                           skv_backend_name(be), (long long)T, e);
+            }
+            if (SKVT_CHECK_STATUS(skv_op_sparse_attention(be, 1, 1, D, scale, q, 2, two, out), SKV_OK, "sparse sink")) {
+                double e = worst_head_error(out, want, 1, D);
+                printf("sparse_attention %-4s attention sink n=%lld: rel L2 %.3g\n", skv_backend_name(be), (long long)T, e);
+                SKVT_CHECK(e <= 2e-3, "sparse_attention %s attention sink n=%lld: rel L2 error %.3g > 2e-3",
+                           skv_backend_name(be), (long long)T, e);
+            }
+        }
+        free(q), free(k), free(v);
+    }
 }
 
 /* ---- bad arguments ------------------------------------------------------------- */
@@ -1004,15 +1050,32 @@ int main(void)
             backends[n_backends++] = all[i];
         }
     }
-    double t0 = now_s();
-    for (int i = 0; i < n_backends; i++) test_bad_args(backends[i]);
-    test_rope();
-    test_landmarks();
-    test_score_select();
-    test_rebuild();
-    test_gather();
-    test_attention();
-    test_factorize();
+    if (skv_backend_available(SKV_BACKEND_CUDA) == SKV_ERR_NO_DEVICE) {
+        /* asking an op for an unusable backend is an error, not a fallback */
+        skv_bf16 x[64] = {0};
+        int32_t id = 0;
+        skv_bf16 o[64];
+        memset(o, POISON, sizeof o);
+        SKVT_CHECK_STATUS(skv_op_gather_values(SKV_BACKEND_CUDA, 1, 8, 8, 1, 1, x, &id, o), SKV_ERR_NO_DEVICE,
+                          "gather on cuda without a device");
+        SKVT_CHECK(untouched(o, sizeof o), "gather on cuda without a device wrote its output");
+    }
+    double t0 = now_s(), t = t0;
+#define TIMED(call)                                              \
+    do {                                                         \
+        call;                                                    \
+        printf("-- %s: %.1f s\n", #call, now_s() - t);           \
+        t = now_s();                                             \
+    } while (0)
+    for (int i = 0; i < n_backends; i++) TIMED(test_bad_args(backends[i]));
+    TIMED(test_rope());
+    TIMED(test_landmarks());
+    TIMED(test_score_select());
+    TIMED(test_rebuild());
+    TIMED(test_gather());
+    TIMED(test_attention());
+    TIMED(test_factorize());
+#undef TIMED
     printf("test_accuracy: %.1f s\n", now_s() - t0);
     return skvt_finish();
 }
