@@ -1,6 +1,6 @@
 /*
- * cpu backend: OpenMP + OpenBLAS/LAPACKE. Starts from ref's table and
- * overrides every op slot.
+ * cpu backend: OpenMP + AVX2/FMA (+ LAPACKE, OpenBLAS). Starts from ref's
+ * table and overrides every op slot.
  *
  * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
  * to ref (DESIGN.md section 5). They are computed from skv_numerics.h; where a
@@ -8,15 +8,18 @@
  * tokens, dims), so every lane runs exactly the fmaf/add/div sequence of the
  * shared scalar function, in the same order. Only IEEE-rounded AVX ops are
  * used there (vfmadd, vadd, vmul, vdiv, vsqrt, vmax with fmaxf's NaN rule).
- * Tolerance-checked ops (factorize, rebuild, attention) use BLAS and any
- * summation order.
  *
- * Threads: BLAS calls are made from the calling thread only, never inside an
+ * Tolerance-checked products (factorize, rebuild) use the small GEMM
+ * micro-kernels below rather than OpenBLAS: see the note there. OpenBLAS is
+ * used through LAPACK's eigensolver, for the n < d factorization and in the
+ * portable (no AVX2) build, always from the calling thread, never inside an
  * OpenMP region (a pthreads OpenBLAS would nest its own pool under ours).
- * Scratch: per-call malloc, no global or thread-local state, so separate
- * caches can run concurrently on separate threads. glibc's dynamic mmap
- * threshold makes the repeated large per-step allocations of the decode path
- * come from the heap after the first step, so they do not page-fault.
+ *
+ * Results do not depend on the thread count (fixed blocking, fixed merge
+ * order). Scratch: per-call malloc, no global or thread-local state, so
+ * separate caches can run concurrently on separate threads. glibc's dynamic
+ * mmap threshold serves the repeated per-step allocations of the decode path
+ * from the heap after the first step, so they do not page-fault.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -157,7 +160,6 @@ static void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t
     __m256d cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
     for (int i = 0; i < 12; i++) _mm256_storeu_pd(t + 4 * i, cc[i]);
 }
-#endif
 
 /* 64-byte aligned scratch (no 32-byte loads split across cache lines); free(). */
 static void *skv_cpu_alloc(size_t bytes)
@@ -165,6 +167,7 @@ static void *skv_cpu_alloc(size_t bytes)
     void *p = NULL;
     return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
 }
+#endif
 
 /* bf16 -> float of n contiguous values. */
 static void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
@@ -249,7 +252,7 @@ static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n, int64_t *fi
 
 /* ---- factorize ------------------------------------------------------------------ */
 
-/* bf16 rows [rows, d] -> double, serially (we are between BLAS calls). */
+/* bf16 rows [rows, d] -> double (BLAS paths; serial: they run between BLAS calls). */
 static void skv_cpu_rows_f64(const skv_bf16 *a, int64_t rows, int32_t d, double *out)
 {
     for (int64_t i = 0; i < rows * d; i++) out[i] = (double)skv_bf16_to_f32(a[i]);
@@ -288,41 +291,72 @@ done:
 }
 
 #if SKV_CPU_SIMD
-/*
- * G = A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel.
- * A is streamed in blocks of KC rows, packed (bf16 -> double) twice: as
- * 6-column slivers (the kernel's "a") and 8-column slivers (its "b"); each
- * work item owns one 8-column strip of G, so no two threads write the same
- * element. Triangular strips: dynamic schedule, longest first.
- */
-static void skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g, double *xa, double *xb)
+/* Rows [q0, q1) of a KC-row block starting at row t0, packed (bf16 -> double) as
+   6-column slivers xa (the kernel's "a") and 8-column slivers xb (its "b"). */
+static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int64_t q0, int64_t q1,
+                              double *xa, double *xb)
 {
-    const int64_t KC = 256;
     int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
+    for (int64_t q = q0; q < q1; q++) {
+        const skv_bf16 *row = a + (size_t)(t0 + q) * d;
+        for (int32_t j = 0; j < na * 6; j++)
+            xa[((size_t)(j / 6) * kc + q) * 6 + j % 6] = j < d ? skv_bf16_to_f32(row[j]) : 0.0;
+        for (int32_t j = 0; j < nb * 8; j++)
+            xb[((size_t)(j / 8) * kc + q) * 8 + j % 8] = j < d ? skv_bf16_to_f32(row[j]) : 0.0;
+    }
+}
+
+/*
+ * G = A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel,
+ * A streamed in blocks of KC rows. Each 8-column strip of G is owned by one
+ * work item per block and accumulated in block order, so the result does not
+ * depend on the thread count. Packing is double-buffered: the items of block
+ * b are its strips (longest first) plus slices packing block b+1 for threads
+ * that finish early, so there is one barrier per block.
+ */
+#define SKV_CPU_KC 256
+#define SKV_CPU_PACK_SLICES 8
+
+static skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
+{
+    int32_t nb = (d + 7) / 8;
+    int64_t nblk = (n + SKV_CPU_KC - 1) / SKV_CPU_KC;
+    size_t half = (size_t)((d + 5) / 6 * 6 + nb * 8) * SKV_CPU_KC; /* one xa + xb */
+    double *buf = skv_cpu_alloc(2 * half * sizeof *buf);
+    if (!buf) return SKV_ERR_OUT_OF_MEMORY;
 #pragma omp parallel
-    for (int64_t t0 = 0; t0 < n; t0 += KC) {
-        int64_t kc = n - t0 < KC ? n - t0 : KC;
+    {
+        int64_t kc0 = n < SKV_CPU_KC ? n : SKV_CPU_KC;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < kc; p++) {
-            const skv_bf16 *row = a + (size_t)(t0 + p) * d;
-            for (int32_t q = 0; q < na; q++)
-                for (int32_t i = 0; i < 6; i++)
-                    xa[((size_t)q * kc + p) * 6 + i] = q * 6 + i < d ? skv_bf16_to_f32(row[q * 6 + i]) : 0.0;
-            for (int32_t q = 0; q < nb; q++)
-                for (int32_t j = 0; j < 8; j++)
-                    xb[((size_t)q * kc + p) * 8 + j] = q * 8 + j < d ? skv_bf16_to_f32(row[q * 8 + j]) : 0.0;
-        }
+        for (int s = 0; s < SKV_CPU_PACK_SLICES; s++)
+            skv_cpu_gram_pack(a, d, 0, kc0, kc0 * s / SKV_CPU_PACK_SLICES, kc0 * (s + 1) / SKV_CPU_PACK_SLICES,
+                              buf, buf + (size_t)(d + 5) / 6 * 6 * kc0);
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            int64_t t0 = blk * SKV_CPU_KC, kc = n - t0 < SKV_CPU_KC ? n - t0 : SKV_CPU_KC;
+            int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_KC ? n - t1 : SKV_CPU_KC;
+            double *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)(d + 5) / 6 * 6 * kc;
+            double *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)(d + 5) / 6 * 6 * kc1;
+            int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int32_t jj = 0; jj < nb; jj++) {
-            int32_t js = nb - 1 - jj, j0 = js * 8, nj = skv_cpu_min(8, d - j0);
-            for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
-                double t[48];
-                skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * kc * 6, xb + (size_t)js * kc * 8, t);
-                for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++)
-                    for (int32_t j = 0; j < nj; j++) g[(size_t)(i0 + i) * d + j0 + j] += t[i * 8 + j];
+            for (int32_t it = 0; it < nb + npack; it++) {
+                if (it >= nb) { /* pack a slice of the next block */
+                    int s = it - nb;
+                    skv_cpu_gram_pack(a, d, t1, kc1, kc1 * s / SKV_CPU_PACK_SLICES,
+                                      kc1 * (s + 1) / SKV_CPU_PACK_SLICES, ya, yb);
+                    continue;
+                }
+                int32_t js = nb - 1 - it, j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+                for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
+                    double t[48];
+                    skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * kc * 6, xb + (size_t)js * kc * 8, t);
+                    for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++)
+                        for (int32_t j = 0; j < nj; j++) g[(size_t)(i0 + i) * d + j0 + j] += t[i * 8 + j];
+                }
             }
         }
     }
+    free(buf);
+    return SKV_OK;
 }
 
 /* u [n, r] = A V (double accumulate, rounded once), V packed as 8-column slivers vb. */
@@ -385,15 +419,11 @@ static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_b
     double *g = calloc((size_t)d * d, sizeof *g), *v = malloc((size_t)d * r * sizeof *v);
 #if SKV_CPU_SIMD
     int32_t nr = (r + 7) / 8;
-    size_t kc = (size_t)(n < 256 ? n : 256), ws = (size_t)(d + 7) * kc;
-    double *xa = skv_cpu_alloc(ws * sizeof *xa), *xb = skv_cpu_alloc(ws * sizeof *xb);
     double *vb = skv_cpu_alloc((size_t)nr * 8 * d * sizeof *vb);
     double *ap = skv_cpu_alloc((size_t)omp_get_max_threads() * 6 * d * sizeof *ap);
-    if (!g || !v || !xa || !xb || !vb || !ap) st = SKV_ERR_OUT_OF_MEMORY;
-    if (!st) {
-        skv_cpu_gram(n, d, a, g, xa, xb);
-        st = skv_cpu_top_eigvecs(g, d, r, v);
-    }
+    if (!g || !v || !vb || !ap) st = SKV_ERR_OUT_OF_MEMORY;
+    if (!st) st = skv_cpu_gram(n, d, a, g);
+    if (!st) st = skv_cpu_top_eigvecs(g, d, r, v);
     if (!st) {
         for (int32_t js = 0; js < nr; js++)
             for (int32_t k = 0; k < d; k++)
@@ -401,8 +431,6 @@ static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_b
                     vb[((size_t)js * d + k) * 8 + j] = js * 8 + j < r ? v[(size_t)k * r + js * 8 + j] : 0.0;
         skv_cpu_project(n, d, r, a, vb, u, ap);
     }
-    free(xa);
-    free(xb);
     free(vb);
     free(ap);
 #else
@@ -788,7 +816,9 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
                                         const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
 {
     size_t block = (size_t)c * D;
-#pragma omp parallel for schedule(static)
+    /* A decode step copies ~4 MB: one thread does it at memory speed, and on a
+       loaded machine a fork/join can stall for longer than the copy takes. */
+#pragma omp parallel for schedule(static) if ((size_t)Hk * S * block * sizeof *store > ((size_t)8 << 20))
     for (int64_t hs = 0; hs < (int64_t)Hk * S; hs++)
         memcpy(v_out + hs * block, store + ((size_t)(hs / S) * n_store + idx[hs]) * block, block * sizeof *store);
     return SKV_OK;
@@ -807,7 +837,7 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
 #define SKV_CPU_BT 256
 
 struct skv_cpu_attn {
-    int32_t G, Hk, D, Dp, n_spans;
+    int32_t G, D, Dp;
     float scale;
     const float *qf;        /* [Hq, Dp], zero padded */
     const skv_kv_span *spans;
@@ -815,68 +845,173 @@ struct skv_cpu_attn {
     float *part;            /* per item: [G] m, [G] l, [G][Dp] acc */
 };
 
+#if SKV_CPU_SIMD
+/* exp for attention weights (x <= 0; tolerance-checked, not a decision): skv_expf's
+   Cody-Waite + Cephes polynomial, 8 lanes, clamped so that 2^k stays normal. */
+static inline __m256 skv_cpu_exp8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kf), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(e, _mm256_castsi256_ps(k));
+}
+
+/* The 4 horizontal sums of a, b, c, d as one vector. */
+static inline __m128 skv_cpu_hsum4(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+#endif
+
+/* dot(q, k) for attention scores: float, any order (tolerance-checked). */
+static float skv_cpu_dotq(const float *q, const skv_bf16 *k, int32_t D)
+{
+    float dot = 0.0f;
+    int32_t d = 0;
+#if SKV_CPU_SIMD
+    __m256 a = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), skv_cpu_ld8(k + d), a);
+    dot = skv_cpu_hsum(a);
+#endif
+    for (; d < D; d++) dot += q[d] * skv_bf16_to_f32(k[d]);
+    return dot;
+}
+
 static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1, float *sc)
 {
-    int32_t G = A->G, D = A->D, Dp = A->Dp;
-    int64_t nt = t1 - t0;
+    int32_t G = A->G, D = A->D, Dp = A->Dp, nt = (int32_t)(t1 - t0), g = 0;
     const float *qh = A->qf + (size_t)h * G * Dp;
     float *m = A->part, *l = m + G, *acc = l + G;
-    /* pass 1: scores sc[g*BT + tt] */
+    const skv_bf16 *kp[SKV_CPU_BT], *vp[SKV_CPU_BT];
     int sp = 0;
-    while (A->off[sp + 1] <= t0) sp++;
-    for (int64_t t = t0; t < t1; t++) {
+    for (int32_t i = 0; i < nt; i++) { /* token rows of this block, across span boundaries */
+        int64_t t = t0 + i;
         while (A->off[sp + 1] <= t) sp++;
         const skv_kv_span *s = &A->spans[sp];
-        const skv_bf16 *k = s->k + h * s->head_stride + (t - A->off[sp]) * s->token_stride;
-        for (int32_t g = 0; g < G; g++) {
-            const float *qg = qh + (size_t)g * Dp;
-            float dot = 0.0f;
-            int32_t d = 0;
+        int64_t o = h * s->head_stride + (t - A->off[sp]) * s->token_stride;
+        kp[i] = s->k + o;
+        vp[i] = s->v + o;
+    }
+    /* scores: 4 queries per pass share each converted key vector */
 #if SKV_CPU_SIMD
-            __m256 v0 = _mm256_setzero_ps(), v1 = v0;
-            for (; d + 16 <= D; d += 16) {
-                v0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), skv_cpu_ld8(k + d), v0);
-                v1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), skv_cpu_ld8(k + d + 8), v1);
+    int32_t D8 = D / 8 * 8;
+    for (; g + 4 <= G; g += 4) {
+        const float *q0 = qh + (size_t)g * Dp, *q1 = q0 + Dp, *q2 = q1 + Dp, *q3 = q2 + Dp;
+        for (int32_t i = 0; i < nt; i++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, kv;
+            for (int32_t d = 0; d < D8; d += 8) {
+                kv = skv_cpu_ld8(kp[i] + d);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), kv, a3);
             }
-            for (; d + 8 <= D; d += 8) v0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), skv_cpu_ld8(k + d), v0);
-            dot = skv_cpu_hsum(_mm256_add_ps(v0, v1));
-#endif
-            for (; d < D; d++) dot += qg[d] * skv_bf16_to_f32(k[d]);
-            sc[(size_t)g * SKV_CPU_BT + (t - t0)] = dot * A->scale;
+            if (D8 < D) { /* q is zero padded to Dp */
+                float kt[8] = {0};
+                for (int32_t d = D8; d < D; d++) kt[d - D8] = skv_bf16_to_f32(kp[i][d]);
+                kv = _mm256_loadu_ps(kt);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D8), kv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + D8), kv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + D8), kv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + D8), kv, a3);
+            }
+            float s4[4];
+            _mm_storeu_ps(s4, _mm_mul_ps(skv_cpu_hsum4(a0, a1, a2, a3), _mm_set1_ps(A->scale)));
+            for (int j = 0; j < 4; j++) sc[(size_t)(g + j) * SKV_CPU_BT + i] = s4[j];
         }
     }
-    for (int32_t g = 0; g < G; g++) {
+#endif
+    for (; g < G; g++)
+        for (int32_t i = 0; i < nt; i++)
+            sc[(size_t)g * SKV_CPU_BT + i] = skv_cpu_dotq(qh + (size_t)g * Dp, kp[i], D) * A->scale;
+    /* block max and weights */
+    for (g = 0; g < G; g++) {
         float *sg = sc + (size_t)g * SKV_CPU_BT, mx = sg[0], sum = 0.0f;
-        for (int64_t tt = 1; tt < nt; tt++) mx = sg[tt] > mx ? sg[tt] : mx;
-        for (int64_t tt = 0; tt < nt; tt++) {
-            sg[tt] = expf(sg[tt] - mx);
-            sum += sg[tt];
+        for (int32_t i = 1; i < nt; i++) mx = sg[i] > mx ? sg[i] : mx;
+        int32_t i = 0;
+#if SKV_CPU_SIMD
+        __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx);
+        for (; i + 8 <= nt; i += 8) {
+            __m256 e = skv_cpu_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
+            _mm256_storeu_ps(sg + i, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = skv_cpu_hsum(vs);
+#endif
+        for (; i < nt; i++) {
+            sg[i] = expf(sg[i] - mx);
+            sum += sg[i];
         }
         m[g] = mx;
         l[g] = sum;
     }
-    /* pass 2: acc_g = sum_t w_gt v_t */
-    memset(acc, 0, (size_t)G * Dp * sizeof *acc);
-    sp = 0;
-    while (A->off[sp + 1] <= t0) sp++;
-    for (int64_t t = t0; t < t1; t++) {
-        while (A->off[sp + 1] <= t) sp++;
-        const skv_kv_span *s = &A->spans[sp];
-        const skv_bf16 *v = s->v + h * s->head_stride + (t - A->off[sp]) * s->token_stride;
-        int32_t d = 0;
+    /* acc_g = sum_t w_gt v_t: dims outer, tokens inner, accumulators in registers */
+    g = 0;
 #if SKV_CPU_SIMD
-        for (; d + 8 <= D; d += 8) {
-            __m256 vv = skv_cpu_ld8(v + d);
-            for (int32_t g = 0; g < G; g++) {
-                float *ag = acc + (size_t)g * Dp + d;
-                __m256 wg = _mm256_broadcast_ss(sc + (size_t)g * SKV_CPU_BT + (t - t0));
-                _mm256_storeu_ps(ag, _mm256_fmadd_ps(wg, vv, _mm256_loadu_ps(ag)));
+    int32_t d0 = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *w0 = sc + (size_t)g * SKV_CPU_BT, *w1 = w0 + SKV_CPU_BT, *w2 = w1 + SKV_CPU_BT,
+                    *w3 = w2 + SKV_CPU_BT;
+        float *o0 = acc + (size_t)g * Dp, *o1 = o0 + Dp, *o2 = o1 + Dp, *o3 = o2 + Dp;
+        int32_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int32_t i = 0; i < nt; i++) {
+                __m256 v0 = skv_cpu_ld8(vp[i] + d), v1 = skv_cpu_ld8(vp[i] + d + 8), x;
+                x = _mm256_broadcast_ss(w0 + i);
+                a0 = _mm256_fmadd_ps(x, v0, a0);
+                b0 = _mm256_fmadd_ps(x, v1, b0);
+                x = _mm256_broadcast_ss(w1 + i);
+                a1 = _mm256_fmadd_ps(x, v0, a1);
+                b1 = _mm256_fmadd_ps(x, v1, b1);
+                x = _mm256_broadcast_ss(w2 + i);
+                a2 = _mm256_fmadd_ps(x, v0, a2);
+                b2 = _mm256_fmadd_ps(x, v1, b2);
+                x = _mm256_broadcast_ss(w3 + i);
+                a3 = _mm256_fmadd_ps(x, v0, a3);
+                b3 = _mm256_fmadd_ps(x, v1, b3);
             }
+            _mm256_storeu_ps(o0 + d, a0);
+            _mm256_storeu_ps(o0 + d + 8, b0);
+            _mm256_storeu_ps(o1 + d, a1);
+            _mm256_storeu_ps(o1 + d + 8, b1);
+            _mm256_storeu_ps(o2 + d, a2);
+            _mm256_storeu_ps(o2 + d + 8, b2);
+            _mm256_storeu_ps(o3 + d, a3);
+            _mm256_storeu_ps(o3 + d + 8, b3);
+        }
+        d0 = d;
+    }
+    for (int32_t gg = 0; gg < g; gg++) /* dims left over by the 16-wide loop */
+        for (int32_t d = d0; d < D; d++) {
+            float a = 0.0f;
+            for (int32_t i = 0; i < nt; i++) a += sc[(size_t)gg * SKV_CPU_BT + i] * skv_bf16_to_f32(vp[i][d]);
+            acc[(size_t)gg * Dp + d] = a;
         }
 #endif
-        for (; d < D; d++) {
-            float vd = skv_bf16_to_f32(v[d]);
-            for (int32_t g = 0; g < G; g++) acc[(size_t)g * Dp + d] += sc[(size_t)g * SKV_CPU_BT + (t - t0)] * vd;
+    for (; g < G; g++) {
+        float *og = acc + (size_t)g * Dp;
+        const float *wg = sc + (size_t)g * SKV_CPU_BT;
+        memset(og, 0, (size_t)D * sizeof *og);
+        for (int32_t i = 0; i < nt; i++) {
+            int32_t d = 0;
+#if SKV_CPU_SIMD
+            __m256 x = _mm256_broadcast_ss(wg + i);
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(og + d, _mm256_fmadd_ps(x, skv_cpu_ld8(vp[i] + d), _mm256_loadu_ps(og + d)));
+#endif
+            for (; d < D; d++) og[d] += wg[i] * skv_bf16_to_f32(vp[i][d]);
         }
     }
 }
@@ -903,7 +1038,7 @@ static skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, fl
         return SKV_ERR_OUT_OF_MEMORY;
     }
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
-    struct skv_cpu_attn A = {G, Hk, D, Dp, n_spans, scale, qf, spans, off, NULL};
+    struct skv_cpu_attn A = {G, D, Dp, scale, qf, spans, off, NULL};
 #pragma omp parallel num_threads(nt)
     {
         float *my_sc = sc + (size_t)omp_get_thread_num() * G * SKV_CPU_BT;
