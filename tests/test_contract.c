@@ -52,14 +52,28 @@ static void random_case(skvt_rng *r, contract_case *cc)
 }
 
 /*
- * Keys for one (layer, seq): random, with planted exact ties: some chunks copy
- * another chunk's keys exactly (equal landmarks, equal scores), some tokens
- * are zero (cos score edge), and a few rows are huge.
+ * Keys for one (layer, seq): low-rank (a latent of rank min(r, 8) times a
+ * random basis) plus small noise, as real pre-RoPE keys are, so the top-r
+ * subspace is well determined and backends' outputs are comparable; with
+ * planted exact ties: some chunks copy another chunk's keys exactly (equal
+ * landmarks, equal scores), a run of identical chunks, a zero token (cos
+ * score edge) and a huge row.
  */
 static void make_prompt(skvt_rng *r, const skv_config *c, int64_t n, skv_bf16 *k, skv_bf16 *v)
 {
     size_t row = (size_t)c->n_kv_heads * c->head_dim;
-    skvt_fill_bf16_normal(r, k, (size_t)n * row, 1.0);
+    int r0 = c->rank < 8 ? c->rank : 8;
+    double *basis = malloc((size_t)r0 * row * sizeof *basis), z[8];
+    for (size_t i = 0; i < (size_t)r0 * row; i++) basis[i] = skvt_rng_normal(r);
+    for (int64_t t = 0; t < n; t++) {
+        for (int j = 0; j < r0; j++) z[j] = skvt_rng_normal(r) * 2.0 / (1 + j);
+        for (size_t i = 0; i < row; i++) {
+            double x = 0.05 * skvt_rng_normal(r);
+            for (int j = 0; j < r0; j++) x += z[j] * basis[(size_t)j * row + i];
+            k[(size_t)t * row + i] = skv_bf16_from_float((float)x);
+        }
+    }
+    free(basis);
     skvt_fill_bf16_normal(r, v, (size_t)n * row, 1.0);
     int64_t n_chunks = n / c->chunk_size;
     size_t chunk_elems = (size_t)c->chunk_size * row;
@@ -72,10 +86,11 @@ static void make_prompt(skvt_rng *r, const skv_config *c, int64_t n, skv_bf16 *k
         for (int i = 1; i < 8; i++)
             memcpy(k + (size_t)(a + i) * chunk_elems, k + (size_t)a * chunk_elems, chunk_elems * sizeof *k);
     }
-    int64_t z = skvt_rng_range(r, 0, n - 1);
-    memset(k + (size_t)z * row, 0, row * sizeof *k);
+    int64_t zt = skvt_rng_range(r, 0, n - 1);
+    memset(k + (size_t)zt * row, 0, row * sizeof *k);
     int64_t h = skvt_rng_range(r, 0, n - 1);
-    for (size_t i = 0; i < row; i++) k[(size_t)h * row + i] = skv_bf16_from_float(skv_bf16_to_float(k[(size_t)h * row + i]) * 300.0f);
+    for (size_t i = 0; i < row; i++)
+        k[(size_t)h * row + i] = skv_bf16_from_float(skv_bf16_to_float(k[(size_t)h * row + i]) * 300.0f);
 }
 
 /* Independent top-S: sort all candidates by (a desc, index asc). */
