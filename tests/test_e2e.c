@@ -1,11 +1,20 @@
 /*
  * test_e2e.c - end to end on a small Llama-shaped synthetic workload (synth.h):
  * 2 layers, a ragged batch of two prompts, 16 decode steps, on ref and cpu
- * with identical inputs. Every step checks: the planted needle chunk is
- * selected in every KV head; ref and cpu select identical chunk sets; the
- * sparse output is within 2x the oracle's error (+1e-2) of full attention;
- * the workload is concentrated (top-budget mass >= 0.9); cpu's output
- * matches ref's.
+ * with identical inputs. At every step, for every layer and sequence:
+ *  - the planted needle chunk is selected in every KV head (both backends);
+ *  - ref and cpu select identical chunk sets, and cpu's output matches ref's;
+ *  - the workload is concentrated: top-budget tokens hold >= 0.9 of attention;
+ *  - accuracy against dense attention, split in two (e = rel L2 error vs full):
+ *      selection: exact keys on the library's selection: e_sel <=
+ *                 1.25 e_oracle + 0.01 (the per-token oracle's error; chunks
+ *                 are coarser than tokens: seen up to 1.25 e_oracle + 0.004);
+ *      overall:   e_sparse <= 1.25 e_oracle + 0.03 (seen up to + 0.018). The
+ *                 slack is the key rebuild: rank-r keys drop the synthetic
+ *                 keys' 1% isotropic noise, which moves outputs by 0.5-3%
+ *                 (its own check: sparse output vs e_sel's output <= 0.05).
+ * Typical values: e_oracle ~0.06, e_sel ~0.064, e_sparse ~0.066.
+ * SKV_VERBOSE=1 prints one line per measurement.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -31,9 +40,16 @@ static int contains(const int32_t *ids, int n, int32_t x)
     return 0;
 }
 
+static double dmax(double a, double b) { return a > b ? a : b; }
+
 int main(void)
 {
     uint64_t seed = skvt_base_seed("test_e2e");
+    if (getenv("SKV_BACKEND")) { /* it would turn both caches into one backend */
+        printf("test_e2e: ignoring SKV_BACKEND=%s: this test compares ref and cpu\n", getenv("SKV_BACKEND"));
+        unsetenv("SKV_BACKEND");
+    }
+    int verbose = getenv("SKV_VERBOSE") != NULL;
     skv_config cfg = skv_config_default();
     cfg.n_layers = LAYERS;
     cfg.n_q_heads = 8;
@@ -45,12 +61,13 @@ int main(void)
     cfg.max_prompt_len = 9216;
     cfg.gen_capacity = STEPS;
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
+    const size_t HD = (size_t)Hq * D;
 
     const skv_backend want[NBE] = {SKV_BACKEND_REF, SKV_BACKEND_CPU};
     skv_cache *cache[NBE] = {NULL};
+    skv_backend be[NBE];
     double prefill_ms[NBE] = {0}, decode_ms[NBE] = {0};
     int nbe = 0;
-    skv_backend be[NBE];
     for (int i = 0; i < NBE; i++) {
         if (skv_backend_available(want[i]) != SKV_OK) {
             skvt_skip(skv_backend_name(want[i]));
@@ -82,24 +99,28 @@ int main(void)
             }
             st = skvs_seq_attach(&seq[l][b], cache[0], l, b);
             SKVT_CHECK_STATUS(st, SKV_OK, "attach");
-            skvs_seq_release(&seq[l][b]);
+            SKVT_CHECK_STATUS(skvs_seq_release(&seq[l][b]), SKV_OK, "release");
         }
     if (skvt_counts_g.failed) return skvt_finish();
 
-    skv_bf16 *q = malloc(sizeof(skv_bf16) * BATCH * Hq * D), *k = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
-    skv_bf16 *v = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
-    float *out[NBE], *full = malloc(sizeof(float) * Hq * D), *orac = malloc(sizeof(float) * Hq * D);
-    for (int i = 0; i < NBE; i++) out[i] = malloc(sizeof(float) * BATCH * Hq * D);
-    int32_t *sel = malloc(sizeof(int32_t) * NBE * S * Hk);
-    float *exact = malloc(sizeof(float) * Hq * D);
-    double worst_ratio = 0, sum_err[NBE] = {0}, sum_or = 0, sum_needle = 0, sum_sink = 0, min_mass = 1, max_xbe = 0;
-    int n_meas = 0, needle_miss = 0, set_diff = 0;
-
+    /* decode every step on every backend, checking selections as we go; the
+       references (BLAS threads) run afterwards so as not to skew the timings */
+    enum { NREC = STEPS * LAYERS * BATCH };
+    skv_bf16 *q = malloc(sizeof(skv_bf16) * BATCH * HD), *k = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
+    skv_bf16 *v = malloc(sizeof(skv_bf16) * BATCH * Hk * D), *rec_q = malloc(sizeof(skv_bf16) * NREC * HD);
+    float *out[NBE], *rec_out[NBE];
+    for (int i = 0; i < NBE; i++) {
+        out[i] = malloc(sizeof(float) * BATCH * HD);
+        rec_out[i] = malloc(sizeof(float) * NREC * HD);
+    }
+    int32_t *sel = malloc(sizeof(int32_t) * NBE * Hk * S), *rec_sel = malloc(sizeof(int32_t) * NREC * Hk * S);
+    int32_t rec_needle[NREC];
+    int needle_miss = 0, set_diff = 0;
     for (int s = 0; s < STEPS; s++)
         for (int l = 0; l < LAYERS; l++) {
             int32_t needle[BATCH];
             for (int b = 0; b < BATCH; b++) {
-                st = skvs_step(&seq[l][b], q + b * Hq * D, k + b * Hk * D, v + b * Hk * D, &needle[b]);
+                st = skvs_step(&seq[l][b], q + b * HD, k + b * Hk * D, v + b * Hk * D, &needle[b]);
                 SKVT_CHECK_STATUS(st, SKV_OK, "step");
             }
             for (int i = 0; i < nbe; i++) {
@@ -110,57 +131,80 @@ int main(void)
                            skv_cache_last_error(cache[i]));
             }
             for (int b = 0; b < BATCH; b++) {
-                for (int h = 0; h < Hk; h++) {
-                    for (int i = 0; i < nbe; i++) {
-                        st = skv_cache_selected(cache[i], l, b, h, sel + (i * Hk + h) * S);
+                for (int i = 0; i < nbe; i++)
+                    for (int h = 0; h < Hk; h++) {
+                        int32_t *ids = sel + (i * Hk + h) * S;
+                        st = skv_cache_selected(cache[i], l, b, h, ids);
                         SKVT_CHECK_STATUS(st, SKV_OK, "selected");
-                        needle_miss += !SKVT_CHECK(contains(sel + (i * Hk + h) * S, S, needle[b]),
+                        needle_miss += !SKVT_CHECK(contains(ids, S, needle[b]),
                                                    "%s step %d layer %d seq %d head %d: needle chunk %d not selected",
                                                    skv_backend_name(be[i]), s, l, b, h, needle[b]);
+                        if (i)
+                            set_diff += !SKVT_CHECK(!memcmp(sel + h * S, ids, sizeof(int32_t) * S),
+                                                    "step %d layer %d seq %d head %d: %s selects other chunks than ref",
+                                                    s, l, b, h, skv_backend_name(be[i]));
                     }
-                    for (int i = 1; i < nbe; i++)
-                        set_diff += !SKVT_CHECK(!memcmp(sel + h * S, sel + (i * Hk + h) * S, sizeof(int32_t) * S),
-                                                "step %d layer %d seq %d head %d: %s selects other chunks than ref",
-                                                s, l, b, h, skv_backend_name(be[i]));
-                }
-                skvs_ref_stats rs;
-                st = skvs_reference(&seq[l][b], q + b * Hq * D, needle[b], sel, full, orac, exact, &rs);
-                SKVT_CHECK_STATUS(st, SKV_OK, "reference");
-                double e_or = skvs_rel_err(orac, full, (size_t)Hq * D);
-                sum_or += e_or;
-                sum_needle += rs.needle_mass;
-                sum_sink += rs.sink_mass;
-                if (getenv("SKV_VERBOSE")) printf("s%d l%d b%d mass top %.4f needle %.3f sink %.3f oracle %.4f exact-sel %.4f\n", s, l, b, rs.topk_mass, rs.needle_mass, rs.sink_mass, e_or, skvs_rel_err(exact, full, (size_t)Hq * D));
-                min_mass = rs.topk_mass < min_mass ? rs.topk_mass : min_mass;
-                SKVT_CHECK(rs.topk_mass >= 0.9, "step %d layer %d seq %d: top-budget mass %.4f < 0.9", s, l, b,
-                           rs.topk_mass);
-                for (int i = 0; i < nbe; i++) {
-                    double e = skvs_rel_err(out[i] + b * Hq * D, full, (size_t)Hq * D);
-                    sum_err[i] += e;
-                    if (getenv("SKV_VERBOSE")) printf("STAT %.5f %.5f %.5f %.5f\n", e_or, skvs_rel_err(exact, full, (size_t)Hq * D), e, skvs_rel_err(out[i] + b * Hq * D, exact, (size_t)Hq * D));
-                    if (e / (2 * e_or + 1e-2) > worst_ratio) worst_ratio = e / (2 * e_or + 1e-2);
-                    SKVT_CHECK(e <= 2 * e_or + 1e-2, "%s step %d layer %d seq %d: rel err %.4g > 2 x oracle %.4g + 1e-2",
-                               skv_backend_name(be[i]), s, l, b, e, e_or);
-                }
-                for (int i = 1; i < nbe; i++) {
-                    double x = skvs_rel_err(out[i] + b * Hq * D, out[0] + b * Hq * D, (size_t)Hq * D);
-                    max_xbe = x > max_xbe ? x : max_xbe;
-                    SKVT_CHECK(x <= 2e-3, "step %d layer %d seq %d: %s output vs ref rel err %.3g > 2e-3", s, l, b,
-                               skv_backend_name(be[i]), x);
-                }
-                n_meas++;
+                const int r = (s * LAYERS + l) * BATCH + b;
+                memcpy(rec_q + r * HD, q + b * HD, sizeof(skv_bf16) * HD);
+                memcpy(rec_sel + r * Hk * S, sel, sizeof(int32_t) * Hk * S);
+                for (int i = 0; i < nbe; i++) memcpy(rec_out[i] + r * HD, out[i] + b * HD, sizeof(float) * HD);
+                rec_needle[r] = needle[b];
             }
         }
+
+    float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
+    double sum_err[NBE] = {0}, sum_or = 0, sum_sel = 0, sum_needle = 0, sum_sink = 0;
+    double min_mass = 1, max_rebuild = 0, max_xbe = 0;
+    for (int r = 0; r < NREC; r++) {
+        const int b = r % BATCH, l = r / BATCH % LAYERS, s = r / BATCH / LAYERS;
+        skvs_ref_stats rs;
+        st = skvs_reference(&seq[l][b], s + 1, rec_q + r * HD, rec_needle[r], rec_sel + r * Hk * S, full, orac,
+                            exact, &rs);
+        SKVT_CHECK_STATUS(st, SKV_OK, "reference");
+        double e_or = skvs_rel_err(orac, full, HD), e_sel = skvs_rel_err(exact, full, HD);
+        sum_or += e_or;
+        sum_sel += e_sel;
+        sum_needle += rs.needle_mass;
+        sum_sink += rs.sink_mass;
+        min_mass = rs.topk_mass < min_mass ? rs.topk_mass : min_mass;
+        SKVT_CHECK(rs.topk_mass >= 0.9, "step %d layer %d seq %d: top-budget mass %.4f < 0.9", s, l, b, rs.topk_mass);
+        SKVT_CHECK(e_sel <= 1.25 * e_or + 0.01,
+                   "step %d layer %d seq %d: selection's exact-key error %.4f > 1.25 x oracle %.4f + 0.01", s, l, b,
+                   e_sel, e_or);
+        if (verbose)
+            printf("step %2d layer %d seq %d: mass top %.4f needle %.3f sink %.3f; rel err oracle %.4f selection %.4f",
+                   s, l, b, rs.topk_mass, rs.needle_mass, rs.sink_mass, e_or, e_sel);
+        for (int i = 0; i < nbe; i++) {
+            const float *o = rec_out[i] + r * HD;
+            double e = skvs_rel_err(o, full, HD), rebuild = skvs_rel_err(o, exact, HD);
+            sum_err[i] += e;
+            max_rebuild = dmax(max_rebuild, rebuild);
+            if (verbose) printf(" %s %.4f", skv_backend_name(be[i]), e);
+            SKVT_CHECK(e <= 1.25 * e_or + 0.03, "%s step %d layer %d seq %d: rel err %.4f > 1.25 x oracle %.4f + 0.03",
+                       skv_backend_name(be[i]), s, l, b, e, e_or);
+            SKVT_CHECK(rebuild <= 0.05, "%s step %d layer %d seq %d: rebuilt keys move the output by %.4f > 0.05",
+                       skv_backend_name(be[i]), s, l, b, rebuild);
+            if (i) {
+                double x = skvs_rel_err(o, rec_out[0] + r * HD, HD);
+                max_xbe = dmax(max_xbe, x);
+                SKVT_CHECK(x <= 2e-3, "step %d layer %d seq %d: %s output vs ref rel err %.3g > 2e-3", s, l, b,
+                           skv_backend_name(be[i]), x);
+            }
+        }
+        if (verbose) printf("\n");
+    }
+    const int n_meas = NREC;
 
     printf("shape: layers %d, batch %d (n = %lld, %lld), Hq %d, Hk %d, D %d, r %d, budget %d, O %d, steps %d\n",
            LAYERS, BATCH, (long long)ctx[0], (long long)ctx[1], Hq, Hk, D, cfg.rank, cfg.budget,
            cfg.n_outlier_chunks, STEPS);
     for (int i = 0; i < nbe; i++)
-        printf("%-4s prefill %8.1f ms, decode %7.2f ms/step, mean rel err vs full %.4f\n", skv_backend_name(be[i]),
+        printf("%-4s prefill %7.1f ms, decode %7.2f ms/step, mean rel err vs full %.4f\n", skv_backend_name(be[i]),
                prefill_ms[i], decode_ms[i] / STEPS, sum_err[i] / n_meas);
-    printf("oracle mean rel err vs full %.4f, min top-budget mass %.4f, worst err/(2 oracle + 1e-2) %.3f\n",
-           sum_or / n_meas, min_mass, worst_ratio);
-    printf("mean attention share: needle chunk %.3f, sinks %.3f\n", sum_needle / n_meas, sum_sink / n_meas);
+    printf("mean rel err vs full: oracle %.4f, library selection with exact keys %.4f; max rebuild effect %.4f\n",
+           sum_or / n_meas, sum_sel / n_meas, max_rebuild);
+    printf("attention: min top-budget mass %.4f, mean share of needle chunk %.3f, of sinks %.3f\n", min_mass,
+           sum_needle / n_meas, sum_sink / n_meas);
     printf("needle misses %d, selection mismatches %d, max cross-backend output rel err %.3g\n", needle_miss,
            set_diff, max_xbe);
 
@@ -168,9 +212,9 @@ int main(void)
         for (int b = 0; b < BATCH; b++) skvs_seq_free(&seq[l][b]);
     for (int i = 0; i < NBE; i++) {
         skv_cache_free(cache[i]);
-        free(out[i]);
+        free(out[i]), free(rec_out[i]);
     }
     skvs_workload_free(&wl);
-    free(q), free(k), free(v), free(full), free(orac), free(exact), free(sel);
+    free(q), free(k), free(v), free(full), free(orac), free(exact), free(sel), free(rec_q), free(rec_sel);
     return skvt_finish();
 }

@@ -7,10 +7,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "skv_numerics.h" /* the library's own bf16 conversions, inline */
+
 #define SYN_SAMPLE 512      /* ordinary tokens kept to calibrate the queries */
 #define SYN_NOISE 0.01f     /* isotropic key noise (elements have RMS ~1) */
 #define SYN_WITHIN 0.15f    /* per-token latent perturbation inside a chunk */
 #define SYN_AR 0.7f         /* latent correlation of neighbouring chunks */
+#define SYN_AR_INNOV 0.714f /* sqrt(1 - SYN_AR^2): keeps the walk at unit variance */
 #define SYN_F0 0.01         /* RoPE frequency (rad/token) above which dims fade */
 #define SYN_SINK_NORM 8.0f  /* sink norm, in units of an ordinary key's */
 
@@ -21,14 +24,6 @@ static float fast_normal(skvt_rng *r)
     float s = 0.0f;
     for (int i = 0; i < 4; i++, x >>= 16) s += (float)(x & 0xffff) * (1.0f / 65536.0f);
     return (s - 2.0f) * 1.7320508f;
-}
-
-static float bf(skv_bf16 h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 static int rotary_dim(const skv_config *cfg)
@@ -69,7 +64,7 @@ static double dotf(const float *a, const float *b, int n)
 static double dotbf(const float *a, const skv_bf16 *b, int n)
 {
     double s = 0;
-    for (int i = 0; i < n; i++) s += (double)a[i] * bf(b[i]);
+    for (int i = 0; i < n; i++) s += (double)a[i] * skv_bf16_to_f32(b[i]);
     return s;
 }
 
@@ -176,10 +171,9 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
     int32_t n_planted = cfg->n_outlier_chunks / 2;
     if (n_planted > (N - 1) / 4) n_planted = (N - 1) / 4;
 
-    const size_t rows = (size_t)(n + max_steps);
     s->k_pre = malloc(sizeof(skv_bf16) * (size_t)n * P);
-    s->k_post = malloc(sizeof(skv_bf16) * rows * P);
-    s->v = malloc(sizeof(skv_bf16) * rows * P);
+    s->k_post = malloc(sizeof(skv_bf16) * (size_t)n * P);
+    s->v = malloc(sizeof(skv_bf16) * (size_t)n * P);
     s->basis = malloc(sizeof(float) * (size_t)s->n_dirs * P);
     s->sigma = malloc(sizeof(float) * (size_t)s->m_bg);
     s->z_last = malloc(sizeof(float) * (size_t)s->m_bg);
@@ -221,7 +215,7 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
             float *cf = coef + i * s->n_dirs;
             if (j != chunk_of_z) { /* AR(1) walk of chunk latents, stationary N(0, 1) */
                 for (int k = 0; k < m_bg; k++)
-                    z[k] = j ? SYN_AR * z[k] + 0.714f * (float)skvt_rng_normal(&r) : (float)skvt_rng_normal(&r);
+                    z[k] = j ? SYN_AR * z[k] + SYN_AR_INNOV * (float)skvt_rng_normal(&r) : (float)skvt_rng_normal(&r);
                 chunk_of_z = j;
             }
             cf[0] = s->a_mu;
@@ -233,7 +227,7 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, P, s->n_dirs, 1.0f, coef,
                     s->n_dirs, s->basis, P, 0.0f, kf, P);
         skv_bf16 *dst = s->k_pre + t0 * P;
-        for (int64_t e = 0; e < nb * P; e++) dst[e] = skv_bf16_from_float(kf[e] + SYN_NOISE * fast_normal(&r));
+        for (int64_t e = 0; e < nb * P; e++) dst[e] = skv_f32_to_bf16(kf[e] + SYN_NOISE * fast_normal(&r));
     }
     memcpy(s->z_last, z, sizeof(float) * (size_t)m_bg);
 
@@ -251,16 +245,16 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
             rotate(w, x + h * D, pc, 0, u + h * D);
             for (int64_t t = j * c; t < (j + 1) * c; t++) {
                 rotate(w, u + h * D, t, 1, tmp);
-                for (int d = 0; d < D; d++) s->k_pre[(t * Hk + h) * D + d] = skv_bf16_from_float(tmp[d]);
+                for (int d = 0; d < D; d++) s->k_pre[(t * Hk + h) * D + d] = skv_f32_to_bf16(tmp[d]);
             }
         }
     }
 
-    for (size_t e = 0; e < (size_t)n * P; e++) s->v[e] = skv_bf16_from_float(fast_normal(&r));
+    for (size_t e = 0; e < (size_t)n * P; e++) s->v[e] = skv_f32_to_bf16(fast_normal(&r));
     skv_status st = skv_op_rope(w->backend, &cfg->rope, D, n, Hk, 0, w->cos_tab, w->sin_tab, s->k_pre, s->k_post);
 
     for (int t = 0; t < s->n_sinks; t++)
-        for (int e = 0; e < P; e++) s->sink_k[e] += bf(s->k_post[(size_t)t * P + e]) / (float)s->n_sinks;
+        for (int e = 0; e < P; e++) s->sink_k[e] += skv_bf16_to_f32(s->k_post[(size_t)t * P + e]) / (float)s->n_sinks;
     for (int i = 0; i < SYN_SAMPLE; i++) {
         int64_t t;
         do t = skvt_rng_range(&r, s->n_sinks, n - 1);
@@ -273,21 +267,36 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
     return st;
 }
 
-void skvs_seq_release(skvs_seq *s)
+skv_status skvs_seq_release(skvs_seq *s)
 {
-    free(s->k_pre);
-    s->k_pre = NULL;
-    if (!s->keep) {
-        free(s->k_post);
-        free(s->v);
-        s->k_post = s->v = NULL;
+    skv_status st = SKV_OK;
+    const size_t P = (size_t)s->w->cfg.n_kv_heads * s->w->cfg.head_dim, rows = (size_t)(s->n + s->max_steps);
+    if (s->keep && s->k_post && !s->ref_k) {
+        s->ref_k = malloc(sizeof(float) * rows * P);
+        s->ref_v = malloc(sizeof(float) * rows * P);
+        if (!s->ref_k || !s->ref_v) {
+            free(s->ref_k), free(s->ref_v);
+            s->ref_k = s->ref_v = NULL;
+            st = SKV_ERR_OUT_OF_MEMORY;
+        } else {
+            for (size_t e = 0; e < (size_t)s->n * P; e++) {
+                s->ref_k[e] = skv_bf16_to_f32(s->k_post[e]);
+                s->ref_v[e] = skv_bf16_to_f32(s->v[e]);
+            }
+        }
     }
+    free(s->k_pre), free(s->k_post), free(s->v);
+    s->k_pre = s->k_post = s->v = NULL;
+    return st;
 }
 
 void skvs_seq_free(skvs_seq *s)
 {
-    s->keep = 0;
-    skvs_seq_release(s);
+    if (s->w) {
+        s->keep = 0;
+        skvs_seq_release(s);
+    }
+    free(s->ref_k), free(s->ref_v);
     free(s->basis), free(s->sigma), free(s->z_last), free(s->needle_chunk), free(s->needle_u);
     free(s->sink_k), free(s->sample_k), free(s->outliers);
     memset(s, 0, sizeof *s);
@@ -345,26 +354,30 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
 
     /* the new token: an ordinary key near the last prompt chunk's latent */
     float *row = malloc(sizeof(float) * (size_t)P), *xq = malloc(sizeof(float) * (size_t)P);
-    double *a = malloc(sizeof(double) * 3 * (size_t)m);
+    const int nn = s->n_needles;
+    double *a = malloc(sizeof(double) * (3 * (size_t)m + 3 * (size_t)nn));
     skv_bf16 *kpre = malloc(sizeof(skv_bf16) * (size_t)P);
     if (!row || !xq || !a || !kpre) {
         free(row), free(xq), free(a), free(kpre);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-    double *bb = a + m, *cc = a + 2 * m;
+    /* logits on the sample from the noise direction (a), the needle (bb), the
+       sinks (cc); dots of the other needles with the needle, sinks, noise */
+    double *bb = a + m, *cc = a + 2 * m, *o_u = cc + m, *o_s = o_u + nn, *o_q = o_s + nn;
     for (int e = 0; e < P; e++) row[e] = s->a_mu * s->basis[e];
     for (int j = 0; j < m_bg; j++) {
-        float cf = s->sigma[j] * (SYN_AR * s->z_last[j] + 0.714f * fast_normal(&r));
+        float cf = s->sigma[j] * (SYN_AR * s->z_last[j] + SYN_AR_INNOV * fast_normal(&r));
         for (int e = 0; e < P; e++) row[e] += cf * s->basis[(size_t)(1 + j) * P + e];
     }
-    for (int e = 0; e < P; e++) kpre[e] = skv_bf16_from_float(row[e] + SYN_NOISE * fast_normal(&r));
+    for (int e = 0; e < P; e++) kpre[e] = skv_f32_to_bf16(row[e] + SYN_NOISE * fast_normal(&r));
     skv_status st = skv_op_rope(w->backend, &cfg->rope, D, 1, Hk, pos, w->cos_tab, w->sin_tab, kpre, k);
-    for (int e = 0; e < P; e++) v[e] = skv_bf16_from_float(fast_normal(&r));
+    for (int e = 0; e < P; e++) v[e] = skv_f32_to_bf16(fast_normal(&r));
     if (st) goto done;
-    if (s->keep && s->k_post) {
-        memcpy(s->k_post + (size_t)pos * P, k, sizeof(skv_bf16) * (size_t)P);
-        memcpy(s->v + (size_t)pos * P, v, sizeof(skv_bf16) * (size_t)P);
-    }
+    if (s->ref_k)
+        for (int e = 0; e < P; e++) {
+            s->ref_k[(size_t)pos * P + e] = skv_bf16_to_f32(k[e]);
+            s->ref_v[(size_t)pos * P + e] = skv_bf16_to_f32(v[e]);
+        }
 
     const int ni = step % s->n_needles;
     *needle = s->needle_chunk[ni];
@@ -377,6 +390,10 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
             cc[t] = sc * dotbf(sk, kt, D);
         }
         const double nu = sc * dotf(u, u, D), su = sc * dotf(sk, u, D), ss = sc * dotf(sk, sk, D);
+        for (int o = 0; o < nn; o++) {
+            o_u[o] = sc * dotf(u, s->needle_u + (size_t)o * P + h * D, D);
+            o_s[o] = sc * dotf(sk, s->needle_u + (size_t)o * P + h * D, D);
+        }
         for (int g = h * G; g < (h + 1) * G; g++) {
             const double f_n = 0.25 + 0.35 * skvt_rng_uniform(&r), f_s = 0.05 + 0.15 * skvt_rng_uniform(&r);
             const double f_b = 1.0 - f_n - f_s, sig = 2.5 + 0.7 * skvt_rng_uniform(&r);
@@ -394,16 +411,13 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
             moments(a, bb, cc, m, 1.0, 0, 0, &mean, &var);
             gamma = var > 0 ? sig / sqrt(var) : 0.0;
             const double nq = sc * dotf(qn, u, D), sq = sc * dotf(qn, sk, D);
+            for (int o = 0; o < nn; o++) o_q[o] = sc * dotf(qn, s->needle_u + (size_t)o * P + h * D, D);
             for (int it = 0; it < 4; it++) {
                 /* log-partition of the background, Gaussian logits, plus the other needles */
                 moments(a, bb, cc, m, gamma, beta, alpha, &mean, &var);
                 double lz = log(n_bg > 1 ? n_bg : 1) + mean + 0.5 * var;
-                for (int o = 0; o < s->n_needles; o++) {
-                    if (o == ni) continue;
-                    const float *uo = s->needle_u + (size_t)o * P + h * D;
-                    double l = sc * (gamma * dotf(qn, uo, D) + beta * dotf(u, uo, D) + alpha * dotf(sk, uo, D));
-                    lz = logaddexp(lz, log((double)c) + l);
-                }
+                for (int o = 0; o < nn; o++)
+                    if (o != ni) lz = logaddexp(lz, log((double)c) + gamma * o_q[o] + beta * o_u[o] + alpha * o_s[o]);
                 double l_n = lz + log(f_n / f_b) - log((double)c);
                 double l_s = lz + log(f_s / f_b) - log((double)s->n_sinks);
                 beta = (l_n - gamma * nq - alpha * su) / nu;
@@ -411,7 +425,7 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
                 alpha = (l_s - gamma * sq - beta * su) / ss; /* < 0 cancels what the rest gives the sinks */
             }
             for (int d = 0; d < D; d++)
-                q[(size_t)g * D + d] = skv_bf16_from_float((float)(gamma * qn[d] + beta * u[d] + alpha * sk[d]));
+                q[(size_t)g * D + d] = skv_f32_to_bf16((float)(gamma * qn[d] + beta * u[d] + alpha * sk[d]));
         }
     }
     s->n_gen++;
@@ -449,116 +463,95 @@ static void select_top(double *val, int32_t *idx, int64_t m, int64_t k)
     }
 }
 
-skv_status skvs_reference(const skvs_seq *s, const skv_bf16 *q, int32_t needle, const int32_t *selected,
-                          float *out_full, float *out_oracle, float *out_selected, skvs_ref_stats *st)
+skv_status skvs_reference(const skvs_seq *s, int32_t n_gen, const skv_bf16 *q, int32_t needle,
+                          const int32_t *selected, float *out_full, float *out_oracle, float *out_selected,
+                          skvs_ref_stats *st)
 {
     const skv_config *cfg = &s->w->cfg;
     const int Hq = cfg->n_q_heads, Hk = cfg->n_kv_heads, D = cfg->head_dim, P = Hk * D;
     const int G = Hq / Hk, c = cfg->chunk_size, O = cfg->n_outlier_chunks, S = cfg->budget / c;
-    const int64_t n = s->n, T = n + s->n_gen, ctx = (int64_t)s->n_chunks * c;
-    const int64_t budget = cfg->budget;
-    float *outs[3] = {out_full, out_oracle, selected ? out_selected : NULL};
-    if (!s->keep || !s->k_post || !s->outliers || D > 1024) return SKV_ERR_INVALID_ARGUMENT;
-    double *p = malloc(sizeof(double) * (size_t)Hq * T);
-    double *mass = calloc((size_t)Hq * 3, sizeof(double));
-    int bad = 0;
-    if (!p || !mass) {
-        free(p), free(mass);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    const int64_t n = s->n, T = n + n_gen, ctx = (int64_t)s->n_chunks * c, budget = cfg->budget;
+    const int64_t top_n = budget < T ? budget : T;
+    if (!s->ref_k || !s->outliers || n_gen < 0 || n_gen > s->n_gen) return SKV_ERR_INVALID_ARGUMENT;
+    float *qf = malloc(sizeof(float) * (size_t)G * D), *sf = malloc(sizeof(float) * (size_t)G * T);
+    float *of = malloc(sizeof(float) * (size_t)G * D);
+    double *p = malloc(sizeof(double) * (size_t)G * T), *val = malloc(sizeof(double) * (size_t)T);
+    double *acc = malloc(sizeof(double) * 2 * ((size_t)G * D + G));
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T);
+    unsigned char *in = malloc((size_t)T); /* bit 0: oracle set, bit 1: selected set */
+    skv_status ret = SKV_OK;
+    if (!qf || !sf || !of || !p || !val || !acc || !idx || !in) ret = SKV_ERR_OUT_OF_MEMORY;
+    if (st) memset(st, 0, sizeof *st);
 
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
-    for (int h = 0; h < Hk; h++) {
-        /* per KV head: queries qd, then for the 3 token sets (all, oracle, selected)
-           the unnormalized outputs acc [3][G][D] and masses z [3][G] */
-        double *qd = malloc(sizeof(double) * ((size_t)G * D * 4 + 3 * G));
-        double *val = malloc(sizeof(double) * (size_t)T);
-        int32_t *idx = malloc(sizeof(int32_t) * (size_t)T);
-        unsigned char *in = calloc((size_t)T, 1); /* bit k: token in set k */
-        float kv[1024];
-        if (!qd || !val || !idx || !in) {
-            bad = 1;
-            free(qd), free(val), free(idx), free(in);
-            continue;
-        }
-        double *acc = qd + G * D, *z = acc + 3 * G * D;
-        memset(acc, 0, sizeof(double) * ((size_t)G * D * 3 + 3 * G));
-        /* softmax probabilities of the G query heads of this KV head */
-        for (int e = 0; e < G * D; e++) qd[e] = bf(q[(size_t)h * G * D + e]);
-        for (int64_t t = 0; t < T; t++) {
-            const skv_bf16 *kt = s->k_post + (size_t)t * P + h * D;
-            for (int d = 0; d < D; d++) kv[d] = bf(kt[d]);
-            for (int g = 0; g < G; g++) {
-                double x = 0;
-                for (int d = 0; d < D; d++) x += qd[g * D + d] * kv[d];
-                p[(size_t)(h * G + g) * T + t] = x * s->w->scale;
-            }
-        }
+    for (int h = 0; h < Hk && !ret; h++) {
+        const float *kh = s->ref_k + h * D, *vh = s->ref_v + h * D; /* [T, D], row stride P */
+        /* softmax probabilities p[g][t] of the G query heads of KV head h */
+        for (int e = 0; e < G * D; e++) qf[e] = skv_bf16_to_f32(q[(size_t)h * G * D + e]);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, G, (int)T, D, s->w->scale, qf, D, kh, P, 0.0f, sf,
+                    (int)T);
         for (int g = 0; g < G; g++) {
-            double *pg = p + (size_t)(h * G + g) * T, mx = pg[0], zz = 0;
-            for (int64_t t = 1; t < T; t++) mx = pg[t] > mx ? pg[t] : mx;
-            for (int64_t t = 0; t < T; t++) zz += (pg[t] = exp(pg[t] - mx));
-            for (int64_t t = 0; t < T; t++) pg[t] /= zz;
+            const float *sg = sf + (size_t)g * T;
+            double *pg = p + (size_t)g * T, mx = sg[0], z = 0;
+            for (int64_t t = 1; t < T; t++) mx = sg[t] > mx ? sg[t] : mx;
+            for (int64_t t = 0; t < T; t++) z += (pg[t] = exp(sg[t] - mx));
+            for (int64_t t = 0; t < T; t++) sf[(size_t)g * T + t] = (float)(pg[t] /= z);
         }
-        /* sets: always the outliers, local window and generated tokens; the
-           oracle adds the top-budget candidates by group max, "selected" the chunks given */
-        for (int64_t t = 0; t < T; t++) in[t] = t >= ctx ? 7 : 1;
+        /* dense output */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, G, D, (int)T, 1.0f, sf, (int)T, vh, P, 0.0f, of, D);
+        /* sets: outliers, local window and generated tokens always; the oracle
+           adds the top-budget candidates by group max, "selected" the chunks given */
+        for (int64_t t = 0; t < T; t++) in[t] = t >= ctx ? 3 : 0;
         for (int o = 0; o < O; o++)
-            for (int64_t t = (int64_t)s->outliers[h * O + o] * c, e = t + c; t < e; t++) in[t] = 7;
+            for (int64_t t = (int64_t)s->outliers[h * O + o] * c, e = t + c; t < e; t++) in[t] = 3;
         if (selected)
             for (int i = 0; i < S; i++)
-                for (int64_t t = (int64_t)selected[h * S + i] * c, e = t + c; t < e; t++) in[t] |= 4;
+                for (int64_t t = (int64_t)selected[h * S + i] * c, e = t + c; t < e; t++) in[t] |= 2;
         int64_t m = 0;
         for (int64_t t = 0; t < ctx; t++) {
-            if (in[t] & 2) continue;
+            if (in[t] & 1) continue;
             double best = 0;
-            for (int g = 0; g < G; g++) best = fmax(best, p[(size_t)(h * G + g) * T + t]);
+            for (int g = 0; g < G; g++) best = fmax(best, p[(size_t)g * T + t]);
             val[m] = best;
             idx[m++] = (int32_t)t;
         }
         select_top(val, idx, m, budget);
-        for (int64_t i = 0; i < (budget < m ? budget : m); i++) in[idx[i]] |= 2;
+        for (int64_t i = 0; i < (budget < m ? budget : m); i++) in[idx[i]] |= 1;
+        memset(acc, 0, sizeof(double) * 2 * ((size_t)G * D + G));
+        double *z = acc + 2 * G * D;
         for (int64_t t = 0; t < T; t++) {
-            const skv_bf16 *vt = s->v + (size_t)t * P + h * D;
-            for (int d = 0; d < D; d++) kv[d] = bf(vt[d]);
-            for (int g = 0; g < G; g++) {
-                double pt = p[(size_t)(h * G + g) * T + t];
-                for (int k = 0; k < 3; k++) {
-                    if (!(in[t] >> k & 1)) continue;
-                    double *ag = acc + ((size_t)k * G + g) * D;
+            if (!in[t]) continue;
+            const float *vt = vh + (size_t)t * P;
+            for (int k = 0; k < 2; k++) {
+                if (!(in[t] >> k & 1)) continue;
+                for (int g = 0; g < G; g++) {
+                    double pt = p[(size_t)g * T + t], *ag = acc + ((size_t)k * G + g) * D;
                     z[k * G + g] += pt;
-                    for (int d = 0; d < D; d++) ag[d] += pt * kv[d];
+                    for (int d = 0; d < D; d++) ag[d] += pt * vt[d];
                 }
             }
         }
+        float *outs[2] = {out_oracle, selected ? out_selected : NULL};
         for (int g = 0; g < G; g++) {
-            int i = h * G + g;
-            for (int k = 0; k < 3; k++)
+            size_t i = (size_t)h * G + g;
+            if (out_full) memcpy(out_full + i * D, of + (size_t)g * D, sizeof(float) * (size_t)D);
+            for (int k = 0; k < 2; k++)
                 if (outs[k])
                     for (int d = 0; d < D; d++)
-                        outs[k][(size_t)i * D + d] = (float)(acc[((size_t)k * G + g) * D + d] / z[k * G + g]);
+                        outs[k][i * D + d] = (float)(acc[((size_t)k * G + g) * D + d] / z[k * G + g]);
+            if (!st) continue;
             /* concentration: share of the top-budget tokens, the needle, the sinks */
-            double *pg = p + (size_t)i * T, top = 0;
+            double *pg = p + (size_t)g * T, top = 0;
             memcpy(val, pg, sizeof(double) * (size_t)T);
-            select_top(val, NULL, T, budget);
-            for (int64_t t = 0; t < (budget < T ? budget : T); t++) top += val[t];
-            mass[i * 3] = top;
+            select_top(val, NULL, T, top_n);
+            for (int64_t t = 0; t < top_n; t++) top += val[t];
+            st->topk_mass += top / Hq;
             if (needle >= 0)
-                for (int64_t t = (int64_t)needle * c; t < (int64_t)(needle + 1) * c; t++) mass[i * 3 + 1] += pg[t];
-            for (int t = 0; t < s->n_sinks; t++) mass[i * 3 + 2] += pg[t];
-        }
-        free(qd), free(val), free(idx), free(in);
-    }
-    if (st) {
-        memset(st, 0, sizeof *st);
-        for (int i = 0; i < Hq; i++) {
-            st->topk_mass += mass[i * 3] / Hq;
-            st->needle_mass += mass[i * 3 + 1] / Hq;
-            st->sink_mass += mass[i * 3 + 2] / Hq;
+                for (int64_t t = (int64_t)needle * c; t < (int64_t)(needle + 1) * c; t++) st->needle_mass += pg[t] / Hq;
+            for (int t = 0; t < s->n_sinks; t++) st->sink_mass += pg[t] / Hq;
         }
     }
-    free(p), free(mass);
-    return bad ? SKV_ERR_OUT_OF_MEMORY : SKV_OK;
+    free(qf), free(sf), free(of), free(p), free(val), free(acc), free(idx), free(in);
+    return ret;
 }
 
 double skvs_rel_err(const float *x, const float *ref, size_t n)

@@ -1,0 +1,320 @@
+/*
+ * demo.c - the project's main job: ShadowKV decoding of a batch of long
+ * prompts on a synthetic Llama-shaped workload (tests/common/synth.h), with
+ * end-to-end timings, the library's phase split, memory, and accuracy against
+ * dense attention and a per-token oracle.
+ *
+ *   build/demo [--layers 4] [--hq 32] [--hk 8] [--dim 128] [--rank 160]
+ *              [--ctx 16384,24576] [--steps 64] [--budget 2048]
+ *              [--backend ref|cpu|cuda|auto] [--seed 42] [--acc-layers 1] [--json]
+ *
+ * Timings cover library calls only (skv_prefill, skv_decode); generating the
+ * workload and computing the references are not timed. Accuracy is measured
+ * on the first --acc-layers layers at every step, after the decode loop (the
+ * references' BLAS threads would otherwise compete with the library's).
+ * Exit status: 0, 1 on any library error (status and message printed), 2 on
+ * bad options.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "synth.h"
+#include "testutil.h"
+
+#define MAX_BATCH 64
+
+typedef struct opts {
+    skv_config cfg;
+    int64_t ctx[MAX_BATCH];
+    int steps, acc_layers, json;
+    uint64_t seed;
+} opts;
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: demo [options]\n"
+            "  --layers N         layers (default 4)\n"
+            "  --hq N, --hk N     query / KV heads (default 32 / 8)\n"
+            "  --dim N            head dim (default 128)\n"
+            "  --rank N           key factorization rank (default 160)\n"
+            "  --ctx A,B,...      prompt length of each sequence; the list is the batch\n"
+            "                     (default 16384,24576)\n"
+            "  --steps N          decode steps (default 64)\n"
+            "  --budget N         selected tokens per KV head (default 2048)\n"
+            "  --backend NAME     ref | cpu | cuda | auto (default auto; env SKV_BACKEND overrides)\n"
+            "  --seed N           workload seed (default 42)\n"
+            "  --acc-layers N     layers whose accuracy is measured at every step (default 1)\n"
+            "  --json             print one JSON object instead of the table\n"
+            "  --help             this text\n");
+}
+
+static void die(const char *what, skv_status st, const skv_cache *cache)
+{
+    fprintf(stderr, "demo: %s failed: %s\n", what, skv_status_string(st));
+    const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();
+    if (msg && *msg) fprintf(stderr, "demo: %s\n", msg);
+    exit(1);
+}
+
+static long parse_int(const char *flag, const char *s, long lo, long hi)
+{
+    char *end;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || *end || v < lo || v > hi) {
+        fprintf(stderr, "demo: %s needs an integer in [%ld, %ld], got '%s'\n", flag, lo, hi, s ? s : "");
+        exit(2);
+    }
+    return v;
+}
+
+static void parse(int argc, char **argv, opts *o)
+{
+    skv_config *c = &o->cfg;
+    *c = skv_config_default();
+    c->n_layers = 4;
+    c->batch_size = 2;
+    o->ctx[0] = 16384;
+    o->ctx[1] = 24576;
+    o->steps = 64;
+    o->acc_layers = 1;
+    o->seed = 42;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            exit(0);
+        } else if (!strcmp(a, "--json")) {
+            o->json = 1;
+            continue;
+        } else if (!strcmp(a, "--layers")) c->n_layers = (int32_t)parse_int(a, v, 1, 1024);
+        else if (!strcmp(a, "--hq")) c->n_q_heads = (int32_t)parse_int(a, v, 1, 1024);
+        else if (!strcmp(a, "--hk")) c->n_kv_heads = (int32_t)parse_int(a, v, 1, 1024);
+        else if (!strcmp(a, "--dim")) c->head_dim = (int32_t)parse_int(a, v, 2, 1024);
+        else if (!strcmp(a, "--rank")) c->rank = (int32_t)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--steps")) o->steps = (int)parse_int(a, v, 1, 1 << 20);
+        else if (!strcmp(a, "--budget")) c->budget = (int32_t)parse_int(a, v, 1, 1 << 24);
+        else if (!strcmp(a, "--acc-layers")) o->acc_layers = (int)parse_int(a, v, 0, 1024);
+        else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
+        else if (!strcmp(a, "--backend")) {
+            if (!v || skv_backend_parse(v, &c->backend) != SKV_OK) {
+                fprintf(stderr, "demo: --backend needs ref, cpu, cuda or auto, got '%s'\n", v ? v : "");
+                exit(2);
+            }
+        } else if (!strcmp(a, "--ctx")) {
+            char *buf = v ? strdup(v) : NULL, *save = NULL;
+            int b = 0;
+            for (char *tok = buf ? strtok_r(buf, ",", &save) : NULL; tok; tok = strtok_r(NULL, ",", &save)) {
+                if (b == MAX_BATCH) parse_int("--ctx (too many sequences)", "", 0, 0);
+                o->ctx[b++] = parse_int(a, tok, 1, 1L << 40);
+            }
+            free(buf);
+            if (!b) parse_int(a, v, 1, 1L << 40);
+            c->batch_size = b;
+        } else {
+            fprintf(stderr, "demo: unknown option '%s'\n", a);
+            usage(stderr);
+            exit(2);
+        }
+        i++;
+    }
+    c->max_prompt_len = 0;
+    for (int b = 0; b < c->batch_size; b++) c->max_prompt_len = o->ctx[b] > c->max_prompt_len ? o->ctx[b] : c->max_prompt_len;
+    c->gen_capacity = o->steps;
+    if (o->acc_layers > c->n_layers) o->acc_layers = c->n_layers;
+}
+
+static int contains(const int32_t *ids, int n, int32_t x)
+{
+    for (int i = 0; i < n; i++)
+        if (ids[i] == x) return 1;
+    return 0;
+}
+
+static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
+
+int main(int argc, char **argv)
+{
+    opts o;
+    memset(&o, 0, sizeof o);
+    parse(argc, argv, &o);
+    skv_config *cfg = &o.cfg;
+    const int L = cfg->n_layers, B = cfg->batch_size, Hq = cfg->n_q_heads, Hk = cfg->n_kv_heads;
+    const int D = cfg->head_dim, S = cfg->budget / (cfg->chunk_size > 0 ? cfg->chunk_size : 1);
+    const skv_backend requested = cfg->backend;
+
+    skv_status st = skv_config_validate(cfg);
+    if (st) die("config", st, NULL);
+    size_t dev_bytes = 0, host_bytes = 0, full_kv = 0;
+    if ((st = skv_cache_memory(cfg, &dev_bytes, &host_bytes))) die("skv_cache_memory", st, NULL);
+    for (int b = 0; b < B; b++) full_kv += (size_t)o.ctx[b] * L * Hk * D * 2 * sizeof(skv_bf16);
+    skv_cache *cache = NULL;
+    if ((st = skv_cache_create(cfg, &cache))) die("skv_cache_create", st, NULL);
+    const skv_backend be = skv_cache_backend(cache);
+    fprintf(stderr, "demo: backend %s (requested %s)\n", skv_backend_name(be), skv_backend_name(requested));
+    if (be == SKV_BACKEND_CUDA) {
+        /* the library takes device pointers with cuda; this demo only has host buffers */
+        fprintf(stderr, "demo: the cuda backend needs device buffers, which this demo does not allocate yet\n");
+        return 1;
+    }
+
+    skvs_workload wl;
+    int64_t max_pos = cfg->max_prompt_len + o.steps;
+    if ((st = skvs_workload_init(&wl, cfg, max_pos, be))) die("workload", st, NULL);
+    skvs_seq *seq = calloc((size_t)L * B, sizeof *seq);
+    double prefill_ms = 0, gen_ms = 0, t_start = now_ms(), t_gen = now_ms();
+    for (int l = 0; l < L; l++)
+        for (int b = 0; b < B; b++) {
+            skvs_seq *s = &seq[l * B + b];
+            if ((st = skvs_seq_generate(s, &wl, o.ctx[b], o.steps, l < o.acc_layers,
+                                        o.seed * 1000003u + (uint64_t)(l * B + b))))
+                die("workload generation", st, NULL);
+            double t0 = now_ms();
+            gen_ms += t0 - t_gen;
+            if ((st = skv_prefill(cache, l, b, o.ctx[b], s->k_pre, s->v, NULL))) die("skv_prefill", st, cache);
+            double dt = now_ms() - t0;
+            prefill_ms += dt;
+            if ((st = skvs_seq_attach(s, cache, l, b))) die("outlier read-back", st, cache);
+            t_gen = now_ms();
+            if ((st = skvs_seq_release(s))) die("workload", st, NULL);
+            fprintf(stderr, "demo: prefill layer %d/%d seq %d/%d (%lld tokens): %.0f ms\n", l + 1, L, b + 1, B,
+                    (long long)o.ctx[b], dt);
+        }
+    skv_stats pst;
+    if ((st = skv_cache_stats(cache, &pst))) die("skv_cache_stats", st, cache);
+
+    /* decode; for the accuracy layers, queries, selections and outputs are
+       kept and the references computed after the timed loop, so that their
+       BLAS threads do not compete with the library's */
+    const size_t HD = (size_t)Hq * D, n_rec = (size_t)o.acc_layers * B * o.steps;
+    skv_bf16 *q = malloc(sizeof(skv_bf16) * B * HD), *k = malloc(sizeof(skv_bf16) * B * Hk * D);
+    skv_bf16 *v = malloc(sizeof(skv_bf16) * B * Hk * D), *rec_q = malloc(sizeof(skv_bf16) * HD * n_rec + 1);
+    float *out = malloc(sizeof(float) * B * HD), *rec_out = malloc(sizeof(float) * HD * n_rec + 1);
+    int32_t *sel = malloc(sizeof(int32_t) * Hk * S), *needle = malloc(sizeof(int32_t) * B);
+    int32_t *rec_sel = malloc(sizeof(int32_t) * Hk * S * n_rec + 1), *rec_needle = malloc(sizeof(int32_t) * n_rec + 1);
+    if (!seq || !q || !k || !v || !rec_q || !out || !rec_out || !sel || !needle || !rec_sel || !rec_needle)
+        die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
+    double decode_ms = 0;
+    long hits = 0, total = 0;
+    for (int step = 0; step < o.steps; step++) {
+        for (int l = 0; l < L; l++) {
+            double t_step = now_ms();
+            for (int b = 0; b < B; b++)
+                if ((st = skvs_step(&seq[l * B + b], q + b * HD, k + b * Hk * D, v + b * Hk * D, &needle[b])))
+                    die("workload step", st, NULL);
+            double t0 = now_ms();
+            gen_ms += t0 - t_step;
+            if ((st = skv_decode(cache, l, q, k, v, out))) die("skv_decode", st, cache);
+            decode_ms += now_ms() - t0;
+            for (int b = 0; b < B; b++) {
+                for (int h = 0; h < Hk; h++) {
+                    if ((st = skv_cache_selected(cache, l, b, h, sel + h * S))) die("skv_cache_selected", st, cache);
+                    hits += contains(sel + h * S, S, needle[b]);
+                    total++;
+                }
+                if (l >= o.acc_layers) continue;
+                size_t r = ((size_t)step * o.acc_layers + l) * B + b;
+                memcpy(rec_q + r * HD, q + b * HD, sizeof(skv_bf16) * HD);
+                memcpy(rec_out + r * HD, out + b * HD, sizeof(float) * HD);
+                memcpy(rec_sel + r * Hk * S, sel, sizeof(int32_t) * Hk * S);
+                rec_needle[r] = needle[b];
+            }
+        }
+        if ((step + 1) % 8 == 0 || step + 1 == o.steps)
+            fprintf(stderr, "demo: decode step %d/%d: %.1f ms/step so far\n", step + 1, o.steps, decode_ms / (step + 1));
+    }
+
+    double ref_ms = now_ms(), err = 0, err_max = 0, err_or = 0, err_sel = 0, mass = 0, mass_min = 1, needle_share = 0;
+    float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
+    if (!full || !orac || !exact) die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
+    if (n_rec) fprintf(stderr, "demo: accuracy references for %zu (step, layer, sequence) samples\n", n_rec);
+    for (size_t r = 0; r < n_rec; r++) {
+        const int b = (int)(r % B), l = (int)(r / B % o.acc_layers), step = (int)(r / B / o.acc_layers);
+        skvs_ref_stats rs;
+        if ((st = skvs_reference(&seq[l * B + b], step + 1, rec_q + r * HD, rec_needle[r], rec_sel + r * Hk * S, full,
+                                 orac, exact, &rs)))
+            die("reference", st, NULL);
+        double e = skvs_rel_err(rec_out + r * HD, full, HD);
+        err += e;
+        err_max = e > err_max ? e : err_max;
+        err_or += skvs_rel_err(orac, full, HD);
+        err_sel += skvs_rel_err(exact, full, HD);
+        mass += rs.topk_mass;
+        mass_min = rs.topk_mass < mass_min ? rs.topk_mass : mass_min;
+        needle_share += rs.needle_mass;
+    }
+    ref_ms = now_ms() - ref_ms;
+    const long n_acc = (long)n_rec;
+    skv_stats dst;
+    if ((st = skv_cache_stats(cache, &dst))) die("skv_cache_stats", st, cache);
+    const double wall_s = (now_ms() - t_start) / 1e3, per = 1.0 / o.steps, na = n_acc ? (double)n_acc : 1.0;
+    const double dec_step = decode_ms * per, e2e = prefill_ms + decode_ms;
+    const double d_sel = (dst.decode_select_ms - pst.decode_select_ms) * per;
+    const double d_reb = (dst.decode_rebuild_ms - pst.decode_rebuild_ms) * per;
+    const double d_fet = (dst.decode_fetch_ms - pst.decode_fetch_ms) * per;
+    const double d_att = (dst.decode_attention_ms - pst.decode_attention_ms) * per;
+
+    if (o.json) {
+        printf("{\"backend\": \"%s\", \"layers\": %d, \"batch\": %d, \"ctx\": [", skv_backend_name(be), L, B);
+        for (int b = 0; b < B; b++) printf("%s%lld", b ? ", " : "", (long long)o.ctx[b]);
+        printf("], \"steps\": %d, \"hq\": %d, \"hk\": %d, \"dim\": %d, \"rank\": %d, \"chunk\": %d, \"budget\": %d, "
+               "\"outlier_chunks\": %d, \"local_chunks\": %d, \"seed\": %llu,\n",
+               o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
+               cfg->n_local_chunks, (unsigned long long)o.seed);
+        printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"e2e_ms\": %.3f,\n", prefill_ms, dec_step, e2e);
+        printf(" \"device_bytes\": %zu, \"host_bytes\": %zu, \"full_kv_bytes\": %zu,\n", dev_bytes, host_bytes, full_kv);
+        printf(" \"accuracy_layers\": %d, \"rel_err_vs_full\": %.6f, \"rel_err_vs_full_max\": %.6f, "
+               "\"oracle_rel_err_vs_full\": %.6f, \"selection_exact_keys_rel_err_vs_full\": %.6f, "
+               "\"topk_mass\": %.6f, \"topk_mass_min\": %.6f, \"needle_attention_share\": %.6f,\n",
+               o.acc_layers, err / na, err_max, err_or / na, err_sel / na, mass / na, mass_min, needle_share / na);
+        printf(" \"needle_hits\": %ld, \"needle_total\": %ld,\n", hits, total);
+        printf(" \"prefill_split\": {\"factorize_ms\": %.3f, \"rope_ms\": %.3f, \"landmarks_ms\": %.3f, "
+               "\"offload_ms\": %.3f},\n",
+               pst.prefill_factorize_ms, pst.prefill_rope_ms, pst.prefill_landmarks_ms, pst.prefill_offload_ms);
+        printf(" \"decode_split_unit\": \"ms per decode step (all layers)\",\n");
+        printf(" \"decode_split\": {\"select_ms\": %.3f, \"rebuild_ms\": %.3f, \"fetch_ms\": %.3f, "
+               "\"attention_ms\": %.3f},\n", d_sel, d_reb, d_fet, d_att);
+        printf(" \"wall_s\": %.1f, \"workload_gen_s\": %.1f, \"reference_s\": %.1f}\n", wall_s, gen_ms / 1e3, ref_ms / 1e3);
+    } else {
+        printf("libshadowkv demo: backend %s (requested %s)\n", skv_backend_name(be), skv_backend_name(requested));
+        printf("shape     layers %d, Hq %d, Hk %d, D %d, rank %d, chunk %d, budget %d, outliers %d, local chunks %d\n",
+               L, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks, cfg->n_local_chunks);
+        printf("batch     %d sequences (", B);
+        for (int b = 0; b < B; b++) printf("%s%lld", b ? ", " : "", (long long)o.ctx[b]);
+        printf(" tokens), %d decode steps, seed %llu\n", o.steps, (unsigned long long)o.seed);
+        printf("memory    device %.1f MiB (%.2fx less than the %.1f MiB of dense bf16 K+V), host value store %.1f MiB\n",
+               mib(dev_bytes), (double)full_kv / (double)dev_bytes, mib(full_kv), mib(host_bytes));
+        printf("prefill   %10.1f ms   factorize %.1f, rope %.1f, landmarks+outliers %.1f, offload %.1f\n",
+               prefill_ms, pst.prefill_factorize_ms, pst.prefill_rope_ms, pst.prefill_landmarks_ms,
+               pst.prefill_offload_ms);
+        printf("decode    %10.2f ms/step (%d layers, whole batch)   select %.2f, rebuild %.2f, fetch %.2f, "
+               "attention %.2f\n", dec_step, L, d_sel, d_reb, d_fet, d_att);
+        printf("e2e       %10.1f ms   (prefill + %d decode steps)\n", e2e, o.steps);
+        if (n_acc) {
+            printf("accuracy  rel L2 err vs dense attention: %.4f (max %.4f); oracle %.4f; library's selection with "
+                   "exact keys %.4f  [%ld samples, layers < %d]\n",
+                   err / na, err_max, err_or / na, err_sel / na, n_acc, o.acc_layers);
+            printf("attention top-%d tokens hold %.3f of it (min %.3f); the needle chunk holds %.3f\n", cfg->budget,
+                   mass / na, mass_min, needle_share / na);
+        }
+        printf("needles   %ld/%ld planted needle chunks selected\n", hits, total);
+        printf("wall      %.1f s, of which workload generation %.1f s and references %.1f s (not timed above)\n",
+               wall_s, gen_ms / 1e3, ref_ms / 1e3);
+    }
+
+    for (int i = 0; i < L * B; i++) skvs_seq_free(&seq[i]);
+    free(seq), free(q), free(k), free(v), free(out), free(full), free(orac), free(exact), free(sel), free(needle);
+    free(rec_q), free(rec_out), free(rec_sel), free(rec_needle);
+    skvs_workload_free(&wl);
+    skv_cache_free(cache);
+    return 0;
+}
