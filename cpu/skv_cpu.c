@@ -678,12 +678,7 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
 #pragma omp for schedule(static)
         for (int32_t i = 0; i < Hq; i++) {
             float *si = s + ((size_t)(i / G) * G4 + i % G) * n_cand;
-            float M = si[0];
-            for (int32_t j = 1; j < n_cand; j++)
-                if (si[j] > M) M = si[j];
-            for (int32_t j = 0; j < n_cand; j++) si[j] = skv_expf(SKV_SUB(si[j], M));
-            float Z = skv_canonical_sum(si, n_cand);
-            for (int32_t j = 0; j < n_cand; j++) si[j] = SKV_DIV(si[j], Z);
+            skv_softmax_inplace(si, n_cand);
         }
         /* 3. max over the group, top-S per KV head */
 #pragma omp for schedule(static)
@@ -695,11 +690,9 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
                 for (int32_t j = 0; j < n_cand; j++)
                     if (sh[(size_t)g * n_cand + j] > ah[j]) ah[j] = sh[(size_t)g * n_cand + j];
             if (amax) memcpy(amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
-            for (int32_t j = 0; j < n_cand; j++) ah[j] = skv_select_key(ah[j]);
-            int32_t *si = sel_idx + (size_t)h * S;
-            skv_topk_indices(ah, n_cand, S, 0, scratch + (size_t)h * n_cand, si);
-            if (sel_ids)
-                for (int32_t k = 0; k < S; k++) sel_ids[(size_t)h * S + k] = candidate_ids[(size_t)h * n_cand + si[k]];
+            skv_select_head(ah, n_cand, S, scratch + (size_t)h * n_cand, sel_idx + (size_t)h * S,
+                            candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
+                            sel_ids ? sel_ids + (size_t)h * S : NULL);
         }
     }
     free(s);

@@ -86,6 +86,15 @@ const struct skv_backend_ops *skv_backend_ops_get(skv_backend backend);
 void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, int32_t *scratch,
                       int32_t *out);
 
+/*
+ * The end of score_select for one KV head: a[0..n_cand) (group-max
+ * probabilities, overwritten with ordering keys) -> the S winners in
+ * increasing index order in sel_idx, and their chunk ids in sel_ids when both
+ * sel_ids and candidate_ids are non-NULL. scratch: n_cand int32.
+ */
+void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int32_t *sel_idx,
+                     const int32_t *candidate_ids, int32_t *sel_ids);
+
 /* Monotonic wall clock in milliseconds. */
 double skv_now_ms(void);
 

@@ -150,6 +150,21 @@ SKV_HD float skv_canonical_sum(const float *x, int64_t m)
     return P[0];
 }
 
+/*
+ * The selection softmax of one query head, in place over s[0..n), n >= 1:
+ * M = max s (first-wins scan), e_j = skv_expf(s_j - M), Z = canonical sum of
+ * e, p_j = e_j / Z.
+ */
+SKV_HD void skv_softmax_inplace(float *s, int64_t n)
+{
+    float M = s[0];
+    for (int64_t j = 1; j < n; j++)
+        if (s[j] > M) M = s[j];
+    for (int64_t j = 0; j < n; j++) s[j] = skv_expf(SKV_SUB(s[j], M));
+    float Z = skv_canonical_sum(s, n);
+    for (int64_t j = 0; j < n; j++) s[j] = SKV_DIV(s[j], Z);
+}
+
 /* ---- RoPE ---------------------------------------------------------------- */
 
 /* One pair rotation: x' = fmaf(x, c, -(y*s)), y' = fmaf(y, c, x*s). */

