@@ -138,7 +138,8 @@ typedef struct skv_config {
     int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
     int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
     skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND overrides */
-    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default */
+    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default. When > 0, prefill and
+                                   decode set it as the calling thread's OpenMP thread count. */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
 } skv_config;
 

@@ -87,7 +87,6 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
         skv_cache_free(k);
         return skv_fail(NULL, st, "skv_cache_create: copying the RoPE tables failed");
     }
-    if (ops->set_threads) ops->set_threads(c.n_threads);
     *out = k;
     return SKV_OK;
 }
@@ -173,6 +172,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
     if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
 
+    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const int32_t n_cand = (int32_t)N - O, n_local = (int32_t)(n - N * cs);
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
@@ -298,6 +298,7 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
     if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
 
+    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const float scale = skv_resolve_scale(g->attn_scale, D);
     const float *cos_t = SHARED(c, rope_cos, float), *sin_t = SHARED(c, rope_sin, float);
     skv_bf16 *ks = SHARED(c, ws_k, skv_bf16), *vsel = SHARED(c, ws_v, skv_bf16);
