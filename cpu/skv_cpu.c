@@ -40,6 +40,8 @@
 #endif
 
 #define SKV_CPU_MAX_D 1024 /* lib/ rejects head_dim > 1024 */
+#define SKV_CPU_RB 48      /* rebuild: rows per work item, 8 slivers of 6 */
+#define SKV_CPU_BT 256     /* attention: tokens per work item */
 
 static int skv_cpu_min(int a, int b) { return a < b ? a : b; }
 
@@ -639,22 +641,17 @@ static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out
 static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
                                        float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                        const int32_t *candidate_ids, int32_t *sel_idx,
-                                       int32_t *sel_ids, float *amax)
+                                       int32_t *sel_ids, float *amax, skv_ws *ws)
 {
     int32_t G = Hq / Hk, G4 = (G + 3) / 4 * 4; /* queries padded to groups of 4 (zero rows) */
     const int32_t JB = 64;                     /* candidates per work item */
     int64_t nblk = (n_cand + JB - 1) / JB;
-    float *s = malloc((size_t)Hk * G4 * n_cand * sizeof *s);     /* scores, then probabilities */
-    float *qf = calloc((size_t)Hk * G4 * D, sizeof *qf);
-    float *a = malloc((size_t)Hk * n_cand * sizeof *a);
-    int32_t *scratch = malloc((size_t)Hk * n_cand * sizeof *scratch);
-    if (!s || !qf || !a || !scratch) {
-        free(s);
-        free(qf);
-        free(a);
-        free(scratch);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    float *s = skv_ws_alloc(ws, (size_t)Hk * G4 * n_cand * sizeof *s); /* scores, then probabilities */
+    float *qf = skv_ws_alloc(ws, (size_t)Hk * G4 * D * sizeof *qf);
+    float *a = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *a);
+    int32_t *scratch = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *scratch);
+    if (!s || !qf || !a || !scratch) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
+    memset(qf, 0, (size_t)Hk * G4 * D * sizeof *qf);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + ((size_t)(i / G) * G4 + i % G) * D, D);
 #pragma omp parallel
     {
@@ -695,10 +692,6 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
                             sel_ids ? sel_ids + (size_t)h * S : NULL);
         }
     }
-    free(s);
-    free(qf);
-    free(a);
-    free(scratch);
     return SKV_OK;
 }
 
@@ -714,24 +707,21 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
 static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                        int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
                                        const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out)
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out,
+                                       skv_ws *ws)
 {
     (void)n;
     int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
     int64_t M = (int64_t)S * c, width = (int64_t)Hk * D;
 #if SKV_CPU_SIMD
-    enum { RB = 48 }; /* rows per item: 8 slivers of 6 */
+    enum { RB = SKV_CPU_RB };
     int32_t ns = (D + 15) / 16, Dp = ns * 16;
     int64_t nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
     int nt = omp_get_max_threads();
     size_t per_thread = (size_t)RB * r + (size_t)RB * Dp;
-    float *wb = skv_cpu_alloc((size_t)Hk * ns * r * 16 * sizeof *wb); /* [h][sliver][k][16] */
-    float *buf = skv_cpu_alloc((size_t)nt * per_thread * sizeof *buf);
-    if (!wb || !buf) {
-        free(wb);
-        free(buf);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    float *wb = skv_ws_alloc(ws, (size_t)Hk * ns * r * 16 * sizeof *wb); /* [h][sliver][k][16] */
+    float *buf = skv_ws_alloc(ws, (size_t)nt * per_thread * sizeof *buf);
+    if (!wb || !buf) return SKV_ERR_OUT_OF_MEMORY;
 #pragma omp parallel num_threads(nt)
     {
         float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r;
@@ -767,20 +757,13 @@ static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, i
             }
         }
     }
-    free(wb);
-    free(buf);
 #else
     /* portable build: gather U rows as float, one sgemm per head (W_h in place, ldb = Hk*D), RoPE */
     int64_t rows = (int64_t)Hk * M;
-    float *wf = malloc((size_t)r * width * sizeof *wf);
-    float *uf = malloc((size_t)rows * r * sizeof *uf);
-    float *x = malloc((size_t)rows * D * sizeof *x);
-    if (!wf || !uf || !x) {
-        free(wf);
-        free(uf);
-        free(x);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    float *wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *wf);
+    float *uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *uf);
+    float *x = skv_ws_alloc(ws, (size_t)rows * D * sizeof *x);
+    if (!wf || !uf || !x) return SKV_ERR_OUT_OF_MEMORY;
     skv_cpu_to_f32(w, wf, (int64_t)r * width);
 #pragma omp parallel for schedule(static)
     for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
@@ -796,9 +779,6 @@ static skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, i
         skv_cpu_rope_row(x + (size_t)row * D, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
                          k_out + (size_t)row * D);
     }
-    free(wf);
-    free(uf);
-    free(x);
 #endif
     return SKV_OK;
 }
@@ -827,7 +807,6 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
  * Fixed block size, fixed merge order: the result does not depend on the
  * thread count. Reads bf16 K/V directly (no float copy).
  */
-#define SKV_CPU_BT 256
 
 struct skv_cpu_attn {
     int32_t G, D, Dp;
@@ -1011,7 +990,7 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
 
 static skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                            const skv_bf16 *q, int32_t n_spans,
-                                           const skv_kv_span *spans, float *out)
+                                           const skv_kv_span *spans, float *out, skv_ws *ws)
 {
     int32_t G = Hq / Hk, Dp = (D + 7) / 8 * 8;
     int64_t off[SKV_MAX_SPANS + 2];
@@ -1021,15 +1000,11 @@ static skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, fl
     int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
     size_t item_sz = (size_t)G * (2 + Dp);
     int nt = omp_get_max_threads();
-    float *qf = calloc((size_t)Hq * Dp, sizeof *qf);
-    float *part = malloc((size_t)items * item_sz * sizeof *part);
-    float *sc = malloc((size_t)nt * G * SKV_CPU_BT * sizeof *sc);
-    if (!qf || !part || !sc) {
-        free(qf);
-        free(part);
-        free(sc);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    float *qf = skv_ws_alloc(ws, (size_t)Hq * Dp * sizeof *qf);
+    float *part = skv_ws_alloc(ws, (size_t)items * item_sz * sizeof *part);
+    float *sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *sc);
+    if (!qf || !part || !sc) return SKV_ERR_OUT_OF_MEMORY;
+    memset(qf, 0, (size_t)Hq * Dp * sizeof *qf);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
     struct skv_cpu_attn A = {G, D, Dp, scale, qf, spans, off, NULL};
 #pragma omp parallel num_threads(nt)
@@ -1062,9 +1037,7 @@ static skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, fl
             for (int32_t d = 0; d < D; d++) o[d] /= L;
         }
     }
-    free(qf);
-    free(part);
-    free(sc);
+
     return SKV_OK;
 }
 
@@ -1073,7 +1046,35 @@ static skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, floa
                                          const skv_bf16 *v, float *out)
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
-    return skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out);
+    skv_ws ws = {0}; /* outside the decode path: plain allocations */
+    skv_status st = skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out, &ws);
+    skv_ws_reset(&ws);
+    return st;
+}
+
+/*
+ * The arena of one decode step (one sequence): the largest of the three slots'
+ * skv_ws_alloc totals above, for the thread count decode will run with.
+ * test_contract checks that no decode ever spills past it.
+ */
+static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
+{
+    size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim;
+    size_t r = (size_t)cfg->rank, n = (size_t)cand_max, G = Hq / Hk, G4 = (G + 3) / 4 * 4;
+    size_t nt = (size_t)(cfg->n_threads > 0 ? cfg->n_threads : omp_get_max_threads());
+    size_t f = sizeof(float);
+    size_t sel = SKV_WS_BYTES(f * (Hk * G4 * n + Hk * G4 * D + 2 * Hk * n), 4);
+#if SKV_CPU_SIMD
+    size_t Dp16 = (D + 15) / 16 * 16;
+    size_t reb = SKV_WS_BYTES(f * (Hk * Dp16 * r + nt * SKV_CPU_RB * (r + Dp16)), 2);
+#else
+    size_t M = (size_t)cfg->budget; /* S * c tokens per head */
+    size_t reb = SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
+#endif
+    size_t Dp = (D + 7) / 8 * 8, items = Hk * (size_t)((max_attn_tokens + SKV_CPU_BT - 1) / SKV_CPU_BT);
+    size_t att = SKV_WS_BYTES(f * (Hq * Dp + items * G * (2 + Dp) + nt * G * SKV_CPU_BT), 3);
+    size_t m = sel > reb ? sel : reb;
+    return m > att ? m : att;
 }
 
 /* ---- table ----------------------------------------------------------------------------- */
@@ -1084,6 +1085,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops)
     ops->name = "cpu";
     ops->check_finite = skv_cpu_check_finite;
     ops->set_threads = skv_cpu_set_threads;
+    ops->decode_ws_bytes = skv_cpu_decode_ws_bytes;
     ops->factorize = skv_cpu_factorize;
     ops->rope = skv_cpu_rope;
     ops->landmarks_outliers = skv_cpu_landmarks_outliers;

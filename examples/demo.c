@@ -283,6 +283,7 @@ int main(int argc, char **argv)
         printf(" \"decode_split_unit\": \"ms per decode step (all layers)\",\n");
         printf(" \"decode_split\": {\"select_ms\": %.3f, \"rebuild_ms\": %.3f, \"fetch_ms\": %.3f, "
                "\"attention_ms\": %.3f},\n", d_sel, d_reb, d_fet, d_att);
+        printf(" \"decode_heap_allocations\": %lld,\n", (long long)dst.decode_allocations);
         printf(" \"wall_s\": %.1f, \"workload_gen_s\": %.1f, \"reference_s\": %.1f}\n", wall_s, gen_ms / 1e3, ref_ms / 1e3);
     } else {
         printf("libshadowkv demo: backend %s (requested %s)\n", skv_backend_name(be), skv_backend_name(requested));
@@ -298,6 +299,8 @@ int main(int argc, char **argv)
                pst.prefill_offload_ms);
         printf("decode    %10.2f ms/step (%d layers, whole batch)   select %.2f, rebuild %.2f, fetch %.2f, "
                "attention %.2f\n", dec_step, L, d_sel, d_reb, d_fet, d_att);
+        printf("          %lld heap allocations in %d decode calls (workspace allocated at create)\n",
+               (long long)dst.decode_allocations, L * o.steps);
         printf("e2e       %10.1f ms   (prefill + %d decode steps)\n", e2e, o.steps);
         if (n_acc) {
             printf("accuracy  rel L2 err vs dense attention: %.4f (max %.4f); oracle %.4f; library's selection with "

@@ -156,7 +156,8 @@ SKV_API skv_status skv_config_validate(const skv_config *cfg);
 /**
  * Bytes a cache created from *cfg will hold, before anything is created.
  * device_bytes: the device-resident part (factors, landmarks, outliers,
- * local window, generated tokens, RoPE tables, decode workspace);
+ * local window, generated tokens, RoPE tables, decode workspace; the
+ * workspace depends on the backend, resolved as skv_cache_create does);
  * host_bytes: the value store. With ref/cpu both live in host memory; the
  * split is what a cuda cache would place on each side.
  * Either output pointer may be NULL. Fails like skv_config_validate.
@@ -279,6 +280,9 @@ typedef struct skv_stats {
     double decode_attention_ms;
     int64_t n_prefill_calls;
     int64_t n_decode_calls;
+    int64_t decode_allocations; /**< heap allocations made by decode steps: 0 unless the
+                                     workspace sized at create was exceeded (e.g. more
+                                     OpenMP threads than at create) */
 } skv_stats;
 
 /** Copies the cache's phase timings into *stats. */

@@ -18,6 +18,27 @@ typedef enum skv_mem_kind {
     SKV_MEM_HOST = 1    /* host value store (pinned for cuda) */
 } skv_mem_kind;
 
+/*
+ * Scratch for the decode-path slots: a bump arena the cache allocates at
+ * create (sized by decode_ws_bytes), so a decode step allocates nothing. A
+ * request that does not fit is malloc'ed instead and counted (n_spills), so
+ * tests can prove the decode path never allocates. Op-level calls pass an
+ * empty arena: everything spills, which is fine outside the cache.
+ */
+typedef struct skv_ws {
+    char *base;      /* arena, or NULL */
+    size_t cap, used;
+    void *spill;     /* list of malloc'ed blocks (header: next pointer) */
+    int64_t n_spills;/* blocks malloc'ed since the last skv_ws_reset */
+} skv_ws;
+
+/* bytes from the arena, 64-byte aligned; NULL only if the fallback malloc fails. */
+void *skv_ws_alloc(skv_ws *ws, size_t bytes);
+/* Returns everything to the arena, frees spilled blocks; returns their count. */
+int64_t skv_ws_reset(skv_ws *ws);
+/* Worst-case arena bytes for n allocations totalling bytes (alignment slack). */
+#define SKV_WS_BYTES(bytes, n) ((bytes) + (size_t)(n) * 64)
+
 struct skv_backend_ops {
     const char *name;
 
@@ -36,6 +57,12 @@ struct skv_backend_ops {
     skv_status (*check_finite)(const skv_bf16 *x, int64_t n, int64_t *first_bad);
     /* Thread count hint from config.n_threads (0 = default). Optional. */
     void (*set_threads)(int32_t n_threads);
+    /* Arena bytes the decode slots (score_select, rebuild_keys, sparse_attention)
+       need for one sequence of a cache with this config: at most cand_max
+       candidates, at most max_attn_tokens tokens per attention call. The slots
+       run one after another, so this is the largest of the three. Optional
+       (NULL: no arena; decode then allocates and the count shows it). */
+    size_t (*decode_ws_bytes)(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens);
 
     /* --- ops (one public skv_op_* per slot; see shadowkv.h) ----------------- */
     skv_status (*factorize)(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
@@ -49,17 +76,17 @@ struct skv_backend_ops {
     skv_status (*score_select)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                int32_t n_cand, int32_t n_select, float scale, const skv_bf16 *q,
                                const skv_bf16 *landmarks, const int32_t *candidate_ids,
-                               int32_t *sel_idx, int32_t *sel_ids, float *amax);
+                               int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws);
     skv_status (*rebuild_keys)(const skv_rope_config *rope, int32_t head_dim, int32_t n_kv_heads,
                                int32_t rank, int32_t chunk, int32_t n_select, int64_t n,
                                const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
-                               const float *cos_tab, const float *sin_tab, skv_bf16 *k_out);
+                               const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
     skv_status (*gather_values)(int32_t n_kv_heads, int32_t head_dim, int32_t chunk,
                                 int32_t n_store, int32_t n_select, const skv_bf16 *store,
                                 const int32_t *idx, skv_bf16 *v_out);
     skv_status (*sparse_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                    float scale, const skv_bf16 *q, int32_t n_spans,
-                                   const skv_kv_span *spans, float *out);
+                                   const skv_kv_span *spans, float *out, skv_ws *ws);
     skv_status (*full_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                  float scale, const skv_bf16 *q, int64_t n_tokens,
                                  const skv_bf16 *k, const skv_bf16 *v, float *out);

@@ -28,6 +28,7 @@ struct skv_cache {
     char *dev;      /* device arena */
     char *host;     /* host arena (value store) */
     skv_slot *slots;/* [n_layers * batch_size] */
+    skv_ws ws;      /* decode-slot scratch, allocated at create */
     skv_stats stats;
     char err[SKV_ERRMSG_CAP];
 };
@@ -42,21 +43,66 @@ struct skv_cache {
 
 static const size_t B2 = sizeof(skv_bf16);
 
+/* Most tokens one decode attention call sees: outliers, local, selected, generated. */
+static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
+{
+    return ((int64_t)c->n_outlier_chunks + lay->S) * c->chunk_size + lay->local_max + c->gen_capacity;
+}
+
+/*
+ * What create builds from *cfg: the config with the environment's backend
+ * applied, the layout, the backend table and the decode workspace size. With
+ * probe = 0 an explicit backend is not probed (the memory query of a cuda
+ * config works on a machine without a GPU); auto is always resolved.
+ */
+static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c, skv_layout *lay,
+                                 const struct skv_backend_ops **ops, size_t *ws_bytes)
+{
+    *c = *cfg;
+    const char *env = getenv("SKV_BACKEND");
+    if (env && *env && skv_backend_parse(env, &c->backend) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_INVALID_CONFIG,
+                        "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
+    skv_status st = skv_layout_compute(NULL, c, lay);
+    if (st) return st;
+    if (probe || c->backend == SKV_BACKEND_AUTO) {
+        st = skv_backend_resolve(NULL, c->backend, &c->backend, ops);
+        if (st) return st;
+    } else {
+        *ops = skv_backend_ops_get(c->backend);
+    }
+    *ws_bytes = (*ops)->decode_ws_bytes
+                    ? (*ops)->decode_ws_bytes(c, lay->cand_max, skv_max_attn_tokens(c, lay))
+                    : 0;
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes)
+{
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory: cfg is NULL");
+    skv_config c;
+    skv_layout lay;
+    const struct skv_backend_ops *ops;
+    size_t ws, dev;
+    skv_status st = skv_cache_plan(cfg, 0, &c, &lay, &ops, &ws);
+    if (st) return st;
+    if (!skv_add_size(lay.device_total, ws, &dev))
+        return skv_fail(NULL, SKV_ERR_SIZE_OVERFLOW, "skv_cache_memory: device bytes overflow size_t");
+    if (device_bytes) *device_bytes = dev;
+    if (host_bytes) *host_bytes = lay.host_total;
+    return SKV_OK;
+}
+
 SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
 {
     if (out) *out = NULL;
     if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_create: cfg is NULL");
     if (!out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_create: out is NULL");
-    skv_config c = *cfg;
-    const char *env = getenv("SKV_BACKEND");
-    if (env && *env && skv_backend_parse(env, &c.backend) != SKV_OK)
-        return skv_fail(NULL, SKV_ERR_INVALID_CONFIG,
-                        "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
+    skv_config c;
     skv_layout lay;
-    skv_status st = skv_layout_compute(NULL, &c, &lay);
-    if (st) return st;
     const struct skv_backend_ops *ops;
-    st = skv_backend_resolve(NULL, c.backend, &c.backend, &ops);
+    size_t ws_bytes;
+    skv_status st = skv_cache_plan(cfg, 1, &c, &lay, &ops, &ws_bytes);
     if (st) return st;
 
     skv_cache *k = calloc(1, sizeof *k);
@@ -68,15 +114,18 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     k->slots = calloc(n_slots, sizeof *k->slots);
     k->dev = ops->mem_alloc(lay.device_total, SKV_MEM_DEVICE);
     k->host = ops->mem_alloc(lay.host_total, SKV_MEM_HOST);
+    k->ws.cap = ws_bytes;
+    k->ws.base = ws_bytes ? ops->mem_alloc(ws_bytes, SKV_MEM_DEVICE) : NULL;
     size_t tab = skv_rope_table_len(&c.rope, c.head_dim, lay.n_positions);
     float *cs = malloc(tab * sizeof *cs), *sn = malloc(tab * sizeof *sn);
-    if (!k->slots || !k->dev || !k->host || !cs || !sn) {
+    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !cs || !sn) {
         free(cs);
         free(sn);
         skv_cache_free(k);
         return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY,
-                        "skv_cache_create: out of memory (device arena %zu bytes, host arena %zu bytes)",
-                        lay.device_total, lay.host_total);
+                        "skv_cache_create: out of memory (device arena %zu bytes, host arena %zu bytes, "
+                        "workspace %zu bytes)",
+                        lay.device_total, lay.host_total, ws_bytes);
     }
     skv_rope_table_build(&c.rope, c.head_dim, lay.n_positions, cs, sn);
     st = ops->copy2d(SHARED(k, rope_cos, void), 0, cs, 0, tab * sizeof *cs, 1);
@@ -97,6 +146,7 @@ SKV_API void skv_cache_free(skv_cache *cache)
     if (cache->ops) {
         cache->ops->mem_free(cache->dev, SKV_MEM_DEVICE);
         cache->ops->mem_free(cache->host, SKV_MEM_HOST);
+        cache->ops->mem_free(cache->ws.base, SKV_MEM_DEVICE);
     }
     free(cache->slots);
     free(cache);
@@ -310,12 +360,14 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
         const skv_bf16 *qb = q + (size_t)b * Hq * D;
         t = skv_now_ms();
         st = ops->score_select(Hq, Hk, D, sl->n_cand, S, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
-                               DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL);
+                               DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, &c->ws);
+        c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "score_select", st);
         t_sel += skv_now_ms() - t;
         t = skv_now_ms();
         st = ops->rebuild_keys(&g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16),
-                               DEV(c, layer, b, w, skv_bf16), sids, cos_t, sin_t, ks);
+                               DEV(c, layer, b, w, skv_bf16), sids, cos_t, sin_t, ks, &c->ws);
+        c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
         t_reb += skv_now_ms() - t;
         t = skv_now_ms();
@@ -334,7 +386,8 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
             /* the new token, appended only when the whole step succeeded */
             {k + (size_t)b * Hk * D, v + (size_t)b * Hk * D, 1, D, D},
         };
-        st = ops->sparse_attention(Hq, Hk, D, scale, qb, 5, spans, out + (size_t)b * Hq * D);
+        st = ops->sparse_attention(Hq, Hk, D, scale, qb, 5, spans, out + (size_t)b * Hq * D, &c->ws);
+        c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
         t_att += skv_now_ms() - t;
     }

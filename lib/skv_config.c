@@ -231,16 +231,6 @@ SKV_API skv_status skv_config_validate(const skv_config *cfg)
     return skv_layout_compute(NULL, cfg, &lay);
 }
 
-SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes)
-{
-    skv_layout lay;
-    skv_status st = skv_layout_compute(NULL, cfg, &lay);
-    if (st) return st;
-    if (device_bytes) *device_bytes = lay.device_total;
-    if (host_bytes) *host_bytes = lay.host_total;
-    return SKV_OK;
-}
-
 /* ---- RoPE tables ------------------------------------------------------------ */
 
 SKV_API size_t skv_rope_table_len(const skv_rope_config *rope, int32_t head_dim, int64_t n_positions)

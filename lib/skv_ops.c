@@ -149,9 +149,12 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
             if (candidate_ids[i] < 0)
                 return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn,
                                 (long long)i, candidate_ids[i]);
-    return skv_slot_result(fn, ops, ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
-                             skv_resolve_scale(scale, head_dim), q, landmarks, candidate_ids, sel_idx,
-                             sel_ids, amax));
+    skv_ws ws = {0};
+    skv_status st = ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
+                                      skv_resolve_scale(scale, head_dim), q, landmarks, candidate_ids,
+                                      sel_idx, sel_ids, amax, &ws);
+    skv_ws_reset(&ws);
+    return skv_slot_result(fn, ops, st);
 }
 
 SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_config *rope,
@@ -182,8 +185,11 @@ SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_confi
     SKV_GET_SLOT(fn, rebuild_keys);
     SKV_FINITE(fn, u, n * rank);
     SKV_FINITE(fn, w, (int64_t)rank * n_kv_heads * head_dim);
-    return skv_slot_result(fn, ops, ops->rebuild_keys(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids,
-                             cos_tab, sin_tab, k_out));
+    skv_ws ws = {0};
+    st = ops->rebuild_keys(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids, cos_tab,
+                           sin_tab, k_out, &ws);
+    skv_ws_reset(&ws);
+    return skv_slot_result(fn, ops, st);
 }
 
 SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads, int32_t head_dim,
@@ -259,8 +265,11 @@ SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_head
                                     "%s: spans[%d] token %lld head %d has NaN or Inf", fn, i, (long long)t, h);
             }
     }
-    return skv_slot_result(fn, ops, ops->sparse_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q,
-                                 n_spans, spans, out));
+    skv_ws ws = {0};
+    st = ops->sparse_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans,
+                               spans, out, &ws);
+    skv_ws_reset(&ws);
+    return skv_slot_result(fn, ops, st);
 }
 
 SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,

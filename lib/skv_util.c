@@ -1,5 +1,7 @@
 /* Status strings, error reporting, bf16, top-k, clock. */
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -124,4 +126,36 @@ void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int3
     skv_topk_indices(a, n_cand, S, 0, scratch, sel_idx);
     if (sel_ids && candidate_ids)
         for (int32_t k = 0; k < S; k++) sel_ids[k] = candidate_ids[sel_idx[k]];
+}
+
+void *skv_ws_alloc(skv_ws *ws, size_t bytes)
+{
+    if (ws->base) {
+        uintptr_t at = ((uintptr_t)(ws->base + ws->used) + 63) & ~(uintptr_t)63;
+        size_t end = (size_t)(at - (uintptr_t)ws->base) + bytes;
+        if (end <= ws->cap) {
+            ws->used = end;
+            return (void *)at;
+        }
+    }
+    /* does not fit: a counted malloc, header = next pointer, 64-byte aligned payload */
+    char *blk = malloc(bytes + 128);
+    if (!blk) return NULL;
+    *(void **)blk = ws->spill;
+    ws->spill = blk;
+    ws->n_spills++;
+    return (void *)(((uintptr_t)blk + sizeof(void *) + 63) & ~(uintptr_t)63);
+}
+
+int64_t skv_ws_reset(skv_ws *ws)
+{
+    while (ws->spill) {
+        void *next = *(void **)ws->spill;
+        free(ws->spill);
+        ws->spill = next;
+    }
+    int64_t n = ws->n_spills;
+    ws->n_spills = 0;
+    ws->used = 0;
+    return n;
 }

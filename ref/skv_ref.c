@@ -169,18 +169,13 @@ done:
 static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
                                        float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                        const int32_t *candidate_ids, int32_t *sel_idx,
-                                       int32_t *sel_ids, float *amax)
+                                       int32_t *sel_ids, float *amax, skv_ws *ws)
 {
     int32_t G = Hq / Hk;
-    float *s = malloc((size_t)n_cand * sizeof *s);
-    float *a = malloc((size_t)n_cand * sizeof *a);
-    int32_t *scratch = malloc((size_t)n_cand * sizeof *scratch);
-    if (!s || !a || !scratch) {
-        free(s);
-        free(a);
-        free(scratch);
-        return SKV_ERR_OUT_OF_MEMORY;
-    }
+    float *s = skv_ws_alloc(ws, (size_t)n_cand * sizeof *s);
+    float *a = skv_ws_alloc(ws, (size_t)n_cand * sizeof *a);
+    int32_t *scratch = skv_ws_alloc(ws, (size_t)n_cand * sizeof *scratch);
+    if (!s || !a || !scratch) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
     for (int32_t h = 0; h < Hk; h++) {
         const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
         for (int32_t g = 0; g < G; g++) {
@@ -195,10 +190,15 @@ static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
                         candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
                         sel_ids ? sel_ids + (size_t)h * S : NULL);
     }
-    free(s);
-    free(a);
-    free(scratch);
     return SKV_OK;
+}
+
+/* score_select's three arrays; rebuild and attention use the stack. */
+static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
+{
+    (void)cfg;
+    (void)max_attn_tokens;
+    return SKV_WS_BYTES((size_t)3 * cand_max * sizeof(float), 3);
 }
 
 /* ---- rebuild keys ------------------------------------------------------------- */
@@ -206,9 +206,11 @@ static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
 static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                        int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
                                        const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out)
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out,
+                                       skv_ws *ws)
 {
     (void)n;
+    (void)ws;
     int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
     size_t width = (size_t)Hk * D;
     float x[1024];
@@ -285,8 +287,9 @@ static void skv_ref_attend_head(const skv_bf16 *qi, int32_t h, int32_t D, float 
 
 static skv_status skv_ref_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                            const skv_bf16 *q, int32_t n_spans,
-                                           const skv_kv_span *spans, float *out)
+                                           const skv_kv_span *spans, float *out, skv_ws *ws)
 {
+    (void)ws;
     int32_t G = Hq / Hk;
     for (int32_t i = 0; i < Hq; i++)
         skv_ref_attend_head(q + (size_t)i * D, i / G, D, scale, n_spans, spans, out + (size_t)i * D);
@@ -298,7 +301,7 @@ static skv_status skv_ref_full_attention(int32_t Hq, int32_t Hk, int32_t D, floa
                                          const skv_bf16 *v, float *out)
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
-    return skv_ref_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out);
+    return skv_ref_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out, NULL);
 }
 
 const struct skv_backend_ops skv_ref_ops = {
@@ -309,6 +312,7 @@ const struct skv_backend_ops skv_ref_ops = {
     /* .copy2d = */ skv_ref_copy2d,
     /* .check_finite = */ skv_ref_check_finite,
     /* .set_threads = */ NULL,
+    /* .decode_ws_bytes = */ skv_ref_decode_ws_bytes,
     /* .factorize = */ skv_ref_factorize,
     /* .rope = */ skv_ref_rope,
     /* .landmarks_outliers = */ skv_ref_landmarks_outliers,

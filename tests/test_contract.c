@@ -210,6 +210,11 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     }
                 }
         }
+    /* the workspace sized at create covers every decode step: no heap allocation */
+    skv_stats stats;
+    skv_cache_stats(cache, &stats);
+    SKVT_CHECK(stats.decode_allocations == 0, "%s: %lld heap allocations in %lld decode calls",
+               skv_backend_name(be), (long long)stats.decode_allocations, (long long)stats.n_decode_calls);
     free(k);
     free(v);
     free(q);
