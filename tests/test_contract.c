@@ -18,6 +18,10 @@
 #include "skv_numerics.h"
 #include "testutil.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 typedef struct {
     skv_config cfg;
     int64_t n[4];
@@ -227,6 +231,23 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
     return ok;
 }
 
+/*
+ * No flush-to-zero anywhere on the decision path (DESIGN.md section 5): after
+ * the backends have run (OpenMP, BLAS, SIMD kernels), neither this thread nor
+ * an OpenMP worker may have FTZ/DAZ set, and a subnormal product must survive.
+ */
+static void check_no_ftz(void)
+{
+    volatile float tiny = 1e-38f, half = 0.5f;
+    SKVT_CHECK(tiny * half != 0.0f, "a subnormal product was flushed to zero");
+#if defined(__x86_64__) || defined(__i386__)
+    int bad = 0;
+#pragma omp parallel reduction(| : bad)
+    bad |= (_mm_getcsr() & 0x8040u) != 0; /* FTZ (bit 15) or DAZ (bit 6) */
+    SKVT_CHECK(!bad, "FTZ or DAZ set in MXCSR of this or an OpenMP worker thread");
+#endif
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = skvt_base_seed("test_contract");
@@ -287,6 +308,7 @@ int main(int argc, char **argv)
             free(oth_out[s]);
         }
     }
+    check_no_ftz();
     printf("test_contract: %d configurations compared against ref\n", compared);
     SKVT_CHECK(compared >= n_configs || n_configs < 1, "only %d of %d configurations compared", compared, n_configs);
     return skvt_finish();
