@@ -16,10 +16,10 @@
  * OpenMP region (a pthreads OpenBLAS would nest its own pool under ours).
  *
  * Results do not depend on the thread count (fixed blocking, fixed merge
- * order). Scratch: per-call malloc, no global or thread-local state, so
- * separate caches can run concurrently on separate threads. glibc's dynamic
- * mmap threshold serves the repeated per-step allocations of the decode path
- * from the heap after the first step, so they do not page-fault.
+ * order). Scratch: the decode slots take theirs from the cache's workspace
+ * (skv_ws, sized by skv_cpu_decode_ws_bytes at create), so a decode step
+ * allocates nothing; prefill slots malloc per call. No global or thread-local
+ * state, so separate caches can run concurrently on separate threads.
  */
 #include <math.h>
 #include <stdlib.h>
