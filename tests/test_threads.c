@@ -1,0 +1,147 @@
+/*
+ * Thread safety as the README states it: separate caches may be used from
+ * separate threads at once, and skv_last_error() is per thread.
+ *
+ * Each worker owns one cache (ref or cpu), prefills and decodes a seeded
+ * workload of its own; its outputs and selections must be bitwise those of
+ * the same work run alone on the main thread. Meanwhile the workers provoke
+ * their own distinct errors and check that their thread-local message is not
+ * clobbered by the others'.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+
+#define N_WORKERS 4
+#define STEPS 3
+
+typedef struct {
+    skv_backend be;
+    uint64_t seed;
+    int id;
+    float *out;          /* [STEPS * L * B * Hq * D] */
+    int32_t *sel;        /* [STEPS * L * B * Hk * S] */
+    int error_msg_ok;
+    skv_status status;
+} job;
+
+static skv_config small_config(skv_backend be)
+{
+    skv_config c = skv_config_default();
+    c.n_layers = 2;
+    c.n_q_heads = 8;
+    c.n_kv_heads = 2;
+    c.head_dim = 64;
+    c.rank = 24;
+    c.budget = 64;
+    c.n_outlier_chunks = 4;
+    c.n_local_chunks = 2;
+    c.batch_size = 2;
+    c.max_prompt_len = 1024;
+    c.gen_capacity = STEPS;
+    c.backend = be;
+    return c;
+}
+
+static size_t out_len(const skv_config *c) { return (size_t)STEPS * c->n_layers * c->batch_size * c->n_q_heads * c->head_dim; }
+static size_t sel_len(const skv_config *c)
+{
+    return (size_t)STEPS * c->n_layers * c->batch_size * c->n_kv_heads * (c->budget / c->chunk_size);
+}
+
+static void *run(void *arg)
+{
+    job *j = arg;
+    skv_config c = small_config(j->be);
+    skv_cache *cache = NULL;
+    j->status = skv_cache_create(&c, &cache);
+    if (j->status) return NULL;
+    skvt_rng r;
+    skvt_rng_seed(&r, j->seed);
+    size_t row = (size_t)c.n_kv_heads * c.head_dim, S = (size_t)(c.budget / c.chunk_size);
+    skv_bf16 *k = malloc((size_t)c.max_prompt_len * row * 2), *v = malloc((size_t)c.max_prompt_len * row * 2);
+    j->error_msg_ok = 1;
+    for (int l = 0; l < c.n_layers && !j->status; l++)
+        for (int b = 0; b < c.batch_size && !j->status; b++) {
+            int64_t n = skvt_rng_range(&r, 700, c.max_prompt_len);
+            skvt_fill_bf16_normal(&r, k, (size_t)n * row, 1.0);
+            skvt_fill_bf16_normal(&r, v, (size_t)n * row, 1.0);
+            j->status = skv_prefill(cache, l, b, n, k, v, NULL);
+            /* a distinct error of this thread; its message must stay ours */
+            char want[64];
+            snprintf(want, sizeof want, "layer = %d,", 1000 + j->id);
+            skv_prefill(cache, 1000 + j->id, 0, n, k, v, NULL);
+            if (!strstr(skv_last_error(), want) || !strstr(skv_cache_last_error(cache), want)) j->error_msg_ok = 0;
+        }
+    /* an error storm: thousands of failing calls, each message checked at once */
+    for (int it = 0; it < 20000; it++) {
+        char name[32], want[40];
+        skv_backend ignored;
+        snprintf(name, sizeof name, "bogus-%d-%d", j->id, it);
+        snprintf(want, sizeof want, "\"%s\"", name);
+        if (skv_backend_parse(name, &ignored) != SKV_ERR_INVALID_ARGUMENT || !strstr(skv_last_error(), want)) {
+            j->error_msg_ok = 0;
+            break;
+        }
+    }
+    size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim, kn = (size_t)c.batch_size * row;
+    skv_bf16 *q = malloc(qn * 2), *kk = malloc(kn * 2), *vv = malloc(kn * 2);
+    for (int s = 0; s < STEPS && !j->status; s++)
+        for (int l = 0; l < c.n_layers && !j->status; l++) {
+            skvt_fill_bf16_normal(&r, q, qn, 1.0);
+            skvt_fill_bf16_normal(&r, kk, kn, 1.0);
+            skvt_fill_bf16_normal(&r, vv, kn, 1.0);
+            size_t o = (size_t)(s * c.n_layers + l);
+            j->status = skv_decode(cache, l, q, kk, vv, j->out + o * qn);
+            for (int b = 0; b < c.batch_size && !j->status; b++)
+                for (int h = 0; h < c.n_kv_heads && !j->status; h++)
+                    j->status = skv_cache_selected(cache, l, b, h,
+                                                   j->sel + (((o * c.batch_size + b) * c.n_kv_heads) + h) * S);
+        }
+    free(k);
+    free(v);
+    free(q);
+    free(kk);
+    free(vv);
+    skv_cache_free(cache);
+    return NULL;
+}
+
+int main(void)
+{
+    uint64_t seed = skvt_base_seed("test_threads");
+    skvt_rng r;
+    skvt_rng_seed(&r, seed);
+    job par[N_WORKERS], seq[N_WORKERS];
+    pthread_t th[N_WORKERS];
+    for (int i = 0; i < N_WORKERS; i++) {
+        skv_config c = small_config(i % 2 ? SKV_BACKEND_CPU : SKV_BACKEND_REF);
+        par[i] = (job){c.backend, skvt_rng_u64(&r), i, malloc(out_len(&c) * 4), malloc(sel_len(&c) * 4), 0, SKV_OK};
+        seq[i] = par[i];
+        seq[i].out = malloc(out_len(&c) * 4);
+        seq[i].sel = malloc(sel_len(&c) * 4);
+    }
+    /* the same work, alone on this thread */
+    for (int i = 0; i < N_WORKERS; i++) run(&seq[i]);
+    /* and all at once */
+    for (int i = 0; i < N_WORKERS; i++) SKVT_CHECK(pthread_create(&th[i], NULL, run, &par[i]) == 0, "pthread_create");
+    for (int i = 0; i < N_WORKERS; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < N_WORKERS; i++) {
+        skv_config c = small_config(par[i].be);
+        const char *be = skv_backend_name(par[i].be);
+        SKVT_CHECK_STATUS(seq[i].status, SKV_OK, "sequential run");
+        SKVT_CHECK_STATUS(par[i].status, SKV_OK, "concurrent run");
+        SKVT_CHECK(memcmp(seq[i].out, par[i].out, out_len(&c) * 4) == 0,
+                   "worker %d (%s): concurrent outputs differ from the sequential run", i, be);
+        SKVT_CHECK(memcmp(seq[i].sel, par[i].sel, sel_len(&c) * 4) == 0,
+                   "worker %d (%s): concurrent selections differ from the sequential run", i, be);
+        SKVT_CHECK(par[i].error_msg_ok, "worker %d (%s): its thread-local error message was clobbered", i, be);
+        free(par[i].out);
+        free(par[i].sel);
+        free(seq[i].out);
+        free(seq[i].sel);
+    }
+    return skvt_finish();
+}
