@@ -464,6 +464,15 @@ SKV_API skv_status skv_cache_seq_info(const skv_cache *c, int32_t layer, int32_t
     return SKV_OK;
 }
 
+/* Copies head kv_head's row of a per-slot region (rows of row_bytes) to the caller. */
+static skv_status skv_read_head_row(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                    size_t region, size_t row_bytes, void *dst)
+{
+    const char *src = c->dev + SLOT_INDEX(c, layer, seq) * c->lay.slot_device + region;
+    if (!row_bytes) return SKV_OK;
+    return c->ops->copy2d(dst, 0, src + (size_t)kv_head * row_bytes, 0, row_bytes, 1);
+}
+
 SKV_API skv_status skv_cache_selected(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                       int32_t *ids)
 {
@@ -473,9 +482,7 @@ SKV_API skv_status skv_cache_selected(const skv_cache *c, int32_t layer, int32_t
     if (!sl->has_selection)
         return skv_fail((char *)c->err, SKV_ERR_NO_SELECTION,
                         "skv_cache_selected: no decode step has run for layer %d", layer);
-    size_t S = (size_t)c->lay.S;
-    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, sel_ids, int32_t) + (size_t)kv_head * S, 0,
-                          S * sizeof *ids, 1);
+    return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_ids, (size_t)c->lay.S * sizeof *ids, ids);
 }
 
 SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
@@ -484,10 +491,8 @@ SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_outliers", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
-    size_t O = (size_t)c->cfg.n_outlier_chunks;
-    if (!O) return SKV_OK;
-    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, out_ids, int32_t) + (size_t)kv_head * O, 0,
-                          O * sizeof *ids, 1);
+    return skv_read_head_row(c, layer, seq, kv_head, c->lay.out_ids,
+                             (size_t)c->cfg.n_outlier_chunks * sizeof *ids, ids);
 }
 
 SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
@@ -496,9 +501,7 @@ SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
-    size_t m = (size_t)sl->n_cand;
-    return c->ops->copy2d(ids, 0, DEV(c, layer, seq, cand_ids, int32_t) + (size_t)kv_head * m, 0,
-                          m * sizeof *ids, 1);
+    return skv_read_head_row(c, layer, seq, kv_head, c->lay.cand_ids, (size_t)sl->n_cand * sizeof *ids, ids);
 }
 
 SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
@@ -507,9 +510,8 @@ SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, "landmarks", &sl);
     if (st) return st;
-    size_t m = (size_t)sl->n_cand * (size_t)c->cfg.head_dim;
-    return c->ops->copy2d(landmarks, 0, DEV(c, layer, seq, landmarks, skv_bf16) + (size_t)kv_head * m, 0,
-                          m * B2, 1);
+    return skv_read_head_row(c, layer, seq, kv_head, c->lay.landmarks,
+                             (size_t)sl->n_cand * (size_t)c->cfg.head_dim * B2, landmarks);
 }
 
 SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)

@@ -296,9 +296,13 @@ int main(int argc, char **argv)
              * Output accuracy is test_accuracy's (each backend against double)
              * and test_e2e's (cross-backend, realistic attention).
              */
-            int finite = 1;
+            int finite_ref = 1, finite = 1;
             for (int s = 0; s < n_out; s++)
-                for (size_t e = 0; e < qn; e++) finite &= isfinite(oth_out[s][e]) != 0;
+                for (size_t e = 0; e < qn; e++) {
+                    finite_ref &= isfinite(ref_out[s][e]) != 0;
+                    finite &= isfinite(oth_out[s][e]) != 0;
+                }
+            SKVT_CHECK(finite_ref, "ref: non-finite decode output | %s", desc);
             SKVT_CHECK(finite, "%s: non-finite decode output | %s", skv_backend_name(others[o]), desc);
         }
         free(ref_log.buf);
