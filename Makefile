@@ -16,16 +16,48 @@ BUILD   ?= build
 # instruction; results are IEEE either way, so selection stays bit-identical).
 CPU_ARCH ?= $(shell grep -qw fma /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo -mavx2 -mfma)
 
+# A dependency tree extracted from the Debian packages (dpkg -x), for machines
+# where apt-get cannot reach a mirror: make SKV_DEPS=/path/to/tree
+SKV_DEPS ?=
+ifneq ($(SKV_DEPS),)
+DEPS_INC := -I$(SKV_DEPS)/usr/include -I$(SKV_DEPS)/usr/include/x86_64-linux-gnu/openblas-pthread
+DEPS_LIB := -L$(SKV_DEPS)/usr/lib/x86_64-linux-gnu -L$(SKV_DEPS)/usr/lib/x86_64-linux-gnu/openblas-pthread
+endif
+
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wno-unused-parameter
 BASEFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -O2 -g -fPIC -ffp-contract=off \
-             -fvisibility=hidden -Iinclude -Ilib $(WARN)
+             -fvisibility=hidden -Iinclude -Ilib $(DEPS_INC) $(WARN)
 CFLAGS  ?=
 ALLCFLAGS := $(BASEFLAGS) $(CFLAGS)
 OMPFLAGS := -fopenmp
-LIBS    := -llapacke -lopenblas -lm $(OMPFLAGS) -lpthread
+LIBS    := $(DEPS_LIB) -llapacke -lopenblas -lm $(OMPFLAGS) -lpthread
 
-LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) $(wildcard cuda/*.c)
-LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
+# ---- CUDA backend: compiled in when nvcc is found (SKV_CUDA=0 forces a CPU-only build) ----
+NVCC     ?= $(shell command -v nvcc 2>/dev/null)
+SKV_CUDA ?= $(if $(NVCC),1,0)
+ifeq ($(SKV_CUDA),1)
+CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
+# sm_90 machine code for Hopper, plus compute_90 PTX so newer GPUs can JIT it
+NVCC_ARCH  ?= -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90
+NVCCFLAGS  := -std=c++17 -O3 -g $(NVCC_ARCH) -Xcompiler -fPIC,-fvisibility=hidden,-Wall \
+              -Iinclude -Ilib -Icuda $(NVCCFLAGS_EXTRA)
+# the decision path (selection, landmarks, RoPE) must not be contracted behind our back
+NVCC_EXACT := --fmad=false
+CU_SRC     := $(wildcard cuda/*.cu)
+CU_OBJ     := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_SRC))
+C_CUDA_SRC :=
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcusolver -lcublas -lcudart -lstdc++ -ldl -lrt
+TEST_CUDA_FLAGS := -DSKV_HAVE_CUDA -I$(CUDA_HOME)/include
+else
+TEST_CUDA_FLAGS :=
+CU_OBJ     :=
+C_CUDA_SRC := cuda/skv_cuda_stub.c
+CUDA_LIBS  :=
+endif
+LIBS     += $(CUDA_LIBS)
+
+LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) $(C_CUDA_SRC)
+LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC)) $(CU_OBJ)
 HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
             $(wildcard cuda/*.h)
 
@@ -50,8 +82,8 @@ deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	@mkdir -p $(BUILD)
 	@if printf '#include <cblas.h>\n#include <lapacke.h>\nint main(void){return 0;}\n' | \
-	    $(CC) -x c - -o $(BUILD)/.depprobe -llapacke -lopenblas -fopenmp >/dev/null 2>&1 && \
-	    command -v pkg-config >/dev/null 2>&1; then :; else \
+	    $(CC) $(DEPS_INC) -x c - -o $(BUILD)/.depprobe $(DEPS_LIB) -llapacke -lopenblas -fopenmp >/dev/null 2>&1 && \
+	    { command -v pkg-config >/dev/null 2>&1 || [ -n "$(SKV_DEPS)" ]; }; then :; else \
 	  echo "make: installing libopenblas-dev liblapacke-dev pkg-config (apt-get)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && \
@@ -78,6 +110,14 @@ $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -c $< -o $@
 
+$(BUILD)/obj/cuda/skv_cuda_select.o: cuda/skv_cuda_select.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_EXACT) -c $< -o $@
+
+$(BUILD)/obj/cuda/%.o: cuda/%.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
 $(STATIC): $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
@@ -92,13 +132,13 @@ $(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h
 
 $(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) lib/skv_numerics.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
 
 $(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
 
-$(BUILD)/skv-bench: bench/skv_bench.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+$(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
 
 tests: $(TEST_BIN)
 bench: $(BUILD)/skv-bench
@@ -132,7 +172,7 @@ install: lib
 	install -m 644 $(STATIC) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(SHARED) $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0
 	ln -sf libshadowkv.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv.so
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|0.1.0|' shadowkv.pc.in \
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|0.1.0|' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|' shadowkv.pc.in \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
 
 uninstall:

@@ -13,6 +13,7 @@
  * --ref-reps times (default 1) without warm-up; the output says so.
  *
  *   build/skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]
+ *   build/skv-bench decode ...   per-layer decode step split (bench_decode.c)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -197,8 +198,11 @@ static void cpu_model(char *buf, size_t cap)
         if (*p == '"' || *p == '\\') *p = ' ';
 }
 
+int bench_decode_main(int argc, char **argv);
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "decode")) return bench_decode_main(argc - 1, argv + 1);
     int64_t ctx = 32768;
     int reps = 5, ref_reps = 1, json = 0, nbe = 0;
     skv_backend bes[MAX_BE];

@@ -222,8 +222,8 @@ static void skv_cpu_set_threads(int32_t n)
     if (n > 0) omp_set_num_threads(n);
 }
 
-/* First non-finite index, like ref; blocks in parallel, min of the first hits. */
-static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n, int64_t *first_bad)
+/* First non-finite index of a contiguous tensor; blocks in parallel, min of the first hits. */
+static skv_status skv_cpu_check_contiguous(const skv_bf16 *x, int64_t n, int64_t *first_bad)
 {
     const int64_t B = 1 << 16;
     int64_t nb = (n + B - 1) / B, first = n;
@@ -250,6 +250,20 @@ static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n, int64_t *fi
     if (first == n) return SKV_OK;
     *first_bad = first;
     return SKV_ERR_NONFINITE;
+}
+
+/* Strided tensors row by row (rows are what lib/ passes for spans). */
+static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b, int64_t s_b,
+                                       int64_t len, int64_t *first_bad)
+{
+    if (n_a == 1 && n_b == 1) return skv_cpu_check_contiguous(x, len, first_bad);
+    for (int64_t i = 0; i < n_a; i++)
+        for (int64_t j = 0; j < n_b; j++)
+            if (skv_cpu_check_contiguous(x + i * s_a + j * s_b, len, first_bad) != SKV_OK) {
+                *first_bad += (i * n_b + j) * len;
+                return SKV_ERR_NONFINITE;
+            }
+    return SKV_OK;
 }
 
 /* ---- factorize ------------------------------------------------------------------ */

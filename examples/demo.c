@@ -6,7 +6,14 @@
  *
  *   build/demo [--layers 4] [--hq 32] [--hk 8] [--dim 128] [--rank 160]
  *              [--ctx 16384,24576] [--steps 64] [--budget 2048]
- *              [--backend ref|cpu|cuda|auto] [--seed 42] [--acc-layers 1] [--json]
+ *              [--backend ref|cpu|cuda|auto] [--seed 42] [--acc-layers 1] [--share-layers] [--json]
+ *
+ * Tensors go to the library in the memory its backend takes (device buffers
+ * for cuda, through skv_buffer_alloc/skv_buffer_copy). A decode step runs
+ * every layer, then skv_cache_sync: the step time includes the device work.
+ * --share-layers generates the prompts and step inputs of layer 0 only and
+ * feeds them to every layer (each layer still has its own factorization,
+ * store and selection): full-depth runs without hours of workload generation.
  *
  * Timings cover library calls only (skv_prefill, skv_decode); generating the
  * workload and computing the references are not timed. Accuracy is measured
@@ -28,7 +35,7 @@
 typedef struct opts {
     skv_config cfg;
     int64_t ctx[MAX_BATCH];
-    int steps, acc_layers, json;
+    int steps, acc_layers, json, share;
     uint64_t seed;
 } opts;
 
@@ -54,6 +61,7 @@ static void usage(FILE *f)
             "  --backend NAME     ref | cpu | cuda | auto (default auto; env SKV_BACKEND overrides)\n"
             "  --seed N           workload seed (default 42)\n"
             "  --acc-layers N     layers whose accuracy is measured at every step (default 1)\n"
+            "  --share-layers     every layer gets layer 0's prompts and step inputs\n"
             "  --json             print one JSON object instead of the table\n"
             "  --help             this text\n");
 }
@@ -96,6 +104,9 @@ static void parse(int argc, char **argv, opts *o)
         } else if (!strcmp(a, "--json")) {
             o->json = 1;
             continue;
+        } else if (!strcmp(a, "--share-layers")) {
+            o->share = 1;
+            continue;
         } else if (!strcmp(a, "--layers")) c->n_layers = (int32_t)parse_int(a, v, 1, 1024);
         else if (!strcmp(a, "--hq")) c->n_q_heads = (int32_t)parse_int(a, v, 1, 1024);
         else if (!strcmp(a, "--hk")) c->n_kv_heads = (int32_t)parse_int(a, v, 1, 1024);
@@ -131,6 +142,7 @@ static void parse(int argc, char **argv, opts *o)
     for (int b = 0; b < c->batch_size; b++) c->max_prompt_len = o->ctx[b] > c->max_prompt_len ? o->ctx[b] : c->max_prompt_len;
     c->gen_capacity = o->steps;
     if (o->acc_layers > c->n_layers) o->acc_layers = c->n_layers;
+    if (o->share && o->acc_layers > 1) o->acc_layers = 1; /* the other layers see the same data */
 }
 
 static int contains(const int32_t *ids, int n, int32_t x)
@@ -161,33 +173,41 @@ int main(int argc, char **argv)
     if ((st = skv_cache_create(cfg, &cache))) die("skv_cache_create", st, NULL);
     const skv_backend be = skv_cache_backend(cache);
     fprintf(stderr, "demo: backend %s (requested %s)\n", skv_backend_name(be), skv_backend_name(requested));
-    if (be == SKV_BACKEND_CUDA) {
-        /* the library takes device pointers with cuda; this demo only has host buffers */
-        fprintf(stderr, "demo: the cuda backend needs device buffers, which this demo does not allocate yet\n");
-        return 1;
-    }
 
+    /* host tensors go to the library through buffers of its backend's kind */
+    const skv_backend host_be = be == SKV_BACKEND_CUDA ? SKV_BACKEND_CPU : be; /* ropes generated keys */
     skvs_workload wl;
     int64_t max_pos = cfg->max_prompt_len + o.steps;
-    if ((st = skvs_workload_init(&wl, cfg, max_pos, be))) die("workload", st, NULL);
-    skvs_seq *seq = calloc((size_t)L * B, sizeof *seq);
+    if ((st = skvs_workload_init(&wl, cfg, max_pos, host_be))) die("workload", st, NULL);
+    const int LG = o.share ? 1 : L; /* layers with their own workload */
+    skvs_seq *seq = calloc((size_t)LG * B, sizeof *seq);
+    if (!seq) die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
     double prefill_ms = 0, gen_ms = 0, t_start = now_ms(), t_gen = now_ms();
-    for (int l = 0; l < L; l++)
+    const size_t row = (size_t)Hk * D;
+    for (int lg = 0; lg < LG; lg++)
         for (int b = 0; b < B; b++) {
-            skvs_seq *s = &seq[l * B + b];
-            if ((st = skvs_seq_generate(s, &wl, o.ctx[b], o.steps, l < o.acc_layers,
-                                        o.seed * 1000003u + (uint64_t)(l * B + b))))
+            skvs_seq *s = &seq[lg * B + b];
+            if ((st = skvs_seq_generate(s, &wl, o.ctx[b], o.steps, lg < o.acc_layers,
+                                        o.seed * 1000003u + (uint64_t)(lg * B + b))))
                 die("workload generation", st, NULL);
-            double t0 = now_ms();
-            gen_ms += t0 - t_gen;
-            if ((st = skv_prefill(cache, l, b, o.ctx[b], s->k_pre, s->v, NULL))) die("skv_prefill", st, cache);
-            double dt = now_ms() - t0;
-            prefill_ms += dt;
-            if ((st = skvs_seq_attach(s, cache, l, b))) die("outlier read-back", st, cache);
+            size_t pb = (size_t)o.ctx[b] * row * sizeof(skv_bf16);
+            skv_bf16 *dk = skvt_dbuf(be, s->k_pre, pb), *dv = skvt_dbuf(be, s->v, pb);
+            skvt_dput(be, dk, s->k_pre, pb);
+            skvt_dput(be, dv, s->v, pb);
+            gen_ms += now_ms() - t_gen;
+            for (int l = o.share ? 0 : lg; l < (o.share ? L : lg + 1); l++) {
+                double t0 = now_ms();
+                if ((st = skv_prefill(cache, l, b, o.ctx[b], dk, dv, NULL))) die("skv_prefill", st, cache);
+                double dt = now_ms() - t0;
+                prefill_ms += dt;
+                fprintf(stderr, "demo: prefill layer %d/%d seq %d/%d (%lld tokens): %.1f ms\n", l + 1, L, b + 1, B,
+                        (long long)o.ctx[b], dt);
+            }
             t_gen = now_ms();
+            skvt_dfree(be, dk, s->k_pre);
+            skvt_dfree(be, dv, s->v);
+            if ((st = skvs_seq_attach(s, cache, lg, b))) die("outlier read-back", st, cache);
             if ((st = skvs_seq_release(s))) die("workload", st, NULL);
-            fprintf(stderr, "demo: prefill layer %d/%d seq %d/%d (%lld tokens): %.0f ms\n", l + 1, L, b + 1, B,
-                    (long long)o.ctx[b], dt);
         }
     skv_stats pst;
     if ((st = skv_cache_stats(cache, &pst))) die("skv_cache_stats", st, cache);
@@ -196,42 +216,62 @@ int main(int argc, char **argv)
        kept and the references computed after the timed loop, so that their
        BLAS threads do not compete with the library's */
     const size_t HD = (size_t)Hq * D, n_rec = (size_t)o.acc_layers * B * o.steps;
-    skv_bf16 *q = malloc(sizeof(skv_bf16) * B * HD), *k = malloc(sizeof(skv_bf16) * B * Hk * D);
-    skv_bf16 *v = malloc(sizeof(skv_bf16) * B * Hk * D), *rec_q = malloc(sizeof(skv_bf16) * HD * n_rec + 1);
-    float *out = malloc(sizeof(float) * B * HD), *rec_out = malloc(sizeof(float) * HD * n_rec + 1);
-    int32_t *sel = malloc(sizeof(int32_t) * Hk * S), *needle = malloc(sizeof(int32_t) * B);
+    const size_t qn = (size_t)B * HD, kn = (size_t)B * Hk * D;
+    skv_bf16 *q = malloc(sizeof(skv_bf16) * qn * LG), *k = malloc(sizeof(skv_bf16) * kn * LG);
+    skv_bf16 *v = malloc(sizeof(skv_bf16) * kn * LG), *rec_q = malloc(sizeof(skv_bf16) * HD * n_rec + 1);
+    float *out = malloc(sizeof(float) * qn * L), *rec_out = malloc(sizeof(float) * HD * n_rec + 1);
+    int32_t *sel = malloc(sizeof(int32_t) * Hk * S), *needle = malloc(sizeof(int32_t) * B * LG);
     int32_t *rec_sel = malloc(sizeof(int32_t) * Hk * S * n_rec + 1), *rec_needle = malloc(sizeof(int32_t) * n_rec + 1);
-    if (!seq || !q || !k || !v || !rec_q || !out || !rec_out || !sel || !needle || !rec_sel || !rec_needle)
+    if (!q || !k || !v || !rec_q || !out || !rec_out || !sel || !needle || !rec_sel || !rec_needle)
         die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
+    skv_bf16 *dq = skvt_dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = skvt_dbuf(be, k, sizeof(skv_bf16) * kn * LG);
+    skv_bf16 *dv = skvt_dbuf(be, v, sizeof(skv_bf16) * kn * LG);
+    float *dout = skvt_dbuf(be, out, sizeof(float) * qn * L);
     double decode_ms = 0;
     long hits = 0, total = 0;
     for (int step = 0; step < o.steps; step++) {
-        for (int l = 0; l < L; l++) {
-            double t_step = now_ms();
+        double t_step = now_ms();
+        for (int lg = 0; lg < LG; lg++)
             for (int b = 0; b < B; b++)
-                if ((st = skvs_step(&seq[l * B + b], q + b * HD, k + b * Hk * D, v + b * Hk * D, &needle[b])))
+                if ((st = skvs_step(&seq[lg * B + b], q + lg * qn + b * HD, k + lg * kn + b * Hk * D,
+                                    v + lg * kn + b * Hk * D, &needle[lg * B + b])))
                     die("workload step", st, NULL);
-            double t0 = now_ms();
-            gen_ms += t0 - t_step;
-            if ((st = skv_decode(cache, l, q, k, v, out))) die("skv_decode", st, cache);
-            decode_ms += now_ms() - t0;
+        skvt_dput(be, dq, q, sizeof(skv_bf16) * qn * LG);
+        skvt_dput(be, dk, k, sizeof(skv_bf16) * kn * LG);
+        skvt_dput(be, dv, v, sizeof(skv_bf16) * kn * LG);
+        double t0 = now_ms();
+        gen_ms += t0 - t_step;
+        for (int l = 0; l < L; l++) {
+            const int lg = o.share ? 0 : l;
+            if ((st = skv_decode(cache, l, dq + lg * qn, dk + lg * kn, dv + lg * kn, dout + l * qn)))
+                die("skv_decode", st, cache);
+        }
+        if ((st = skv_cache_sync(cache))) die("skv_cache_sync", st, cache);
+        decode_ms += now_ms() - t0;
+        skvt_dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
+        for (int l = 0; l < L; l++) {
+            const int lg = o.share ? 0 : l;
             for (int b = 0; b < B; b++) {
                 for (int h = 0; h < Hk; h++) {
                     if ((st = skv_cache_selected(cache, l, b, h, sel + h * S))) die("skv_cache_selected", st, cache);
-                    hits += contains(sel + h * S, S, needle[b]);
+                    hits += contains(sel + h * S, S, needle[lg * B + b]);
                     total++;
                 }
                 if (l >= o.acc_layers) continue;
                 size_t r = ((size_t)step * o.acc_layers + l) * B + b;
-                memcpy(rec_q + r * HD, q + b * HD, sizeof(skv_bf16) * HD);
-                memcpy(rec_out + r * HD, out + b * HD, sizeof(float) * HD);
+                memcpy(rec_q + r * HD, q + lg * qn + b * HD, sizeof(skv_bf16) * HD);
+                memcpy(rec_out + r * HD, out + l * qn + b * HD, sizeof(float) * HD);
                 memcpy(rec_sel + r * Hk * S, sel, sizeof(int32_t) * Hk * S);
-                rec_needle[r] = needle[b];
+                rec_needle[r] = needle[lg * B + b];
             }
         }
         if ((step + 1) % 8 == 0 || step + 1 == o.steps)
-            fprintf(stderr, "demo: decode step %d/%d: %.1f ms/step so far\n", step + 1, o.steps, decode_ms / (step + 1));
+            fprintf(stderr, "demo: decode step %d/%d: %.2f ms/step so far\n", step + 1, o.steps, decode_ms / (step + 1));
     }
+    skvt_dfree(be, dq, q);
+    skvt_dfree(be, dk, k);
+    skvt_dfree(be, dv, v);
+    skvt_dfree(be, dout, out);
 
     double ref_ms = now_ms(), err = 0, err_max = 0, err_or = 0, err_sel = 0, mass = 0, mass_min = 1, needle_share = 0;
     float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
@@ -266,9 +306,9 @@ int main(int argc, char **argv)
     if (o.json) {
         printf("{\"backend\": \"%s\", \"layers\": %d, \"batch\": %d, \"ctx\": [", skv_backend_name(be), L, B);
         for (int b = 0; b < B; b++) printf("%s%lld", b ? ", " : "", (long long)o.ctx[b]);
-        printf("], \"steps\": %d, \"hq\": %d, \"hk\": %d, \"dim\": %d, \"rank\": %d, \"chunk\": %d, \"budget\": %d, "
+        printf("], \"share_layers\": %d, \"steps\": %d, \"hq\": %d, \"hk\": %d, \"dim\": %d, \"rank\": %d, \"chunk\": %d, \"budget\": %d, "
                "\"outlier_chunks\": %d, \"local_chunks\": %d, \"seed\": %llu,\n",
-               o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
+               o.share, o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
                cfg->n_local_chunks, (unsigned long long)o.seed);
         printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"e2e_ms\": %.3f,\n", prefill_ms, dec_step, e2e);
         printf(" \"device_bytes\": %zu, \"host_bytes\": %zu, \"full_kv_bytes\": %zu,\n", dev_bytes, host_bytes, full_kv);
@@ -314,7 +354,7 @@ int main(int argc, char **argv)
                wall_s, gen_ms / 1e3, ref_ms / 1e3);
     }
 
-    for (int i = 0; i < L * B; i++) skvs_seq_free(&seq[i]);
+    for (int i = 0; i < LG * B; i++) skvs_seq_free(&seq[i]);
     free(seq), free(q), free(k), free(v), free(out), free(full), free(orac), free(exact), free(sel), free(needle);
     free(rec_q), free(rec_out), free(rec_sel), free(rec_needle);
     skvs_workload_free(&wl);

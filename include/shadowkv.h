@@ -14,7 +14,15 @@
  *    float) unless stated; attention outputs are float.
  *  - With the ref and cpu backends all pointers are host pointers. With the
  *    cuda backend, tensors passed to skv_prefill, skv_decode and skv_op_* are
- *    device pointers (as with cuBLAS).
+ *    device pointers (as with cuBLAS); skv_buffer_alloc/skv_buffer_copy give
+ *    memory of the right kind for any backend. Introspection outputs are
+ *    always host memory.
+ *  - cuda: a cache runs on config.cuda_stream. skv_decode only enqueues work
+ *    (no host-device synchronization, no allocation; NaN/Inf in its inputs is
+ *    found on the device and reported later, see skv_cache_sync). skv_prefill,
+ *    skv_cache_sync, skv_cache_stats*, the introspection calls, create and
+ *    free synchronize with the cache's stream. skv_op_* run on the legacy
+ *    default stream and return when done.
  *  - The library never prints and never exits. A failing call leaves a
  *    message naming the bad argument and its value in skv_last_error()
  *    (thread-local) and, for calls on a cache, in skv_cache_last_error().
@@ -65,11 +73,12 @@ typedef enum skv_status {
     SKV_ERR_UNSUPPORTED = 12,      /**< the backend does not implement this */
     SKV_ERR_NO_DEVICE = 13,        /**< the backend has no usable device */
     SKV_ERR_NUMERICAL = 14,        /**< a numerical routine failed (LAPACK info != 0) */
-    SKV_ERR_NO_SELECTION = 15      /**< introspection of a selection before any decode step */
+    SKV_ERR_NO_SELECTION = 15,     /**< introspection of a selection before any decode step */
+    SKV_ERR_DEVICE = 16            /**< a device runtime call failed (the message names it) */
 } skv_status;
 
 /** Number of status codes (one past the largest). */
-#define SKV_STATUS_COUNT 16
+#define SKV_STATUS_COUNT 17
 
 /** Static, never-NULL English name of a status ("SKV_ERR_CAPACITY: ..."). */
 SKV_API const char *skv_status_string(skv_status status);
@@ -223,12 +232,30 @@ SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int
  * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NOT_PREFILLED,
  * SKV_ERR_CAPACITY, SKV_ERR_NONFINITE. On error nothing is appended and the
  * previous selection is kept.
+ * cuda: returns once the step is enqueued on the cache's stream; out is
+ * written when the stream reaches it. A step whose q, k or v holds NaN/Inf
+ * changes nothing in the cache (its out is undefined) and the next
+ * synchronizing call (skv_cache_sync, stats, introspection) returns
+ * SKV_ERR_NONFINITE naming the step and element. The launch sequence is
+ * fixed, so a call may be captured into a CUDA graph; a captured call is one
+ * step and its graph must be launched exactly once, before the next call on
+ * that layer.
  */
 SKV_API skv_status skv_decode(skv_cache *cache, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
                       const skv_bf16 *v, float *out);
 
+/**
+ * Waits until all work enqueued on the cache (its stream, for cuda) is done.
+ * Returns SKV_OK, or a deferred error of an earlier skv_decode step
+ * (SKV_ERR_NONFINITE, cuda only) with a message naming the layer, tensor and
+ * element; that step was not applied, and the cache stays usable. ref/cpu:
+ * always SKV_OK at once.
+ */
+SKV_API skv_status skv_cache_sync(skv_cache *cache);
+
 /* ------------------------------------------------------------------------ */
-/* Introspection (read-only, host outputs)                                  */
+/* Introspection (read-only, host outputs; synchronizes like skv_cache_sync */
+/* and returns its deferred error if there is one)                          */
 /* ------------------------------------------------------------------------ */
 
 /** Shape of one (layer, sequence) of a cache. */
@@ -413,6 +440,29 @@ SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads,
                                  int32_t head_dim, float scale, const skv_bf16 *q,
                                  int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v,
                                  float *out);
+
+/* ------------------------------------------------------------------------ */
+/* Buffers of the kind a backend takes (device memory for cuda)             */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Allocates bytes (> 0) of zeroed memory of the kind backend's tensors live in:
+ * cudaMalloc'ed device memory for cuda, host memory for ref and cpu.
+ * SKV_BACKEND_AUTO resolves as in skv_cache_create. Errors:
+ * SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT (bytes == 0),
+ * SKV_ERR_NO_DEVICE, SKV_ERR_OUT_OF_MEMORY. *ptr is NULL on error.
+ */
+SKV_API skv_status skv_buffer_alloc(skv_backend backend, size_t bytes, void **ptr);
+
+/** Frees a buffer from skv_buffer_alloc with the same backend. NULL is ignored. */
+SKV_API void skv_buffer_free(skv_backend backend, void *ptr);
+
+/**
+ * Copies bytes between host memory and backend memory, either direction (or
+ * within either); synchronous. Errors: SKV_ERR_NULL_POINTER, SKV_ERR_NO_DEVICE,
+ * SKV_ERR_DEVICE.
+ */
+SKV_API skv_status skv_buffer_copy(skv_backend backend, void *dst, const void *src, size_t bytes);
 
 /** float -> bf16, round to nearest even (NaN stays NaN). */
 SKV_API skv_bf16 skv_bf16_from_float(float x);

@@ -12,6 +12,10 @@
 
 #include "shadowkv.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Where a buffer lives. */
 typedef enum skv_mem_kind {
     SKV_MEM_DEVICE = 0, /* device-resident part of the cache (host memory for ref/cpu) */
@@ -39,6 +43,34 @@ int64_t skv_ws_reset(skv_ws *ws);
 /* Worst-case arena bytes for n allocations totalling bytes (alignment slack). */
 #define SKV_WS_BYTES(bytes, n) ((bytes) + (size_t)(n) * 64)
 
+/*
+ * Byte offsets of one (layer, sequence) slot inside the device and host arenas,
+ * and of the shared regions. Computed once from a validated config; the memory
+ * query and create use the same function, so they cannot disagree.
+ */
+typedef struct skv_layout {
+    int32_t S;          /* selected chunks per KV head */
+    int32_t cand_max;   /* N_max - O */
+    int32_t local_max;  /* (Lc + 1) * c - 1 */
+    int64_t n_positions;/* RoPE table rows: max_prompt_len + gen_capacity */
+    /* per-slot device offsets */
+    size_t u, w, landmarks, cand_ids, out_ids, out_k, out_v, loc_k, loc_v, gen_k, gen_v, sel_idx,
+        sel_ids, slot_device;
+    /* per-slot host offsets */
+    size_t vstore, slot_host;
+    /* shared device regions (after L*B slots) */
+    size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids;
+    size_t device_total, host_total;
+} skv_layout;
+
+/* Host-side bookkeeping of one (layer, sequence) of a cache. */
+typedef struct skv_seq_state {
+    int32_t prefilled;
+    int32_t has_selection;
+    int64_t n;
+    int32_t n_chunks, n_cand, n_local, n_gen;
+} skv_seq_state;
+
 struct skv_backend_ops {
     const char *name;
 
@@ -52,9 +84,16 @@ struct skv_backend_ops {
        may be host or backend memory. */
     skv_status (*copy2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
                          size_t height);
-    /* SKV_OK if all n bf16 values are finite, SKV_ERR_NONFINITE and the index of
-       the first non-finite one in *first_bad otherwise. */
-    skv_status (*check_finite)(const skv_bf16 *x, int64_t n, int64_t *first_bad);
+    /* Finiteness of a strided [n_a, n_b, len] bf16 tensor, element (i, j, l) at
+       x[i*s_a + j*s_b + l]: SKV_OK, or SKV_ERR_NONFINITE and the logical index
+       (i*n_b + j)*len + l of the first non-finite element in *first_bad. A
+       contiguous tensor of n values is (1, 0, 1, 0, n). */
+    skv_status (*check_finite)(const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b, int64_t s_b,
+                               int64_t len, int64_t *first_bad);
+    /* SKV_OK if lo <= x[i] < hi for all i < n; otherwise SKV_ERR_INVALID_ARGUMENT,
+       the first bad index in *first_bad and its value in *value. */
+    skv_status (*check_range)(const int32_t *x, int64_t n, int64_t lo, int64_t hi, int64_t *first_bad,
+                              int32_t *value);
     /* Thread count hint from config.n_threads (0 = default). Optional. */
     void (*set_threads)(int32_t n_threads);
     /* Arena bytes the decode slots (score_select, rebuild_keys, sparse_attention)
@@ -90,6 +129,30 @@ struct skv_backend_ops {
     skv_status (*full_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                  float scale, const skv_bf16 *q, int64_t n_tokens,
                                  const skv_bf16 *k, const skv_bf16 *v, float *out);
+
+    /* --- cache level (optional) ------------------------------------------------
+       A backend that runs a cache's prefill and decode itself (cuda: batched
+       kernels on the cache's stream, per-step state on the device) fills these;
+       NULL means lib/ runs the op slots above one sequence at a time. lib/ has
+       validated every argument and the cache state before calling; on an error
+       the backend writes a message into msg and the cache must be unchanged. */
+    /* Extra device bytes cache_open will allocate for this config (for skv_cache_memory). */
+    size_t (*cache_bytes)(const skv_config *cfg, const skv_layout *lay);
+    skv_status (*cache_open)(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev, char *host,
+                             char *msg, size_t cap);
+    void (*cache_close)(void *bctx); /* waits for the cache's work, frees; NULL accepted */
+    /* Prefill of (layer, seq): N context chunks; returns after the work is done. */
+    skv_status (*cache_prefill)(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t n_chunks,
+                                const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
+                                skv_stats *stats, char *msg, size_t cap);
+    /* Enqueues one decode step of layer for the whole batch; checks q, k, v for
+       NaN/Inf on the device (an error is deferred to cache_sync). */
+    skv_status (*cache_decode)(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                               const skv_bf16 *v, float *out, char *msg, size_t cap);
+    /* Waits for the cache's work, adds the finished steps' phase times to *stats,
+       and reports a deferred error (then refreshes n_gen/has_selection of every
+       state from the device, since the failed step changed nothing there). */
+    skv_status (*cache_sync)(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
 };
 
 /* The registered tables. */
@@ -124,5 +187,9 @@ void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int3
 
 /* Monotonic wall clock in milliseconds. */
 double skv_now_ms(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* SKV_BACKEND_H */

@@ -13,13 +13,7 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 
-/* Host-side bookkeeping of one (layer, sequence). */
-typedef struct skv_slot {
-    int32_t prefilled;
-    int32_t has_selection;
-    int64_t n;
-    int32_t n_chunks, n_cand, n_local, n_gen;
-} skv_slot;
+typedef skv_seq_state skv_slot;
 
 struct skv_cache {
     skv_config cfg; /* validated, backend resolved */
@@ -29,6 +23,7 @@ struct skv_cache {
     char *host;     /* host arena (value store) */
     skv_slot *slots;/* [n_layers * batch_size] */
     skv_ws ws;      /* decode-slot scratch, allocated at create */
+    void *bctx;     /* backend's cache state (cache-level slots), or NULL */
     skv_stats stats;
     char err[SKV_ERRMSG_CAP];
 };
@@ -86,6 +81,8 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
     size_t ws, dev;
     skv_status st = skv_cache_plan(cfg, 0, &c, &lay, &ops, &ws);
     if (st) return st;
+    if (ops->cache_bytes && !skv_add_size(ws, ops->cache_bytes(&c, &lay), &ws))
+        return skv_fail(NULL, SKV_ERR_SIZE_OVERFLOW, "skv_cache_memory: device bytes overflow size_t");
     if (!skv_add_size(lay.device_total, ws, &dev))
         return skv_fail(NULL, SKV_ERR_SIZE_OVERFLOW, "skv_cache_memory: device bytes overflow size_t");
     if (device_bytes) *device_bytes = dev;
@@ -136,6 +133,13 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
         skv_cache_free(k);
         return skv_fail(NULL, st, "skv_cache_create: copying the RoPE tables failed");
     }
+    if (ops->cache_open && (st = ops->cache_open(&k->bctx, &k->cfg, &k->lay, k->dev, k->host, k->err,
+                                                 sizeof k->err))) {
+        char msg[SKV_ERRMSG_CAP];
+        memcpy(msg, k->err, sizeof msg);
+        skv_cache_free(k);
+        return skv_fail(NULL, st, "skv_cache_create: %s", msg);
+    }
     *out = k;
     return SKV_OK;
 }
@@ -143,6 +147,7 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
 SKV_API void skv_cache_free(skv_cache *cache)
 {
     if (!cache) return;
+    if (cache->ops && cache->ops->cache_close) cache->ops->cache_close(cache->bctx);
     if (cache->ops) {
         cache->ops->mem_free(cache->dev, SKV_MEM_DEVICE);
         cache->ops->mem_free(cache->host, SKV_MEM_HOST);
@@ -179,15 +184,16 @@ static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *wha
                                    int64_t tokens, int32_t heads)
 {
     int64_t bad = -1, D = c->cfg.head_dim;
-    if (c->ops->check_finite(x, tokens * heads * D, &bad) == SKV_OK) return SKV_OK;
+    if (c->ops->check_finite(x, 1, 0, 1, 0, tokens * heads * D, &bad) == SKV_OK) return SKV_OK;
     return skv_fail(c->err, SKV_ERR_NONFINITE, "%s: %s[%lld][%lld][%lld] is NaN or Inf", fn, what,
                     (long long)(bad / (heads * D)), (long long)(bad / D % heads), (long long)(bad % D));
 }
 
 static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what, skv_status st)
 {
-    return skv_fail(c->err, st, "%s: %s failed on backend %s: %s", fn, what, c->ops->name,
-                    skv_status_string(st));
+    const char *detail = skv_backend_detail();
+    return skv_fail(c->err, st, "%s: %s failed on backend %s: %s%s%s", fn, what, c->ops->name,
+                    skv_status_string(st), *detail ? ": " : "", detail);
 }
 
 /* ---- prefill -------------------------------------------------------------------------- */
@@ -218,12 +224,32 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
                         "%s: n = %lld gives N = floor(n/c) - Lc = %lld context chunks, need O + S = %d "
                         "(at least %lld tokens)",
                         fn, (long long)n, (long long)N, O + S, (long long)(O + S + g->n_local_chunks) * cs);
-    if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
-    if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
-    if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
+    if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
+        if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
+        if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
+        if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
+    }
 
-    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const int32_t n_cand = (int32_t)N - O, n_local = (int32_t)(n - N * cs);
+    if (ops->cache_prefill) {
+        skv_stats t = {0};
+        st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
+        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        sl->n = n;
+        sl->n_chunks = (int32_t)N;
+        sl->n_cand = n_cand;
+        sl->n_local = n_local;
+        sl->n_gen = 0;
+        sl->has_selection = 0;
+        sl->prefilled = 1;
+        c->stats.prefill_rope_ms += t.prefill_rope_ms;
+        c->stats.prefill_factorize_ms += t.prefill_factorize_ms;
+        c->stats.prefill_landmarks_ms += t.prefill_landmarks_ms;
+        c->stats.prefill_offload_ms += t.prefill_offload_ms;
+        c->stats.n_prefill_calls++;
+        return SKV_OK;
+    }
+    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
@@ -344,6 +370,18 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
             return skv_fail(c->err, SKV_ERR_CAPACITY,
                             "%s: sequence %d, layer %d already holds gen_capacity = %d generated tokens", fn,
                             b, layer, cap);
+    if (ops->cache_decode) {
+        /* NaN/Inf in q, k, v is found on the device and reported by skv_cache_sync */
+        st = ops->cache_decode(c->bctx, layer, q, k, v, out, c->err, sizeof c->err);
+        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        for (int32_t b = 0; b < B; b++) {
+            skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+            sl->n_gen++;
+            sl->has_selection = 1;
+        }
+        c->stats.n_decode_calls++;
+        return SKV_OK;
+    }
     if ((st = skv_check_tensor(c, fn, "q", q, B, Hq))) return st;
     if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
     if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
@@ -421,14 +459,27 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     return SKV_OK;
 }
 
+/* ---- sync -------------------------------------------------------------------------------- */
+
+SKV_API skv_status skv_cache_sync(skv_cache *c)
+{
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_sync: cache is NULL");
+    if (!c->ops->cache_sync) return SKV_OK;
+    skv_status st = c->ops->cache_sync(c->bctx, c->slots, &c->stats, c->err, sizeof c->err);
+    if (st) return skv_fail(c->err, st, "%s", skv_cache_last_error(c));
+    return SKV_OK;
+}
+
 /* ---- introspection ----------------------------------------------------------------------- */
 
 static skv_status skv_intro_check(const skv_cache *cc, const char *fn, int32_t layer, int32_t seq,
                                   int32_t kv_head, const void *dst, const char *dst_name,
                                   const skv_slot **sl)
 {
-    skv_cache *c = (skv_cache *)cc; /* only the error buffer is written */
+    skv_cache *c = (skv_cache *)cc; /* error buffer and, after a deferred error, the mirrors */
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    skv_status sst = skv_cache_sync(c);
+    if (sst) return sst;
     if (!dst) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: %s is NULL", fn, dst_name);
     skv_status st = skv_check_index(c, fn, layer, seq);
     if (st) return st;
@@ -449,6 +500,7 @@ SKV_API skv_status skv_cache_seq_info(const skv_cache *c, int32_t layer, int32_t
     if (!info) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "%s: info is NULL", fn);
     skv_status st = skv_check_index((skv_cache *)c, fn, layer, seq);
     if (st) return st;
+    if ((st = skv_cache_sync((skv_cache *)c))) return st;
     const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
     memset(info, 0, sizeof *info);
     info->prefilled = sl->prefilled;
@@ -518,6 +570,8 @@ SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: cache is NULL");
     if (!stats) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "skv_cache_stats: stats is NULL");
+    skv_status st = skv_cache_sync((skv_cache *)c);
+    if (st) return st;
     *stats = c->stats;
     return SKV_OK;
 }
@@ -525,6 +579,8 @@ SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)
 SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats_reset: cache is NULL");
+    skv_status st = skv_cache_sync(c);
     memset(&c->stats, 0, sizeof c->stats);
+    if (st) return st;
     return SKV_OK;
 }

@@ -9,6 +9,10 @@
 #include <stdarg.h>
 #include "skv_backend.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define SKV_ERRMSG_CAP 512
 
 /*
@@ -20,6 +24,18 @@ skv_status skv_fail(char *errbuf, skv_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
+
+/*
+ * A backend slot's detail for its failure (which device call failed, say):
+ * kept per thread and appended by lib/ to the message of the failing call.
+ * skv_backend_detail returns it and clears it ("" if none).
+ */
+void skv_backend_note(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+const char *skv_backend_detail(void);
 
 /* a * b into *out; 0 on overflow. */
 int skv_mul_size(size_t a, size_t b, size_t *out);
@@ -45,26 +61,10 @@ skv_status skv_rope_validate(char *errbuf, const skv_rope_config *rope, int32_t 
 skv_status skv_backend_resolve(char *errbuf, skv_backend want, skv_backend *got,
                                const struct skv_backend_ops **ops);
 
-/*
- * Byte offsets of one (layer, sequence) slot inside the device and host arenas,
- * and of the shared regions. Computed once from a validated config; the memory
- * query and create use the same function, so they cannot disagree.
- */
-typedef struct skv_layout {
-    int32_t S;          /* selected chunks per KV head */
-    int32_t cand_max;   /* N_max - O */
-    int32_t local_max;  /* (Lc + 1) * c - 1 */
-    int64_t n_positions;/* RoPE table rows: max_prompt_len + gen_capacity */
-    /* per-slot device offsets */
-    size_t u, w, landmarks, cand_ids, out_ids, out_k, out_v, loc_k, loc_v, gen_k, gen_v, sel_idx,
-        sel_ids, slot_device;
-    /* per-slot host offsets */
-    size_t vstore, slot_host;
-    /* shared device regions (after L*B slots) */
-    size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids;
-    size_t device_total, host_total;
-} skv_layout;
-
 skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

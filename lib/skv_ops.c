@@ -32,7 +32,7 @@ static skv_status skv_finite(const struct skv_backend_ops *ops, const char *fn, 
                              const skv_bf16 *x, int64_t n)
 {
     int64_t bad = -1;
-    if (ops->check_finite(x, n, &bad) != SKV_OK)
+    if (ops->check_finite(x, 1, 0, 1, 0, n, &bad) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_NONFINITE, "%s: %s[%lld] is NaN or Inf", fn, what, (long long)bad);
     return SKV_OK;
 }
@@ -46,8 +46,10 @@ static skv_status skv_finite(const struct skv_backend_ops *ops, const char *fn, 
 /* Gives a failing slot's status a message. */
 static skv_status skv_slot_result(const char *fn, const struct skv_backend_ops *ops, skv_status st)
 {
+    const char *detail = skv_backend_detail();
     if (st != SKV_OK)
-        return skv_fail(NULL, st, "%s: backend %s failed: %s", fn, ops->name, skv_status_string(st));
+        return skv_fail(NULL, st, "%s: backend %s failed: %s%s%s", fn, ops->name, skv_status_string(st),
+                        *detail ? ": " : "", detail);
     return SKV_OK;
 }
 
@@ -144,11 +146,12 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
     SKV_GET_SLOT(fn, score_select);
     SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
     SKV_FINITE(fn, landmarks, (int64_t)n_kv_heads * n_cand * head_dim);
-    if (candidate_ids)
-        for (int64_t i = 0; i < (int64_t)n_kv_heads * n_cand; i++)
-            if (candidate_ids[i] < 0)
-                return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn,
-                                (long long)i, candidate_ids[i]);
+    int64_t bad_i;
+    int32_t bad_v;
+    if (candidate_ids &&
+        ops->check_range(candidate_ids, (int64_t)n_kv_heads * n_cand, 0, INT32_MAX, &bad_i, &bad_v) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn, (long long)bad_i,
+                        bad_v);
     skv_ws ws = {0};
     skv_status st = ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
                                       skv_resolve_scale(scale, head_dim), q, landmarks, candidate_ids,
@@ -177,12 +180,13 @@ SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_confi
     SKV_RANGE(fn, n_select, 1, INT32_MAX / 4096);
     SKV_RANGE(fn, n, chunk, (int64_t)1 << 31);
     SKV_RANGE(fn, rank, 1, (int64_t)n_kv_heads * head_dim);
-    for (int64_t i = 0; i < (int64_t)n_kv_heads * n_select; i++)
-        if (chunk_ids[i] < 0 || ((int64_t)chunk_ids[i] + 1) * chunk > n)
-            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
-                            "%s: chunk_ids[%lld] = %d: its tokens exceed n = %lld", fn, (long long)i,
-                            chunk_ids[i], (long long)n);
     SKV_GET_SLOT(fn, rebuild_keys);
+    int64_t bad_i;
+    int32_t bad_v;
+    /* chunk j holds tokens j*c .. j*c + c-1, all below n: 0 <= j < floor(n/c) */
+    if (ops->check_range(chunk_ids, (int64_t)n_kv_heads * n_select, 0, n / chunk, &bad_i, &bad_v) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: chunk_ids[%lld] = %d: its tokens exceed n = %lld",
+                        fn, (long long)bad_i, bad_v, (long long)n);
     SKV_FINITE(fn, u, n * rank);
     SKV_FINITE(fn, w, (int64_t)rank * n_kv_heads * head_dim);
     skv_ws ws = {0};
@@ -205,11 +209,12 @@ SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads,
     SKV_RANGE(fn, chunk, 1, 4096);
     SKV_RANGE(fn, n_store, 1, INT32_MAX / 4096);
     SKV_RANGE(fn, n_select, 1, INT32_MAX / 4096);
-    for (int64_t i = 0; i < (int64_t)n_kv_heads * n_select; i++)
-        if (idx[i] < 0 || idx[i] >= n_store)
-            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: idx[%lld] = %d, must be in [0, %d)", fn,
-                            (long long)i, idx[i], n_store);
     SKV_GET_SLOT(fn, gather_values);
+    int64_t bad_i;
+    int32_t bad_v;
+    if (ops->check_range(idx, (int64_t)n_kv_heads * n_select, 0, n_store, &bad_i, &bad_v) != SKV_OK)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: idx[%lld] = %d, must be in [0, %d)", fn,
+                        (long long)bad_i, bad_v, n_store);
     return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, store, idx, v_out));
 }
 
@@ -257,13 +262,14 @@ SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_head
     SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
     for (int32_t i = 0; i < n_spans; i++) {
         const skv_kv_span *s = &spans[i];
-        for (int32_t h = 0; h < n_kv_heads; h++)
-            for (int64_t t = 0; t < s->n_tokens; t++) {
-                int64_t off = h * s->head_stride + t * s->token_stride, bad;
-                if (ops->check_finite(s->k + off, head_dim, &bad) || ops->check_finite(s->v + off, head_dim, &bad))
-                    return skv_fail(NULL, SKV_ERR_NONFINITE,
-                                    "%s: spans[%d] token %lld head %d has NaN or Inf", fn, i, (long long)t, h);
-            }
+        int64_t bad;
+        if (s->n_tokens == 0) continue;
+        for (int which = 0; which < 2; which++)
+            if (ops->check_finite(which ? s->v : s->k, n_kv_heads, s->head_stride, s->n_tokens, s->token_stride,
+                                  head_dim, &bad) != SKV_OK)
+                return skv_fail(NULL, SKV_ERR_NONFINITE, "%s: spans[%d].%s: token %lld head %d has NaN or Inf",
+                                fn, i, which ? "v" : "k", (long long)(bad / head_dim % s->n_tokens),
+                                (int)(bad / head_dim / s->n_tokens));
     }
     skv_ws ws = {0};
     st = ops->sparse_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans,
@@ -289,4 +295,39 @@ SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads,
     SKV_FINITE(fn, v, n_tokens * n_kv_heads * head_dim);
     return skv_slot_result(fn, ops, ops->full_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q,
                                n_tokens, k, v, out));
+}
+
+/* ---- buffers ----------------------------------------------------------------------------- */
+
+SKV_API skv_status skv_buffer_alloc(skv_backend backend, size_t bytes, void **ptr)
+{
+    static const char fn[] = "skv_buffer_alloc";
+    SKV_NONNULL(fn, ptr);
+    *ptr = NULL;
+    if (!bytes) return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: bytes = 0", fn);
+    SKV_GET_SLOT(fn, mem_alloc);
+    *ptr = ops->mem_alloc(bytes, SKV_MEM_DEVICE);
+    if (!*ptr)
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "%s: %zu bytes on backend %s failed", fn, bytes, ops->name);
+    return SKV_OK;
+}
+
+SKV_API void skv_buffer_free(skv_backend backend, void *ptr)
+{
+    skv_backend got;
+    const struct skv_backend_ops *ops;
+    if (!ptr || skv_backend_resolve(NULL, backend, &got, &ops) != SKV_OK) return;
+    ops->mem_free(ptr, SKV_MEM_DEVICE);
+}
+
+SKV_API skv_status skv_buffer_copy(skv_backend backend, void *dst, const void *src, size_t bytes)
+{
+    static const char fn[] = "skv_buffer_copy";
+    if (!bytes) return SKV_OK;
+    SKV_NONNULL(fn, dst);
+    SKV_NONNULL(fn, src);
+    SKV_GET_SLOT(fn, copy2d);
+    skv_status st = ops->copy2d(dst, 0, src, 0, bytes, 1);
+    if (st) return skv_fail(NULL, st, "%s: %zu bytes on backend %s: %s", fn, bytes, ops->name, skv_status_string(st));
+    return SKV_OK;
 }

@@ -27,6 +27,7 @@ static const char *const skv_status_names[SKV_STATUS_COUNT] = {
     "SKV_ERR_NO_DEVICE: no usable device for this backend",
     "SKV_ERR_NUMERICAL: a numerical routine failed",
     "SKV_ERR_NO_SELECTION: no decode step has run yet",
+    "SKV_ERR_DEVICE: a device runtime call failed",
 };
 
 SKV_API const char *skv_status_string(skv_status status)
@@ -45,6 +46,24 @@ skv_status skv_fail(char *errbuf, skv_status st, const char *fmt, ...)
     va_end(ap);
     if (errbuf) memcpy(errbuf, skv_tls_err, SKV_ERRMSG_CAP);
     return st;
+}
+
+static __thread char skv_tls_note[SKV_ERRMSG_CAP];
+static __thread char skv_tls_note_out[SKV_ERRMSG_CAP];
+
+void skv_backend_note(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(skv_tls_note, sizeof skv_tls_note, fmt, ap);
+    va_end(ap);
+}
+
+const char *skv_backend_detail(void)
+{
+    memcpy(skv_tls_note_out, skv_tls_note, sizeof skv_tls_note_out);
+    skv_tls_note[0] = '\0';
+    return skv_tls_note_out;
 }
 
 int skv_mul_size(size_t a, size_t b, size_t *out)

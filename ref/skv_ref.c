@@ -41,12 +41,29 @@ static skv_status skv_ref_copy2d(void *dst, size_t dpitch, const void *src, size
     return SKV_OK;
 }
 
-static skv_status skv_ref_check_finite(const skv_bf16 *x, int64_t n, int64_t *first_bad)
+static skv_status skv_ref_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b,
+                                       int64_t s_b, int64_t len, int64_t *first_bad)
+{
+    for (int64_t i = 0; i < n_a; i++)
+        for (int64_t j = 0; j < n_b; j++) {
+            const skv_bf16 *row = x + i * s_a + j * s_b;
+            for (int64_t l = 0; l < len; l++)
+                if (!skv_bf16_isfinite(row[l])) {
+                    *first_bad = (i * n_b + j) * len + l;
+                    return SKV_ERR_NONFINITE;
+                }
+        }
+    return SKV_OK;
+}
+
+static skv_status skv_ref_check_range(const int32_t *x, int64_t n, int64_t lo, int64_t hi, int64_t *first_bad,
+                                      int32_t *value)
 {
     for (int64_t i = 0; i < n; i++)
-        if (!skv_bf16_isfinite(x[i])) {
+        if (x[i] < lo || x[i] >= hi) {
             *first_bad = i;
-            return SKV_ERR_NONFINITE;
+            *value = x[i];
+            return SKV_ERR_INVALID_ARGUMENT;
         }
     return SKV_OK;
 }
@@ -305,20 +322,22 @@ static skv_status skv_ref_full_attention(int32_t Hq, int32_t Hk, int32_t D, floa
 }
 
 const struct skv_backend_ops skv_ref_ops = {
-    /* .name = */ "ref",
-    /* .probe = */ skv_ref_probe,
-    /* .mem_alloc = */ skv_ref_mem_alloc,
-    /* .mem_free = */ skv_ref_mem_free,
-    /* .copy2d = */ skv_ref_copy2d,
-    /* .check_finite = */ skv_ref_check_finite,
-    /* .set_threads = */ NULL,
-    /* .decode_ws_bytes = */ skv_ref_decode_ws_bytes,
-    /* .factorize = */ skv_ref_factorize,
-    /* .rope = */ skv_ref_rope,
-    /* .landmarks_outliers = */ skv_ref_landmarks_outliers,
-    /* .score_select = */ skv_ref_score_select,
-    /* .rebuild_keys = */ skv_ref_rebuild_keys,
-    /* .gather_values = */ skv_ref_gather_values,
-    /* .sparse_attention = */ skv_ref_sparse_attention,
-    /* .full_attention = */ skv_ref_full_attention,
+    .name = "ref",
+    .probe = skv_ref_probe,
+    .mem_alloc = skv_ref_mem_alloc,
+    .mem_free = skv_ref_mem_free,
+    .copy2d = skv_ref_copy2d,
+    .check_finite = skv_ref_check_finite,
+    .check_range = skv_ref_check_range,
+    .set_threads = NULL,
+    .decode_ws_bytes = skv_ref_decode_ws_bytes,
+    .factorize = skv_ref_factorize,
+    .rope = skv_ref_rope,
+    .landmarks_outliers = skv_ref_landmarks_outliers,
+    .score_select = skv_ref_score_select,
+    .rebuild_keys = skv_ref_rebuild_keys,
+    .gather_values = skv_ref_gather_values,
+    .sparse_attention = skv_ref_sparse_attention,
+    .full_attention = skv_ref_full_attention,
+    /* cache-level slots NULL: lib/ runs the op slots per sequence */
 };

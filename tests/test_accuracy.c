@@ -20,6 +20,11 @@
  *  attention    relative L2 error per query head <= 2e-3
  *  bad args     NULL -> SKV_ERR_NULL_POINTER, out of range -> INVALID_ARGUMENT,
  *               NaN/Inf -> SKV_ERR_NONFINITE; outputs untouched on any error
+ *
+ * Backends: ref, cpu and cuda where available. The oracles read host arrays;
+ * each op call gets its tensors through stage_in/stage_out (device copies
+ * for cuda, the host arrays themselves for ref/cpu) and its outputs come
+ * back through unstage_out.
  */
 #include <cblas.h>
 #include <float.h>
@@ -48,6 +53,29 @@ static void *xmalloc(size_t bytes)
 static double *dalloc(size_t n) { return xmalloc(n * sizeof(double)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
 static double bd(skv_bf16 h) { return (double)skv_bf16_to_float(h); }
+
+/*
+ * Tensor arguments in the memory backend be takes. stage_in: a copy of an
+ * input (cuda) or host itself (ref/cpu); NULL stays NULL. stage_out: a buffer
+ * for an output (zeroed on cuda; ops write all of it on SKV_OK) or host
+ * itself. unstage_out copies an output back to host and frees its buffer;
+ * unstage frees an input's buffer.
+ */
+static void *stage_in(skv_backend be, const void *host, size_t bytes)
+{
+    if (!host) return NULL;
+    void *dev = skvt_dbuf(be, (void *)host, bytes);
+    skvt_dput(be, dev, host, bytes);
+    return dev;
+}
+static void *stage_out(skv_backend be, void *host, size_t bytes) { return host ? skvt_dbuf(be, host, bytes) : NULL; }
+static void unstage_out(skv_backend be, void *host, void *dev, size_t bytes)
+{
+    if (!host) return;
+    skvt_dget(be, host, dev, bytes);
+    skvt_dfree(be, dev, host);
+}
+static void unstage(skv_backend be, const void *dev, const void *host) { skvt_dfree(be, (void *)dev, (void *)host); }
 
 static double now_s(void)
 {
@@ -172,12 +200,19 @@ static void test_factorize(void)
             a = make_spectrum_matrix(n, d, sigma);
         }
         double opt = spec == SPEC_ZERO ? 0.0 : best_rank_error(a, n, d, r);
-        float *u = xmalloc(sizeof(float) * (size_t)n * r), *w = xmalloc(sizeof(float) * (size_t)r * d);
+        const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
+                     w_bytes = sizeof(float) * (size_t)r * d;
+        float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
+            skv_bf16 *da = stage_in(be, a, a_bytes);
+            float *du = stage_out(be, u, u_bytes), *dw = stage_out(be, w, w_bytes);
             double t0 = now_s();
-            skv_status s = skv_op_factorize(be, n, d, r, a, u, w);
+            skv_status s = skv_op_factorize(be, n, d, r, da, du, dw);
             double secs = now_s() - t0;
+            unstage(be, da, a);
+            unstage_out(be, u, du, u_bytes);
+            unstage_out(be, w, dw, w_bytes);
             if (!SKVT_CHECK_STATUS(s, SKV_OK, "factorize")) {
                 printf("  factorize %s: %s\n", skv_backend_name(be), skv_last_error());
                 continue;
@@ -259,13 +294,19 @@ static void test_rope(void)
         double x[256], ex[256], bound[256];
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
+            float *dct = stage_in(be, ct, len * sizeof(float)), *dst = stage_in(be, st, len * sizeof(float));
             for (int inplace = 0; inplace < 2; inplace++) {
                 skv_status s;
                 if (inplace) {
                     memcpy(out, in, ne * 2);
-                    s = skv_op_rope(be, &cfg, D, T, H, pos0, ct, st, out, out);
+                    skv_bf16 *dout = stage_in(be, out, ne * 2);
+                    s = skv_op_rope(be, &cfg, D, T, H, pos0, dct, dst, dout, dout);
+                    unstage_out(be, out, dout, ne * 2);
                 } else {
-                    s = skv_op_rope(be, &cfg, D, T, H, pos0, ct, st, in, out);
+                    skv_bf16 *din = stage_in(be, in, ne * 2), *dout = stage_out(be, out, ne * 2);
+                    s = skv_op_rope(be, &cfg, D, T, H, pos0, dct, dst, din, dout);
+                    unstage(be, din, in);
+                    unstage_out(be, out, dout, ne * 2);
                 }
                 if (!SKVT_CHECK_STATUS(s, SKV_OK, "rope")) continue;
                 long bad = 0, bad_pass = 0;
@@ -289,6 +330,8 @@ static void test_rope(void)
                 SKVT_CHECK(bad == 0 && bad_pass == 0, "rope %s D=%d R=%d inter=%d: %ld values off, %ld passthrough changed",
                            skv_backend_name(be), D, R, rc->inter, bad, bad_pass);
             }
+            unstage(be, dct, ct);
+            unstage(be, dst, st);
         }
         free(ct);
         free(st);
@@ -376,11 +419,19 @@ static void test_landmarks(void)
                 else want_cand[h * nc + b++] = j;
             }
         }
-        int32_t *oid = xmalloc(sizeof(int32_t) * ((size_t)hk * O + 1)), *cid = xmalloc(sizeof(int32_t) * (size_t)hk * nc);
-        skv_bf16 *lm = xmalloc(sizeof(skv_bf16) * (size_t)hk * nc * D);
+        const size_t oid_bytes = sizeof(int32_t) * ((size_t)hk * O + 1), cid_bytes = sizeof(int32_t) * (size_t)hk * nc,
+                     lm_bytes = sizeof(skv_bf16) * (size_t)hk * nc * D;
+        int32_t *oid = xmalloc(oid_bytes), *cid = xmalloc(cid_bytes);
+        skv_bf16 *lm = xmalloc(lm_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
-            skv_status s = skv_op_landmarks_outliers(be, N, c, hk, D, O, k, oid, cid, lm);
+            skv_bf16 *dk = stage_in(be, k, ne * 2), *dlm = stage_out(be, lm, lm_bytes);
+            int32_t *doid = stage_out(be, oid, oid_bytes), *dcid = stage_out(be, cid, cid_bytes);
+            skv_status s = skv_op_landmarks_outliers(be, N, c, hk, D, O, dk, doid, dcid, dlm);
+            unstage(be, dk, k);
+            unstage_out(be, oid, doid, oid_bytes);
+            unstage_out(be, cid, dcid, cid_bytes);
+            unstage_out(be, lm, dlm, lm_bytes);
             if (!SKVT_CHECK_STATUS(s, SKV_OK, "landmarks_outliers")) continue;
             long bad_ids = 0, bad_lm = 0, bad_lmd = 0, bad_set = 0;
             for (size_t i = 0; i < (size_t)hk * O; i++) bad_ids += oid[i] != want_out[i];
@@ -497,9 +548,22 @@ static void test_score_select(void)
         double *ad = dalloc((size_t)hk * m), *tol = dalloc((size_t)hk * m);
         char *mask = xmalloc((size_t)m);
         amax_oracle(hq, hk, D, m, cs[ci].scale, q, l, ad, tol);
+        const size_t q_bytes = sizeof(skv_bf16) * (size_t)hq * D, l_bytes = sizeof(skv_bf16) * (size_t)hk * m * D,
+                     ids_bytes = sizeof(int32_t) * (size_t)hk * m, sel_bytes = sizeof(int32_t) * (size_t)hk * S,
+                     amax_bytes = sizeof(float) * (size_t)hk * m;
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
-            skv_status s = skv_op_score_select(be, hq, hk, D, m, S, cs[ci].scale, q, l, ids, sel, sid, amax);
+            skv_bf16 *dq = stage_in(be, q, q_bytes), *dl = stage_in(be, l, l_bytes);
+            int32_t *dids = stage_in(be, ids, ids_bytes), *dsel = stage_out(be, sel, sel_bytes),
+                    *dsid = stage_out(be, sid, sel_bytes);
+            float *damax = stage_out(be, amax, amax_bytes);
+            skv_status s = skv_op_score_select(be, hq, hk, D, m, S, cs[ci].scale, dq, dl, dids, dsel, dsid, damax);
+            unstage(be, dq, q);
+            unstage(be, dl, l);
+            unstage(be, dids, ids);
+            unstage_out(be, sel, dsel, sel_bytes);
+            unstage_out(be, sid, dsid, sel_bytes);
+            unstage_out(be, amax, damax, amax_bytes);
             if (!SKVT_CHECK_STATUS(s, SKV_OK, "score_select")) continue;
             long bad_amax = 0, bad_own = 0, bad_dbl = 0, bad_ids = 0;
             double worst = 0;
@@ -557,9 +621,17 @@ static void test_score_select(void)
             needle[h] = (int)skvt_rng_range(&rng, 0, m - 1);
             for (int d = 0; d < D; d++) l[((size_t)h * m + needle[h]) * D + d] = bf(2.0 * bd(q[(h * G + g) * D + d]));
         }
-        int32_t *sel = xmalloc(sizeof(int32_t) * (size_t)hk * S);
+        const size_t q_bytes = sizeof(skv_bf16) * (size_t)hq * D, l_bytes = sizeof(skv_bf16) * (size_t)hk * m * D,
+                     sel_bytes = sizeof(int32_t) * (size_t)hk * S;
+        int32_t *sel = xmalloc(sel_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
-            skv_status s = skv_op_score_select(backends[bi], hq, hk, D, m, S, 0.0f, q, l, NULL, sel, NULL, NULL);
+            skv_backend be = backends[bi];
+            skv_bf16 *dq = stage_in(be, q, q_bytes), *dl = stage_in(be, l, l_bytes);
+            int32_t *dsel = stage_out(be, sel, sel_bytes);
+            skv_status s = skv_op_score_select(be, hq, hk, D, m, S, 0.0f, dq, dl, NULL, dsel, NULL, NULL);
+            unstage(be, dq, q);
+            unstage(be, dl, l);
+            unstage_out(be, sel, dsel, sel_bytes);
             if (!SKVT_CHECK_STATUS(s, SKV_OK, "score_select needle")) continue;
             for (int h = 0; h < hk; h++) {
                 int found = 0;
@@ -602,11 +674,22 @@ static void test_rebuild(void)
         for (int h = 0; h < hk; h++)
             for (int s = 0; s < S; s++) /* increasing, spread over the whole prompt, last chunk included */
                 ids[h * S + s] = s == S - 1 ? nchunks - 1 : (int32_t)((int64_t)s * nchunks / S + skvt_rng_range(&rng, 0, nchunks / S - 1));
-        skv_bf16 *out = xmalloc(sizeof(skv_bf16) * (size_t)hk * S * c * D);
+        const size_t u_bytes = sizeof(skv_bf16) * (size_t)n * r, w_bytes = sizeof(skv_bf16) * (size_t)r * HD,
+                     ids_bytes = sizeof(int32_t) * (size_t)hk * S, out_bytes = sizeof(skv_bf16) * (size_t)hk * S * c * D;
+        skv_bf16 *out = xmalloc(out_bytes);
         double x[256], ex[256], bound[256];
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
-            skv_status s = skv_op_rebuild_keys(be, &cfg, D, hk, r, c, S, n, u, w, ids, ct, st, out);
+            skv_bf16 *du = stage_in(be, u, u_bytes), *dw = stage_in(be, w, w_bytes), *dout = stage_out(be, out, out_bytes);
+            int32_t *dids = stage_in(be, ids, ids_bytes);
+            float *dct = stage_in(be, ct, len * sizeof(float)), *dst = stage_in(be, st, len * sizeof(float));
+            skv_status s = skv_op_rebuild_keys(be, &cfg, D, hk, r, c, S, n, du, dw, dids, dct, dst, dout);
+            unstage(be, du, u);
+            unstage(be, dw, w);
+            unstage(be, dids, ids);
+            unstage(be, dct, ct);
+            unstage(be, dst, st);
+            unstage_out(be, out, dout, out_bytes);
             if (!SKVT_CHECK_STATUS(s, SKV_OK, "rebuild_keys")) continue;
             double worst = 0;
             for (int h = 0; h < hk; h++)
@@ -641,12 +724,19 @@ static void test_rebuild(void)
 static void test_gather(void)
 {
     int hk = 4, D = 128, c = 8, ns = 300, S = 64;
-    skv_bf16 *store = xmalloc(sizeof(skv_bf16) * (size_t)hk * ns * c * D), *out = xmalloc(sizeof(skv_bf16) * (size_t)hk * S * c * D);
+    const size_t store_bytes = sizeof(skv_bf16) * (size_t)hk * ns * c * D, out_bytes = sizeof(skv_bf16) * (size_t)hk * S * c * D;
+    skv_bf16 *store = xmalloc(store_bytes), *out = xmalloc(out_bytes);
     skvt_fill_bf16_normal(&rng, store, (size_t)hk * ns * c * D, 1.0);
     int32_t idx[4 * 64];
     for (int i = 0; i < hk * S; i++) idx[i] = (int32_t)skvt_rng_range(&rng, 0, ns - 1);
     for (int bi = 0; bi < n_backends; bi++) {
-        skv_status s = skv_op_gather_values(backends[bi], hk, D, c, ns, S, store, idx, out);
+        skv_backend be = backends[bi];
+        skv_bf16 *dstore = stage_in(be, store, store_bytes), *dout = stage_out(be, out, out_bytes);
+        int32_t *didx = stage_in(be, idx, sizeof idx);
+        skv_status s = skv_op_gather_values(be, hk, D, c, ns, S, dstore, didx, dout);
+        unstage(be, dstore, store);
+        unstage(be, didx, idx);
+        unstage_out(be, out, dout, out_bytes);
         if (!SKVT_CHECK_STATUS(s, SKV_OK, "gather_values")) continue;
         long bad = 0;
         for (int h = 0; h < hk; h++)
@@ -746,23 +836,35 @@ static void test_attention(void)
                 memcpy(vh + ((size_t)h * Tm + t) * D, v + ((size_t)(t1 + t) * hk + h) * D, (size_t)D * 2);
             }
         int64_t tg = t2 + (T - t2) / 2;
-        skv_kv_span sp[5] = {
-            {k, v, t1, D, (int64_t)hk * D},
-            {NULL, NULL, 0, 0, 0},
-            {kh, vh, Tm, Tm * D, D},
-            {k + (size_t)t2 * hk * D, v + (size_t)t2 * hk * D, tg - t2, D, (int64_t)hk * D},
-            {k + (size_t)tg * hk * D, v + (size_t)tg * hk * D, T - tg, D, (int64_t)hk * D},
-        };
+        const size_t q_bytes = sizeof(skv_bf16) * (size_t)hq * D, mid_bytes = sizeof(skv_bf16) * ((size_t)Tm * hk * D + 1),
+                     out_bytes = sizeof(float) * (size_t)hq * D;
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
-            skv_status s = skv_op_full_attention(be, hq, hk, D, scale, q, T, k, v, out);
+            skv_bf16 *dq = stage_in(be, q, q_bytes), *dk = stage_in(be, k, ne * 2), *dv = stage_in(be, v, ne * 2),
+                     *dkh = stage_in(be, kh, mid_bytes), *dvh = stage_in(be, vh, mid_bytes);
+            float *dout = stage_out(be, out, out_bytes);
+            skv_kv_span sp[5] = {
+                {dk, dv, t1, D, (int64_t)hk * D},
+                {NULL, NULL, 0, 0, 0},
+                {dkh, dvh, Tm, Tm * D, D},
+                {dk + (size_t)t2 * hk * D, dv + (size_t)t2 * hk * D, tg - t2, D, (int64_t)hk * D},
+                {dk + (size_t)tg * hk * D, dv + (size_t)tg * hk * D, T - tg, D, (int64_t)hk * D},
+            };
+            skv_status s = skv_op_full_attention(be, hq, hk, D, scale, dq, T, dk, dv, dout);
+            skvt_dget(be, out, dout, out_bytes);
             if (SKVT_CHECK_STATUS(s, SKV_OK, "full_attention")) {
                 double e = worst_head_error(out, want, hq, D);
                 printf("full_attention   %-4s Hq=%d Hk=%d D=%d n=%lld %s: worst head rel L2 %.3g\n", skv_backend_name(be),
                        hq, hk, D, (long long)T, kinds[kind], e);
                 SKVT_CHECK(e <= 2e-3, "full_attention %s: head rel L2 error %.3g > 2e-3", skv_backend_name(be), e);
             }
-            s = skv_op_sparse_attention(be, hq, hk, D, scale, q, 5, sp, out);
+            s = skv_op_sparse_attention(be, hq, hk, D, scale, dq, 5, sp, dout);
+            unstage(be, dq, q);
+            unstage(be, dk, k);
+            unstage(be, dv, v);
+            unstage(be, dkh, kh);
+            unstage(be, dvh, vh);
+            unstage_out(be, out, dout, out_bytes);
             if (SKVT_CHECK_STATUS(s, SKV_OK, "sparse_attention")) {
                 double e = worst_head_error(out, want, hq, D);
                 printf("sparse_attention %-4s Hq=%d Hk=%d D=%d n=%lld %s: worst head rel L2 %.3g\n", skv_backend_name(be),
@@ -797,17 +899,28 @@ static void test_attention(void)
         float out[128];
         skv_kv_span one = {k, v, T, D, D};
         attention_double(1, 1, D, scale, q, 1, &one, want);
-        /* the same tokens as sparse spans: sink alone, then the rest */
-        skv_kv_span two[2] = {{k, v, 1, D, D}, {k + D, v + D, T - 1, D, D}};
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
-            if (SKVT_CHECK_STATUS(skv_op_full_attention(be, 1, 1, D, scale, q, T, k, v, out), SKV_OK, "full_attention sink")) {
+            const size_t kv_bytes = sizeof(skv_bf16) * (size_t)T * D;
+            skv_bf16 *dq = stage_in(be, q, sizeof(skv_bf16) * D), *dk = stage_in(be, k, kv_bytes),
+                     *dv = stage_in(be, v, kv_bytes);
+            float *dout = stage_out(be, out, sizeof out);
+            /* the same tokens as sparse spans: sink alone, then the rest */
+            skv_kv_span two[2] = {{dk, dv, 1, D, D}, {dk + D, dv + D, T - 1, D, D}};
+            skv_status s = skv_op_full_attention(be, 1, 1, D, scale, dq, T, dk, dv, dout);
+            skvt_dget(be, out, dout, sizeof out);
+            if (SKVT_CHECK_STATUS(s, SKV_OK, "full_attention sink")) {
                 double e = worst_head_error(out, want, 1, D);
                 printf("full_attention   %-4s attention sink n=%lld: rel L2 %.3g\n", skv_backend_name(be), (long long)T, e);
                 SKVT_CHECK(e <= 2e-3, "full_attention %s attention sink n=%lld: rel L2 error %.3g > 2e-3",
                            skv_backend_name(be), (long long)T, e);
             }
-            if (SKVT_CHECK_STATUS(skv_op_sparse_attention(be, 1, 1, D, scale, q, 2, two, out), SKV_OK, "sparse sink")) {
+            s = skv_op_sparse_attention(be, 1, 1, D, scale, dq, 2, two, dout);
+            unstage(be, dq, q);
+            unstage(be, dk, k);
+            unstage(be, dv, v);
+            unstage_out(be, out, dout, sizeof out);
+            if (SKVT_CHECK_STATUS(s, SKV_OK, "sparse sink")) {
                 double e = worst_head_error(out, want, 1, D);
                 printf("sparse_attention %-4s attention sink n=%lld: rel L2 %.3g\n", skv_backend_name(be), (long long)T, e);
                 SKVT_CHECK(e <= 2e-3, "sparse_attention %s attention sink n=%lld: rel L2 error %.3g > 2e-3",
@@ -831,38 +944,75 @@ static int untouched(const void *p, size_t n)
     return 1;
 }
 
+/*
+ * The three outputs of the bad calls: host arrays of bytes each and the
+ * buffers the calls get (device buffers for cuda, the host arrays for
+ * ref/cpu). Poisoned on both sides before a call; read back after it.
+ */
+typedef struct bad_outputs {
+    skv_backend be;
+    size_t bytes;
+    void *host[3], *dev[3];
+} bad_outputs;
+
+static void outputs_poison(const bad_outputs *o)
+{
+    for (int i = 0; i < 3; i++) {
+        memset(o->host[i], POISON, o->bytes);
+        skvt_dput(o->be, o->dev[i], o->host[i], o->bytes);
+    }
+}
+
+static int outputs_untouched(const bad_outputs *o)
+{
+    int ok = 1;
+    for (int i = 0; i < 3; i++) {
+        skvt_dget(o->be, o->host[i], o->dev[i], o->bytes);
+        ok &= untouched(o->host[i], o->bytes);
+    }
+    return ok;
+}
+
 /* One bad call: expected status, an error message set, outputs untouched. */
-#define BAD(call, want, what)                                                                                      \
-    do {                                                                                                           \
-        memset(o1, POISON, sizeof o1), memset(o2, POISON, sizeof o2), memset(o3, POISON, sizeof o3);              \
-        skv_status got_ = (call);                                                                                  \
-        SKVT_CHECK(got_ == (want), "%s %s: got %s, want %s", bn, what, skv_status_string(got_),                  \
-                   skv_status_string(want));                                                                       \
-        SKVT_CHECK(untouched(o1, sizeof o1) && untouched(o2, sizeof o2) && untouched(o3, sizeof o3),              \
-                   "%s %s: output written on error", bn, what);                                                     \
-        SKVT_CHECK(got_ == SKV_OK || skv_last_error()[0] != 0, "%s %s: no message in skv_last_error()", bn, what); \
+#define BAD(call, want, what)                                                                                   \
+    do {                                                                                                        \
+        outputs_poison(&outs);                                                                                  \
+        skv_status got_ = (call);                                                                               \
+        int msg_ = skv_last_error()[0] != 0;                                                                    \
+        SKVT_CHECK(got_ == (want), "%s %s: got %s, want %s", bn, what, skv_status_string(got_),               \
+                   skv_status_string(want));                                                                    \
+        SKVT_CHECK(outputs_untouched(&outs), "%s %s: output written on error", bn, what);                       \
+        SKVT_CHECK(got_ == SKV_OK || msg_, "%s %s: no message in skv_last_error()", bn, what);                  \
     } while (0)
 
 static void test_bad_args(skv_backend be)
 {
     const char *bn = skv_backend_name(be);
     enum { D = 64, H = 2, HQ = 4, N = 16, C = 4, R = 8 };
-    /* inputs: all valid; each bad call changes one thing */
-    static skv_bf16 a[N * C * H * D], a2[N * C * H * D], q[HQ * D], lm[H * N * D], u[N * C * R], w[R * H * D];
-    static float o1[N * C * H * D], o2[N * C * H * D], o3[N * C * H * D], ct[N * C * D / 2], st[N * C * D / 2];
-    static int32_t cid[H * N], idx[H * 4];
-    skvt_fill_bf16_normal(&rng, a, sizeof a / 2, 1.0);
-    skvt_fill_bf16_normal(&rng, q, sizeof q / 2, 1.0);
-    skvt_fill_bf16_normal(&rng, lm, sizeof lm / 2, 1.0);
-    skvt_fill_bf16_normal(&rng, u, sizeof u / 2, 1.0);
-    skvt_fill_bf16_normal(&rng, w, sizeof w / 2, 1.0);
+    /* host inputs: all valid; each bad call changes one thing */
+    static skv_bf16 ha[N * C * H * D], ha2[N * C * H * D], hq[HQ * D], hlm[H * N * D], hu[N * C * R], hw[R * H * D];
+    static float ho[3][N * C * H * D], hct[N * C * D / 2], hst[N * C * D / 2];
+    static int32_t hcid[H * N], hidx[H * 4];
+    skvt_fill_bf16_normal(&rng, ha, sizeof ha / 2, 1.0);
+    skvt_fill_bf16_normal(&rng, hq, sizeof hq / 2, 1.0);
+    skvt_fill_bf16_normal(&rng, hlm, sizeof hlm / 2, 1.0);
+    skvt_fill_bf16_normal(&rng, hu, sizeof hu / 2, 1.0);
+    skvt_fill_bf16_normal(&rng, hw, sizeof hw / 2, 1.0);
     skv_rope_config rope = skv_config_default().rope;
-    SKVT_CHECK_STATUS(skv_rope_table_build(&rope, D, N * C, ct, st), SKV_OK, "rope tables");
-    for (int i = 0; i < H * N; i++) cid[i] = 2 * (i % N);
-    for (int i = 0; i < H * 4; i++) idx[i] = (int32_t)(3 * i % N);
+    SKVT_CHECK_STATUS(skv_rope_table_build(&rope, D, N * C, hct, hst), SKV_OK, "rope tables");
+    for (int i = 0; i < H * N; i++) hcid[i] = 2 * (i % N);
+    for (int i = 0; i < H * 4; i++) hidx[i] = (int32_t)(3 * i % N);
+    memcpy(ha2, ha, sizeof ha);
+    /* what the calls get: the backend's copies (for ref/cpu the host arrays) */
+    skv_bf16 *a = stage_in(be, ha, sizeof ha), *a2 = stage_in(be, ha2, sizeof ha2), *q = stage_in(be, hq, sizeof hq),
+             *lm = stage_in(be, hlm, sizeof hlm), *u = stage_in(be, hu, sizeof hu), *w = stage_in(be, hw, sizeof hw);
+    float *ct = stage_in(be, hct, sizeof hct), *st = stage_in(be, hst, sizeof hst);
+    int32_t *cid = stage_in(be, hcid, sizeof hcid), *idx = stage_in(be, hidx, sizeof hidx);
+    bad_outputs outs = {be, sizeof ho[0], {ho[0], ho[1], ho[2]}, {NULL, NULL, NULL}};
+    for (int i = 0; i < 3; i++) outs.dev[i] = stage_out(be, ho[i], sizeof ho[i]);
+    float *o1 = outs.dev[0], *o2 = outs.dev[1], *o3 = outs.dev[2];
     int64_t n = N * C;
     skv_kv_span sp = {a, a2, n, D, H * D}; /* all n tokens, so a planted NaN is always read */
-    memcpy(a2, a, sizeof a);
 
     /* sanity: the valid calls succeed (so each error below is caused by the one change) */
     SKVT_CHECK_STATUS(skv_op_factorize(be, n, H * D, R, a, o1, o2), SKV_OK, "valid factorize");
@@ -953,13 +1103,16 @@ static void test_bad_args(skv_backend be)
         "rebuild rope=NULL");
     {
         int32_t far[H * 4];
-        memcpy(far, idx, sizeof far);
+        memcpy(far, hidx, sizeof far);
         far[5] = N; /* chunk N needs tokens up to (N+1)*C > n */
-        BAD(skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, far, ct, st, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT,
+        int32_t *dfar = stage_in(be, far, sizeof far);
+        BAD(skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, dfar, ct, st, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT,
             "rebuild chunk id beyond n");
         far[5] = -1;
-        BAD(skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, far, ct, st, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT,
+        skvt_dput(be, dfar, far, sizeof far);
+        BAD(skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, dfar, ct, st, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT,
             "rebuild chunk id < 0");
+        unstage(be, dfar, far);
     }
     /* gather */
     BAD(skv_op_gather_values(be, H, D, C, N, 4, NULL, idx, (skv_bf16 *)o1), SKV_ERR_NULL_POINTER, "gather store=NULL");
@@ -967,11 +1120,14 @@ static void test_bad_args(skv_backend be)
     BAD(skv_op_gather_values(be, H, D, C, N, 4, a, idx, NULL), SKV_ERR_NULL_POINTER, "gather out=NULL");
     {
         int32_t far[H * 4];
-        memcpy(far, idx, sizeof far);
+        memcpy(far, hidx, sizeof far);
         far[6] = N;
-        BAD(skv_op_gather_values(be, H, D, C, N, 4, a, far, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT, "gather idx=n_store");
+        int32_t *dfar = stage_in(be, far, sizeof far);
+        BAD(skv_op_gather_values(be, H, D, C, N, 4, a, dfar, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT, "gather idx=n_store");
         far[6] = -2;
-        BAD(skv_op_gather_values(be, H, D, C, N, 4, a, far, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT, "gather idx<0");
+        skvt_dput(be, dfar, far, sizeof far);
+        BAD(skv_op_gather_values(be, H, D, C, N, 4, a, dfar, (skv_bf16 *)o1), SKV_ERR_INVALID_ARGUMENT, "gather idx<0");
+        unstage(be, dfar, far);
     }
     /* attention */
     BAD(skv_op_sparse_attention(be, HQ, H, D, 0.125f, NULL, 1, &sp, o1), SKV_ERR_NULL_POINTER, "sparse q=NULL");
@@ -1002,34 +1158,40 @@ static void test_bad_args(skv_backend be)
     for (int trial = 0; trial < 4; trial++) {
         skv_bf16 bv = bad_vals[trial];
         char what[80];
-#define NONFINITE(arr, nelem, call, name)                                        \
+/* plants bv in host[at] and its copy dev[at], makes the call, restores both */
+#define NONFINITE(host, dev, nelem, call, name)                                  \
     do {                                                                         \
         size_t at_ = (size_t)skvt_rng_range(&rng, 0, (int64_t)(nelem) - 1);      \
-        skv_bf16 keep_ = (arr)[at_];                                             \
-        (arr)[at_] = bv;                                                         \
+        skv_bf16 keep_ = (host)[at_];                                            \
+        (host)[at_] = bv;                                                        \
+        skvt_dput(be, (dev) + at_, (host) + at_, sizeof keep_);                  \
         snprintf(what, sizeof what, "%s with 0x%04x at %zu", name, bv, at_);     \
         BAD(call, SKV_ERR_NONFINITE, what);                                      \
-        (arr)[at_] = keep_;                                                      \
+        (host)[at_] = keep_;                                                     \
+        skvt_dput(be, (dev) + at_, (host) + at_, sizeof keep_);                  \
     } while (0)
-        NONFINITE(a, n * H * D, skv_op_factorize(be, n, H * D, R, a, o1, o2), "factorize a");
-        NONFINITE(a, n * H * D, skv_op_rope(be, &rope, D, n, H, 0, ct, st, a, (skv_bf16 *)o1), "rope in");
-        NONFINITE(a, n * H * D, skv_op_landmarks_outliers(be, N, C, H, D, 3, a, (int32_t *)o1, (int32_t *)o2, (skv_bf16 *)o3),
+        NONFINITE(ha, a, n * H * D, skv_op_factorize(be, n, H * D, R, a, o1, o2), "factorize a");
+        NONFINITE(ha, a, n * H * D, skv_op_rope(be, &rope, D, n, H, 0, ct, st, a, (skv_bf16 *)o1), "rope in");
+        NONFINITE(ha, a, n * H * D, skv_op_landmarks_outliers(be, N, C, H, D, 3, a, (int32_t *)o1, (int32_t *)o2, (skv_bf16 *)o3),
                   "landmarks k_post");
-        NONFINITE(q, HQ * D, skv_op_score_select(be, HQ, H, D, N, 4, 0.0f, q, lm, cid, (int32_t *)o1, (int32_t *)o2, o3),
+        NONFINITE(hq, q, HQ * D, skv_op_score_select(be, HQ, H, D, N, 4, 0.0f, q, lm, cid, (int32_t *)o1, (int32_t *)o2, o3),
                   "score q");
-        NONFINITE(lm, H * N * D, skv_op_score_select(be, HQ, H, D, N, 4, 0.0f, q, lm, cid, (int32_t *)o1, (int32_t *)o2, o3),
+        NONFINITE(hlm, lm, H * N * D, skv_op_score_select(be, HQ, H, D, N, 4, 0.0f, q, lm, cid, (int32_t *)o1, (int32_t *)o2, o3),
                   "score landmarks");
-        NONFINITE(u, n * R, skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, idx, ct, st, (skv_bf16 *)o1), "rebuild u");
-        NONFINITE(w, R * H * D, skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, idx, ct, st, (skv_bf16 *)o1),
+        NONFINITE(hu, u, n * R, skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, idx, ct, st, (skv_bf16 *)o1), "rebuild u");
+        NONFINITE(hw, w, R * H * D, skv_op_rebuild_keys(be, &rope, D, H, R, C, 4, n, u, w, idx, ct, st, (skv_bf16 *)o1),
                   "rebuild w");
-        NONFINITE(q, HQ * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse q");
-        NONFINITE(a, n * H * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse k");
-        NONFINITE(a2, n * H * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse v");
-        NONFINITE(q, HQ * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full q");
-        NONFINITE(a, n * H * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full k");
-        NONFINITE(a2, n * H * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full v");
+        NONFINITE(hq, q, HQ * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse q");
+        NONFINITE(ha, a, n * H * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse k");
+        NONFINITE(ha2, a2, n * H * D, skv_op_sparse_attention(be, HQ, H, D, 0.125f, q, 1, &sp, o1), "sparse v");
+        NONFINITE(hq, q, HQ * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full q");
+        NONFINITE(ha, a, n * H * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full k");
+        NONFINITE(ha2, a2, n * H * D, skv_op_full_attention(be, HQ, H, D, 0.125f, q, n, a, a2, o1), "full v");
 #undef NONFINITE
     }
+    unstage(be, a, ha), unstage(be, a2, ha2), unstage(be, q, hq), unstage(be, lm, hlm), unstage(be, u, hu);
+    unstage(be, w, hw), unstage(be, ct, hct), unstage(be, st, hst), unstage(be, cid, hcid), unstage(be, idx, hidx);
+    for (int i = 0; i < 3; i++) unstage(be, outs.dev[i], outs.host[i]);
 }
 
 int main(void)
@@ -1041,10 +1203,6 @@ int main(void)
         char why[200];
         if (s != SKV_OK) {
             snprintf(why, sizeof why, "backend %s: %s", skv_backend_name(all[i]), skv_status_string(s));
-            skvt_skip(why);
-        } else if (all[i] == SKV_BACKEND_CUDA) {
-            /* the oracles here read host memory; cuda is held to ref by backend_ops */
-            snprintf(why, sizeof why, "backend cuda: takes device pointers; checked against ref by backend_ops");
             skvt_skip(why);
         } else {
             backends[n_backends++] = all[i];

@@ -339,14 +339,14 @@ static void test_status_strings(void)
         "SKV_ERR_SIZE_OVERFLOW", "SKV_ERR_PROMPT_TOO_SHORT", "SKV_ERR_PROMPT_TOO_LONG",
         "SKV_ERR_NOT_PREFILLED", "SKV_ERR_ALREADY_PREFILLED", "SKV_ERR_CAPACITY", "SKV_ERR_NONFINITE",
         "SKV_ERR_OUT_OF_MEMORY", "SKV_ERR_UNSUPPORTED", "SKV_ERR_NO_DEVICE", "SKV_ERR_NUMERICAL",
-        "SKV_ERR_NO_SELECTION"};
+        "SKV_ERR_NO_SELECTION", "SKV_ERR_DEVICE"};
     /* the enum values are pinned */
     static const int vals[SKV_STATUS_COUNT] = {
         SKV_OK, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_CONFIG,
         SKV_ERR_SIZE_OVERFLOW, SKV_ERR_PROMPT_TOO_SHORT, SKV_ERR_PROMPT_TOO_LONG,
         SKV_ERR_NOT_PREFILLED, SKV_ERR_ALREADY_PREFILLED, SKV_ERR_CAPACITY, SKV_ERR_NONFINITE,
         SKV_ERR_OUT_OF_MEMORY, SKV_ERR_UNSUPPORTED, SKV_ERR_NO_DEVICE, SKV_ERR_NUMERICAL,
-        SKV_ERR_NO_SELECTION};
+        SKV_ERR_NO_SELECTION, SKV_ERR_DEVICE};
     for (int i = 0; i < SKV_STATUS_COUNT; i++) {
         SKVT_CHECK(vals[i] == i, "status %s has value %d, want %d", names[i], vals[i], i);
         const char *s = skv_status_string((skv_status)i);

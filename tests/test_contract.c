@@ -174,18 +174,24 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
     skvt_rng r;
     skvt_rng_seed(&r, seed);
     size_t row = (size_t)c.n_kv_heads * c.head_dim;
-    skv_bf16 *k = malloc((size_t)c.max_prompt_len * row * 2), *v = malloc((size_t)c.max_prompt_len * row * 2);
+    size_t pbytes = (size_t)c.max_prompt_len * row * 2;
+    skv_bf16 *k = malloc(pbytes), *v = malloc(pbytes);
+    skv_bf16 *dk = skvt_dbuf(be, k, pbytes), *dv = skvt_dbuf(be, v, pbytes); /* device copies for cuda */
     int ok = 1;
     for (int l = 0; l < c.n_layers && ok; l++)
         for (int b = 0; b < c.batch_size && ok; b++) {
             make_prompt(&r, &c, cc->n[b], k, v);
-            st = skv_prefill(cache, l, b, cc->n[b], k, v, NULL);
+            skvt_dput(be, dk, k, (size_t)cc->n[b] * row * 2);
+            skvt_dput(be, dv, v, (size_t)cc->n[b] * row * 2);
+            st = skv_prefill(cache, l, b, cc->n[b], dk, dv, NULL);
             ok = SKVT_CHECK_STATUS(st, SKV_OK, "prefill");
             if (!ok) printf("  %s\n", skv_cache_last_error(cache));
         }
     size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim, kn = (size_t)c.batch_size * row;
     skv_bf16 *q = malloc(qn * 2), *kk = malloc(kn * 2), *vv = malloc(kn * 2);
     float *out = malloc(qn * 4);
+    skv_bf16 *dq = skvt_dbuf(be, q, qn * 2), *dkk = skvt_dbuf(be, kk, kn * 2), *dvv = skvt_dbuf(be, vv, kn * 2);
+    float *dout = skvt_dbuf(be, out, qn * 4);
     int32_t *ids = malloc((size_t)c.max_prompt_len * 4);
     skv_bf16 *lm = malloc((size_t)c.max_prompt_len / c.chunk_size * c.head_dim * 2);
     for (int s = 0; s < cc->steps && ok; s++)
@@ -196,9 +202,14 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     memcpy(q + i * c.head_dim, q, (size_t)c.head_dim * 2);
             skvt_fill_bf16_normal(&r, kk, kn, 1.0);
             skvt_fill_bf16_normal(&r, vv, kn, 1.0);
-            st = skv_decode(cache, l, q, kk, vv, out);
+            skvt_dput(be, dq, q, qn * 2);
+            skvt_dput(be, dkk, kk, kn * 2);
+            skvt_dput(be, dvv, vv, kn * 2);
+            st = skv_decode(cache, l, dq, dkk, dvv, dout);
+            if (st == SKV_OK) st = skv_cache_sync(cache);
             ok = SKVT_CHECK_STATUS(st, SKV_OK, "decode");
             if (!ok) printf("  %s\n", skv_cache_last_error(cache));
+            skvt_dget(be, out, dout, qn * 4);
             memcpy(outs[s * c.n_layers + l], out, qn * 4);
             for (int b = 0; b < c.batch_size && ok; b++)
                 for (int h = 0; h < c.n_kv_heads; h++) {
@@ -219,6 +230,12 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
     skv_cache_stats(cache, &stats);
     SKVT_CHECK(stats.decode_allocations == 0, "%s: %lld heap allocations in %lld decode calls",
                skv_backend_name(be), (long long)stats.decode_allocations, (long long)stats.n_decode_calls);
+    skvt_dfree(be, dk, k);
+    skvt_dfree(be, dv, v);
+    skvt_dfree(be, dq, q);
+    skvt_dfree(be, dkk, kk);
+    skvt_dfree(be, dvv, vv);
+    skvt_dfree(be, dout, out);
     free(k);
     free(v);
     free(q);

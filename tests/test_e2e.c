@@ -1,9 +1,12 @@
 /*
  * test_e2e.c - end to end on a small Llama-shaped synthetic workload (synth.h):
- * 2 layers, a ragged batch of two prompts, 16 decode steps, on ref and cpu
- * with identical inputs. At every step, for every layer and sequence:
- *  - the planted needle chunk is selected in every KV head (both backends);
- *  - ref and cpu select identical chunk sets, and cpu's output matches ref's;
+ * 2 layers, a ragged batch of two prompts, 16 decode steps, on ref, cpu and
+ * cuda (those available) with identical inputs; cuda gets device copies of
+ * the inputs (stage_in) and its output is read after skv_cache_sync. At every
+ * step, for every layer and sequence:
+ *  - the planted needle chunk is selected in every KV head (every backend);
+ *  - cpu and cuda select the same chunk sets as ref, and their outputs match
+ *    ref's;
  *  - the workload is concentrated: top-budget tokens hold >= 0.9 of attention;
  *  - accuracy against dense attention, split in two (e = rel L2 error vs full):
  *      selection: exact keys on the library's selection: e_sel <=
@@ -23,7 +26,7 @@
 #include "synth.h"
 #include "testutil.h"
 
-enum { LAYERS = 2, BATCH = 2, STEPS = 16, NBE = 2 };
+enum { LAYERS = 2, BATCH = 2, STEPS = 16, NBE = 3 };
 static const int64_t ctx[BATCH] = {6143, 9001}; /* ragged, not multiples of c */
 
 static double now_ms(void)
@@ -42,11 +45,19 @@ static int contains(const int32_t *ids, int n, int32_t x)
 
 static double dmax(double a, double b) { return a > b ? a : b; }
 
+/* An input tensor in backend be's memory: a device copy for cuda, host itself for ref/cpu (skvt_dfree frees it). */
+static void *stage_in(skv_backend be, const void *host, size_t bytes)
+{
+    void *dev = skvt_dbuf(be, (void *)host, bytes);
+    skvt_dput(be, dev, host, bytes);
+    return dev;
+}
+
 int main(void)
 {
     uint64_t seed = skvt_base_seed("test_e2e");
-    if (getenv("SKV_BACKEND")) { /* it would turn both caches into one backend */
-        printf("test_e2e: ignoring SKV_BACKEND=%s: this test compares ref and cpu\n", getenv("SKV_BACKEND"));
+    if (getenv("SKV_BACKEND")) { /* it would turn every cache into one backend */
+        printf("test_e2e: ignoring SKV_BACKEND=%s: this test compares backends\n", getenv("SKV_BACKEND"));
         unsetenv("SKV_BACKEND");
     }
     int verbose = getenv("SKV_VERBOSE") != NULL;
@@ -63,7 +74,7 @@ int main(void)
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
     const size_t HD = (size_t)Hq * D;
 
-    const skv_backend want[NBE] = {SKV_BACKEND_REF, SKV_BACKEND_CPU};
+    const skv_backend want[NBE] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     skv_cache *cache[NBE] = {NULL};
     skv_backend be[NBE];
     double prefill_ms[NBE] = {0}, decode_ms[NBE] = {0};
@@ -90,10 +101,14 @@ int main(void)
         for (int b = 0; b < BATCH; b++) {
             st = skvs_seq_generate(&seq[l][b], &wl, ctx[b], STEPS, 1, seed * 1000003u + (uint64_t)(l * BATCH + b));
             if (!SKVT_CHECK_STATUS(st, SKV_OK, "generate")) return skvt_finish();
+            const size_t bytes = sizeof(skv_bf16) * (size_t)ctx[b] * Hk * D;
             for (int i = 0; i < nbe; i++) {
+                skv_bf16 *dk_pre = stage_in(be[i], seq[l][b].k_pre, bytes), *dv_pre = stage_in(be[i], seq[l][b].v, bytes);
                 double t0 = now_ms();
-                st = skv_prefill(cache[i], l, b, ctx[b], seq[l][b].k_pre, seq[l][b].v, NULL);
+                st = skv_prefill(cache[i], l, b, ctx[b], dk_pre, dv_pre, NULL);
                 prefill_ms[i] += now_ms() - t0;
+                skvt_dfree(be[i], dk_pre, seq[l][b].k_pre);
+                skvt_dfree(be[i], dv_pre, seq[l][b].v);
                 SKVT_CHECK(st == SKV_OK, "prefill %s l%d b%d: %s %s", skv_backend_name(be[i]), l, b,
                            skv_status_string(st), skv_cache_last_error(cache[i]));
             }
@@ -113,6 +128,17 @@ int main(void)
         out[i] = malloc(sizeof(float) * BATCH * HD);
         rec_out[i] = malloc(sizeof(float) * NREC * HD);
     }
+    /* each backend's decode tensors: device buffers for cuda, the host arrays for ref/cpu */
+    const size_t q_bytes = sizeof(skv_bf16) * BATCH * HD, kv_bytes = sizeof(skv_bf16) * BATCH * Hk * D,
+                 out_bytes = sizeof(float) * BATCH * HD;
+    skv_bf16 *dq[NBE], *dk[NBE], *dv[NBE];
+    float *dout[NBE];
+    for (int i = 0; i < nbe; i++) {
+        dq[i] = skvt_dbuf(be[i], q, q_bytes);
+        dk[i] = skvt_dbuf(be[i], k, kv_bytes);
+        dv[i] = skvt_dbuf(be[i], v, kv_bytes);
+        dout[i] = skvt_dbuf(be[i], out[i], out_bytes);
+    }
     int32_t *sel = malloc(sizeof(int32_t) * NBE * Hk * S), *rec_sel = malloc(sizeof(int32_t) * NREC * Hk * S);
     int32_t rec_needle[NREC];
     int needle_miss = 0, set_diff = 0;
@@ -124,11 +150,20 @@ int main(void)
                 SKVT_CHECK_STATUS(st, SKV_OK, "step");
             }
             for (int i = 0; i < nbe; i++) {
+                skvt_dput(be[i], dq[i], q, q_bytes);
+                skvt_dput(be[i], dk[i], k, kv_bytes);
+                skvt_dput(be[i], dv[i], v, kv_bytes);
                 double t0 = now_ms();
-                st = skv_decode(cache[i], l, q, k, v, out[i]);
-                decode_ms[i] += now_ms() - t0;
+                st = skv_decode(cache[i], l, dq[i], dk[i], dv[i], dout[i]);
                 SKVT_CHECK(st == SKV_OK, "decode %s: %s %s", skv_backend_name(be[i]), skv_status_string(st),
                            skv_cache_last_error(cache[i]));
+                if (be[i] == SKV_BACKEND_CUDA) { /* decode only enqueued the step */
+                    st = skv_cache_sync(cache[i]);
+                    SKVT_CHECK(st == SKV_OK, "sync %s after decode: %s %s", skv_backend_name(be[i]),
+                               skv_status_string(st), skv_cache_last_error(cache[i]));
+                }
+                decode_ms[i] += now_ms() - t0;
+                skvt_dget(be[i], out[i], dout[i], out_bytes);
             }
             for (int b = 0; b < BATCH; b++) {
                 for (int i = 0; i < nbe; i++)
@@ -210,6 +245,10 @@ int main(void)
 
     for (int l = 0; l < LAYERS; l++)
         for (int b = 0; b < BATCH; b++) skvs_seq_free(&seq[l][b]);
+    for (int i = 0; i < nbe; i++) {
+        skvt_dfree(be[i], dq[i], q), skvt_dfree(be[i], dk[i], k), skvt_dfree(be[i], dv[i], v);
+        skvt_dfree(be[i], dout[i], out[i]);
+    }
     for (int i = 0; i < NBE; i++) {
         skv_cache_free(cache[i]);
         free(out[i]), free(rec_out[i]);

@@ -111,3 +111,31 @@ void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n)
 {
     for (size_t i = 0; i < n; i++) y[i] = (double)skv_bf16_to_float(x[i]);
 }
+
+void *skvt_dbuf(skv_backend be, void *host, size_t bytes)
+{
+    if (be != SKV_BACKEND_CUDA) return host;
+    void *d = NULL;
+    skv_status st = skv_buffer_alloc(be, bytes ? bytes : 1, &d);
+    if (!SKVT_CHECK(st == SKV_OK, "skv_buffer_alloc(%zu): %s", bytes, skv_last_error())) abort();
+    return d;
+}
+
+void skvt_dput(skv_backend be, void *dev, const void *host, size_t bytes)
+{
+    if (dev == host || !bytes) return;
+    skv_status st = skv_buffer_copy(be, dev, host, bytes);
+    if (!SKVT_CHECK(st == SKV_OK, "skv_buffer_copy to device (%zu): %s", bytes, skv_last_error())) abort();
+}
+
+void skvt_dget(skv_backend be, void *host, const void *dev, size_t bytes)
+{
+    if (dev == host || !bytes) return;
+    skv_status st = skv_buffer_copy(be, host, dev, bytes);
+    if (!SKVT_CHECK(st == SKV_OK, "skv_buffer_copy to host (%zu): %s", bytes, skv_last_error())) abort();
+}
+
+void skvt_dfree(skv_backend be, void *dev, void *host)
+{
+    if (dev != host) skv_buffer_free(be, dev);
+}

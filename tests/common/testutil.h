@@ -46,4 +46,15 @@ int skvt_finish(void);
 void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale);
 void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n);
 
+/*
+ * Tensors in the memory a backend takes: for cuda a device buffer (zeroed),
+ * for ref/cpu the host array itself (no copy). skvt_dput/skvt_dget copy only
+ * when the two differ; skvt_dfree frees only a device buffer. A failure is a
+ * failed check (and aborts: a test cannot go on without its buffers).
+ */
+void *skvt_dbuf(skv_backend be, void *host, size_t bytes);
+void skvt_dput(skv_backend be, void *dev, const void *host, size_t bytes);
+void skvt_dget(skv_backend be, void *host, const void *dev, size_t bytes);
+void skvt_dfree(skv_backend be, void *dev, void *host);
+
 #endif

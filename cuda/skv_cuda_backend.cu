@@ -1,0 +1,768 @@
+/*
+ * cuda backend: the dispatch table, memory, and the cache-level pipeline.
+ *
+ * A cache runs on its stream (config.cuda_stream; NULL = the legacy default
+ * stream). Everything it needs is allocated at create: the arenas (lib/), the
+ * decode workspace for the whole batch, the prefill scratch for
+ * max_prompt_len tokens, the factorization workspace, the per-(layer,
+ * sequence) descriptors on the device and a ring of timing events.
+ *
+ * Decode is a fixed launch sequence on the stream (no allocation, no
+ * synchronization): input check, scores, selection, rebuild, gather,
+ * attention, append. Per-step state (n_gen, the published selection) lives on
+ * the device and is advanced there, so nothing in the sequence depends on the
+ * host; NaN/Inf inputs are found on the device and reported by cache_sync.
+ *
+ * Op-level slots run the same kernels with B = 1 on the legacy default
+ * stream, allocate what they need, and synchronize before returning.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "skv_cuda.h"
+#include "skv_internal.h"
+#include "skv_numerics.h"
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+static skv_status skv_cuda_err(cudaError_t e, const char *what, char *msg, size_t cap)
+{
+    if (msg && cap) snprintf(msg, cap, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+    skv_backend_note("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+    (void)cudaGetLastError(); /* a failed call must not surface as a later launch's error */
+    return e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE;
+}
+
+/* Returns from the enclosing function with a status when a CUDA call fails. */
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return skv_cuda_err(e_, #call, msg, cap);                           \
+    } while (0)
+
+/* ---- infrastructure slots ------------------------------------------------------------------ */
+
+static skv_status skv_cuda_probe(char *msg, size_t cap)
+{
+    int n = 0, dev = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        snprintf(msg, cap, "no usable CUDA device: %s",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found none");
+        (void)cudaGetLastError();
+        return SKV_ERR_NO_DEVICE;
+    }
+    cudaDeviceProp p;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&p, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(msg, cap, "no usable CUDA device: cannot read the properties of the current device");
+        return SKV_ERR_NO_DEVICE;
+    }
+    if (p.major < 9) {
+        snprintf(msg, cap,
+                 "CUDA device %d (%s) has compute capability %d.%d; this build runs on 9.0 (Hopper) and newer",
+                 dev, p.name, p.major, p.minor);
+        return SKV_ERR_NO_DEVICE;
+    }
+    return SKV_OK;
+}
+
+static void *skv_cuda_mem_alloc(size_t bytes, skv_mem_kind kind)
+{
+    void *p = NULL;
+    if (!bytes) bytes = 1;
+    if (kind == SKV_MEM_HOST) {
+        /* pinned and mapped: kernels read the value store straight over PCIe */
+        if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return NULL;
+        }
+        memset(p, 0, bytes);
+        return p;
+    }
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (cudaMemset(p, 0, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void skv_cuda_mem_free(void *p, skv_mem_kind kind)
+{
+    if (!p) return;
+    if (kind == SKV_MEM_HOST) cudaFreeHost(p);
+    else cudaFree(p);
+}
+
+static skv_status skv_cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                                  size_t height)
+{
+    char *msg = NULL;
+    size_t cap = 0;
+    if (!width || !height) return SKV_OK;
+    if (height == 1) CK(cudaMemcpy(dst, src, width, cudaMemcpyDefault));
+    else CK(cudaMemcpy2D(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault));
+    return SKV_OK;
+}
+
+/* A small device buffer for op-level results: a flag word and its host copy. */
+static skv_status skv_cuda_flag_run(unsigned long long *result, int (*enqueue)(unsigned long long *, const void *),
+                                    const void *arg)
+{
+    char *msg = NULL;
+    size_t cap = 0;
+    unsigned long long *d = NULL;
+    CK(cudaMalloc(&d, sizeof *d));
+    cudaError_t e = cudaMemset(d, 0xff, sizeof *d);
+    if (e == cudaSuccess) e = (cudaError_t)enqueue(d, arg);
+    if (e == cudaSuccess) e = cudaMemcpy(result, d, sizeof *d, cudaMemcpyDeviceToHost);
+    cudaFree(d);
+    if (e != cudaSuccess) return skv_cuda_err(e, "flag check", msg, cap);
+    return SKV_OK;
+}
+
+typedef struct {
+    const skv_bf16 *x;
+    int64_t n_a, s_a, n_b, s_b, len;
+} skv_cuda_finite_args;
+
+static int skv_cuda_enqueue_finite(unsigned long long *d, const void *arg)
+{
+    const skv_cuda_finite_args *a = (const skv_cuda_finite_args *)arg;
+    return (int)skv_cuda_find_nonfinite(0, a->x, a->n_a, a->s_a, a->n_b, a->s_b, a->len, d);
+}
+
+static skv_status skv_cuda_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b, int64_t s_b,
+                                        int64_t len, int64_t *first_bad)
+{
+    if (n_a <= 0 || n_b <= 0 || len <= 0) return SKV_OK;
+    skv_cuda_finite_args a = {x, n_a, s_a, n_b, s_b, len};
+    unsigned long long r = ~0ull;
+    skv_status st = skv_cuda_flag_run(&r, skv_cuda_enqueue_finite, &a);
+    if (st) return st;
+    if (r == ~0ull) return SKV_OK;
+    *first_bad = (int64_t)r;
+    return SKV_ERR_NONFINITE;
+}
+
+typedef struct {
+    const int32_t *x;
+    int64_t n, lo, hi;
+} skv_cuda_range_args;
+
+static int skv_cuda_enqueue_range(unsigned long long *d, const void *arg)
+{
+    const skv_cuda_range_args *a = (const skv_cuda_range_args *)arg;
+    return (int)skv_cuda_find_out_of_range(0, a->x, a->n, a->lo, a->hi, d);
+}
+
+static skv_status skv_cuda_check_range(const int32_t *x, int64_t n, int64_t lo, int64_t hi, int64_t *first_bad,
+                                       int32_t *value)
+{
+    char *msg = NULL;
+    size_t cap = 0;
+    if (n <= 0) return SKV_OK;
+    skv_cuda_range_args a = {x, n, lo, hi};
+    unsigned long long r = ~0ull;
+    skv_status st = skv_cuda_flag_run(&r, skv_cuda_enqueue_range, &a);
+    if (st) return st;
+    if (r == ~0ull) return SKV_OK;
+    *first_bad = (int64_t)r;
+    CK(cudaMemcpy(value, x + r, sizeof *value, cudaMemcpyDeviceToHost));
+    return SKV_ERR_INVALID_ARGUMENT;
+}
+
+/* ---- op-level slots (legacy default stream, synchronous) ------------------------------------ */
+
+/* Device scratch for one op-level call; freed by skv_cuda_op_end. */
+typedef struct {
+    void *p[6];
+    int n;
+} skv_cuda_op;
+
+static void *skv_cuda_op_alloc(skv_cuda_op *op, size_t bytes)
+{
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    op->p[op->n++] = p;
+    return p;
+}
+
+/* Waits for the launches, frees the scratch, maps errors (launch error e first). */
+static skv_status skv_cuda_op_end(skv_cuda_op *op, cudaError_t e, const char *what)
+{
+    char *msg = NULL;
+    size_t cap = 0;
+    cudaError_t s = cudaDeviceSynchronize();
+    for (int i = 0; i < op->n; i++) cudaFree(op->p[i]);
+    op->n = 0;
+    if (e != cudaSuccess) return skv_cuda_err(e, what, msg, cap);
+    if (s != cudaSuccess) return skv_cuda_err(s, what, msg, cap);
+    return SKV_OK;
+}
+
+static skv_status skv_cuda_op_oom(skv_cuda_op *op, const char *what, size_t bytes)
+{
+    skv_cuda_op_end(op, cudaSuccess, what);
+    skv_backend_note("%s: cudaMalloc of %zu bytes failed", what, bytes);
+    return SKV_ERR_OUT_OF_MEMORY;
+}
+
+/* A B = 1 descriptor in device memory. */
+static skv_cuda_seq *skv_cuda_op_seq(skv_cuda_op *op, const skv_cuda_seq *h)
+{
+    skv_cuda_seq *d = (skv_cuda_seq *)skv_cuda_op_alloc(op, sizeof *d);
+    if (d && cudaMemcpy(d, h, sizeof *d, cudaMemcpyHostToDevice) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return d;
+}
+
+static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
+{
+    char msg[SKV_ERRMSG_CAP];
+    skv_cuda_factor *f = NULL;
+    skv_status st = skv_cuda_factor_create(&f, n, d, r, 0, msg, sizeof msg);
+    if (st == SKV_OK) st = skv_cuda_factorize(f, n, a, u, w, msg, sizeof msg);
+    skv_cuda_factor_destroy(f);
+    if (st) skv_backend_note("%s", msg);
+    return st;
+}
+
+static skv_status skv_cuda_rope_op(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t n_heads,
+                                   int64_t pos0, const float *cos_tab, const float *sin_tab, const skv_bf16 *in,
+                                   skv_bf16 *out)
+{
+    skv_cuda_op op = {{0}, 0};
+    cudaError_t e = skv_cuda_rope(0, D, skv_rotary_dim(rope, D), rope->interleaved, n_tokens, n_heads, pos0,
+                                  cos_tab, sin_tab, in, out);
+    return skv_cuda_op_end(&op, e, "rope");
+}
+
+static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                        const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
+                                        skv_bf16 *landmarks)
+{
+    skv_cuda_op op = {{0}, 0};
+    size_t bytes = skv_cuda_landmarks_scratch_bytes(N, Hk, D);
+    void *scratch = skv_cuda_op_alloc(&op, bytes);
+    if (!scratch) return skv_cuda_op_oom(&op, "landmarks_outliers", bytes);
+    cudaError_t e = skv_cuda_landmarks_outliers(0, N, c, Hk, D, O, k_post, outlier_ids, candidate_ids, landmarks,
+                                                scratch);
+    return skv_cuda_op_end(&op, e, "landmarks_outliers");
+}
+
+static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+                                           float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                           const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
+                                           float *amax, skv_ws *ws)
+{
+    (void)ws;
+    skv_cuda_op op = {{0}, 0};
+    skv_cuda_seq h;
+    memset(&h, 0, sizeof h);
+    h.landmarks = landmarks;
+    h.cand_ids = candidate_ids;
+    h.n_cand = n_cand;
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = 1, sh.Hq = Hq, sh.Hk = Hk, sh.D = D, sh.S = S, sh.cand_max = n_cand, sh.scale = scale;
+    size_t sb = (size_t)Hq * n_cand * sizeof(float), ab = (size_t)Hk * n_cand * sizeof(float);
+    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
+    float *scores = (float *)skv_cuda_op_alloc(&op, sb);
+    float *a = amax ? amax : (float *)skv_cuda_op_alloc(&op, ab);
+    if (!d || !scores || !a) return skv_cuda_op_oom(&op, "score_select", sb + ab);
+    cudaError_t e = skv_cuda_score(0, &sh, d, q, scores);
+    if (e == cudaSuccess) e = skv_cuda_select(0, &sh, d, scores, a, sel_idx, sel_ids);
+    return skv_cuda_op_end(&op, e, "score_select");
+}
+
+static skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                      int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                      const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                      skv_bf16 *k_out, skv_ws *ws)
+{
+    (void)ws;
+    skv_cuda_op op = {{0}, 0};
+    skv_cuda_seq h;
+    memset(&h, 0, sizeof h);
+    h.u = u;
+    h.w = w;
+    h.n = n;
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S, sh.r = r;
+    sh.rotary_dim = skv_rotary_dim(rope, D), sh.interleaved = rope->interleaved;
+    sh.cos_tab = cos_tab, sh.sin_tab = sin_tab;
+    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
+    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys", sizeof h);
+    return skv_cuda_op_end(&op, skv_cuda_rebuild(0, &sh, d, chunk_ids, k_out), "rebuild_keys");
+}
+
+static skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
+                                     const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+{
+    skv_cuda_op op = {{0}, 0};
+    skv_cuda_seq h;
+    memset(&h, 0, sizeof h);
+    h.vstore = store;
+    h.n_cand = n_store;
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S;
+    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
+    if (!d) return skv_cuda_op_oom(&op, "gather_values", sizeof h);
+    return skv_cuda_op_end(&op, skv_cuda_gather(0, &sh, d, idx, v_out), "gather_values");
+}
+
+static skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                               int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
+{
+    (void)ws;
+    skv_cuda_op op = {{0}, 0};
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_spans; i++) total += spans[i].n_tokens;
+    size_t bytes = skv_cuda_attention_ws_bytes(1, Hq, Hk, D, total);
+    void *w = skv_cuda_op_alloc(&op, bytes);
+    if (!w) return skv_cuda_op_oom(&op, "sparse_attention", bytes);
+    return skv_cuda_op_end(&op, skv_cuda_span_attention(0, Hq, Hk, D, scale, q, n_spans, spans, out, w, bytes),
+                           "sparse_attention");
+}
+
+static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                             int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out)
+{
+    skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
+    return skv_cuda_sparse_attention_op(Hq, Hk, D, scale, q, 1, &span, out, NULL);
+}
+
+/* ---- the cache ------------------------------------------------------------------------------ */
+
+#define SKV_CUDA_RING 64 /* decode steps whose phase times can be in flight */
+#define SKV_CUDA_EV 5
+
+typedef struct {
+    cudaEvent_t e[SKV_CUDA_EV];
+    int used;
+} skv_cuda_evset;
+
+typedef struct skv_cuda_cache {
+    skv_config cfg;
+    skv_layout lay;
+    cudaStream_t st;
+    char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
+    skv_cuda_shape sh;
+    skv_cuda_seq *d_seqs; /* [L * B] on the device */
+    skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
+    /* decode workspace */
+    float *scores, *amax;
+    int32_t *sel_idx, *sel_ids;
+    skv_bf16 *k_sel, *v_sel;
+    void *attn_ws;
+    size_t attn_ws_bytes;
+    int32_t *step_bad;
+    unsigned long long *first_bad;
+    /* prefill workspace */
+    skv_bf16 *kp_tmp;
+    float *uf, *wf;
+    void *lm_scratch;
+    unsigned long long *flags, *h_flags; /* [3] device, pinned host */
+    skv_cuda_factor *fac;
+    /* timing */
+    skv_cuda_evset ring[SKV_CUDA_RING];
+    int ring_head;
+    skv_stats pending;
+    cudaEvent_t pe[SKV_CUDA_EV];
+    /* all cudaMalloc'ed blocks, freed at close */
+    void *blocks[24];
+    int n_blocks;
+} skv_cuda_cache;
+
+/* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
+typedef struct {
+    size_t scores, amax, sel, ksel, attn, kp, uf, wf, lm, seqs, factor;
+} skv_cuda_sizes;
+
+static int64_t skv_cuda_max_tokens(const skv_config *c, const skv_layout *lay)
+{
+    return ((int64_t)c->n_outlier_chunks + lay->S) * c->chunk_size + lay->local_max + c->gen_capacity + 1;
+}
+
+static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_sizes z;
+    size_t B = (size_t)c->batch_size, Hq = (size_t)c->n_q_heads, Hk = (size_t)c->n_kv_heads,
+           D = (size_t)c->head_dim, S = (size_t)lay->S, cs = (size_t)c->chunk_size, HkD = Hk * D;
+    size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank, cm = (size_t)lay->cand_max;
+    int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
+    z.scores = B * Hq * cm * sizeof(float);
+    z.amax = B * Hk * cm * sizeof(float);
+    z.sel = B * Hk * S * sizeof(int32_t);
+    z.ksel = B * Hk * S * cs * D * sizeof(skv_bf16);
+    z.attn = skv_cuda_attention_ws_bytes(c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim,
+                                         skv_cuda_max_tokens(c, lay));
+    z.kp = n * HkD * sizeof(skv_bf16);
+    z.uf = n * r * sizeof(float);
+    z.wf = r * HkD * sizeof(float);
+    z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
+    z.seqs = (size_t)c->n_layers * B * sizeof(skv_cuda_seq);
+    z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
+    return z;
+}
+
+static size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
+{
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    return z.scores + z.amax + 2 * z.sel + 2 * z.ksel + z.attn + z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor +
+           4 * sizeof(unsigned long long) + sizeof(int32_t);
+}
+
+static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
+{
+    void *p = NULL;
+    if (k->n_blocks >= (int)(sizeof k->blocks / sizeof k->blocks[0])) return NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    k->blocks[k->n_blocks++] = p;
+    return p;
+}
+
+static void skv_cuda_cache_close(void *bctx)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    if (!k) return;
+    cudaStreamSynchronize(k->st);
+    for (int i = 0; i < SKV_CUDA_RING; i++)
+        for (int j = 0; j < SKV_CUDA_EV; j++)
+            if (k->ring[i].e[j]) cudaEventDestroy(k->ring[i].e[j]);
+    for (int j = 0; j < SKV_CUDA_EV; j++)
+        if (k->pe[j]) cudaEventDestroy(k->pe[j]);
+    skv_cuda_factor_destroy(k->fac);
+    for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
+    if (k->h_flags) cudaFreeHost(k->h_flags);
+    free(k->h_seqs);
+    (void)cudaGetLastError();
+    free(k);
+}
+
+static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev,
+                                      char *host, char *msg, size_t cap)
+{
+    *bctx = NULL;
+    skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
+    if (!k) {
+        snprintf(msg, cap, "out of host memory");
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    k->cfg = *cfg;
+    k->lay = *lay;
+    k->st = (cudaStream_t)cfg->cuda_stream;
+    k->dev = dev;
+    k->host = host;
+    skv_status st = SKV_OK;
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
+    skv_cuda_shape *sh = &k->sh;
+    cudaError_t e = cudaHostGetDevicePointer((void **)&k->host_dev, host, 0);
+    if (e != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaHostGetDevicePointer(value store)", msg, cap);
+        goto fail;
+    }
+    k->h_seqs = (skv_cuda_seq *)calloc(L * B, sizeof *k->h_seqs);
+    k->d_seqs = (skv_cuda_seq *)skv_cuda_cache_alloc(k, z.seqs);
+    k->scores = (float *)skv_cuda_cache_alloc(k, z.scores);
+    k->amax = (float *)skv_cuda_cache_alloc(k, z.amax);
+    k->sel_idx = (int32_t *)skv_cuda_cache_alloc(k, z.sel);
+    k->sel_ids = (int32_t *)skv_cuda_cache_alloc(k, z.sel);
+    k->k_sel = (skv_bf16 *)skv_cuda_cache_alloc(k, z.ksel);
+    k->v_sel = (skv_bf16 *)skv_cuda_cache_alloc(k, z.ksel);
+    k->attn_ws = skv_cuda_cache_alloc(k, z.attn);
+    k->attn_ws_bytes = z.attn;
+    k->step_bad = (int32_t *)skv_cuda_cache_alloc(k, sizeof(int32_t));
+    k->first_bad = (unsigned long long *)skv_cuda_cache_alloc(k, sizeof(unsigned long long));
+    k->kp_tmp = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->uf = (float *)skv_cuda_cache_alloc(k, z.uf);
+    k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
+    k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
+    k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        k->h_flags = NULL;
+    }
+    if (!k->h_seqs || !k->d_seqs || !k->scores || !k->amax || !k->sel_idx || !k->sel_ids || !k->k_sel ||
+        !k->v_sel || !k->attn_ws || !k->step_bad || !k->first_bad || !k->kp_tmp || !k->uf || !k->wf ||
+        !k->lm_scratch || !k->flags || !k->h_flags) {
+        snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
+                 skv_cuda_cache_bytes(cfg, lay));
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto fail;
+    }
+    if ((e = cudaMemset(k->first_bad, 0xff, sizeof *k->first_bad)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset", msg, cap);
+        goto fail;
+    }
+    st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->st,
+                                msg, cap);
+    if (st) goto fail;
+    for (int i = 0; i < SKV_CUDA_RING && e == cudaSuccess; i++)
+        for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->ring[i].e[j]);
+    for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->pe[j]);
+    if (e != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
+        goto fail;
+    }
+    /* descriptors: fixed pointers now, sizes at prefill */
+    for (size_t l = 0; l < L; l++)
+        for (size_t b = 0; b < B; b++) {
+            size_t i = l * B + b;
+            char *sd = dev + i * lay->slot_device;
+            skv_cuda_seq *s = &k->h_seqs[i];
+            s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
+            s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
+            s->u = (const skv_bf16 *)(sd + lay->u);
+            s->w = (const skv_bf16 *)(sd + lay->w);
+            s->vstore = (const skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore);
+            s->out_k = (const skv_bf16 *)(sd + lay->out_k);
+            s->out_v = (const skv_bf16 *)(sd + lay->out_v);
+            s->loc_k = (const skv_bf16 *)(sd + lay->loc_k);
+            s->loc_v = (const skv_bf16 *)(sd + lay->loc_v);
+            s->gen_k = (skv_bf16 *)(sd + lay->gen_k);
+            s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
+            s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
+            s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
+        }
+    if ((e = cudaMemcpy(k->d_seqs, k->h_seqs, z.seqs, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemcpy(descriptors)", msg, cap);
+        goto fail;
+    }
+    sh->B = cfg->batch_size, sh->Hq = cfg->n_q_heads, sh->Hk = cfg->n_kv_heads, sh->D = cfg->head_dim;
+    sh->c = cfg->chunk_size, sh->S = lay->S, sh->r = cfg->rank, sh->O = cfg->n_outlier_chunks;
+    sh->gen_cap = cfg->gen_capacity, sh->cand_max = lay->cand_max;
+    sh->rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh->interleaved = cfg->rope.interleaved;
+    sh->scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
+    sh->cos_tab = (const float *)(dev + lay->rope_cos);
+    sh->sin_tab = (const float *)(dev + lay->rope_sin);
+    *bctx = k;
+    return SKV_OK;
+fail:
+    skv_cuda_cache_close(k);
+    return st;
+}
+
+static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0.0f;
+    }
+    return ms;
+}
+
+static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
+                                         const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
+                                         skv_stats *stats, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    const skv_config *g = &k->cfg;
+    const skv_layout *lay = &k->lay;
+    cudaStream_t st = k->st;
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, O = g->n_outlier_chunks;
+    const int64_t HkD = (int64_t)Hk * D;
+    const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
+    size_t i = (size_t)layer * g->batch_size + seq;
+    char *sd = k->dev + i * lay->slot_device;
+
+    /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
+    const skv_bf16 *in[3] = {k_pre, v, k_post};
+    static const char *const names[3] = {"k_pre", "v", "k_post"};
+    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
+    for (int t = 0; t < 3; t++)
+        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
+    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    for (int t = 0; t < 3; t++)
+        if (k->h_flags[t] != ~0ull) {
+            long long b = (long long)k->h_flags[t];
+            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
+                     b % D);
+            return SKV_ERR_NONFINITE;
+        }
+
+    CK(cudaEventRecord(k->pe[0], st));
+    if (!k_post) {
+        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
+                         k->kp_tmp));
+        k_post = k->kp_tmp;
+    }
+    CK(cudaEventRecord(k->pe[1], st));
+    skv_status s = skv_cuda_factorize(k->fac, n, k_pre, k->uf, k->wf, msg, cap);
+    if (s) return s;
+    CK(skv_cuda_f32_to_bf16(st, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+    CK(skv_cuda_f32_to_bf16(st, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    CK(cudaEventRecord(k->pe[2], st));
+    int32_t *out_ids = (int32_t *)(sd + lay->out_ids), *cand_ids = (int32_t *)(sd + lay->cand_ids);
+    CK(skv_cuda_landmarks_outliers(st, N, cs, Hk, D, O, k_post, out_ids, cand_ids,
+                                   (skv_bf16 *)(sd + lay->landmarks), k->lm_scratch));
+    CK(cudaEventRecord(k->pe[3], st));
+    /* exact outliers and the local window stay on the device; candidate values go to the host store */
+    if (O) {
+        CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k)));
+        CK(skv_cuda_gather_chunks(st, v, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v)));
+    }
+    CK(skv_cuda_gather_chunks(st, v, Hk, D, cs, cand_ids, n_cand,
+                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore)));
+    if (n_local) {
+        size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
+        for (int32_t h = 0; h < Hk; h++) {
+            size_t src = ((size_t)N * cs * Hk + h) * D, dst = (size_t)h * n_local * D;
+            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_k) + dst, row, k_post + src, tok, row, n_local,
+                                 cudaMemcpyDeviceToDevice, st));
+            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_v) + dst, row, v + src, tok, row, n_local,
+                                 cudaMemcpyDeviceToDevice, st));
+        }
+    }
+    skv_cuda_seq *hs = &k->h_seqs[i];
+    hs->n = n;
+    hs->n_cand = n_cand;
+    hs->n_local = n_local;
+    hs->n_gen = 0;
+    hs->has_sel = 0;
+    CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
+    CK(cudaEventRecord(k->pe[4], st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    stats->prefill_rope_ms = skv_cuda_elapsed(k->pe[0], k->pe[1]);
+    stats->prefill_factorize_ms = skv_cuda_elapsed(k->pe[1], k->pe[2]);
+    stats->prefill_landmarks_ms = skv_cuda_elapsed(k->pe[2], k->pe[3]);
+    stats->prefill_offload_ms = skv_cuda_elapsed(k->pe[3], k->pe[4]);
+    return SKV_OK;
+}
+
+/* Adds a finished step's phase times to the pending stats. */
+static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
+{
+    k->pending.decode_select_ms += skv_cuda_elapsed(s->e[0], s->e[1]);
+    k->pending.decode_rebuild_ms += skv_cuda_elapsed(s->e[1], s->e[2]);
+    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[2], s->e[3]);
+    k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[3], s->e[4]);
+    s->used = 0;
+}
+
+static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
+                                        const skv_bf16 *vn, float *out, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    cudaStream_t st = k->st;
+    const skv_cuda_shape *sh = &k->sh;
+    skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
+
+    /* phase events, unless the stream is being captured or the ring slot is still in flight
+       (then this step goes untimed: waiting for it would be a hidden synchronization) */
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CK(cudaStreamIsCapturing(st, &cs));
+    skv_cuda_evset *ev = &k->ring[k->ring_head];
+    if (ev->used && cs == cudaStreamCaptureStatusNone) { /* no event queries inside a capture */
+        cudaError_t q4 = cudaEventQuery(ev->e[SKV_CUDA_EV - 1]);
+        if (q4 == cudaSuccess) skv_cuda_take_times(k, ev);
+        else if (q4 == cudaErrorNotReady) (void)cudaGetLastError();
+        else return skv_cuda_err(q4, "cudaEventQuery", msg, cap);
+    }
+    int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
+#define SKV_MARK(j)                                                                                \
+    if (timed) CK(cudaEventRecord(ev->e[j], st))
+    SKV_MARK(0);
+    CK(cudaMemsetAsync(k->step_bad, 0, sizeof *k->step_bad, st));
+    CK(skv_cuda_check_step(st, sh->B, sh->Hq, sh->Hk, sh->D, layer, q, kn, vn, k->step_bad, k->first_bad));
+    CK(skv_cuda_score(st, sh, seqs, q, k->scores));
+    CK(skv_cuda_select(st, sh, seqs, k->scores, k->amax, k->sel_idx, k->sel_ids));
+    SKV_MARK(1);
+    CK(skv_cuda_rebuild(st, sh, seqs, k->sel_ids, k->k_sel));
+    SKV_MARK(2);
+    CK(skv_cuda_gather(st, sh, seqs, k->sel_idx, k->v_sel));
+    SKV_MARK(3);
+    CK(skv_cuda_decode_attention(st, sh, seqs, q, k->k_sel, k->v_sel, kn, vn, out, k->attn_ws, k->attn_ws_bytes));
+    CK(skv_cuda_append(st, sh, seqs, kn, vn, k->sel_idx, k->sel_ids, k->step_bad));
+    SKV_MARK(4);
+#undef SKV_MARK
+    if (timed) {
+        ev->used = 1;
+        k->ring_head = (k->ring_head + 1) % SKV_CUDA_RING;
+    }
+    return SKV_OK;
+}
+
+static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    CK(cudaStreamSynchronize(k->st));
+    for (int i = 0; i < SKV_CUDA_RING; i++)
+        if (k->ring[i].used) skv_cuda_take_times(k, &k->ring[i]);
+    stats->decode_select_ms += k->pending.decode_select_ms;
+    stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
+    stats->decode_fetch_ms += k->pending.decode_fetch_ms;
+    stats->decode_attention_ms += k->pending.decode_attention_ms;
+    memset(&k->pending, 0, sizeof k->pending);
+    unsigned long long bad = ~0ull;
+    CK(cudaMemcpy(&bad, k->first_bad, sizeof bad, cudaMemcpyDeviceToHost));
+    if (bad == ~0ull) return SKV_OK;
+    /* a step with NaN/Inf inputs changed nothing on the device: take n_gen and has_sel from there */
+    size_t L = (size_t)k->cfg.n_layers, B = (size_t)k->cfg.batch_size;
+    CK(cudaMemcpy(k->h_seqs, k->d_seqs, L * B * sizeof *k->h_seqs, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < L * B; i++) {
+        states[i].n_gen = k->h_seqs[i].n_gen;
+        states[i].has_selection = k->h_seqs[i].has_sel;
+    }
+    CK(cudaMemset(k->first_bad, 0xff, sizeof *k->first_bad));
+    int layer = (int)(bad >> 48), tensor = (int)((bad >> 40) & 0xff);
+    long long idx = (long long)(bad & ((1ull << 40) - 1));
+    int heads = tensor == 0 ? k->cfg.n_q_heads : k->cfg.n_kv_heads, D = k->cfg.head_dim;
+    static const char *const names[3] = {"q", "k", "v"};
+    snprintf(msg, cap,
+             "skv_decode on layer %d: %s[%lld][%lld][%lld] is NaN or Inf; that step was not applied (no token "
+             "appended, selection kept)",
+             layer, names[tensor < 3 ? tensor : 0], idx / ((long long)heads * D), idx / D % heads, idx % D);
+    return SKV_ERR_NONFINITE;
+}
+
+/* ---- registration --------------------------------------------------------------------------- */
+
+void skv_cuda_fill_ops(struct skv_backend_ops *ops)
+{
+    memset(ops, 0, sizeof *ops);
+    ops->name = "cuda";
+    ops->probe = skv_cuda_probe;
+    ops->mem_alloc = skv_cuda_mem_alloc;
+    ops->mem_free = skv_cuda_mem_free;
+    ops->copy2d = skv_cuda_copy2d;
+    ops->check_finite = skv_cuda_check_finite;
+    ops->check_range = skv_cuda_check_range;
+    ops->set_threads = NULL;
+    ops->decode_ws_bytes = NULL; /* the cache's workspace comes from cache_open */
+    ops->factorize = skv_cuda_factorize_op;
+    ops->rope = skv_cuda_rope_op;
+    ops->landmarks_outliers = skv_cuda_landmarks_op;
+    ops->score_select = skv_cuda_score_select_op;
+    ops->rebuild_keys = skv_cuda_rebuild_op;
+    ops->gather_values = skv_cuda_gather_op;
+    ops->sparse_attention = skv_cuda_sparse_attention_op;
+    ops->full_attention = skv_cuda_full_attention_op;
+    ops->cache_bytes = skv_cuda_cache_bytes;
+    ops->cache_open = skv_cuda_cache_open;
+    ops->cache_close = skv_cuda_cache_close;
+    ops->cache_prefill = skv_cuda_cache_prefill;
+    ops->cache_decode = skv_cuda_cache_decode;
+    ops->cache_sync = skv_cuda_cache_sync;
+}

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# GPU test and benchmark driver, run on the device machine from the repo root:
+#
+#   bash tests/gpu/run.sh [quick|full|sanitize|bench]
+#
+#   quick     build, then the GPU tests with short settings
+#   full      build, every GPU test (test_contract at 100 configurations),
+#             compute-sanitizer memcheck over the GPU tests, the benchmarks
+#             (skv-bench decode, the torch dense baseline, backend_ops --perf)
+#             and the demo on cuda at a Llama-3-8B shape
+#   sanitize  build, compute-sanitizer memcheck only
+#   bench     build, the benchmarks and the demo only
+#
+# Writes at most 8 files under $OUT (default build/gpu-out): log.txt (this
+# script's output), tests_log.txt (every test's full output), tests.json
+# (per-binary pass/fail lines), bench_decode.json, dense.json, perf.txt,
+# demo.json and summary.json (everything, for bench/results/h200-<date>.json).
+# Needs no network: when the system lacks LAPACKE/OpenBLAS it builds with the
+# extracted Debian packages in .deps (make SKV_DEPS=.deps).
+set -uo pipefail
+MODE=${1:-quick}
+OUT=${OUT:-build/gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+exec > >(tee -a "$LOG") 2>&1
+T0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+
+stamp "mode $MODE on $(hostname)"
+TMP=$(mktemp -d)
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$TMP/gpu.txt"
+nvcc --version | tail -1
+gcc --version | head -1
+nproc
+
+MAKEVARS=""
+if ! printf '#include <lapacke.h>\n#include <cblas.h>\nint main(void){return 0;}\n' | gcc -x c - -o /tmp/skv_probe -llapacke -lopenblas >/dev/null 2>&1; then
+  if [ -d .deps ]; then
+    MAKEVARS="SKV_DEPS=$PWD/.deps"
+    export LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:$PWD/.deps/usr/lib/x86_64-linux-gnu/openblas-pthread:${LD_LIBRARY_PATH:-}"
+    echo "using the carried dependency tree .deps"
+  else
+    echo "no LAPACKE/OpenBLAS on this machine and no .deps tree"; exit 1
+  fi
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+
+stamp "build"
+make -j"$(nproc)" $MAKEVARS lib build/skv-bench build/demo \
+  build/tests/test_cuda build/tests/backend_ops build/tests/test_contract build/tests/test_accuracy \
+  build/tests/test_e2e build/tests/test_numerics build/tests/test_bad_input build/tests/test_threads >"$TMP/build.txt" 2>&1
+rc=$?
+tail -3 "$TMP/build.txt"
+[ $rc -eq 0 ] || { grep -E "error|warning" "$TMP/build.txt" | head -60; echo "BUILD FAILED"; exit 1; }
+grep -E "warning" "$TMP/build.txt" | head -20
+
+# runs one test binary; records its closing line in tests.json
+echo "{" > "$TMP/tests.tmp"
+run_test() {
+  local name=$1; shift
+  stamp "test $name: $*"
+  local t=$(date +%s)
+  timeout ${TEST_TIMEOUT:-400} "$@" > "$TMP/t_$name.txt" 2>&1
+  local rc=$?
+  { echo "===== $name: $* (rc $rc)"; cat "$TMP/t_$name.txt"; } >> "$OUT/tests_log.txt"
+  grep -E "FAIL|SKIP|mismatch|rror" "$TMP/t_$name.txt" | head -30
+  tail -3 "$TMP/t_$name.txt"
+  local line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$TMP/t_$name.txt" | tail -1)
+  echo "  \"$name\": {\"cmd\": \"$*\", \"rc\": $rc, \"result\": \"$line\", \"s\": $(( $(date +%s) - t ))}," >> "$TMP/tests.tmp"
+}
+
+if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
+  run_test test_cuda build/tests/test_cuda
+  run_test backend_ops_cuda build/tests/backend_ops -b cuda
+  if [ "$MODE" = quick ]; then
+    run_test test_contract build/tests/test_contract 20
+  else
+    run_test test_contract build/tests/test_contract 100
+  fi
+  run_test test_accuracy build/tests/test_accuracy
+  run_test test_e2e build/tests/test_e2e
+  if [ "$MODE" = full ]; then
+    run_test test_numerics build/tests/test_numerics
+    run_test test_bad_input build/tests/test_bad_input
+    run_test test_threads build/tests/test_threads
+    run_test backend_ops_all build/tests/backend_ops
+  fi
+fi
+
+if [ "$MODE" = full ] || [ "$MODE" = sanitize ]; then
+  CS="compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99"
+  run_test memcheck_test_cuda $CS build/tests/test_cuda
+  run_test memcheck_backend_ops $CS build/tests/backend_ops -b cuda
+  SKV_SEED=7 run_test memcheck_test_contract $CS build/tests/test_contract 6
+  grep -h "ERROR SUMMARY" "$TMP"/t_memcheck_*.txt
+fi
+sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
+
+if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
+  if [ "$MODE" = quick ]; then BARGS="--ctx 32768,131072 --batch 1,8 --steps 20 --warmup 3"; else BARGS="--ctx 32768,131072 --batch 1,8 --steps 50 --warmup 5"; fi
+  stamp "skv-bench decode $BARGS"
+  timeout 300 build/skv-bench decode --backend cuda $BARGS --json > "$OUT/bench_decode.json"
+  cat "$OUT/bench_decode.json"
+  stamp "dense baseline (torch sdpa flash)"
+  timeout 200 python3 tests/gpu/dense_decode.py > "$OUT/dense.json"
+  cat "$OUT/dense.json"
+fi
+if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
+  stamp "backend_ops --perf -b cuda"
+  timeout 300 build/tests/backend_ops --perf -b cuda > "$OUT/perf.txt" 2>&1
+  grep -E "^PERF" "$OUT/perf.txt" | grep -v " ref " | tail -40
+  stamp "demo: 32 layers, one 131072-token sequence"
+  timeout 400 build/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json > "$TMP/demo_128k.json"
+  cat "$TMP/demo_128k.json"
+  stamp "demo: 32 layers, 8 sequences of 32768 tokens"
+  timeout 400 build/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 \
+    --share-layers --json > "$TMP/demo_8x32k.json"
+  cat "$TMP/demo_8x32k.json"
+  { echo '{"one_128k": '; cat "$TMP/demo_128k.json"; echo ', "batch8_32k": '; cat "$TMP/demo_8x32k.json"; echo '}'; } > "$OUT/demo.json"
+fi
+stamp "collect"
+python3 tests/gpu/collect.py "$OUT" "$TMP/gpu.txt" > "$OUT/summary.json" && cat "$OUT/summary.json" | head -c 3000
+stamp "done"

@@ -1,0 +1,346 @@
+/*
+ * test_cuda.c - the cuda backend as a user sees it.
+ *
+ * Without a usable GPU (or without CUDA compiled in): asking for cuda gives
+ * SKV_ERR_NO_DEVICE with a clear message everywhere (create, the environment
+ * override, op-level calls, buffers), auto falls back to cpu, and the memory
+ * query of a cuda config still works.
+ *
+ * With a GPU (built with SKV_HAVE_CUDA):
+ *  - placement: device tensors, a caller stream (non-blocking) and the legacy
+ *    default stream give bitwise the same results;
+ *  - a decode step captured into a CUDA graph in global capture mode (which
+ *    refuses any synchronization or cudaMalloc inside it) and launched once
+ *    equals the same step run directly, bitwise, and the device-side state it
+ *    advanced gives the same next step;
+ *  - no device memory is allocated across decode steps (cudaMemGetInfo);
+ *  - NaN/Inf in decode inputs: skv_decode returns SKV_OK, skv_cache_sync
+ *    reports SKV_ERR_NONFINITE naming the element, the step changed nothing
+ *    (twin cache comparison), and the cache stays usable.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+
+#ifdef SKV_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static skv_config small_config(void)
+{
+    skv_config c = skv_config_default();
+    c.n_layers = 2;
+    c.batch_size = 2;
+    c.n_q_heads = 8;
+    c.n_kv_heads = 2;
+    c.head_dim = 128;
+    c.rank = 32;
+    c.chunk_size = 8;
+    c.budget = 64;
+    c.n_outlier_chunks = 4;
+    c.n_local_chunks = 2;
+    c.max_prompt_len = 2048;
+    c.gen_capacity = 16;
+    return c;
+}
+
+static void test_no_device(skv_status avail)
+{
+    char msg[600];
+    SKVT_CHECK_STATUS(avail, SKV_ERR_NO_DEVICE, "skv_backend_available(cuda)");
+    snprintf(msg, sizeof msg, "%s", skv_last_error());
+    printf("cuda unavailable: %s\n", msg);
+#ifdef SKV_HAVE_CUDA
+    SKVT_CHECK(strstr(msg, "CUDA device") != NULL, "message should say no usable CUDA device: \"%s\"", msg);
+#else
+    SKVT_CHECK(strstr(msg, "no CUDA support compiled in") != NULL, "message should say CUDA is not compiled in: \"%s\"", msg);
+#endif
+    skv_config c = small_config();
+    c.backend = SKV_BACKEND_CUDA;
+    skv_cache *cache = (skv_cache *)&c; /* must be reset to NULL */
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_ERR_NO_DEVICE, "create(cuda)");
+    SKVT_CHECK(cache == NULL, "create(cuda) failed but *out is not NULL");
+    SKVT_CHECK(strlen(skv_last_error()) > 10, "create(cuda): empty message");
+
+    size_t dev = 0, host = 0;
+    SKVT_CHECK_STATUS(skv_cache_memory(&c, &dev, &host), SKV_OK, "skv_cache_memory(cuda) without a device");
+    SKVT_CHECK(dev > 0 && host > 0, "skv_cache_memory(cuda): %zu device, %zu host bytes", dev, host);
+
+    c.backend = SKV_BACKEND_AUTO;
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, "create(auto)");
+    if (cache) SKVT_CHECK(skv_cache_backend(cache) == SKV_BACKEND_CPU, "auto resolved to %s, want cpu",
+                          skv_backend_name(skv_cache_backend(cache)));
+    skv_cache_free(cache);
+
+    c.backend = SKV_BACKEND_REF;
+    setenv("SKV_BACKEND", "cuda", 1);
+    cache = NULL;
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_ERR_NO_DEVICE, "create(ref) with SKV_BACKEND=cuda");
+    unsetenv("SKV_BACKEND");
+    skv_cache_free(cache);
+
+    void *p = (void *)&c;
+    SKVT_CHECK_STATUS(skv_buffer_alloc(SKV_BACKEND_CUDA, 64, &p), SKV_ERR_NO_DEVICE, "skv_buffer_alloc(cuda)");
+    SKVT_CHECK(p == NULL, "skv_buffer_alloc failed but *ptr is not NULL");
+    skv_bf16 a[64] = {0};
+    float u[64], w[64];
+    SKVT_CHECK_STATUS(skv_op_factorize(SKV_BACKEND_CUDA, 8, 8, 2, a, u, w), SKV_ERR_NO_DEVICE, "skv_op_factorize(cuda)");
+}
+
+#ifdef SKV_HAVE_CUDA
+
+#define CU(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (!SKVT_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_))) return;       \
+    } while (0)
+
+typedef struct {
+    skv_config cfg;
+    int64_t n[2];
+    size_t row, qn, kn;
+    /* host prompts of every (layer, seq) and the device staging buffers */
+    skv_bf16 *k[2][2], *v[2][2];
+    skv_bf16 *dk, *dv, *dq, *dkn, *dvn;
+    float *dout;
+} world;
+
+/* low-rank keys with noise, normal values */
+static void make_prompt(skvt_rng *r, const world *wd, int64_t n, skv_bf16 *k, skv_bf16 *v)
+{
+    double basis[4][256];
+    for (int j = 0; j < 4; j++)
+        for (size_t i = 0; i < wd->row; i++) basis[j][i] = skvt_rng_normal(r);
+    for (int64_t t = 0; t < n; t++) {
+        double z[4];
+        for (int j = 0; j < 4; j++) z[j] = skvt_rng_normal(r);
+        for (size_t i = 0; i < wd->row; i++) {
+            double x = 0.05 * skvt_rng_normal(r);
+            for (int j = 0; j < 4; j++) x += z[j] * basis[j][i];
+            k[t * wd->row + i] = skv_bf16_from_float((float)x);
+        }
+    }
+    skvt_fill_bf16_normal(r, v, (size_t)n * wd->row, 1.0);
+}
+
+static skv_cache *make_cache(world *wd, void *stream)
+{
+    skv_config c = wd->cfg;
+    c.backend = SKV_BACKEND_CUDA;
+    c.cuda_stream = stream;
+    skv_cache *cache = NULL;
+    skv_status st = skv_cache_create(&c, &cache);
+    if (!SKVT_CHECK_STATUS(st, SKV_OK, "create(cuda)")) {
+        printf("  %s\n", skv_last_error());
+        return NULL;
+    }
+    for (int l = 0; l < c.n_layers; l++)
+        for (int b = 0; b < c.batch_size; b++) {
+            skv_buffer_copy(SKV_BACKEND_CUDA, wd->dk, wd->k[l][b], (size_t)wd->n[b] * wd->row * 2);
+            skv_buffer_copy(SKV_BACKEND_CUDA, wd->dv, wd->v[l][b], (size_t)wd->n[b] * wd->row * 2);
+            st = skv_prefill(cache, l, b, wd->n[b], wd->dk, wd->dv, NULL);
+            if (!SKVT_CHECK_STATUS(st, SKV_OK, "prefill(cuda)")) printf("  %s\n", skv_cache_last_error(cache));
+        }
+    return cache;
+}
+
+/* One step's inputs on the host, staged to the device. */
+static void stage_step(world *wd, skvt_rng *r, skv_bf16 *q, skv_bf16 *kn, skv_bf16 *vn)
+{
+    skvt_fill_bf16_normal(r, q, wd->qn, 1.0);
+    skvt_fill_bf16_normal(r, kn, wd->kn, 1.0);
+    skvt_fill_bf16_normal(r, vn, wd->kn, 1.0);
+    skv_buffer_copy(SKV_BACKEND_CUDA, wd->dq, q, wd->qn * 2);
+    skv_buffer_copy(SKV_BACKEND_CUDA, wd->dkn, kn, wd->kn * 2);
+    skv_buffer_copy(SKV_BACKEND_CUDA, wd->dvn, vn, wd->kn * 2);
+}
+
+/* decode + sync + fetch the output */
+static skv_status step(world *wd, skv_cache *c, int layer, float *out)
+{
+    skv_status st = skv_decode(c, layer, wd->dq, wd->dkn, wd->dvn, wd->dout);
+    if (st == SKV_OK) st = skv_cache_sync(c);
+    if (st == SKV_OK) st = skv_buffer_copy(SKV_BACKEND_CUDA, out, wd->dout, wd->qn * 4);
+    return st;
+}
+
+/* selections and generated counts of every (layer, seq, head) equal in a and b */
+static int same_state(world *wd, skv_cache *a, skv_cache *b, const char *what)
+{
+    int32_t sa[64], sb[64];
+    int ok = 1;
+    for (int l = 0; l < wd->cfg.n_layers; l++)
+        for (int s = 0; s < wd->cfg.batch_size; s++) {
+            skv_seq_info ia, ib;
+            skv_cache_seq_info(a, l, s, &ia);
+            skv_cache_seq_info(b, l, s, &ib);
+            ok &= ia.n_generated == ib.n_generated && ia.has_selection == ib.has_selection;
+            if (!ia.has_selection || !ib.has_selection) continue;
+            for (int h = 0; h < wd->cfg.n_kv_heads; h++) {
+                ok &= skv_cache_selected(a, l, s, h, sa) == SKV_OK && skv_cache_selected(b, l, s, h, sb) == SKV_OK;
+                ok &= memcmp(sa, sb, (size_t)ia.n_selected * 4) == 0;
+            }
+        }
+    return SKVT_CHECK(ok, "%s: the twin caches' generated counts or selections differ", what);
+}
+
+static void test_gpu(uint64_t seed)
+{
+    world wd;
+    memset(&wd, 0, sizeof wd);
+    wd.cfg = small_config();
+    wd.n[0] = 1500;
+    wd.n[1] = 1931;
+    wd.row = (size_t)wd.cfg.n_kv_heads * wd.cfg.head_dim;
+    wd.qn = (size_t)wd.cfg.batch_size * wd.cfg.n_q_heads * wd.cfg.head_dim;
+    wd.kn = (size_t)wd.cfg.batch_size * wd.row;
+    skvt_rng r;
+    skvt_rng_seed(&r, seed);
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < 2; b++) {
+            wd.k[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
+            wd.v[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
+            make_prompt(&r, &wd, wd.n[b], wd.k[l][b], wd.v[l][b]);
+        }
+    size_t pb = (size_t)wd.cfg.max_prompt_len * wd.row * 2;
+    if (skv_buffer_alloc(SKV_BACKEND_CUDA, pb, (void **)&wd.dk) || skv_buffer_alloc(SKV_BACKEND_CUDA, pb, (void **)&wd.dv) ||
+        skv_buffer_alloc(SKV_BACKEND_CUDA, wd.qn * 2, (void **)&wd.dq) ||
+        skv_buffer_alloc(SKV_BACKEND_CUDA, wd.kn * 2, (void **)&wd.dkn) ||
+        skv_buffer_alloc(SKV_BACKEND_CUDA, wd.kn * 2, (void **)&wd.dvn) ||
+        skv_buffer_alloc(SKV_BACKEND_CUDA, wd.qn * 4, (void **)&wd.dout)) {
+        SKVT_CHECK(0, "device buffers: %s", skv_last_error());
+        return;
+    }
+    cudaStream_t sb;
+    CU(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
+    skv_cache *A = make_cache(&wd, NULL); /* legacy default stream */
+    skv_cache *B = make_cache(&wd, sb);   /* caller's non-blocking stream */
+    if (!A || !B) return;
+    skv_bf16 *q = malloc(wd.qn * 2), *kn = malloc(wd.kn * 2), *vn = malloc(wd.kn * 2);
+    float *oa = malloc(wd.qn * 4), *ob = malloc(wd.qn * 4);
+
+    /* step 1 on layer 0: A directly, B captured into a graph (global mode) and launched once */
+    stage_step(&wd, &r, q, kn, vn);
+    SKVT_CHECK_STATUS(step(&wd, A, 0, oa), SKV_OK, "decode A");
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    CU(cudaStreamBeginCapture(sb, cudaStreamCaptureModeGlobal));
+    skv_status st = skv_decode(B, 0, wd.dq, wd.dkn, wd.dvn, wd.dout);
+    cudaError_t ce = cudaStreamEndCapture(sb, &graph);
+    SKVT_CHECK_STATUS(st, SKV_OK, "skv_decode inside a global-mode capture");
+    if (st) printf("  %s\n", skv_cache_last_error(B));
+    SKVT_CHECK(ce == cudaSuccess, "cudaStreamEndCapture: %s (the decode path synchronized or allocated?)",
+               cudaGetErrorString(ce));
+    if (ce != cudaSuccess) return;
+    size_t n_nodes = 0;
+    CU(cudaGraphGetNodes(graph, NULL, &n_nodes));
+    printf("captured decode step: %zu graph nodes\n", n_nodes);
+    CU(cudaGraphInstantiate(&exec, graph, 0));
+    CU(cudaGraphLaunch(exec, sb));
+    SKVT_CHECK_STATUS(skv_cache_sync(B), SKV_OK, "sync B after the graph");
+    CU(cudaMemcpy(ob, wd.dout, wd.qn * 4, cudaMemcpyDeviceToHost));
+    SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "graph-launched step differs from the direct step (bitwise)");
+    same_state(&wd, A, B, "after the captured step");
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+
+    /* the next steps on both layers: the state the graph advanced must be right */
+    size_t free0 = 0, free1 = 0, total = 0;
+    CU(cudaMemGetInfo(&free0, &total));
+    for (int s = 0; s < 6; s++)
+        for (int l = 0; l < 2; l++) {
+            stage_step(&wd, &r, q, kn, vn);
+            SKVT_CHECK_STATUS(step(&wd, A, l, oa), SKV_OK, "decode A");
+            SKVT_CHECK_STATUS(step(&wd, B, l, ob), SKV_OK, "decode B");
+            SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "step %d layer %d: default-stream and caller-stream caches differ",
+                       s, l);
+        }
+    CU(cudaMemGetInfo(&free1, &total));
+    SKVT_CHECK(free0 == free1, "device memory changed across 12 decode steps: %zu -> %zu free bytes", free0, free1);
+    same_state(&wd, A, B, "after 7 steps");
+
+    /* NaN in q of A only: nothing changes, the error arrives at sync, the cache stays usable */
+    stage_step(&wd, &r, q, kn, vn);
+    skv_bf16 nan_q = q[(size_t)(1 * wd.cfg.n_q_heads + 3) * wd.cfg.head_dim + 5];
+    q[(size_t)(1 * wd.cfg.n_q_heads + 3) * wd.cfg.head_dim + 5] = 0x7fc0;
+    skv_buffer_copy(SKV_BACKEND_CUDA, wd.dq, q, wd.qn * 2);
+    st = skv_decode(A, 1, wd.dq, wd.dkn, wd.dvn, wd.dout);
+    SKVT_CHECK_STATUS(st, SKV_OK, "skv_decode with a NaN in q (deferred)");
+    st = skv_cache_sync(A);
+    SKVT_CHECK_STATUS(st, SKV_ERR_NONFINITE, "skv_cache_sync after a NaN step");
+    SKVT_CHECK(strstr(skv_cache_last_error(A), "q[1][3][5]") != NULL, "message should name q[1][3][5]: \"%s\"",
+               skv_cache_last_error(A));
+    printf("deferred error: %s\n", skv_cache_last_error(A));
+    SKVT_CHECK_STATUS(skv_cache_sync(A), SKV_OK, "a second sync reports nothing");
+    same_state(&wd, A, B, "after the NaN step (A) vs no step (B)");
+    /* Inf in v of layer 0 */
+    vn[7] = 0x7f80;
+    skv_buffer_copy(SKV_BACKEND_CUDA, wd.dvn, vn, wd.kn * 2);
+    SKVT_CHECK_STATUS(skv_decode(A, 0, wd.dq, wd.dkn, wd.dvn, wd.dout), SKV_OK, "skv_decode with Inf in v");
+    skv_seq_info info;
+    st = skv_cache_seq_info(A, 0, 0, &info);
+    SKVT_CHECK_STATUS(st, SKV_ERR_NONFINITE, "seq_info reports the deferred error");
+    same_state(&wd, A, B, "after the Inf step (A) vs no step (B)");
+    /* good steps again: still twins */
+    q[(size_t)(1 * wd.cfg.n_q_heads + 3) * wd.cfg.head_dim + 5] = nan_q;
+    for (int l = 0; l < 2; l++) {
+        stage_step(&wd, &r, q, kn, vn);
+        SKVT_CHECK_STATUS(step(&wd, A, l, oa), SKV_OK, "decode A after the errors");
+        SKVT_CHECK_STATUS(step(&wd, B, l, ob), SKV_OK, "decode B");
+        SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "layer %d: outputs differ after the rejected steps", l);
+    }
+    same_state(&wd, A, B, "after recovery");
+
+    skv_stats sa;
+    SKVT_CHECK_STATUS(skv_cache_stats(A, &sa), SKV_OK, "stats");
+    printf("stats A: %lld decode calls, select %.3f ms, rebuild %.3f, fetch %.3f, attention %.3f (event-timed)\n",
+           (long long)sa.n_decode_calls, sa.decode_select_ms, sa.decode_rebuild_ms, sa.decode_fetch_ms,
+           sa.decode_attention_ms);
+    SKVT_CHECK(sa.decode_select_ms > 0 && sa.decode_attention_ms > 0 && sa.prefill_factorize_ms > 0,
+               "phase times missing from the stats");
+
+    skv_cache_free(A);
+    skv_cache_free(B);
+    cudaStreamDestroy(sb);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dk);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dv);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dq);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dkn);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dvn);
+    skv_buffer_free(SKV_BACKEND_CUDA, wd.dout);
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < 2; b++) {
+            free(wd.k[l][b]);
+            free(wd.v[l][b]);
+        }
+    free(q);
+    free(kn);
+    free(vn);
+    free(oa);
+    free(ob);
+}
+#endif
+
+int main(void)
+{
+    uint64_t seed = skvt_base_seed("test_cuda");
+    skv_status avail = skv_backend_available(SKV_BACKEND_CUDA);
+    if (avail != SKV_OK) {
+        test_no_device(avail);
+        skvt_skip("no usable CUDA device: the GPU part of test_cuda did not run");
+        return skvt_finish();
+    }
+#ifdef SKV_HAVE_CUDA
+    skv_config c = small_config();
+    skv_cache *cache = NULL;
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, "create(auto)");
+    if (cache) SKVT_CHECK(skv_cache_backend(cache) == SKV_BACKEND_CUDA, "auto resolved to %s with a GPU present",
+                          skv_backend_name(skv_cache_backend(cache)));
+    skv_cache_free(cache);
+    test_gpu(seed);
+#else
+    (void)seed;
+#endif
+    return skvt_finish();
+}
