@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kRbsNT) rebuild_simple_kernel(const skv_cuda_s
  *
  * vstore is mapped pinned host memory read over PCIe, so throughput is set by the bytes in
  * flight: every thread issues kGatherUnroll independent 16-byte loads before its stores, and
- * the grid covers the whole copy at once (B = 8, typical shape: 33.5 MB, 2048 CTAs).
+ * the grid covers the whole copy at once (B = 8, typical shape: 33.5 MB, 1024 CTAs of 256).
  * Consecutive threads read consecutive 16-byte pieces of a chunk (full 128-byte lines).
  * ============================================================================================= */
 
@@ -413,7 +413,9 @@ constexpr int kGatherNT = 256;
 constexpr int kGatherUnroll = 8;
 
 /* Copies total units (T: 16 bytes, or one bf16 when unaligned) of selected chunks of n_units
-   units each; chunk q = h*S + s of dst comes from chunk h*n_cand + idx[q] of src. */
+   units each; chunk q = h*S + s of dst comes from chunk h*n_cand + idx[q] of src. Three
+   passes over the thread's units: the index loads (cached), then every PCIe load, then the
+   stores, so all kGatherUnroll host reads of a thread are in flight together. */
 template <class T>
 __device__ __forceinline__ void gather_units(const T *src, T *dst, const int32_t *idx, int64_t n_units, int32_t S,
                                              int32_t n_cand, int64_t total)
@@ -421,21 +423,23 @@ __device__ __forceinline__ void gather_units(const T *src, T *dst, const int32_t
     const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
     for (int64_t base = (int64_t)blockIdx.x * per_block + threadIdx.x; base < total;
          base += (int64_t)gridDim.x * per_block) {
-        T v[kGatherUnroll];
-#pragma unroll
-        for (int k = 0; k < kGatherUnroll; k++) { /* all loads first: they are in flight together */
-            const int64_t g = base + (int64_t)k * kGatherNT;
-            if (g < total) {
-                const int64_t q = g / n_units, e = g - q * n_units;
-                const int64_t hh = q / S;
-                v[k] = src[(hh * n_cand + idx[q]) * n_units + e];
-            }
-        }
+        int64_t off[kGatherUnroll];
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; k++) {
             const int64_t g = base + (int64_t)k * kGatherNT;
-            if (g < total) dst[g] = v[k];
+            off[k] = -1;
+            if (g < total) {
+                const int64_t q = g / n_units, e = g - q * n_units;
+                off[k] = ((q / S) * n_cand + idx[q]) * n_units + e;
+            }
         }
+        T v[kGatherUnroll];
+#pragma unroll
+        for (int k = 0; k < kGatherUnroll; k++)
+            if (off[k] >= 0) v[k] = src[off[k]];
+#pragma unroll
+        for (int k = 0; k < kGatherUnroll; k++)
+            if (off[k] >= 0) dst[base + (int64_t)k * kGatherNT] = v[k];
     }
 }
 
@@ -469,22 +473,24 @@ __global__ void __launch_bounds__(kGatherNT) gather_chunks_kernel(const T *src, 
     const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
     for (int64_t base = (int64_t)blockIdx.x * per_block + threadIdx.x; base < total;
          base += (int64_t)gridDim.x * per_block) {
-        T v[kGatherUnroll];
+        int64_t off[kGatherUnroll];
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; k++) {
             const int64_t g = base + (int64_t)k * kGatherNT;
+            off[k] = -1;
             if (g < total) {
                 const int64_t row = g / Du, e = g - row * Du; /* row = (h*m + i)*c + j */
                 const int64_t hm = row / c, j = row - hm * c, hh = hm / m;
-                const int64_t t = (int64_t)ids[hm] * c + j;
-                v[k] = src[(t * Hk + hh) * Du + e];
+                off[k] = (((int64_t)ids[hm] * c + j) * Hk + hh) * Du + e;
             }
         }
+        T v[kGatherUnroll];
 #pragma unroll
-        for (int k = 0; k < kGatherUnroll; k++) {
-            const int64_t g = base + (int64_t)k * kGatherNT;
-            if (g < total) dst[g] = v[k];
-        }
+        for (int k = 0; k < kGatherUnroll; k++)
+            if (off[k] >= 0) v[k] = src[off[k]];
+#pragma unroll
+        for (int k = 0; k < kGatherUnroll; k++)
+            if (off[k] >= 0) dst[base + (int64_t)k * kGatherNT] = v[k];
     }
 }
 
@@ -500,8 +506,8 @@ __global__ void __launch_bounds__(kGatherNT) gather_chunks_kernel(const T *src, 
  * Per tile of TILE tokens (K and V staged in shared memory by a 2-stage cp.async pipeline):
  *   phase 1  scores: thread = (token, slice of D); partial dots over the slice, no shuffles
  *   softmax  warp per query head, lane per token: online max/sum in the log2 domain
- *   phase 2  P V: thread = (8 dims, subset of tokens), G*8 float accumulators in registers
- * CUDA cores throughout: at G = 4 the math is ~2-3x under the time the K/V bytes take.
+ *   phase 2  P V: thread = (8 dims, subset of tokens), GC*8 float accumulators in registers
+ * CUDA cores throughout: at G = 4 the math takes about half the time the K/V bytes take.
  * ============================================================================================= */
 
 constexpr int kAttNT = 128;
@@ -757,7 +763,7 @@ __global__ void __launch_bounds__(kAttNT) attn_kernel(const AttnArgs a)
             float sc = -INFINITY;
             if (lane < nvalid) {
                 float x = 0.0f;
-                for (int p = 0; p < L.npart; p++) x += spart[(p * GC + g) * TILE + lane];
+                for (int pt = 0; pt < L.npart; pt++) x += spart[(pt * GC + g) * TILE + lane];
                 sc = x * a.scale_log2;
             }
             const float mn = fmaxf(m_run[j], warp_max(sc));
@@ -905,6 +911,7 @@ AttnKernel attn_pick(int DT, int gc)
    launches the attention kernel and, with several splits, the combine. */
 cudaError_t attn_run(cudaStream_t st, AttnArgs &a, int B, int64_t tokens_hint, void *ws, size_t ws_bytes)
 {
+    if (a.D <= 0 || a.D > 1024) return cudaErrorInvalidValue; /* phase 2 needs D/8 <= kAttNT pieces */
     a.G = a.Hq / a.Hk;
     const int gc = attn_gc(a.G);
     a.nqc = a.G / gc;

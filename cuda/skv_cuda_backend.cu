@@ -108,6 +108,10 @@ static skv_status skv_cuda_copy2d(void *dst, size_t dpitch, const void *src, siz
     if (!width || !height) return SKV_OK;
     if (height == 1) CK(cudaMemcpy(dst, src, width, cudaMemcpyDefault));
     else CK(cudaMemcpy2D(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault));
+    /* cudaMemcpy from pageable memory may return before the DMA has landed; the
+       copy is on the legacy stream, which a non-blocking cache stream does not
+       wait for, so finish it here: the copy is synchronous as documented */
+    CK(cudaStreamSynchronize(0));
     return SKV_OK;
 }
 
@@ -349,7 +353,7 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
 #define SKV_CUDA_RING 64 /* decode steps whose phase times can be in flight */
-#define SKV_CUDA_EV 5
+#define SKV_CUDA_EV 6 /* start, selected, rebuilt, fetched (side stream), joined, end */
 
 typedef struct {
     cudaEvent_t e[SKV_CUDA_EV];
@@ -360,6 +364,8 @@ typedef struct skv_cuda_cache {
     skv_config cfg;
     skv_layout lay;
     cudaStream_t st;
+    cudaStream_t side;              /* the value fetch runs here, beside the key rebuild */
+    cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
     char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
@@ -449,6 +455,9 @@ static void skv_cuda_cache_close(void *bctx)
             if (k->ring[i].e[j]) cudaEventDestroy(k->ring[i].e[j]);
     for (int j = 0; j < SKV_CUDA_EV; j++)
         if (k->pe[j]) cudaEventDestroy(k->pe[j]);
+    if (k->fork_ev) cudaEventDestroy(k->fork_ev);
+    if (k->join_ev) cudaEventDestroy(k->join_ev);
+    if (k->side) cudaStreamDestroy(k->side);
     skv_cuda_factor_destroy(k->fac);
     for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
     if (k->h_flags) cudaFreeHost(k->h_flags);
@@ -519,8 +528,14 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     for (int i = 0; i < SKV_CUDA_RING && e == cudaSuccess; i++)
         for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->ring[i].e[j]);
     for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->pe[j]);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
     if (e != cudaSuccess) {
         st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
+        goto fail;
+    }
+    if ((e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
         goto fail;
     }
     /* descriptors: fixed pointers now, sizes at prefill */
@@ -651,13 +666,15 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     return SKV_OK;
 }
 
-/* Adds a finished step's phase times to the pending stats. */
+/* Adds a finished step's phase times to the pending stats. Rebuild and fetch
+   overlap (both start when the selection is known), so they add up to more
+   than the step. */
 static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
 {
     k->pending.decode_select_ms += skv_cuda_elapsed(s->e[0], s->e[1]);
     k->pending.decode_rebuild_ms += skv_cuda_elapsed(s->e[1], s->e[2]);
-    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[2], s->e[3]);
-    k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[3], s->e[4]);
+    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[1], s->e[3]);
+    k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[4], s->e[5]);
     s->used = 0;
 }
 
@@ -675,27 +692,33 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
     CK(cudaStreamIsCapturing(st, &cs));
     skv_cuda_evset *ev = &k->ring[k->ring_head];
     if (ev->used && cs == cudaStreamCaptureStatusNone) { /* no event queries inside a capture */
-        cudaError_t q4 = cudaEventQuery(ev->e[SKV_CUDA_EV - 1]);
-        if (q4 == cudaSuccess) skv_cuda_take_times(k, ev);
-        else if (q4 == cudaErrorNotReady) (void)cudaGetLastError();
-        else return skv_cuda_err(q4, "cudaEventQuery", msg, cap);
+        cudaError_t q5 = cudaEventQuery(ev->e[SKV_CUDA_EV - 1]);
+        if (q5 == cudaSuccess) skv_cuda_take_times(k, ev);
+        else if (q5 == cudaErrorNotReady) (void)cudaGetLastError();
+        else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
     }
     int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
-#define SKV_MARK(j)                                                                                \
-    if (timed) CK(cudaEventRecord(ev->e[j], st))
-    SKV_MARK(0);
+#define SKV_MARK(j, stream)                                                                        \
+    if (timed) CK(cudaEventRecord(ev->e[j], stream))
+    SKV_MARK(0, st);
     CK(cudaMemsetAsync(k->step_bad, 0, sizeof *k->step_bad, st));
     CK(skv_cuda_check_step(st, sh->B, sh->Hq, sh->Hk, sh->D, layer, q, kn, vn, k->step_bad, k->first_bad));
     CK(skv_cuda_score(st, sh, seqs, q, k->scores));
     CK(skv_cuda_select(st, sh, seqs, k->scores, k->amax, k->sel_idx, k->sel_ids));
-    SKV_MARK(1);
+    SKV_MARK(1, st);
+    /* fork: the values come over PCIe on the side stream while the keys are rebuilt */
+    CK(cudaEventRecord(k->fork_ev, st));
+    CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+    CK(skv_cuda_gather(k->side, sh, seqs, k->sel_idx, k->v_sel));
+    SKV_MARK(3, k->side);
+    CK(cudaEventRecord(k->join_ev, k->side));
     CK(skv_cuda_rebuild(st, sh, seqs, k->sel_ids, k->k_sel));
-    SKV_MARK(2);
-    CK(skv_cuda_gather(st, sh, seqs, k->sel_idx, k->v_sel));
-    SKV_MARK(3);
+    SKV_MARK(2, st);
+    CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+    SKV_MARK(4, st);
     CK(skv_cuda_decode_attention(st, sh, seqs, q, k->k_sel, k->v_sel, kn, vn, out, k->attn_ws, k->attn_ws_bytes));
     CK(skv_cuda_append(st, sh, seqs, kn, vn, k->sel_idx, k->sel_ids, k->step_bad));
-    SKV_MARK(4);
+    SKV_MARK(5, st);
 #undef SKV_MARK
     if (timed) {
         ev->used = 1;

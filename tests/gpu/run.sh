@@ -118,6 +118,16 @@ if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   cat "$TMP/demo_8x32k.json"
   { echo '{"one_128k": '; cat "$TMP/demo_128k.json"; echo ', "batch8_32k": '; cat "$TMP/demo_8x32k.json"; echo '}'; } > "$OUT/demo.json"
 fi
+if [ -n "${PROFILE:-}" ]; then
+  # per-kernel device time of the decode path (ncu serializes kernels, so no overlap here)
+  for B in 8 1; do
+    stamp "ncu: decode kernels at 131072 tokens, batch $B"
+    timeout 300 ncu --clock-control none -k regex:"skv_score|skv_select|rebuild|gather_kernel|attn|append|check_step" \
+      --launch-skip 8 --launch-count 8 --metrics gpu__time_duration.sum \
+      build/skv-bench decode --backend cuda --ctx 131072 --batch $B --steps 2 --warmup 1 2>&1 |
+      grep -E "^  [a-z_]+.*\(|gpu__time_duration" | paste - - | awk '{print $1, $(NF-1), $NF}'
+  done
+fi
 stamp "collect"
 python3 tests/gpu/collect.py "$OUT" "$TMP/gpu.txt" > "$OUT/summary.json" && cat "$OUT/summary.json" | head -c 3000
 stamp "done"
