@@ -47,6 +47,8 @@ typedef struct skv_cuda_seq {
     const skv_bf16 *loc_k, *loc_v; /* [Hk, n_local, D] local window */
     skv_bf16 *gen_k, *gen_v;       /* [Hk, gen_cap, D] generated tokens */
     int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step */
+    skv_bf16 *vkeep;           /* [2, Hk, S*c, D]: values gathered at the steps with even / odd n_gen
+                                  (NULL: no reuse, op-level calls) */
     int64_t n;                 /* prompt length */
     int32_t n_cand;            /* N - O */
     int32_t n_local;
@@ -103,7 +105,10 @@ cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv
 cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                              const int32_t *sel_ids, skv_bf16 *k_sel);
 
-/* v_sel [B, Hk, S*c, D]: chunk s of head h = vstore[h][sel_idx[b][h][s]] (c*D values). */
+/* v_sel [B, Hk, S*c, D]: chunk s of head h = vstore[h][sel_idx[b][h][s]] (c*D values).
+   With seqs[b].vkeep: a chunk that the published selection (pub_sel_idx, when has_sel) also
+   holds is copied from vkeep[(n_gen & 1) ^ 1] on the device instead of read over PCIe, and
+   every chunk is also written to vkeep[n_gen & 1] for the next step. Same values either way. */
 cudaError_t skv_cuda_gather(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const int32_t *sel_idx, skv_bf16 *v_sel);
 

@@ -414,32 +414,55 @@ constexpr int kGatherUnroll = 8;
 
 /* Copies total units (T: 16 bytes, or one bf16 when unaligned) of selected chunks of n_units
    units each; chunk q = h*S + s of dst comes from chunk h*n_cand + idx[q] of src. Three
-   passes over the thread's units: the index loads (cached), then every PCIe load, then the
-   stores, so all kGatherUnroll host reads of a thread are in flight together. */
+   passes over the thread's units: the addresses, then every load, then the stores, so all
+   kGatherUnroll host reads of a thread are in flight together.
+   Reuse (pub != NULL): a chunk that the previous step's published selection pub [Hk, S]
+   (increasing) also holds, at position p, is read from prev [Hk, S, units] in device memory
+   instead of over PCIe. keep (or NULL) receives a copy of dst for the next step. */
 template <class T>
 __device__ __forceinline__ void gather_units(const T *src, T *dst, const int32_t *idx, int64_t n_units, int32_t S,
-                                             int32_t n_cand, int64_t total)
+                                             int32_t n_cand, int64_t total, const T *prev, const int32_t *pub,
+                                             T *keep)
 {
     const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
     for (int64_t base = (int64_t)blockIdx.x * per_block + threadIdx.x; base < total;
          base += (int64_t)gridDim.x * per_block) {
-        int64_t off[kGatherUnroll];
+        const T *from[kGatherUnroll];
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; k++) {
             const int64_t g = base + (int64_t)k * kGatherNT;
-            off[k] = -1;
+            from[k] = nullptr;
             if (g < total) {
-                const int64_t q = g / n_units, e = g - q * n_units;
-                off[k] = ((q / S) * n_cand + idx[q]) * n_units + e;
+                const int64_t q = g / n_units, e = g - q * n_units, h = q / S;
+                const int32_t m = idx[q];
+                from[k] = src + (h * n_cand + m) * n_units + e;
+                if (pub) { /* binary search of m in the previous selection of head h */
+                    const int32_t *row = pub + h * S;
+                    int lo = 0, hi = S - 1;
+                    while (lo <= hi) {
+                        const int mid = (lo + hi) >> 1;
+                        const int32_t x = row[mid];
+                        if (x == m) {
+                            from[k] = prev + (h * S + mid) * n_units + e;
+                            break;
+                        }
+                        if (x < m) lo = mid + 1;
+                        else hi = mid - 1;
+                    }
+                }
             }
         }
         T v[kGatherUnroll];
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; k++)
-            if (off[k] >= 0) v[k] = src[off[k]];
+            if (from[k]) v[k] = *from[k];
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; k++)
-            if (off[k] >= 0) dst[base + (int64_t)k * kGatherNT] = v[k];
+            if (from[k]) {
+                const int64_t g = base + (int64_t)k * kGatherNT;
+                dst[g] = v[k];
+                if (keep) keep[g] = v[k];
+            }
     }
 }
 
@@ -450,16 +473,30 @@ __global__ void __launch_bounds__(kGatherNT) gather_kernel(const skv_cuda_seq *s
                                                            int vec_ok)
 {
     const int b = blockIdx.y;
-    const skv_bf16 *src = seqs[b].vstore;
-    const int32_t n_cand = seqs[b].n_cand;
+    const skv_cuda_seq &sq = seqs[b];
+    const skv_bf16 *src = sq.vstore;
+    const int32_t n_cand = sq.n_cand;
     const int32_t *idx = sel_idx + (int64_t)b * Hk * S;
     skv_bf16 *dst = v_sel + (int64_t)b * Hk * S * cD;
-    if (vec_ok && ((uintptr_t)src & 15) == 0) {
+    const int64_t half = (int64_t)Hk * S * cD;
+    skv_bf16 *keep = nullptr;
+    const skv_bf16 *prev = nullptr;
+    const int32_t *pub = nullptr;
+    if (sq.vkeep) {
+        const int cur = sq.n_gen & 1;
+        keep = sq.vkeep + cur * half;
+        if (sq.has_sel) {
+            prev = sq.vkeep + (cur ^ 1) * half;
+            pub = sq.pub_sel_idx;
+        }
+    }
+    if (vec_ok && ((uintptr_t)src & 15) == 0 && ((uintptr_t)sq.vkeep & 15) == 0) {
         const int64_t nu = cD / 8;
-        gather_units<uint4>(reinterpret_cast<const uint4 *>(src), reinterpret_cast<uint4 *>(dst), idx, nu, S,
-                            n_cand, (int64_t)Hk * S * nu);
+        gather_units<uint4>(reinterpret_cast<const uint4 *>(src), reinterpret_cast<uint4 *>(dst), idx, nu, S, n_cand,
+                            (int64_t)Hk * S * nu, reinterpret_cast<const uint4 *>(prev), pub,
+                            reinterpret_cast<uint4 *>(keep));
     } else {
-        gather_units<uint16_t>(src, dst, idx, cD, S, n_cand, (int64_t)Hk * S * cD);
+        gather_units<uint16_t>(src, dst, idx, cD, S, n_cand, (int64_t)Hk * S * cD, prev, pub, keep);
     }
 }
 
@@ -1113,8 +1150,12 @@ cudaError_t skv_cuda_gather(cudaStream_t st, const skv_cuda_shape *sh, const skv
     const int64_t chunks = (int64_t)sh->Hk * sh->S;
     if (sh->B <= 0 || chunks <= 0 || cD <= 0) return cudaSuccess;
     const int vec_ok = cD % 8 == 0 && ((uintptr_t)v_sel & 15) == 0;
-    /* sized for the 16-byte path; the per-sequence element fallback strides over the same grid */
-    const unsigned blocks = grid_for(chunks * (cD / 8 > 0 ? cD / 8 : 1), (int64_t)kGatherNT * kGatherUnroll, 65535);
+    /* sized for the 16-byte path; the per-sequence element fallback strides over the same grid.
+       PCIe needs only ~100 KB in flight; about 128 CTAs in all (4 MB in flight) keep it busy
+       and leave most SMs to the key rebuild, which runs beside this on the cache's stream. */
+    unsigned blocks = grid_for(chunks * (cD / 8 > 0 ? cD / 8 : 1), (int64_t)kGatherNT * kGatherUnroll, 65535);
+    const unsigned cap = (unsigned)(128 / sh->B > 4 ? 128 / sh->B : 4);
+    if (blocks > cap) blocks = cap;
     gather_kernel<<<dim3(blocks, (unsigned)sh->B), kGatherNT, 0, st>>>(seqs, sh->Hk, sh->S, cD, sel_idx, v_sel,
                                                                        vec_ok);
     return cudaGetLastError();

@@ -85,7 +85,9 @@ static void *skv_cuda_mem_alloc(size_t bytes, skv_mem_kind kind)
         (void)cudaGetLastError();
         return NULL;
     }
-    if (cudaMemset(p, 0, bytes) != cudaSuccess) {
+    /* cudaMemset is asynchronous on the legacy stream, which a non-blocking cache stream does
+       not wait for: finish it before anyone writes into the buffer */
+    if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaStreamSynchronize(0) != cudaSuccess) {
         (void)cudaGetLastError();
         cudaFree(p);
         return NULL;
@@ -383,6 +385,7 @@ typedef struct skv_cuda_cache {
     float *uf, *wf;
     void *lm_scratch;
     unsigned long long *flags, *h_flags; /* [3] device, pinned host */
+    skv_bf16 *vkeep;                     /* [L, B, 2, Hk, S*c, D] values of the last two steps */
     skv_cuda_factor *fac;
     /* timing */
     skv_cuda_evset ring[SKV_CUDA_RING];
@@ -396,7 +399,7 @@ typedef struct skv_cuda_cache {
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
-    size_t scores, amax, sel, ksel, attn, kp, uf, wf, lm, seqs, factor;
+    size_t scores, amax, sel, ksel, attn, kp, uf, wf, lm, seqs, factor, vkeep;
 } skv_cuda_sizes;
 
 static int64_t skv_cuda_max_tokens(const skv_config *c, const skv_layout *lay)
@@ -423,6 +426,9 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
     z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
     z.seqs = (size_t)c->n_layers * B * sizeof(skv_cuda_seq);
     z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
+    /* the values fetched at the last two steps of every (layer, sequence): chunks selected again
+       are copied on the device instead of crossing PCIe */
+    z.vkeep = (size_t)c->n_layers * B * 2 * Hk * S * cs * D * sizeof(skv_bf16);
     return z;
 }
 
@@ -430,7 +436,7 @@ static size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
     return z.scores + z.amax + 2 * z.sel + 2 * z.ksel + z.attn + z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor +
-           4 * sizeof(unsigned long long) + sizeof(int32_t);
+           z.vkeep + 4 * sizeof(unsigned long long) + sizeof(int32_t);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -506,13 +512,14 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    k->vkeep = (skv_bf16 *)skv_cuda_cache_alloc(k, z.vkeep);
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->d_seqs || !k->scores || !k->amax || !k->sel_idx || !k->sel_ids || !k->k_sel ||
         !k->v_sel || !k->attn_ws || !k->step_bad || !k->first_bad || !k->kp_tmp || !k->uf || !k->wf ||
-        !k->lm_scratch || !k->flags || !k->h_flags) {
+        !k->lm_scratch || !k->flags || !k->h_flags || !k->vkeep) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
@@ -557,6 +564,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
             s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
             s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
+            s->vkeep = k->vkeep + i * 2 * (size_t)cfg->n_kv_heads * lay->S * cfg->chunk_size * cfg->head_dim;
         }
     if ((e = cudaMemcpy(k->d_seqs, k->h_seqs, z.seqs, cudaMemcpyHostToDevice)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemcpy(descriptors)", msg, cap);
@@ -569,6 +577,11 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     sh->scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
     sh->cos_tab = (const float *)(dev + lay->rope_cos);
     sh->sin_tab = (const float *)(dev + lay->rope_sin);
+    /* the legacy-stream memsets and copies above must land before the cache's stream runs */
+    if ((e = cudaDeviceSynchronize()) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaDeviceSynchronize", msg, cap);
+        goto fail;
+    }
     *bctx = k;
     return SKV_OK;
 fail:
@@ -748,7 +761,8 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
         states[i].n_gen = k->h_seqs[i].n_gen;
         states[i].has_selection = k->h_seqs[i].has_sel;
     }
-    CK(cudaMemset(k->first_bad, 0xff, sizeof *k->first_bad));
+    CK(cudaMemsetAsync(k->first_bad, 0xff, sizeof *k->first_bad, k->st));
+    CK(cudaStreamSynchronize(k->st));
     int layer = (int)(bad >> 48), tensor = (int)((bad >> 40) & 0xff);
     long long idx = (long long)(bad & ((1ull << 40) - 1));
     int heads = tensor == 0 ? k->cfg.n_q_heads : k->cfg.n_kv_heads, D = k->cfg.head_dim;

@@ -123,9 +123,9 @@ if [ -n "${PROFILE:-}" ]; then
   for B in 8 1; do
     stamp "ncu: decode kernels at 131072 tokens, batch $B"
     timeout 300 ncu --clock-control none -k regex:"skv_score|skv_select|rebuild|gather_kernel|attn|append|check_step" \
-      --launch-skip 8 --launch-count 8 --metrics gpu__time_duration.sum \
-      build/skv-bench decode --backend cuda --ctx 131072 --batch $B --steps 2 --warmup 1 2>&1 |
-      grep -E "^  [a-z_]+.*\(|gpu__time_duration" | paste - - | awk '{print $1, $(NF-1), $NF}'
+      --launch-skip 8 --launch-count 8 --metrics gpu__time_duration.sum --csv \
+      build/skv-bench decode --backend cuda --ctx 131072 --batch $B --steps 2 --warmup 1 2>/dev/null |
+      grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 40), $(NF-1), $NF}'
   done
 fi
 stamp "collect"
