@@ -390,7 +390,7 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* ---- scores ---------------------------------------------------------------------------- */
 
-constexpr int kScoreBlock = 128;
+constexpr int kScoreBlock = 128; /* threads per block = landmark rows per tile */
 
 /* acc[g] = fmaf chain of q_g . row over d = 0..D-1 (skv_dot_bf16's order: fma(q, l, acc));
    the GC chains are independent and share each landmark load. */
@@ -408,39 +408,79 @@ __device__ __forceinline__ void score_chains(const uint16_t *row, const float *q
     }
 }
 
+/* Byte stride of a landmark row in the shared tile: D bf16 plus 16 bytes of padding, so that
+   the 16-byte reads of 8 consecutive rows (one shared-memory wavefront) hit distinct banks
+   when D % 16 == 0. */
+__host__ __device__ __forceinline__ int32_t tile_stride(int32_t D) { return 2 * D + 16; }
+
+/* Dynamic shared memory of skv_score_kernel<GC>: q rows as float, then the landmark tile. */
+size_t score_smem_bytes(int GC, int32_t D)
+{
+    return (size_t)GC * D * sizeof(float) + (size_t)kScoreBlock * tile_stride(D);
+}
+
 /*
- * grid (candidate tiles, Hk, B); one thread per candidate j computes the scores of the
- * G query heads of KV head h, GC at a time (q rows of the chunk in shared memory as
- * float; rows past G are zero and their scores are not written).
+ * grid (candidate tiles, Hk, B); one thread per candidate j computes the scores of the G
+ * query heads of KV head h, GC at a time (q rows of the chunk in shared memory as float;
+ * rows past G are zero and their scores are not written).
+ *
+ * Rows that are 16-byte aligned (D % 8 == 0) are first copied tile-wide into shared memory
+ * with coalesced 16-byte loads, 8 independent loads per thread in flight (a thread reading
+ * its own 2D-byte row from global memory would use half of each 32-byte sector per load and
+ * serialize its loads); then each thread runs its dot chains from the tile, exactly as
+ * before (one thread, d in order). Other alignments read the rows directly.
  */
 template <int GC>
 __global__ void __launch_bounds__(kScoreBlock)
-    skv_score_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const uint16_t *q, float *scores)
+    skv_score_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const uint16_t *__restrict__ q,
+                     float *__restrict__ scores)
 {
-    extern __shared__ float qs[]; /* [GC, D] */
+    extern __shared__ __align__(16) float qs[]; /* [GC, D] floats, then the tile */
     const int32_t D = sh.D, G = sh.Hq / sh.Hk;
+    unsigned char *tile = reinterpret_cast<unsigned char *>(qs + GC * D);
+    const int32_t tstride = tile_stride(D);
+    const int tid = threadIdx.x;
     for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
         for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
             const int32_t n = seqs[b].n_cand;
-            const int32_t j = blockIdx.x * kScoreBlock + threadIdx.x;
-            if ((int32_t)(blockIdx.x * kScoreBlock) >= n) continue; /* block-uniform */
+            const int32_t j0 = blockIdx.x * kScoreBlock, j = j0 + tid;
+            if (j0 >= n) continue; /* block-uniform */
             const uint16_t *L = seqs[b].landmarks + (int64_t)h * n * D;
             const int vec = row_vec(L, D);
-            const uint16_t *row = L + (int64_t)j * D;
+            const int32_t rows = min(kScoreBlock, n - j0);
+
+            __syncthreads(); /* previous users of qs and the tile are done */
+            if (vec == 8) {
+                const int32_t upr = D / 8, units = rows * upr; /* 16-byte units of the tile */
+                const uint4 *src = reinterpret_cast<const uint4 *>(L + (int64_t)j0 * D);
+                int32_t u = tid;
+                for (; u + 7 * kScoreBlock < units; u += 8 * kScoreBlock) {
+                    uint4 w[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) w[i] = src[u + i * kScoreBlock];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int32_t v = u + i * kScoreBlock;
+                        *reinterpret_cast<uint4 *>(tile + (v / upr) * tstride + (v % upr) * 16) = w[i];
+                    }
+                }
+                for (; u < units; u += kScoreBlock)
+                    *reinterpret_cast<uint4 *>(tile + (u / upr) * tstride + (u % upr) * 16) = src[u];
+            }
             for (int32_t g0 = 0; g0 < G; g0 += GC) {
-                __syncthreads(); /* previous users of qs are done */
-                for (int32_t e = threadIdx.x; e < GC * D; e += kScoreBlock) {
+                if (g0 > 0) __syncthreads(); /* previous users of qs are done */
+                for (int32_t e = tid; e < GC * D; e += kScoreBlock) {
                     int32_t g = g0 + e / D;
                     qs[e] = g < G ? skv_bf16_to_f32(q[((int64_t)b * sh.Hq + (int64_t)h * G + g) * D + e % D]) : 0.0f;
                 }
-                __syncthreads();
+                __syncthreads(); /* qs and the tile complete */
                 if (j >= n) continue;
                 float acc[GC];
 #pragma unroll
                 for (int g = 0; g < GC; g++) acc[g] = 0.0f;
-                if (vec == 8) score_chains<GC, 8>(row, qs, D, acc);
-                else if (vec == 2) score_chains<GC, 2>(row, qs, D, acc);
-                else score_chains<GC, 1>(row, qs, D, acc);
+                if (vec == 8) score_chains<GC, 8>(reinterpret_cast<const uint16_t *>(tile + tid * tstride), qs, D, acc);
+                else if (vec == 2) score_chains<GC, 2>(L + (int64_t)j * D, qs, D, acc);
+                else score_chains<GC, 1>(L + (int64_t)j * D, qs, D, acc);
 #pragma unroll
                 for (int g = 0; g < GC; g++)
                     if (g0 + g < G)
@@ -452,126 +492,213 @@ __global__ void __launch_bounds__(kScoreBlock)
 
 /* ---- selection ------------------------------------------------------------------------- */
 
-constexpr int kSelBlock = 1024;
-constexpr int kLanes = SKV_CANON_LANES;      /* 256 */
-constexpr int kSelGroups = kSelBlock / kLanes; /* query heads whose M, Z run side by side */
-constexpr int kSelGChunk = 64;               /* query heads whose M, Z are held at once */
-static_assert(kLanes == 256 && kSelBlock % kLanes == 0, "the canonical sum has 256 lanes");
+constexpr int kLanes = SKV_CANON_LANES;       /* 256 */
+constexpr int kSmxBlock = 1024;               /* threads per (b, query head) softmax */
+constexpr int kSmxTile = 4 * kSmxBlock;       /* e_j staged per canonical-sum step */
+constexpr int kSelBlock = 1024;               /* threads per (b, kv head) top-k */
+constexpr int32_t kSmemKeysMax = 40 * 1024;   /* top-k keys kept in shared memory up to this n */
+static_assert(kLanes == 256 && kSmxBlock % kLanes == 0 && kSmxTile % kLanes == 0,
+              "the canonical sum has 256 lanes");
 
 /*
- * grid (Hk, B), one block per (b, h), for G = Hq/Hk query heads g (query head h*G + g):
- *  1. per query head, each 256-thread group computes M (ref's scan: s[0] if it is NaN,
- *     else the max of the non-NaN values; the sign of a zero max changes no e_j) and the
- *     canonical sum Z of e_j = skv_expf(s_j - M): lane k sums j = k, k+256, ... in order,
- *     then the fixed tree (shared memory for w >= 32, shuffles below: same pairs);
- *  2. all threads: a_j over g in order, p = e_j / Z with e_j recomputed (deterministic),
- *     a = p if g == 0 or p > a (ref's NaN semantics), stored in amax;
- *  3. top-S of skv_select_key(a_j) (desc, ties to lower j), increasing j.
- * amax [B, Hk, cand_max] is required: it is the key store of step 3 and holds a_j on
- * return. G larger than kSelGChunk is done in chunks of query heads, a_j carried in amax.
+ * Selection softmax, grid (Hq, B), one block per (b, query head), in place over the scores
+ * row s[0..n) (ref's skv_softmax_inplace):
+ *  1. M: ref's scan gives s[0] if it is NaN, else the max of the non-NaN values (the sign
+ *     of a zero max changes no e_j), so any reduction order of "x > m" serves;
+ *  2. Z = canonical sum of e_j = skv_expf(s_j - M): all threads compute e_j of a tile of
+ *     kSmxTile consecutive j into shared memory, then lane k < 256 adds the tile's
+ *     j = k, k+256, ... in order to its partial (the tiles start at multiples of 256, so
+ *     lane k's chain is ref's partial k, in ref's order); then the fixed tree (shared
+ *     memory for w >= 32, shuffles below: same pairs);
+ *  3. s_j = e_j / Z with e_j recomputed (deterministic).
+ * Loads are issued in batches of independent values so that their latencies overlap.
  */
+__global__ void __launch_bounds__(kSmxBlock)
+    skv_softmax_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, float *scores)
+{
+    __shared__ float E[kSmxTile];
+    __shared__ float part[kLanes];
+    __shared__ float wmax[kSmxBlock / 32];
+    __shared__ float Zs;
+    const int tid = threadIdx.x, lane = tid & 31;
+
+    for (int32_t b = blockIdx.y; b < sh.B; b += gridDim.y)
+        for (int32_t qh = blockIdx.x; qh < sh.Hq; qh += gridDim.x) {
+            const int32_t n = seqs[b].n_cand;
+            if (n <= 0) continue; /* block-uniform */
+            float *s = scores + ((int64_t)b * sh.Hq + qh) * sh.cand_max;
+
+            float m = -INFINITY; /* max of non-NaN values: NaN never compares greater */
+            int32_t j = tid;
+            for (; j + 7 * kSmxBlock < n; j += 8 * kSmxBlock) {
+                float x[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) x[u] = s[j + u * kSmxBlock];
+#pragma unroll
+                for (int u = 0; u < 8; u++)
+                    if (x[u] > m) m = x[u];
+            }
+            for (; j < n; j += kSmxBlock) {
+                float x = s[j];
+                if (x > m) m = x;
+            }
+#pragma unroll
+            for (int o = 16; o >= 1; o >>= 1) {
+                float y = __shfl_xor_sync(kFullMask, m, o);
+                if (y > m) m = y;
+            }
+            if (lane == 0) wmax[tid / 32] = m;
+            __syncthreads();
+            m = wmax[0];
+            for (int w = 1; w < kSmxBlock / 32; w++) {
+                float y = wmax[w];
+                if (y > m) m = y;
+            }
+            const float s0 = s[0];
+            const float M = s0 != s0 ? s0 : m;
+
+            float P = 0.0f;
+            for (int32_t base = 0; base < n; base += kSmxTile) {
+                float x[kSmxTile / kSmxBlock];
+#pragma unroll
+                for (int u = 0; u < kSmxTile / kSmxBlock; u++) {
+                    const int32_t jj = base + u * kSmxBlock + tid;
+                    x[u] = jj < n ? s[jj] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < kSmxTile / kSmxBlock; u++)
+                    if (base + u * kSmxBlock + tid < n) E[u * kSmxBlock + tid] = skv_expf(SKV_SUB(x[u], M));
+                __syncthreads();
+                if (tid < kLanes) {
+                    const int32_t cnt = min(kSmxTile, n - base);
+#pragma unroll 4
+                    for (int32_t i = tid; i < cnt; i += kLanes) P = SKV_ADD(P, E[i]);
+                }
+                __syncthreads(); /* E is rewritten by the next tile */
+            }
+            if (tid < kLanes) part[tid] = P;
+            __syncthreads();
+            for (int w = kLanes / 2; w >= 32; w >>= 1) {
+                if (tid < w) part[tid] = SKV_ADD(part[tid], part[tid + w]);
+                __syncthreads();
+            }
+            if (tid < 32) { /* the first warp, whole */
+                float v = part[tid];
+#pragma unroll
+                for (int w = 16; w >= 1; w >>= 1) {
+                    float o = __shfl_down_sync(kFullMask, v, w);
+                    v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
+                }
+                if (tid == 0) Zs = v;
+            }
+            __syncthreads();
+            const float Z = Zs;
+
+            j = tid;
+            for (; j + 7 * kSmxBlock < n; j += 8 * kSmxBlock) {
+                float x[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) x[u] = s[j + u * kSmxBlock];
+#pragma unroll
+                for (int u = 0; u < 8; u++) s[j + u * kSmxBlock] = SKV_DIV(skv_expf(SKV_SUB(x[u], M)), Z);
+            }
+            for (; j < n; j += kSmxBlock) s[j] = SKV_DIV(skv_expf(SKV_SUB(s[j], M)), Z);
+            __syncthreads(); /* wmax, part, Zs are reused by the next (b, query head) */
+        }
+}
+
+/*
+ * grid (Hk, B), one block per (b, h), after skv_softmax_kernel left p in the scores rows of
+ * the G query heads g of KV head h (query head h*G + g):
+ *  1. a_j = p of g = 0, then a = p if p > a for g = 1.. in order (ref's loop, NaN included),
+ *     stored in amax; with SMEM, the top-k keys order_desc(skv_select_key(a_j)) are also
+ *     kept in dynamic shared memory (n <= kSmemKeysMax), else the top-k re-reads amax;
+ *  2. top-S of skv_select_key(a_j) (desc, ties to lower j), increasing j.
+ */
+template <bool SMEM>
 __global__ void __launch_bounds__(kSelBlock)
-    skv_select_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const float *scores, float *amax,
-                      int32_t *sel_idx, int32_t *sel_ids)
+    skv_select_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const float *__restrict__ p,
+                      float *__restrict__ amax, int32_t *sel_idx, int32_t *sel_ids)
 {
     __shared__ TopkSmem<kSelBlock> sm;
-    __shared__ float part[kSelBlock];
-    __shared__ float wmax[kSelBlock / 32];
-    __shared__ float Ms[kSelGChunk], Zs[kSelGChunk];
+    extern __shared__ uint32_t keys_s[]; /* [n] with SMEM */
 
-    const int tid = threadIdx.x, lane = tid & 31, grp = tid / kLanes, k = tid % kLanes;
+    const int tid = threadIdx.x;
     const int32_t G = sh.Hq / sh.Hk, S = sh.S;
     const int32_t h = blockIdx.x;
+    const int64_t cm = sh.cand_max;
 
     for (int32_t b = blockIdx.y; b < sh.B; b += gridDim.y) {
         const int32_t n = seqs[b].n_cand;
-        const float *srow = scores + ((int64_t)b * sh.Hq + (int64_t)h * G) * sh.cand_max;
-        float *a = amax + ((int64_t)b * sh.Hk + h) * sh.cand_max;
+        const float *prow = p + ((int64_t)b * sh.Hq + (int64_t)h * G) * cm;
+        float *a = amax + ((int64_t)b * sh.Hk + h) * cm;
 
-        for (int32_t g0 = 0; g0 < G; g0 += kSelGChunk) {
-            const int32_t gc = min(kSelGChunk, G - g0);
-            for (int32_t gg = 0; gg < gc; gg += kSelGroups) {
-                const int32_t gl = gg + grp;
-                const bool act = gl < gc;
-                const float *s = srow + (int64_t)(g0 + (act ? gl : 0)) * sh.cand_max;
-
-                float m = -INFINITY; /* max of non-NaN values: NaN never compares greater */
-                if (act)
-                    for (int32_t j = k; j < n; j += kLanes) {
-                        float x = s[j];
-                        if (x > m) m = x;
-                    }
+        constexpr int U = 8; /* independent loads in flight per thread and query head */
+        int32_t j = tid;
+        for (; j + (U - 1) * kSelBlock < n; j += U * kSelBlock) {
+            float av[U];
 #pragma unroll
-                for (int o = 16; o >= 1; o >>= 1) {
-                    float y = __shfl_xor_sync(kFullMask, m, o);
-                    if (y > m) m = y;
-                }
-                if (lane == 0) wmax[tid / 32] = m;
-                __syncthreads();
-                m = wmax[grp * (kLanes / 32)];
-                for (int w = 1; w < kLanes / 32; w++) {
-                    float y = wmax[grp * (kLanes / 32) + w];
-                    if (y > m) m = y;
-                }
-                const float s0 = s[0];
-                const float M = s0 != s0 ? s0 : m;
-
-                float P = 0.0f;
-                if (act)
-                    for (int32_t j = k; j < n; j += kLanes) P = SKV_ADD(P, skv_expf(SKV_SUB(s[j], M)));
-                part[tid] = P;
-                __syncthreads();
-                for (int w = kLanes / 2; w >= 32; w >>= 1) {
-                    if (k < w) part[tid] = SKV_ADD(part[tid], part[tid + w]);
-                    __syncthreads();
-                }
-                if (k < 32) { /* the group's first warp, whole */
-                    float v = part[tid];
+            for (int u = 0; u < U; u++) av[u] = prow[j + u * kSelBlock];
+            for (int32_t g = 1; g < G; g++) {
+                float pv[U];
 #pragma unroll
-                    for (int w = 16; w >= 1; w >>= 1) {
-                        float o = __shfl_down_sync(kFullMask, v, w);
-                        v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
-                    }
-                    if (k == 0 && act) {
-                        Ms[gl] = M;
-                        Zs[gl] = v;
-                    }
-                }
-                /* wmax and part are next written after the next barrier, which the
-                   readers above reach only when done */
+                for (int u = 0; u < U; u++) pv[u] = prow[g * cm + j + u * kSelBlock];
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                    if (pv[u] > av[u]) av[u] = pv[u];
             }
-            __syncthreads(); /* Ms, Zs complete */
-
-            for (int32_t j = tid; j < n; j += kSelBlock) {
-                float aj = g0 == 0 ? 0.0f : a[j];
-                for (int32_t gl = 0; gl < gc; gl++) {
-                    const int32_t g = g0 + gl;
-                    float e = skv_expf(SKV_SUB(srow[(int64_t)g * sh.cand_max + j], Ms[gl]));
-                    float p = SKV_DIV(e, Zs[gl]);
-                    if (g == 0 || p > aj) aj = p;
-                }
-                a[j] = aj;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                a[j + u * kSelBlock] = av[u];
+                if (SMEM) keys_s[j + u * kSelBlock] = order_desc(skv_select_key(av[u]));
             }
-            __syncthreads(); /* a[] visible to the block; Ms, Zs free */
         }
+        for (; j < n; j += kSelBlock) {
+            float aj = prow[j];
+            for (int32_t g = 1; g < G; g++) {
+                float pv = prow[g * cm + j];
+                if (pv > aj) aj = pv;
+            }
+            a[j] = aj;
+            if (SMEM) keys_s[j] = order_desc(skv_select_key(aj));
+        }
+        __syncthreads(); /* a[] and keys_s visible to the block */
 
         int32_t *out_idx = sel_idx + ((int64_t)b * sh.Hk + h) * S;
         const int32_t *cids = seqs[b].cand_ids;
         int32_t *out_ids = (sel_ids && cids) ? sel_ids + ((int64_t)b * sh.Hk + h) * S : nullptr;
         const int32_t *ch = cids ? cids + (int64_t)h * n : nullptr;
-        block_topk<kSelBlock, false>(
-            n, S, [=](int32_t i) { return order_desc(skv_select_key(a[i])); },
-            [=](int32_t pos, int32_t i) {
-                out_idx[pos] = i;
-                if (out_ids) out_ids[pos] = ch[i];
-            },
-            [](int32_t, int32_t) {}, sm);
+        auto on_win = [=](int32_t pos, int32_t i) {
+            out_idx[pos] = i;
+            if (out_ids) out_ids[pos] = ch[i];
+        };
+        if (SMEM)
+            block_topk<kSelBlock, false>(
+                n, S, [=](int32_t i) { return keys_s[i]; }, on_win, [](int32_t, int32_t) {}, sm);
+        else
+            block_topk<kSelBlock, false>(
+                n, S, [=](int32_t i) { return order_desc(skv_select_key(a[i])); }, on_win,
+                [](int32_t, int32_t) {}, sm);
         __syncthreads();
     }
 }
 
-} /* namespace */
+/* ---- launchers ------------------------------------------------------------------------- */
+template <int GC>
+cudaError_t launch_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_bf16 *q,
+                         float *scores, dim3 grid)
+{
+    const size_t smem = score_smem_bytes(GC, sh->D);
+    if (smem > 48 * 1024) {
+        cudaError_t e = cudaFuncSetAttribute(skv_score_kernel<GC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)smem);
+        if (e != cudaSuccess) return e;
+    }
+    skv_score_kernel<GC><<<grid, kScoreBlock, smem, st>>>(*sh, seqs, q, scores);
+    return cudaGetLastError();
+}
 
+} /* namespace */
 /* ---- launchers ------------------------------------------------------------------------- */
 
 cudaError_t skv_cuda_rope(cudaStream_t st, int32_t head_dim, int32_t rotary_dim, int32_t interleaved,
@@ -644,6 +771,7 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
     return cudaGetLastError();
 }
 
+
 cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                            const skv_bf16 *q, float *scores)
 {
@@ -651,25 +779,34 @@ cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_
     const int32_t G = sh->Hq / sh->Hk;
     const dim3 grid((unsigned)((sh->cand_max + kScoreBlock - 1) / kScoreBlock), clamp_yz(sh->Hk), clamp_yz(sh->B));
     /* GC: the smallest chunk of query heads covering G (at most 8 chains per thread) */
-    if (G <= 1)
-        skv_score_kernel<1><<<grid, kScoreBlock, (size_t)1 * sh->D * sizeof(float), st>>>(*sh, seqs, q, scores);
-    else if (G == 2)
-        skv_score_kernel<2><<<grid, kScoreBlock, (size_t)2 * sh->D * sizeof(float), st>>>(*sh, seqs, q, scores);
-    else if (G <= 4)
-        skv_score_kernel<4><<<grid, kScoreBlock, (size_t)4 * sh->D * sizeof(float), st>>>(*sh, seqs, q, scores);
-    else
-        skv_score_kernel<8><<<grid, kScoreBlock, (size_t)8 * sh->D * sizeof(float), st>>>(*sh, seqs, q, scores);
-    return cudaGetLastError();
+    if (G <= 1) return launch_score<1>(st, sh, seqs, q, scores, grid);
+    if (G == 2) return launch_score<2>(st, sh, seqs, q, scores, grid);
+    if (G <= 4) return launch_score<4>(st, sh, seqs, q, scores, grid);
+    return launch_score<8>(st, sh, seqs, q, scores, grid);
 }
 
-/* amax is required (lib always passes a buffer): the top-k reads its keys from it, and it
-   holds a_j on return. */
+/* Two launches: the selection softmax per (b, query head), in place over scores (lib never
+   reads scores after select: they are scratch of score + select), then group max and top-k
+   per (b, kv head). amax is required (lib always passes a buffer): it holds a_j on return,
+   and is the top-k key store when cand_max > kSmemKeysMax. */
 cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids)
 {
     if (sh->B <= 0 || sh->Hk <= 0) return cudaSuccess;
     if (!amax) return cudaErrorInvalidValue;
+    float *p = const_cast<float *>(scores); /* scratch: overwritten with the probabilities */
+    skv_softmax_kernel<<<dim3((unsigned)clamp_yz(sh->Hq), clamp_yz(sh->B)), kSmxBlock, 0, st>>>(*sh, seqs, p);
     const dim3 grid((unsigned)sh->Hk, clamp_yz(sh->B));
-    skv_select_kernel<<<grid, kSelBlock, 0, st>>>(*sh, seqs, scores, amax, sel_idx, sel_ids);
+    if (sh->cand_max <= kSmemKeysMax) {
+        const size_t smem = (size_t)sh->cand_max * sizeof(uint32_t);
+        if (smem > 48 * 1024) {
+            cudaError_t e = cudaFuncSetAttribute(skv_select_kernel<true>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+            if (e != cudaSuccess) return e;
+        }
+        skv_select_kernel<true><<<grid, kSelBlock, smem, st>>>(*sh, seqs, p, amax, sel_idx, sel_ids);
+    } else {
+        skv_select_kernel<false><<<grid, kSelBlock, 0, st>>>(*sh, seqs, p, amax, sel_idx, sel_ids);
+    }
     return cudaGetLastError();
 }

@@ -185,6 +185,32 @@ static int same_state(world *wd, skv_cache *a, skv_cache *b, const char *what)
     return SKVT_CHECK(ok, "%s: the twin caches' generated counts or selections differ", what);
 }
 
+/* prefill results of every (layer, seq, head) equal in a and b: outliers, candidates, landmarks */
+static int same_prefill(world *wd, skv_cache *a, skv_cache *b, const char *what)
+{
+    int ok = 1;
+    int32_t *ia = malloc(4096 * 4), *ib = malloc(4096 * 4);
+    skv_bf16 *la = malloc((size_t)4096 * 128 * 2), *lb = malloc((size_t)4096 * 128 * 2);
+    for (int l = 0; l < wd->cfg.n_layers; l++)
+        for (int s = 0; s < wd->cfg.batch_size; s++) {
+            skv_seq_info info;
+            skv_cache_seq_info(a, l, s, &info);
+            for (int h = 0; h < wd->cfg.n_kv_heads; h++) {
+                int same_o = skv_cache_outliers(a, l, s, h, ia) == SKV_OK && skv_cache_outliers(b, l, s, h, ib) == SKV_OK &&
+                             !memcmp(ia, ib, (size_t)info.n_outliers * 4);
+                int same_c = skv_cache_candidates(a, l, s, h, ia) == SKV_OK &&
+                             skv_cache_candidates(b, l, s, h, ib) == SKV_OK && !memcmp(ia, ib, (size_t)info.n_candidates * 4);
+                int same_l = skv_cache_landmarks(a, l, s, h, la) == SKV_OK && skv_cache_landmarks(b, l, s, h, lb) == SKV_OK &&
+                             !memcmp(la, lb, (size_t)info.n_candidates * wd->cfg.head_dim * 2);
+                ok &= SKVT_CHECK(same_o && same_c && same_l, "%s: layer %d seq %d head %d: outliers %s, candidates %s, "
+                                 "landmarks %s", what, l, s, h, same_o ? "equal" : "DIFFER", same_c ? "equal" : "DIFFER",
+                                 same_l ? "equal" : "DIFFER");
+            }
+        }
+    free(ia), free(ib), free(la), free(lb);
+    return ok;
+}
+
 static void test_gpu(uint64_t seed)
 {
     world wd;
@@ -219,6 +245,13 @@ static void test_gpu(uint64_t seed)
     if (!A || !B) return;
     skv_bf16 *q = malloc(wd.qn * 2), *kn = malloc(wd.kn * 2), *vn = malloc(wd.kn * 2);
     float *oa = malloc(wd.qn * 4), *ob = malloc(wd.qn * 4);
+    same_prefill(&wd, A, B, "prefill, default vs caller stream");
+
+    /* a direct step on layer 1 on both first */
+    stage_step(&wd, &r, q, kn, vn);
+    SKVT_CHECK_STATUS(step(&wd, A, 1, oa), SKV_OK, "decode A layer 1");
+    SKVT_CHECK_STATUS(step(&wd, B, 1, ob), SKV_OK, "decode B layer 1");
+    SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "direct step on layer 1: default-stream and caller-stream caches differ");
 
     /* step 1 on layer 0: A directly, B captured into a graph (global mode) and launched once */
     stage_step(&wd, &r, q, kn, vn);
