@@ -95,9 +95,10 @@ cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_
    order), top-S by (skv_select_key desc, index asc), in increasing index order:
    sel_idx [B, Hk, S]; sel_ids [B, Hk, S] = cand_ids[sel_idx] (skipped when NULL or
    seqs[b].cand_ids is NULL). amax [B, Hk, cand_max] is required: it is the top-k key store
-   and holds a_j on return (NULL gives cudaErrorInvalidValue). */
+   and holds a_j on return (NULL gives cudaErrorInvalidValue). scores is scratch: it comes
+   back holding the probabilities p_j (the softmax runs in place, one block per query head). */
 cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            const float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids);
+                            float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids);
 
 /* ---- sparse path (skv_cuda_attn.cu) ------------------------------------------------------- */
 

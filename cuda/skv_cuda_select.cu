@@ -790,11 +790,11 @@ cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_
    per (b, kv head). amax is required (lib always passes a buffer): it holds a_j on return,
    and is the top-k key store when cand_max > kSmemKeysMax. */
 cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            const float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids)
+                            float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids)
 {
     if (sh->B <= 0 || sh->Hk <= 0) return cudaSuccess;
     if (!amax) return cudaErrorInvalidValue;
-    float *p = const_cast<float *>(scores); /* scratch: overwritten with the probabilities */
+    float *p = scores; /* scratch: overwritten with the probabilities */
     skv_softmax_kernel<<<dim3((unsigned)clamp_yz(sh->Hq), clamp_yz(sh->B)), kSmxBlock, 0, st>>>(*sh, seqs, p);
     const dim3 grid((unsigned)sh->Hk, clamp_yz(sh->B));
     if (sh->cand_max <= kSmemKeysMax) {
