@@ -60,7 +60,7 @@ static int parse_list(const char *s, int64_t *out)
 typedef struct {
     int64_t ctx;
     int B;
-    double prefill_ms, step_ms, step_min_ms, pipelined_ms, sel, reb, fet, att;
+    double prefill_ms, step_ms, step_min_ms, pipelined_ms, device_step_ms, sel, reb, fet, att;
     long needle_hits, needle_total;
 } drow;
 
@@ -141,6 +141,7 @@ static drow run_one(skv_backend be, int64_t ctx, int B, int steps, int warmup)
     row.reb = (s1.decode_rebuild_ms - s0.decode_rebuild_ms) / steps;
     row.fet = (s1.decode_fetch_ms - s0.decode_fetch_ms) / steps;
     row.att = (s1.decode_attention_ms - s0.decode_attention_ms) / steps;
+    row.device_step_ms = (s1.decode_step_ms - s0.decode_step_ms) / steps;
     /* back to back: same inputs each step (the generated region still grows) */
     double t0 = dnow_ms();
     for (int i = 0; i < steps; i++)
@@ -199,24 +200,28 @@ int bench_decode_main(int argc, char **argv)
             rows[n] = run_one(be, ctxs[i], (int)batches[j], steps, warmup);
             const drow *r = &rows[n++];
             fprintf(stderr,
-                    "skv-bench decode: %s ctx %lld batch %d: %.3f ms/step (pipelined %.3f), select %.3f rebuild "
+                    "skv-bench decode: %s ctx %lld batch %d: %.3f ms/step (device %.3f, pipelined %.3f), select %.3f rebuild "
                     "%.3f fetch %.3f attention %.3f; prefill %.1f ms/sequence\n",
-                    skv_backend_name(be), (long long)r->ctx, r->B, r->step_ms, r->pipelined_ms, r->sel, r->reb, r->fet,
+                    skv_backend_name(be), (long long)r->ctx, r->B, r->step_ms, r->device_step_ms, r->pipelined_ms, r->sel,
+                    r->reb, r->fet,
                     r->att, r->prefill_ms);
         }
     if (json) {
         printf("{\"backend\": \"%s\", \"layers\": 1, \"shape\": {\"hq\": 32, \"hk\": 8, \"dim\": 128, \"rank\": 160, "
                "\"chunk\": 8, \"budget\": 2048, \"outlier_chunks\": 48, \"local_chunks\": 4},\n"
                " \"steps\": %d, \"warmup\": %d, \"note\": \"step_ms: median over steps of skv_decode + skv_cache_sync "
-               "(host clock); split: per-step mean of the cache's phase stats; pipelined_ms: steps back to back, one "
-               "sync\",\n \"rows\": [",
+               "(host clock); device_step_ms: per-step mean of the cache's decode_step_ms (cuda: CUDA events from the "
+               "first to the last kernel of a step); split: per-step mean of the cache's phase stats (cuda: rebuild "
+               "and fetch overlap); pipelined_ms: steps back to back with the same inputs (the selection repeats, so "
+               "every value chunk is reused on the device), one sync\",\n \"rows\": [",
                skv_backend_name(be), steps, warmup);
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
-            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"step_ms\": %.4f, \"step_min_ms\": %.4f, \"pipelined_ms\": "
-                   "%.4f, \"select_ms\": %.4f, \"rebuild_ms\": %.4f, \"fetch_ms\": %.4f, \"attention_ms\": %.4f, "
+            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"step_ms\": %.4f, \"step_min_ms\": %.4f, "
+                   "\"device_step_ms\": %.4f, \"pipelined_ms\": %.4f, \"select_ms\": %.4f, \"rebuild_ms\": %.4f, \"fetch_ms\": %.4f, \"attention_ms\": %.4f, "
                    "\"prefill_ms_per_sequence\": %.3f, \"needle_hits\": %ld, \"needle_heads\": %ld}",
-                   i ? "," : "", (long long)r->ctx, r->B, r->step_ms, r->step_min_ms, r->pipelined_ms, r->sel, r->reb,
+                   i ? "," : "", (long long)r->ctx, r->B, r->step_ms, r->step_min_ms, r->device_step_ms,
+                   r->pipelined_ms, r->sel, r->reb,
                    r->fet, r->att, r->prefill_ms, r->needle_hits, r->needle_total);
         }
         printf("]}\n");

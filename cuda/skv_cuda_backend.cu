@@ -688,6 +688,7 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
     k->pending.decode_rebuild_ms += skv_cuda_elapsed(s->e[1], s->e[2]);
     k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[1], s->e[3]);
     k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[4], s->e[5]);
+    k->pending.decode_step_ms += skv_cuda_elapsed(s->e[0], s->e[5]);
     s->used = 0;
 }
 
@@ -750,6 +751,7 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
     stats->decode_fetch_ms += k->pending.decode_fetch_ms;
     stats->decode_attention_ms += k->pending.decode_attention_ms;
+    stats->decode_step_ms += k->pending.decode_step_ms;
     memset(&k->pending, 0, sizeof k->pending);
     unsigned long long bad = ~0ull;
     CK(cudaMemcpy(&bad, k->first_bad, sizeof bad, cudaMemcpyDeviceToHost));

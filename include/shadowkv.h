@@ -295,7 +295,14 @@ SKV_API skv_status skv_cache_candidates(const skv_cache *cache, int32_t layer, i
 SKV_API skv_status skv_cache_landmarks(const skv_cache *cache, int32_t layer, int32_t seq,
                                int32_t kv_head, skv_bf16 *landmarks);
 
-/** Cumulative wall time per phase, in milliseconds, since create or reset. */
+/**
+ * Cumulative time per phase, in milliseconds, since create or reset. ref/cpu:
+ * host wall clock. cuda: device time between CUDA events on the cache's
+ * streams (read at skv_cache_sync/skv_cache_stats; a step enqueued while
+ * 64 earlier ones are still in flight, or inside a graph capture, is not
+ * timed); there the key rebuild and the value fetch run side by side, so the
+ * phases add up to more than decode_step_ms.
+ */
 typedef struct skv_stats {
     double prefill_factorize_ms;
     double prefill_rope_ms;
@@ -305,6 +312,7 @@ typedef struct skv_stats {
     double decode_rebuild_ms;
     double decode_fetch_ms;
     double decode_attention_ms;
+    double decode_step_ms;       /**< whole decode steps (cuda: first to last kernel of each step) */
     int64_t n_prefill_calls;
     int64_t n_decode_calls;
     int64_t decode_allocations; /**< heap allocations made by decode steps: 0 unless the

@@ -382,6 +382,7 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
         c->stats.n_decode_calls++;
         return SKV_OK;
     }
+    const double t_call = skv_now_ms();
     if ((st = skv_check_tensor(c, fn, "q", q, B, Hq))) return st;
     if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
     if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
@@ -455,6 +456,7 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     c->stats.decode_rebuild_ms += t_reb;
     c->stats.decode_fetch_ms += t_fet;
     c->stats.decode_attention_ms += t_att;
+    c->stats.decode_step_ms += skv_now_ms() - t_call;
     c->stats.n_decode_calls++;
     return SKV_OK;
 }

@@ -18,6 +18,7 @@
  *    reports SKV_ERR_NONFINITE naming the element, the step changed nothing
  *    (twin cache comparison), and the cache stays usable.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -274,6 +275,32 @@ static void test_gpu(uint64_t seed)
     SKVT_CHECK_STATUS(skv_cache_sync(B), SKV_OK, "sync B after the graph");
     CU(cudaMemcpy(ob, wd.dout, wd.qn * 4, cudaMemcpyDeviceToHost));
     SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "graph-launched step differs from the direct step (bitwise)");
+    {
+        /* a third cache on another caller stream runs the same step directly: it tells a
+           capture problem (C == A) from a stream problem (C == B) */
+        cudaStream_t sc;
+        CU(cudaStreamCreateWithFlags(&sc, cudaStreamNonBlocking));
+        skv_cache *C = make_cache(&wd, sc);
+        float *oc = malloc(wd.qn * 4);
+        if (C) {
+            skv_buffer_copy(SKV_BACKEND_CUDA, wd.dq, q, wd.qn * 2); /* the layer-0 step's inputs again */
+            skv_buffer_copy(SKV_BACKEND_CUDA, wd.dkn, kn, wd.kn * 2);
+            skv_buffer_copy(SKV_BACKEND_CUDA, wd.dvn, vn, wd.kn * 2);
+            SKVT_CHECK_STATUS(step(&wd, C, 0, oc), SKV_OK, "decode C layer 0");
+            double dab = 0, dcb = 0, dca = 0;
+            for (size_t i = 0; i < wd.qn; i++) {
+                dab = fmax(dab, fabs((double)oa[i] - ob[i]));
+                dcb = fmax(dcb, fabs((double)oc[i] - ob[i]));
+                dca = fmax(dca, fabs((double)oc[i] - oa[i]));
+            }
+            printf("layer-0 step: max |A-B| %.3g, |C-B| %.3g, |C-A| %.3g (A default stream, B graph, C caller "
+                   "stream direct)\n", dab, dcb, dca);
+            SKVT_CHECK(dca == 0, "caller-stream direct step differs from the default-stream direct step");
+            skv_cache_free(C);
+        }
+        free(oc);
+        cudaStreamDestroy(sc);
+    }
     same_state(&wd, A, B, "after the captured step");
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

@@ -45,8 +45,12 @@ def main():
     for r in dec.get("rows", []):
         for d in dense.get("rows", []):
             if d["ctx"] == r["ctx"] and d["batch"] == r["batch"]:
-                cmp_rows.append({"ctx": r["ctx"], "batch": r["batch"], "shadowkv_step_ms": r["step_ms"],
-                                 "dense_flash_ms": d["ms"], "dense_over_shadowkv": d["ms"] / r["step_ms"]})
+                row = {"ctx": r["ctx"], "batch": r["batch"], "shadowkv_step_ms": r["step_ms"],
+                       "dense_flash_ms": d["ms"], "dense_over_shadowkv": d["ms"] / r["step_ms"]}
+                if r.get("device_step_ms"):
+                    row["shadowkv_device_step_ms"] = r["device_step_ms"]
+                    row["dense_over_shadowkv_device"] = d["ms"] / r["device_step_ms"]
+                cmp_rows.append(row)
     res["decode_vs_dense"] = cmp_rows
     perf = []
     try:
