@@ -367,6 +367,7 @@ typedef struct skv_cuda_cache {
     skv_layout lay;
     cudaStream_t st;
     cudaStream_t side;              /* the value fetch runs here, beside the key rebuild */
+    int serial;                     /* SKV_CUDA_SERIAL=1: fetch on the cache's stream (debugging) */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
     char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
@@ -483,6 +484,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     }
     k->cfg = *cfg;
     k->lay = *lay;
+    k->serial = getenv("SKV_CUDA_SERIAL") && getenv("SKV_CUDA_SERIAL")[0] == '1';
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
     k->host = host;
@@ -721,14 +723,17 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
     CK(skv_cuda_select(st, sh, seqs, k->scores, k->amax, k->sel_idx, k->sel_ids));
     SKV_MARK(1, st);
     /* fork: the values come over PCIe on the side stream while the keys are rebuilt */
-    CK(cudaEventRecord(k->fork_ev, st));
-    CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-    CK(skv_cuda_gather(k->side, sh, seqs, k->sel_idx, k->v_sel));
-    SKV_MARK(3, k->side);
-    CK(cudaEventRecord(k->join_ev, k->side));
+    cudaStream_t fs = k->serial ? st : k->side;
+    if (!k->serial) {
+        CK(cudaEventRecord(k->fork_ev, st));
+        CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+    }
+    CK(skv_cuda_gather(fs, sh, seqs, k->sel_idx, k->v_sel));
+    SKV_MARK(3, fs);
+    if (!k->serial) CK(cudaEventRecord(k->join_ev, k->side));
     CK(skv_cuda_rebuild(st, sh, seqs, k->sel_ids, k->k_sel));
     SKV_MARK(2, st);
-    CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+    if (!k->serial) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
     SKV_MARK(4, st);
     CK(skv_cuda_decode_attention(st, sh, seqs, q, k->k_sel, k->v_sel, kn, vn, out, k->attn_ws, k->attn_ws_bytes));
     CK(skv_cuda_append(st, sh, seqs, kn, vn, k->sel_idx, k->sel_ids, k->step_bad));

@@ -275,6 +275,25 @@ static void test_gpu(uint64_t seed)
     SKVT_CHECK_STATUS(skv_cache_sync(B), SKV_OK, "sync B after the graph");
     CU(cudaMemcpy(ob, wd.dout, wd.qn * 4, cudaMemcpyDeviceToHost));
     SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "graph-launched step differs from the direct step (bitwise)");
+    if (memcmp(oa, ob, wd.qn * 4)) { /* where: per (seq, head) output and selection */
+        for (int b = 0; b < wd.cfg.batch_size; b++) {
+            int bad_q = 0, bad_s = 0;
+            for (int h = 0; h < wd.cfg.n_q_heads; h++)
+                bad_q += memcmp(oa + ((size_t)b * wd.cfg.n_q_heads + h) * wd.cfg.head_dim,
+                                ob + ((size_t)b * wd.cfg.n_q_heads + h) * wd.cfg.head_dim, (size_t)wd.cfg.head_dim * 4) != 0;
+            for (int h = 0; h < wd.cfg.n_kv_heads; h++) {
+                int32_t sa[64], sb2[64];
+                skv_cache_selected(A, 0, b, h, sa);
+                skv_cache_selected(B, 0, b, h, sb2);
+                bad_s += memcmp(sa, sb2, (size_t)(wd.cfg.budget / wd.cfg.chunk_size) * 4) != 0;
+            }
+            skv_seq_info ia, ib;
+            skv_cache_seq_info(A, 0, b, &ia);
+            skv_cache_seq_info(B, 0, b, &ib);
+            printf("graph vs direct, seq %d: %d/%d query heads differ, %d/%d selections differ, n_generated %d vs %d\n",
+                   b, bad_q, wd.cfg.n_q_heads, bad_s, wd.cfg.n_kv_heads, ia.n_generated, ib.n_generated);
+        }
+    }
     {
         /* a third cache on another caller stream runs the same step directly: it tells a
            capture problem (C == A) from a stream problem (C == B) */

@@ -7,9 +7,10 @@
 #   full      build, every GPU test (test_contract at 100 configurations),
 #             compute-sanitizer memcheck over the GPU tests, the benchmarks
 #             (skv-bench decode, the torch dense baseline, backend_ops --perf)
-#             and the demo on cuda at a Llama-3-8B shape
+#   demo      build, the demo on cuda at a Llama-3-8B shape (32 layers, one
+#             131072-token sequence; 8 sequences of 32768)
 #   sanitize  build, compute-sanitizer memcheck only
-#   bench     build, the benchmarks and the demo only
+#   bench     build, the benchmarks only
 #
 # Writes at most 8 files under $OUT (default build/gpu-out): log.txt (this
 # script's output), tests_log.txt (every test's full output), tests.json
@@ -71,6 +72,7 @@ run_test() {
 
 if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
   run_test test_cuda build/tests/test_cuda
+  run_test test_cuda_serial env SKV_CUDA_SERIAL=1 build/tests/test_cuda
   run_test backend_ops_cuda build/tests/backend_ops -b cuda
   if [ "$MODE" = quick ]; then
     run_test test_contract build/tests/test_contract 20
@@ -87,14 +89,6 @@ if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
   fi
 fi
 
-if [ "$MODE" = full ] || [ "$MODE" = sanitize ]; then
-  CS="compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99"
-  run_test memcheck_test_cuda $CS build/tests/test_cuda
-  run_test memcheck_backend_ops $CS build/tests/backend_ops -b cuda
-  SKV_SEED=7 run_test memcheck_test_contract $CS build/tests/test_contract 6
-  grep -h "ERROR SUMMARY" "$TMP"/t_memcheck_*.txt
-fi
-sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 
 if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   if [ "$MODE" = quick ]; then BARGS="--ctx 32768,131072 --batch 1,8 --steps 20 --warmup 3"; else BARGS="--ctx 32768,131072 --batch 1,8 --steps 50 --warmup 5"; fi
@@ -108,12 +102,14 @@ fi
 if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   stamp "backend_ops --perf -b cuda"
   timeout 300 build/tests/backend_ops --perf -b cuda > "$OUT/perf.txt" 2>&1
-  grep -E "^PERF" "$OUT/perf.txt" | grep -v " ref " | tail -40
+  grep -E "^PERF|^SUMMARY" "$OUT/perf.txt" | grep -v " ref " | tail -60
+fi
+if [ "$MODE" = demo ]; then
   stamp "demo: 32 layers, one 131072-token sequence"
-  timeout 400 build/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json > "$TMP/demo_128k.json"
+  timeout 270 build/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json > "$TMP/demo_128k.json"
   cat "$TMP/demo_128k.json"
   stamp "demo: 32 layers, 8 sequences of 32768 tokens"
-  timeout 400 build/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 \
+  timeout 270 build/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 \
     --share-layers --json > "$TMP/demo_8x32k.json"
   cat "$TMP/demo_8x32k.json"
   { echo '{"one_128k": '; cat "$TMP/demo_128k.json"; echo ', "batch8_32k": '; cat "$TMP/demo_8x32k.json"; echo '}'; } > "$OUT/demo.json"
@@ -128,6 +124,14 @@ if [ -n "${PROFILE:-}" ]; then
       grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 40), $(NF-1), $NF}'
   done
 fi
+if [ "$MODE" = full ] || [ "$MODE" = sanitize ]; then
+  CS="compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99"
+  TEST_TIMEOUT=200 run_test memcheck_test_cuda $CS build/tests/test_cuda
+  TEST_TIMEOUT=200 run_test memcheck_backend_ops $CS build/tests/backend_ops -b cuda
+  SKV_SEED=7 TEST_TIMEOUT=200 run_test memcheck_test_contract $CS build/tests/test_contract 6
+  grep -h "ERROR SUMMARY" "$TMP"/t_memcheck_*.txt
+fi
+sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 stamp "collect"
 python3 tests/gpu/collect.py "$OUT" "$TMP/gpu.txt" > "$OUT/summary.json" && cat "$OUT/summary.json" | head -c 3000
 stamp "done"
