@@ -283,13 +283,21 @@ static void test_gpu(uint64_t seed)
                                 ob + ((size_t)b * wd.cfg.n_q_heads + h) * wd.cfg.head_dim, (size_t)wd.cfg.head_dim * 4) != 0;
             for (int h = 0; h < wd.cfg.n_kv_heads; h++) {
                 int32_t sa[64], sb2[64];
-                skv_cache_selected(A, 0, b, h, sa);
-                skv_cache_selected(B, 0, b, h, sb2);
+                skv_status s1 = skv_cache_selected(A, 0, b, h, sa), s2 = skv_cache_selected(B, 0, b, h, sb2);
+                if (s1 || s2) printf("selected: A %s (%s), B %s (%s)\n", skv_status_string(s1), skv_cache_last_error(A),
+                                     skv_status_string(s2), skv_cache_last_error(B));
                 bad_s += memcmp(sa, sb2, (size_t)(wd.cfg.budget / wd.cfg.chunk_size) * 4) != 0;
             }
             skv_seq_info ia, ib;
-            skv_cache_seq_info(A, 0, b, &ia);
-            skv_cache_seq_info(B, 0, b, &ib);
+            memset(&ia, 0, sizeof ia);
+            memset(&ib, 0, sizeof ib);
+            skv_status sa_ = skv_cache_seq_info(A, 0, b, &ia), sb_ = skv_cache_seq_info(B, 0, b, &ib);
+            if (sa_ || sb_) printf("seq_info: A %s (%s), B %s (%s)\n", skv_status_string(sa_), skv_cache_last_error(A),
+                                   skv_status_string(sb_), skv_cache_last_error(B));
+            skv_seq_info ja, jb;
+            skv_cache_seq_info(A, 1, b, &ja);
+            skv_cache_seq_info(B, 1, b, &jb);
+            printf("layer 1 n_generated A %d B %d\n", ja.n_generated, jb.n_generated);
             printf("graph vs direct, seq %d: %d/%d query heads differ, %d/%d selections differ, n_generated %d vs %d\n",
                    b, bad_q, wd.cfg.n_q_heads, bad_s, wd.cfg.n_kv_heads, ia.n_generated, ib.n_generated);
         }

@@ -7,7 +7,8 @@
 #   full      build, every GPU test (test_contract at 100 configurations),
 #             compute-sanitizer memcheck over the GPU tests, the benchmarks
 #             (skv-bench decode, the torch dense baseline, backend_ops --perf)
-#   demo      build, the demo on cuda at a Llama-3-8B shape (32 layers, one
+#   demo      build, test_cuda, skv-bench decode with the dense baseline, and
+#             the demo on cuda at a Llama-3-8B shape (32 layers, one
 #             131072-token sequence; 8 sequences of 32768)
 #   sanitize  build, compute-sanitizer memcheck only
 #   bench     build, the benchmarks only
@@ -90,7 +91,10 @@ if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
 fi
 
 
-if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
+if [ "$MODE" = demo ]; then
+  run_test test_cuda build/tests/test_cuda
+fi
+if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ] || [ "$MODE" = demo ]; then
   if [ "$MODE" = quick ]; then BARGS="--ctx 32768,131072 --batch 1,8 --steps 20 --warmup 3"; else BARGS="--ctx 32768,131072 --batch 1,8 --steps 50 --warmup 5"; fi
   stamp "skv-bench decode $BARGS"
   timeout 300 build/skv-bench decode --backend cuda $BARGS --json > "$OUT/bench_decode.json"
