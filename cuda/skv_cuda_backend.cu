@@ -355,8 +355,7 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
 #define SKV_CUDA_RING 64 /* decode steps whose phase times can be in flight */
-#define SKV_CUDA_EV 7 /* start, selected, rebuilt, fetched (side stream), joined, end, first fetch */
-#define SKV_CUDA_EV_END 5
+#define SKV_CUDA_EV 6 /* start, selected, rebuilt, fetched (side stream), joined, end */
 
 typedef struct {
     cudaEvent_t e[SKV_CUDA_EV];
@@ -689,7 +688,7 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
 {
     k->pending.decode_select_ms += skv_cuda_elapsed(s->e[0], s->e[1]);
     k->pending.decode_rebuild_ms += skv_cuda_elapsed(s->e[1], s->e[2]);
-    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[6], s->e[3]);
+    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[1], s->e[3]);
     k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[4], s->e[5]);
     k->pending.decode_step_ms += skv_cuda_elapsed(s->e[0], s->e[5]);
     s->used = 0;
@@ -709,7 +708,7 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
     CK(cudaStreamIsCapturing(st, &cs));
     skv_cuda_evset *ev = &k->ring[k->ring_head];
     if (ev->used && cs == cudaStreamCaptureStatusNone) { /* no event queries inside a capture */
-        cudaError_t q5 = cudaEventQuery(ev->e[SKV_CUDA_EV_END]);
+        cudaError_t q5 = cudaEventQuery(ev->e[SKV_CUDA_EV - 1]);
         if (q5 == cudaSuccess) skv_cuda_take_times(k, ev);
         else if (q5 == cudaErrorNotReady) (void)cudaGetLastError();
         else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
@@ -720,30 +719,16 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
     SKV_MARK(0, st);
     CK(cudaMemsetAsync(k->step_bad, 0, sizeof *k->step_bad, st));
     CK(skv_cuda_check_step(st, sh->B, sh->Hq, sh->Hk, sh->D, layer, q, kn, vn, k->step_bad, k->first_bad));
-    /* The batch goes through scoring and selection in up to 8 chunks; the values of a chunk
-       start coming over PCIe (the bottleneck) on the side stream as soon as its selection is
-       known, while the next chunk is scored and the keys are rebuilt. */
-    cudaStream_t fs = k->serial ? st : k->side;
-    const int32_t B = sh->B, nch = B < 8 ? B : 8, per = B / nch, extra = B % nch;
-    for (int32_t i = 0, b0 = 0; i < nch; i++) {
-        const int32_t nb = per + (i < extra);
-        skv_cuda_shape shc = *sh;
-        shc.B = nb;
-        skv_cuda_seq *sq = seqs + b0;
-        const size_t qo = (size_t)b0 * sh->Hq * sh->D, so = (size_t)b0 * sh->Hq * sh->cand_max;
-        const size_t ao = (size_t)b0 * sh->Hk * sh->cand_max, io = (size_t)b0 * sh->Hk * sh->S;
-        const size_t vo = io * sh->c * sh->D;
-        CK(skv_cuda_score(st, &shc, sq, q + qo, k->scores + so));
-        CK(skv_cuda_select(st, &shc, sq, k->scores + so, k->amax + ao, k->sel_idx + io, k->sel_ids + io));
-        if (i == 0) SKV_MARK(6, st);
-        if (!k->serial) { /* fork */
-            CK(cudaEventRecord(k->fork_ev, st));
-            CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-        }
-        CK(skv_cuda_gather(fs, &shc, sq, k->sel_idx + io, k->v_sel + vo));
-        b0 += nb;
-    }
+    CK(skv_cuda_score(st, sh, seqs, q, k->scores));
+    CK(skv_cuda_select(st, sh, seqs, k->scores, k->amax, k->sel_idx, k->sel_ids));
     SKV_MARK(1, st);
+    /* fork: the values come over PCIe on the side stream while the keys are rebuilt */
+    cudaStream_t fs = k->serial ? st : k->side;
+    if (!k->serial) {
+        CK(cudaEventRecord(k->fork_ev, st));
+        CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+    }
+    CK(skv_cuda_gather(fs, sh, seqs, k->sel_idx, k->v_sel));
     SKV_MARK(3, fs);
     if (!k->serial) CK(cudaEventRecord(k->join_ev, k->side));
     CK(skv_cuda_rebuild(st, sh, seqs, k->sel_ids, k->k_sel));

@@ -139,3 +139,9 @@ void skvt_dfree(skv_backend be, void *dev, void *host)
 {
     if (dev != host) skv_buffer_free(be, dev);
 }
+
+int skvt_check_status_(skv_status got, skv_status want, const char *what, const char *file, int line)
+{
+    return skvt_check_(got == want, file, line, "%s: got %s, want %s", what, skv_status_string(got),
+                       skv_status_string(want));
+}

@@ -34,9 +34,9 @@ int skvt_check_(int cond, const char *file, int line, const char *fmt, ...)
 #endif
     ;
 #define SKVT_CHECK(cond, ...) skvt_check_(!!(cond), __FILE__, __LINE__, __VA_ARGS__)
-/* Status equality check with both names printed. */
-#define SKVT_CHECK_STATUS(got, want, what) \
-    SKVT_CHECK((got) == (want), "%s: got %s, want %s", (what), skv_status_string(got), skv_status_string(want))
+/* Status equality check with both names printed; got is evaluated once (it is often a call). */
+int skvt_check_status_(skv_status got, skv_status want, const char *what, const char *file, int line);
+#define SKVT_CHECK_STATUS(got, want, what) skvt_check_status_((got), (want), (what), __FILE__, __LINE__)
 void skvt_skip(const char *why);
 
 /* Prints "N passed, N failed[, N skipped]" and returns the exit code (0 iff no failure). */
