@@ -5,7 +5,9 @@
  *   cc link_example.c $(pkg-config --cflags --libs shadowkv)
  *
  * It creates a small cache, prefills one layer of one sequence, runs a decode
- * step and prints the selected chunks of KV head 0.
+ * step and prints the selected chunks of KV head 0. Tensors go through
+ * skv_buffer_alloc/skv_buffer_copy, so the same code runs on every backend
+ * (device memory for cuda, host memory for ref and cpu).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,12 +47,29 @@ int main(void)
         k[i] = skv_bf16_from_float((float)((i * 7919u) % 101) / 50.0f - 1.0f);
         v[i] = skv_bf16_from_float((float)((i * 104729u) % 97) / 48.0f - 1.0f);
     }
-    st = skv_prefill(cache, 0, 0, n, k, v, NULL);
     skv_bf16 q[4 * 64], kn[64], vn[64];
     float out[4 * 64];
     for (int i = 0; i < 4 * 64; i++) q[i] = skv_bf16_from_float((float)(i % 13) / 6.0f - 1.0f);
     for (int i = 0; i < 64; i++) kn[i] = vn[i] = skv_bf16_from_float(0.25f);
-    if (st == SKV_OK) st = skv_decode(cache, 0, q, kn, vn, out);
+    /* buffers of the kind the cache's backend takes */
+    const skv_backend be = skv_cache_backend(cache);
+    void *dk = NULL, *dv = NULL, *dq = NULL, *dkn = NULL, *dvn = NULL, *dout = NULL;
+    const size_t pb = n * row * sizeof *k;
+    st = skv_buffer_alloc(be, pb, &dk);
+    if (st == SKV_OK) st = skv_buffer_alloc(be, pb, &dv);
+    if (st == SKV_OK) st = skv_buffer_alloc(be, sizeof q, &dq);
+    if (st == SKV_OK) st = skv_buffer_alloc(be, sizeof kn, &dkn);
+    if (st == SKV_OK) st = skv_buffer_alloc(be, sizeof vn, &dvn);
+    if (st == SKV_OK) st = skv_buffer_alloc(be, sizeof out, &dout);
+    if (st == SKV_OK) st = skv_buffer_copy(be, dk, k, pb);
+    if (st == SKV_OK) st = skv_buffer_copy(be, dv, v, pb);
+    if (st == SKV_OK) st = skv_buffer_copy(be, dq, q, sizeof q);
+    if (st == SKV_OK) st = skv_buffer_copy(be, dkn, kn, sizeof kn);
+    if (st == SKV_OK) st = skv_buffer_copy(be, dvn, vn, sizeof vn);
+    if (st == SKV_OK) st = skv_prefill(cache, 0, 0, n, dk, dv, NULL);
+    if (st == SKV_OK) st = skv_decode(cache, 0, dq, dkn, dvn, dout);
+    if (st == SKV_OK) st = skv_cache_sync(cache); /* cuda: skv_decode only enqueued the step */
+    if (st == SKV_OK) st = skv_buffer_copy(be, out, dout, sizeof out);
     int32_t sel[8];
     if (st == SKV_OK) st = skv_cache_selected(cache, 0, 0, 0, sel);
     if (st != SKV_OK) {
@@ -64,6 +83,12 @@ int main(void)
     printf("\n");
     free(k);
     free(v);
+    skv_buffer_free(be, dk);
+    skv_buffer_free(be, dv);
+    skv_buffer_free(be, dq);
+    skv_buffer_free(be, dkn);
+    skv_buffer_free(be, dvn);
+    skv_buffer_free(be, dout);
     skv_cache_free(cache);
     return 0;
 }

@@ -10,6 +10,7 @@
 #   demo      build, test_cuda, skv-bench decode with the dense baseline, and
 #             the demo on cuda at a Llama-3-8B shape (32 layers, one
 #             131072-token sequence; 8 sequences of 32768)
+#   all       full + demo (the run whose summary is committed)
 #   sanitize  build, compute-sanitizer memcheck only
 #   bench     build, the benchmarks only
 #
@@ -21,6 +22,16 @@
 # extracted Debian packages in .deps (make SKV_DEPS=.deps).
 set -uo pipefail
 MODE=${1:-quick}
+# what each mode runs
+case "$MODE" in
+  quick)    T_TESTS=quick; T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO= ;;
+  full)     T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO= ;;
+  all)      T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO=1 ;;
+  demo)     T_TESTS=cuda;  T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO=1 ;;
+  sanitize) T_TESTS=;      T_BENCH=;  T_PERF=;  T_SAN=1; T_DEMO= ;;
+  bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO= ;;
+  *) echo "unknown mode $MODE"; exit 2 ;;
+esac
 OUT=${OUT:-build/gpu-out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
@@ -71,18 +82,20 @@ run_test() {
   echo "  \"$name\": {\"cmd\": \"$*\", \"rc\": $rc, \"result\": \"$line\", \"s\": $(( $(date +%s) - t ))}," >> "$TMP/tests.tmp"
 }
 
-if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
+if [ -n "$T_TESTS" ]; then
   run_test test_cuda build/tests/test_cuda
+fi
+if [ "$T_TESTS" = quick ] || [ "$T_TESTS" = full ]; then
   run_test test_cuda_serial env SKV_CUDA_SERIAL=1 build/tests/test_cuda
   run_test backend_ops_cuda build/tests/backend_ops -b cuda
-  if [ "$MODE" = quick ]; then
+  if [ "$T_TESTS" = quick ]; then
     run_test test_contract build/tests/test_contract 20
   else
     run_test test_contract build/tests/test_contract 100
   fi
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
-  if [ "$MODE" = full ]; then
+  if [ "$T_TESTS" = full ]; then
     run_test test_numerics build/tests/test_numerics
     run_test test_bad_input build/tests/test_bad_input
     run_test test_threads build/tests/test_threads
@@ -91,10 +104,7 @@ if [ "$MODE" = quick ] || [ "$MODE" = full ]; then
 fi
 
 
-if [ "$MODE" = demo ]; then
-  run_test test_cuda build/tests/test_cuda
-fi
-if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ] || [ "$MODE" = demo ]; then
+if [ -n "$T_BENCH" ]; then
   if [ "$MODE" = quick ]; then BARGS="--ctx 32768,131072 --batch 1,8 --steps 20 --warmup 3"; else BARGS="--ctx 32768,131072 --batch 1,8 --steps 50 --warmup 5"; fi
   stamp "skv-bench decode $BARGS"
   timeout 300 build/skv-bench decode --backend cuda $BARGS --json > "$OUT/bench_decode.json"
@@ -102,13 +112,15 @@ if [ "$MODE" = full ] || [ "$MODE" = bench ] || [ "$MODE" = quick ] || [ "$MODE"
   stamp "dense baseline (torch sdpa flash)"
   timeout 200 python3 tests/gpu/dense_decode.py > "$OUT/dense.json"
   cat "$OUT/dense.json"
+  stamp "for comparison: the value fetch on the cache's stream after the key rebuild (SKV_CUDA_SERIAL=1)"
+  SKV_CUDA_SERIAL=1 timeout 100 build/skv-bench decode --backend cuda --ctx 131072 --batch 8 --steps 50 --warmup 5 2>&1 | tail -2
 fi
-if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
+if [ -n "$T_PERF" ]; then
   stamp "backend_ops --perf -b cuda"
   timeout 300 build/tests/backend_ops --perf -b cuda > "$OUT/perf.txt" 2>&1
   grep -E "^PERF|^SUMMARY" "$OUT/perf.txt" | grep -v " ref " | tail -60
 fi
-if [ "$MODE" = demo ]; then
+if [ -n "$T_DEMO" ]; then
   stamp "demo: 32 layers, one 131072-token sequence"
   timeout 270 build/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json > "$TMP/demo_128k.json"
   cat "$TMP/demo_128k.json"
@@ -128,7 +140,7 @@ if [ -n "${PROFILE:-}" ]; then
       grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 40), $(NF-1), $NF}'
   done
 fi
-if [ "$MODE" = full ] || [ "$MODE" = sanitize ]; then
+if [ -n "$T_SAN" ]; then
   CS="compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99"
   TEST_TIMEOUT=200 run_test memcheck_test_cuda $CS build/tests/test_cuda
   TEST_TIMEOUT=200 run_test memcheck_backend_ops $CS build/tests/backend_ops -b cuda
