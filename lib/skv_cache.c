@@ -198,6 +198,24 @@ static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what
 
 /* ---- prefill -------------------------------------------------------------------------- */
 
+/* The last act of a successful prefill: the slot's shape and the phase times. */
+static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N, int32_t n_cand, int32_t n_local,
+                                const skv_stats *t)
+{
+    sl->n = n;
+    sl->n_chunks = N;
+    sl->n_cand = n_cand;
+    sl->n_local = n_local;
+    sl->n_gen = 0;
+    sl->has_selection = 0;
+    sl->prefilled = 1;
+    c->stats.prefill_rope_ms += t->prefill_rope_ms;
+    c->stats.prefill_factorize_ms += t->prefill_factorize_ms;
+    c->stats.prefill_landmarks_ms += t->prefill_landmarks_ms;
+    c->stats.prefill_offload_ms += t->prefill_offload_ms;
+    c->stats.n_prefill_calls++;
+}
+
 SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
                                const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
 {
@@ -235,18 +253,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
         skv_stats t = {0};
         st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
         if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
-        sl->n = n;
-        sl->n_chunks = (int32_t)N;
-        sl->n_cand = n_cand;
-        sl->n_local = n_local;
-        sl->n_gen = 0;
-        sl->has_selection = 0;
-        sl->prefilled = 1;
-        c->stats.prefill_rope_ms += t.prefill_rope_ms;
-        c->stats.prefill_factorize_ms += t.prefill_factorize_ms;
-        c->stats.prefill_landmarks_ms += t.prefill_landmarks_ms;
-        c->stats.prefill_offload_ms += t.prefill_offload_ms;
-        c->stats.n_prefill_calls++;
+        skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
         return SKV_OK;
     }
     if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
@@ -321,19 +328,14 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
         goto done;
     }
     t4 = skv_now_ms();
-    /* publish */
-    sl->n = n;
-    sl->n_chunks = (int32_t)N;
-    sl->n_cand = n_cand;
-    sl->n_local = n_local;
-    sl->n_gen = 0;
-    sl->has_selection = 0;
-    sl->prefilled = 1;
-    c->stats.prefill_rope_ms += t1 - t0;
-    c->stats.prefill_factorize_ms += t2 - t1;
-    c->stats.prefill_landmarks_ms += t3 - t2;
-    c->stats.prefill_offload_ms += t4 - t3;
-    c->stats.n_prefill_calls++;
+    {
+        skv_stats t = {0};
+        t.prefill_rope_ms = t1 - t0;
+        t.prefill_factorize_ms = t2 - t1;
+        t.prefill_landmarks_ms = t3 - t2;
+        t.prefill_offload_ms = t4 - t3;
+        skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+    }
 done:
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
     ops->mem_free(uf, SKV_MEM_DEVICE);
