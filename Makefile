@@ -71,7 +71,10 @@ STATIC := $(BUILD)/libshadowkv.a
 SHARED := $(BUILD)/libshadowkv.so
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all lib demo check bench tests install uninstall clean deps link-check
+# fuzz harnesses: corpus replays (run by make check), libFuzzer builds (make fuzz)
+-include fuzz/fuzz.mk
+
+.PHONY: all lib demo check bench tests install uninstall clean deps link-check asan-check
 
 all: lib $(BUILD)/demo $(BUILD)/skv-bench $(TEST_BIN)
 lib: $(STATIC) $(SHARED)
@@ -132,7 +135,10 @@ $(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h
 
 $(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) lib/skv_numerics.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) $(TEST_LDFLAGS) -o $@
+
+# allocation-failure injection: the library's heap calls go through the test's wrappers
+$(BUILD)/tests/test_alloc_fail: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=free,--wrap=posix_memalign
 
 $(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
@@ -148,8 +154,22 @@ demo: $(BUILD)/demo
 
 # make check: every test binary, then the install + pkg-config link check;
 # ends with the summed "N passed, N failed, N skipped".
-check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench
-	@bash tests/run_all.sh $(TEST_BIN)
+check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" bash tests/run_all.sh $(TEST_BIN)
+
+# make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
+# AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.
+# CUDA off; the install/link check is skipped (an instrumented .so needs an
+# instrumented program). allocator_may_return_null: test_bad_input asks for a
+# 2^56-byte cache on purpose.
+ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+asan-check:
+	@$(MAKE) --no-print-directory BUILD=build-asan SKV_CUDA=0 CFLAGS="$(ASAN_FLAGS)" \
+	  $(patsubst $(BUILD)/%,build-asan/%,$(TEST_BIN) $(FUZZ_REPLAY_BIN))
+	@ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 SKV_NO_LINK_CHECK=1 \
+	  FUZZ_REPLAY="$(patsubst $(BUILD)/%,build-asan/%,$(FUZZ_REPLAY_BIN))" \
+	  bash tests/run_all.sh $(patsubst $(BUILD)/%,build-asan/%,$(TEST_BIN))
 
 # Installs into a staging prefix and builds examples/link_example.c with
 # pkg-config only, then runs it.
@@ -181,4 +201,4 @@ uninstall:
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-asan build-fuzz

@@ -4,11 +4,19 @@
 # "N passed, N failed, N skipped". Exits non-zero on any failure.
 set -u
 total_p=0 total_f=0 total_s=0 bad=0
-for t in "$@"; do
+# Each entry is a test binary, or (from $FUZZ_REPLAY) a fuzz replay binary
+# build/.../replay_<harness>, run over fuzz/corpus/<harness> and fuzz/regressions/<harness>.
+entries=("$@")
+for r in ${FUZZ_REPLAY:-}; do entries+=("$r"); done
+for t in "${entries[@]}"; do
   echo "== $t"
   start=$(date +%s%N)
   log=$(mktemp)
-  "./$t" 2>&1 | tee "$log"
+  args=()
+  case "$(basename "$t")" in
+    replay_*) h=$(basename "$t"); h=${h#replay_}; args=("fuzz/corpus/$h"); [ -d "fuzz/regressions/$h" ] && args+=("fuzz/regressions/$h") ;;
+  esac
+  "./$t" "${args[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
   rm -f "$log"
@@ -21,7 +29,9 @@ for t in "$@"; do
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   echo "   $t: $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
 done
-if make --no-print-directory link-check; then total_p=$((total_p + 1)); else total_f=$((total_f + 1)); bad=1; fi
+if [ -n "${SKV_NO_LINK_CHECK:-}" ]; then
+  echo "== link-check skipped (SKV_NO_LINK_CHECK)"
+elif make --no-print-directory link-check; then total_p=$((total_p + 1)); else total_f=$((total_f + 1)); bad=1; fi
 echo "make check: $([ $bad = 0 ] && echo all passed || echo FAILURES)"
 echo "$total_p passed, $total_f failed, $total_s skipped"
 exit $bad

@@ -1,6 +1,8 @@
 /*
  * Thread safety as the README states it: separate caches may be used from
- * separate threads at once, and skv_last_error() is per thread.
+ * separate threads at once, skv_op_* and the config/memory queries are
+ * reentrant (every worker also runs op-level selections and memory queries on
+ * shared read-only inputs), and skv_last_error() is per thread.
  *
  * Each worker owns one cache (ref or cpu), prefills and decodes a seeded
  * workload of its own; its outputs and selections must be bitwise those of
@@ -25,7 +27,14 @@ typedef struct {
     int32_t *sel;        /* [STEPS * L * B * Hk * S] */
     int error_msg_ok;
     skv_status status;
+    int32_t *op_sel;     /* [OP_HK * OP_S] from skv_op_score_select on the shared inputs */
+    float *op_amax;      /* [OP_HK * OP_N] */
+    size_t mem_dev, mem_host;
 } job;
+
+/* shared, read-only inputs of the op-level calls every worker makes at once */
+enum { OP_HQ = 8, OP_HK = 2, OP_D = 64, OP_N = 3000, OP_S = 100 };
+static skv_bf16 *g_op_q, *g_op_lm;
 
 static skv_config small_config(skv_backend be)
 {
@@ -100,6 +109,12 @@ static void *run(void *arg)
                     j->status = skv_cache_selected(cache, l, b, h,
                                                    j->sel + (((o * c.batch_size + b) * c.n_kv_heads) + h) * S);
         }
+    /* op-level calls and memory queries on shared inputs, many times over */
+    for (int it = 0; it < 30 && !j->status; it++) {
+        j->status = skv_op_score_select(j->be, OP_HQ, OP_HK, OP_D, OP_N, OP_S, 0.0f, g_op_q, g_op_lm, NULL, j->op_sel,
+                                        NULL, j->op_amax);
+        if (!j->status) j->status = skv_cache_memory(&c, &j->mem_dev, &j->mem_host);
+    }
     free(k);
     free(v);
     free(q);
@@ -116,12 +131,20 @@ int main(void)
     skvt_rng_seed(&r, seed);
     job par[N_WORKERS], seq[N_WORKERS];
     pthread_t th[N_WORKERS];
+    g_op_q = malloc((size_t)OP_HQ * OP_D * 2);
+    g_op_lm = malloc((size_t)OP_HK * OP_N * OP_D * 2);
+    skvt_fill_bf16_normal(&r, g_op_q, (size_t)OP_HQ * OP_D, 1.0);
+    skvt_fill_bf16_normal(&r, g_op_lm, (size_t)OP_HK * OP_N * OP_D, 1.0);
     for (int i = 0; i < N_WORKERS; i++) {
         skv_config c = small_config(i % 2 ? SKV_BACKEND_CPU : SKV_BACKEND_REF);
-        par[i] = (job){c.backend, skvt_rng_u64(&r), i, malloc(out_len(&c) * 4), malloc(sel_len(&c) * 4), 0, SKV_OK};
+        memset(&par[i], 0, sizeof par[i]);
+        par[i].be = c.backend, par[i].seed = skvt_rng_u64(&r), par[i].id = i;
+        par[i].out = malloc(out_len(&c) * 4), par[i].sel = malloc(sel_len(&c) * 4);
+        par[i].op_sel = malloc((size_t)OP_HK * OP_S * 4), par[i].op_amax = malloc((size_t)OP_HK * OP_N * 4);
         seq[i] = par[i];
         seq[i].out = malloc(out_len(&c) * 4);
         seq[i].sel = malloc(sel_len(&c) * 4);
+        seq[i].op_sel = malloc((size_t)OP_HK * OP_S * 4), seq[i].op_amax = malloc((size_t)OP_HK * OP_N * 4);
     }
     /* the same work, alone on this thread */
     for (int i = 0; i < N_WORKERS; i++) run(&seq[i]);
@@ -138,10 +161,18 @@ int main(void)
         SKVT_CHECK(memcmp(seq[i].sel, par[i].sel, sel_len(&c) * 4) == 0,
                    "worker %d (%s): concurrent selections differ from the sequential run", i, be);
         SKVT_CHECK(par[i].error_msg_ok, "worker %d (%s): its thread-local error message was clobbered", i, be);
+        SKVT_CHECK(memcmp(seq[i].op_sel, par[i].op_sel, (size_t)OP_HK * OP_S * 4) == 0 &&
+                       memcmp(seq[i].op_amax, par[i].op_amax, (size_t)OP_HK * OP_N * 4) == 0,
+                   "worker %d (%s): concurrent skv_op_score_select differs from the sequential run", i, be);
+        SKVT_CHECK(seq[i].mem_dev == par[i].mem_dev && seq[i].mem_host == par[i].mem_host,
+                   "worker %d (%s): concurrent skv_cache_memory differs", i, be);
         free(par[i].out);
         free(par[i].sel);
         free(seq[i].out);
         free(seq[i].sel);
+        free(par[i].op_sel), free(par[i].op_amax), free(seq[i].op_sel), free(seq[i].op_amax);
     }
+    free(g_op_q);
+    free(g_op_lm);
     return skvt_finish();
 }
