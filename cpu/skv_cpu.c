@@ -593,7 +593,7 @@ static skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, i
         }
 #pragma omp for schedule(static)
         for (int32_t h = 0; h < Hk; h++) {
-            int32_t *oid = outlier_ids + (size_t)h * O;
+            int32_t *oid = O > 0 ? outlier_ids + (size_t)h * O : NULL; /* may be NULL when O == 0 */
             char *mark = is_out + (size_t)h * N;
             if (O > 0) skv_topk_indices(key + (size_t)h * N, N, O, 1, scratch + (size_t)h * N, oid);
             for (int32_t o = 0; o < O; o++) mark[oid[o]] = 1;

@@ -236,7 +236,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
                         (long long)n, (long long)g->max_prompt_len);
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
     const int32_t S = c->lay.S, r = g->rank;
-    int64_t N = n / cs - g->n_local_chunks;
+    int64_t N = n >= 1 ? n / cs - g->n_local_chunks : -1; /* n may be anything, even INT64_MIN */
     if (n < 1 || N < (int64_t)O + S)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
                         "%s: n = %lld gives N = floor(n/c) - Lc = %lld context chunks, need O + S = %d "

@@ -149,7 +149,7 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
     int64_t bad_i;
     int32_t bad_v;
     if (candidate_ids &&
-        ops->check_range(candidate_ids, (int64_t)n_kv_heads * n_cand, 0, INT32_MAX, &bad_i, &bad_v) != SKV_OK)
+        ops->check_range(candidate_ids, (int64_t)n_kv_heads * n_cand, 0, (int64_t)INT32_MAX + 1, &bad_i, &bad_v) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn, (long long)bad_i,
                         bad_v);
     skv_ws ws = {0};

@@ -160,7 +160,7 @@ static skv_status skv_ref_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, i
             const skv_bf16 *k = k_post + ((size_t)j * c * Hk + h) * D;
             score[j] = skv_outlier_key(skv_chunk_landmark_score(k, (int64_t)Hk * D, c, D, mean + (size_t)j * D));
         }
-        int32_t *oid = outlier_ids + (size_t)h * O;
+        int32_t *oid = O > 0 ? outlier_ids + (size_t)h * O : NULL; /* outlier_ids may be NULL when O == 0 */
         skv_topk_indices(score, N, O, 1, scratch, oid);
         memset(is_out, 0, (size_t)N);
         for (int32_t o = 0; o < O; o++) is_out[oid[o]] = 1;
