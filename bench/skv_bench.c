@@ -13,7 +13,8 @@
  * --ref-reps times (default 1) without warm-up; the output says so.
  *
  *   build/skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]
- *   build/skv-bench decode ...   per-layer decode step split (bench_decode.c)
+ *   build/skv-bench decode ...     per-layer decode step split (bench_decode.c)
+ *   build/skv-bench factorize ...  the key factorization with its accuracy (bench_factorize.c)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,10 +200,12 @@ static void cpu_model(char *buf, size_t cap)
 }
 
 int bench_decode_main(int argc, char **argv);
+int bench_factorize_main(int argc, char **argv);
 
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "decode")) return bench_decode_main(argc - 1, argv + 1);
+    if (argc > 1 && !strcmp(argv[1], "factorize")) return bench_factorize_main(argc - 1, argv + 1);
     int64_t ctx = 32768;
     int reps = 5, ref_reps = 1, json = 0, nbe = 0;
     skv_backend bes[MAX_BE];
