@@ -402,3 +402,13 @@ int64_t skvf_min_prompt(const skv_config *cfg)
     int64_t S = cfg->budget / cfg->chunk_size;
     return ((int64_t)cfg->n_outlier_chunks + S + cfg->n_local_chunks) * cfg->chunk_size;
 }
+
+skv_cache *skvf_small_cache(skvf_data *d, skv_config *cfg)
+{
+    *cfg = skvf_small_config(d);
+    skv_cache *cache = NULL;
+    skv_status st = skv_cache_create(cfg, &cache);
+    skvf_check_status(st, "skv_cache_create");
+    if (st != SKV_OK) skvf_fail("skv_cache_create of a small valid config: %s", skv_last_error());
+    return cache;
+}

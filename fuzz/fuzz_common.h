@@ -83,6 +83,9 @@ uint64_t skvf_fingerprint(const skv_cache *cache);
    O <= 4, Lc <= 2, max_prompt_len <= 512, gen_capacity <= 4). backend from skvf_backend. */
 skv_config skvf_small_config(skvf_data *d);
 
+/* skvf_small_config, then skv_cache_create; a failure is an invariant violation. */
+skv_cache *skvf_small_cache(skvf_data *d, skv_config *cfg);
+
 /* Shortest prompt a config accepts: (O + S + Lc) * c tokens. */
 int64_t skvf_min_prompt(const skv_config *cfg);
 

@@ -134,11 +134,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     skvf_data d;
     skvf_init(&d, data, size);
-    skv_config cfg = skvf_small_config(&d);
-    skv_cache *cache = NULL;
-    skv_status st = skv_cache_create(&cfg, &cache);
-    skvf_check_status(st, "skv_cache_create");
-    if (st != SKV_OK) skvf_fail("skv_cache_create of a small valid config: %s", skv_last_error());
+    skv_config cfg;
+    skv_cache *cache = skvf_small_cache(&d, &cfg);
+    skv_status st;
 
     const int32_t L = cfg.n_layers, B = cfg.batch_size;
     const int64_t row = (int64_t)cfg.n_kv_heads * cfg.head_dim;

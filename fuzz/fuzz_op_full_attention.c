@@ -19,6 +19,7 @@
 
 static const char OP[] = "skv_op_full_attention";
 
+/* BAD_GQA .. BAD_SCALE equal SKVF_ATTN_BAD_* (fuzz_op_util.h) */
 enum { BAD_NONE, BAD_GQA, BAD_HQ_LOW, BAD_HK, BAD_D, BAD_SCALE, BAD_N, BAD_NULL_Q, BAD_NULL_K, BAD_NULL_V,
        BAD_NULL_OUT, BAD_COUNT };
 
@@ -70,15 +71,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const skv_bf16 *pq = q.p, *pk = k.p, *pv = v.p;
     float *po = out.p;
     switch (bad) {
-    case BAD_GQA: if (Hk > 1) cHq = Hq + (int32_t)skvf_range(&d, 1, Hk - 1); else bad = BAD_NONE; break;
-    case BAD_HQ_LOW: cHq = Hk > 1 ? (int32_t)skvf_range(&d, 1, Hk - 1) : (int32_t)skvf_range(&d, INT32_MIN, 0); break;
-    case BAD_HK: cHk = skvf_bool(&d) ? (int32_t)skvf_range(&d, INT32_MIN, 0) : (int32_t)skvf_range(&d, 65537, INT32_MAX); break;
-    case BAD_D: cD = skvf_bool(&d) ? (int32_t)skvf_range(&d, INT32_MIN, 0) : (int32_t)skvf_range(&d, 1025, INT32_MAX); break;
-    case BAD_SCALE: {
-        static const float bad_scales[] = {-1.0f, -1e-30f, INFINITY, -INFINITY, NAN};
-        cscale = bad_scales[skvf_range(&d, 0, 4)];
+    case BAD_GQA:
+    case BAD_HQ_LOW:
+    case BAD_HK:
+    case BAD_D:
+    case BAD_SCALE:
+        if (!skvf_attn_bad_shape(&d, bad, Hq, Hk, &cHq, &cHk, &cD, &cscale)) bad = BAD_NONE;
         break;
-    }
     case BAD_N: cn = skvf_bool(&d) ? skvf_range(&d, INT64_MIN, 0) : skvf_range(&d, ((int64_t)1 << 31) + 1, INT64_MAX); break;
     case BAD_NULL_Q: pq = NULL; break;
     case BAD_NULL_K: pk = NULL; break;

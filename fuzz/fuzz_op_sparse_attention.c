@@ -24,6 +24,7 @@
 
 static const char OP[] = "skv_op_sparse_attention";
 
+/* BAD_GQA .. BAD_SCALE equal SKVF_ATTN_BAD_* (fuzz_op_util.h) */
 enum { BAD_NONE, BAD_GQA, BAD_HQ_LOW, BAD_HK, BAD_D, BAD_SCALE, BAD_NSPANS, BAD_SPAN_NEG_N, BAD_SPAN_BIG_N,
        BAD_SPAN_NULL_K, BAD_SPAN_NULL_V, BAD_SPAN_NEG_STRIDE, BAD_NO_TOKENS, BAD_NULL_Q, BAD_NULL_OUT,
        BAD_NULL_SPANS, BAD_COUNT };
@@ -132,15 +133,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (bad >= BAD_SPAN_NULL_K && bad <= BAD_SPAN_NEG_STRIDE && victim < 0) bad = BAD_NONE;
     if (bad == BAD_NO_TOKENS) total = 0;
     switch (bad) {
-    case BAD_GQA: if (Hk > 1) cHq = Hq + (int32_t)skvf_range(&d, 1, Hk - 1); else bad = BAD_NONE; break;
-    case BAD_HQ_LOW: cHq = Hk > 1 ? (int32_t)skvf_range(&d, 1, Hk - 1) : (int32_t)skvf_range(&d, INT32_MIN, 0); break;
-    case BAD_HK: cHk = skvf_bool(&d) ? (int32_t)skvf_range(&d, INT32_MIN, 0) : (int32_t)skvf_range(&d, 65537, INT32_MAX); break;
-    case BAD_D: cD = skvf_bool(&d) ? (int32_t)skvf_range(&d, INT32_MIN, 0) : (int32_t)skvf_range(&d, 1025, INT32_MAX); break;
-    case BAD_SCALE: {
-        static const float bad_scales[] = {-1.0f, -1e-30f, INFINITY, -INFINITY, NAN};
-        cscale = bad_scales[skvf_range(&d, 0, 4)];
+    case BAD_GQA:
+    case BAD_HQ_LOW:
+    case BAD_HK:
+    case BAD_D:
+    case BAD_SCALE:
+        if (!skvf_attn_bad_shape(&d, bad, Hq, Hk, &cHq, &cHk, &cD, &cscale)) bad = BAD_NONE;
         break;
-    }
     case BAD_NSPANS: cns = skvf_bool(&d) ? (int32_t)skvf_range(&d, INT32_MIN, 0) : (int32_t)skvf_range(&d, SKV_MAX_SPANS + 1, INT32_MAX); break;
     case BAD_SPAN_NEG_N: cs[skvf_range(&d, 0, ns - 1)].n_tokens = skvf_range(&d, INT64_MIN, -1); break;
     case BAD_SPAN_BIG_N: cs[skvf_range(&d, 0, ns - 1)].n_tokens = skvf_range(&d, ((int64_t)1 << 31) + 1, INT64_MAX); break;

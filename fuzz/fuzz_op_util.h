@@ -270,4 +270,36 @@ static inline void skvf_check_attention_head(const char *op, const char *params,
     }
 }
 
+
+/*
+ * Argument faults shared by the two attention harnesses (their BAD_GQA .. BAD_SCALE
+ * enum values are these): plants one in the head shape or the scale. Returns 0 when
+ * the fault cannot be planted for this shape (GQA mismatch with one KV head).
+ */
+enum { SKVF_ATTN_BAD_GQA = 1, SKVF_ATTN_BAD_HQ_LOW, SKVF_ATTN_BAD_HK, SKVF_ATTN_BAD_D, SKVF_ATTN_BAD_SCALE };
+static inline int skvf_attn_bad_shape(skvf_data *d, int bad, int32_t Hq, int32_t Hk, int32_t *cHq, int32_t *cHk,
+                                      int32_t *cD, float *cscale)
+{
+    static const float bad_scales[] = {-1.0f, -1e-30f, INFINITY, -INFINITY, NAN};
+    switch (bad) {
+    case SKVF_ATTN_BAD_GQA:
+        if (Hk <= 1) return 0;
+        *cHq = Hq + (int32_t)skvf_range(d, 1, Hk - 1);
+        return 1;
+    case SKVF_ATTN_BAD_HQ_LOW:
+        *cHq = Hk > 1 ? (int32_t)skvf_range(d, 1, Hk - 1) : (int32_t)skvf_range(d, INT32_MIN, 0);
+        return 1;
+    case SKVF_ATTN_BAD_HK:
+        *cHk = skvf_bool(d) ? (int32_t)skvf_range(d, INT32_MIN, 0) : (int32_t)skvf_range(d, 65537, INT32_MAX);
+        return 1;
+    case SKVF_ATTN_BAD_D:
+        *cD = skvf_bool(d) ? (int32_t)skvf_range(d, INT32_MIN, 0) : (int32_t)skvf_range(d, 1025, INT32_MAX);
+        return 1;
+    case SKVF_ATTN_BAD_SCALE:
+        *cscale = bad_scales[skvf_range(d, 0, 4)];
+        return 1;
+    }
+    return 0;
+}
+
 #endif
