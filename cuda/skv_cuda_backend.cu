@@ -16,6 +16,7 @@
  * Op-level slots run the same kernels with B = 1 on the legacy default
  * stream, allocate what they need, and synchronize before returning.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -234,13 +235,47 @@ static skv_cuda_seq *skv_cuda_op_seq(skv_cuda_op *op, const skv_cuda_seq *h)
     return d;
 }
 
+/*
+ * Op-level factorization. One workspace (handles + buffers, skv_cuda_factor) is kept for
+ * the process and reused while (d, r) match and n fits, so repeated calls run warm; it is
+ * rebuilt for a larger n or another shape, and released at exit (an atexit handler
+ * registered after the CUDA runtime's own, so it runs first). A call that finds it busy
+ * (another thread) builds and frees a private one.
+ */
+static pthread_mutex_t skv_cuda_fop_lock = PTHREAD_MUTEX_INITIALIZER;
+static skv_cuda_factor *skv_cuda_fop;
+static int64_t skv_cuda_fop_n;
+static int32_t skv_cuda_fop_d, skv_cuda_fop_r;
+static int skv_cuda_fop_atexit;
+
+static void skv_cuda_fop_release(void)
+{
+    skv_cuda_factor_destroy(skv_cuda_fop);
+    skv_cuda_fop = NULL;
+}
+
 static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
 {
     char msg[SKV_ERRMSG_CAP];
-    skv_cuda_factor *f = NULL;
-    skv_status st = skv_cuda_factor_create(&f, n, d, r, 0, msg, sizeof msg);
-    if (st == SKV_OK) st = skv_cuda_factorize(f, n, a, u, w, msg, sizeof msg);
-    skv_cuda_factor_destroy(f);
+    skv_status st = SKV_OK;
+    if (pthread_mutex_trylock(&skv_cuda_fop_lock) == 0) {
+        if (skv_cuda_fop && (skv_cuda_fop_d != d || skv_cuda_fop_r != r || skv_cuda_fop_n < n)) {
+            skv_cuda_factor_destroy(skv_cuda_fop);
+            skv_cuda_fop = NULL;
+        }
+        if (!skv_cuda_fop) {
+            st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, msg, sizeof msg);
+            skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r;
+            if (st == SKV_OK && !skv_cuda_fop_atexit) skv_cuda_fop_atexit = atexit(skv_cuda_fop_release) == 0;
+        }
+        if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, n, a, u, w, 0, 1, msg, sizeof msg);
+        pthread_mutex_unlock(&skv_cuda_fop_lock);
+    } else {
+        skv_cuda_factor *f = NULL;
+        st = skv_cuda_factor_create(&f, n, d, r, 0, msg, sizeof msg);
+        if (st == SKV_OK) st = skv_cuda_factorize(f, n, a, u, w, 0, 1, msg, sizeof msg);
+        skv_cuda_factor_destroy(f);
+    }
     if (st) skv_backend_note("%s", msg);
     return st;
 }
@@ -362,6 +397,14 @@ typedef struct {
     int used;
 } skv_cuda_evset;
 
+/* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end), factorization
+   f0..f1, offload o0..o1. Two sets: a prefill harvests the set of the prefill before last. */
+enum { SKV_PE_M0, SKV_PE_M1, SKV_PE_M2, SKV_PE_M3, SKV_PE_F0, SKV_PE_F1, SKV_PE_O0, SKV_PE_O1, SKV_PE_N };
+typedef struct {
+    cudaEvent_t e[SKV_PE_N];
+    int used;
+} skv_cuda_pset;
+
 typedef struct skv_cuda_cache {
     skv_config cfg;
     skv_layout lay;
@@ -388,11 +431,20 @@ typedef struct skv_cuda_cache {
     unsigned long long *flags, *h_flags; /* [3] device, pinned host */
     skv_bf16 *vkeep;                     /* [L, B, 2, Hk, S*c, D] values of the last two steps */
     skv_cuda_factor *fac;
+    /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
+       both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
+    cudaStream_t fst, ost;
+    cudaEvent_t stage_ev, lm_ev, fac_ev, off_ev; /* no timing */
+    skv_bf16 *kstage, *vstage;
+    int staged;       /* fac_ev / off_ev were recorded: the staging buffers may be in use */
+    int side_pending; /* decode has not yet waited for the last prefill's side work */
+    unsigned long long fac_failures_seen;
+    skv_cuda_pset pset[2];
+    int pset_next;
     /* timing */
     skv_cuda_evset ring[SKV_CUDA_RING];
     int ring_head;
     skv_stats pending;
-    cudaEvent_t pe[SKV_CUDA_EV];
     /* all cudaMalloc'ed blocks, freed at close */
     void *blocks[24];
     int n_blocks;
@@ -401,7 +453,7 @@ typedef struct skv_cuda_cache {
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
     size_t scores, amax, sel, ksel, attn, kp, uf, wf, lm, seqs, factor, vkeep;
-} skv_cuda_sizes;
+} skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
 static int64_t skv_cuda_max_tokens(const skv_config *c, const skv_layout *lay)
 {
@@ -436,7 +488,7 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
 static size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.scores + z.amax + 2 * z.sel + 2 * z.ksel + z.attn + z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor +
+    return z.scores + z.amax + 2 * z.sel + 2 * z.ksel + z.attn + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor +
            z.vkeep + 4 * sizeof(unsigned long long) + sizeof(int32_t);
 }
 
@@ -457,15 +509,23 @@ static void skv_cuda_cache_close(void *bctx)
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     if (!k) return;
     cudaStreamSynchronize(k->st);
+    if (k->fst) cudaStreamSynchronize(k->fst);
+    if (k->ost) cudaStreamSynchronize(k->ost);
     for (int i = 0; i < SKV_CUDA_RING; i++)
         for (int j = 0; j < SKV_CUDA_EV; j++)
             if (k->ring[i].e[j]) cudaEventDestroy(k->ring[i].e[j]);
-    for (int j = 0; j < SKV_CUDA_EV; j++)
-        if (k->pe[j]) cudaEventDestroy(k->pe[j]);
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < SKV_PE_N; j++)
+            if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
+    cudaEvent_t evs[4] = {k->stage_ev, k->lm_ev, k->fac_ev, k->off_ev};
+    for (int j = 0; j < 4; j++)
+        if (evs[j]) cudaEventDestroy(evs[j]);
     if (k->fork_ev) cudaEventDestroy(k->fork_ev);
     if (k->join_ev) cudaEventDestroy(k->join_ev);
     if (k->side) cudaStreamDestroy(k->side);
     skv_cuda_factor_destroy(k->fac);
+    if (k->fst) cudaStreamDestroy(k->fst);
+    if (k->ost) cudaStreamDestroy(k->ost);
     for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
     if (k->h_flags) cudaFreeHost(k->h_flags);
     free(k->h_seqs);
@@ -510,6 +570,8 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->step_bad = (int32_t *)skv_cuda_cache_alloc(k, sizeof(int32_t));
     k->first_bad = (unsigned long long *)skv_cuda_cache_alloc(k, sizeof(unsigned long long));
     k->kp_tmp = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->kstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->vstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
     k->uf = (float *)skv_cuda_cache_alloc(k, z.uf);
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
@@ -520,7 +582,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->d_seqs || !k->scores || !k->amax || !k->sel_idx || !k->sel_ids || !k->k_sel ||
-        !k->v_sel || !k->attn_ws || !k->step_bad || !k->first_bad || !k->kp_tmp || !k->uf || !k->wf ||
+        !k->v_sel || !k->attn_ws || !k->step_bad || !k->first_bad || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf || !k->wf ||
         !k->lm_scratch || !k->flags || !k->h_flags || !k->vkeep) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
@@ -531,14 +593,24 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         st = skv_cuda_err(e, "cudaMemset", msg, cap);
         goto fail;
     }
-    st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->st,
+    if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
+        goto fail;
+    }
+    st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->fst,
                                 msg, cap);
     if (st) goto fail;
     for (int i = 0; i < SKV_CUDA_RING && e == cudaSuccess; i++)
         for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->ring[i].e[j]);
-    for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->pe[j]);
+    for (int i = 0; i < 2 && e == cudaSuccess; i++)
+        for (int j = 0; j < SKV_PE_N && e == cudaSuccess; j++) e = cudaEventCreate(&k->pset[i].e[j]);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->stage_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->lm_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
     if (e != cudaSuccess) {
         st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
         goto fail;
@@ -601,6 +673,28 @@ static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
     return ms;
 }
 
+/* Adds a finished prefill's phase times to the pending stats (see skv_cuda_cache_prefill). */
+static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
+{
+    cudaEvent_t *e = p->e;
+    k->pending.prefill_rope_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M1]);
+    k->pending.prefill_landmarks_ms += skv_cuda_elapsed(e[SKV_PE_M1], e[SKV_PE_M2]);
+    k->pending.prefill_offload_ms +=
+        skv_cuda_elapsed(e[SKV_PE_M2], e[SKV_PE_M3]) + skv_cuda_elapsed(e[SKV_PE_O0], e[SKV_PE_O1]);
+    k->pending.prefill_factorize_ms += skv_cuda_elapsed(e[SKV_PE_F0], e[SKV_PE_F1]);
+    k->pending.prefill_critical_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M3]);
+    p->used = 0;
+}
+
+/*
+ * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
+ * check (one host synchronization, so bad input is refused before any work), copies of
+ * k_pre and v into the staging buffers, RoPE, landmarks and outliers, the exact chunks and
+ * the local window, the descriptor. Beside it, from the staged copies: the factorization
+ * on fst and the value offload to the host store on ost. Nothing waits for them here:
+ * the next decode waits for both (events), the next prefill only before it overwrites the
+ * staging buffers. Phase times are read later (skv_cuda_cache_sync).
+ */
 static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
                                          const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
                                          skv_stats *stats, char *msg, size_t cap)
@@ -608,12 +702,22 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     const skv_config *g = &k->cfg;
     const skv_layout *lay = &k->lay;
-    cudaStream_t st = k->st;
+    cudaStream_t st = k->st, fs = k->fst, os = k->ost;
     const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, O = g->n_outlier_chunks;
     const int64_t HkD = (int64_t)Hk * D;
     const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
     size_t i = (size_t)layer * g->batch_size + seq;
     char *sd = k->dev + i * lay->slot_device;
+    (void)stats; /* times arrive at the next sync */
+
+    /* the timing set of the prefill before last: long finished (this stream waited for it) */
+    skv_cuda_pset *ps = &k->pset[k->pset_next];
+    if (ps->used) {
+        CK(cudaEventSynchronize(ps->e[SKV_PE_O1]));
+        CK(cudaEventSynchronize(ps->e[SKV_PE_F1]));
+        skv_cuda_take_prefill(k, ps);
+    }
+    CK(cudaEventRecord(ps->e[SKV_PE_M0], st));
 
     /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
     const skv_bf16 *in[3] = {k_pre, v, k_post};
@@ -631,36 +735,59 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
             return SKV_ERR_NONFINITE;
         }
 
-    CK(cudaEventRecord(k->pe[0], st));
+    /* stage k_pre and v once the previous prefill's side work is done with the buffers */
+    if (k->staged) {
+        CK(cudaStreamWaitEvent(st, k->fac_ev, 0));
+        CK(cudaStreamWaitEvent(st, k->off_ev, 0));
+    }
+    const size_t bytes = (size_t)n * HkD * sizeof(skv_bf16);
+    CK(cudaMemcpyAsync(k->kstage, k_pre, bytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(k->stage_ev, st));
+
+    /* the factorization, beside: U and W of the slot, in bf16 */
+    CK(cudaStreamWaitEvent(fs, k->stage_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
+    skv_status s = skv_cuda_factorize(k->fac, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
+                                      0, msg, cap);
+    if (s) return s;
+    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
+    CK(cudaEventRecord(k->fac_ev, fs));
+
     if (!k_post) {
-        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
-                         k->kp_tmp));
+        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab,
+                         k->kstage, k->kp_tmp));
         k_post = k->kp_tmp;
     }
-    CK(cudaEventRecord(k->pe[1], st));
-    skv_status s = skv_cuda_factorize(k->fac, n, k_pre, k->uf, k->wf, msg, cap);
-    if (s) return s;
-    CK(skv_cuda_f32_to_bf16(st, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
-    CK(skv_cuda_f32_to_bf16(st, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
-    CK(cudaEventRecord(k->pe[2], st));
+    CK(cudaEventRecord(ps->e[SKV_PE_M1], st));
     int32_t *out_ids = (int32_t *)(sd + lay->out_ids), *cand_ids = (int32_t *)(sd + lay->cand_ids);
     CK(skv_cuda_landmarks_outliers(st, N, cs, Hk, D, O, k_post, out_ids, cand_ids,
                                    (skv_bf16 *)(sd + lay->landmarks), k->lm_scratch));
-    CK(cudaEventRecord(k->pe[3], st));
-    /* exact outliers and the local window stay on the device; candidate values go to the host store */
+    CK(cudaEventRecord(ps->e[SKV_PE_M2], st));
+    CK(cudaEventRecord(k->lm_ev, st));
+
+    /* candidate values to the host store, beside (they need the candidate list) */
+    CK(cudaStreamWaitEvent(os, k->lm_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
+    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand,
+                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore)));
+    CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
+    CK(cudaEventRecord(k->off_ev, os));
+
+    /* exact outliers and the local window stay on the device */
     if (O) {
         CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k)));
-        CK(skv_cuda_gather_chunks(st, v, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v)));
+        CK(skv_cuda_gather_chunks(st, k->vstage, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v)));
     }
-    CK(skv_cuda_gather_chunks(st, v, Hk, D, cs, cand_ids, n_cand,
-                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore)));
     if (n_local) {
         size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
         for (int32_t h = 0; h < Hk; h++) {
             size_t src = ((size_t)N * cs * Hk + h) * D, dst = (size_t)h * n_local * D;
             CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_k) + dst, row, k_post + src, tok, row, n_local,
                                  cudaMemcpyDeviceToDevice, st));
-            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_v) + dst, row, v + src, tok, row, n_local,
+            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_v) + dst, row, k->vstage + src, tok, row, n_local,
                                  cudaMemcpyDeviceToDevice, st));
         }
     }
@@ -671,13 +798,12 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     hs->n_gen = 0;
     hs->has_sel = 0;
     CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
-    CK(cudaEventRecord(k->pe[4], st));
-    CK(cudaStreamSynchronize(st));
+    CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
     CK(cudaGetLastError());
-    stats->prefill_rope_ms = skv_cuda_elapsed(k->pe[0], k->pe[1]);
-    stats->prefill_factorize_ms = skv_cuda_elapsed(k->pe[1], k->pe[2]);
-    stats->prefill_landmarks_ms = skv_cuda_elapsed(k->pe[2], k->pe[3]);
-    stats->prefill_offload_ms = skv_cuda_elapsed(k->pe[3], k->pe[4]);
+    ps->used = 1;
+    k->pset_next ^= 1;
+    k->staged = 1;
+    k->side_pending = 1;
     return SKV_OK;
 }
 
@@ -714,6 +840,12 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
         else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
     }
     int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
+    if (k->side_pending) { /* the last prefills' factorization and value offload */
+        unsigned flags = cs == cudaStreamCaptureStatusNone ? 0 : cudaEventWaitExternal;
+        CK(cudaStreamWaitEvent(st, k->fac_ev, flags));
+        CK(cudaStreamWaitEvent(st, k->off_ev, flags));
+        k->side_pending = 0;
+    }
 #define SKV_MARK(j, stream)                                                                        \
     if (timed) CK(cudaEventRecord(ev->e[j], stream))
     SKV_MARK(0, st);
@@ -750,14 +882,33 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     CK(cudaStreamSynchronize(k->st));
+    CK(cudaStreamSynchronize(k->fst));
+    CK(cudaStreamSynchronize(k->ost));
     for (int i = 0; i < SKV_CUDA_RING; i++)
         if (k->ring[i].used) skv_cuda_take_times(k, &k->ring[i]);
+    for (int i = 0; i < 2; i++)
+        if (k->pset[i].used) skv_cuda_take_prefill(k, &k->pset[i]);
+    stats->prefill_rope_ms += k->pending.prefill_rope_ms;
+    stats->prefill_landmarks_ms += k->pending.prefill_landmarks_ms;
+    stats->prefill_offload_ms += k->pending.prefill_offload_ms;
+    stats->prefill_factorize_ms += k->pending.prefill_factorize_ms;
+    stats->prefill_critical_ms += k->pending.prefill_critical_ms;
     stats->decode_select_ms += k->pending.decode_select_ms;
     stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
     stats->decode_fetch_ms += k->pending.decode_fetch_ms;
     stats->decode_attention_ms += k->pending.decode_attention_ms;
     stats->decode_step_ms += k->pending.decode_step_ms;
     memset(&k->pending, 0, sizeof k->pending);
+    unsigned long long failures = 0, tag = ~0ull;
+    skv_status fst_ = skv_cuda_factor_counts(k->fac, NULL, NULL, &failures, &tag, msg, cap);
+    if (fst_) return fst_;
+    if (failures > k->fac_failures_seen) {
+        k->fac_failures_seen = failures;
+        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (a Cholesky factor did "
+                           "not exist); its keys are not usable",
+                 (unsigned)(tag >> 32), (unsigned)(tag & 0xffffffffu));
+        return SKV_ERR_NUMERICAL;
+    }
     unsigned long long bad = ~0ull;
     CK(cudaMemcpy(&bad, k->first_bad, sizeof bad, cudaMemcpyDeviceToHost));
     if (bad == ~0ull) return SKV_OK;

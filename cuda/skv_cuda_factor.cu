@@ -1,32 +1,38 @@
 /*
  * skv_cuda_factor.cu - the rank-r factorization of the cuda backend
- * (cuBLAS + cuSOLVER). The plain, correct GPU route: same math as ref and cpu
- * (Gram matrix, eigensolver in double, one projection), no iteration.
+ * (cuBLAS + cuSOLVER + a few kernels). Routes as in lib/skv_factor.h:
  *
- * a [n, d] bf16 row-major (device). m = min(n, d).
+ * FAST (n >= d and 2r <= d: every real prompt), all on the factor's stream,
+ * no host synchronization (so it can run beside the prefill):
+ *   1. G = A^T A in double: A in blocks of SKV_CF_GRAM_ROWS rows, each block's
+ *      Gram one bf16 tensor-core GEMM with fp32 accumulation and output (bf16
+ *      products are exact in fp32), added into a double accumulator. Blocking
+ *      bounds the fp32 error by the block length (tensor cores truncate once
+ *      per MMA step: <= 512 steps per block, ~3e-5 relative, mostly a common
+ *      scaling of G that leaves its eigenvectors alone).
+ *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(G X): DGEMM,
+ *      DSYRK, the shift (skv_cf_shift), cusolverDnXpotrf, DTRSM, all fp64.
+ *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), Y = G X, and
+ *      skv_cf_check decides on the device whether the fallback Gram is needed
+ *      (lib/skv_factor.h step 4). The fallback kernels always launch and
+ *      return at once unless the flag is set: the fallback Gram sums every
+ *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, summed in
+ *      a fixed order, so results stay deterministic) and overwrites G; Y is
+ *      recomputed and the iteration goes on.
+ *   4. Q = orth(orth(X)); W = Q^T in float (row-major W [r, d] is column-major
+ *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
+ *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
+ *      accumulation: fp32 accuracy at bf16 tensor-core speed.
+ *   Failures (a potrf info != 0: cannot happen with finite input and the
+ *   shift) are counted on the device with the caller's tag; the synchronous
+ *   op-level call checks them at once, the cache at skv_cache_sync.
  *
- * n >= d (every real prompt):
- *   1. G = A^T A (d x d). A is streamed in blocks of SKV_CF_GRAM_ROWS rows; each
- *      block's Gram is one bf16 tensor-core GEMM with fp32 accumulation and
- *      output (bf16 products are exact in fp32), and the block Grams are added
- *      into a double accumulator. Blocking keeps the fp32 error bounded by the
- *      block length instead of growing with n: tensor cores accumulate with
- *      truncation once per MMA step, so an fp32 sum over 1M rows would lose
- *      ~n/16 ulps where a 16k-row block loses at most ~2^10 ulps (~1e-4
- *      relative, and mostly a common scaling of G that leaves its eigenvectors
- *      alone); the double sum over blocks adds nothing measurable.
- *   2. cusolverDnXsyevd (double) on G: all eigenpairs, ascending. V_r = the
- *      eigenvectors of the r largest eigenvalues, column q = q-th largest.
- *   3. W = V_r^T rounded to float. Row-major W [r, d] is exactly V_r in
- *      column-major order, so w doubles as the float V_r of step 4.
- *   4. U = A V_r in true fp32 (no TF32, no rounding of V_r to bf16): A is
- *      converted to float in blocks of SKV_CF_PROJ_ELEMS elements, one GEMM
- *      per block with CUBLAS_COMPUTE_32F_PEDANTIC.
- * n < d (short prompts, as cpu does): the smaller Gram A A^T (n x n), blocked
- *   over columns the same way; U = its top-r eigenvectors (orthonormal, float),
- *   W = U^T A in fp32, accumulated over row blocks of A.
- * Either way U W ~ A V_r V_r^T (resp. U_r U_r^T A), the best rank-r
- * approximation up to the fp32 Gram error (DESIGN.md section 6).
+ * EXACT (n < d, 2r > d, or SKV_FACTORIZE=exact), the plain route kept as the
+ * baseline: the same blocked Gram (A A^T when n < d), cusolverDnXsyevd in
+ * double (all eigenpairs), W = V_r^T, U = A V_r in true fp32 (PEDANTIC) over
+ * row blocks converted to float; n < d: U = the top eigenvectors, W = U^T A.
+ * Either way U W ~ A V_r V_r^T, the best rank-r approximation up to the fp32
+ * Gram error (DESIGN.md section 6).
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -34,22 +40,25 @@
  *
  * Workspace (all allocated at create for n_max rows; nothing grows with n
  * beyond min(n_max, d), since both passes over A are blocked):
- *   gd      double [m_max^2]   Gram accumulator, then the eigenvectors
- *   evals   double [m_max]     eigenvalues
- *   scratch float  [max(m_max^2, proj_rows * d)]
- *                              a block's fp32 Gram, later a block of A in float
- *   info    int                cuSOLVER's info
+ *   gd      double [m_max^2]   Gram accumulator (EXACT: then the eigenvectors)
+ *   evals   double [m_max]     eigenvalues (EXACT)
+ *   scratch                    a block's fp32 Gram; EXACT: a block of A in
+ *                              float; FAST: the fallback's partial sums
+ *   x, y    double [d, r]      the iterate and G X (FAST)
+ *   c       double [r, r]      Y^T Y and its Cholesky factor (FAST)
+ *   qs      bf16 [3, d, r]     the split of Q (FAST)
+ *   infos   int [SKV_CF_NINFO] solver infos of one call; state: the check
  *   blas_ws 32 MiB             cuBLAS workspace (set with cublasSetWorkspace,
  *                              so factorize never allocates)
- *   solver  queried            cusolverDnXsyevd device (+ host) workspace for
- *                              the largest eigenproblem, m_max = min(n_max, d)
+ *   solver  queried            cusolverDnXsyevd and Xpotrf device (+ host)
+ *                              workspaces
  *
- * Supported maximum: n <= SKV_CUDA_FACTOR_MAX_N = 2^31 - 1 rows. Every cuBLAS
- * and cuSOLVER call uses the 64-bit API and every GEMM sees at most one block
- * of rows, so nothing here overflows below INT64 sizes; the limit keeps row
- * indices inside int32 like the rest of the backend (and room for a later
- * route that hands n to a 32-bit interface). At d >= 1 such an A is >= 4 GiB,
- * at d = 1024 it is 4 TiB: no practical restriction.
+ * Supported maximum: n <= SKV_CUDA_FACTOR_MAX_N = 2^31 - 1 rows (the public
+ * op refuses more). Every cuBLAS and cuSOLVER call uses the 64-bit API or
+ * sees at most one block of rows, and kernels index with int64, so nothing
+ * overflows below INT64 sizes; the limit keeps row indices inside int32 like
+ * the rest of the backend. At d = 1024 such an A is 4 TiB: in practice the
+ * device memory for the prompt is the limit.
  */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -62,13 +71,28 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 
+#include "skv_factor.h"
+
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
 /* Rows (n >= d) or columns (n < d) per fp32 Gram block. */
-#define SKV_CF_GRAM_ROWS ((int64_t)16384)
-/* Elements of A converted to float per projection block (64 MiB of floats). */
+#define SKV_CF_GRAM_ROWS ((int64_t)8192)
+/* Elements of A converted to float per EXACT projection block (64 MiB of floats). */
 #define SKV_CF_PROJ_ELEMS ((int64_t)1 << 24)
 /* cuBLAS workspace (NVIDIA's recommendation for Hopper). */
 #define SKV_CF_BLAS_WS ((size_t)32 << 20)
+/* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
+#define SKV_CF_SPLITS 8
+#define SKV_CF_TILE 64
+/* potrf calls of one FAST call: the iterations, the check's orth, the final two. */
+#define SKV_CF_NINFO (SKV_FACTOR_ITERS + 3)
+
+/* Device-side state of the FAST route. */
+typedef struct {
+    double tr_g, captured;                     /* at the check */
+    int fallback;                              /* this call uses the double Gram */
+    unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
+    unsigned long long first_failure_tag;      /* ~0 until a failure */
+} skv_cf_state;
 
 struct skv_cuda_factor {
     cudaStream_t st;
@@ -77,11 +101,15 @@ struct skv_cuda_factor {
     cusolverDnParams_t params;
     int64_t n_max, m_max, proj_rows;
     int32_t d, r;
+    int fast_ok;    /* FAST workspace allocated (n_max >= d, 2r <= d) */
     double *gd;     /* [m_max^2] */
     double *evals;  /* [m_max] */
-    float *scratch; /* [scratch_floats] */
-    size_t scratch_floats;
-    int *info;
+    float *scratch; /* [scratch_bytes] */
+    size_t scratch_bytes;
+    int *info;      /* [SKV_CF_NINFO] */
+    double *x, *y, *c;
+    skv_bf16 *qs;
+    skv_cf_state *state;
     void *blas_ws;
     void *solver_ws; /* device */
     size_t solver_ws_bytes;
@@ -93,27 +121,41 @@ struct skv_cuda_factor {
 
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows;
-    size_t gd_bytes, evals_bytes, scratch_floats, scratch_bytes, total;
+    int fast_ok;
+    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
-static int skv_cf_sizes_of(int64_t n_max, int32_t d, skv_cf_sizes *s)
+static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
-    if (n_max < 1 || d < 1) return 0;
+    if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
+    s->fast_ok = n_max >= d && 2 * (int64_t)r <= d;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
-    size_t mm, pr, t;
+    size_t mm, pr, t, dd = 0, dr = 0;
     if (!skv_mul_size((size_t)s->m_max, (size_t)s->m_max, &mm)) return 0;
     if (!skv_mul_size((size_t)s->proj_rows, (size_t)d, &pr)) return 0;
-    s->scratch_floats = mm > pr ? mm : pr;
+    if (!skv_mul_size(mm > pr ? mm : pr, sizeof(float), &s->scratch_bytes)) return 0;
+    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
+    if (s->fast_ok) {
+        size_t part;
+        if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
+            return 0;
+        if (part > s->scratch_bytes) s->scratch_bytes = part;
+        if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
+        s->c_bytes = (size_t)r * r * sizeof(double);
+        if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
+    }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
     if (!skv_mul_size((size_t)s->m_max, sizeof(double), &s->evals_bytes)) return 0;
-    if (!skv_mul_size(s->scratch_floats, sizeof(float), &s->scratch_bytes)) return 0;
-    if (!skv_add_size(s->gd_bytes, s->evals_bytes, &t)) return 0;
+    t = s->gd_bytes;
+    if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
-    if (!skv_add_size(t, sizeof(int), &t)) return 0;
+    if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
+    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
+    if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
     return 1;
@@ -121,9 +163,8 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, skv_cf_sizes *s)
 
 extern "C" size_t skv_cuda_factor_bytes(int64_t n_max, int32_t d, int32_t r)
 {
-    (void)r; /* the outputs are the caller's; the workspace does not depend on r */
     skv_cf_sizes s;
-    return skv_cf_sizes_of(n_max, d, &s) ? s.total : SIZE_MAX;
+    return skv_cf_sizes_of(n_max, d, r, &s) ? s.total : SIZE_MAX;
 }
 
 /* ---- status mapping --------------------------------------------------------------- */
@@ -238,6 +279,162 @@ static __global__ void skv_cf_top_vectors(const double *__restrict__ z, int64_t 
     }
 }
 
+/* ---- FAST route kernels ------------------------------------------------------------------ */
+
+/* x [d, r] column-major = the fixed start X_0. */
+static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t r)
+{
+    int64_t count = (int64_t)d * r;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x)
+        x[e] = skv_factor_start(e % d, e / d, r);
+}
+
+/* c [p, p] (upper triangle of Y^T Y): c += s I, s = skv_factor_shift(d, p, tr c). One block. */
+static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d)
+{
+    __shared__ double s;
+    if (threadIdx.x == 0) {
+        double t = 0.0;
+        for (int32_t j = 0; j < p; j++) t += c[(size_t)j * p + j];
+        s = skv_factor_shift(d, p, t);
+    }
+    __syncthreads();
+    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
+}
+
+/* Fixed-order block reduction of two sums (blockDim.x == 1024). */
+static __device__ void skv_cf_reduce2(double &a, double &b)
+{
+    __shared__ double ra[1024], rb[1024];
+    ra[threadIdx.x] = a;
+    rb[threadIdx.x] = b;
+    __syncthreads();
+    for (int w = 512; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) {
+            ra[threadIdx.x] += ra[threadIdx.x + w];
+            rb[threadIdx.x] += rb[threadIdx.x + w];
+        }
+        __syncthreads();
+    }
+    a = ra[0];
+    b = rb[0];
+}
+
+/*
+ * The check (lib/skv_factor.h step 4): x orthonormal, y = G x. tr(G) and
+ * tr(x^T G x) = sum x .* y; sets state->fallback. One block of 1024 threads.
+ */
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ g, const double *__restrict__ x,
+                                                            const double *__restrict__ y, int32_t d, int32_t r, int mode,
+                                                            skv_cf_state *state)
+{
+    double tr = 0.0, cap = 0.0;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) tr += g[(size_t)i * d + i];
+    for (int64_t e = threadIdx.x; e < (int64_t)d * r; e += blockDim.x) cap += x[e] * y[e];
+    skv_cf_reduce2(tr, cap);
+    if (threadIdx.x == 0) {
+        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && tr - cap < SKV_FACTOR_TAU * tr);
+        state->tr_g = tr;
+        state->captured = cap;
+        state->fallback = fb;
+        state->n_calls++;
+        if (fb) state->n_fallbacks++;
+    }
+}
+
+/*
+ * Fallback Gram, partial sums: part[s] (d x d column-major, upper tiles only)
+ * = sum over rows [n s / S, n (s+1) / S) of a_i a_i^T, every product and sum in
+ * double. Grid (upper 64 x 64 tiles, S). Returns at once unless state->fallback.
+ * Thread (tx, ty) owns rows ty + 16 i and columns tx + 16 j of its tile
+ * (conflict-free shared loads).
+ */
+static __global__ void __launch_bounds__(256) skv_cf_gram64(const skv_bf16 *__restrict__ a, int64_t n, int32_t d,
+                                                             double *__restrict__ part,
+                                                             const skv_cf_state *__restrict__ state)
+{
+    if (!state->fallback) return;
+    const int nt = (d + SKV_CF_TILE - 1) / SKV_CF_TILE;
+    int t = blockIdx.x, ti = 0;
+    while (t >= nt - ti) t -= nt - ti, ti++;
+    const int tj = ti + t;
+    const int64_t r0 = n * blockIdx.y / SKV_CF_SPLITS, r1 = n * (blockIdx.y + 1) / SKV_CF_SPLITS;
+    __shared__ double sa[16][SKV_CF_TILE], sb[16][SKV_CF_TILE];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    double acc[4][4] = {};
+    for (int64_t k0 = r0; k0 < r1; k0 += 16) {
+        for (int e = threadIdx.x; e < 16 * SKV_CF_TILE; e += 256) {
+            int kr = e / SKV_CF_TILE, cc = e % SKV_CF_TILE, ca = ti * SKV_CF_TILE + cc, cb = tj * SKV_CF_TILE + cc;
+            int64_t row = k0 + kr;
+            const skv_bf16 *ar = a + (size_t)row * d;
+            sa[kr][cc] = row < r1 && ca < d ? (double)skv_bf16_to_f32(ar[ca]) : 0.0;
+            sb[kr][cc] = row < r1 && cb < d ? (double)skv_bf16_to_f32(ar[cb]) : 0.0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            double av[4], bv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) av[i] = sa[k][ty + 16 * i], bv[i] = sb[k][tx + 16 * i];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    double *p = part + (size_t)blockIdx.y * d * d;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            int row = ti * SKV_CF_TILE + ty + 16 * i, col = tj * SKV_CF_TILE + tx + 16 * j;
+            if (row < d && col < d) p[(size_t)col * d + row] = acc[i][j];
+        }
+}
+
+/* g (d x d, both triangles) = sum of the S partials in order. Returns at once unless state->fallback. */
+static __global__ void skv_cf_gram64_sum(double *__restrict__ g, const double *__restrict__ part, int32_t d,
+                                         const skv_cf_state *__restrict__ state)
+{
+    if (!state->fallback) return;
+    int64_t count = (int64_t)d * d;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
+        int64_t i = e % d, j = e / d;
+        if (i > j) continue;
+        double v = 0.0;
+        for (int s = 0; s < SKV_CF_SPLITS; s++) v += part[(size_t)s * count + e];
+        g[e] = v;
+        g[i * d + j] = v;
+    }
+}
+
+/* w = (float)q; qs = the three-term bf16 split of q (hi, mid, lo planes of d*r). */
+static __global__ void skv_cf_finish(const double *__restrict__ q, float *__restrict__ w, skv_bf16 *__restrict__ qs,
+                                     int64_t count)
+{
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
+        double v = q[e];
+        skv_bf16 hi = skv_f32_to_bf16((float)v);
+        double r1 = v - (double)skv_bf16_to_f32(hi);
+        skv_bf16 mid = skv_f32_to_bf16((float)r1);
+        double r2 = r1 - (double)skv_bf16_to_f32(mid);
+        w[e] = (float)v;
+        qs[e] = hi;
+        qs[count + e] = mid;
+        qs[2 * count + e] = skv_f32_to_bf16((float)r2);
+    }
+}
+
+/* Counts a failed solver call of this factorization (info != 0) under tag. One thread. */
+static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, unsigned long long tag,
+                                    skv_cf_state *state)
+{
+    int bad = 0;
+    for (int k = 0; k < n_info; k++) bad |= info[k] != 0;
+    if (bad) {
+        if (state->n_failures++ == 0) state->first_failure_tag = tag;
+    }
+}
+
 /* ---- create / destroy ------------------------------------------------------------------ */
 
 extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
@@ -246,6 +443,11 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     /* cudaFree synchronizes with outstanding work on the device. Errors are ignored: nothing to report to. */
     cudaFree(f->solver_ws);
     cudaFree(f->blas_ws);
+    cudaFree(f->state);
+    cudaFree(f->qs);
+    cudaFree(f->c);
+    cudaFree(f->y);
+    cudaFree(f->x);
     cudaFree(f->info);
     cudaFree(f->scratch);
     cudaFree(f->evals);
@@ -287,7 +489,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         return SKV_ERR_INVALID_ARGUMENT;
     }
     skv_cf_sizes sz;
-    if (!skv_cf_sizes_of(n_max, d, &sz)) {
+    if (!skv_cf_sizes_of(n_max, d, r, &sz)) {
         if (msg && cap)
             snprintf(msg, cap, "cuda factorize: workspace for n_max = %lld, d = %d overflows size_t", (long long)n_max,
                      (int)d);
@@ -304,10 +506,11 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->proj_rows = sz.proj_rows;
     f->d = d;
     f->r = r;
-    f->scratch_floats = sz.scratch_floats;
+    f->fast_ok = sz.fast_ok;
+    f->scratch_bytes = sz.scratch_bytes;
 
     skv_status s = SKV_OK;
-    size_t dev_bytes = 0, host_bytes = 0;
+    size_t dev_bytes = 0, host_bytes = 0, dev2 = 0, host2 = 0;
 
     /* handles */
     if ((s = skv_cf_blas(cublasCreate(&f->blas), "cublasCreate", msg, cap)) != SKV_OK) {
@@ -330,20 +533,44 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     /* device workspace */
     if ((s = skv_cf_alloc((void **)&f->gd, sz.gd_bytes, "Gram matrix, double", msg, cap)) != SKV_OK) goto fail;
     if ((s = skv_cf_alloc((void **)&f->evals, sz.evals_bytes, "eigenvalues", msg, cap)) != SKV_OK) goto fail;
-    if ((s = skv_cf_alloc((void **)&f->scratch, sz.scratch_bytes, "fp32 scratch", msg, cap)) != SKV_OK) goto fail;
-    if ((s = skv_cf_alloc((void **)&f->info, sizeof(int), "solver info", msg, cap)) != SKV_OK) goto fail;
+    if ((s = skv_cf_alloc((void **)&f->scratch, sz.scratch_bytes, "scratch", msg, cap)) != SKV_OK) goto fail;
+    if ((s = skv_cf_alloc((void **)&f->info, SKV_CF_NINFO * sizeof(int), "solver infos", msg, cap)) != SKV_OK)
+        goto fail;
+    if ((s = skv_cf_alloc((void **)&f->state, sizeof(skv_cf_state), "factorization state", msg, cap)) != SKV_OK)
+        goto fail;
+    if (f->fast_ok) {
+        if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
+    }
+    {
+        skv_cf_state init;
+        memset(&init, 0, sizeof init);
+        init.first_failure_tag = ~0ull;
+        cudaError_t e = cudaMemcpy(f->state, &init, sizeof init, cudaMemcpyHostToDevice);
+        if ((s = skv_cf_cuda(e, "cudaMemcpy (factorization state)", msg, cap)) != SKV_OK) goto fail;
+    }
     if ((s = skv_cf_alloc(&f->blas_ws, SKV_CF_BLAS_WS, "cuBLAS workspace", msg, cap)) != SKV_OK) goto fail;
     /* after cublasSetStream, which resets the workspace to cuBLAS's own pool */
     if ((s = skv_cf_blas(cublasSetWorkspace(f->blas, f->blas_ws, SKV_CF_BLAS_WS), "cublasSetWorkspace", msg, cap)) !=
         SKV_OK)
         goto fail_handle;
 
-    /* cuSOLVER workspace for the largest eigenproblem: m_max x m_max */
+    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) and the FAST route's r x r Cholesky */
     if ((s = skv_cf_solver(cusolverDnXsyevd_bufferSize(f->solver, f->params, CUSOLVER_EIG_MODE_VECTOR,
                                                        CUBLAS_FILL_MODE_UPPER, f->m_max, CUDA_R_64F, f->gd, f->m_max,
                                                        CUDA_R_64F, f->evals, CUDA_R_64F, &dev_bytes, &host_bytes),
                            "cusolverDnXsyevd_bufferSize", msg, cap)) != SKV_OK)
         goto fail_handle;
+    if (f->fast_ok) {
+        if ((s = skv_cf_solver(cusolverDnXpotrf_bufferSize(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F,
+                                                           f->c, r, CUDA_R_64F, &dev2, &host2),
+                               "cusolverDnXpotrf_bufferSize", msg, cap)) != SKV_OK)
+            goto fail_handle;
+        if (dev2 > dev_bytes) dev_bytes = dev2;
+        if (host2 > host_bytes) host_bytes = host2;
+    }
     f->solver_ws_bytes = dev_bytes;
     f->solver_host_bytes = host_bytes;
     if ((s = skv_cf_alloc(&f->solver_ws, dev_bytes, "cuSOLVER workspace", msg, cap)) != SKV_OK) goto fail;
@@ -406,25 +633,15 @@ static skv_status skv_cf_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     return SKV_OK;
 }
 
-extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
-                                         char *msg, size_t cap)
+/* The EXACT route (see the top of the file); the solver's info goes to f->info[0]. */
+static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
+                               size_t cap)
 {
-    const int64_t d = f->d, r = f->r;
-    if (n < 1 || n > f->n_max || n > SKV_CUDA_FACTOR_MAX_N || r > (n < d ? n : d)) {
-        if (msg && cap)
-            snprintf(msg, cap, "cuda factorize: n = %lld with d = %lld, r = %lld: need r <= min(n, d) and "
-                               "1 <= n <= %lld (workspace n_max; supported maximum %lld)",
-                     (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
-        return SKV_ERR_INVALID_ARGUMENT;
-    }
-    const int64_t m = n < d ? n : d;
+    const int64_t d = f->d, r = f->r, m = n < d ? n : d;
     const float one = 1.0f, zero = 0.0f;
     skv_status s;
-
-    /* 1. Gram matrix in double */
     if ((s = skv_cf_gram(f, n, a, msg, cap)) != SKV_OK) return s;
-
-    /* 2. all eigenpairs of the m x m Gram (ascending); gd is overwritten by the eigenvectors */
+    /* all eigenpairs of the m x m Gram (ascending); gd is overwritten by the eigenvectors */
     size_t dev_bytes = 0, host_bytes = 0;
     SKV_CF_CHECK_SOLVER(cusolverDnXsyevd_bufferSize(f->solver, f->params, CUSOLVER_EIG_MODE_VECTOR,
                                                     CUBLAS_FILL_MODE_UPPER, m, CUDA_R_64F, f->gd, m, CUDA_R_64F,
@@ -442,12 +659,11 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                                          CUDA_R_64F, f->gd, m, CUDA_R_64F, f->evals, CUDA_R_64F, f->solver_ws,
                                          f->solver_ws_bytes, f->solver_host, f->solver_host_bytes, f->info),
                         "cusolverDnXsyevd");
-
     if (n >= d) {
-        /* 3. W = V_r^T (float); as column-major [d, r] (ld d) it is V_r for the projection */
+        /* W = V_r^T (float); as column-major [d, r] (ld d) it is V_r for the projection */
         skv_cf_top_vectors<<<skv_cf_blocks(m * r), SKV_CF_THREADS, 0, f->st>>>(f->gd, m, (int32_t)r, 1, w);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "top eigenvector kernel (W)");
-        /* 4. U = A V_r in fp32, per row block: U_b^T [r, rows] = V_r^T [r, d] * A_b^T [d, rows] */
+        /* U = A V_r in fp32, per row block: U_b^T [r, rows] = V_r^T [r, d] * A_b^T [d, rows] */
         for (int64_t t0 = 0; t0 < n; t0 += f->proj_rows) {
             int64_t rows = n - t0 < f->proj_rows ? n - t0 : f->proj_rows;
             SKV_CF_CHECK_CUDA(skv_cf_convert(f->st, a + (size_t)t0 * d, f->scratch, rows * d),
@@ -458,10 +674,10 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                               "cublasGemmEx (fp32 projection U = A V_r)");
         }
     } else {
-        /* 3. U = U_r (float), the top eigenvectors of A A^T */
+        /* U = U_r (float), the top eigenvectors of A A^T */
         skv_cf_top_vectors<<<skv_cf_blocks(m * r), SKV_CF_THREADS, 0, f->st>>>(f->gd, m, (int32_t)r, 0, u);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "top eigenvector kernel (U)");
-        /* 4. W = U^T A in fp32, summed over row blocks: W^T [d, r] += A_b^T [d, rows] * U_b [rows, r] */
+        /* W = U^T A in fp32, summed over row blocks: W^T [d, r] += A_b^T [d, rows] * U_b [rows, r] */
         for (int64_t t0 = 0; t0 < n; t0 += f->proj_rows) {
             int64_t rows = n - t0 < f->proj_rows ? n - t0 : f->proj_rows;
             const float beta = t0 == 0 ? zero : one;
@@ -473,17 +689,134 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                               "cublasGemmEx (fp32 projection W = U^T A)");
         }
     }
+    return SKV_OK;
+}
 
-    /* the solver's verdict (and any asynchronous error of the work above) */
-    int info = 0;
-    SKV_CF_CHECK_CUDA(cudaMemcpyAsync(&info, f->info, sizeof info, cudaMemcpyDeviceToHost, f->st),
-                      "cudaMemcpyAsync (solver info)");
-    SKV_CF_CHECK_CUDA(cudaStreamSynchronize(f->st), "cudaStreamSynchronize");
-    if (info != 0) {
-        if (msg && cap)
-            snprintf(msg, cap, "cuda factorize: cusolverDnXsyevd (m = %lld) returned info = %d (%s)", (long long)m, info,
-                     info > 0 ? "the eigensolver did not converge" : "invalid argument");
-        return SKV_ERR_NUMERICAL;
+/* orth(v) in place (lib/skv_factor.h): C = v^T v, shift, R = chol(C + sI) (info -> *info), v = v R^-1. */
+static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *msg, size_t cap)
+{
+    const int64_t d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, (int)r, (int)d, &one, v, (int)d, &zero,
+                                  f->c, (int)r),
+                      "cublasDsyrk (Y^T Y)");
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
+    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
+                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
+                                         f->solver_host_bytes, info),
+                        "cusolverDnXpotrf");
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                  CUBLAS_DIAG_NON_UNIT, (int)d, (int)r, &one, f->c, (int)r, v, (int)d),
+                      "cublasDtrsm (Y R^-1)");
+    return SKV_OK;
+}
+
+/* y = G x (d x r, double). */
+static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, char *msg, size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, d, r, d, &one, f->gd, d, x, d, &zero, y, d),
+                      "cublasDgemm (G X)");
+    return SKV_OK;
+}
+
+/* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
+static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
+                              skv_factor_mode mode, char *msg, size_t cap)
+{
+    const int64_t d = f->d, r = f->r;
+    const float one = 1.0f, zero = 0.0f;
+    skv_status s;
+    int ninfo = 0;
+    if ((s = skv_cf_gram(f, n, a, msg, cap)) != SKV_OK) return s;
+    skv_cf_init_x<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(f->x, (int32_t)d, (int32_t)r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
+    double *x = f->x, *y = f->y;
+    for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
+        if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        double *t = x;
+        x = y, y = t;
+        if (it == SKV_FACTOR_CHECK_AT) {
+            if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+            skv_cf_check<<<1, 1024, 0, f->st>>>(f->gd, x, y, (int32_t)d, (int32_t)r, (int)mode, f->state);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
+            /* the fallback Gram: both kernels return at once unless the check set the flag */
+            int nt = (int)((d + SKV_CF_TILE - 1) / SKV_CF_TILE);
+            dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
+            skv_cf_gram64<<<grid, 256, 0, f->st>>>(a, n, (int32_t)d, (double *)f->scratch, f->state);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram kernel");
+            skv_cf_gram64_sum<<<skv_cf_blocks(d * d), SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
+                                                                                   (int32_t)d, f->state);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
+        }
     }
+    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
+    /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
+    for (int k = 2; k >= 0; k--) {
+        const float beta = k == 2 ? zero : one;
+        SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, n, d, &one, f->qs + (size_t)k * d * r,
+                                          CUDA_R_16BF, d, a, CUDA_R_16BF, d, &beta, u, CUDA_R_32F, r,
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                          "cublasGemmEx (bf16-split projection U = A Q)");
+    }
+    return SKV_OK;
+}
+
+extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
+                                         unsigned long long tag, int sync, char *msg, size_t cap)
+{
+    const int64_t d = f->d, r = f->r;
+    if (n < 1 || n > f->n_max || n > SKV_CUDA_FACTOR_MAX_N || r > (n < d ? n : d)) {
+        if (msg && cap)
+            snprintf(msg, cap, "cuda factorize: n = %lld with d = %lld, r = %lld: need r <= min(n, d) and "
+                               "1 <= n <= %lld (workspace n_max; supported maximum %lld)",
+                     (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
+        return SKV_ERR_INVALID_ARGUMENT;
+    }
+    skv_factor_mode mode = skv_factor_mode_env();
+    int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
+    int n_info = fast ? SKV_CF_NINFO : 1;
+    skv_status s;
+    SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->info, 0, SKV_CF_NINFO * sizeof(int), f->st), "cudaMemsetAsync (infos)");
+    s = fast ? skv_cf_fast(f, n, a, u, w, mode, msg, cap) : skv_cf_exact(f, n, a, u, w, msg, cap);
+    if (s != SKV_OK) return s;
+    skv_cf_infos<<<1, 1, 0, f->st>>>(f->info, n_info, tag, f->state);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "solver info kernel");
+    if (!sync) return SKV_OK;
+    /* the solvers' verdict (and any asynchronous error of the work above) */
+    int info[SKV_CF_NINFO];
+    SKV_CF_CHECK_CUDA(cudaMemcpyAsync(info, f->info, sizeof info, cudaMemcpyDeviceToHost, f->st),
+                      "cudaMemcpyAsync (solver infos)");
+    SKV_CF_CHECK_CUDA(cudaStreamSynchronize(f->st), "cudaStreamSynchronize");
+    for (int k = 0; k < n_info; k++)
+        if (info[k] != 0) {
+            if (msg && cap)
+                snprintf(msg, cap, "cuda factorize: %s (m = %lld) returned info = %d (%s)",
+                         fast ? "cusolverDnXpotrf" : "cusolverDnXsyevd", (long long)(fast ? r : (n < d ? n : d)),
+                         info[k], info[k] > 0 ? "the solver did not converge" : "invalid argument");
+            return SKV_ERR_NUMERICAL;
+        }
+    return SKV_OK;
+}
+
+extern "C" skv_status skv_cuda_factor_counts(skv_cuda_factor *f, unsigned long long *calls,
+                                             unsigned long long *fallbacks, unsigned long long *failures,
+                                             unsigned long long *first_failure_tag, char *msg, size_t cap)
+{
+    skv_cf_state h;
+    SKV_CF_CHECK_CUDA(cudaMemcpyAsync(&h, f->state, sizeof h, cudaMemcpyDeviceToHost, f->st),
+                      "cudaMemcpyAsync (factorization state)");
+    SKV_CF_CHECK_CUDA(cudaStreamSynchronize(f->st), "cudaStreamSynchronize");
+    if (calls) *calls = h.n_calls;
+    if (fallbacks) *fallbacks = h.n_fallbacks;
+    if (failures) *failures = h.n_failures;
+    if (first_failure_tag) *first_failure_tag = h.first_failure_tag;
     return SKV_OK;
 }

@@ -318,6 +318,12 @@ typedef struct skv_stats {
     int64_t decode_allocations; /**< heap allocations made by decode steps: 0 unless the
                                      workspace sized at create was exceeded (e.g. more
                                      OpenMP threads than at create) */
+    double prefill_critical_ms; /**< the time prefill adds to the caller's stream: ref/cpu
+                                     the whole call (it is synchronous); cuda the work on
+                                     the cache's stream, from the input check to the last
+                                     copy, while the factorization and the value offload
+                                     run beside it (their times are prefill_factorize_ms
+                                     and part of prefill_offload_ms) */
 } skv_stats;
 
 /** Copies the cache's phase timings into *stats. */

@@ -213,6 +213,7 @@ static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N
     c->stats.prefill_factorize_ms += t->prefill_factorize_ms;
     c->stats.prefill_landmarks_ms += t->prefill_landmarks_ms;
     c->stats.prefill_offload_ms += t->prefill_offload_ms;
+    c->stats.prefill_critical_ms += t->prefill_critical_ms;
     c->stats.n_prefill_calls++;
 }
 
@@ -334,6 +335,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
         t.prefill_factorize_ms = t2 - t1;
         t.prefill_landmarks_ms = t3 - t2;
         t.prefill_offload_ms = t4 - t3;
+        t.prefill_critical_ms = t4 - t0;
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
     }
 done:

@@ -77,7 +77,6 @@ SKV_FHD double skv_factor_shift(int32_t d, int32_t p, double trace)
     return s > 0x1p-1000 ? s : 0x1p-1000; /* Y = 0 (a zero matrix): R = 2^-500 I, orth(0) = 0 */
 }
 
-#if !defined(__CUDA_ARCH__)
 /* SKV_FACTORIZE from the environment (AUTO if unset or unknown). */
 static inline skv_factor_mode skv_factor_mode_env(void)
 {
@@ -94,6 +93,5 @@ static inline skv_factor_route skv_factor_route_for(int64_t n, int32_t d, int32_
     if (mode == SKV_FACTOR_EXACT || n < d || 2 * (int64_t)r > d) return SKV_ROUTE_EXACT;
     return SKV_ROUTE_FAST;
 }
-#endif
 
 #endif
