@@ -693,7 +693,8 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
  * the local window, the descriptor. Beside it, from the staged copies: the factorization
  * on fst and the value offload to the host store on ost. Nothing waits for them here:
  * the next decode waits for both (events), the next prefill only before it overwrites the
- * staging buffers. Phase times are read later (skv_cuda_cache_sync).
+ * staging buffers. Returns when the cache's stream is done, so k_pre, v and k_post are
+ * free for the caller. Phase times are read later (skv_cuda_cache_sync).
  */
 static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
                                          const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
@@ -799,6 +800,8 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     hs->has_sel = 0;
     CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
+    /* the caller's buffers are free once this stream is done with them (the side work reads the staged copies) */
+    CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
     ps->used = 1;
     k->pset_next ^= 1;

@@ -21,8 +21,11 @@
  *    (no host-device synchronization, no allocation; NaN/Inf in its inputs is
  *    found on the device and reported later, see skv_cache_sync). skv_prefill,
  *    skv_cache_sync, skv_cache_stats*, the introspection calls, create and
- *    free synchronize with the cache's stream. skv_op_* run on the legacy
- *    default stream and return when done.
+ *    free synchronize with the cache's stream. skv_prefill returns when its
+ *    inputs have been read; the key factorization and the value offload
+ *    continue beside the cache's stream, on the library's own streams (from
+ *    copies of the inputs), and the next skv_decode waits for them on the
+ *    device. skv_op_* run on the legacy default stream and return when done.
  *  - The library never prints and never exits. A failing call leaves a
  *    message naming the bad argument and its value in skv_last_error()
  *    (thread-local) and, for calls on a cache, in skv_cache_last_error().
