@@ -10,8 +10,9 @@
  *      bounds the fp32 error by the block length (tensor cores truncate once
  *      per MMA step: <= 512 steps per block, ~3e-5 relative, mostly a common
  *      scaling of G that leaves its eigenvectors alone).
- *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(G X): DGEMM,
- *      DSYRK, the shift (skv_cf_shift), cusolverDnXpotrf, DTRSM, all fp64.
+ *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS Rayleigh-normalized steps
+ *      X <- G X (X^T G X + s_H I)^-1: two DGEMMs, the shift (skv_cf_shift),
+ *      cusolverDnXpotrf, two DTRSMs, all fp64.
  *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), Y = G X, and
  *      skv_cf_check decides on the device whether the fallback Gram is needed
  *      (lib/skv_factor.h step 4). The fallback kernels always launch and
@@ -289,14 +290,15 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
         x[e] = skv_factor_start(e % d, e / d, r);
 }
 
-/* c [p, p] (upper triangle of Y^T Y): c += s I, s = skv_factor_shift(d, p, tr c). One block. */
-static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d)
+/* c [p, p]: c += s I, s = skv_factor_shift(d, p, tr c) (rq = 0: Cholesky QR of Y^T Y) or
+   skv_factor_rq_shift(tr c) (rq = 1: the Rayleigh quotient H). One block. */
+static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int rq)
 {
     __shared__ double s;
     if (threadIdx.x == 0) {
         double t = 0.0;
         for (int32_t j = 0; j < p; j++) t += c[(size_t)j * p + j];
-        s = skv_factor_shift(d, p, t);
+        s = rq ? skv_factor_rq_shift(t) : skv_factor_shift(d, p, t);
     }
     __syncthreads();
     for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
@@ -700,7 +702,7 @@ static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *ms
     SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, (int)r, (int)d, &one, v, (int)d, &zero,
                                   f->c, (int)r),
                       "cublasDsyrk (Y^T Y)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d);
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
     SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
                                          CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
@@ -722,6 +724,31 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
     return SKV_OK;
 }
 
+/* One Rayleigh-normalized step (lib/skv_factor.h step 3): y = G x, H = x^T y, y <- y (H + s_H I)^-1. */
+static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, int *info, char *msg, size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    skv_status s;
+    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
+                      "cublasDgemm (X^T G X)");
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
+    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
+                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
+                                         f->solver_host_bytes, info),
+                        "cusolverDnXpotrf (Rayleigh quotient)");
+    /* H + s_H I = R^T R: y R^-1, then R^-T */
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                  CUBLAS_DIAG_NON_UNIT, d, r, &one, f->c, r, y, d),
+                      "cublasDtrsm (Y R^-1)");
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T,
+                                  CUBLAS_DIAG_NON_UNIT, d, r, &one, f->c, r, y, d),
+                      "cublasDtrsm (Y R^-1 R^-T)");
+    return SKV_OK;
+}
+
 /* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
 static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
                               skv_factor_mode mode, char *msg, size_t cap)
@@ -735,8 +762,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
     double *x = f->x, *y = f->y;
     for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
-        if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_step(f, x, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
         double *t = x;
         x = y, y = t;
         if (it == SKV_FACTOR_CHECK_AT) {

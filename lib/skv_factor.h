@@ -15,7 +15,15 @@
  *        products are exact in fp32; blocks bound the fp32 accumulation).
  *     2. X_0 [d, r] = skv_factor_start(i, j): a fixed pseudo-random start, so
  *        the result is deterministic.
- *     3. Subspace iteration, SKV_FACTOR_ITERS times: X <- orth(G X).
+ *     3. Subspace iteration, SKV_FACTOR_ITERS times, normalized by the Rayleigh
+ *        quotient instead of re-orthonormalized: Y = G X, H = X^T Y,
+ *        X <- Y (H + s_H I)^-1 with s_H = skv_factor_rq_shift(tr H), through the
+ *        Cholesky factor of H + s_H I (two triangular solves). span(X) is that
+ *        of plain subspace iteration, but X stays well conditioned (~1 + the
+ *        unconverged part) whatever the dynamic range of the spectrum, and the
+ *        Cholesky of H is sensitive to cond(H) = lambda_1 / lambda_r, not to its
+ *        square, so a dominant direction 1e4 sigma above the rest (cond 1e8..1e10)
+ *        is fine in double, where Cholesky QR of G X (cond^2) is not.
  *        orth(Y) is shifted Cholesky QR: C = Y^T Y, s = skv_factor_shift(d, r,
  *        tr C), R = chol(C + s I), orth(Y) = Y R^-1. The shift keeps the
  *        Cholesky defined for rank-deficient or badly scaled Y; the basis it
@@ -54,6 +62,7 @@
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_CHECK_AT 2
 #define SKV_FACTOR_TAU 1e-4
+#define SKV_FACTOR_RQ_SHIFT 0x1p-40 /* s_H / tr(H): above the rounding of H, far below lambda_r */
 
 typedef enum { SKV_FACTOR_AUTO = 0, SKV_FACTOR_FAST, SKV_FACTOR_FALLBACK, SKV_FACTOR_EXACT } skv_factor_mode;
 typedef enum { SKV_ROUTE_EXACT = 0, SKV_ROUTE_FAST } skv_factor_route;
@@ -75,6 +84,13 @@ SKV_FHD double skv_factor_shift(int32_t d, int32_t p, double trace)
 {
     double s = 11.0 * ((double)d * p + (double)p * (p + 1)) * 0x1p-53 * trace;
     return s > 0x1p-1000 ? s : 0x1p-1000; /* Y = 0 (a zero matrix): R = 2^-500 I, orth(0) = 0 */
+}
+
+/* s_H of step 3 for tr(H) = trace, at least 2^-1000. */
+SKV_FHD double skv_factor_rq_shift(double trace)
+{
+    double s = SKV_FACTOR_RQ_SHIFT * trace;
+    return s > 0x1p-1000 ? s : 0x1p-1000;
 }
 
 /* SKV_FACTORIZE from the environment (AUTO if unset or unknown). */

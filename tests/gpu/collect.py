@@ -1,6 +1,8 @@
 """Assembles the outputs of tests/gpu/run.sh into one JSON object (stdout).
 
-    python3 tests/gpu/collect.py OUT_DIR GPU_TXT
+    python3 tests/gpu/collect.py OUT_DIR GPU_TXT [AUX_DIR]
+
+(AUX_DIR: where run.sh keeps dense.json, default OUT_DIR.)
 
 Pass/fail counts per test binary, the per-layer decode benchmark next to the
 dense baseline measured in the same run (ratio = dense / ours), the
@@ -38,7 +40,9 @@ def main():
             failed += 1
     res["totals"] = {"passed": passed, "failed": failed, "skipped": skipped}
     dec = load(os.path.join(out, "bench_decode.json"))
-    dense = load(os.path.join(out, "dense.json"))
+    aux = sys.argv[3] if len(sys.argv) > 3 else out
+    dense = load(os.path.join(aux, "dense.json"))
+    res["factorize_bench"] = load(os.path.join(out, "factorize.json"))
     res["decode_bench"] = dec
     res["dense_baseline"] = dense
     cmp_rows = []

@@ -13,23 +13,28 @@
 #   all       full + demo (the run whose summary is committed)
 #   sanitize  build, compute-sanitizer memcheck only
 #   bench     build, the benchmarks only
+#   factor    build, the factorization tests (test_accuracy, test_cuda), skv-bench
+#             factorize at 16k..128k with the GPU baselines, an ncu kernel split
+#             of one 64k factorization, and the demo at 32 x 64k (critical path)
 #
 # Writes at most 8 files under $OUT (default build/gpu-out): log.txt (this
 # script's output), tests_log.txt (every test's full output), tests.json
-# (per-binary pass/fail lines), bench_decode.json, dense.json, perf.txt,
-# demo.json and summary.json (everything, for bench/results/h200-<date>.json).
+# (per-binary pass/fail lines), bench_decode.json, factorize.json, perf.txt,
+# demo.json and summary.json (everything, for bench/results/h200-<date>.json;
+# the dense baseline's JSON is kept in it).
 # Needs no network: when the system lacks LAPACKE/OpenBLAS it builds with the
 # extracted Debian packages in .deps (make SKV_DEPS=.deps).
 set -uo pipefail
 MODE=${1:-quick}
 # what each mode runs
 case "$MODE" in
-  quick)    T_TESTS=quick; T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO= ;;
-  full)     T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO= ;;
-  all)      T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO=1 ;;
-  demo)     T_TESTS=cuda;  T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO=1 ;;
-  sanitize) T_TESTS=;      T_BENCH=;  T_PERF=;  T_SAN=1; T_DEMO= ;;
-  bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO= ;;
+  quick)    T_TESTS=quick; T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=quick ;;
+  full)     T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO=;  T_FAC=full ;;
+  all)      T_TESTS=full;  T_BENCH=1; T_PERF=1; T_SAN=1; T_DEMO=1; T_FAC=full ;;
+  demo)     T_TESTS=cuda;  T_BENCH=1; T_PERF=;  T_SAN=;  T_DEMO=1; T_FAC= ;;
+  sanitize) T_TESTS=;      T_BENCH=;  T_PERF=;  T_SAN=1; T_DEMO=;  T_FAC= ;;
+  bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO=;  T_FAC=full ;;
+  factor)   T_TESTS=factor; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=quick ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 OUT=${OUT:-build/gpu-out}
@@ -85,6 +90,11 @@ run_test() {
 if [ -n "$T_TESTS" ]; then
   run_test test_cuda build/tests/test_cuda
 fi
+if [ "$T_TESTS" = factor ]; then
+  run_test test_accuracy build/tests/test_accuracy
+  run_test test_e2e build/tests/test_e2e
+  run_test test_contract build/tests/test_contract 10
+fi
 if [ "$T_TESTS" = quick ] || [ "$T_TESTS" = full ]; then
   run_test test_cuda_serial env SKV_CUDA_SERIAL=1 build/tests/test_cuda
   run_test backend_ops_cuda build/tests/backend_ops -b cuda
@@ -110,10 +120,24 @@ if [ -n "$T_BENCH" ]; then
   timeout 300 build/skv-bench decode --backend cuda $BARGS --json > "$OUT/bench_decode.json"
   cat "$OUT/bench_decode.json"
   stamp "dense baseline (torch sdpa flash)"
-  timeout 200 python3 tests/gpu/dense_decode.py > "$OUT/dense.json"
-  cat "$OUT/dense.json"
+  timeout 200 python3 tests/gpu/dense_decode.py > "$TMP/dense.json"
+  cat "$TMP/dense.json"
   stamp "for comparison: the value fetch on the cache's stream after the key rebuild (SKV_CUDA_SERIAL=1)"
   SKV_CUDA_SERIAL=1 timeout 100 build/skv-bench decode --backend cuda --ctx 131072 --batch 8 --steps 50 --warmup 5 2>&1 | tail -2
+fi
+if [ -n "$T_FAC" ]; then
+  if [ "$T_FAC" = quick ]; then FN=16384,65536,131072; else FN=16384,65536,131072,524288,1048576; fi
+  stamp "skv-bench factorize --n $FN (GPU routes and baselines; cpu up to 64k)"
+  timeout 540 build/skv-bench factorize --n $FN --json > "$OUT/factorize.json"
+  cat "$OUT/factorize.json"
+  if [ "$T_FAC" = quick ]; then
+    stamp "ncu: the kernels of one 64k factorization (serialized)"
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      build/skv-bench factorize --backends cuda --n 65536 --reps 1 --no-baseline 2>/dev/null |
+      grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' | tail -80
+    stamp "demo: 32 layers, one 65536-token sequence (prefill critical path)"
+    timeout 270 build/demo --backend cuda --layers 32 --ctx 65536 --steps 8 --share-layers 2>&1 | grep -v "demo: prefill layer" | tail -25
+  fi
 fi
 if [ -n "$T_PERF" ]; then
   stamp "backend_ops --perf -b cuda"
@@ -149,5 +173,5 @@ if [ -n "$T_SAN" ]; then
 fi
 sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 stamp "collect"
-python3 tests/gpu/collect.py "$OUT" "$TMP/gpu.txt" > "$OUT/summary.json" && cat "$OUT/summary.json" | head -c 3000
+python3 tests/gpu/collect.py "$OUT" "$TMP/gpu.txt" "$TMP" > "$OUT/summary.json" && cat "$OUT/summary.json" | head -c 3000
 stamp "done"
