@@ -13,9 +13,9 @@
  *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS Rayleigh-normalized steps
  *      X <- G X (X^T G X + s_H I)^-1: two DGEMMs, the shift (skv_cf_shift),
  *      cusolverDnXpotrf, two DTRSMs, all fp64.
- *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), Y = G X, and
- *      skv_cf_check decides on the device whether the fallback Gram is needed
- *      (lib/skv_factor.h step 4). The fallback kernels always launch and
+ *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T G X = R^T R,
+ *      R^-1, and skv_cf_check decides on the device whether the fallback Gram
+ *      is needed (lib/skv_factor.h step 4). The fallback kernels always launch and
  *      return at once unless the flag is set: the fallback Gram sums every
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, summed in
  *      a fixed order, so results stay deterministic) and overwrites G; Y is
@@ -84,12 +84,12 @@
 /* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
 #define SKV_CF_SPLITS 8
 #define SKV_CF_TILE 64
-/* potrf calls of one FAST call: the iterations, the check's orth, the final two. */
-#define SKV_CF_NINFO (SKV_FACTOR_ITERS + 3)
+/* potrf calls of one FAST call: the iterations, the check's orth and H, the final two. */
+#define SKV_CF_NINFO (SKV_FACTOR_ITERS + 4)
 
 /* Device-side state of the FAST route. */
 typedef struct {
-    double tr_g, captured;                     /* at the check */
+    double tr_h, rho;                          /* at the check: tr(H + s_H I), the estimate */
     int fallback;                              /* this call uses the double Gram */
     unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
     unsigned long long first_failure_tag;      /* ~0 until a failure */
@@ -323,25 +323,34 @@ static __device__ void skv_cf_reduce2(double &a, double &b)
 }
 
 /*
- * The check (lib/skv_factor.h step 4): x orthonormal, y = G x. tr(G) and
- * tr(x^T G x) = sum x .* y; sets state->fallback. One block of 1024 threads.
+ * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
+ * upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ g, const double *__restrict__ x,
-                                                            const double *__restrict__ y, int32_t d, int32_t r, int mode,
-                                                            skv_cf_state *state)
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
+                                                            int32_t r, int mode, skv_cf_state *state)
 {
-    double tr = 0.0, cap = 0.0;
-    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) tr += g[(size_t)i * d + i];
-    for (int64_t e = threadIdx.x; e < (int64_t)d * r; e += blockDim.x) cap += x[e] * y[e];
-    skv_cf_reduce2(tr, cap);
+    double a = 0.0, b = 0.0;
+    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
+        int64_t i = e % r, j = e / r;
+        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
+    }
+    skv_cf_reduce2(a, b);
     if (threadIdx.x == 0) {
-        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && tr - cap < SKV_FACTOR_TAU * tr);
-        state->tr_g = tr;
-        state->captured = cap;
+        double rho = 1.0 / (a * b);
+        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
+        state->tr_h = a;
+        state->rho = rho;
         state->fallback = fb;
         state->n_calls++;
         if (fb) state->n_fallbacks++;
     }
+}
+
+/* z [r, r] = I. */
+static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
+{
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
+        z[e] = e % r == e / r ? 1.0 : 0.0;
 }
 
 /*
@@ -749,6 +758,32 @@ static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, in
     return SKV_OK;
 }
 
+/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
+static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
+                                   size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    skv_status s;
+    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
+                      "cublasDgemm (X^T G X, check)");
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
+    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
+                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
+                                         f->solver_host_bytes, info),
+                        "cusolverDnXpotrf (check)");
+    skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT,
+                                  r, r, &one, f->c, r, y, r),
+                      "cublasDtrsm (R^-1, check)");
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
+    return SKV_OK;
+}
+
 /* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
 static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
                               skv_factor_mode mode, char *msg, size_t cap)
@@ -767,9 +802,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
         x = y, y = t;
         if (it == SKV_FACTOR_CHECK_AT) {
             if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
-            if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-            skv_cf_check<<<1, 1024, 0, f->st>>>(f->gd, x, y, (int32_t)d, (int32_t)r, (int)mode, f->state);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
+            if ((s = skv_cf_check_rho(f, x, y, (int)mode, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
             /* the fallback Gram: both kernels return at once unless the check set the flag */
             int nt = (int)((d + SKV_CF_TILE - 1) / SKV_CF_TILE);
             dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
