@@ -75,8 +75,11 @@
 #include "skv_factor.h"
 
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
-/* Rows (n >= d) or columns (n < d) per fp32 Gram block. */
-#define SKV_CF_GRAM_ROWS ((int64_t)8192)
+/* Rows (n >= d) or columns (n < d) per fp32 Gram block: each block's Gram is exact products
+   summed in fp32 over at most this many rows (64 tensor-core k-steps), then summed in double. */
+#define SKV_CF_GRAM_ROWS ((int64_t)1024)
+/* Bytes of fp32 block Grams computed by one batched GEMM (then reduced in double). */
+#define SKV_CF_GRAM_BATCH_BYTES ((size_t)128 << 20)
 /* Elements of A converted to float per EXACT projection block (64 MiB of floats). */
 #define SKV_CF_PROJ_ELEMS ((int64_t)1 << 24)
 /* cuBLAS workspace (NVIDIA's recommendation for Hopper). */
@@ -100,7 +103,7 @@ struct skv_cuda_factor {
     cublasHandle_t blas;
     cusolverDnHandle_t solver;
     cusolverDnParams_t params;
-    int64_t n_max, m_max, proj_rows;
+    int64_t n_max, m_max, proj_rows, gram_batch;
     int32_t d, r;
     int fast_ok;    /* FAST workspace allocated (n_max >= d, 2r <= d) */
     double *gd;     /* [m_max^2] */
@@ -121,7 +124,7 @@ struct skv_cuda_factor {
 /* ---- sizes ---------------------------------------------------------------------- */
 
 typedef struct skv_cf_sizes {
-    int64_t m_max, proj_rows;
+    int64_t m_max, proj_rows, gram_batch;
     int fast_ok;
     size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
 } skv_cf_sizes;
@@ -139,6 +142,18 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_mul_size((size_t)s->m_max, (size_t)s->m_max, &mm)) return 0;
     if (!skv_mul_size((size_t)s->proj_rows, (size_t)d, &pr)) return 0;
     if (!skv_mul_size(mm > pr ? mm : pr, sizeof(float), &s->scratch_bytes)) return 0;
+    if (n_max >= d) { /* batched block Grams: as many d x d fp32 blocks as fit in SKV_CF_GRAM_BATCH_BYTES, >= 1 */
+        size_t blk, nblk = (size_t)((n_max + SKV_CF_GRAM_ROWS - 1) / SKV_CF_GRAM_ROWS), fit;
+        if (!skv_mul_size(mm, sizeof(float), &blk)) return 0;
+        fit = SKV_CF_GRAM_BATCH_BYTES / blk;
+        if (fit < 1) fit = 1;
+        if (fit > nblk) fit = nblk;
+        s->gram_batch = (int64_t)fit;
+        if (!skv_mul_size(fit, blk, &blk)) return 0;
+        if (blk > s->scratch_bytes) s->scratch_bytes = blk;
+    } else {
+        s->gram_batch = 1;
+    }
     s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
     if (s->fast_ok) {
         size_t part;
@@ -250,6 +265,17 @@ static __global__ void skv_cf_bf16_to_f32(const skv_bf16 *__restrict__ x, float 
         y[i] = skv_bf16_to_f32(x[i]);
 }
 
+/* gd[i] = (first ? 0 : gd[i]) + sum over b < nb of (double)g[b * count + i], in order. */
+static __global__ void skv_cf_gram_sum(double *__restrict__ gd, const float *__restrict__ g, int64_t count, int nb,
+                                       int first)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+        double v = first ? 0.0 : gd[i];
+        for (int b = 0; b < nb; b++) v += (double)g[(size_t)b * count + i];
+        gd[i] = v;
+    }
+}
+
 /* gd[i] = (first ? 0 : gd[i]) + (double)g[i]: one block Gram into the double accumulator. */
 static __global__ void skv_cf_gram_add(double *__restrict__ gd, const float *__restrict__ g, int64_t count, int first)
 {
@@ -291,14 +317,16 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
 }
 
 /* c [p, p]: c += s I, s = skv_factor_shift(d, p, tr c) (rq = 0: Cholesky QR of Y^T Y) or
-   skv_factor_rq_shift(tr c) (rq = 1: the Rayleigh quotient H). One block. */
-static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int rq)
+   skv_factor_rq_shift(tr c, G is the double Gram) (rq = 1: the Rayleigh quotient H before the
+   check; rq = 2: after it, where state->fallback says which G). One block. */
+static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int rq,
+                                    const skv_cf_state *__restrict__ state)
 {
     __shared__ double s;
     if (threadIdx.x == 0) {
         double t = 0.0;
         for (int32_t j = 0; j < p; j++) t += c[(size_t)j * p + j];
-        s = rq ? skv_factor_rq_shift(t) : skv_factor_shift(d, p, t);
+        s = rq ? skv_factor_rq_shift(t, rq == 2 && state->fallback) : skv_factor_shift(d, p, t);
     }
     __syncthreads();
     for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
@@ -515,6 +543,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->n_max = n_max;
     f->m_max = sz.m_max;
     f->proj_rows = sz.proj_rows;
+    f->gram_batch = sz.gram_batch;
     f->d = d;
     f->r = r;
     f->fast_ok = sz.fast_ok;
@@ -621,23 +650,41 @@ static skv_status skv_cf_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
 {
     const int64_t d = f->d, m = n < d ? n : d, len = n < d ? d : n; /* len: the summed dimension */
     const float one = 1.0f, zero = 0.0f;
+    if (n >= d) {
+        /* groups of gram_batch blocks: one strided batched GEMM (rows k0 + b*R .. of A, column-major
+           Mb [d, R], G_b = Mb Mb^T) for the full blocks, one GEMM for a short last block, one sum */
+        const int64_t R = SKV_CF_GRAM_ROWS, nblk = (n + R - 1) / R;
+        for (int64_t b0 = 0; b0 < nblk; b0 += f->gram_batch) {
+            int64_t nb = nblk - b0 < f->gram_batch ? nblk - b0 : f->gram_batch;
+            int64_t last_rows = n - (b0 + nb - 1) * R, nfull = last_rows == R ? nb : nb - 1;
+            const skv_bf16 *mb = a + (size_t)b0 * R * d;
+            if (nfull > 0)
+                SKV_CF_CHECK_BLAS(cublasGemmStridedBatchedEx_64(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, R, &one, mb,
+                                                                CUDA_R_16BF, d, R * d, mb, CUDA_R_16BF, d, R * d, &zero,
+                                                                f->scratch, CUDA_R_32F, d, d * d, nfull,
+                                                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                  "cublasGemmStridedBatchedEx (bf16 Gram blocks A^T A)");
+            if (nfull < nb) {
+                const skv_bf16 *ml = mb + (size_t)nfull * R * d;
+                SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, last_rows, &one, ml,
+                                                  CUDA_R_16BF, d, ml, CUDA_R_16BF, d, &zero, f->scratch + (size_t)nfull * d * d,
+                                                  CUDA_R_32F, d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                  "cublasGemmEx (bf16 Gram block A^T A)");
+            }
+            skv_cf_gram_sum<<<skv_cf_blocks(d * d), SKV_CF_THREADS, 0, f->st>>>(f->gd, f->scratch, d * d, (int)nb,
+                                                                                 b0 == 0);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "Gram sum kernel");
+        }
+        return SKV_OK;
+    }
     for (int64_t k0 = 0; k0 < len; k0 += SKV_CF_GRAM_ROWS) {
         int64_t kb = len - k0 < SKV_CF_GRAM_ROWS ? len - k0 : SKV_CF_GRAM_ROWS;
-        if (n >= d) {
-            /* rows k0..k0+kb of A: column-major Mb [d, kb] (ld d); G += Mb Mb^T */
-            const skv_bf16 *mb = a + (size_t)k0 * d;
-            SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, kb, &one, mb, CUDA_R_16BF, d, mb,
-                                              CUDA_R_16BF, d, &zero, f->scratch, CUDA_R_32F, d, CUBLAS_COMPUTE_32F,
-                                              CUBLAS_GEMM_DEFAULT),
-                              "cublasGemmEx (bf16 Gram block A^T A)");
-        } else {
-            /* columns k0..k0+kb of A: column-major Mb [kb, n] (ld d); G += Mb^T Mb */
-            const skv_bf16 *mb = a + k0;
-            SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, kb, &one, mb, CUDA_R_16BF, d, mb,
-                                              CUDA_R_16BF, d, &zero, f->scratch, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
-                                              CUBLAS_GEMM_DEFAULT),
-                              "cublasGemmEx (bf16 Gram block A A^T)");
-        }
+        /* columns k0..k0+kb of A: column-major Mb [kb, n] (ld d); G += Mb^T Mb */
+        const skv_bf16 *mb = a + k0;
+        SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, kb, &one, mb, CUDA_R_16BF, d, mb,
+                                          CUDA_R_16BF, d, &zero, f->scratch, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT),
+                          "cublasGemmEx (bf16 Gram block A A^T)");
         skv_cf_gram_add<<<skv_cf_blocks(m * m), SKV_CF_THREADS, 0, f->st>>>(f->gd, f->scratch, m * m, k0 == 0);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "Gram accumulation kernel");
     }
@@ -711,7 +758,7 @@ static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *ms
     SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, (int)r, (int)d, &one, v, (int)d, &zero,
                                   f->c, (int)r),
                       "cublasDsyrk (Y^T Y)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0);
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
     SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
                                          CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
@@ -734,7 +781,8 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
 }
 
 /* One Rayleigh-normalized step (lib/skv_factor.h step 3): y = G x, H = x^T y, y <- y (H + s_H I)^-1. */
-static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, int *info, char *msg, size_t cap)
+static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, int after_check, int *info, char *msg,
+                              size_t cap)
 {
     const int d = f->d, r = f->r;
     const double one = 1.0, zero = 0.0;
@@ -742,7 +790,7 @@ static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, in
     if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1);
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, after_check ? 2 : 1, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
     SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
                                          CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
@@ -768,7 +816,7 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X, check)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1);
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
     SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
                                          CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
@@ -797,7 +845,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
     double *x = f->x, *y = f->y;
     for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
-        if ((s = skv_cf_step(f, x, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_step(f, x, y, it > SKV_FACTOR_CHECK_AT, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
         double *t = x;
         x = y, y = t;
         if (it == SKV_FACTOR_CHECK_AT) {
@@ -849,6 +897,11 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     skv_cf_infos<<<1, 1, 0, f->st>>>(f->info, n_info, tag, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "solver info kernel");
     if (!sync) return SKV_OK;
+    if (getenv("SKV_FACTORIZE_DEBUG")) { /* TEMPORARY */
+        skv_cf_state h;
+        cudaMemcpy(&h, f->state, sizeof h, cudaMemcpyDeviceToHost);
+        fprintf(stderr, "factorize debug: n=%lld fast=%d rho=%.3e fallback=%d\n", (long long)n, fast, h.rho, h.fallback);
+    }
     /* the solvers' verdict (and any asynchronous error of the work above) */
     int info[SKV_CF_NINFO];
     SKV_CF_CHECK_CUDA(cudaMemcpyAsync(info, f->info, sizeof info, cudaMemcpyDeviceToHost, f->st),

@@ -17,7 +17,8 @@
  *        the result is deterministic.
  *     3. Subspace iteration, SKV_FACTOR_ITERS times, normalized by the Rayleigh
  *        quotient instead of re-orthonormalized: Y = G X, H = X^T Y,
- *        X <- Y (H + s_H I)^-1 with s_H = skv_factor_rq_shift(tr H), through the
+ *        X <- Y (H + s_H I)^-1 with s_H = skv_factor_rq_shift(tr H, G exact?): the
+ *        shift covers G's own indefiniteness (fp32 rounding), through the
  *        Cholesky factor of H + s_H I (two triangular solves). span(X) is that
  *        of plain subspace iteration, but X stays well conditioned (~1 + the
  *        unconverged part) whatever the dynamic range of the spectrum, and the
@@ -65,7 +66,10 @@
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_CHECK_AT 2
 #define SKV_FACTOR_TAU 1e-7 /* rho below this: the double Gram */
-#define SKV_FACTOR_RQ_SHIFT 0x1p-40 /* s_H / tr(H): above the rounding of H, far below lambda_r */
+/* s_H / tr(H): above the indefiniteness of G (fp32 block Grams: ~1e-6 lambda_1; the double
+   Gram: ~1e-13), far below the lambda_r the route must resolve on that G */
+#define SKV_FACTOR_RQ_SHIFT32 0x1p-18
+#define SKV_FACTOR_RQ_SHIFT64 0x1p-40
 
 typedef enum { SKV_FACTOR_AUTO = 0, SKV_FACTOR_FAST, SKV_FACTOR_FALLBACK, SKV_FACTOR_EXACT } skv_factor_mode;
 typedef enum { SKV_ROUTE_EXACT = 0, SKV_ROUTE_FAST } skv_factor_route;
@@ -89,10 +93,11 @@ SKV_FHD double skv_factor_shift(int32_t d, int32_t p, double trace)
     return s > 0x1p-1000 ? s : 0x1p-1000; /* Y = 0 (a zero matrix): R = 2^-500 I, orth(0) = 0 */
 }
 
-/* s_H of step 3 for tr(H) = trace, at least 2^-1000. */
-SKV_FHD double skv_factor_rq_shift(double trace)
+/* s_H of step 3 for tr(H) = trace on the fp32 block Gram (double_gram = 0) or the double
+   Gram (1), at least 2^-1000. */
+SKV_FHD double skv_factor_rq_shift(double trace, int double_gram)
 {
-    double s = SKV_FACTOR_RQ_SHIFT * trace;
+    double s = (double_gram ? SKV_FACTOR_RQ_SHIFT64 : SKV_FACTOR_RQ_SHIFT32) * trace;
     return s > 0x1p-1000 ? s : 0x1p-1000;
 }
 
