@@ -11,8 +11,10 @@
  *      per MMA step: <= 512 steps per block, ~3e-5 relative, mostly a common
  *      scaling of G that leaves its eigenvectors alone).
  *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS Rayleigh-normalized steps
- *      X <- G X (X^T G X + s_H I)^-1: two DGEMMs, the shift (skv_cf_shift),
- *      cusolverDnXpotrf, two DTRSMs, all fp64.
+ *      X <- G X (X^T G X + s_H I)^-1, all fp64: two DGEMMs, the r x r Cholesky
+ *      in one block's shared memory (skv_cf_chol, r <= 160; cuSOLVER's potrf
+ *      takes ~175 us at r = 160, this ~20) and a warp-per-row triangular
+ *      solve (skv_cf_solve).
  *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T G X = R^T R,
  *      R^-1, and skv_cf_check decides on the device whether the fallback Gram
  *      is needed (lib/skv_factor.h step 4). The fallback kernels always launch and
@@ -24,9 +26,10 @@
  *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
  *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
  *      accumulation: fp32 accuracy at bf16 tensor-core speed.
- *   Failures (a potrf info != 0: cannot happen with finite input and the
- *   shift) are counted on the device with the caller's tag; the synchronous
- *   op-level call checks them at once, the cache at skv_cache_sync.
+ *   The Cholesky raises a pivot below SKV_FACTOR_PIVOT_FLOOR to it (counted),
+ *   so the FAST route cannot fail on finite input. The EXACT route's Xsyevd
+ *   info is counted on the device with the caller's tag; the synchronous
+ *   op-level call checks it at once, the cache at skv_cache_sync.
  *
  * EXACT (n < d, 2r > d, or SKV_FACTORIZE=exact), the plain route kept as the
  * baseline: the same blocked Gram (A A^T when n < d), cusolverDnXsyevd in
@@ -87,8 +90,8 @@
 /* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
 #define SKV_CF_SPLITS 8
 #define SKV_CF_TILE 64
-/* potrf calls of one FAST call: the iterations, the check's orth and H, the final two. */
-#define SKV_CF_NINFO (SKV_FACTOR_ITERS + 4)
+/* solver infos of one call: the EXACT route's Xsyevd (the FAST route has no solver call) */
+#define SKV_CF_NINFO 1
 
 /* Device-side state of the FAST route. */
 typedef struct {
@@ -96,6 +99,7 @@ typedef struct {
     int fallback;                              /* this call uses the double Gram */
     unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
     unsigned long long first_failure_tag;      /* ~0 until a failure */
+    int clamped;                               /* Cholesky pivots raised to the floor, since create */
 } skv_cf_state;
 
 struct skv_cuda_factor {
@@ -111,7 +115,7 @@ struct skv_cuda_factor {
     float *scratch; /* [scratch_bytes] */
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
-    double *x, *y, *c;
+    double *x, *y, *c, *rr, *rt;
     skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
@@ -134,7 +138,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
     if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
-    s->fast_ok = n_max >= d && 2 * (int64_t)r <= d;
+    s->fast_ok = skv_factor_route_for(n_max, d, r, SKV_FACTOR_AUTO) == SKV_ROUTE_FAST;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
@@ -170,7 +174,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
     if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
-    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
+    if (!skv_add_size(t, 3 * s->c_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -316,22 +320,6 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
         x[e] = skv_factor_start(e % d, e / d, r);
 }
 
-/* c [p, p]: c += s I, s = skv_factor_shift(d, p, tr c) (rq = 0: Cholesky QR of Y^T Y) or
-   skv_factor_rq_shift(tr c, G is the double Gram) (rq = 1: the Rayleigh quotient H before the
-   check; rq = 2: after it, where state->fallback says which G). One block. */
-static __global__ void skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int rq,
-                                    const skv_cf_state *__restrict__ state)
-{
-    __shared__ double s;
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int32_t j = 0; j < p; j++) t += c[(size_t)j * p + j];
-        s = rq ? skv_factor_rq_shift(t, rq == 2 && state->fallback) : skv_factor_shift(d, p, t);
-    }
-    __syncthreads();
-    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
-}
-
 /* Fixed-order block reduction of two sums (blockDim.x == 1024). */
 static __device__ void skv_cf_reduce2(double &a, double &b)
 {
@@ -351,17 +339,15 @@ static __device__ void skv_cf_reduce2(double &a, double &b)
 }
 
 /*
- * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
- * upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
+ * The check (lib/skv_factor.h step 4): rr = R with H + s_H I = R^T R (zeros below the
+ * diagonal), z = R^-1. rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block
+ * of 1024 threads.
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rr, const double *__restrict__ z,
                                                             int32_t r, int mode, skv_cf_state *state)
 {
     double a = 0.0, b = 0.0;
-    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
-        int64_t i = e % r, j = e / r;
-        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
-    }
+    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) a += rr[e] * rr[e], b += z[e] * z[e];
     skv_cf_reduce2(a, b);
     if (threadIdx.x == 0) {
         double rho = 1.0 / (a * b);
@@ -474,6 +460,146 @@ static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, un
     }
 }
 
+/* ---- small dense kernels of the FAST route (r <= SKV_FACTOR_FAST_MAX_R) ---------------- */
+
+/*
+ * One block, 1024 threads: R^T R = C + s I for the symmetric p x p matrix cin (column-major,
+ * upper triangle read), R upper, written row-major to rr (zeros below) and transposed to rt.
+ * kind 0: s = skv_factor_shift (Cholesky QR of Y^T Y); kind 1: s = skv_factor_rq_shift (the
+ * Rayleigh quotient H). A pivot below SKV_FACTOR_PIVOT_FLOOR * tr is raised to it (counted in
+ * *clamped), so the factor always exists: the iteration only needs an invertible, well
+ * conditioned normalization, never an exact one. Right-looking, one barrier per column: the
+ * scaling of row k is deferred to the step of column k + 1, when nobody reads row k.
+ * Shared memory: p (p + 1) doubles.
+ */
+static __global__ void __launch_bounds__(1024) skv_cf_chol(const double *__restrict__ cin, int32_t p, int32_t d,
+                                                           int kind, double *__restrict__ rr, double *__restrict__ rt,
+                                                           int *__restrict__ clamped)
+{
+    extern __shared__ double sm[];
+    __shared__ double inv_s[SKV_FACTOR_FAST_MAX_R], red[32], shift_s, floor_s;
+    const int tid = threadIdx.x, ld = p + 1;
+#define SKV_C(i, j) sm[(i) * ld + (j)]
+    double tr = 0.0;
+    for (int e = tid; e < p * p; e += blockDim.x) {
+        int i = e % p, j = e / p; /* column-major: coalesced reads */
+        if (i <= j) SKV_C(i, j) = cin[e];
+        if (i == j) tr += cin[e];
+    }
+    /* fixed-order block sum of the trace */
+    for (int o = 16; o > 0; o >>= 1) tr += __shfl_xor_sync(0xffffffffu, tr, o);
+    if ((tid & 31) == 0) red[tid >> 5] = tr;
+    __syncthreads();
+    if (tid == 0) {
+        double t = 0.0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += red[w];
+        shift_s = kind ? skv_factor_rq_shift(t, 1) : skv_factor_shift(d, p, t);
+        floor_s = SKV_FACTOR_PIVOT_FLOOR * t > 0x1p-1000 ? SKV_FACTOR_PIVOT_FLOOR * t : 0x1p-1000;
+    }
+    __syncthreads();
+    for (int i = tid; i < p; i += blockDim.x) SKV_C(i, i) += shift_s;
+    __syncthreads();
+    const int ti = tid >> 5, tj = tid & 31;
+    int n_clamped = 0;
+    for (int k = 0; k < p; k++) {
+        double piv = SKV_C(k, k);
+        if (!(piv >= floor_s)) piv = floor_s, n_clamped++; /* NaN too */
+        const double rp = 1.0 / piv;
+        if (tid == 0) inv_s[k] = rsqrt(piv);
+        if (k > 0) { /* deferred: row k - 1 */
+            const double is = inv_s[k - 1];
+            for (int j = k + tid; j < p; j += blockDim.x) SKV_C(k - 1, j) *= is;
+            if (tid == 0) SKV_C(k - 1, k - 1) = 1.0 / is;
+        }
+        for (int i = k + 1 + ti; i < p; i += 32) {
+            const double cki = SKV_C(k, i) * rp;
+            for (int j = i + ((tj - (i - k - 1)) & 31); j < p; j += 32) /* j >= i, j = k + 1 + tj (mod 32) */
+                SKV_C(i, j) -= cki * SKV_C(k, j);
+        }
+        __syncthreads();
+    }
+    {
+        const double is = inv_s[p - 1];
+        if (tid == 0) SKV_C(p - 1, p - 1) = 1.0 / is;
+    }
+    __syncthreads();
+    for (int e = tid; e < p * p; e += blockDim.x) {
+        int i = e / p, j = e % p;
+        double v = i <= j ? SKV_C(i, j) : 0.0;
+        rr[e] = v;                   /* rr[i * p + j] = R[i][j] */
+        rt[(size_t)j * p + i] = v;   /* rt[j * p + i] = R[i][j]: column j of R contiguous */
+    }
+    if (tid == 0 && clamped) atomicAdd(clamped, n_clamped);
+#undef SKV_C
+}
+
+/*
+ * Rows of y (row i: y[i], y[i + ldy], ...; p columns): y <- y R^-1 (both = 0) or
+ * y <- y R^-1 R^-T (both = 1), R upper from skv_cf_chol. One warp per row: lane l keeps
+ * columns l, l + 32, ...; each column is solved by its lane and broadcast.
+ */
+#define SKV_CF_SOLVE_Q ((SKV_FACTOR_FAST_MAX_R + 31) / 32)
+static __global__ void __launch_bounds__(256) skv_cf_solve(double *__restrict__ y, int64_t ldy, int32_t rows,
+                                                           int32_t p, const double *__restrict__ rr,
+                                                           const double *__restrict__ rt, int both)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= rows) return;
+    double t[SKV_CF_SOLVE_Q];
+#pragma unroll
+    for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
+        int j = lane + 32 * q;
+        t[q] = j < p ? y[row + (int64_t)j * ldy] : 0.0;
+    }
+    for (int l = 0; l < p; l++) { /* x R = y, forward */
+        const int owner = l & 31, ql = l >> 5;
+        double xl = 0.0;
+#pragma unroll
+        for (int q = 0; q < SKV_CF_SOLVE_Q; q++)
+            if (q == ql && lane == owner) t[q] = xl = t[q] / rr[(size_t)l * p + l];
+        xl = __shfl_sync(0xffffffffu, xl, owner);
+        const double *rl = rr + (size_t)l * p;
+#pragma unroll
+        for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
+            int j = lane + 32 * q;
+            if (j > l && j < p) t[q] -= xl * rl[j];
+        }
+    }
+    if (both) {
+        for (int l = p - 1; l >= 0; l--) { /* w R^T = x, backward */
+            const int owner = l & 31, ql = l >> 5;
+            double wl = 0.0;
+#pragma unroll
+            for (int q = 0; q < SKV_CF_SOLVE_Q; q++)
+                if (q == ql && lane == owner) t[q] = wl = t[q] / rr[(size_t)l * p + l];
+            wl = __shfl_sync(0xffffffffu, wl, owner);
+            const double *cl = rt + (size_t)l * p; /* cl[j] = R[j][l] */
+#pragma unroll
+            for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
+                int j = lane + 32 * q;
+                if (j < l) t[q] -= wl * cl[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
+        int j = lane + 32 * q;
+        if (j < p) y[row + (int64_t)j * ldy] = t[q];
+    }
+}
+
+/* g (d x d) += delta I, delta = SKV_FACTOR_GRAM_SHIFT32 * tr(g) (the fp32 block Gram's
+   definiteness margin). One block of 1024 threads. */
+static __global__ void __launch_bounds__(1024) skv_cf_gram_shift(double *__restrict__ g, int32_t d)
+{
+    double tr = 0.0, unused = 0.0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) tr += g[(size_t)i * d + i];
+    skv_cf_reduce2(tr, unused);
+    const double delta = SKV_FACTOR_GRAM_SHIFT32 * tr;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) g[(size_t)i * d + i] += delta;
+}
+
 /* ---- create / destroy ------------------------------------------------------------------ */
 
 extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
@@ -485,6 +611,8 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->state);
     cudaFree(f->qs);
     cudaFree(f->c);
+    cudaFree(f->rr);
+    cudaFree(f->rt);
     cudaFree(f->y);
     cudaFree(f->x);
     cudaFree(f->info);
@@ -550,7 +678,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->scratch_bytes = sz.scratch_bytes;
 
     skv_status s = SKV_OK;
-    size_t dev_bytes = 0, host_bytes = 0, dev2 = 0, host2 = 0;
+    size_t dev_bytes = 0, host_bytes = 0;
 
     /* handles */
     if ((s = skv_cf_blas(cublasCreate(&f->blas), "cublasCreate", msg, cap)) != SKV_OK) {
@@ -582,6 +710,13 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->rr, sz.c_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->rt, sz.c_bytes, "Cholesky factor, transposed", msg, cap)) != SKV_OK)
+            goto fail;
+        cudaError_t ea = cudaFuncSetAttribute(skv_cf_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)((size_t)r * (r + 1) * sizeof(double)));
+        if ((s = skv_cf_cuda(ea, "cudaFuncSetAttribute (Cholesky kernel shared memory)", msg, cap)) != SKV_OK)
+            goto fail;
         if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
     }
     {
@@ -597,20 +732,12 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         SKV_OK)
         goto fail_handle;
 
-    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) and the FAST route's r x r Cholesky */
+    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) */
     if ((s = skv_cf_solver(cusolverDnXsyevd_bufferSize(f->solver, f->params, CUSOLVER_EIG_MODE_VECTOR,
                                                        CUBLAS_FILL_MODE_UPPER, f->m_max, CUDA_R_64F, f->gd, f->m_max,
                                                        CUDA_R_64F, f->evals, CUDA_R_64F, &dev_bytes, &host_bytes),
                            "cusolverDnXsyevd_bufferSize", msg, cap)) != SKV_OK)
         goto fail_handle;
-    if (f->fast_ok) {
-        if ((s = skv_cf_solver(cusolverDnXpotrf_bufferSize(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F,
-                                                           f->c, r, CUDA_R_64F, &dev2, &host2),
-                               "cusolverDnXpotrf_bufferSize", msg, cap)) != SKV_OK)
-            goto fail_handle;
-        if (dev2 > dev_bytes) dev_bytes = dev2;
-        if (host2 > host_bytes) host_bytes = host2;
-    }
     f->solver_ws_bytes = dev_bytes;
     f->solver_host_bytes = host_bytes;
     if ((s = skv_cf_alloc(&f->solver_ws, dev_bytes, "cuSOLVER workspace", msg, cap)) != SKV_OK) goto fail;
@@ -750,24 +877,35 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
-/* orth(v) in place (lib/skv_factor.h): C = v^T v, shift, R = chol(C + sI) (info -> *info), v = v R^-1. */
-static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *msg, size_t cap)
+/* R from C (f->c, r x r) into f->rr / f->rt (skv_cf_chol). */
+static skv_status skv_cf_chol_c(skv_cuda_factor *f, int kind, char *msg, size_t cap)
 {
-    const int64_t d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
-    SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, (int)r, (int)d, &one, v, (int)d, &zero,
-                                  f->c, (int)r),
-                      "cublasDsyrk (Y^T Y)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0, f->state);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
-    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
-                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
-                                         f->solver_host_bytes, info),
-                        "cusolverDnXpotrf");
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                  CUBLAS_DIAG_NON_UNIT, (int)d, (int)r, &one, f->c, (int)r, v, (int)d),
-                      "cublasDtrsm (Y R^-1)");
+    const int r = f->r;
+    skv_cf_chol<<<1, 1024, (size_t)r * (r + 1) * sizeof(double), f->st>>>(f->c, r, f->d, kind, f->rr, f->rt,
+                                                                           &f->state->clamped);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
     return SKV_OK;
+}
+
+static skv_status skv_cf_solve_rows(skv_cuda_factor *f, double *y, int64_t ldy, int rows, int both, char *msg,
+                                    size_t cap)
+{
+    unsigned blocks = (unsigned)(((int64_t)rows * 32 + 255) / 256);
+    skv_cf_solve<<<blocks, 256, 0, f->st>>>(y, ldy, rows, f->r, f->rr, f->rt, both);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
+    return SKV_OK;
+}
+
+/* orth(v) in place (lib/skv_factor.h): C = v^T v, R = chol(C + s I), v = v R^-1. */
+static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, char *msg, size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    skv_status s;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, v, d, v, d, &zero, f->c, r),
+                      "cublasDgemm (Y^T Y)");
+    if ((s = skv_cf_chol_c(f, 0, msg, cap)) != SKV_OK) return s;
+    return skv_cf_solve_rows(f, v, d, d, 0, msg, cap);
 }
 
 /* y = G x (d x r, double). */
@@ -780,54 +918,36 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
     return SKV_OK;
 }
 
-/* One Rayleigh-normalized step (lib/skv_factor.h step 3): y = G x, H = x^T y, y <- y (H + s_H I)^-1. */
-static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, int after_check, int *info, char *msg,
-                              size_t cap)
+/* H = x^T y (y = G x) into f->c and its factor R. */
+static skv_status skv_cf_rayleigh(skv_cuda_factor *f, const double *x, const double *y, char *msg, size_t cap)
 {
     const int d = f->d, r = f->r;
     const double one = 1.0, zero = 0.0;
-    skv_status s;
-    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, after_check ? 2 : 1, f->state);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
-    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
-                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
-                                         f->solver_host_bytes, info),
-                        "cusolverDnXpotrf (Rayleigh quotient)");
-    /* H + s_H I = R^T R: y R^-1, then R^-T */
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                  CUBLAS_DIAG_NON_UNIT, d, r, &one, f->c, r, y, d),
-                      "cublasDtrsm (Y R^-1)");
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T,
-                                  CUBLAS_DIAG_NON_UNIT, d, r, &one, f->c, r, y, d),
-                      "cublasDtrsm (Y R^-1 R^-T)");
-    return SKV_OK;
+    return skv_cf_chol_c(f, 1, msg, cap);
 }
 
-/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
-static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
-                                   size_t cap)
+/* One Rayleigh-normalized step (lib/skv_factor.h step 3): y = G x, H = x^T y, y <- y H^-1. */
+static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, char *msg, size_t cap)
 {
-    const int d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
     skv_status s;
     if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
-                      "cublasDgemm (X^T G X, check)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1, f->state);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Rayleigh quotient shift kernel");
-    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
-                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
-                                         f->solver_host_bytes, info),
-                        "cusolverDnXpotrf (check)");
+    if ((s = skv_cf_rayleigh(f, x, y, msg, cap)) != SKV_OK) return s;
+    return skv_cf_solve_rows(f, y, f->d, f->d, 1, msg, cap);
+}
+
+/* The check of step 4 (x orthonormal): H = x^T G x = R^T R, z = R^-1 (in y, r x r), rho. */
+static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, char *msg, size_t cap)
+{
+    const int r = f->r;
+    skv_status s;
+    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_rayleigh(f, x, y, msg, cap)) != SKV_OK) return s;
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT,
-                                  r, r, &one, f->c, r, y, r),
-                      "cublasDtrsm (R^-1, check)");
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
+    if ((s = skv_cf_solve_rows(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->rr, y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }
@@ -839,18 +959,19 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     const int64_t d = f->d, r = f->r;
     const float one = 1.0f, zero = 0.0f;
     skv_status s;
-    int ninfo = 0;
     if ((s = skv_cf_gram(f, n, a, msg, cap)) != SKV_OK) return s;
+    skv_cf_gram_shift<<<1, 1024, 0, f->st>>>(f->gd, (int32_t)d);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Gram shift kernel");
     skv_cf_init_x<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(f->x, (int32_t)d, (int32_t)r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
     double *x = f->x, *y = f->y;
     for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
-        if ((s = skv_cf_step(f, x, y, it > SKV_FACTOR_CHECK_AT, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_step(f, x, y, msg, cap)) != SKV_OK) return s;
         double *t = x;
         x = y, y = t;
         if (it == SKV_FACTOR_CHECK_AT) {
-            if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
-            if ((s = skv_cf_check_rho(f, x, y, (int)mode, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cf_check_rho(f, x, y, (int)mode, msg, cap)) != SKV_OK) return s;
             /* the fallback Gram: both kernels return at once unless the check set the flag */
             int nt = (int)((d + SKV_CF_TILE - 1) / SKV_CF_TILE);
             dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
@@ -861,8 +982,8 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
         }
     }
-    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
-    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
     skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
     /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
@@ -889,7 +1010,7 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     }
     skv_factor_mode mode = skv_factor_mode_env();
     int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
-    int n_info = fast ? SKV_CF_NINFO : 1;
+    int n_info = fast ? 0 : 1;
     skv_status s;
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->info, 0, SKV_CF_NINFO * sizeof(int), f->st), "cudaMemsetAsync (infos)");
     s = fast ? skv_cf_fast(f, n, a, u, w, mode, msg, cap) : skv_cf_exact(f, n, a, u, w, msg, cap);
@@ -910,9 +1031,9 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     for (int k = 0; k < n_info; k++)
         if (info[k] != 0) {
             if (msg && cap)
-                snprintf(msg, cap, "cuda factorize: %s (m = %lld) returned info = %d (%s)",
-                         fast ? "cusolverDnXpotrf" : "cusolverDnXsyevd", (long long)(fast ? r : (n < d ? n : d)),
-                         info[k], info[k] > 0 ? "the solver did not converge" : "invalid argument");
+                snprintf(msg, cap, "cuda factorize: cusolverDnXsyevd (m = %lld) returned info = %d (%s)",
+                         (long long)(n < d ? n : d), info[k],
+                         info[k] > 0 ? "the solver did not converge" : "invalid argument");
             return SKV_ERR_NUMERICAL;
         }
     return SKV_OK;

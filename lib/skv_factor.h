@@ -8,11 +8,12 @@
  * subspace matters, not individual singular vectors: no eigensolver is needed.
  *
  * Routes (skv_factor_route_for):
- *   EXACT  n < d, or 2r > d: the Gram matrix of the smaller side and a full
+ *   EXACT  n < d, 2r > d or r > SKV_FACTOR_FAST_MAX_R: the Gram matrix of the smaller side and a full
  *          symmetric eigensolver (cpu: dsyevr; cuda: Xsyevd), as before.
- *   FAST   n >= d and 2r <= d (every real prompt: d = 1024, r = 160):
+ *   FAST   n >= d, 2r <= d, r <= 160 (every real prompt: d = 1024, r = 160):
  *     1. G = A^T A, d x d in double, summed over fp32 block Grams (bf16
- *        products are exact in fp32; blocks bound the fp32 accumulation).
+ *        products are exact in fp32; blocks bound the fp32 accumulation),
+ *        plus SKV_FACTOR_GRAM_SHIFT32 tr(G) I for definiteness.
  *     2. X_0 [d, r] = skv_factor_start(i, j): a fixed pseudo-random start, so
  *        the result is deterministic.
  *     3. Subspace iteration, SKV_FACTOR_ITERS times, normalized by the Rayleigh
@@ -65,7 +66,15 @@
 
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_CHECK_AT 2
-#define SKV_FACTOR_TAU 1e-7 /* rho below this: the double Gram */
+#define SKV_FACTOR_TAU 1e-9 /* rho below this: the double Gram */
+/* FAST needs r <= this (the cuda route factors r x r matrices in one block's shared memory) */
+#define SKV_FACTOR_FAST_MAX_R 160
+/* The fp32 block Gram gets delta I, delta = this * tr G: its rounding (~1e-7 lambda_1) can leave
+   it slightly indefinite; a shift of G (unlike one of H) changes no eigenvector and leaves the
+   Rayleigh normalization exact, it only slows the separation of directions below delta. */
+#define SKV_FACTOR_GRAM_SHIFT32 0x1p-24
+/* Cholesky pivots below this * tr C are raised to it: the factor always exists. */
+#define SKV_FACTOR_PIVOT_FLOOR 0x1p-44
 /* s_H / tr(H): above the indefiniteness of G (fp32 block Grams: ~1e-6 lambda_1; the double
    Gram: ~1e-13), far below the lambda_r the route must resolve on that G */
 #define SKV_FACTOR_RQ_SHIFT32 0x1p-18
@@ -114,7 +123,7 @@ static inline skv_factor_mode skv_factor_mode_env(void)
 
 static inline skv_factor_route skv_factor_route_for(int64_t n, int32_t d, int32_t r, skv_factor_mode mode)
 {
-    if (mode == SKV_FACTOR_EXACT || n < d || 2 * (int64_t)r > d) return SKV_ROUTE_EXACT;
+    if (mode == SKV_FACTOR_EXACT || n < d || 2 * (int64_t)r > d || r > SKV_FACTOR_FAST_MAX_R) return SKV_ROUTE_EXACT;
     return SKV_ROUTE_FAST;
 }
 
