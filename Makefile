@@ -143,8 +143,9 @@ $(BUILD)/tests/test_alloc_fail: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,-
 $(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
 
+# TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
 
 tests: $(TEST_BIN)
 bench: $(BUILD)/skv-bench

@@ -903,12 +903,12 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     stats->decode_step_ms += k->pending.decode_step_ms;
     memset(&k->pending, 0, sizeof k->pending);
     unsigned long long failures = 0, tag = ~0ull;
-    skv_status fst_ = skv_cuda_factor_counts(k->fac, NULL, NULL, &failures, &tag, msg, cap);
+    skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
     if (fst_) return fst_;
     if (failures > k->fac_failures_seen) {
         k->fac_failures_seen = failures;
-        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (a Cholesky factor did "
-                           "not exist); its keys are not usable",
+        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (the eigensolver did "
+                           "not converge); its keys are not usable",
                  (unsigned)(tag >> 32), (unsigned)(tag & 0xffffffffu));
         return SKV_ERR_NUMERICAL;
     }

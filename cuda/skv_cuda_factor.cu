@@ -1,42 +1,31 @@
 /*
- * skv_cuda_factor.cu - the rank-r factorization of the cuda backend
- * (cuBLAS + cuSOLVER + a few kernels). Routes as in lib/skv_factor.h:
+ * skv_cuda_factor.cu - the rank-r factorization of the cuda backend (cuBLAS +
+ * cuSOLVER): the Gram matrix and a full symmetric eigensolver in double.
  *
- * FAST (n >= d and 2r <= d: every real prompt), all on the factor's stream,
- * no host synchronization (so it can run beside the prefill):
- *   1. G = A^T A in double: A in blocks of SKV_CF_GRAM_ROWS rows, each block's
- *      Gram one bf16 tensor-core GEMM with fp32 accumulation and output (bf16
- *      products are exact in fp32), added into a double accumulator. Blocking
- *      bounds the fp32 error by the block length (tensor cores truncate once
- *      per MMA step: <= 512 steps per block, ~3e-5 relative, mostly a common
- *      scaling of G that leaves its eigenvectors alone).
- *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS Rayleigh-normalized steps
- *      X <- G X (X^T G X + s_H I)^-1, all fp64: two DGEMMs, the r x r Cholesky
- *      in one block's shared memory (skv_cf_chol, r <= 160; cuSOLVER's potrf
- *      takes ~175 us at r = 160, this ~20) and a warp-per-row triangular
- *      solve (skv_cf_solve).
- *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T G X = R^T R,
- *      R^-1, and skv_cf_check decides on the device whether the fallback Gram
- *      is needed (lib/skv_factor.h step 4). The fallback kernels always launch and
- *      return at once unless the flag is set: the fallback Gram sums every
- *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, summed in
- *      a fixed order, so results stay deterministic) and overwrites G; Y is
- *      recomputed and the iteration goes on.
- *   4. Q = orth(orth(X)); W = Q^T in float (row-major W [r, d] is column-major
- *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
- *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
- *      accumulation: fp32 accuracy at bf16 tensor-core speed.
- *   The Cholesky raises a pivot below SKV_FACTOR_PIVOT_FLOOR to it (counted),
- *   so the FAST route cannot fail on finite input. The EXACT route's Xsyevd
- *   info is counted on the device with the caller's tag; the synchronous
- *   op-level call checks it at once, the cache at skv_cache_sync.
- *
- * EXACT (n < d, 2r > d, or SKV_FACTORIZE=exact), the plain route kept as the
- * baseline: the same blocked Gram (A A^T when n < d), cusolverDnXsyevd in
- * double (all eigenpairs), W = V_r^T, U = A V_r in true fp32 (PEDANTIC) over
- * row blocks converted to float; n < d: U = the top eigenvectors, W = U^T A.
+ *   1. G = A^T A (n >= d) or A A^T (n < d) in double: A in blocks of
+ *      SKV_CF_GRAM_ROWS rows (n < d: columns), each block's Gram one bf16
+ *      tensor-core GEMM with fp32 accumulation and output (bf16 products are
+ *      exact in fp32), the blocks of a batch in one strided batched GEMM, and
+ *      the block Grams summed in double in a fixed order. Short blocks bound
+ *      the fp32 error (64 tensor-core k-steps per block).
+ *   2. cusolverDnXsyevd (double) on G: all eigenpairs, ascending. V_r = the
+ *      eigenvectors of the r largest eigenvalues.
+ *   3. n >= d: W = V_r^T rounded to float; U = A V_r in true fp32 (PEDANTIC)
+ *      over row blocks converted to float. n < d: U = the top eigenvectors,
+ *      W = U^T A.
  * Either way U W ~ A V_r V_r^T, the best rank-r approximation up to the fp32
- * Gram error (DESIGN.md section 6).
+ * Gram error (DESIGN.md section 6). Everything runs on the factor's stream with
+ * no host synchronization unless the caller asks for it (the op-level call);
+ * the solver's info is counted on the device under the caller's tag.
+ *
+ * Not here yet (issue 4): the FAST route of lib/skv_factor.h (subspace
+ * iteration on the Gram matrix). Its cuda version was tried and taken out:
+ * the r x r Cholesky and triangular solves it needs per iteration took
+ * 175 us (cuSOLVER potrf) or 160-260 us (single-block kernels) each on the
+ * H200, so ten iterations cost more than the eigensolver; and on the
+ * synthetic keys (a large mean offset plus a 1% isotropic noise floor at
+ * ~1e-7 of the energy per direction) the fp32 block Gram cannot resolve the
+ * rank-r boundary, which left it at err/opt - 1 ~ 5e-3.
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -75,7 +64,6 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 
-#include "skv_factor.h"
 
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
 /* Rows (n >= d) or columns (n < d) per fp32 Gram block: each block's Gram is exact products
@@ -87,19 +75,13 @@
 #define SKV_CF_PROJ_ELEMS ((int64_t)1 << 24)
 /* cuBLAS workspace (NVIDIA's recommendation for Hopper). */
 #define SKV_CF_BLAS_WS ((size_t)32 << 20)
-/* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
-#define SKV_CF_SPLITS 8
-#define SKV_CF_TILE 64
-/* solver infos of one call: the EXACT route's Xsyevd (the FAST route has no solver call) */
+/* solver infos of one call: Xsyevd's */
 #define SKV_CF_NINFO 1
 
-/* Device-side state of the FAST route. */
+/* Device-side counters since create. */
 typedef struct {
-    double tr_h, rho;                          /* at the check: tr(H + s_H I), the estimate */
-    int fallback;                              /* this call uses the double Gram */
-    unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
-    unsigned long long first_failure_tag;      /* ~0 until a failure */
-    int clamped;                               /* Cholesky pivots raised to the floor, since create */
+    unsigned long long n_failures;        /* calls whose eigensolver failed */
+    unsigned long long first_failure_tag; /* ~0 until a failure */
 } skv_cf_state;
 
 struct skv_cuda_factor {
@@ -109,14 +91,11 @@ struct skv_cuda_factor {
     cusolverDnParams_t params;
     int64_t n_max, m_max, proj_rows, gram_batch;
     int32_t d, r;
-    int fast_ok;    /* FAST workspace allocated (n_max >= d, 2r <= d) */
     double *gd;     /* [m_max^2] */
     double *evals;  /* [m_max] */
     float *scratch; /* [scratch_bytes] */
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
-    double *x, *y, *c, *rr, *rt;
-    skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
     void *solver_ws; /* device */
@@ -129,8 +108,7 @@ struct skv_cuda_factor {
 
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows, gram_batch;
-    int fast_ok;
-    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
+    size_t gd_bytes, evals_bytes, scratch_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
@@ -138,11 +116,10 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
     if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
-    s->fast_ok = skv_factor_route_for(n_max, d, r, SKV_FACTOR_AUTO) == SKV_ROUTE_FAST;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
-    size_t mm, pr, t, dd = 0, dr = 0;
+    size_t mm, pr, t;
     if (!skv_mul_size((size_t)s->m_max, (size_t)s->m_max, &mm)) return 0;
     if (!skv_mul_size((size_t)s->proj_rows, (size_t)d, &pr)) return 0;
     if (!skv_mul_size(mm > pr ? mm : pr, sizeof(float), &s->scratch_bytes)) return 0;
@@ -158,23 +135,11 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     } else {
         s->gram_batch = 1;
     }
-    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
-    if (s->fast_ok) {
-        size_t part;
-        if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
-            return 0;
-        if (part > s->scratch_bytes) s->scratch_bytes = part;
-        if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
-        s->c_bytes = (size_t)r * r * sizeof(double);
-        if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
-    }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
     if (!skv_mul_size((size_t)s->m_max, sizeof(double), &s->evals_bytes)) return 0;
     t = s->gd_bytes;
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
-    if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
-    if (!skv_add_size(t, 3 * s->c_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -310,145 +275,6 @@ static __global__ void skv_cf_top_vectors(const double *__restrict__ z, int64_t 
     }
 }
 
-/* ---- FAST route kernels ------------------------------------------------------------------ */
-
-/* x [d, r] column-major = the fixed start X_0. */
-static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t r)
-{
-    int64_t count = (int64_t)d * r;
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x)
-        x[e] = skv_factor_start(e % d, e / d, r);
-}
-
-/* Fixed-order block reduction of two sums (blockDim.x == 1024). */
-static __device__ void skv_cf_reduce2(double &a, double &b)
-{
-    __shared__ double ra[1024], rb[1024];
-    ra[threadIdx.x] = a;
-    rb[threadIdx.x] = b;
-    __syncthreads();
-    for (int w = 512; w > 0; w >>= 1) {
-        if ((int)threadIdx.x < w) {
-            ra[threadIdx.x] += ra[threadIdx.x + w];
-            rb[threadIdx.x] += rb[threadIdx.x + w];
-        }
-        __syncthreads();
-    }
-    a = ra[0];
-    b = rb[0];
-}
-
-/*
- * The check (lib/skv_factor.h step 4): rr = R with H + s_H I = R^T R (zeros below the
- * diagonal), z = R^-1. rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block
- * of 1024 threads.
- */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rr, const double *__restrict__ z,
-                                                            int32_t r, int mode, skv_cf_state *state)
-{
-    double a = 0.0, b = 0.0;
-    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) a += rr[e] * rr[e], b += z[e] * z[e];
-    skv_cf_reduce2(a, b);
-    if (threadIdx.x == 0) {
-        double rho = 1.0 / (a * b);
-        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
-        state->tr_h = a;
-        state->rho = rho;
-        state->fallback = fb;
-        state->n_calls++;
-        if (fb) state->n_fallbacks++;
-    }
-}
-
-/* z [r, r] = I. */
-static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
-{
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
-        z[e] = e % r == e / r ? 1.0 : 0.0;
-}
-
-/*
- * Fallback Gram, partial sums: part[s] (d x d column-major, upper tiles only)
- * = sum over rows [n s / S, n (s+1) / S) of a_i a_i^T, every product and sum in
- * double. Grid (upper 64 x 64 tiles, S). Returns at once unless state->fallback.
- * Thread (tx, ty) owns rows ty + 16 i and columns tx + 16 j of its tile
- * (conflict-free shared loads).
- */
-static __global__ void __launch_bounds__(256) skv_cf_gram64(const skv_bf16 *__restrict__ a, int64_t n, int32_t d,
-                                                             double *__restrict__ part,
-                                                             const skv_cf_state *__restrict__ state)
-{
-    if (!state->fallback) return;
-    const int nt = (d + SKV_CF_TILE - 1) / SKV_CF_TILE;
-    int t = blockIdx.x, ti = 0;
-    while (t >= nt - ti) t -= nt - ti, ti++;
-    const int tj = ti + t;
-    const int64_t r0 = n * blockIdx.y / SKV_CF_SPLITS, r1 = n * (blockIdx.y + 1) / SKV_CF_SPLITS;
-    __shared__ double sa[16][SKV_CF_TILE], sb[16][SKV_CF_TILE];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    double acc[4][4] = {};
-    for (int64_t k0 = r0; k0 < r1; k0 += 16) {
-        for (int e = threadIdx.x; e < 16 * SKV_CF_TILE; e += 256) {
-            int kr = e / SKV_CF_TILE, cc = e % SKV_CF_TILE, ca = ti * SKV_CF_TILE + cc, cb = tj * SKV_CF_TILE + cc;
-            int64_t row = k0 + kr;
-            const skv_bf16 *ar = a + (size_t)row * d;
-            sa[kr][cc] = row < r1 && ca < d ? (double)skv_bf16_to_f32(ar[ca]) : 0.0;
-            sb[kr][cc] = row < r1 && cb < d ? (double)skv_bf16_to_f32(ar[cb]) : 0.0;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < 16; k++) {
-            double av[4], bv[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) av[i] = sa[k][ty + 16 * i], bv[i] = sb[k][tx + 16 * i];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
-        }
-        __syncthreads();
-    }
-    double *p = part + (size_t)blockIdx.y * d * d;
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            int row = ti * SKV_CF_TILE + ty + 16 * i, col = tj * SKV_CF_TILE + tx + 16 * j;
-            if (row < d && col < d) p[(size_t)col * d + row] = acc[i][j];
-        }
-}
-
-/* g (d x d, both triangles) = sum of the S partials in order. Returns at once unless state->fallback. */
-static __global__ void skv_cf_gram64_sum(double *__restrict__ g, const double *__restrict__ part, int32_t d,
-                                         const skv_cf_state *__restrict__ state)
-{
-    if (!state->fallback) return;
-    int64_t count = (int64_t)d * d;
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
-        int64_t i = e % d, j = e / d;
-        if (i > j) continue;
-        double v = 0.0;
-        for (int s = 0; s < SKV_CF_SPLITS; s++) v += part[(size_t)s * count + e];
-        g[e] = v;
-        g[i * d + j] = v;
-    }
-}
-
-/* w = (float)q; qs = the three-term bf16 split of q (hi, mid, lo planes of d*r). */
-static __global__ void skv_cf_finish(const double *__restrict__ q, float *__restrict__ w, skv_bf16 *__restrict__ qs,
-                                     int64_t count)
-{
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
-        double v = q[e];
-        skv_bf16 hi = skv_f32_to_bf16((float)v);
-        double r1 = v - (double)skv_bf16_to_f32(hi);
-        skv_bf16 mid = skv_f32_to_bf16((float)r1);
-        double r2 = r1 - (double)skv_bf16_to_f32(mid);
-        w[e] = (float)v;
-        qs[e] = hi;
-        qs[count + e] = mid;
-        qs[2 * count + e] = skv_f32_to_bf16((float)r2);
-    }
-}
-
 /* Counts a failed solver call of this factorization (info != 0) under tag. One thread. */
 static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, unsigned long long tag,
                                     skv_cf_state *state)
@@ -460,146 +286,6 @@ static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, un
     }
 }
 
-/* ---- small dense kernels of the FAST route (r <= SKV_FACTOR_FAST_MAX_R) ---------------- */
-
-/*
- * One block, 1024 threads: R^T R = C + s I for the symmetric p x p matrix cin (column-major,
- * upper triangle read), R upper, written row-major to rr (zeros below) and transposed to rt.
- * kind 0: s = skv_factor_shift (Cholesky QR of Y^T Y); kind 1: s = skv_factor_rq_shift (the
- * Rayleigh quotient H). A pivot below SKV_FACTOR_PIVOT_FLOOR * tr is raised to it (counted in
- * *clamped), so the factor always exists: the iteration only needs an invertible, well
- * conditioned normalization, never an exact one. Right-looking, one barrier per column: the
- * scaling of row k is deferred to the step of column k + 1, when nobody reads row k.
- * Shared memory: p (p + 1) doubles.
- */
-static __global__ void __launch_bounds__(1024) skv_cf_chol(const double *__restrict__ cin, int32_t p, int32_t d,
-                                                           int kind, double *__restrict__ rr, double *__restrict__ rt,
-                                                           int *__restrict__ clamped)
-{
-    extern __shared__ double sm[];
-    __shared__ double inv_s[SKV_FACTOR_FAST_MAX_R], red[32], shift_s, floor_s;
-    const int tid = threadIdx.x, ld = p + 1;
-#define SKV_C(i, j) sm[(i) * ld + (j)]
-    double tr = 0.0;
-    for (int e = tid; e < p * p; e += blockDim.x) {
-        int i = e % p, j = e / p; /* column-major: coalesced reads */
-        if (i <= j) SKV_C(i, j) = cin[e];
-        if (i == j) tr += cin[e];
-    }
-    /* fixed-order block sum of the trace */
-    for (int o = 16; o > 0; o >>= 1) tr += __shfl_xor_sync(0xffffffffu, tr, o);
-    if ((tid & 31) == 0) red[tid >> 5] = tr;
-    __syncthreads();
-    if (tid == 0) {
-        double t = 0.0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += red[w];
-        shift_s = kind ? skv_factor_rq_shift(t, 1) : skv_factor_shift(d, p, t);
-        floor_s = SKV_FACTOR_PIVOT_FLOOR * t > 0x1p-1000 ? SKV_FACTOR_PIVOT_FLOOR * t : 0x1p-1000;
-    }
-    __syncthreads();
-    for (int i = tid; i < p; i += blockDim.x) SKV_C(i, i) += shift_s;
-    __syncthreads();
-    const int ti = tid >> 5, tj = tid & 31;
-    int n_clamped = 0;
-    for (int k = 0; k < p; k++) {
-        double piv = SKV_C(k, k);
-        if (!(piv >= floor_s)) piv = floor_s, n_clamped++; /* NaN too */
-        const double rp = 1.0 / piv;
-        if (tid == 0) inv_s[k] = rsqrt(piv);
-        if (k > 0) { /* deferred: row k - 1 */
-            const double is = inv_s[k - 1];
-            for (int j = k + tid; j < p; j += blockDim.x) SKV_C(k - 1, j) *= is;
-            if (tid == 0) SKV_C(k - 1, k - 1) = 1.0 / is;
-        }
-        for (int i = k + 1 + ti; i < p; i += 32) {
-            const double cki = SKV_C(k, i) * rp;
-            for (int j = i + ((tj - (i - k - 1)) & 31); j < p; j += 32) /* j >= i, j = k + 1 + tj (mod 32) */
-                SKV_C(i, j) -= cki * SKV_C(k, j);
-        }
-        __syncthreads();
-    }
-    {
-        const double is = inv_s[p - 1];
-        if (tid == 0) SKV_C(p - 1, p - 1) = 1.0 / is;
-    }
-    __syncthreads();
-    for (int e = tid; e < p * p; e += blockDim.x) {
-        int i = e / p, j = e % p;
-        double v = i <= j ? SKV_C(i, j) : 0.0;
-        rr[e] = v;                   /* rr[i * p + j] = R[i][j] */
-        rt[(size_t)j * p + i] = v;   /* rt[j * p + i] = R[i][j]: column j of R contiguous */
-    }
-    if (tid == 0 && clamped) atomicAdd(clamped, n_clamped);
-#undef SKV_C
-}
-
-/*
- * Rows of y (row i: y[i], y[i + ldy], ...; p columns): y <- y R^-1 (both = 0) or
- * y <- y R^-1 R^-T (both = 1), R upper from skv_cf_chol. One warp per row: lane l keeps
- * columns l, l + 32, ...; each column is solved by its lane and broadcast.
- */
-#define SKV_CF_SOLVE_Q ((SKV_FACTOR_FAST_MAX_R + 31) / 32)
-static __global__ void __launch_bounds__(256) skv_cf_solve(double *__restrict__ y, int64_t ldy, int32_t rows,
-                                                           int32_t p, const double *__restrict__ rr,
-                                                           const double *__restrict__ rt, int both)
-{
-    const int lane = threadIdx.x & 31;
-    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= rows) return;
-    double t[SKV_CF_SOLVE_Q];
-#pragma unroll
-    for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
-        int j = lane + 32 * q;
-        t[q] = j < p ? y[row + (int64_t)j * ldy] : 0.0;
-    }
-    for (int l = 0; l < p; l++) { /* x R = y, forward */
-        const int owner = l & 31, ql = l >> 5;
-        double xl = 0.0;
-#pragma unroll
-        for (int q = 0; q < SKV_CF_SOLVE_Q; q++)
-            if (q == ql && lane == owner) t[q] = xl = t[q] / rr[(size_t)l * p + l];
-        xl = __shfl_sync(0xffffffffu, xl, owner);
-        const double *rl = rr + (size_t)l * p;
-#pragma unroll
-        for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
-            int j = lane + 32 * q;
-            if (j > l && j < p) t[q] -= xl * rl[j];
-        }
-    }
-    if (both) {
-        for (int l = p - 1; l >= 0; l--) { /* w R^T = x, backward */
-            const int owner = l & 31, ql = l >> 5;
-            double wl = 0.0;
-#pragma unroll
-            for (int q = 0; q < SKV_CF_SOLVE_Q; q++)
-                if (q == ql && lane == owner) t[q] = wl = t[q] / rr[(size_t)l * p + l];
-            wl = __shfl_sync(0xffffffffu, wl, owner);
-            const double *cl = rt + (size_t)l * p; /* cl[j] = R[j][l] */
-#pragma unroll
-            for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
-                int j = lane + 32 * q;
-                if (j < l) t[q] -= wl * cl[j];
-            }
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < SKV_CF_SOLVE_Q; q++) {
-        int j = lane + 32 * q;
-        if (j < p) y[row + (int64_t)j * ldy] = t[q];
-    }
-}
-
-/* g (d x d) += delta I, delta = SKV_FACTOR_GRAM_SHIFT32 * tr(g) (the fp32 block Gram's
-   definiteness margin). One block of 1024 threads. */
-static __global__ void __launch_bounds__(1024) skv_cf_gram_shift(double *__restrict__ g, int32_t d)
-{
-    double tr = 0.0, unused = 0.0;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) tr += g[(size_t)i * d + i];
-    skv_cf_reduce2(tr, unused);
-    const double delta = SKV_FACTOR_GRAM_SHIFT32 * tr;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) g[(size_t)i * d + i] += delta;
-}
-
 /* ---- create / destroy ------------------------------------------------------------------ */
 
 extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
@@ -609,12 +295,6 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->solver_ws);
     cudaFree(f->blas_ws);
     cudaFree(f->state);
-    cudaFree(f->qs);
-    cudaFree(f->c);
-    cudaFree(f->rr);
-    cudaFree(f->rt);
-    cudaFree(f->y);
-    cudaFree(f->x);
     cudaFree(f->info);
     cudaFree(f->scratch);
     cudaFree(f->evals);
@@ -674,7 +354,6 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->gram_batch = sz.gram_batch;
     f->d = d;
     f->r = r;
-    f->fast_ok = sz.fast_ok;
     f->scratch_bytes = sz.scratch_bytes;
 
     skv_status s = SKV_OK;
@@ -706,19 +385,6 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         goto fail;
     if ((s = skv_cf_alloc((void **)&f->state, sizeof(skv_cf_state), "factorization state", msg, cap)) != SKV_OK)
         goto fail;
-    if (f->fast_ok) {
-        if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
-        if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
-        if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
-        if ((s = skv_cf_alloc((void **)&f->rr, sz.c_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
-        if ((s = skv_cf_alloc((void **)&f->rt, sz.c_bytes, "Cholesky factor, transposed", msg, cap)) != SKV_OK)
-            goto fail;
-        cudaError_t ea = cudaFuncSetAttribute(skv_cf_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)((size_t)r * (r + 1) * sizeof(double)));
-        if ((s = skv_cf_cuda(ea, "cudaFuncSetAttribute (Cholesky kernel shared memory)", msg, cap)) != SKV_OK)
-            goto fail;
-        if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
-    }
     {
         skv_cf_state init;
         memset(&init, 0, sizeof init);
@@ -818,7 +484,7 @@ static skv_status skv_cf_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     return SKV_OK;
 }
 
-/* The EXACT route (see the top of the file); the solver's info goes to f->info[0]. */
+/* The route (see the top of the file); the solver's info goes to f->info[0]. */
 static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
                                size_t cap)
 {
@@ -877,126 +543,6 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
-/* R from C (f->c, r x r) into f->rr / f->rt (skv_cf_chol). */
-static skv_status skv_cf_chol_c(skv_cuda_factor *f, int kind, char *msg, size_t cap)
-{
-    const int r = f->r;
-    skv_cf_chol<<<1, 1024, (size_t)r * (r + 1) * sizeof(double), f->st>>>(f->c, r, f->d, kind, f->rr, f->rt,
-                                                                           &f->state->clamped);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
-    return SKV_OK;
-}
-
-static skv_status skv_cf_solve_rows(skv_cuda_factor *f, double *y, int64_t ldy, int rows, int both, char *msg,
-                                    size_t cap)
-{
-    unsigned blocks = (unsigned)(((int64_t)rows * 32 + 255) / 256);
-    skv_cf_solve<<<blocks, 256, 0, f->st>>>(y, ldy, rows, f->r, f->rr, f->rt, both);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
-    return SKV_OK;
-}
-
-/* orth(v) in place (lib/skv_factor.h): C = v^T v, R = chol(C + s I), v = v R^-1. */
-static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, char *msg, size_t cap)
-{
-    const int d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
-    skv_status s;
-    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, v, d, v, d, &zero, f->c, r),
-                      "cublasDgemm (Y^T Y)");
-    if ((s = skv_cf_chol_c(f, 0, msg, cap)) != SKV_OK) return s;
-    return skv_cf_solve_rows(f, v, d, d, 0, msg, cap);
-}
-
-/* y = G x (d x r, double). */
-static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, char *msg, size_t cap)
-{
-    const int d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
-    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, d, r, d, &one, f->gd, d, x, d, &zero, y, d),
-                      "cublasDgemm (G X)");
-    return SKV_OK;
-}
-
-/* H = x^T y (y = G x) into f->c and its factor R. */
-static skv_status skv_cf_rayleigh(skv_cuda_factor *f, const double *x, const double *y, char *msg, size_t cap)
-{
-    const int d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
-    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
-                      "cublasDgemm (X^T G X)");
-    return skv_cf_chol_c(f, 1, msg, cap);
-}
-
-/* One Rayleigh-normalized step (lib/skv_factor.h step 3): y = G x, H = x^T y, y <- y H^-1. */
-static skv_status skv_cf_step(skv_cuda_factor *f, const double *x, double *y, char *msg, size_t cap)
-{
-    skv_status s;
-    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-    if ((s = skv_cf_rayleigh(f, x, y, msg, cap)) != SKV_OK) return s;
-    return skv_cf_solve_rows(f, y, f->d, f->d, 1, msg, cap);
-}
-
-/* The check of step 4 (x orthonormal): H = x^T G x = R^T R, z = R^-1 (in y, r x r), rho. */
-static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, char *msg, size_t cap)
-{
-    const int r = f->r;
-    skv_status s;
-    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-    if ((s = skv_cf_rayleigh(f, x, y, msg, cap)) != SKV_OK) return s;
-    skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
-    if ((s = skv_cf_solve_rows(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->rr, y, r, mode, f->state);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
-    return SKV_OK;
-}
-
-/* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
-static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
-                              skv_factor_mode mode, char *msg, size_t cap)
-{
-    const int64_t d = f->d, r = f->r;
-    const float one = 1.0f, zero = 0.0f;
-    skv_status s;
-    if ((s = skv_cf_gram(f, n, a, msg, cap)) != SKV_OK) return s;
-    skv_cf_gram_shift<<<1, 1024, 0, f->st>>>(f->gd, (int32_t)d);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Gram shift kernel");
-    skv_cf_init_x<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(f->x, (int32_t)d, (int32_t)r);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
-    double *x = f->x, *y = f->y;
-    for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
-        if ((s = skv_cf_step(f, x, y, msg, cap)) != SKV_OK) return s;
-        double *t = x;
-        x = y, y = t;
-        if (it == SKV_FACTOR_CHECK_AT) {
-            if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
-            if ((s = skv_cf_check_rho(f, x, y, (int)mode, msg, cap)) != SKV_OK) return s;
-            /* the fallback Gram: both kernels return at once unless the check set the flag */
-            int nt = (int)((d + SKV_CF_TILE - 1) / SKV_CF_TILE);
-            dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
-            skv_cf_gram64<<<grid, 256, 0, f->st>>>(a, n, (int32_t)d, (double *)f->scratch, f->state);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram kernel");
-            skv_cf_gram64_sum<<<skv_cf_blocks(d * d), SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
-                                                                                   (int32_t)d, f->state);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
-        }
-    }
-    if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
-    if ((s = skv_cf_orth(f, x, msg, cap)) != SKV_OK) return s;
-    skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
-    /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
-    for (int k = 2; k >= 0; k--) {
-        const float beta = k == 2 ? zero : one;
-        SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, n, d, &one, f->qs + (size_t)k * d * r,
-                                          CUDA_R_16BF, d, a, CUDA_R_16BF, d, &beta, u, CUDA_R_32F, r,
-                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                          "cublasGemmEx (bf16-split projection U = A Q)");
-    }
-    return SKV_OK;
-}
-
 extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
                                          unsigned long long tag, int sync, char *msg, size_t cap)
 {
@@ -1008,21 +554,13 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                      (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
         return SKV_ERR_INVALID_ARGUMENT;
     }
-    skv_factor_mode mode = skv_factor_mode_env();
-    int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
-    int n_info = fast ? 0 : 1;
+    const int n_info = 1;
     skv_status s;
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->info, 0, SKV_CF_NINFO * sizeof(int), f->st), "cudaMemsetAsync (infos)");
-    s = fast ? skv_cf_fast(f, n, a, u, w, mode, msg, cap) : skv_cf_exact(f, n, a, u, w, msg, cap);
-    if (s != SKV_OK) return s;
+    if ((s = skv_cf_exact(f, n, a, u, w, msg, cap)) != SKV_OK) return s;
     skv_cf_infos<<<1, 1, 0, f->st>>>(f->info, n_info, tag, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "solver info kernel");
     if (!sync) return SKV_OK;
-    if (getenv("SKV_FACTORIZE_DEBUG")) { /* TEMPORARY */
-        skv_cf_state h;
-        cudaMemcpy(&h, f->state, sizeof h, cudaMemcpyDeviceToHost);
-        fprintf(stderr, "factorize debug: n=%lld fast=%d rho=%.3e fallback=%d\n", (long long)n, fast, h.rho, h.fallback);
-    }
     /* the solvers' verdict (and any asynchronous error of the work above) */
     int info[SKV_CF_NINFO];
     SKV_CF_CHECK_CUDA(cudaMemcpyAsync(info, f->info, sizeof info, cudaMemcpyDeviceToHost, f->st),
@@ -1039,16 +577,13 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     return SKV_OK;
 }
 
-extern "C" skv_status skv_cuda_factor_counts(skv_cuda_factor *f, unsigned long long *calls,
-                                             unsigned long long *fallbacks, unsigned long long *failures,
+extern "C" skv_status skv_cuda_factor_counts(skv_cuda_factor *f, unsigned long long *failures,
                                              unsigned long long *first_failure_tag, char *msg, size_t cap)
 {
     skv_cf_state h;
     SKV_CF_CHECK_CUDA(cudaMemcpyAsync(&h, f->state, sizeof h, cudaMemcpyDeviceToHost, f->st),
                       "cudaMemcpyAsync (factorization state)");
     SKV_CF_CHECK_CUDA(cudaStreamSynchronize(f->st), "cudaStreamSynchronize");
-    if (calls) *calls = h.n_calls;
-    if (fallbacks) *fallbacks = h.n_fallbacks;
     if (failures) *failures = h.n_failures;
     if (first_failure_tag) *first_failure_tag = h.first_failure_tag;
     return SKV_OK;
