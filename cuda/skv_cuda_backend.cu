@@ -397,9 +397,11 @@ typedef struct {
     int used;
 } skv_cuda_evset;
 
-/* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end), factorization
-   f0..f1, offload o0..o1. Two sets: a prefill harvests the set of the prefill before last. */
-enum { SKV_PE_M0, SKV_PE_M1, SKV_PE_M2, SKV_PE_M3, SKV_PE_F0, SKV_PE_F1, SKV_PE_O0, SKV_PE_O1, SKV_PE_N };
+/* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end) with wa..wb
+   around its wait for the previous prefill's side work, factorization f0..f1, offload
+   o0..o1. Two sets: a prefill harvests the set of the prefill before last. */
+enum { SKV_PE_M0, SKV_PE_M1, SKV_PE_M2, SKV_PE_M3, SKV_PE_F0, SKV_PE_F1, SKV_PE_O0, SKV_PE_O1, SKV_PE_WA, SKV_PE_WB,
+       SKV_PE_N };
 typedef struct {
     cudaEvent_t e[SKV_PE_N];
     int used;
@@ -682,7 +684,9 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
     k->pending.prefill_offload_ms +=
         skv_cuda_elapsed(e[SKV_PE_M2], e[SKV_PE_M3]) + skv_cuda_elapsed(e[SKV_PE_O0], e[SKV_PE_O1]);
     k->pending.prefill_factorize_ms += skv_cuda_elapsed(e[SKV_PE_F0], e[SKV_PE_F1]);
-    k->pending.prefill_critical_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M3]);
+    const double wait = skv_cuda_elapsed(e[SKV_PE_WA], e[SKV_PE_WB]);
+    k->pending.prefill_critical_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M3]) - wait;
+    k->pending.prefill_wait_ms += wait;
     p->used = 0;
 }
 
@@ -737,10 +741,12 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
         }
 
     /* stage k_pre and v once the previous prefill's side work is done with the buffers */
+    CK(cudaEventRecord(ps->e[SKV_PE_WA], st));
     if (k->staged) {
         CK(cudaStreamWaitEvent(st, k->fac_ev, 0));
         CK(cudaStreamWaitEvent(st, k->off_ev, 0));
     }
+    CK(cudaEventRecord(ps->e[SKV_PE_WB], st));
     const size_t bytes = (size_t)n * HkD * sizeof(skv_bf16);
     CK(cudaMemcpyAsync(k->kstage, k_pre, bytes, cudaMemcpyDeviceToDevice, st));
     CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
@@ -896,6 +902,7 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     stats->prefill_offload_ms += k->pending.prefill_offload_ms;
     stats->prefill_factorize_ms += k->pending.prefill_factorize_ms;
     stats->prefill_critical_ms += k->pending.prefill_critical_ms;
+    stats->prefill_wait_ms += k->pending.prefill_wait_ms;
     stats->decode_select_ms += k->pending.decode_select_ms;
     stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
     stats->decode_fetch_ms += k->pending.decode_fetch_ms;

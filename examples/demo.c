@@ -326,9 +326,10 @@ int main(int argc, char **argv)
         printf(" \"needle_hits\": %ld, \"needle_total\": %ld,\n", hits, total);
         printf(" \"prefill_split\": {\"factorize_ms\": %.3f, \"rope_ms\": %.3f, \"landmarks_ms\": %.3f, "
                "\"offload_ms\": %.3f, \"critical_ms\": %.3f, \"critical_ms_per_prefill\": %.4f, "
-               "\"factorize_ms_per_prefill\": %.4f},\n",
+               "\"factorize_ms_per_prefill\": %.4f, \"wait_ms_per_prefill\": %.4f},\n",
                pst.prefill_factorize_ms, pst.prefill_rope_ms, pst.prefill_landmarks_ms, pst.prefill_offload_ms,
-               pst.prefill_critical_ms, pst.prefill_critical_ms / n_pf, pst.prefill_factorize_ms / n_pf);
+               pst.prefill_critical_ms, pst.prefill_critical_ms / n_pf, pst.prefill_factorize_ms / n_pf,
+               pst.prefill_wait_ms / n_pf);
         printf(" \"decode_split_unit\": \"ms per decode step (all layers)\",\n");
         printf(" \"decode_split\": {\"select_ms\": %.3f, \"rebuild_ms\": %.3f, \"fetch_ms\": %.3f, "
                "\"attention_ms\": %.3f},\n", d_sel, d_reb, d_fet, d_att);
@@ -349,6 +350,10 @@ int main(int argc, char **argv)
         printf("          per (layer, sequence): %.3f ms on the caller's critical path, factorization %.3f ms%s\n",
                pst.prefill_critical_ms / n_pf, pst.prefill_factorize_ms / n_pf,
                be == SKV_BACKEND_CUDA ? " (beside it, on a side stream)" : " (part of it)");
+        if (be == SKV_BACKEND_CUDA)
+            printf("          waited %.3f ms per prefill for the previous one's side work (back-to-back prefills here; "
+                   "a model's attention between layers hides it)\n",
+                   pst.prefill_wait_ms / n_pf);
         printf("decode    %10.2f ms/step (%d layers, whole batch)   select %.2f, rebuild %.2f, fetch %.2f, "
                "attention %.2f\n", dec_step, L, d_sel, d_reb, d_fet, d_att);
         printf("          %lld heap allocations in %d decode calls (workspace allocated at create)\n",

@@ -321,12 +321,16 @@ typedef struct skv_stats {
     int64_t decode_allocations; /**< heap allocations made by decode steps: 0 unless the
                                      workspace sized at create was exceeded (e.g. more
                                      OpenMP threads than at create) */
-    double prefill_critical_ms; /**< the time prefill adds to the caller's stream: ref/cpu
-                                     the whole call (it is synchronous); cuda the work on
-                                     the cache's stream, from the input check to the last
-                                     copy, while the factorization and the value offload
-                                     run beside it (their times are prefill_factorize_ms
-                                     and part of prefill_offload_ms) */
+    double prefill_critical_ms; /**< the time prefill's own work adds to the caller's
+                                     stream: ref/cpu the whole call (it is synchronous);
+                                     cuda the work on the cache's stream, from the input
+                                     check to the last copy, while the factorization and
+                                     the value offload run beside it (their times are
+                                     prefill_factorize_ms and part of prefill_offload_ms) */
+    double prefill_wait_ms;     /**< cuda: time the cache's stream waited at a prefill
+                                     for the previous prefill's side work to free the
+                                     staging buffers; 0 when the caller's own work between
+                                     prefills (the next layer's attention) covers it */
 } skv_stats;
 
 /** Copies the cache's phase timings into *stats. */
