@@ -253,6 +253,32 @@ static void test_gpu(uint64_t seed)
     SKVT_CHECK_STATUS(step(&wd, A, 1, oa), SKV_OK, "decode A layer 1");
     SKVT_CHECK_STATUS(step(&wd, B, 1, ob), SKV_OK, "decode B layer 1");
     SKVT_CHECK(memcmp(oa, ob, wd.qn * 4) == 0, "direct step on layer 1: default-stream and caller-stream caches differ");
+    {
+        /* a third cache decodes right after its prefills, with no sync in between: the step must
+           wait on the device for the factorization and value offload running beside the prefill
+           (and the prompt buffers were overwritten between the prefills) */
+        cudaStream_t sc;
+        CU(cudaStreamCreateWithFlags(&sc, cudaStreamNonBlocking));
+        skv_cache *C = make_cache(&wd, sc);
+        float *oc = malloc(wd.qn * 4);
+        if (C && oc) {
+            SKVT_CHECK_STATUS(step(&wd, C, 1, oc), SKV_OK, "decode C layer 1 right after its prefills");
+            SKVT_CHECK(memcmp(oa, oc, wd.qn * 4) == 0,
+                       "a step right after the prefills (side work still running) differs from one after a sync");
+            skv_stats cs;
+            if (SKVT_CHECK_STATUS(skv_cache_stats(C, &cs), SKV_OK, "stats C")) {
+                printf("prefill of C: critical %.3f ms, waited %.3f ms, factorize %.3f ms (side stream), %lld calls\n",
+                       cs.prefill_critical_ms, cs.prefill_wait_ms, cs.prefill_factorize_ms,
+                       (long long)cs.n_prefill_calls);
+                SKVT_CHECK(cs.n_prefill_calls == 4 && cs.prefill_factorize_ms > 0 && cs.prefill_critical_ms > 0,
+                           "prefill stats of C not collected (calls %lld, factorize %.3f ms, critical %.3f ms)",
+                           (long long)cs.n_prefill_calls, cs.prefill_factorize_ms, cs.prefill_critical_ms);
+            }
+        }
+        free(oc);
+        skv_cache_free(C);
+        cudaStreamDestroy(sc);
+    }
 
     /* step 1 on layer 0: A directly, B captured into a graph (global mode) and launched once */
     stage_step(&wd, &r, q, kn, vn);
