@@ -1,6 +1,7 @@
 /*
- * skv_factor.h - the rank-r key factorization route shared by the cpu and
- * cuda backends (ref keeps its plain Gram + dsyevr route). Host C99 and CUDA.
+ * skv_factor.h - the fast rank-r key factorization route of the cpu backend
+ * (ref keeps its plain Gram + dsyevr route; cuda runs the Gram + Xsyevd route
+ * for now, see cuda/skv_cuda_factor.cu). Host C99; compiles as CUDA too.
  *
  * Goal: U [n, r], W [r, d] with U W = A Q Q^T for an orthonormal d x r basis Q
  * of (nearly) the top-r right singular subspace of A [n, d] (bf16), so that
@@ -67,7 +68,7 @@
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_CHECK_AT 2
 #define SKV_FACTOR_TAU 1e-9 /* rho below this: the double Gram */
-/* FAST needs r <= this (the cuda route factors r x r matrices in one block's shared memory) */
+/* FAST needs r <= this (bounds the r x r work per iteration; larger ranks take EXACT) */
 #define SKV_FACTOR_FAST_MAX_R 160
 /* The fp32 block Gram gets delta I, delta = this * tr G: its rounding (~1e-7 lambda_1) can leave
    it slightly indefinite; a shift of G (unlike one of H) changes no eigenvector and leaves the
