@@ -16,6 +16,10 @@
 #   factor    build, the factorization tests (test_accuracy, test_cuda), skv-bench
 #             factorize at 16k..128k with the GPU baselines, an ncu kernel split
 #             of one 64k factorization, and the demo at 32 x 64k (critical path)
+#   prefill   build, the GPU tests (test_contract at 30 configurations),
+#             memcheck of test_cuda, skv-bench factorize at 16k..1M with every
+#             baseline (then `demo` for the demos: together the run behind the
+#             factorization and prefill numbers; one call would pass 10 min)
 #
 # Writes at most 8 files under $OUT (default build/gpu-out): log.txt (this
 # script's output), tests_log.txt (every test's full output), tests.json
@@ -35,6 +39,7 @@ case "$MODE" in
   sanitize) T_TESTS=;      T_BENCH=;  T_PERF=;  T_SAN=1; T_DEMO=;  T_FAC= ;;
   bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO=;  T_FAC=full ;;
   factor)   T_TESTS=factor; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=quick ;;
+  prefill)  T_TESTS=prefill; T_BENCH=; T_PERF=; T_SAN=cuda; T_DEMO=;  T_FAC=full ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
 OUT=${OUT:-build/gpu-out}
@@ -89,6 +94,12 @@ run_test() {
 
 if [ -n "$T_TESTS" ]; then
   run_test test_cuda build/tests/test_cuda
+fi
+if [ "$T_TESTS" = prefill ]; then
+  run_test backend_ops_cuda build/tests/backend_ops -b cuda
+  run_test test_contract build/tests/test_contract 30
+  run_test test_accuracy build/tests/test_accuracy
+  run_test test_e2e build/tests/test_e2e
 fi
 if [ "$T_TESTS" = factor ]; then
   run_test test_accuracy build/tests/test_accuracy
@@ -152,7 +163,11 @@ if [ -n "$T_DEMO" ]; then
   timeout 270 build/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 \
     --share-layers --json > "$TMP/demo_8x32k.json"
   cat "$TMP/demo_8x32k.json"
-  { echo '{"one_128k": '; cat "$TMP/demo_128k.json"; echo ', "batch8_32k": '; cat "$TMP/demo_8x32k.json"; echo '}'; } > "$OUT/demo.json"
+  stamp "demo: 32 layers, one 65536-token sequence"
+  timeout 200 build/demo --backend cuda --layers 32 --ctx 65536 --steps 32 --share-layers --json > "$TMP/demo_64k.json"
+  cat "$TMP/demo_64k.json"
+  { echo '{"one_128k": '; cat "$TMP/demo_128k.json"; echo ', "batch8_32k": '; cat "$TMP/demo_8x32k.json";
+    echo ', "one_64k": '; cat "$TMP/demo_64k.json"; echo '}'; } > "$OUT/demo.json"
 fi
 if [ -n "${PROFILE:-}" ]; then
   # per-kernel device time of the decode path (ncu serializes kernels, so no overlap here)
@@ -167,6 +182,9 @@ fi
 if [ -n "$T_SAN" ]; then
   CS="compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99"
   TEST_TIMEOUT=200 run_test memcheck_test_cuda $CS build/tests/test_cuda
+  grep -h "ERROR SUMMARY" "$TMP"/t_memcheck_*.txt
+fi
+if [ -n "$T_SAN" ] && [ "$T_SAN" != cuda ]; then
   TEST_TIMEOUT=200 run_test memcheck_backend_ops $CS build/tests/backend_ops -b cuda
   SKV_SEED=7 TEST_TIMEOUT=200 run_test memcheck_test_contract $CS build/tests/test_contract 6
   grep -h "ERROR SUMMARY" "$TMP"/t_memcheck_*.txt
