@@ -220,13 +220,13 @@ int main(void)
             SKVT_CHECK(rebuild <= 0.05, "%s step %d layer %d seq %d: rebuilt keys move the output by %.4f > 0.05",
                        skv_backend_name(be[i]), s, l, b, rebuild);
             if (i) {
-                /* cpu factors like ref (double Gram): outputs agree to attention rounding. cuda
-                   factors from an fp32-accumulated Gram: its bf16 U, W round differently, so
-                   its output may differ from ref's by up to both outputs' rebuilt-key errors
-                   (each measured against the same selection with exact keys) */
+                /* each backend has its own factorization route (ref: double Gram + dsyevr; cpu:
+                   subspace iteration; cuda: fp32 block Grams + Xsyevd), all within the bound of
+                   DESIGN.md section 6 but not equal: a backend's output may differ from ref's by
+                   up to both outputs' rebuilt-key errors (each measured against the same
+                   selection with exact keys), plus attention rounding */
                 double x = skvs_rel_err(o, rec_out[0] + r * HD, HD);
-                double lim = 2e-3;
-                if (be[i] != SKV_BACKEND_CPU) lim += rebuild + skvs_rel_err(rec_out[0] + r * HD, exact, HD);
+                double lim = 2e-3 + rebuild + skvs_rel_err(rec_out[0] + r * HD, exact, HD);
                 max_xbe = dmax(max_xbe, x);
                 SKVT_CHECK(x <= lim, "step %d layer %d seq %d: %s output vs ref rel err %.3g > %.3g", s, l, b,
                            skv_backend_name(be[i]), x, lim);
