@@ -11,9 +11,12 @@
  *
  * Tolerance-checked products (factorize, rebuild) use the small GEMM
  * micro-kernels below rather than OpenBLAS: see the note there. OpenBLAS is
- * used through LAPACK's eigensolver, for the n < d factorization and in the
- * portable (no AVX2) build, always from the calling thread, never inside an
- * OpenMP region (a pthreads OpenBLAS would nest its own pool under ours).
+ * used through LAPACK's eigensolver (the EXACT factorization route: n < d,
+ * 2r > d, SKV_FACTORIZE=exact, and every shape in the portable no-AVX2 build),
+ * always from the calling thread, never inside an OpenMP region (a pthreads
+ * OpenBLAS would nest its own pool under ours). The FAST factorization route
+ * (lib/skv_factor.h) uses no BLAS at all: its r x r Cholesky factorizations
+ * are small serial loops here, so OpenBLAS threads never compete with ours.
  *
  * Results do not depend on the thread count (fixed blocking, fixed merge
  * order). Scratch: the decode slots take theirs from the cache's workspace
@@ -30,6 +33,7 @@
 #include <omp.h>
 
 #include "skv_backend.h"
+#include "skv_factor.h"
 #include "skv_numerics.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -307,71 +311,118 @@ done:
 }
 
 #if SKV_CPU_SIMD
-/* Rows [q0, q1) of a KC-row block starting at row t0, packed (bf16 -> double) as
-   6-column slivers xa (the kernel's "a") and 8-column slivers xb (its "b"). */
-static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int64_t q0, int64_t q1,
-                              double *xa, double *xb)
+/*
+ * Slice s of S of the packing (bf16 -> double) of a kc-row block at row t0:
+ * 6-column slivers xa [kc][6] (the kernel's "a"; stride kc * 6 + 8, each row
+ * stored as 8 values, the 2 extra overwritten by the next row or left in the
+ * padding) and 8-column slivers xb [kc][8] (its "b"), zero padded past d. A
+ * slice is a range of slivers: sequential writes, and the rows read stay in L1.
+ */
+#define SKV_CPU_KC 256
+#define SKV_CPU_PACK_SLICES 8
+#define SKV_CPU_XA_STRIDE(kc) ((size_t)(kc) * 6 + 8)
+
+static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S, double *xa,
+                              double *xb)
 {
-    int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
-    for (int64_t q = q0; q < q1; q++) {
-        const skv_bf16 *row = a + (size_t)(t0 + q) * d;
-        for (int32_t j = 0; j < na * 6; j++)
-            xa[((size_t)(j / 6) * kc + q) * 6 + j % 6] = j < d ? skv_bf16_to_f32(row[j]) : 0.0;
-        for (int32_t j = 0; j < nb * 8; j++)
-            xb[((size_t)(j / 8) * kc + q) * 8 + j % 8] = j < d ? skv_bf16_to_f32(row[j]) : 0.0;
+    const int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
+    const skv_bf16 *blk = a + (size_t)t0 * d;
+    for (int32_t is = na * s / S; is < na * (s + 1) / S; is++) {
+        double *dst = xa + (size_t)is * SKV_CPU_XA_STRIDE(kc);
+        int32_t i0 = is * 6;
+        if (i0 + 8 <= d) {
+            for (int64_t q = 0; q < kc; q++) {
+                __m256 x = skv_cpu_ld8(blk + (size_t)q * d + i0);
+                _mm256_storeu_pd(dst + q * 6, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+                _mm256_storeu_pd(dst + q * 6 + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+            }
+        } else {
+            for (int64_t q = 0; q < kc; q++)
+                for (int32_t i = 0; i < 6; i++)
+                    dst[q * 6 + i] = i0 + i < d ? skv_bf16_to_f32(blk[(size_t)q * d + i0 + i]) : 0.0;
+        }
+    }
+    for (int32_t js = nb * s / S; js < nb * (s + 1) / S; js++) {
+        double *dst = xb + (size_t)js * kc * 8;
+        int32_t j0 = js * 8;
+        if (j0 + 8 <= d) {
+            for (int64_t q = 0; q < kc; q++) {
+                __m256 x = skv_cpu_ld8(blk + (size_t)q * d + j0);
+                _mm256_storeu_pd(dst + q * 8, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+                _mm256_storeu_pd(dst + q * 8 + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+            }
+        } else {
+            for (int64_t q = 0; q < kc; q++)
+                for (int32_t j = 0; j < 8; j++)
+                    dst[q * 8 + j] = j0 + j < d ? skv_bf16_to_f32(blk[(size_t)q * d + j0 + j]) : 0.0;
+        }
     }
 }
 
 /*
- * G = A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel,
+ * G += A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel,
  * A streamed in blocks of KC rows. Each 8-column strip of G is owned by one
  * work item per block and accumulated in block order, so the result does not
- * depend on the thread count. Packing is double-buffered: the items of block
- * b are its strips (longest first) plus slices packing block b+1 for threads
- * that finish early, so there is one barrier per block.
+ * depend on the thread count; the accumulator is strip-major ([strip][row][8],
+ * a tile's rows adjacent in memory) and is added into g at the end. Packing is
+ * double-buffered: the items of block b are its strips (longest first) plus
+ * slices packing block b+1 for threads that finish early, so there is one
+ * barrier per block.
  */
-#define SKV_CPU_KC 256
-#define SKV_CPU_PACK_SLICES 8
-
 static skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
 {
-    int32_t nb = (d + 7) / 8;
+    int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
     int64_t nblk = (n + SKV_CPU_KC - 1) / SKV_CPU_KC;
-    size_t half = (size_t)((d + 5) / 6 * 6 + nb * 8) * SKV_CPU_KC; /* one xa + xb */
+    size_t half = (size_t)na * SKV_CPU_XA_STRIDE(SKV_CPU_KC) + (size_t)nb * 8 * SKV_CPU_KC; /* one xa + xb */
     double *buf = skv_cpu_alloc(2 * half * sizeof *buf);
-    if (!buf) return SKV_ERR_OUT_OF_MEMORY;
+    double *gs = calloc((size_t)nb * 8 * d, sizeof *gs); /* [strip][row][8] */
+    if (!buf || !gs) {
+        free(buf);
+        free(gs);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
 #pragma omp parallel
     {
         int64_t kc0 = n < SKV_CPU_KC ? n : SKV_CPU_KC;
 #pragma omp for schedule(static)
         for (int s = 0; s < SKV_CPU_PACK_SLICES; s++)
-            skv_cpu_gram_pack(a, d, 0, kc0, kc0 * s / SKV_CPU_PACK_SLICES, kc0 * (s + 1) / SKV_CPU_PACK_SLICES,
-                              buf, buf + (size_t)(d + 5) / 6 * 6 * kc0);
+            skv_cpu_gram_pack(a, d, 0, kc0, s, SKV_CPU_PACK_SLICES, buf, buf + (size_t)na * SKV_CPU_XA_STRIDE(kc0));
         for (int64_t blk = 0; blk < nblk; blk++) {
             int64_t t0 = blk * SKV_CPU_KC, kc = n - t0 < SKV_CPU_KC ? n - t0 : SKV_CPU_KC;
             int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_KC ? n - t1 : SKV_CPU_KC;
-            double *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)(d + 5) / 6 * 6 * kc;
-            double *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)(d + 5) / 6 * 6 * kc1;
+            double *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
+            double *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
             int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
 #pragma omp for schedule(dynamic, 1)
             for (int32_t it = 0; it < nb + npack; it++) {
                 if (it >= nb) { /* pack a slice of the next block */
-                    int s = it - nb;
-                    skv_cpu_gram_pack(a, d, t1, kc1, kc1 * s / SKV_CPU_PACK_SLICES,
-                                      kc1 * (s + 1) / SKV_CPU_PACK_SLICES, ya, yb);
+                    skv_cpu_gram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, ya, yb);
                     continue;
                 }
                 int32_t js = nb - 1 - it, j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+                double *strip = gs + (size_t)js * d * 8;
                 for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
                     double t[48];
-                    skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * kc * 6, xb + (size_t)js * kc * 8, t);
-                    for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++)
-                        for (int32_t j = 0; j < nj; j++) g[(size_t)(i0 + i) * d + j0 + j] += t[i * 8 + j];
+                    skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 8, t);
+                    for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++) {
+                        double *gr = strip + (size_t)(i0 + i) * 8;
+                        _mm256_storeu_pd(gr, _mm256_add_pd(_mm256_loadu_pd(gr), _mm256_loadu_pd(t + i * 8)));
+                        _mm256_storeu_pd(gr + 4, _mm256_add_pd(_mm256_loadu_pd(gr + 4), _mm256_loadu_pd(t + i * 8 + 4)));
+                    }
                 }
             }
         }
+        /* g += the accumulator: row i of the strips js >= i / 8 (the upper triangle) */
+#pragma omp for schedule(static)
+        for (int32_t i = 0; i < d; i++)
+            for (int32_t js = i / 8; js < nb; js++) {
+                int32_t j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+                const double *src = gs + ((size_t)js * d + i) * 8;
+                for (int32_t j = 0; j < nj; j++) g[(size_t)i * d + j0 + j] += src[j];
+            }
     }
     free(buf);
+    free(gs);
     return SKV_OK;
 }
 
@@ -399,6 +450,659 @@ static void skv_cpu_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, 
         }
     }
 }
+
+/* ---- FAST route (lib/skv_factor.h): fp32 block Gram, subspace iteration, fp32 projection ---- */
+/* (the EXACT route's double Gram skv_cpu_gram above is also its FALLBACK Gram) */
+
+/* float 6x16 tile c[6 * 16] = sum_p ar[i][p] * b[p * 16 + j]: six rows of a row-major operand
+   (contiguous in p) against a packed 16-column sliver. */
+static void skv_cpu_skern_rows(int64_t k, const float *const ar[6], const float *b, float *c)
+{
+    const float *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, x;
+    for (int64_t p = 0; p < k; p++, b += 16) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        x = _mm256_broadcast_ss(a0 + p);
+        c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a1 + p);
+        c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a2 + p);
+        c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a3 + p);
+        c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a4 + p);
+        c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a5 + p);
+        c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51);
+    }
+    __m256 cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 12; i++) _mm256_storeu_ps(c + 8 * i, cc[i]);
+}
+
+/* double 6x8 tile t[6 * 8] = sum_p ar[i][p] * b[p * 8 + j] (as skv_cpu_skern_rows). */
+static void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const double *b, double *t)
+{
+    const double *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3], *a4 = ar[4], *a5 = ar[5];
+    __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256d c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, x;
+    for (int64_t p = 0; p < k; p++, b += 8) {
+        __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+        x = _mm256_broadcast_sd(a0 + p);
+        c00 = _mm256_fmadd_pd(x, b0, c00), c01 = _mm256_fmadd_pd(x, b1, c01);
+        x = _mm256_broadcast_sd(a1 + p);
+        c10 = _mm256_fmadd_pd(x, b0, c10), c11 = _mm256_fmadd_pd(x, b1, c11);
+        x = _mm256_broadcast_sd(a2 + p);
+        c20 = _mm256_fmadd_pd(x, b0, c20), c21 = _mm256_fmadd_pd(x, b1, c21);
+        x = _mm256_broadcast_sd(a3 + p);
+        c30 = _mm256_fmadd_pd(x, b0, c30), c31 = _mm256_fmadd_pd(x, b1, c31);
+        x = _mm256_broadcast_sd(a4 + p);
+        c40 = _mm256_fmadd_pd(x, b0, c40), c41 = _mm256_fmadd_pd(x, b1, c41);
+        x = _mm256_broadcast_sd(a5 + p);
+        c50 = _mm256_fmadd_pd(x, b0, c50), c51 = _mm256_fmadd_pd(x, b1, c51);
+    }
+    __m256d cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 12; i++) _mm256_storeu_pd(t + 4 * i, cc[i]);
+}
+
+/*
+ * The power-of-two scale of the fp32 products: A * 2^(128 - e), e the biased
+ * exponent of max |a| (at least 1), puts max |a| in [2, 4). Scaling by a power
+ * of two is exact, so it changes nothing but the range: no fp32 product or sum
+ * overflows (|a| up to 3.4e38) and small inputs stay normal.
+ */
+static int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count)
+{
+    const int64_t B = 1 << 16;
+    int64_t nb = (count + B - 1) / B;
+    unsigned m = 0;
+#pragma omp parallel for schedule(static) reduction(max : m)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * B, hi = lo + B < count ? lo + B : count, i = lo;
+        __m256i v = _mm256_setzero_si256(), mask = _mm256_set1_epi16(0x7fff);
+        for (; i + 16 <= hi; i += 16)
+            v = _mm256_max_epu16(v, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(a + i)), mask));
+        uint16_t lanes[16];
+        _mm256_storeu_si256((__m256i *)lanes, v);
+        unsigned mb = 0;
+        for (int l = 0; l < 16; l++) mb = lanes[l] > mb ? lanes[l] : mb;
+        for (; i < hi; i++) mb = (a[i] & 0x7fffu) > mb ? (a[i] & 0x7fffu) : mb;
+        m = mb > m ? mb : m;
+    }
+    int e = (int)(m >> 7) & 0xff;
+    return e < 1 ? 1 : e;
+}
+
+/*
+ * Slice s of S of the packing of a kc-row block at row t0, scaled to float:
+ * 6-column slivers xa [kc][6] (stride kc * 6 + 8: each row is stored as 8
+ * floats, the 2 extra overwritten by the next row or left in the padding) and
+ * 16-column slivers xb [kc][16], zero padded past d. The slice is a range of
+ * slivers, so every thread writes sequentially and the rows it reads stay in L1.
+ */
+static void skv_cpu_fgram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S, float scale,
+                               float *xa, float *xb)
+{
+    const int32_t na = (d + 5) / 6, nb = (d + 15) / 16;
+    const __m256 sc = _mm256_set1_ps(scale);
+    const skv_bf16 *blk = a + (size_t)t0 * d;
+    for (int32_t is = na * s / S; is < na * (s + 1) / S; is++) {
+        float *dst = xa + (size_t)is * SKV_CPU_XA_STRIDE(kc);
+        int32_t i0 = is * 6;
+        if (i0 + 8 <= d) {
+            for (int64_t q = 0; q < kc; q++)
+                _mm256_storeu_ps(dst + q * 6, _mm256_mul_ps(skv_cpu_ld8(blk + (size_t)q * d + i0), sc));
+        } else {
+            for (int64_t q = 0; q < kc; q++)
+                for (int32_t i = 0; i < 6; i++)
+                    dst[q * 6 + i] = i0 + i < d ? skv_bf16_to_f32(blk[(size_t)q * d + i0 + i]) * scale : 0.0f;
+        }
+    }
+    for (int32_t js = nb * s / S; js < nb * (s + 1) / S; js++) {
+        float *dst = xb + (size_t)js * kc * 16;
+        int32_t j0 = js * 16;
+        if (j0 + 16 <= d) {
+            for (int64_t q = 0; q < kc; q++) {
+                const skv_bf16 *row = blk + (size_t)q * d + j0;
+                _mm256_storeu_ps(dst + q * 16, _mm256_mul_ps(skv_cpu_ld8(row), sc));
+                _mm256_storeu_ps(dst + q * 16 + 8, _mm256_mul_ps(skv_cpu_ld8(row + 8), sc));
+            }
+        } else {
+            for (int64_t q = 0; q < kc; q++)
+                for (int32_t j = 0; j < 16; j++)
+                    dst[q * 16 + j] = j0 + j < d ? skv_bf16_to_f32(blk[(size_t)q * d + j0 + j]) * scale : 0.0f;
+        }
+    }
+}
+
+/*
+ * g [d, d] (row-major, full) = (scale A)^T (scale A) as a sum of fp32 block
+ * Grams of SKV_CPU_FKC rows: each 6x16 tile of a block is one fp32 kernel call
+ * (bf16 products are exact in fp32; the fp32 sum runs over one block), added
+ * into a double accumulator in block order. The accumulator is strip-major
+ * (16-column strips of the upper triangle, rows contiguous), so a tile's rows
+ * are adjacent in memory; each strip is owned by one work item per block, so
+ * the result does not depend on the thread count. Packing is double-buffered
+ * as in skv_cpu_gram. Finally g = the accumulator, both triangles.
+ */
+#define SKV_CPU_FKC 256 /* rows of one fp32 block Gram */
+
+static skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, double *g)
+{
+    int32_t na = (d + 5) / 6, nb = (d + 15) / 16;
+    int64_t nblk = (n + SKV_CPU_FKC - 1) / SKV_CPU_FKC;
+    size_t half = (size_t)na * SKV_CPU_XA_STRIDE(SKV_CPU_FKC) + (size_t)nb * 16 * SKV_CPU_FKC; /* one xa + xb */
+    float *buf = skv_cpu_alloc(2 * half * sizeof *buf);
+    double *gs = calloc((size_t)nb * 16 * d, sizeof *gs); /* [strip][row][16] */
+    if (!buf || !gs) {
+        free(buf);
+        free(gs);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+#pragma omp parallel
+    {
+        int64_t kc0 = n < SKV_CPU_FKC ? n : SKV_CPU_FKC;
+#pragma omp for schedule(static)
+        for (int s = 0; s < SKV_CPU_PACK_SLICES; s++)
+            skv_cpu_fgram_pack(a, d, 0, kc0, s, SKV_CPU_PACK_SLICES, scale, buf,
+                               buf + (size_t)na * SKV_CPU_XA_STRIDE(kc0));
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            int64_t t0 = blk * SKV_CPU_FKC, kc = n - t0 < SKV_CPU_FKC ? n - t0 : SKV_CPU_FKC;
+            int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_FKC ? n - t1 : SKV_CPU_FKC;
+            float *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
+            float *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
+            int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int32_t it = 0; it < nb + npack; it++) {
+                if (it >= nb) { /* pack a slice of the next block */
+                    skv_cpu_fgram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, scale, ya, yb);
+                    continue;
+                }
+                int32_t js = nb - 1 - it, j0 = js * 16, nj = skv_cpu_min(16, d - j0);
+                double *strip = gs + (size_t)js * d * 16;
+                for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
+                    float t[96];
+                    int32_t ni = skv_cpu_min(6, d - i0);
+                    skv_cpu_skern((int)kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 16, t, 16);
+                    for (int32_t i = 0; i < ni; i++) {
+                        double *gr = strip + (size_t)(i0 + i) * 16;
+                        for (int q = 0; q < 4; q++)
+                            _mm256_storeu_pd(gr + 4 * q, _mm256_add_pd(_mm256_loadu_pd(gr + 4 * q),
+                                                                       _mm256_cvtps_pd(_mm_loadu_ps(t + i * 16 + 4 * q))));
+                    }
+                }
+            }
+        }
+        /* g: 16 x 16 blocks (ib <= jb) of the upper triangle and their mirror images */
+#pragma omp for schedule(dynamic, 4)
+        for (int32_t bb = 0; bb < nb * nb; bb++) {
+            int32_t ib = bb / nb, jb = bb % nb;
+            if (ib > jb) continue;
+            for (int32_t i = ib * 16; i < skv_cpu_min(ib * 16 + 16, d); i++)
+                for (int32_t j = jb * 16; j < skv_cpu_min(jb * 16 + 16, d); j++) {
+                    double x = j >= i ? gs[((size_t)jb * d + i) * 16 + j % 16] : gs[((size_t)ib * d + j) * 16 + i % 16];
+                    g[(size_t)i * d + j] = x;
+                    g[(size_t)j * d + i] = x;
+                }
+        }
+    }
+    free(buf);
+    free(gs);
+    return SKV_OK;
+}
+
+/* Upper triangle -> lower (row-major symmetric d x d). */
+static void skv_cpu_mirror(double *g, int32_t d)
+{
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int32_t i0 = 0; i0 < d; i0 += 16) {
+        int32_t i1 = skv_cpu_min(i0 + 16, d);
+        for (int32_t j = 0; j < i1; j++)
+            for (int32_t i = i0 > j + 1 ? i0 : j + 1; i < i1; i++) g[(size_t)i * d + j] = g[(size_t)j * d + i];
+    }
+}
+
+/* State of one FAST factorization: X^T is kept as z [r, d] (rows = basis vectors), so every product
+   runs over contiguous rows of d. */
+typedef struct {
+    int32_t d, r;
+    double *g;   /* [d, d] the Gram matrix (symmetric, full) */
+    float *gf;   /* [ceil(d/16)][d][16] G in float, packed (the fp32 G X) */
+    double *gd;  /* [ceil(d/8)][d][8] G in double, packed (G X in double) */
+    double *z;   /* [r, d] X^T */
+    float *zf;   /* [r, d] X^T in float */
+    double *y;   /* [r, d] (G X)^T, then the next z in place */
+    double *yp;  /* [ceil(r/8)][d][8] the right operand of an r x r product, packed */
+    double *c;   /* [r, r] an r x r Gram (Y^T Y or X^T G X), then its Cholesky factor R (upper) */
+    double *ci;  /* [r, r] R^-1 (the check) */
+    double *ct;  /* [r, r] R^T (the solve) */
+    double *sb;  /* [nt][r][SKV_CPU_SOLVE_W] the solve's per-thread buffers */
+    int nt;      /* threads of the parallel regions that use per-thread buffers */
+} skv_cpu_fx;
+
+/* y = (G X)^T = z G: fp32 (zf against gf) or double (z against gd). */
+static void skv_cpu_fx_apply(skv_cpu_fx *f, int dbl)
+{
+    const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, ns = dbl ? (d + 7) / 8 : (d + 15) / 16;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int32_t is = 0; is < ns; is++)
+        for (int32_t ig = 0; ig < ng; ig++) {
+            int32_t j0 = ig * 6, nj = skv_cpu_min(6, r - j0);
+            if (dbl) {
+                const double *ar[6];
+                double t[48];
+                int32_t i0 = is * 8, ni = skv_cpu_min(8, d - i0);
+                for (int j = 0; j < 6; j++) ar[j] = f->z + (size_t)(j0 + skv_cpu_min(j, nj - 1)) * d;
+                skv_cpu_dkern_rows(d, ar, f->gd + (size_t)is * d * 8, t);
+                for (int32_t j = 0; j < nj; j++)
+                    for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + j) * d + i0 + i] = t[j * 8 + i];
+            } else {
+                const float *ar[6];
+                float t[96];
+                int32_t i0 = is * 16, ni = skv_cpu_min(16, d - i0);
+                for (int j = 0; j < 6; j++) ar[j] = f->zf + (size_t)(j0 + skv_cpu_min(j, nj - 1)) * d;
+                skv_cpu_skern_rows(d, ar, f->gf + (size_t)is * d * 16, t);
+                for (int32_t j = 0; j < nj; j++)
+                    for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + j) * d + i0 + i] = t[j * 16 + i];
+            }
+        }
+}
+
+/*
+ * Small dense kernels of the FAST route, serial and without BLAS (between
+ * OpenMP regions; OpenBLAS would start its own threads for r = 160).
+ * skv_cpu_chol: c (row-major, the upper triangle of a symmetric r x r matrix)
+ * <- R (upper) with C = R^T R, right-looking, every pivot at least `floor`
+ * (lib/skv_factor.h: SKV_FACTOR_PIVOT_FLOOR tr C), so it never fails.
+ * skv_cpu_trinv: ri <- R^-1 (upper), row by row from the bottom.
+ */
+static void skv_cpu_chol(double *c, int32_t r, double floor)
+{
+    for (int32_t k = 0; k < r; k++) {
+        double *ck = c + (size_t)k * r, p = ck[k];
+        p = sqrt(p >= floor ? p : floor); /* pivots raised to the floor (NaN too): R always exists */
+        ck[k] = p;
+        for (int32_t j = k + 1; j < r; j++) ck[j] /= p;
+        for (int32_t i = k + 1; i < r; i++) {
+            double *ci = c + (size_t)i * r;
+            __m256d f = _mm256_set1_pd(ck[i]);
+            int32_t j = i;
+            for (; j + 4 <= r; j += 4)
+                _mm256_storeu_pd(ci + j, _mm256_fnmadd_pd(f, _mm256_loadu_pd(ck + j), _mm256_loadu_pd(ci + j)));
+            for (; j < r; j++) ci[j] = fma(-ck[i], ck[j], ci[j]);
+        }
+    }
+}
+
+static void skv_cpu_trinv(const double *c, int32_t r, double *ri)
+{
+    memset(ri, 0, (size_t)r * r * sizeof *ri);
+    for (int32_t i = r - 1; i >= 0; i--) {
+        double *ti = ri + (size_t)i * r;
+        const double *ci = c + (size_t)i * r;
+        ti[i] = 1.0;
+        for (int32_t m = i + 1; m < r; m++) { /* ti -= R[i][m] Rinv[m][:] (row m is zero before m) */
+            const double *tm = ri + (size_t)m * r;
+            __m256d f = _mm256_set1_pd(ci[m]);
+            int32_t j = m;
+            for (; j + 4 <= r; j += 4)
+                _mm256_storeu_pd(ti + j, _mm256_fnmadd_pd(f, _mm256_loadu_pd(tm + j), _mm256_loadu_pd(ti + j)));
+            for (; j < r; j++) ti[j] = fma(-ci[m], tm[j], ti[j]);
+        }
+        for (int32_t j = i; j < r; j++) ti[j] /= ci[i];
+    }
+}
+
+/*
+ * c (upper triangle, row-major r x r) = u v^T for u, v [r, d] in double, i.e.
+ * U^T V for the d x r matrices U = u^T, V = v^T; then the shift s of its
+ * trace (lib/skv_factor.h: skv_factor_shift for Cholesky QR, else
+ * skv_factor_rq_shift for H = X^T G X on the fp32 or the double Gram), c += s I,
+ * and its Cholesky factor in place: c = R (row-major upper), C + s I = R^T R.
+ */
+enum { SKV_CPU_SHIFT_QR, SKV_CPU_SHIFT_RQ32, SKV_CPU_SHIFT_RQ64 };
+
+static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, double diag, int shift)
+{
+    const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, n8 = (r + 7) / 8;
+    double *c = f->c, *yp = f->yp;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int32_t js = 0; js < n8; js++)
+            for (int32_t jj = 0; jj < 8; jj++) {
+                int32_t j = js * 8 + jj;
+                double *dst = yp + (size_t)js * d * 8 + jj;
+                if (j < r)
+                    for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = vv[(size_t)j * d + p];
+                else
+                    for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = 0.0;
+            }
+#pragma omp for schedule(dynamic, 1)
+        for (int32_t it = 0; it < ng * n8; it++) {
+            int32_t i0 = it / n8 * 6, j0 = it % n8 * 8, ni = skv_cpu_min(6, r - i0), nj = skv_cpu_min(8, r - j0);
+            if (j0 + nj <= i0) continue; /* strictly below the diagonal */
+            const double *ar[6];
+            double t[48];
+            for (int i = 0; i < 6; i++) ar[i] = uu + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
+            skv_cpu_dkern_rows(d, ar, yp + (size_t)(j0 / 8) * d * 8, t);
+            for (int32_t i = 0; i < ni; i++)
+                for (int32_t j = 0; j < nj; j++) c[(size_t)(i0 + i) * r + j0 + j] = t[i * 8 + j];
+        }
+    }
+    double tr = 0.0;
+    for (int32_t i = 0; i < r; i++) tr += c[(size_t)i * r + i] += diag;
+    double s = shift == SKV_CPU_SHIFT_QR ? skv_factor_shift(d, r, tr)
+                                         : skv_factor_rq_shift(tr, shift == SKV_CPU_SHIFT_RQ64);
+    for (int32_t i = 0; i < r; i++) c[(size_t)i * r + i] += s;
+    skv_cpu_chol(c, r, SKV_FACTOR_PIVOT_FLOOR * (tr + r * s));
+}
+
+/*
+ * v [r, d] <- R^-T v in place (X <- X R^-1 for X = v^T), R = f->c (upper, from
+ * skv_cpu_fx_chol), and f->zf = v in float: forward substitution
+ * v_k <- (v_k - sum_{m<k} R[m][k] v_m) / R[k][k], every sum in the order of m.
+ * Columns are independent: chunks of SKV_CPU_SOLVE_W columns in parallel, each
+ * copied into a contiguous per-thread buffer [r][W], two rows k at a time.
+ */
+#define SKV_CPU_SOLVE_W 16
+
+static void skv_cpu_fx_solve(skv_cpu_fx *f, double *v)
+{
+    const int32_t d = f->d, r = f->r, nch = (d + SKV_CPU_SOLVE_W - 1) / SKV_CPU_SOLVE_W;
+    double *ct = f->ct;
+    for (int32_t k = 0; k < r; k++) /* ct [k][m] = R[m][k], m <= k: row k of R^T, contiguous */
+        for (int32_t m = 0; m <= k; m++) ct[(size_t)k * r + m] = f->c[(size_t)m * r + k];
+#pragma omp parallel num_threads(f->nt)
+    {
+        double *buf = f->sb + (size_t)omp_get_thread_num() * r * SKV_CPU_SOLVE_W;
+#pragma omp for schedule(static)
+        for (int32_t ch = 0; ch < nch; ch++) {
+            int32_t i0 = ch * SKV_CPU_SOLVE_W, w = skv_cpu_min(SKV_CPU_SOLVE_W, d - i0);
+            for (int32_t k = 0; k < r; k++)
+                for (int32_t i = 0; i < SKV_CPU_SOLVE_W; i++)
+                    buf[(size_t)k * SKV_CPU_SOLVE_W + i] = i < w ? v[(size_t)k * d + i0 + i] : 0.0;
+            for (int32_t k = 0; k < r; k += 2) {
+                const double *c0 = ct + (size_t)k * r, *c1 = c0 + r;
+                double *b0 = buf + (size_t)k * SKV_CPU_SOLVE_W, *b1 = b0 + SKV_CPU_SOLVE_W;
+                __m256d a0 = _mm256_loadu_pd(b0), a1 = _mm256_loadu_pd(b0 + 4);
+                __m256d a2 = _mm256_loadu_pd(b0 + 8), a3 = _mm256_loadu_pd(b0 + 12);
+                if (k + 1 < r) {
+                    __m256d e0 = _mm256_loadu_pd(b1), e1 = _mm256_loadu_pd(b1 + 4);
+                    __m256d e2 = _mm256_loadu_pd(b1 + 8), e3 = _mm256_loadu_pd(b1 + 12);
+                    for (int32_t m = 0; m < k; m++) {
+                        const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
+                        __m256d x0 = _mm256_loadu_pd(bm), x1 = _mm256_loadu_pd(bm + 4);
+                        __m256d x2 = _mm256_loadu_pd(bm + 8), x3 = _mm256_loadu_pd(bm + 12);
+                        __m256d r0 = _mm256_broadcast_sd(c0 + m), r1 = _mm256_broadcast_sd(c1 + m);
+                        a0 = _mm256_fnmadd_pd(r0, x0, a0), a1 = _mm256_fnmadd_pd(r0, x1, a1);
+                        a2 = _mm256_fnmadd_pd(r0, x2, a2), a3 = _mm256_fnmadd_pd(r0, x3, a3);
+                        e0 = _mm256_fnmadd_pd(r1, x0, e0), e1 = _mm256_fnmadd_pd(r1, x1, e1);
+                        e2 = _mm256_fnmadd_pd(r1, x2, e2), e3 = _mm256_fnmadd_pd(r1, x3, e3);
+                    }
+                    __m256d rk = _mm256_broadcast_sd(c0 + k);
+                    a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
+                    a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
+                    __m256d r1 = _mm256_broadcast_sd(c1 + k), rk1 = _mm256_broadcast_sd(c1 + k + 1);
+                    e0 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a0, e0), rk1);
+                    e1 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a1, e1), rk1);
+                    e2 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a2, e2), rk1);
+                    e3 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a3, e3), rk1);
+                    _mm256_storeu_pd(b1, e0), _mm256_storeu_pd(b1 + 4, e1);
+                    _mm256_storeu_pd(b1 + 8, e2), _mm256_storeu_pd(b1 + 12, e3);
+                } else {
+                    for (int32_t m = 0; m < k; m++) {
+                        const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
+                        __m256d r0 = _mm256_broadcast_sd(c0 + m);
+                        a0 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm), a0);
+                        a1 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 4), a1);
+                        a2 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 8), a2);
+                        a3 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 12), a3);
+                    }
+                    __m256d rk = _mm256_broadcast_sd(c0 + k);
+                    a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
+                    a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
+                }
+                _mm256_storeu_pd(b0, a0), _mm256_storeu_pd(b0 + 4, a1);
+                _mm256_storeu_pd(b0 + 8, a2), _mm256_storeu_pd(b0 + 12, a3);
+            }
+            for (int32_t k = 0; k < r; k++) {
+                const double *bk = buf + (size_t)k * SKV_CPU_SOLVE_W;
+                double *vk = v + (size_t)k * d + i0;
+                float *zk = f->zf + (size_t)k * d + i0;
+                if (w == SKV_CPU_SOLVE_W) {
+                    for (int q = 0; q < 4; q++) {
+                        __m256d x = _mm256_loadu_pd(bk + 4 * q);
+                        _mm256_storeu_pd(vk + 4 * q, x);
+                        _mm_storeu_ps(zk + 4 * q, _mm256_cvtpd_ps(x));
+                    }
+                } else {
+                    for (int32_t i = 0; i < w; i++) vk[i] = bk[i], zk[i] = (float)bk[i];
+                }
+            }
+        }
+    }
+}
+
+/* v [r, d] <- orth(v^T)^T in place (shifted Cholesky QR, lib/skv_factor.h), f->zf = v in float. */
+static void skv_cpu_fx_orth(skv_cpu_fx *f, double *v)
+{
+    skv_cpu_fx_chol(f, v, v, 0.0, SKV_CPU_SHIFT_QR);
+    skv_cpu_fx_solve(f, v);
+}
+
+/* One iteration: z <- orth(orth(G X))^T (reuse: y = (G X)^T already, from the check). */
+static void skv_cpu_fx_step(skv_cpu_fx *f, int dbl, int reuse)
+{
+    if (!reuse) skv_cpu_fx_apply(f, dbl);
+    skv_cpu_fx_orth(f, f->y);
+    skv_cpu_fx_orth(f, f->y);
+    double *t = f->z;
+    f->z = f->y, f->y = t;
+}
+
+/* gf (dbl = 0) or gd (dbl = 1) from the full double G. */
+static void skv_cpu_fx_pack_g(skv_cpu_fx *f, int dbl)
+{
+    const int32_t d = f->d, w = dbl ? 8 : 16, ns = (d + w - 1) / w;
+#pragma omp parallel for schedule(static)
+    for (int32_t p = 0; p < d; p++)
+        for (int32_t is = 0; is < ns; is++)
+            for (int32_t j = 0; j < w; j++) {
+                int32_t i = is * w + j;
+                double x = i < d ? f->g[(size_t)p * d + i] : 0.0;
+                if (dbl) f->gd[((size_t)is * d + p) * 8 + j] = x;
+                else f->gf[((size_t)is * d + p) * 16 + j] = (float)x;
+            }
+}
+
+#define SKV_CPU_URB 48 /* projection: rows per work item, 8 slivers of 6 */
+
+/* u [n, r] = A Q in float: A rows scaled by `scale` (the fp32 Gram's power of two) and the result by
+   `unscale`, Q^T = zf [r, d]; parallel over blocks of rows. */
+static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, const float *zf,
+                                     float scale, float unscale, float *u)
+{
+    const int32_t n16 = (r + 15) / 16;
+    const int nt = omp_get_max_threads();
+    const int64_t nrb = (n + SKV_CPU_URB - 1) / SKV_CPU_URB;
+    float *qb = skv_cpu_alloc((size_t)n16 * d * 16 * sizeof *qb);
+    float *abuf = skv_cpu_alloc((size_t)nt * SKV_CPU_URB * d * sizeof *abuf);
+    if (!qb || !abuf) {
+        free(qb);
+        free(abuf);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        float *ab = abuf + (size_t)omp_get_thread_num() * SKV_CPU_URB * d;
+        const __m256 sc = _mm256_set1_ps(scale), us = _mm256_set1_ps(unscale);
+#pragma omp for schedule(static)
+        for (int32_t js = 0; js < n16; js++)
+            for (int32_t jj = 0; jj < 16; jj++) {
+                int32_t j = js * 16 + jj;
+                float *dst = qb + (size_t)js * d * 16 + jj;
+                for (int32_t p = 0; p < d; p++) dst[(size_t)p * 16] = j < r ? zf[(size_t)j * d + p] : 0.0f;
+            }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nrb; b++) {
+            int64_t t0 = b * SKV_CPU_URB;
+            int32_t rows = (int32_t)(n - t0 < SKV_CPU_URB ? n - t0 : SKV_CPU_URB);
+            for (int32_t i = 0; i < rows; i++) {
+                const skv_bf16 *src = a + (size_t)(t0 + i) * d;
+                float *dst = ab + (size_t)i * d;
+                int32_t p = 0;
+                for (; p + 8 <= d; p += 8) _mm256_storeu_ps(dst + p, _mm256_mul_ps(skv_cpu_ld8(src + p), sc));
+                for (; p < d; p++) dst[p] = skv_bf16_to_f32(src[p]) * scale;
+            }
+            for (int32_t js = 0; js < n16; js++) {
+                int32_t j0 = js * 16, nj = skv_cpu_min(16, r - j0);
+                for (int32_t i0 = 0; i0 < rows; i0 += 6) {
+                    int32_t ni = skv_cpu_min(6, rows - i0);
+                    const float *ar[6];
+                    float t[96];
+                    for (int i = 0; i < 6; i++) ar[i] = ab + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
+                    skv_cpu_skern_rows(d, ar, qb + (size_t)js * d * 16, t);
+                    for (int32_t i = 0; i < ni; i++) {
+                        float *ur = u + (size_t)(t0 + i0 + i) * r + j0;
+                        if (nj == 16) {
+                            _mm256_storeu_ps(ur, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16), us));
+                            _mm256_storeu_ps(ur + 8, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16 + 8), us));
+                        } else {
+                            for (int32_t j = 0; j < nj; j++) ur[j] = t[i * 16 + j] * unscale;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(qb);
+    free(abuf);
+    return SKV_OK;
+}
+
+/*
+ * The FAST route of lib/skv_factor.h (n >= d, 2r <= d, r <= SKV_FACTOR_FAST_MAX_R),
+ * with X^T kept as z:
+ *  1. G: fp32 block Grams of (2^k A) summed in double (skv_cpu_fgram); the
+ *     power of two only keeps fp32 in range (skv_cpu_amax_exp).
+ *  2. z = X_0^T = skv_factor_start.
+ *  3. SKV_FACTOR_ITERS times X <- orth(orth(G X)): G X in fp32 (G rounded to
+ *     float once, X per product, fp32 sums over d), each orth a shifted
+ *     Cholesky QR in double (pivots floored at SKV_FACTOR_PIVOT_FLOOR tr C).
+ *     NOTE, two departures from the header, both measured on the bench's
+ *     realistic keys (lambda_r / lambda_1 ~ 5e-7, a flat noise floor around r):
+ *     - the header's Rayleigh-quotient step X <- G X (X^T G X + s_H I)^-1 with
+ *       s_H = 2^-18 tr H on the fp32 Gram damps every direction below s_H in
+ *       each step (err / opt - 1 = 2.4e-2), and a single Cholesky QR per step
+ *       compounds the same damping (7.9e-2). Two passes keep X orthonormal to
+ *       rounding; span(X) is that of subspace iteration either way; 2.5e-3.
+ *     - G + SKV_FACTOR_GRAM_SHIFT32 tr(G) I is only needed for a Cholesky of
+ *       X^T G X, and it slows the iteration over the noise floor (4.3e-3).
+ *       Cholesky QR factors Y^T Y, definite whatever G, so the iteration runs
+ *       on G and the shift enters the check only, where X is orthonormal and
+ *       X^T (G + delta I) X = X^T G X + delta I: the same rho.
+ *  4. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), Y = G X (kept for the
+ *     next step), and in AUTO mode H = X^T G X + delta I + s_H I = R^T R with
+ *     the double-Gram Rayleigh shift (as cuda computed it), rho = 1 / (|R|_F^2
+ *     |R^-1|_F^2) (0 if not finite: pivots floored because the fp32 G left H
+ *     indefinite); rho < SKV_FACTOR_TAU or FALLBACK mode: G <- the double Gram
+ *     (skv_cpu_gram), G X in double from then on.
+ *  5. Q = orth(orth(X)); W = Q^T; U = A Q in fp32 (skv_cpu_fx_project).
+ * Every phase is blocked with fixed tiles and merge orders: the result does
+ * not depend on the thread count. No BLAS: nothing here starts OpenBLAS threads.
+ */
+static skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
+                                         skv_factor_mode mode)
+{
+    skv_status st = SKV_OK;
+    skv_cpu_fx f = {d, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, omp_get_max_threads()};
+    const size_t rd = (size_t)r * d;
+    f.g = skv_cpu_alloc((size_t)d * d * sizeof *f.g);
+    f.gf = skv_cpu_alloc((size_t)((d + 15) / 16) * 16 * d * sizeof *f.gf);
+    f.z = skv_cpu_alloc(rd * sizeof *f.z);
+    f.zf = skv_cpu_alloc(rd * sizeof *f.zf);
+    f.y = skv_cpu_alloc(rd * sizeof *f.y);
+    f.yp = skv_cpu_alloc((size_t)((r + 7) / 8) * 8 * d * sizeof *f.yp);
+    f.c = skv_cpu_alloc((size_t)r * r * sizeof *f.c);
+    f.ci = skv_cpu_alloc((size_t)r * r * sizeof *f.ci);
+    f.ct = skv_cpu_alloc((size_t)r * r * sizeof *f.ct);
+    f.sb = skv_cpu_alloc((size_t)f.nt * r * SKV_CPU_SOLVE_W * sizeof *f.sb);
+    if (!f.g || !f.gf || !f.z || !f.zf || !f.y || !f.yp || !f.c || !f.ci || !f.ct || !f.sb) st = SKV_ERR_OUT_OF_MEMORY;
+    int e = 0, dbl = 0, reuse = 0;
+    if (!st) {
+        e = skv_cpu_amax_exp(a, n * d);
+        st = skv_cpu_fgram(n, d, a, ldexpf(1.0f, 128 - e), f.g);
+    }
+    double delta = 0.0; /* SKV_FACTOR_GRAM_SHIFT32 tr(G), applied at the check (see above) */
+    if (!st) {
+        for (int32_t i = 0; i < d; i++) delta += f.g[(size_t)i * d + i];
+        delta *= SKV_FACTOR_GRAM_SHIFT32;
+        skv_cpu_fx_pack_g(&f, 0);
+#pragma omp parallel for schedule(static)
+        for (int32_t j = 0; j < r; j++) /* z = X_0^T */
+            for (int32_t i = 0; i < d; i++) {
+                double x = skv_factor_start(i, j, r);
+                f.z[(size_t)j * d + i] = x;
+                f.zf[(size_t)j * d + i] = (float)x;
+            }
+    }
+    for (int it = 1; !st && it <= SKV_FACTOR_ITERS; it++) {
+        skv_cpu_fx_step(&f, dbl, reuse);
+        reuse = 0;
+        if (it != SKV_FACTOR_CHECK_AT) continue;
+        /* the check (step 4): X <- orth(X), y = (G X)^T (the next step's), and in AUTO mode
+           H = X^T (G + delta I) X + s_H I = R^T R (X orthonormal: X^T G X + delta I), s_H the
+           double-Gram Rayleigh shift, pivots floored; rho = 1 / (|R|_F^2 |R^-1|_F^2) */
+        skv_cpu_fx_orth(&f, f.z);
+        if (mode != SKV_FACTOR_FALLBACK) skv_cpu_fx_apply(&f, dbl);
+        double rho = 0.0;
+        if (mode == SKV_FACTOR_AUTO) {
+            skv_cpu_fx_chol(&f, f.z, f.y, delta, SKV_CPU_SHIFT_RQ64);
+            skv_cpu_trinv(f.c, r, f.ci);
+            double fr = 0.0, fi = 0.0;
+            for (int32_t i = 0; i < r; i++)
+                for (int32_t j = i; j < r; j++) {
+                    fr += f.c[(size_t)i * r + j] * f.c[(size_t)i * r + j];
+                    fi += f.ci[(size_t)i * r + j] * f.ci[(size_t)i * r + j];
+                }
+            double q = fr * fi; /* not finite when G's rounding left H indefinite: the fallback */
+            rho = q > 0.0 && q < INFINITY ? 1.0 / q : 0.0;
+        }
+        if (mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU))) {
+            f.gd = skv_cpu_alloc((size_t)((d + 7) / 8) * 8 * d * sizeof *f.gd);
+            if (!f.gd) {
+                st = SKV_ERR_OUT_OF_MEMORY;
+                break;
+            }
+            memset(f.g, 0, (size_t)d * d * sizeof *f.g);
+            if ((st = skv_cpu_gram(n, d, a, f.g))) break;
+            skv_cpu_mirror(f.g, d);
+            skv_cpu_fx_pack_g(&f, 1);
+            dbl = 1;
+        } else {
+            reuse = 1; /* y = (G X)^T for the next step */
+        }
+    }
+    if (!st) {
+        skv_cpu_fx_orth(&f, f.z);
+        skv_cpu_fx_orth(&f, f.z);
+    }
+    if (!st) st = skv_cpu_fx_project(n, d, r, a, f.zf, ldexpf(1.0f, 128 - e), ldexpf(1.0f, e - 128), u);
+    if (!st) memcpy(w, f.zf, rd * sizeof *w);
+    free(f.g);
+    free(f.gf);
+    free(f.gd);
+    free(f.z);
+    free(f.zf);
+    free(f.y);
+    free(f.yp);
+    free(f.c);
+    free(f.ci);
+    free(f.ct);
+    free(f.sb);
+    return st;
+}
 #endif
 
 /*
@@ -407,8 +1111,8 @@ static void skv_cpu_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, 
  * O(n d) doubles. n < d: the smaller Gram A A^T gives U = top eigenvectors,
  * W = U^T A (BLAS; prompts are longer than Hk*D in practice).
  */
-static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
-                                    float *w)
+static skv_status skv_cpu_factorize_exact(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                                          float *w)
 {
     skv_status st = SKV_OK;
     if (n < d) {
@@ -477,6 +1181,18 @@ static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_b
     free(g);
     free(v);
     return st;
+}
+
+/* The route of lib/skv_factor.h (SKV_FACTORIZE read once per call). */
+static skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
+{
+    skv_factor_mode mode = skv_factor_mode_env();
+#if SKV_CPU_SIMD
+    if (skv_factor_route_for(n, d, r, mode) == SKV_ROUTE_FAST) return skv_cpu_factorize_fast(n, d, r, a, u, w, mode);
+#else
+    (void)mode; /* portable build: the EXACT route (BLAS) for every shape */
+#endif
+    return skv_cpu_factorize_exact(n, d, r, a, u, w);
 }
 
 /* ---- RoPE --------------------------------------------------------------------------- */

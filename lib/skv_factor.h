@@ -13,40 +13,37 @@
  *          symmetric eigensolver (cpu: dsyevr; cuda: Xsyevd), as before.
  *   FAST   n >= d, 2r <= d, r <= 160 (every real prompt: d = 1024, r = 160):
  *     1. G = A^T A, d x d in double, summed over fp32 block Grams (bf16
- *        products are exact in fp32; blocks bound the fp32 accumulation),
- *        plus SKV_FACTOR_GRAM_SHIFT32 tr(G) I for definiteness.
+ *        products are exact in fp32; short blocks bound the fp32 sums).
  *     2. X_0 [d, r] = skv_factor_start(i, j): a fixed pseudo-random start, so
  *        the result is deterministic.
- *     3. Subspace iteration, SKV_FACTOR_ITERS times, normalized by the Rayleigh
- *        quotient instead of re-orthonormalized: Y = G X, H = X^T Y,
- *        X <- Y (H + s_H I)^-1 with s_H = skv_factor_rq_shift(tr H, G exact?): the
- *        shift covers G's own indefiniteness (fp32 rounding), through the
- *        Cholesky factor of H + s_H I (two triangular solves). span(X) is that
- *        of plain subspace iteration, but X stays well conditioned (~1 + the
- *        unconverged part) whatever the dynamic range of the spectrum, and the
- *        Cholesky of H is sensitive to cond(H) = lambda_1 / lambda_r, not to its
- *        square, so a dominant direction 1e4 sigma above the rest (cond 1e8..1e10)
- *        is fine in double, where Cholesky QR of G X (cond^2) is not.
+ *     3. Subspace iteration, SKV_FACTOR_ITERS times: X <- orth(orth(G X)).
  *        orth(Y) is shifted Cholesky QR: C = Y^T Y, s = skv_factor_shift(d, r,
- *        tr C), R = chol(C + s I), orth(Y) = Y R^-1. The shift keeps the
- *        Cholesky defined for rank-deficient or badly scaled Y; the basis it
- *        returns is orthonormal up to s / sigma^2 in each direction, and X X^T
- *        is a smooth function of Y Y^T, so nothing mixes across directions.
+ *        tr C), R = chol(C + s I) with pivots floored at SKV_FACTOR_PIVOT_FLOOR
+ *        tr C (the factor always exists), orth(Y) = Y R^-1. Two passes keep X
+ *        orthonormal to rounding whatever the dynamic range of G X; span(X) is
+ *        that of plain subspace iteration. (A Rayleigh-normalized step,
+ *        X <- G X (X^T G X + s_H I)^-1, was tried: on the fp32 Gram it needs a
+ *        shift s_H that damps every direction below it, 2.4e-2 excess on the
+ *        benchmark keys; one Cholesky QR pass per step damps the same way.)
  *     4. Check, after iteration SKV_FACTOR_CHECK_AT: X <- orth(X) (now
- *        orthonormal), H = X^T G X + s_H I = R^T R (Cholesky), and the
- *        conditioning estimate rho = 1 / (||R||_F^2 ||R^-1||_F^2) =
- *        1 / (tr H tr H^-1), a lower bound on theta_min / theta_max of the
- *        Ritz values (within a factor ~p^2, typically 10..100). The fp32 block
- *        Grams' rounding is ~1e-7 lambda_1, so when rho < SKV_FACTOR_TAU the
- *        small directions may be lost: G is recomputed with every product
- *        summed in double (the FALLBACK Gram) and the remaining iterations run
- *        on it. Every spectrum with lambda_r / lambda_1 < SKV_FACTOR_TAU
- *        (sigma_r / sigma_1 < ~3e-4: a dominant direction, exact low rank)
- *        falls back; the test spectra (1/i: 3.9e-5) do not.
+ *        orthonormal), H = X^T (G + delta I) X + s_H I = R^T R with delta =
+ *        SKV_FACTOR_GRAM_SHIFT32 tr G (the fp32 Gram's definiteness margin)
+ *        and s_H = skv_factor_rq_shift(tr H, 1), and rho = 1 / (||R||_F^2
+ *        ||R^-1||_F^2) = 1 / (tr H tr H^-1), a lower bound on theta_min /
+ *        theta_max of the Ritz values (within a factor ~r^2). When rho <
+ *        SKV_FACTOR_TAU (or is not finite), small directions sit at the fp32
+ *        Gram's rounding (~1e-7 lambda_1) and may be lost: G is recomputed
+ *        with every product summed in double (the FALLBACK Gram) and the
+ *        remaining iterations run on it. A dominant direction over a steep
+ *        tail (the "spike" test matrix, sigma_r / sigma_1 = 1.6e-5, rho
+ *        3.9e-10) and exact low rank fall back; the three test spectra (1/i:
+ *        rho 4e-7) and the benchmark's synthetic keys (1.7e-9..1.9e-9, a flat
+ *        noise floor at the rank boundary) do not.
  *     5. Q = orth(orth(X)); W = Q^T; U = A Q.
- *   Convergence: on the three test spectra (1/i, exponential to the bf16
- *   floor, clustered at r) with d = 1024, r = 160, 10 iterations from a random
- *   start leave err / opt - 1 at 1.6e-3, 1e-4 and 1.3e-3 in double (bound 5e-3).
+ *   Convergence: on the three test spectra with d = 1024, r = 160, 10 steps
+ *   from the random start leave err / opt - 1 at 1.6e-3, 1e-4 and 1.3e-3 in
+ *   double (bound 5e-3); on the benchmark keys 2.5e-3..2.7e-3 (20 steps:
+ *   7.7e-4).
  *
  * SKV_FACTORIZE (environment, read per call; for tests and debugging):
  *   auto (default) | fast (never fall back) | fallback (always the double
@@ -70,14 +67,13 @@
 #define SKV_FACTOR_TAU 1e-9 /* rho below this: the double Gram */
 /* FAST needs r <= this (bounds the r x r work per iteration; larger ranks take EXACT) */
 #define SKV_FACTOR_FAST_MAX_R 160
-/* The fp32 block Gram gets delta I, delta = this * tr G: its rounding (~1e-7 lambda_1) can leave
-   it slightly indefinite; a shift of G (unlike one of H) changes no eigenvector and leaves the
-   Rayleigh normalization exact, it only slows the separation of directions below delta. */
+/* delta / tr(G) of the check: the fp32 block Gram's rounding (~1e-7 lambda_1) can leave it
+   slightly indefinite; adding delta I changes no eigenvector. */
 #define SKV_FACTOR_GRAM_SHIFT32 0x1p-24
 /* Cholesky pivots below this * tr C are raised to it: the factor always exists. */
 #define SKV_FACTOR_PIVOT_FLOOR 0x1p-44
-/* s_H / tr(H): above the indefiniteness of G (fp32 block Grams: ~1e-6 lambda_1; the double
-   Gram: ~1e-13), far below the lambda_r the route must resolve on that G */
+/* s_H / tr(H) of the check: above the rounding of H (RQ_SHIFT64; RQ_SHIFT32 would be the
+   margin for an H taken from the fp32 Gram without delta, unused by the routes) */
 #define SKV_FACTOR_RQ_SHIFT32 0x1p-18
 #define SKV_FACTOR_RQ_SHIFT64 0x1p-40
 
@@ -103,8 +99,7 @@ SKV_FHD double skv_factor_shift(int32_t d, int32_t p, double trace)
     return s > 0x1p-1000 ? s : 0x1p-1000; /* Y = 0 (a zero matrix): R = 2^-500 I, orth(0) = 0 */
 }
 
-/* s_H of step 3 for tr(H) = trace on the fp32 block Gram (double_gram = 0) or the double
-   Gram (1), at least 2^-1000. */
+/* s_H for tr(H) = trace (double_gram = 1: RQ_SHIFT64, else RQ_SHIFT32), at least 2^-1000. */
 SKV_FHD double skv_factor_rq_shift(double trace, int double_gram)
 {
     double s = (double_gram ? SKV_FACTOR_RQ_SHIFT64 : SKV_FACTOR_RQ_SHIFT32) * trace;

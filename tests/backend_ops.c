@@ -81,8 +81,9 @@ typedef struct tcase {
 #define DECODE_SPANS ((const int64_t[]){384, 36, 2048, 64, 1})
 
 static const tcase cases[] = {
-    /* factorize: backends differ in algorithm (Gram vs SVD, float vs double), so
-       the product is compared; 1e-5 is ~ (3e-3)^2, far below the rank-r error */
+    /* factorize: backends differ in algorithm (exact Gram eigenvectors vs subspace
+       iteration, float vs double), so the residual of the product against A is compared
+       with ref's (see compare); 1e-5 |A|^2 of slack for float rounding */
     {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 512, .d = 256, .r = 32},
     {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 1024, .d = 512, .r = 160},
     {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 2048, .d = 1024, .r = 160},
@@ -747,11 +748,24 @@ static int compare(const tcase *tc, double tol, problem *p, run *r, char *msg, s
             free(a);
             free(b);
         } else if (t->cmp == CMP_FACTOR_U) {
+            /* backends factor by different routes (ref: the exact top-r subspace; cpu: subspace
+               iteration), so the product is held to ref's through the residual against A:
+               ||A - UW||^2 <= 1.0101 ||A - UW_ref||^2 + tol ||A||^2 (DESIGN 6: err <= 1.005 opt,
+               plus float rounding); NMSE(UW) against ref is printed for information */
+            const size_t ne = (size_t)tc->n * tc->d;
             double *a = product(t->host, p->out[i + 1].host, tc->n, tc->d, tc->r);
             double *b = product(got, gbuf_body(&r->out[i + 1]), tc->n, tc->d, tc->r);
-            double m = nmse(a, b, (size_t)tc->n * tc->d);
-            ok &= m <= tol;
-            len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "NMSE(UW)=%.3g<=%.1g ", m, tol);
+            double m = nmse(a, b, ne), ea = 0, eb = 0, na = 0;
+            for (size_t e = 0; e < ne; e++) {
+                double x = elem(p->in[0].host, p->in[0].type, e);
+                ea += (x - a[e]) * (x - a[e]);
+                eb += (x - b[e]) * (x - b[e]);
+                na += x * x;
+            }
+            ok &= eb <= 1.0101 * ea + tol * na;
+            len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0,
+                                    "err^2 %.4g vs ref %.4g (<= 1.0101 ref + %.1g |A|^2) NMSE(UW)=%.3g ", na > 0 ? eb / na : 0,
+                                    na > 0 ? ea / na : 0, tol, m);
             free(a);
             free(b);
         }
