@@ -177,9 +177,10 @@ void skv_cuda_factor_destroy(skv_cuda_factor *f);
 
 /*
  * a [n, d] bf16 (device) -> u [n, r], w [r, d] float (device), U W ~ the best rank-r
- * approximation (DESIGN.md section 6; Gram matrix + eigensolver), on the factor's
- * stream. 1 <= r <= min(n, d), n <= n_max. sync = 0: fully asynchronous (no host
- * synchronization, no allocation); a failed solver call is counted on the device under
+ * approximation (DESIGN.md section 6; the routes of lib/skv_factor.h), on the factor's
+ * stream. 1 <= r <= min(n, d), n <= n_max. sync = 0: asynchronous on the FAST route (no
+ * host synchronization, no allocation; the EXACT route's Xsyevd synchronizes with the
+ * host); a failed solver call is counted on the device under
  * tag (see skv_cuda_factor_counts). sync = 1: synchronizes the stream and returns
  * SKV_ERR_NUMERICAL with a message if a solver call failed. a must stay unchanged until
  * the stream has run the call.
@@ -187,8 +188,8 @@ void skv_cuda_factor_destroy(skv_cuda_factor *f);
 skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
                               unsigned long long tag, int sync, char *msg, size_t cap);
 
-/* Synchronizes the factor's stream and reads its counters since create: calls whose
-   eigensolver failed, and the tag of the first such call (~0 if none). */
+/* Synchronizes the factor's stream and reads its counters since create: calls with a
+   failed solver step, and the tag of the first such call (~0 if none). */
 skv_status skv_cuda_factor_counts(skv_cuda_factor *f, unsigned long long *failures,
                                   unsigned long long *first_failure_tag, char *msg, size_t cap);
 

@@ -914,8 +914,8 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     if (fst_) return fst_;
     if (failures > k->fac_failures_seen) {
         k->fac_failures_seen = failures;
-        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (the eigensolver did "
-                           "not converge); its keys are not usable",
+        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (a solver step "
+                           "reported an error); its keys are not usable",
                  (unsigned)(tag >> 32), (unsigned)(tag & 0xffffffffu));
         return SKV_ERR_NUMERICAL;
     }

@@ -1,31 +1,38 @@
 /*
  * skv_cuda_factor.cu - the rank-r factorization of the cuda backend (cuBLAS +
- * cuSOLVER): the Gram matrix and a full symmetric eigensolver in double.
+ * cuSOLVER + a few kernels). Routes as in lib/skv_factor.h, the same math as
+ * the cpu backend's FAST route:
  *
- *   1. G = A^T A (n >= d) or A A^T (n < d) in double: A in blocks of
- *      SKV_CF_GRAM_ROWS rows (n < d: columns), each block's Gram one bf16
- *      tensor-core GEMM with fp32 accumulation and output (bf16 products are
- *      exact in fp32), the blocks of a batch in one strided batched GEMM, and
- *      the block Grams summed in double in a fixed order. Short blocks bound
- *      the fp32 error (64 tensor-core k-steps per block).
- *   2. cusolverDnXsyevd (double) on G: all eigenpairs, ascending. V_r = the
- *      eigenvectors of the r largest eigenvalues.
- *   3. n >= d: W = V_r^T rounded to float; U = A V_r in true fp32 (PEDANTIC)
- *      over row blocks converted to float. n < d: U = the top eigenvectors,
- *      W = U^T A.
- * Either way U W ~ A V_r V_r^T, the best rank-r approximation up to the fp32
- * Gram error (DESIGN.md section 6). Everything runs on the factor's stream with
- * no host synchronization unless the caller asks for it (the op-level call);
- * the solver's info is counted on the device under the caller's tag.
+ * FAST (n >= d, 2r <= d, r <= 160: every real prompt), all on the factor's
+ * stream with no host synchronization (cusolverDnXsyevd is avoided: its
+ * divide and conquer synchronizes with the host, which put the whole
+ * eigensolve on the caller's thread):
+ *   1. G = A^T A in double: A in blocks of SKV_CF_GRAM_ROWS rows, each block's
+ *      Gram one bf16 tensor-core GEMM with fp32 accumulation and output (bf16
+ *      products are exact in fp32), a batch of blocks per strided batched
+ *      GEMM, the block Grams summed in double in a fixed order.
+ *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(orth(G X)):
+ *      DGEMMs, the shift (skv_cf_shift), cusolverDnXpotrf and DTRSM, fp64.
+ *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T (G + delta I)
+ *      X + s_H I = R^T R, R^-1, and skv_cf_check decides on the device
+ *      whether the double Gram is needed. The fallback kernels always launch
+ *      and return at once unless the flag is set: the fallback Gram sums every
+ *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
+ *      a fixed order, so results stay deterministic) and overwrites G.
+ *   4. Q = orth(orth(X)); W = Q^T in float (row-major W [r, d] is column-major
+ *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
+ *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
+ *      accumulation: fp32 accuracy at bf16 tensor-core speed.
+ *   The shifted Cholesky QR cannot fail on finite input (C + s I with s above
+ *   the rounding of C); any solver info != 0 is counted on the device with
+ *   the caller's tag (the check's own Cholesky excepted: a failed one there
+ *   means an indefinite H, and sends the call to the double Gram).
  *
- * Not here yet (issue 4): the FAST route of lib/skv_factor.h (subspace
- * iteration on the Gram matrix). Its cuda version was tried and taken out:
- * the r x r Cholesky and triangular solves it needs per iteration took
- * 175 us (cuSOLVER potrf) or 160-260 us (single-block kernels) each on the
- * H200, so ten iterations cost more than the eigensolver; and on the
- * synthetic keys (a large mean offset plus a 1% isotropic noise floor at
- * ~1e-7 of the energy per direction) the fp32 block Gram cannot resolve the
- * rank-r boundary, which left it at err/opt - 1 ~ 5e-3.
+ * EXACT (n < d, 2r > d, r > 160, or SKV_FACTORIZE=exact): the same blocked
+ * Gram (A A^T when n < d), cusolverDnXsyevd in double (all eigenpairs),
+ * W = V_r^T, U = A V_r in true fp32 (PEDANTIC) over row blocks converted to
+ * float; n < d: U = the top eigenvectors, W = U^T A. This route synchronizes
+ * with the host inside Xsyevd.
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -64,6 +71,7 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 
+#include "skv_factor.h"
 
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
 /* Rows (n >= d) or columns (n < d) per fp32 Gram block: each block's Gram is exact products
@@ -75,13 +83,18 @@
 #define SKV_CF_PROJ_ELEMS ((int64_t)1 << 24)
 /* cuBLAS workspace (NVIDIA's recommendation for Hopper). */
 #define SKV_CF_BLAS_WS ((size_t)32 << 20)
-/* solver infos of one call: Xsyevd's */
-#define SKV_CF_NINFO 1
+/* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
+#define SKV_CF_SPLITS 8
+#define SKV_CF_TILE 64
+/* potrf calls of one FAST call: two per iteration, the check's orth and H (last), the final two. */
+#define SKV_CF_NINFO (2 * SKV_FACTOR_ITERS + 4)
 
-/* Device-side counters since create. */
+/* Device-side state of the FAST route. */
 typedef struct {
-    unsigned long long n_failures;        /* calls whose eigensolver failed */
-    unsigned long long first_failure_tag; /* ~0 until a failure */
+    double tr_h, rho;                          /* at the check: tr(H + s_H I), the estimate */
+    int fallback;                              /* this call uses the double Gram */
+    unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
+    unsigned long long first_failure_tag;      /* ~0 until a failure */
 } skv_cf_state;
 
 struct skv_cuda_factor {
@@ -91,11 +104,14 @@ struct skv_cuda_factor {
     cusolverDnParams_t params;
     int64_t n_max, m_max, proj_rows, gram_batch;
     int32_t d, r;
+    int fast_ok;    /* FAST workspace allocated (n_max >= d, 2r <= d) */
     double *gd;     /* [m_max^2] */
     double *evals;  /* [m_max] */
     float *scratch; /* [scratch_bytes] */
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
+    double *x, *y, *c;
+    skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
     void *solver_ws; /* device */
@@ -108,7 +124,8 @@ struct skv_cuda_factor {
 
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows, gram_batch;
-    size_t gd_bytes, evals_bytes, scratch_bytes, total;
+    int fast_ok;
+    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
@@ -116,10 +133,11 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
     if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
+    s->fast_ok = n_max >= d && 2 * (int64_t)r <= d;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
-    size_t mm, pr, t;
+    size_t mm, pr, t, dd = 0, dr = 0;
     if (!skv_mul_size((size_t)s->m_max, (size_t)s->m_max, &mm)) return 0;
     if (!skv_mul_size((size_t)s->proj_rows, (size_t)d, &pr)) return 0;
     if (!skv_mul_size(mm > pr ? mm : pr, sizeof(float), &s->scratch_bytes)) return 0;
@@ -135,11 +153,23 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     } else {
         s->gram_batch = 1;
     }
+    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
+    if (s->fast_ok) {
+        size_t part;
+        if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
+            return 0;
+        if (part > s->scratch_bytes) s->scratch_bytes = part;
+        if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
+        s->c_bytes = (size_t)r * r * sizeof(double);
+        if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
+    }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
     if (!skv_mul_size((size_t)s->m_max, sizeof(double), &s->evals_bytes)) return 0;
     t = s->gd_bytes;
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
+    if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
+    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -275,6 +305,183 @@ static __global__ void skv_cf_top_vectors(const double *__restrict__ z, int64_t 
     }
 }
 
+/* ---- FAST route kernels ------------------------------------------------------------------ */
+
+/* x [d, r] column-major = the fixed start X_0. */
+static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t r)
+{
+    int64_t count = (int64_t)d * r;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x)
+        x[e] = skv_factor_start(e % d, e / d, r);
+}
+
+/* Fixed-order sum over a block of 256 threads (8 warps). */
+static __device__ double skv_cf_sum256(double v, double *red)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < 8; w++) t += red[w];
+    return t;
+}
+
+/*
+ * c [p, p] += s I. check = 0: s = skv_factor_shift(d, p, tr c) (Cholesky QR of Y^T Y).
+ * check = 1 (H = X^T G X at the check): s = delta + skv_factor_rq_shift(tr c + p delta, 1)
+ * with delta = SKV_FACTOR_GRAM_SHIFT32 tr(g), g the d x d Gram. One block of 256 threads.
+ */
+static __global__ void __launch_bounds__(256) skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int check,
+                                                           const double *__restrict__ g)
+{
+    __shared__ double red[8];
+    double tc = 0.0, tg = 0.0;
+    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) tc += c[(size_t)j * p + j];
+    tc = skv_cf_sum256(tc, red);
+    double s;
+    if (check) {
+        __syncthreads();
+        for (int32_t i = threadIdx.x; i < d; i += blockDim.x) tg += g[(size_t)i * d + i];
+        tg = skv_cf_sum256(tg, red);
+        const double delta = SKV_FACTOR_GRAM_SHIFT32 * tg;
+        s = delta + skv_factor_rq_shift(tc + p * delta, 1);
+    } else {
+        s = skv_factor_shift(d, p, tc);
+    }
+    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
+}
+
+/* Fixed-order block reduction of two sums (blockDim.x == 1024). */
+static __device__ void skv_cf_reduce2(double &a, double &b)
+{
+    __shared__ double ra[1024], rb[1024];
+    ra[threadIdx.x] = a;
+    rb[threadIdx.x] = b;
+    __syncthreads();
+    for (int w = 512; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) {
+            ra[threadIdx.x] += ra[threadIdx.x + w];
+            rb[threadIdx.x] += rb[threadIdx.x + w];
+        }
+        __syncthreads();
+    }
+    a = ra[0];
+    b = rb[0];
+}
+
+/*
+ * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
+ * upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
+ */
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
+                                                            int32_t r, int mode, skv_cf_state *state)
+{
+    double a = 0.0, b = 0.0;
+    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
+        int64_t i = e % r, j = e / r;
+        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
+    }
+    skv_cf_reduce2(a, b);
+    if (threadIdx.x == 0) {
+        double rho = 1.0 / (a * b);
+        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
+        state->tr_h = a;
+        state->rho = rho;
+        state->fallback = fb;
+        state->n_calls++;
+        if (fb) state->n_fallbacks++;
+    }
+}
+
+/* z [r, r] = I. */
+static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
+{
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
+        z[e] = e % r == e / r ? 1.0 : 0.0;
+}
+
+/*
+ * Fallback Gram, partial sums: part[s] (d x d column-major, upper tiles only)
+ * = sum over rows [n s / S, n (s+1) / S) of a_i a_i^T, every product and sum in
+ * double. Grid (upper 64 x 64 tiles, S). Returns at once unless state->fallback.
+ * Thread (tx, ty) owns rows ty + 16 i and columns tx + 16 j of its tile
+ * (conflict-free shared loads).
+ */
+static __global__ void __launch_bounds__(256) skv_cf_gram64(const skv_bf16 *__restrict__ a, int64_t n, int32_t d,
+                                                             double *__restrict__ part,
+                                                             const skv_cf_state *__restrict__ state)
+{
+    if (!state->fallback) return;
+    const int nt = (d + SKV_CF_TILE - 1) / SKV_CF_TILE;
+    int t = blockIdx.x, ti = 0;
+    while (t >= nt - ti) t -= nt - ti, ti++;
+    const int tj = ti + t;
+    const int64_t r0 = n * blockIdx.y / SKV_CF_SPLITS, r1 = n * (blockIdx.y + 1) / SKV_CF_SPLITS;
+    __shared__ double sa[16][SKV_CF_TILE], sb[16][SKV_CF_TILE];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    double acc[4][4] = {};
+    for (int64_t k0 = r0; k0 < r1; k0 += 16) {
+        for (int e = threadIdx.x; e < 16 * SKV_CF_TILE; e += 256) {
+            int kr = e / SKV_CF_TILE, cc = e % SKV_CF_TILE, ca = ti * SKV_CF_TILE + cc, cb = tj * SKV_CF_TILE + cc;
+            int64_t row = k0 + kr;
+            const skv_bf16 *ar = a + (size_t)row * d;
+            sa[kr][cc] = row < r1 && ca < d ? (double)skv_bf16_to_f32(ar[ca]) : 0.0;
+            sb[kr][cc] = row < r1 && cb < d ? (double)skv_bf16_to_f32(ar[cb]) : 0.0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            double av[4], bv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) av[i] = sa[k][ty + 16 * i], bv[i] = sb[k][tx + 16 * i];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    double *p = part + (size_t)blockIdx.y * d * d;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            int row = ti * SKV_CF_TILE + ty + 16 * i, col = tj * SKV_CF_TILE + tx + 16 * j;
+            if (row < d && col < d) p[(size_t)col * d + row] = acc[i][j];
+        }
+}
+
+/* g (d x d, both triangles) = sum of the S partials in order. Returns at once unless state->fallback. */
+static __global__ void skv_cf_gram64_sum(double *__restrict__ g, const double *__restrict__ part, int32_t d,
+                                         const skv_cf_state *__restrict__ state)
+{
+    if (!state->fallback) return;
+    int64_t count = (int64_t)d * d;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
+        int64_t i = e % d, j = e / d;
+        if (i > j) continue;
+        double v = 0.0;
+        for (int s = 0; s < SKV_CF_SPLITS; s++) v += part[(size_t)s * count + e];
+        g[e] = v;
+        g[i * d + j] = v;
+    }
+}
+
+/* w = (float)q; qs = the three-term bf16 split of q (hi, mid, lo planes of d*r). */
+static __global__ void skv_cf_finish(const double *__restrict__ q, float *__restrict__ w, skv_bf16 *__restrict__ qs,
+                                     int64_t count)
+{
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
+        double v = q[e];
+        skv_bf16 hi = skv_f32_to_bf16((float)v);
+        double r1 = v - (double)skv_bf16_to_f32(hi);
+        skv_bf16 mid = skv_f32_to_bf16((float)r1);
+        double r2 = r1 - (double)skv_bf16_to_f32(mid);
+        w[e] = (float)v;
+        qs[e] = hi;
+        qs[count + e] = mid;
+        qs[2 * count + e] = skv_f32_to_bf16((float)r2);
+    }
+}
+
 /* Counts a failed solver call of this factorization (info != 0) under tag. One thread. */
 static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, unsigned long long tag,
                                     skv_cf_state *state)
@@ -295,6 +502,10 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->solver_ws);
     cudaFree(f->blas_ws);
     cudaFree(f->state);
+    cudaFree(f->qs);
+    cudaFree(f->c);
+    cudaFree(f->y);
+    cudaFree(f->x);
     cudaFree(f->info);
     cudaFree(f->scratch);
     cudaFree(f->evals);
@@ -354,10 +565,11 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->gram_batch = sz.gram_batch;
     f->d = d;
     f->r = r;
+    f->fast_ok = sz.fast_ok;
     f->scratch_bytes = sz.scratch_bytes;
 
     skv_status s = SKV_OK;
-    size_t dev_bytes = 0, host_bytes = 0;
+    size_t dev_bytes = 0, host_bytes = 0, dev2 = 0, host2 = 0;
 
     /* handles */
     if ((s = skv_cf_blas(cublasCreate(&f->blas), "cublasCreate", msg, cap)) != SKV_OK) {
@@ -385,6 +597,12 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         goto fail;
     if ((s = skv_cf_alloc((void **)&f->state, sizeof(skv_cf_state), "factorization state", msg, cap)) != SKV_OK)
         goto fail;
+    if (f->fast_ok) {
+        if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
+    }
     {
         skv_cf_state init;
         memset(&init, 0, sizeof init);
@@ -398,12 +616,20 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         SKV_OK)
         goto fail_handle;
 
-    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) */
+    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) and the FAST route's r x r Cholesky */
     if ((s = skv_cf_solver(cusolverDnXsyevd_bufferSize(f->solver, f->params, CUSOLVER_EIG_MODE_VECTOR,
                                                        CUBLAS_FILL_MODE_UPPER, f->m_max, CUDA_R_64F, f->gd, f->m_max,
                                                        CUDA_R_64F, f->evals, CUDA_R_64F, &dev_bytes, &host_bytes),
                            "cusolverDnXsyevd_bufferSize", msg, cap)) != SKV_OK)
         goto fail_handle;
+    if (f->fast_ok) {
+        if ((s = skv_cf_solver(cusolverDnXpotrf_bufferSize(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F,
+                                                           f->c, r, CUDA_R_64F, &dev2, &host2),
+                               "cusolverDnXpotrf_bufferSize", msg, cap)) != SKV_OK)
+            goto fail_handle;
+        if (dev2 > dev_bytes) dev_bytes = dev2;
+        if (host2 > host_bytes) host_bytes = host2;
+    }
     f->solver_ws_bytes = dev_bytes;
     f->solver_host_bytes = host_bytes;
     if ((s = skv_cf_alloc(&f->solver_ws, dev_bytes, "cuSOLVER workspace", msg, cap)) != SKV_OK) goto fail;
@@ -484,7 +710,7 @@ static skv_status skv_cf_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     return SKV_OK;
 }
 
-/* The route (see the top of the file); the solver's info goes to f->info[0]. */
+/* The EXACT route (see the top of the file); the solver's info goes to f->info[0]. */
 static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
                                size_t cap)
 {
@@ -543,6 +769,110 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
+/* orth(v) in place (lib/skv_factor.h): C = v^T v, shift, R = chol(C + sI) (info -> *info), v = v R^-1. */
+static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *msg, size_t cap)
+{
+    const int64_t d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    /* DGEMM, not DSYRK: cuBLAS's DSYRK of this shape takes ~50 us, the GEMM ~6 */
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)r, (int)r, (int)d, &one, v, (int)d, v, (int)d,
+                                  &zero, f->c, (int)r),
+                      "cublasDgemm (Y^T Y)");
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0, f->gd);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
+    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
+                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
+                                         f->solver_host_bytes, info),
+                        "cusolverDnXpotrf");
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                  CUBLAS_DIAG_NON_UNIT, (int)d, (int)r, &one, f->c, (int)r, v, (int)d),
+                      "cublasDtrsm (Y R^-1)");
+    return SKV_OK;
+}
+
+/* y = G x (d x r, double). */
+static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, char *msg, size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, d, r, d, &one, f->gd, d, x, d, &zero, y, d),
+                      "cublasDgemm (G X)");
+    return SKV_OK;
+}
+
+/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
+static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
+                                   size_t cap)
+{
+    const int d = f->d, r = f->r;
+    const double one = 1.0, zero = 0.0;
+    skv_status s;
+    if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+    SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
+                      "cublasDgemm (X^T G X, check)");
+    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1, f->gd);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "check shift kernel");
+    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
+                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
+                                         f->solver_host_bytes, info),
+                        "cusolverDnXpotrf (check)");
+    skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT,
+                                  r, r, &one, f->c, r, y, r),
+                      "cublasDtrsm (R^-1, check)");
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
+    return SKV_OK;
+}
+
+/* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
+static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
+                              skv_factor_mode mode, char *msg, size_t cap)
+{
+    const int64_t d = f->d, r = f->r;
+    const float one = 1.0f, zero = 0.0f;
+    skv_status s;
+    int ninfo = 0;
+    if ((s = skv_cf_gram(f, n, a, msg, cap)) != SKV_OK) return s;
+    skv_cf_init_x<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(f->x, (int32_t)d, (int32_t)r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "start kernel");
+    double *x = f->x, *y = f->y;
+    for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
+        if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        double *t = x;
+        x = y, y = t;
+        if (it == SKV_FACTOR_CHECK_AT) {
+            if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+            /* its own info slot, the last, not counted as a failure: an indefinite H falls back */
+            if ((s = skv_cf_check_rho(f, x, y, (int)mode, f->info + SKV_CF_NINFO - 1, msg, cap)) != SKV_OK) return s;
+            /* the fallback Gram: both kernels return at once unless the check set the flag */
+            int nt = (int)((d + SKV_CF_TILE - 1) / SKV_CF_TILE);
+            dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
+            skv_cf_gram64<<<grid, 256, 0, f->st>>>(a, n, (int32_t)d, (double *)f->scratch, f->state);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram kernel");
+            skv_cf_gram64_sum<<<skv_cf_blocks(d * d), SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
+                                                                                   (int32_t)d, f->state);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
+        }
+    }
+    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
+    /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
+    for (int k = 2; k >= 0; k--) {
+        const float beta = k == 2 ? zero : one;
+        SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, n, d, &one, f->qs + (size_t)k * d * r,
+                                          CUDA_R_16BF, d, a, CUDA_R_16BF, d, &beta, u, CUDA_R_32F, r,
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                          "cublasGemmEx (bf16-split projection U = A Q)");
+    }
+    return SKV_OK;
+}
+
 extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
                                          unsigned long long tag, int sync, char *msg, size_t cap)
 {
@@ -554,10 +884,13 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                      (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
         return SKV_ERR_INVALID_ARGUMENT;
     }
-    const int n_info = 1;
+    skv_factor_mode mode = skv_factor_mode_env();
+    int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
+    int n_info = fast ? SKV_CF_NINFO - 1 : 1; /* the check's own Cholesky is not a failure */
     skv_status s;
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->info, 0, SKV_CF_NINFO * sizeof(int), f->st), "cudaMemsetAsync (infos)");
-    if ((s = skv_cf_exact(f, n, a, u, w, msg, cap)) != SKV_OK) return s;
+    s = fast ? skv_cf_fast(f, n, a, u, w, mode, msg, cap) : skv_cf_exact(f, n, a, u, w, msg, cap);
+    if (s != SKV_OK) return s;
     skv_cf_infos<<<1, 1, 0, f->st>>>(f->info, n_info, tag, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "solver info kernel");
     if (!sync) return SKV_OK;
@@ -569,9 +902,9 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     for (int k = 0; k < n_info; k++)
         if (info[k] != 0) {
             if (msg && cap)
-                snprintf(msg, cap, "cuda factorize: cusolverDnXsyevd (m = %lld) returned info = %d (%s)",
-                         (long long)(n < d ? n : d), info[k],
-                         info[k] > 0 ? "the solver did not converge" : "invalid argument");
+                snprintf(msg, cap, "cuda factorize: %s (m = %lld) returned info = %d (%s)",
+                         fast ? "cusolverDnXpotrf" : "cusolverDnXsyevd", (long long)(fast ? r : (n < d ? n : d)),
+                         info[k], info[k] > 0 ? "the solver did not converge" : "invalid argument");
             return SKV_ERR_NUMERICAL;
         }
     return SKV_OK;
