@@ -752,17 +752,6 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
     CK(cudaEventRecord(k->stage_ev, st));
 
-    /* the factorization, beside: U and W of the slot, in bf16 */
-    CK(cudaStreamWaitEvent(fs, k->stage_ev, 0));
-    CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
-    skv_status s = skv_cuda_factorize(k->fac, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
-                                      0, msg, cap);
-    if (s) return s;
-    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
-    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
-    CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
-    CK(cudaEventRecord(k->fac_ev, fs));
-
     if (!k_post) {
         CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab,
                          k->kstage, k->kp_tmp));
@@ -806,6 +795,18 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     hs->has_sel = 0;
     CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
+    /* the factorization, beside: U and W of the slot, in bf16. Enqueued last, so the cache's
+       stream does not idle while the host issues its ~100 calls */
+    CK(cudaStreamWaitEvent(fs, k->stage_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
+    skv_status s = skv_cuda_factorize(k->fac, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
+                                      0, msg, cap);
+    if (s) return s;
+    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
+    CK(cudaEventRecord(k->fac_ev, fs));
+
     /* the caller's buffers are free once this stream is done with them (the side work reads the staged copies) */
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
