@@ -23,8 +23,8 @@
  *                      dsyevr, seconds per call), cpu only at n <= --cpu-max-n
  *                      (default 65536). cuda: A, U and W in device buffers
  *                      (skv_buffer_alloc), wall clock around each call (the
- *                      op-level call is synchronous and also creates and
- *                      destroys its workspace each call).
+ *                      op-level call is synchronous; it reuses one workspace
+ *                      per process, so calls after the warm-up run warm).
  *   baselines (--baselines; --no-baseline: none):
  *   sgesdd             LAPACKE_sgesdd on the matrix in float (the CPU route
  *                      class of the original implementation), n <= --cpu-max-n.
@@ -441,8 +441,8 @@ int bench_factorize_main(int argc, char **argv)
                "n >= %d); err = ||A-UW||_F/||A||_F in double; opt: best rank-r error from the double Gram's "
                "eigenvalues; excess = err/opt - 1; a row with error did not run (ms, err, excess null). ref only at n "
                "<= ref_max_n, cpu and sgesdd only at n <= cpu_max_n, cusolver_gesvd only at n <= gesvd_max_n (0: "
-               "every n). cuda: skv_op_factorize on device buffers, wall clock of the synchronous op-level call, which "
-               "also creates and destroys its workspace each call. cuda_gram_syevd: the same with "
+               "every n). cuda: skv_op_factorize on device buffers, wall clock of the synchronous op-level call (warm: "
+               "the workspace is reused after the warm-up). cuda_gram_syevd: the same with "
                "SKV_FACTORIZE=exact (the library's Gram + Xsyevd route). sgesdd: LAPACKE_sgesdd in float; "
                "cusolver_gesvd: cusolverDnXgesvd in float on the column-major [n, d] matrix, jobu = jobvt = 'S', only "
                "the gesvd call timed; both truncated to rank r (U_r S_r, V_r^T)\",\n"
