@@ -364,7 +364,15 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
 /**
  * Rank-r factorization of a [n, d] (bf16): U [n, r] and W [r, d] (float) with
  * U W close to the best rank-r approximation (DESIGN.md section 6). Compare
- * backends on the product U W only. Requires 1 <= r <= min(n, d).
+ * backends on the product U W only. Requires 1 <= r <= min(n, d) and
+ * n <= 2^31 (anything larger is refused with SKV_ERR_INVALID_ARGUMENT);
+ * a NaN or Inf in a is refused before any work. Routes (README, "The key
+ * factorization"): ref the double Gram + dsyevr; cpu and cuda a subspace
+ * iteration on the Gram matrix with an automatic double-Gram fallback, or
+ * the Gram + eigensolver route for shapes it does not take; the environment
+ * variable SKV_FACTORIZE=auto|fast|fallback|exact forces one (cpu, cuda).
+ * cuda keeps one workspace per process for these calls (rebuilt for a larger
+ * n or another shape), so repeated calls run warm.
  * Errors: SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE, SKV_ERR_NUMERICAL,
  * SKV_ERR_OUT_OF_MEMORY.
  */
