@@ -553,5 +553,6 @@ int bench_factorize_main(int argc, char **argv)
     }
     if (json) printf("]}\n");
     free(env_saved);
+    skv_op_release();
     return 0;
 }

@@ -238,20 +238,21 @@ static skv_cuda_seq *skv_cuda_op_seq(skv_cuda_op *op, const skv_cuda_seq *h)
 /*
  * Op-level factorization. One workspace (handles + buffers, skv_cuda_factor) is kept for
  * the process and reused while (d, r) match and n fits, so repeated calls run warm; it is
- * rebuilt for a larger n or another shape, and released at exit (an atexit handler
- * registered after the CUDA runtime's own, so it runs first). A call that finds it busy
- * (another thread) builds and frees a private one.
+ * rebuilt for a larger n or another shape, and freed by skv_op_release (the library
+ * registers no exit handler). A call that finds it busy (another thread) builds and frees
+ * a private one.
  */
 static pthread_mutex_t skv_cuda_fop_lock = PTHREAD_MUTEX_INITIALIZER;
 static skv_cuda_factor *skv_cuda_fop;
 static int64_t skv_cuda_fop_n;
 static int32_t skv_cuda_fop_d, skv_cuda_fop_r;
-static int skv_cuda_fop_atexit;
 
-static void skv_cuda_fop_release(void)
+static void skv_cuda_op_release(void)
 {
+    pthread_mutex_lock(&skv_cuda_fop_lock);
     skv_cuda_factor_destroy(skv_cuda_fop);
     skv_cuda_fop = NULL;
+    pthread_mutex_unlock(&skv_cuda_fop_lock);
 }
 
 static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
@@ -266,7 +267,6 @@ static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const s
         if (!skv_cuda_fop) {
             st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, msg, sizeof msg);
             skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r;
-            if (st == SKV_OK && !skv_cuda_fop_atexit) skv_cuda_fop_atexit = atexit(skv_cuda_fop_release) == 0;
         }
         if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, n, a, u, w, 0, 1, msg, sizeof msg);
         pthread_mutex_unlock(&skv_cuda_fop_lock);
@@ -958,6 +958,7 @@ void skv_cuda_fill_ops(struct skv_backend_ops *ops)
     ops->set_threads = NULL;
     ops->decode_ws_bytes = NULL; /* the cache's workspace comes from cache_open */
     ops->factorize = skv_cuda_factorize_op;
+    ops->op_release = skv_cuda_op_release;
     ops->rope = skv_cuda_rope_op;
     ops->landmarks_outliers = skv_cuda_landmarks_op;
     ops->score_select = skv_cuda_score_select_op;

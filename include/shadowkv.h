@@ -372,12 +372,21 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  * the Gram + eigensolver route for shapes it does not take; the environment
  * variable SKV_FACTORIZE=auto|fast|fallback|exact forces one (cpu, cuda).
  * cuda keeps one workspace per process for these calls (rebuilt for a larger
- * n or another shape), so repeated calls run warm.
+ * n or another shape), so repeated calls run warm; skv_op_release frees it.
  * Errors: SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE, SKV_ERR_NUMERICAL,
  * SKV_ERR_OUT_OF_MEMORY.
  */
 SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
                             const skv_bf16 *a, float *u, float *w);
+
+/**
+ * Frees what op-level calls keep between calls: on cuda, the factorization
+ * workspace of skv_op_factorize (device buffers, cuBLAS/cuSOLVER handles).
+ * The next op-level call builds it again. Call it when done with op-level
+ * calls, before exit if a leak checker watches device memory; the library
+ * registers no exit handler. Safe from any thread; never fails.
+ */
+SKV_API void skv_op_release(void);
 
 /**
  * RoPE of n_tokens tokens at positions pos0..pos0+n_tokens-1:

@@ -96,6 +96,9 @@ struct skv_backend_ops {
                               int32_t *value);
     /* Thread count hint from config.n_threads (0 = default). Optional. */
     void (*set_threads)(int32_t n_threads);
+    /* Frees what op-level calls keep between calls (cuda: the factorization
+       workspace); skv_op_release. Optional. */
+    void (*op_release)(void);
     /* Arena bytes the decode slots (score_select, rebuild_keys, sparse_attention)
        need for one sequence of a cache with this config: at most cand_max
        candidates, at most max_attn_tokens tokens per attention call. The slots

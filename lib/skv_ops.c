@@ -55,6 +55,15 @@ static skv_status skv_slot_result(const char *fn, const struct skv_backend_ops *
 
 #define SKV_MAX_D 1024
 
+SKV_API void skv_op_release(void)
+{
+    static const skv_backend all[] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        const struct skv_backend_ops *ops = skv_backend_ops_get(all[i]);
+        if (ops && ops->op_release) ops->op_release();
+    }
+}
+
 SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
                                     const skv_bf16 *a, float *u, float *w)
 {

@@ -1197,5 +1197,6 @@ int main(int argc, char **argv)
     }
     perf_summary();
     printf("backend_ops: %.1f s\n", (now_ms() - t_start) / 1e3);
+    skv_op_release(); /* the op-level workspace (cuda), before exit: leak checkers see device memory */
     return skvt_finish();
 }

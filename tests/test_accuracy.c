@@ -1526,9 +1526,11 @@ int main(void)
     TIMED(test_gather());
     TIMED(test_attention());
     TIMED(test_factorize());
+    skv_op_release(); /* between the two: the next op-level calls build their workspace again */
     TIMED(test_factorize_routes());
     TIMED(test_factorize_edges());
 #undef TIMED
     printf("test_accuracy: %.1f s\n", now_s() - t0);
+    skv_op_release(); /* the op-level workspace (cuda), before exit: leak checkers see device memory */
     return skvt_finish();
 }
