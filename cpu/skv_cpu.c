@@ -757,10 +757,10 @@ static void skv_cpu_trinv(const double *c, int32_t r, double *ri)
  * c (upper triangle, row-major r x r) = u v^T for u, v [r, d] in double, i.e.
  * U^T V for the d x r matrices U = u^T, V = v^T; then the shift s of its
  * trace (lib/skv_factor.h: skv_factor_shift for Cholesky QR, else
- * skv_factor_rq_shift for H = X^T G X on the fp32 or the double Gram), c += s I,
+ * skv_factor_rq_shift for H = X^T G X at the check), c += s I,
  * and its Cholesky factor in place: c = R (row-major upper), C + s I = R^T R.
  */
-enum { SKV_CPU_SHIFT_QR, SKV_CPU_SHIFT_RQ32, SKV_CPU_SHIFT_RQ64 };
+enum { SKV_CPU_SHIFT_QR, SKV_CPU_SHIFT_RQ };
 
 static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, double diag, int shift)
 {
@@ -793,7 +793,7 @@ static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, d
     double tr = 0.0;
     for (int32_t i = 0; i < r; i++) tr += c[(size_t)i * r + i] += diag;
     double s = shift == SKV_CPU_SHIFT_QR ? skv_factor_shift(d, r, tr)
-                                         : skv_factor_rq_shift(tr, shift == SKV_CPU_SHIFT_RQ64);
+                                         : skv_factor_rq_shift(tr);
     for (int32_t i = 0; i < r; i++) c[(size_t)i * r + i] += s;
     skv_cpu_chol(c, r, SKV_FACTOR_PIVOT_FLOOR * (tr + r * s));
 }
@@ -1058,7 +1058,7 @@ static skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const 
         if (mode != SKV_FACTOR_FALLBACK) skv_cpu_fx_apply(&f, dbl);
         double rho = 0.0;
         if (mode == SKV_FACTOR_AUTO) {
-            skv_cpu_fx_chol(&f, f.z, f.y, delta, SKV_CPU_SHIFT_RQ64);
+            skv_cpu_fx_chol(&f, f.z, f.y, delta, SKV_CPU_SHIFT_RQ);
             skv_cpu_trinv(f.c, r, f.ci);
             double fr = 0.0, fi = 0.0;
             for (int32_t i = 0; i < r; i++)

@@ -91,9 +91,8 @@
 
 /* Device-side state of the FAST route. */
 typedef struct {
-    double tr_h, rho;                          /* at the check: tr(H + s_H I), the estimate */
     int fallback;                              /* this call uses the double Gram */
-    unsigned long long n_calls, n_fallbacks, n_failures; /* since create */
+    unsigned long long n_failures;             /* calls with a failed solver step, since create */
     unsigned long long first_failure_tag;      /* ~0 until a failure */
 } skv_cf_state;
 
@@ -104,7 +103,7 @@ struct skv_cuda_factor {
     cusolverDnParams_t params;
     int64_t n_max, m_max, proj_rows, gram_batch;
     int32_t d, r;
-    int fast_ok;    /* FAST workspace allocated (n_max >= d, 2r <= d) */
+    int fast_ok;    /* FAST workspace allocated (skv_factor_route_for) */
     double *gd;     /* [m_max^2] */
     double *evals;  /* [m_max] */
     float *scratch; /* [scratch_bytes] */
@@ -133,7 +132,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
     if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
-    s->fast_ok = n_max >= d && 2 * (int64_t)r <= d;
+    s->fast_ok = skv_factor_route_for(n_max, d, r, SKV_FACTOR_AUTO) == SKV_ROUTE_FAST;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
@@ -328,7 +327,7 @@ static __device__ double skv_cf_sum256(double v, double *red)
 
 /*
  * c [p, p] += s I. check = 0: s = skv_factor_shift(d, p, tr c) (Cholesky QR of Y^T Y).
- * check = 1 (H = X^T G X at the check): s = delta + skv_factor_rq_shift(tr c + p delta, 1)
+ * check = 1 (H = X^T G X at the check): s = delta + skv_factor_rq_shift(tr c + p delta)
  * with delta = SKV_FACTOR_GRAM_SHIFT32 tr(g), g the d x d Gram. One block of 256 threads.
  */
 static __global__ void __launch_bounds__(256) skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int check,
@@ -344,7 +343,7 @@ static __global__ void __launch_bounds__(256) skv_cf_shift(double *__restrict__ 
         for (int32_t i = threadIdx.x; i < d; i += blockDim.x) tg += g[(size_t)i * d + i];
         tg = skv_cf_sum256(tg, red);
         const double delta = SKV_FACTOR_GRAM_SHIFT32 * tg;
-        s = delta + skv_factor_rq_shift(tc + p * delta, 1);
+        s = delta + skv_factor_rq_shift(tc + p * delta);
     } else {
         s = skv_factor_shift(d, p, tc);
     }
@@ -385,11 +384,7 @@ static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__rest
     if (threadIdx.x == 0) {
         double rho = 1.0 / (a * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
-        state->tr_h = a;
-        state->rho = rho;
         state->fallback = fb;
-        state->n_calls++;
-        if (fb) state->n_fallbacks++;
     }
 }
 

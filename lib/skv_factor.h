@@ -28,7 +28,7 @@
  *     4. Check, after iteration SKV_FACTOR_CHECK_AT: X <- orth(X) (now
  *        orthonormal), H = X^T (G + delta I) X + s_H I = R^T R with delta =
  *        SKV_FACTOR_GRAM_SHIFT32 tr G (the fp32 Gram's definiteness margin)
- *        and s_H = skv_factor_rq_shift(tr H, 1), and rho = 1 / (||R||_F^2
+ *        and s_H = skv_factor_rq_shift(tr H), and rho = 1 / (||R||_F^2
  *        ||R^-1||_F^2) = 1 / (tr H tr H^-1), a lower bound on theta_min /
  *        theta_max of the Ritz values (within a factor ~r^2). When rho <
  *        SKV_FACTOR_TAU (or is not finite), small directions sit at the fp32
@@ -72,10 +72,8 @@
 #define SKV_FACTOR_GRAM_SHIFT32 0x1p-24
 /* Cholesky pivots below this * tr C are raised to it: the factor always exists. */
 #define SKV_FACTOR_PIVOT_FLOOR 0x1p-44
-/* s_H / tr(H) of the check: above the rounding of H (RQ_SHIFT64; RQ_SHIFT32 would be the
-   margin for an H taken from the fp32 Gram without delta, unused by the routes) */
-#define SKV_FACTOR_RQ_SHIFT32 0x1p-18
-#define SKV_FACTOR_RQ_SHIFT64 0x1p-40
+/* s_H / tr(H) of the check: above the rounding of H, far below the Ritz values it measures */
+#define SKV_FACTOR_RQ_SHIFT 0x1p-40
 
 typedef enum { SKV_FACTOR_AUTO = 0, SKV_FACTOR_FAST, SKV_FACTOR_FALLBACK, SKV_FACTOR_EXACT } skv_factor_mode;
 typedef enum { SKV_ROUTE_EXACT = 0, SKV_ROUTE_FAST } skv_factor_route;
@@ -99,10 +97,10 @@ SKV_FHD double skv_factor_shift(int32_t d, int32_t p, double trace)
     return s > 0x1p-1000 ? s : 0x1p-1000; /* Y = 0 (a zero matrix): R = 2^-500 I, orth(0) = 0 */
 }
 
-/* s_H for tr(H) = trace (double_gram = 1: RQ_SHIFT64, else RQ_SHIFT32), at least 2^-1000. */
-SKV_FHD double skv_factor_rq_shift(double trace, int double_gram)
+/* s_H for tr(H) = trace, at least 2^-1000. */
+SKV_FHD double skv_factor_rq_shift(double trace)
 {
-    double s = (double_gram ? SKV_FACTOR_RQ_SHIFT64 : SKV_FACTOR_RQ_SHIFT32) * trace;
+    double s = SKV_FACTOR_RQ_SHIFT * trace;
     return s > 0x1p-1000 ? s : 0x1p-1000;
 }
 
