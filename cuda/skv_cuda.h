@@ -157,9 +157,10 @@ cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_
 cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
 
 /* Prefill offload: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
-   src [n, Hk, D] (token-major). dst may be mapped pinned host memory. */
+   src [n, Hk, D] (token-major). dst may be mapped pinned host memory. At most max_blocks
+   blocks (<= 0: as many as the work needs, up to 65535). */
 cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
-                                   const int32_t *ids, int32_t m, skv_bf16 *dst);
+                                   const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks);
 
 /* ---- factorization (skv_cuda_factor.cu) --------------------------------------------------- */
 

@@ -1272,17 +1272,18 @@ cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, i
 }
 
 cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
-                                   const int32_t *ids, int32_t m, skv_bf16 *dst)
+                                   const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks)
 {
     const int64_t rows = (int64_t)Hk * m * c;
     if (rows <= 0 || D <= 0) return cudaSuccess;
     const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
+    const int64_t cap = max_blocks > 0 && max_blocks < 65535 ? max_blocks : 65535;
     if (D % 8 == 0 && (((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
         const int64_t Du = D / 8;
-        gather_chunks_kernel<uint4><<<grid_for(rows * Du, per_block, 65535), kGatherNT, 0, st>>>(
+        gather_chunks_kernel<uint4><<<grid_for(rows * Du, per_block, cap), kGatherNT, 0, st>>>(
             reinterpret_cast<const uint4 *>(src), Hk, Du, c, ids, m, reinterpret_cast<uint4 *>(dst), rows * Du);
     } else {
-        gather_chunks_kernel<uint16_t><<<grid_for(rows * D, per_block, 65535), kGatherNT, 0, st>>>(
+        gather_chunks_kernel<uint16_t><<<grid_for(rows * D, per_block, cap), kGatherNT, 0, st>>>(
             src, Hk, D, c, ids, m, dst, rows * D);
     }
     return cudaGetLastError();

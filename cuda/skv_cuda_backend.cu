@@ -390,6 +390,10 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
 #define SKV_CUDA_RING 64 /* decode steps whose phase times can be in flight */
+/* Blocks of the prefill's value offload (writes to mapped host memory, bound by PCIe):
+   the rest of the GPU stays free for the caller's work. SKV_CUDA_OFFLOAD_BLOCKS overrides
+   it (0: no cap), for tuning. */
+#define SKV_CUDA_OFFLOAD_BLOCKS 32
 #define SKV_CUDA_EV 6 /* start, selected, rebuilt, fetched (side stream), joined, end */
 
 typedef struct {
@@ -413,6 +417,7 @@ typedef struct skv_cuda_cache {
     cudaStream_t st;
     cudaStream_t side;              /* the value fetch runs here, beside the key rebuild */
     int serial;                     /* SKV_CUDA_SERIAL=1: fetch on the cache's stream (debugging) */
+    int32_t offload_blocks;         /* grid cap of the prefill's value offload (SKV_CUDA_OFFLOAD_BLOCKS) */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
     char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
@@ -436,7 +441,7 @@ typedef struct skv_cuda_cache {
     /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
        both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
     cudaStream_t fst, ost;
-    cudaEvent_t stage_ev, lm_ev, fac_ev, off_ev; /* no timing */
+    cudaEvent_t side_ev, fac_ev, off_ev; /* no timing */
     skv_bf16 *kstage, *vstage;
     int staged;       /* fac_ev / off_ev were recorded: the staging buffers may be in use */
     int side_pending; /* decode has not yet waited for the last prefill's side work */
@@ -519,7 +524,7 @@ static void skv_cuda_cache_close(void *bctx)
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < SKV_PE_N; j++)
             if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
-    cudaEvent_t evs[4] = {k->stage_ev, k->lm_ev, k->fac_ev, k->off_ev};
+    cudaEvent_t evs[3] = {k->side_ev, k->fac_ev, k->off_ev};
     for (int j = 0; j < 4; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
     if (k->fork_ev) cudaEventDestroy(k->fork_ev);
@@ -547,6 +552,11 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->cfg = *cfg;
     k->lay = *lay;
     k->serial = getenv("SKV_CUDA_SERIAL") && getenv("SKV_CUDA_SERIAL")[0] == '1';
+    k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
+    if (getenv("SKV_CUDA_OFFLOAD_BLOCKS")) { /* tuning: 0 lifts the cap */
+        long v = strtol(getenv("SKV_CUDA_OFFLOAD_BLOCKS"), NULL, 10);
+        k->offload_blocks = v < 0 ? SKV_CUDA_OFFLOAD_BLOCKS : v > 65535 ? 65535 : (int32_t)v;
+    }
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
     k->host = host;
@@ -609,8 +619,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         for (int j = 0; j < SKV_PE_N && e == cudaSuccess; j++) e = cudaEventCreate(&k->pset[i].e[j]);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->stage_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->lm_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->side_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
     if (e != cudaSuccess) {
@@ -750,7 +759,6 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     const size_t bytes = (size_t)n * HkD * sizeof(skv_bf16);
     CK(cudaMemcpyAsync(k->kstage, k_pre, bytes, cudaMemcpyDeviceToDevice, st));
     CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
-    CK(cudaEventRecord(k->stage_ev, st));
 
     if (!k_post) {
         CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab,
@@ -762,20 +770,11 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     CK(skv_cuda_landmarks_outliers(st, N, cs, Hk, D, O, k_post, out_ids, cand_ids,
                                    (skv_bf16 *)(sd + lay->landmarks), k->lm_scratch));
     CK(cudaEventRecord(ps->e[SKV_PE_M2], st));
-    CK(cudaEventRecord(k->lm_ev, st));
-
-    /* candidate values to the host store, beside (they need the candidate list) */
-    CK(cudaStreamWaitEvent(os, k->lm_ev, 0));
-    CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
-    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand,
-                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore)));
-    CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
-    CK(cudaEventRecord(k->off_ev, os));
 
     /* exact outliers and the local window stay on the device */
     if (O) {
-        CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k)));
-        CK(skv_cuda_gather_chunks(st, k->vstage, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v)));
+        CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k), 0));
+        CK(skv_cuda_gather_chunks(st, k->vstage, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v), 0));
     }
     if (n_local) {
         size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
@@ -795,9 +794,20 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     hs->has_sel = 0;
     CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
-    /* the factorization, beside: U and W of the slot, in bf16. Enqueued last, so the cache's
-       stream does not idle while the host issues its ~100 calls */
-    CK(cudaStreamWaitEvent(fs, k->stage_ev, 0));
+    /* the side work starts once this stream's own work is done, so that it never delays it:
+       the candidate values to the host store on os, in a grid of at most k->offload_blocks
+       blocks (a full grid would hold every SM for the ~2.5 ms its PCIe writes take at 64k
+       tokens, and queue the kernels behind it), and the factorization on fs */
+    CK(cudaEventRecord(k->side_ev, st));
+    CK(cudaStreamWaitEvent(os, k->side_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
+    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand,
+                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore), k->offload_blocks));
+    CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
+    CK(cudaEventRecord(k->off_ev, os));
+    /* U and W of the slot, in bf16. Enqueued last, so the cache's stream does not idle while
+       the host issues the factorization's calls */
+    CK(cudaStreamWaitEvent(fs, k->side_ev, 0));
     CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
     skv_status s = skv_cuda_factorize(k->fac, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
                                       0, msg, cap);

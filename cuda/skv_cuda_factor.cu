@@ -12,9 +12,12 @@
  *      products are exact in fp32), a batch of blocks per strided batched
  *      GEMM, the block Grams summed in double in a fixed order.
  *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(orth(G X)):
- *      DGEMMs, the shift (skv_cf_shift), cusolverDnXpotrf and DTRSM, fp64.
+ *      DGEMMs (G X, Y^T Y), then the project's own kernels for the r x r
+ *      steps (cuSOLVER's potrf was latency-bound at ~175 us per call, most
+ *      of the route's time): skv_cf_chol (shift, floored Cholesky, one block)
+ *      and skv_cf_trsm (Y R^-1, a warp per row), all fp64.
  *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T (G + delta I)
- *      X + s_H I = R^T R, R^-1, and skv_cf_check decides on the device
+ *      X + s_H I = R^T R, R^-1 (skv_cf_trsm on I), and skv_cf_check decides on the device
  *      whether the double Gram is needed. The fallback kernels always launch
  *      and return at once unless the flag is set: the fallback Gram sums every
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
@@ -23,10 +26,10 @@
  *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
  *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
  *      accumulation: fp32 accuracy at bf16 tensor-core speed.
- *   The shifted Cholesky QR cannot fail on finite input (C + s I with s above
- *   the rounding of C); any solver info != 0 is counted on the device with
- *   the caller's tag (the check's own Cholesky excepted: a failed one there
- *   means an indefinite H, and sends the call to the double Gram).
+ *   The floored Cholesky cannot fail; a pivot that is not finite (an
+ *   overflow) is counted on the device with the caller's tag (the check's
+ *   own Cholesky excepted: floored pivots there mean an indefinite H, and
+ *   send the call to the double Gram).
  *
  * EXACT (n < d, 2r > d, r > 160, or SKV_FACTORIZE=exact): the same blocked
  * Gram (A A^T when n < d), cusolverDnXsyevd in double (all eigenpairs),
@@ -45,12 +48,13 @@
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
  *                              float; FAST: the fallback's partial sums
  *   x, y    double [d, r]      the iterate and G X (FAST)
- *   c       double [r, r]      Y^T Y and its Cholesky factor (FAST)
+ *   c       double [r, r]      Y^T Y (FAST)
+ *   rp      double [r(r+1)/2+r] its Cholesky factor packed by rows, 1 / R_kk
  *   qs      bf16 [3, d, r]     the split of Q (FAST)
- *   infos   int [SKV_CF_NINFO] solver infos of one call; state: the check
+ *   infos   int [SKV_CF_NINFO] solver / Cholesky infos of one call; state: the check
  *   blas_ws 32 MiB             cuBLAS workspace (set with cublasSetWorkspace,
  *                              so factorize never allocates)
- *   solver  queried            cusolverDnXsyevd and Xpotrf device (+ host)
+ *   solver  queried            cusolverDnXsyevd device (+ host)
  *                              workspaces
  *
  * Supported maximum: n <= SKV_CUDA_FACTOR_MAX_N = 2^31 - 1 rows (the public
@@ -86,7 +90,7 @@
 /* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
 #define SKV_CF_SPLITS 8
 #define SKV_CF_TILE 64
-/* potrf calls of one FAST call: two per iteration, the check's orth and H (last), the final two. */
+/* Cholesky factorizations of one FAST call: two per iteration, the check's orth and H (last), the final two. */
 #define SKV_CF_NINFO (2 * SKV_FACTOR_ITERS + 4)
 
 /* Device-side state of the FAST route. */
@@ -110,6 +114,7 @@ struct skv_cuda_factor {
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
     double *x, *y, *c;
+    double *rp; /* [skv_cf_packed(r, r) + r]: R packed by rows, then 1 / R_kk */
     skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
@@ -124,7 +129,7 @@ struct skv_cuda_factor {
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows, gram_batch;
     int fast_ok;
-    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
+    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, rp_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
@@ -152,7 +157,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     } else {
         s->gram_batch = 1;
     }
-    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
+    s->xy_bytes = s->c_bytes = s->rp_bytes = s->qs_bytes = 0;
     if (s->fast_ok) {
         size_t part;
         if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
@@ -160,6 +165,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         if (part > s->scratch_bytes) s->scratch_bytes = part;
         if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
         s->c_bytes = (size_t)r * r * sizeof(double);
+        s->rp_bytes = ((size_t)r * (r + 1) / 2 + (size_t)r) * sizeof(double);
         if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
@@ -168,7 +174,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
     if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
-    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
+    if (!skv_add_size(t, s->c_bytes + s->rp_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -325,31 +331,6 @@ static __device__ double skv_cf_sum256(double v, double *red)
     return t;
 }
 
-/*
- * c [p, p] += s I. check = 0: s = skv_factor_shift(d, p, tr c) (Cholesky QR of Y^T Y).
- * check = 1 (H = X^T G X at the check): s = delta + skv_factor_rq_shift(tr c + p delta)
- * with delta = SKV_FACTOR_GRAM_SHIFT32 tr(g), g the d x d Gram. One block of 256 threads.
- */
-static __global__ void __launch_bounds__(256) skv_cf_shift(double *__restrict__ c, int32_t p, int32_t d, int check,
-                                                           const double *__restrict__ g)
-{
-    __shared__ double red[8];
-    double tc = 0.0, tg = 0.0;
-    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) tc += c[(size_t)j * p + j];
-    tc = skv_cf_sum256(tc, red);
-    double s;
-    if (check) {
-        __syncthreads();
-        for (int32_t i = threadIdx.x; i < d; i += blockDim.x) tg += g[(size_t)i * d + i];
-        tg = skv_cf_sum256(tg, red);
-        const double delta = SKV_FACTOR_GRAM_SHIFT32 * tg;
-        s = delta + skv_factor_rq_shift(tc + p * delta);
-    } else {
-        s = skv_factor_shift(d, p, tc);
-    }
-    for (int32_t j = threadIdx.x; j < p; j += blockDim.x) c[(size_t)j * p + j] += s;
-}
-
 /* Fixed-order block reduction of two sums (blockDim.x == 1024). */
 static __device__ void skv_cf_reduce2(double &a, double &b)
 {
@@ -368,17 +349,202 @@ static __device__ void skv_cf_reduce2(double &a, double &b)
     b = rb[0];
 }
 
+/* z [r, r] = I. */
+static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
+{
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
+        z[e] = e % r == e / r ? 1.0 : 0.0;
+}
+
+/* ---- the small dense steps of the FAST route: shifted Cholesky and triangular solve ---------- */
+
+/* Tiles of the Cholesky kernel: r <= SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT = SKV_FACTOR_FAST_MAX_R. */
+#define SKV_CF_CHOL_TILE 8
+#define SKV_CF_CHOL_MAXT 20
+#define SKV_CF_CHOL_THREADS 256 /* >= SKV_CF_CHOL_MAXT (SKV_CF_CHOL_MAXT + 1) / 2 tiles, >= r */
+#if SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT < SKV_FACTOR_FAST_MAX_R
+#error "the Cholesky kernel's tiles do not cover SKV_FACTOR_FAST_MAX_R"
+#endif
+
+/* Offset of row k of a packed row-major upper triangle of order p. */
+static __host__ __device__ __forceinline__ int64_t skv_cf_packed(int32_t k, int32_t p)
+{
+    return (int64_t)k * p - (int64_t)k * (k - 1) / 2;
+}
+
 /*
- * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
- * upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
+ * Shifted, floored Cholesky of one p x p block (p <= SKV_FACTOR_FAST_MAX_R), one
+ * block of SKV_CF_CHOL_THREADS threads:
+ *   c    the symmetric p x p matrix (column-major, the lower triangle is read);
+ *   s    check = 0: skv_factor_shift(d, p, tr c) (Cholesky QR of Y^T Y);
+ *        check = 1: delta + skv_factor_rq_shift(tr c + p delta), delta =
+ *        SKV_FACTOR_GRAM_SHIFT32 tr(g) for the d x d Gram g (H = X^T G X);
+ *   rp   R (upper, C + s I = R^T R), packed by rows (skv_cf_packed), and
+ *   dinv 1 / R_kk for the triangular solve;
+ *   info 0, or k + 1 for the first pivot that is not finite.
+ * Pivots below SKV_FACTOR_PIVOT_FLOOR (tr c + p s) are raised to it (NaN too), as
+ * in the cpu backend, so R always exists. Right-looking, one column per step and
+ * one barrier per step: thread t holds one 8 x 8 tile of the lower triangle in
+ * registers (tiles numbered down the columns, so whole warps retire as the
+ * factorization moves right); the tiles holding column k + 1 publish it, after
+ * their update of step k, to the buffer that step k + 1 reads. p dependent steps:
+ * latency-bound (cuSOLVER's potrf, 5 panels of 3 small kernels at p = 160, took
+ * ~175 us per call; bench/results has this kernel's time).
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
-                                                            int32_t r, int mode, skv_cf_state *state)
+static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
+    skv_cf_chol(const double *__restrict__ c, int32_t p, int32_t d, int check, const double *__restrict__ g,
+                double *__restrict__ rp, double *__restrict__ dinv, int *__restrict__ info)
+{
+    constexpr int T = SKV_CF_CHOL_TILE;
+    __shared__ double buf[2][SKV_CF_CHOL_MAXT * T];
+    __shared__ double red[SKV_CF_CHOL_THREADS / 32];
+    const int tid = threadIdx.x, nt = (p + T - 1) / T;
+
+    /* the shift and the floor (fixed-order block sums: every thread gets the same values) */
+    double tc = 0.0, tg = 0.0, s;
+    for (int32_t j = tid; j < p; j += SKV_CF_CHOL_THREADS) tc += c[(size_t)j * p + j];
+    tc = skv_cf_sum256(tc, red);
+    if (check) {
+        __syncthreads(); /* red is reused */
+        for (int32_t i = tid; i < d; i += SKV_CF_CHOL_THREADS) tg += g[(size_t)i * d + i];
+        tg = skv_cf_sum256(tg, red);
+        const double delta = SKV_FACTOR_GRAM_SHIFT32 * tg;
+        s = delta + skv_factor_rq_shift(tc + p * delta);
+    } else {
+        s = skv_factor_shift(d, p, tc);
+    }
+    const double flr = SKV_FACTOR_PIVOT_FLOOR * (tc + p * s);
+
+    /* my tile (I, J), I >= J, numbered down the columns */
+    int I = 0, J = 0, t = tid;
+    const int active = tid < nt * (nt + 1) / 2;
+    if (active) {
+        while (t >= nt - J) t -= nt - J, J++;
+        I = J + t;
+    }
+    double a[T][T];
+#pragma unroll
+    for (int ii = 0; ii < T; ii++)
+#pragma unroll
+        for (int jj = 0; jj < T; jj++) {
+            const int i = I * T + ii, j = J * T + jj;
+            double v = i == j ? 1.0 : 0.0; /* padding beyond p: the identity */
+            if (active && i < p && j < p) v = c[(size_t)j * p + i] + (i == j ? s : 0.0);
+            a[ii][jj] = v;
+        }
+    if (active && J == 0)
+#pragma unroll
+        for (int ii = 0; ii < T; ii++) buf[0][I * T + ii] = a[ii][0];
+    __syncthreads();
+
+    int bad = 0;
+    for (int32_t k = 0; k < p; k++) {
+        const double *col = buf[k & 1];
+        const double raw = col[k];
+        if (!bad && !isfinite(raw)) bad = k + 1;
+        const double piv = raw >= flr ? raw : flr;
+        const double inv = rsqrt(piv);
+        /* row k of R */
+        if (tid < p - k) rp[skv_cf_packed(k, p) + tid] = tid == 0 ? piv * inv : col[k + tid] * inv;
+        if (tid == 0) dinv[k] = inv;
+        /* trailing update of the tiles right of column k */
+        if (active && J * T + T - 1 > k) {
+            double li[T], lj[T];
+#pragma unroll
+            for (int q = 0; q < T; q++) li[q] = col[I * T + q] * inv, lj[q] = col[J * T + q] * inv;
+#pragma unroll
+            for (int ii = 0; ii < T; ii++)
+#pragma unroll
+                for (int jj = 0; jj < T; jj++) a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
+            /* publish column k + 1 */
+            const int kn = k + 1;
+            if (kn < p && J == kn / T) {
+                double *nb = buf[kn & 1];
+                const int jn = kn % T;
+#pragma unroll
+                for (int jj = 0; jj < T; jj++)
+                    if (jj == jn)
+#pragma unroll
+                        for (int ii = 0; ii < T; ii++) nb[I * T + ii] = a[ii][jj];
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) *info = bad;
+}
+
+/*
+ * v <- v R^-1 in place: v column-major [m, p] (ld), R from skv_cf_chol (rp, dinv). One
+ * warp per row of v (forward substitution along the row, lane l holding columns
+ * l, l + 32, ...), SKV_CF_TRSM_ROWS rows per block, R packed in shared memory
+ * (skv_cf_trsm_smem bytes, set as the kernel's limit at create).
+ */
+#define SKV_CF_TRSM_ROWS 8
+#define SKV_CF_TRSM_SLOTS ((SKV_FACTOR_FAST_MAX_R + 31) / 32)
+
+static size_t skv_cf_trsm_smem(int32_t p)
+{
+    return ((size_t)skv_cf_packed(p, p) + (size_t)p) * sizeof(double);
+}
+
+static __global__ void __launch_bounds__(32 * SKV_CF_TRSM_ROWS)
+    skv_cf_trsm(double *__restrict__ v, int64_t m, int64_t ld, int32_t p, const double *__restrict__ rp,
+                const double *__restrict__ dinv)
+{
+    extern __shared__ double sm[];
+    const int64_t np = skv_cf_packed(p, p);
+    double *sr = sm, *sd = sm + np;
+    for (int64_t e = threadIdx.x; e < np; e += blockDim.x) sr[e] = rp[e];
+    for (int e = threadIdx.x; e < p; e += blockDim.x) sd[e] = dinv[e];
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * SKV_CF_TRSM_ROWS + (threadIdx.x >> 5);
+    if (row >= m) return;
+    double y[SKV_CF_TRSM_SLOTS];
+#pragma unroll
+    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
+        const int col = lane + 32 * q;
+        y[q] = col < p ? v[row + col * ld] : 0.0;
+    }
+#pragma unroll
+    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
+        const int j0 = 32 * q;
+        if (j0 >= p) break;
+        const int jn = p - j0 < 32 ? p - j0 : 32;
+        for (int jl = 0; jl < jn; jl++) {
+            const int j = j0 + jl;
+            const double x = __shfl_sync(0xffffffffu, y[q], jl) * sd[j];
+            if (lane == jl) y[q] = x;
+            const double *rj = sr + skv_cf_packed(j, p) - j; /* rj[col] = R[j][col], col >= j */
+            if (lane > jl && lane + j0 < p) y[q] = fma(-x, rj[lane + j0], y[q]);
+#pragma unroll
+            for (int t = q + 1; t < SKV_CF_TRSM_SLOTS; t++) {
+                const int col = lane + 32 * t;
+                if (col < p) y[t] = fma(-x, rj[col], y[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
+        const int col = lane + 32 * q;
+        if (col < p) v[row + col * ld] = y[q];
+    }
+}
+
+/*
+ * The check (lib/skv_factor.h step 4): R from skv_cf_chol (H + s_H I = R^T R, packed) and
+ * z = R^-1 (p x p column-major, upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets
+ * state->fallback. One block of 1024 threads.
+ */
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rp, const double *__restrict__ z,
+                                                            int32_t p, int mode, skv_cf_state *state)
 {
     double a = 0.0, b = 0.0;
-    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
-        int64_t i = e % r, j = e / r;
-        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
+    const int64_t np = skv_cf_packed(p, p);
+    for (int64_t e = threadIdx.x; e < np; e += blockDim.x) a += rp[e] * rp[e];
+    for (int64_t e = threadIdx.x; e < (int64_t)p * p; e += blockDim.x) {
+        int64_t i = e % p, j = e / p;
+        if (i <= j) b += z[e] * z[e];
     }
     skv_cf_reduce2(a, b);
     if (threadIdx.x == 0) {
@@ -386,13 +552,6 @@ static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__rest
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
         state->fallback = fb;
     }
-}
-
-/* z [r, r] = I. */
-static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
-{
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
-        z[e] = e % r == e / r ? 1.0 : 0.0;
 }
 
 /*
@@ -498,6 +657,7 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->blas_ws);
     cudaFree(f->state);
     cudaFree(f->qs);
+    cudaFree(f->rp);
     cudaFree(f->c);
     cudaFree(f->y);
     cudaFree(f->x);
@@ -564,7 +724,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->scratch_bytes = sz.scratch_bytes;
 
     skv_status s = SKV_OK;
-    size_t dev_bytes = 0, host_bytes = 0, dev2 = 0, host2 = 0;
+    size_t dev_bytes = 0, host_bytes = 0;
 
     /* handles */
     if ((s = skv_cf_blas(cublasCreate(&f->blas), "cublasCreate", msg, cap)) != SKV_OK) {
@@ -596,6 +756,12 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->rp, sz.rp_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
+        /* the triangular solve keeps R in shared memory (~100 KiB at r = 160) */
+        cudaError_t e = cudaFuncSetAttribute(skv_cf_trsm, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)skv_cf_trsm_smem(r));
+        if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (triangular solve shared memory)", msg, cap)) != SKV_OK)
+            goto fail;
         if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
     }
     {
@@ -611,20 +777,12 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         SKV_OK)
         goto fail_handle;
 
-    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) and the FAST route's r x r Cholesky */
+    /* cuSOLVER workspace: the EXACT route's eigenproblem (m_max x m_max) */
     if ((s = skv_cf_solver(cusolverDnXsyevd_bufferSize(f->solver, f->params, CUSOLVER_EIG_MODE_VECTOR,
                                                        CUBLAS_FILL_MODE_UPPER, f->m_max, CUDA_R_64F, f->gd, f->m_max,
                                                        CUDA_R_64F, f->evals, CUDA_R_64F, &dev_bytes, &host_bytes),
                            "cusolverDnXsyevd_bufferSize", msg, cap)) != SKV_OK)
         goto fail_handle;
-    if (f->fast_ok) {
-        if ((s = skv_cf_solver(cusolverDnXpotrf_bufferSize(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F,
-                                                           f->c, r, CUDA_R_64F, &dev2, &host2),
-                               "cusolverDnXpotrf_bufferSize", msg, cap)) != SKV_OK)
-            goto fail_handle;
-        if (dev2 > dev_bytes) dev_bytes = dev2;
-        if (host2 > host_bytes) host_bytes = host2;
-    }
     f->solver_ws_bytes = dev_bytes;
     f->solver_host_bytes = host_bytes;
     if ((s = skv_cf_alloc(&f->solver_ws, dev_bytes, "cuSOLVER workspace", msg, cap)) != SKV_OK) goto fail;
@@ -764,25 +922,39 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
-/* orth(v) in place (lib/skv_factor.h): C = v^T v, shift, R = chol(C + sI) (info -> *info), v = v R^-1. */
+/* The Cholesky factor of c (+ the shift) into f->rp; check: H's shift (skv_cf_chol). */
+static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int *info, char *msg, size_t cap)
+{
+    const int32_t r = f->r;
+    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, 0, f->st>>>(f->c, r, f->d, check, f->gd, f->rp,
+                                                      f->rp + skv_cf_packed(r, r), info);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
+    return SKV_OK;
+}
+
+/* v [m, r] (ld) <- v R^-1 with R in f->rp. */
+static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int64_t m, int64_t ld, char *msg, size_t cap)
+{
+    const int32_t r = f->r;
+    const unsigned blocks = (unsigned)((m + SKV_CF_TRSM_ROWS - 1) / SKV_CF_TRSM_ROWS);
+    skv_cf_trsm<<<blocks, 32 * SKV_CF_TRSM_ROWS, skv_cf_trsm_smem(r), f->st>>>(v, m, ld, r, f->rp,
+                                                                              f->rp + skv_cf_packed(r, r));
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
+    return SKV_OK;
+}
+
+/* orth(v) in place (lib/skv_factor.h): C = v^T v, R = chol(C + sI) (info -> *info), v = v R^-1. */
 static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *msg, size_t cap)
 {
     const int64_t d = f->d, r = f->r;
     const double one = 1.0, zero = 0.0;
+    skv_status s;
     /* DGEMM, not DSYRK: cuBLAS's DSYRK of this shape takes ~50 us, the GEMM ~6 */
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)r, (int)r, (int)d, &one, v, (int)d, v, (int)d,
                                   &zero, f->c, (int)r),
                       "cublasDgemm (Y^T Y)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, (int32_t)r, (int32_t)d, 0, f->gd);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky QR shift kernel");
-    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
-                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
-                                         f->solver_host_bytes, info),
-                        "cusolverDnXpotrf");
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                  CUBLAS_DIAG_NON_UNIT, (int)d, (int)r, &one, f->c, (int)r, v, (int)d),
-                      "cublasDtrsm (Y R^-1)");
-    return SKV_OK;
+    if ((s = skv_cf_factor(f, 0, info, msg, cap)) != SKV_OK) return s;
+    return skv_cf_solve(f, v, d, d, msg, cap);
 }
 
 /* y = G x (d x r, double). */
@@ -795,7 +967,7 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
     return SKV_OK;
 }
 
-/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
+/* The check of step 4: H = x^T G x + s_H I = R^T R (in rp), z = R^-1 (in y, as r x r), rho. */
 static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
                                    size_t cap)
 {
@@ -805,18 +977,11 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X, check)");
-    skv_cf_shift<<<1, 256, 0, f->st>>>(f->c, r, d, 1, f->gd);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "check shift kernel");
-    SKV_CF_CHECK_SOLVER(cusolverDnXpotrf(f->solver, f->params, CUBLAS_FILL_MODE_UPPER, r, CUDA_R_64F, f->c, r,
-                                         CUDA_R_64F, f->solver_ws, f->solver_ws_bytes, f->solver_host,
-                                         f->solver_host_bytes, info),
-                        "cusolverDnXpotrf (check)");
+    if ((s = skv_cf_factor(f, 1, info, msg, cap)) != SKV_OK) return s;
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT,
-                                  r, r, &one, f->c, r, y, r),
-                      "cublasDtrsm (R^-1, check)");
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
+    if ((s = skv_cf_solve(f, y, r, r, msg, cap)) != SKV_OK) return s;
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->rp, y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }
@@ -897,9 +1062,13 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
     for (int k = 0; k < n_info; k++)
         if (info[k] != 0) {
             if (msg && cap)
-                snprintf(msg, cap, "cuda factorize: %s (m = %lld) returned info = %d (%s)",
-                         fast ? "cusolverDnXpotrf" : "cusolverDnXsyevd", (long long)(fast ? r : (n < d ? n : d)),
-                         info[k], info[k] > 0 ? "the solver did not converge" : "invalid argument");
+                if (fast)
+                    snprintf(msg, cap, "cuda factorize: Cholesky QR (r = %lld): pivot %d is not finite (overflow)",
+                             (long long)r, info[k] - 1);
+                else
+                    snprintf(msg, cap, "cuda factorize: cusolverDnXsyevd (m = %lld) returned info = %d (%s)",
+                             (long long)(n < d ? n : d), info[k],
+                             info[k] > 0 ? "the solver did not converge" : "invalid argument");
             return SKV_ERR_NUMERICAL;
         }
     return SKV_OK;

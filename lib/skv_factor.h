@@ -1,7 +1,7 @@
 /*
- * skv_factor.h - the fast rank-r key factorization route of the cpu backend
- * (ref keeps its plain Gram + dsyevr route; cuda runs the Gram + Xsyevd route
- * for now, see cuda/skv_cuda_factor.cu). Host C99; compiles as CUDA too.
+ * skv_factor.h - the fast rank-r key factorization route of the cpu and cuda
+ * backends (ref keeps its plain Gram + dsyevr route; cuda's kernels are in
+ * cuda/skv_cuda_factor.cu). Host C99; compiles as CUDA too.
  *
  * Goal: U [n, r], W [r, d] with U W = A Q Q^T for an orthonormal d x r basis Q
  * of (nearly) the top-r right singular subspace of A [n, d] (bf16), so that
@@ -65,7 +65,8 @@
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_CHECK_AT 2
 #define SKV_FACTOR_TAU 1e-9 /* rho below this: the double Gram */
-/* FAST needs r <= this (bounds the r x r work per iteration; larger ranks take EXACT) */
+/* FAST needs r <= this (cuda's Cholesky kernel keeps the r x r block in the registers of one
+   thread block; larger ranks take EXACT) */
 #define SKV_FACTOR_FAST_MAX_R 160
 /* delta / tr(G) of the check: the fp32 block Gram's rounding (~1e-7 lambda_1) can leave it
    slightly indefinite; adding delta I changes no eigenvector. */

@@ -16,6 +16,10 @@
 #   factor    build, the factorization tests (test_accuracy, test_cuda), skv-bench
 #             factorize at 16k..128k with the GPU baselines, an ncu kernel split
 #             of one 64k factorization, and the demo at 32 x 64k (critical path)
+#   probe     build, test_cuda and test_accuracy, skv-bench factorize of the cuda
+#             route alone at 16k..128k, the ncu kernel split of one 64k
+#             factorization, and the 32 x 64k demo under several offload grid caps
+#             (SKV_CUDA_OFFLOAD_BLOCKS 32 = the default, 0 = none, 16, 64)
 #   prefill   build, the GPU tests (test_contract at 30 configurations),
 #             memcheck of test_cuda, skv-bench factorize at 16k..1M with every
 #             baseline (then `demo` for the demos: together the run behind the
@@ -39,6 +43,7 @@ case "$MODE" in
   sanitize) T_TESTS=;      T_BENCH=;  T_PERF=;  T_SAN=1; T_DEMO=;  T_FAC= ;;
   bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO=;  T_FAC=full ;;
   factor)   T_TESTS=factor; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=quick ;;
+  probe)    T_TESTS=probe; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=probe ;;
   prefill)  T_TESTS=prefill; T_BENCH=; T_PERF=; T_SAN=cuda; T_DEMO=;  T_FAC=full ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
@@ -101,6 +106,9 @@ if [ "$T_TESTS" = prefill ]; then
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
 fi
+if [ "$T_TESTS" = probe ]; then
+  run_test test_accuracy build/tests/test_accuracy
+fi
 if [ "$T_TESTS" = factor ]; then
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
@@ -136,7 +144,20 @@ if [ -n "$T_BENCH" ]; then
   stamp "for comparison: the value fetch on the cache's stream after the key rebuild (SKV_CUDA_SERIAL=1)"
   SKV_CUDA_SERIAL=1 timeout 100 build/skv-bench decode --backend cuda --ctx 131072 --batch 8 --steps 50 --warmup 5 2>&1 | tail -2
 fi
-if [ -n "$T_FAC" ]; then
+if [ "$T_FAC" = probe ]; then
+  stamp "skv-bench factorize: the cuda route alone"
+  timeout 200 build/skv-bench factorize --backends cuda --n 16384,65536,131072 --no-baseline --json > "$OUT/factorize.json"
+  cat "$OUT/factorize.json"
+  stamp "ncu: the kernels of one 64k factorization (serialized)"
+  timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    build/skv-bench factorize --backends cuda --n 65536 --reps 1 --no-baseline 2>/dev/null |
+    grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' | tail -80
+  for OB in 32 0 16 64; do
+    stamp "demo: 32 layers, one 65536-token sequence, SKV_CUDA_OFFLOAD_BLOCKS=$OB"
+    SKV_CUDA_OFFLOAD_BLOCKS=$OB timeout 100 build/demo --backend cuda --layers 32 --ctx 65536 --steps 8 --share-layers 2>&1 |
+      grep -v "demo: " | tail -14
+  done
+elif [ -n "$T_FAC" ]; then
   if [ "$T_FAC" = quick ]; then FN=16384,65536,131072; else FN=16384,65536,131072,524288,1048576; fi
   stamp "skv-bench factorize --n $FN (GPU routes and baselines; cpu up to 64k)"
   timeout 540 build/skv-bench factorize --n $FN --json > "$OUT/factorize.json"
