@@ -525,7 +525,7 @@ static void skv_cuda_cache_close(void *bctx)
         for (int j = 0; j < SKV_PE_N; j++)
             if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
     cudaEvent_t evs[3] = {k->side_ev, k->fac_ev, k->off_ev};
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < 3; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
     if (k->fork_ev) cudaEventDestroy(k->fork_ev);
     if (k->join_ev) cudaEventDestroy(k->join_ev);

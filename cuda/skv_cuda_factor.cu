@@ -13,11 +13,11 @@
  *      GEMM, the block Grams summed in double in a fixed order.
  *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(orth(G X)):
  *      DGEMMs (G X, Y^T Y), then the project's own kernels for the r x r
- *      steps (cuSOLVER's potrf was latency-bound at ~175 us per call, most
- *      of the route's time): skv_cf_chol (shift, floored Cholesky, one block)
- *      and skv_cf_trsm (Y R^-1, a warp per row), all fp64.
+ *      Cholesky (cuSOLVER's potrf was latency-bound at ~175 us per call, most
+ *      of the route's time): skv_cf_chol (shift, floored Cholesky, one block),
+ *      then DTRSM (Y R^-1), all fp64.
  *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T (G + delta I)
- *      X + s_H I = R^T R, R^-1 (skv_cf_trsm on I), and skv_cf_check decides on the device
+ *      X + s_H I = R^T R, R^-1 (DTRSM on I), and skv_cf_check decides on the device
  *      whether the double Gram is needed. The fallback kernels always launch
  *      and return at once unless the flag is set: the fallback Gram sums every
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
@@ -48,8 +48,7 @@
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
  *                              float; FAST: the fallback's partial sums
  *   x, y    double [d, r]      the iterate and G X (FAST)
- *   c       double [r, r]      Y^T Y (FAST)
- *   rp      double [r(r+1)/2+r] its Cholesky factor packed by rows, 1 / R_kk
+ *   c       double [r, r]      Y^T Y and its Cholesky factor (FAST)
  *   qs      bf16 [3, d, r]     the split of Q (FAST)
  *   infos   int [SKV_CF_NINFO] solver / Cholesky infos of one call; state: the check
  *   blas_ws 32 MiB             cuBLAS workspace (set with cublasSetWorkspace,
@@ -67,6 +66,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cusolverDn.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,7 +114,6 @@ struct skv_cuda_factor {
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
     double *x, *y, *c;
-    double *rp; /* [skv_cf_packed(r, r) + r]: R packed by rows, then 1 / R_kk */
     skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
@@ -129,7 +128,7 @@ struct skv_cuda_factor {
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows, gram_batch;
     int fast_ok;
-    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, rp_bytes, qs_bytes, total;
+    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
@@ -157,7 +156,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     } else {
         s->gram_batch = 1;
     }
-    s->xy_bytes = s->c_bytes = s->rp_bytes = s->qs_bytes = 0;
+    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
     if (s->fast_ok) {
         size_t part;
         if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
@@ -165,7 +164,6 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         if (part > s->scratch_bytes) s->scratch_bytes = part;
         if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
         s->c_bytes = (size_t)r * r * sizeof(double);
-        s->rp_bytes = ((size_t)r * (r + 1) / 2 + (size_t)r) * sizeof(double);
         if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
@@ -174,7 +172,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
     if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
-    if (!skv_add_size(t, s->c_bytes + s->rp_bytes + s->qs_bytes, &t)) return 0;
+    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -356,54 +354,56 @@ static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
         z[e] = e % r == e / r ? 1.0 : 0.0;
 }
 
-/* ---- the small dense steps of the FAST route: shifted Cholesky and triangular solve ---------- */
+/* ---- the shifted Cholesky of the FAST route --------------------------------------------------- */
 
 /* Tiles of the Cholesky kernel: r <= SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT = SKV_FACTOR_FAST_MAX_R. */
 #define SKV_CF_CHOL_TILE 8
 #define SKV_CF_CHOL_MAXT 20
-#define SKV_CF_CHOL_THREADS 256 /* >= SKV_CF_CHOL_MAXT (SKV_CF_CHOL_MAXT + 1) / 2 tiles, >= r */
+#define SKV_CF_CHOL_THREADS 256 /* >= SKV_CF_CHOL_MAXT (SKV_CF_CHOL_MAXT + 1) / 2 tiles */
+#define SKV_CF_CHOL_RING (2 * SKV_CF_CHOL_TILE) /* published columns in flight */
 #if SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT < SKV_FACTOR_FAST_MAX_R
 #error "the Cholesky kernel's tiles do not cover SKV_FACTOR_FAST_MAX_R"
 #endif
 
-/* Offset of row k of a packed row-major upper triangle of order p. */
-static __host__ __device__ __forceinline__ int64_t skv_cf_packed(int32_t k, int32_t p)
-{
-    return (int64_t)k * p - (int64_t)k * (k - 1) / 2;
-}
-
 /*
- * Shifted, floored Cholesky of one p x p block (p <= SKV_FACTOR_FAST_MAX_R), one
+ * Shifted, floored Cholesky of one p x p block in place (p <= SKV_FACTOR_FAST_MAX_R), one
  * block of SKV_CF_CHOL_THREADS threads:
- *   c    the symmetric p x p matrix (column-major, the lower triangle is read);
- *   s    check = 0: skv_factor_shift(d, p, tr c) (Cholesky QR of Y^T Y);
- *        check = 1: delta + skv_factor_rq_shift(tr c + p delta), delta =
+ *   c    in: the symmetric matrix C (column-major, the lower triangle is read);
+ *        out: R in the upper triangle (C + s I = R^T R; the strict lower triangle keeps C);
+ *   s    check = 0: skv_factor_shift(d, p, tr C) (Cholesky QR of Y^T Y);
+ *        check = 1: delta + skv_factor_rq_shift(tr C + p delta), delta =
  *        SKV_FACTOR_GRAM_SHIFT32 tr(g) for the d x d Gram g (H = X^T G X);
- *   rp   R (upper, C + s I = R^T R), packed by rows (skv_cf_packed), and
- *   dinv 1 / R_kk for the triangular solve;
  *   info 0, or k + 1 for the first pivot that is not finite.
- * Pivots below SKV_FACTOR_PIVOT_FLOOR (tr c + p s) are raised to it (NaN too), as
- * in the cpu backend, so R always exists. Right-looking, one column per step and
- * one barrier per step: thread t holds one 8 x 8 tile of the lower triangle in
- * registers (tiles numbered down the columns, so whole warps retire as the
- * factorization moves right); the tiles holding column k + 1 publish it, after
- * their update of step k, to the buffer that step k + 1 reads. p dependent steps:
- * latency-bound (cuSOLVER's potrf, 5 panels of 3 small kernels at p = 160, took
- * ~175 us per call; bench/results has this kernel's time).
+ * Pivots below SKV_FACTOR_PIVOT_FLOOR (tr C + p s) are raised to it (NaN too), as in the
+ * cpu backend, so R always exists.
+ *
+ * Right-looking, one column per step, with lookahead: thread t holds one 8 x 8 tile of the
+ * lower triangle in registers (tiles numbered down the columns, so whole warps retire as
+ * the factorization moves right). At step k every thread reads column k (as updated by
+ * steps < k) from a ring of published columns, and updates its tile; the tiles holding
+ * column k + 1 update that column first and publish it (values, then a per-column count
+ * of publishers), so step k + 1 can start before the rest of the trailing update of step k
+ * is done. A barrier every SKV_CF_CHOL_TILE steps bounds how far threads drift apart, which
+ * makes a ring of SKV_CF_CHOL_RING columns safe to reuse. The chain of p dependent steps is
+ * the cost (cuSOLVER's potrf, 5 panels of 3 small kernels at p = 160, took ~175 us).
  */
 static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
-    skv_cf_chol(const double *__restrict__ c, int32_t p, int32_t d, int check, const double *__restrict__ g,
-                double *__restrict__ rp, double *__restrict__ dinv, int *__restrict__ info)
+    skv_cf_chol(double *__restrict__ c, int32_t p, int32_t d, int check, const double *__restrict__ g,
+                int *__restrict__ info)
 {
-    constexpr int T = SKV_CF_CHOL_TILE;
-    __shared__ double buf[2][SKV_CF_CHOL_MAXT * T];
+    constexpr int T = SKV_CF_CHOL_TILE, RING = SKV_CF_CHOL_RING;
+    __shared__ double ring[RING][SKV_CF_CHOL_MAXT * T];
+    __shared__ int count[SKV_FACTOR_FAST_MAX_R]; /* publishers of column k so far */
     __shared__ double red[SKV_CF_CHOL_THREADS / 32];
+    __shared__ int first_bad;
     const int tid = threadIdx.x, nt = (p + T - 1) / T;
+    for (int k = tid; k < SKV_FACTOR_FAST_MAX_R; k += SKV_CF_CHOL_THREADS) count[k] = 0;
+    if (tid == 0) first_bad = INT_MAX;
 
     /* the shift and the floor (fixed-order block sums: every thread gets the same values) */
     double tc = 0.0, tg = 0.0, s;
     for (int32_t j = tid; j < p; j += SKV_CF_CHOL_THREADS) tc += c[(size_t)j * p + j];
-    tc = skv_cf_sum256(tc, red);
+    tc = skv_cf_sum256(tc, red); /* (its barrier also orders the count reset) */
     if (check) {
         __syncthreads(); /* red is reused */
         for (int32_t i = tid; i < d; i += SKV_CF_CHOL_THREADS) tg += g[(size_t)i * d + i];
@@ -432,119 +432,81 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
             if (active && i < p && j < p) v = c[(size_t)j * p + i] + (i == j ? s : 0.0);
             a[ii][jj] = v;
         }
-    if (active && J == 0)
+    __syncthreads(); /* every read of c is done before R overwrites its upper triangle */
+    if (active && J == 0) {
 #pragma unroll
-        for (int ii = 0; ii < T; ii++) buf[0][I * T + ii] = a[ii][0];
-    __syncthreads();
+        for (int ii = 0; ii < T; ii++) ring[0][I * T + ii] = a[ii][0];
+        __threadfence_block();
+        atomicAdd(&count[0], 1);
+    }
 
-    int bad = 0;
+    const volatile int *vcount = count;
     for (int32_t k = 0; k < p; k++) {
-        const double *col = buf[k & 1];
+        if (k % T == 0 && k > 0) __syncthreads(); /* drift < T steps: the ring slot of k + 1 is free */
+        const int kt = k / T;
+        if (!active || J < kt) continue; /* this tile is final */
+        while (vcount[k] < nt - kt) {
+        }
+        __threadfence_block();
+        const volatile double *col = ring[k % RING];
         const double raw = col[k];
-        if (!bad && !isfinite(raw)) bad = k + 1;
+        if (I == kt && J == kt && !isfinite(raw)) atomicMin(&first_bad, k + 1);
         const double piv = raw >= flr ? raw : flr;
         const double inv = rsqrt(piv);
-        /* row k of R */
-        if (tid < p - k) rp[skv_cf_packed(k, p) + tid] = tid == 0 ? piv * inv : col[k + tid] * inv;
-        if (tid == 0) dinv[k] = inv;
-        /* trailing update of the tiles right of column k */
-        if (active && J * T + T - 1 > k) {
-            double li[T], lj[T];
+        double li[T], lj[T];
 #pragma unroll
-            for (int q = 0; q < T; q++) li[q] = col[I * T + q] * inv, lj[q] = col[J * T + q] * inv;
+        for (int q = 0; q < T; q++) li[q] = col[I * T + q] * inv, lj[q] = col[J * T + q] * inv;
+        if (J == kt) { /* row k of R: R[k][i] = L[i][k], i >= k, in the rows of my tile */
+#pragma unroll
+            for (int q = 0; q < T; q++) {
+                const int i = I * T + q;
+                if (i > k && i < p) c[(size_t)i * p + k] = li[q];
+            }
+            if (I == kt) c[(size_t)k * p + k] = piv * inv;
+        }
+        const int kn = k + 1, jn = kn - J * T; /* column k + 1 within my tile, if 0 <= jn < T */
+        if (kn < p && jn >= 0 && jn < T) {
+            /* publish column k + 1 first */
+            double *nb = (double *)ring[kn % RING];
+#pragma unroll
+            for (int jj = 0; jj < T; jj++)
+                if (jj == jn)
+#pragma unroll
+                    for (int ii = 0; ii < T; ii++) {
+                        a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
+                        nb[I * T + ii] = a[ii][jj];
+                    }
+            __threadfence_block();
+            atomicAdd(&count[kn], 1);
+            /* then the columns right of it */
+#pragma unroll
+            for (int jj = 0; jj < T; jj++)
+                if (jj > jn)
+#pragma unroll
+                    for (int ii = 0; ii < T; ii++) a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
+        } else if (J > kt) {
 #pragma unroll
             for (int ii = 0; ii < T; ii++)
 #pragma unroll
                 for (int jj = 0; jj < T; jj++) a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
-            /* publish column k + 1 */
-            const int kn = k + 1;
-            if (kn < p && J == kn / T) {
-                double *nb = buf[kn & 1];
-                const int jn = kn % T;
-#pragma unroll
-                for (int jj = 0; jj < T; jj++)
-                    if (jj == jn)
-#pragma unroll
-                        for (int ii = 0; ii < T; ii++) nb[I * T + ii] = a[ii][jj];
-            }
         }
-        __syncthreads();
     }
-    if (tid == 0) *info = bad;
-}
-
-/*
- * v <- v R^-1 in place: v column-major [m, p] (ld), R from skv_cf_chol (rp, dinv). One
- * warp per row of v (forward substitution along the row, lane l holding columns
- * l, l + 32, ...), SKV_CF_TRSM_ROWS rows per block, R packed in shared memory
- * (skv_cf_trsm_smem bytes, set as the kernel's limit at create).
- */
-#define SKV_CF_TRSM_ROWS 8
-#define SKV_CF_TRSM_SLOTS ((SKV_FACTOR_FAST_MAX_R + 31) / 32)
-
-static size_t skv_cf_trsm_smem(int32_t p)
-{
-    return ((size_t)skv_cf_packed(p, p) + (size_t)p) * sizeof(double);
-}
-
-static __global__ void __launch_bounds__(32 * SKV_CF_TRSM_ROWS)
-    skv_cf_trsm(double *__restrict__ v, int64_t m, int64_t ld, int32_t p, const double *__restrict__ rp,
-                const double *__restrict__ dinv)
-{
-    extern __shared__ double sm[];
-    const int64_t np = skv_cf_packed(p, p);
-    double *sr = sm, *sd = sm + np;
-    for (int64_t e = threadIdx.x; e < np; e += blockDim.x) sr[e] = rp[e];
-    for (int e = threadIdx.x; e < p; e += blockDim.x) sd[e] = dinv[e];
     __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)blockIdx.x * SKV_CF_TRSM_ROWS + (threadIdx.x >> 5);
-    if (row >= m) return;
-    double y[SKV_CF_TRSM_SLOTS];
-#pragma unroll
-    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
-        const int col = lane + 32 * q;
-        y[q] = col < p ? v[row + col * ld] : 0.0;
-    }
-#pragma unroll
-    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
-        const int j0 = 32 * q;
-        if (j0 >= p) break;
-        const int jn = p - j0 < 32 ? p - j0 : 32;
-        for (int jl = 0; jl < jn; jl++) {
-            const int j = j0 + jl;
-            const double x = __shfl_sync(0xffffffffu, y[q], jl) * sd[j];
-            if (lane == jl) y[q] = x;
-            const double *rj = sr + skv_cf_packed(j, p) - j; /* rj[col] = R[j][col], col >= j */
-            if (lane > jl && lane + j0 < p) y[q] = fma(-x, rj[lane + j0], y[q]);
-#pragma unroll
-            for (int t = q + 1; t < SKV_CF_TRSM_SLOTS; t++) {
-                const int col = lane + 32 * t;
-                if (col < p) y[t] = fma(-x, rj[col], y[t]);
-            }
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < SKV_CF_TRSM_SLOTS; q++) {
-        const int col = lane + 32 * q;
-        if (col < p) v[row + col * ld] = y[q];
-    }
+    if (tid == 0) *info = first_bad == INT_MAX ? 0 : first_bad;
 }
 
 /*
- * The check (lib/skv_factor.h step 4): R from skv_cf_chol (H + s_H I = R^T R, packed) and
- * z = R^-1 (p x p column-major, upper). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets
- * state->fallback. One block of 1024 threads.
+ * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
+ * upper, column-major). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block
+ * of 1024 threads.
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rp, const double *__restrict__ z,
-                                                            int32_t p, int mode, skv_cf_state *state)
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
+                                                            int32_t r, int mode, skv_cf_state *state)
 {
     double a = 0.0, b = 0.0;
-    const int64_t np = skv_cf_packed(p, p);
-    for (int64_t e = threadIdx.x; e < np; e += blockDim.x) a += rp[e] * rp[e];
-    for (int64_t e = threadIdx.x; e < (int64_t)p * p; e += blockDim.x) {
-        int64_t i = e % p, j = e / p;
-        if (i <= j) b += z[e] * z[e];
+    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
+        int64_t i = e % r, j = e / r;
+        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
     }
     skv_cf_reduce2(a, b);
     if (threadIdx.x == 0) {
@@ -657,7 +619,6 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->blas_ws);
     cudaFree(f->state);
     cudaFree(f->qs);
-    cudaFree(f->rp);
     cudaFree(f->c);
     cudaFree(f->y);
     cudaFree(f->x);
@@ -756,12 +717,6 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
-        if ((s = skv_cf_alloc((void **)&f->rp, sz.rp_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
-        /* the triangular solve keeps R in shared memory (~100 KiB at r = 160) */
-        cudaError_t e = cudaFuncSetAttribute(skv_cf_trsm, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)skv_cf_trsm_smem(r));
-        if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (triangular solve shared memory)", msg, cap)) != SKV_OK)
-            goto fail;
         if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
     }
     {
@@ -922,24 +877,21 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
-/* The Cholesky factor of c (+ the shift) into f->rp; check: H's shift (skv_cf_chol). */
+/* c <- R (upper) with c + s I = R^T R, the shift as skv_cf_chol documents (check: H's). */
 static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int *info, char *msg, size_t cap)
 {
-    const int32_t r = f->r;
-    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, 0, f->st>>>(f->c, r, f->d, check, f->gd, f->rp,
-                                                      f->rp + skv_cf_packed(r, r), info);
+    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, 0, f->st>>>(f->c, f->r, f->d, check, f->gd, info);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
     return SKV_OK;
 }
 
-/* v [m, r] (ld) <- v R^-1 with R in f->rp. */
-static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int64_t m, int64_t ld, char *msg, size_t cap)
+/* v [m, r] (ld) <- v R^-1 with R = the upper triangle of f->c. */
+static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int m, int ld, char *msg, size_t cap)
 {
-    const int32_t r = f->r;
-    const unsigned blocks = (unsigned)((m + SKV_CF_TRSM_ROWS - 1) / SKV_CF_TRSM_ROWS);
-    skv_cf_trsm<<<blocks, 32 * SKV_CF_TRSM_ROWS, skv_cf_trsm_smem(r), f->st>>>(v, m, ld, r, f->rp,
-                                                                              f->rp + skv_cf_packed(r, r));
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
+    const double one = 1.0;
+    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                  CUBLAS_DIAG_NON_UNIT, m, f->r, &one, f->c, f->r, v, ld),
+                      "cublasDtrsm (Y R^-1)");
     return SKV_OK;
 }
 
@@ -954,7 +906,7 @@ static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *ms
                                   &zero, f->c, (int)r),
                       "cublasDgemm (Y^T Y)");
     if ((s = skv_cf_factor(f, 0, info, msg, cap)) != SKV_OK) return s;
-    return skv_cf_solve(f, v, d, d, msg, cap);
+    return skv_cf_solve(f, v, (int)d, (int)d, msg, cap);
 }
 
 /* y = G x (d x r, double). */
@@ -967,7 +919,7 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
     return SKV_OK;
 }
 
-/* The check of step 4: H = x^T G x + s_H I = R^T R (in rp), z = R^-1 (in y, as r x r), rho. */
+/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
 static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
                                    size_t cap)
 {
@@ -981,7 +933,7 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
     if ((s = skv_cf_solve(f, y, r, r, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->rp, y, r, mode, f->state);
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }

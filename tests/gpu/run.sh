@@ -108,6 +108,7 @@ if [ "$T_TESTS" = prefill ]; then
 fi
 if [ "$T_TESTS" = probe ]; then
   run_test test_accuracy build/tests/test_accuracy
+  run_test test_e2e build/tests/test_e2e
 fi
 if [ "$T_TESTS" = factor ]; then
   run_test test_accuracy build/tests/test_accuracy
