@@ -59,7 +59,7 @@ LIBS     += $(CUDA_LIBS)
 LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) $(C_CUDA_SRC)
 LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC)) $(CU_OBJ)
 HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
-            $(wildcard cuda/*.h)
+            $(wildcard cuda/*.h) $(wildcard cuda/*.cuh)
 
 COMMON_SRC := $(wildcard tests/common/*.c)
 COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC))

@@ -11,13 +11,15 @@
  *      Gram one bf16 tensor-core GEMM with fp32 accumulation and output (bf16
  *      products are exact in fp32), a batch of blocks per strided batched
  *      GEMM, the block Grams summed in double in a fixed order.
- *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(orth(G X)):
+ *   2. X_0 = skv_factor_start; SKV_FACTOR_ITERS times X <- orth(orth(G X))
+ *      (orth_e(G X), one equilibrated pass, after SKV_FACTOR_TWO_PASS_ITERS):
  *      DGEMMs (G X, Y^T Y), then the project's own kernels for the r x r
- *      Cholesky (cuSOLVER's potrf was latency-bound at ~175 us per call, most
- *      of the route's time): skv_cf_chol (shift, floored Cholesky, one block),
- *      then DTRSM (Y R^-1), all fp64.
+ *      Cholesky and solve (cuSOLVER's potrf was latency-bound at ~175 us per
+ *      call, most of the route's time): skv_cf_chol (shift, floored Cholesky,
+ *      one block) and skv_cf_solve_lt (Y R^-1), on the fp64 tensor cores
+ *      (cuda/skv_cuda_chol.cuh).
  *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T (G + delta I)
- *      X + s_H I = R^T R, R^-1 (DTRSM on I), and skv_cf_check decides on the device
+ *      X + s_H I = R^T R, R^-1 (the solve on I), and skv_cf_check decides on the device
  *      whether the double Gram is needed. The fallback kernels always launch
  *      and return at once unless the flag is set: the fallback Gram sums every
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
@@ -48,7 +50,8 @@
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
  *                              float; FAST: the fallback's partial sums
  *   x, y    double [d, r]      the iterate and G X (FAST)
- *   c       double [r, r]      Y^T Y and its Cholesky factor (FAST)
+ *   c       double [r, r]      Y^T Y (FAST)
+ *   lt      double [~r^2 / 2]  its Cholesky factor in 8 x 8 tiles (FAST)
  *   qs      bf16 [3, d, r]     the split of Q (FAST)
  *   infos   int [SKV_CF_NINFO] solver / Cholesky infos of one call; state: the check
  *   blas_ws 32 MiB             cuBLAS workspace (set with cublasSetWorkspace,
@@ -76,6 +79,7 @@
 #include "skv_numerics.h"
 
 #include "skv_factor.h"
+#include "skv_cuda_chol.cuh"
 
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
 /* Rows (n >= d) or columns (n < d) per fp32 Gram block: each block's Gram is exact products
@@ -114,6 +118,7 @@ struct skv_cuda_factor {
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
     double *x, *y, *c;
+    double *lt; /* [SKV_CF_LT_DOUBLES(ceil(r / 8)) + 1]: the tiled Cholesky factor (skv_cuda_chol.cuh) */
     skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
@@ -128,7 +133,7 @@ struct skv_cuda_factor {
 typedef struct skv_cf_sizes {
     int64_t m_max, proj_rows, gram_batch;
     int fast_ok;
-    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, qs_bytes, total;
+    size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, lt_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
 /* 0 on invalid arguments or size_t overflow. */
@@ -156,7 +161,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     } else {
         s->gram_batch = 1;
     }
-    s->xy_bytes = s->c_bytes = s->qs_bytes = 0;
+    s->xy_bytes = s->c_bytes = s->lt_bytes = s->qs_bytes = 0;
     if (s->fast_ok) {
         size_t part;
         if (!skv_mul_size((size_t)d, (size_t)d, &dd) || !skv_mul_size(dd, SKV_CF_SPLITS * sizeof(double), &part))
@@ -164,6 +169,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         if (part > s->scratch_bytes) s->scratch_bytes = part;
         if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
         s->c_bytes = (size_t)r * r * sizeof(double);
+        s->lt_bytes = (SKV_CF_LT_DOUBLES((r + 7) / 8) + 1 + (size_t)r) * sizeof(double);
         if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
@@ -172,7 +178,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_add_size(t, s->evals_bytes, &t)) return 0;
     if (!skv_add_size(t, s->scratch_bytes, &t)) return 0;
     if (!skv_add_size(t, 2 * s->xy_bytes, &t)) return 0;
-    if (!skv_add_size(t, s->c_bytes + s->qs_bytes, &t)) return 0;
+    if (!skv_add_size(t, s->c_bytes + s->lt_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
     s->total = t;
@@ -318,17 +324,6 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
         x[e] = skv_factor_start(e % d, e / d, r);
 }
 
-/* Fixed-order sum over a block of 256 threads (8 warps). */
-static __device__ double skv_cf_sum256(double v, double *red)
-{
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int w = 0; w < 8; w++) t += red[w];
-    return t;
-}
-
 /* Fixed-order block reduction of two sums (blockDim.x == 1024). */
 static __device__ void skv_cf_reduce2(double &a, double &b)
 {
@@ -354,161 +349,23 @@ static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
         z[e] = e % r == e / r ? 1.0 : 0.0;
 }
 
-/* ---- the shifted Cholesky of the FAST route --------------------------------------------------- */
-
-/* Tiles of the Cholesky kernel: r <= SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT = SKV_FACTOR_FAST_MAX_R. */
-#define SKV_CF_CHOL_TILE 8
-#define SKV_CF_CHOL_MAXT 20
-#define SKV_CF_CHOL_THREADS 256 /* >= SKV_CF_CHOL_MAXT (SKV_CF_CHOL_MAXT + 1) / 2 tiles */
-#define SKV_CF_CHOL_RING (2 * SKV_CF_CHOL_TILE) /* published columns in flight */
-#if SKV_CF_CHOL_TILE * SKV_CF_CHOL_MAXT < SKV_FACTOR_FAST_MAX_R
-#error "the Cholesky kernel's tiles do not cover SKV_FACTOR_FAST_MAX_R"
-#endif
+/* ---- the shifted Cholesky of the FAST route (cuda/skv_cuda_chol.cuh) ------------------------ */
 
 /*
- * Shifted, floored Cholesky of one p x p block in place (p <= SKV_FACTOR_FAST_MAX_R), one
- * block of SKV_CF_CHOL_THREADS threads:
- *   c    in: the symmetric matrix C (column-major, the lower triangle is read);
- *        out: R in the upper triangle (C + s I = R^T R; the strict lower triangle keeps C);
- *   s    check = 0: skv_factor_shift(d, p, tr C) (Cholesky QR of Y^T Y);
- *        check = 1: delta + skv_factor_rq_shift(tr C + p delta), delta =
- *        SKV_FACTOR_GRAM_SHIFT32 tr(g) for the d x d Gram g (H = X^T G X);
- *   info 0, or k + 1 for the first pivot that is not finite.
- * Pivots below SKV_FACTOR_PIVOT_FLOOR (tr C + p s) are raised to it (NaN too), as in the
- * cpu backend, so R always exists.
- *
- * Right-looking, one column per step, with lookahead: thread t holds one 8 x 8 tile of the
- * lower triangle in registers (tiles numbered down the columns, so whole warps retire as
- * the factorization moves right). At step k every thread reads column k (as updated by
- * steps < k) from a ring of published columns, and updates its tile; the tiles holding
- * column k + 1 update that column first and publish it (values, then a per-column count
- * of publishers), so step k + 1 can start before the rest of the trailing update of step k
- * is done. A barrier every SKV_CF_CHOL_TILE steps bounds how far threads drift apart, which
- * makes a ring of SKV_CF_CHOL_RING columns safe to reuse. The chain of p dependent steps is
- * the cost (cuSOLVER's potrf, 5 panels of 3 small kernels at p = 160, took ~175 us).
+ * The check (lib/skv_factor.h step 4): fro2 = ||L||_F^2 = ||R||_F^2 from skv_cf_chol with
+ * H + s_H I = R^T R, the upper triangle of z is R^-1 (r x r, column-major).
+ * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
  */
-static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
-    skv_cf_chol(double *__restrict__ c, int32_t p, int32_t d, int check, const double *__restrict__ g,
-                int *__restrict__ info)
-{
-    constexpr int T = SKV_CF_CHOL_TILE, RING = SKV_CF_CHOL_RING;
-    __shared__ double ring[RING][SKV_CF_CHOL_MAXT * T];
-    __shared__ int count[SKV_FACTOR_FAST_MAX_R]; /* publishers of column k so far */
-    __shared__ double red[SKV_CF_CHOL_THREADS / 32];
-    __shared__ int first_bad;
-    const int tid = threadIdx.x, nt = (p + T - 1) / T;
-    for (int k = tid; k < SKV_FACTOR_FAST_MAX_R; k += SKV_CF_CHOL_THREADS) count[k] = 0;
-    if (tid == 0) first_bad = INT_MAX;
-
-    /* the shift and the floor (fixed-order block sums: every thread gets the same values) */
-    double tc = 0.0, tg = 0.0, s;
-    for (int32_t j = tid; j < p; j += SKV_CF_CHOL_THREADS) tc += c[(size_t)j * p + j];
-    tc = skv_cf_sum256(tc, red); /* (its barrier also orders the count reset) */
-    if (check) {
-        __syncthreads(); /* red is reused */
-        for (int32_t i = tid; i < d; i += SKV_CF_CHOL_THREADS) tg += g[(size_t)i * d + i];
-        tg = skv_cf_sum256(tg, red);
-        const double delta = SKV_FACTOR_GRAM_SHIFT32 * tg;
-        s = delta + skv_factor_rq_shift(tc + p * delta);
-    } else {
-        s = skv_factor_shift(d, p, tc);
-    }
-    const double flr = SKV_FACTOR_PIVOT_FLOOR * (tc + p * s);
-
-    /* my tile (I, J), I >= J, numbered down the columns */
-    int I = 0, J = 0, t = tid;
-    const int active = tid < nt * (nt + 1) / 2;
-    if (active) {
-        while (t >= nt - J) t -= nt - J, J++;
-        I = J + t;
-    }
-    double a[T][T];
-#pragma unroll
-    for (int ii = 0; ii < T; ii++)
-#pragma unroll
-        for (int jj = 0; jj < T; jj++) {
-            const int i = I * T + ii, j = J * T + jj;
-            double v = i == j ? 1.0 : 0.0; /* padding beyond p: the identity */
-            if (active && i < p && j < p) v = c[(size_t)j * p + i] + (i == j ? s : 0.0);
-            a[ii][jj] = v;
-        }
-    __syncthreads(); /* every read of c is done before R overwrites its upper triangle */
-    if (active && J == 0) {
-#pragma unroll
-        for (int ii = 0; ii < T; ii++) ring[0][I * T + ii] = a[ii][0];
-        __threadfence_block();
-        atomicAdd(&count[0], 1);
-    }
-
-    const volatile int *vcount = count;
-    for (int32_t k = 0; k < p; k++) {
-        if (k % T == 0 && k > 0) __syncthreads(); /* drift < T steps: the ring slot of k + 1 is free */
-        const int kt = k / T;
-        if (!active || J < kt) continue; /* this tile is final */
-        while (vcount[k] < nt - kt) {
-        }
-        __threadfence_block();
-        const volatile double *col = ring[k % RING];
-        const double raw = col[k];
-        if (I == kt && J == kt && !isfinite(raw)) atomicMin(&first_bad, k + 1);
-        const double piv = raw >= flr ? raw : flr;
-        const double inv = rsqrt(piv);
-        double li[T], lj[T];
-#pragma unroll
-        for (int q = 0; q < T; q++) li[q] = col[I * T + q] * inv, lj[q] = col[J * T + q] * inv;
-        if (J == kt) { /* row k of R: R[k][i] = L[i][k], i >= k, in the rows of my tile */
-#pragma unroll
-            for (int q = 0; q < T; q++) {
-                const int i = I * T + q;
-                if (i > k && i < p) c[(size_t)i * p + k] = li[q];
-            }
-            if (I == kt) c[(size_t)k * p + k] = piv * inv;
-        }
-        const int kn = k + 1, jn = kn - J * T; /* column k + 1 within my tile, if 0 <= jn < T */
-        if (kn < p && jn >= 0 && jn < T) {
-            /* publish column k + 1 first */
-            double *nb = (double *)ring[kn % RING];
-#pragma unroll
-            for (int jj = 0; jj < T; jj++)
-                if (jj == jn)
-#pragma unroll
-                    for (int ii = 0; ii < T; ii++) {
-                        a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
-                        nb[I * T + ii] = a[ii][jj];
-                    }
-            __threadfence_block();
-            atomicAdd(&count[kn], 1);
-            /* then the columns right of it */
-#pragma unroll
-            for (int jj = 0; jj < T; jj++)
-                if (jj > jn)
-#pragma unroll
-                    for (int ii = 0; ii < T; ii++) a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
-        } else if (J > kt) {
-#pragma unroll
-            for (int ii = 0; ii < T; ii++)
-#pragma unroll
-                for (int jj = 0; jj < T; jj++) a[ii][jj] = fma(-li[ii], lj[jj], a[ii][jj]);
-        }
-    }
-    __syncthreads();
-    if (tid == 0) *info = first_bad == INT_MAX ? 0 : first_bad;
-}
-
-/*
- * The check (lib/skv_factor.h step 4): rc = R with H + s_H I = R^T R, z = R^-1 (both r x r,
- * upper, column-major). rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block
- * of 1024 threads.
- */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ rc, const double *__restrict__ z,
+static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ fro2, const double *__restrict__ z,
                                                             int32_t r, int mode, skv_cf_state *state)
 {
     double a = 0.0, b = 0.0;
     for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
         int64_t i = e % r, j = e / r;
-        if (i <= j) a += rc[e] * rc[e], b += z[e] * z[e];
+        if (i <= j) b += z[e] * z[e];
     }
     skv_cf_reduce2(a, b);
+    a = *fro2;
     if (threadIdx.x == 0) {
         double rho = 1.0 / (a * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
@@ -619,6 +476,7 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->blas_ws);
     cudaFree(f->state);
     cudaFree(f->qs);
+    cudaFree(f->lt);
     cudaFree(f->c);
     cudaFree(f->y);
     cudaFree(f->x);
@@ -717,6 +575,14 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->x, sz.xy_bytes, "iterate X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->y, sz.xy_bytes, "iterate G X", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
+        if ((s = skv_cf_alloc((void **)&f->lt, sz.lt_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
+        /* both kernels keep the tiled factor in shared memory (~115 KiB at r = 160) */
+        cudaError_t e = cudaFuncSetAttribute(skv_cf_chol<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)skv_cf_chol_smem(r));
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(skv_cf_solve_lt, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)skv_cf_solve_smem(r));
+        if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (Cholesky shared memory)", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
     }
     {
@@ -877,26 +743,28 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
     return SKV_OK;
 }
 
-/* c <- R (upper) with c + s I = R^T R, the shift as skv_cf_chol documents (check: H's). */
-static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int *info, char *msg, size_t cap)
+/* f->lt <- L (tiled) with c + s I = L L^T, the shift as skv_cf_chol documents (check: H's). */
+static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int scaled, int *info, char *msg, size_t cap)
 {
-    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, 0, f->st>>>(f->c, f->r, f->d, check, f->gd, info);
+    skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(f->r), f->st>>>(f->c, f->r, f->d, check, scaled, f->gd,
+                                                                              f->lt, info);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
     return SKV_OK;
 }
 
-/* v [m, r] (ld) <- v R^-1 with R = the upper triangle of f->c. */
-static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int m, int ld, char *msg, size_t cap)
+/* v [m, r] (ld) <- v R^-1 = v L^-T with L in f->lt (scaled: v D L^-T). */
+static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int m, int ld, int scaled, char *msg, size_t cap)
 {
-    const double one = 1.0;
-    SKV_CF_CHECK_BLAS(cublasDtrsm(f->blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                  CUBLAS_DIAG_NON_UNIT, m, f->r, &one, f->c, f->r, v, ld),
-                      "cublasDtrsm (Y R^-1)");
+    const unsigned blocks = (unsigned)((m + 8 * SKV_CF_SOLVE_WARPS - 1) / (8 * SKV_CF_SOLVE_WARPS));
+    skv_cf_solve_lt<<<blocks, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(f->r), f->st>>>(v, m, ld, f->r, f->lt,
+                                                                                         scaled);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
     return SKV_OK;
 }
 
-/* orth(v) in place (lib/skv_factor.h): C = v^T v, R = chol(C + sI) (info -> *info), v = v R^-1. */
-static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *msg, size_t cap)
+/* orth(v) in place (lib/skv_factor.h): C = v^T v, R = chol(C + sI) (info -> *info), v = v R^-1;
+   scaled: orth_e(v) = v D R^-1 with D C D + s I = R^T R. */
+static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int scaled, int *info, char *msg, size_t cap)
 {
     const int64_t d = f->d, r = f->r;
     const double one = 1.0, zero = 0.0;
@@ -905,8 +773,8 @@ static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int *info, char *ms
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)r, (int)r, (int)d, &one, v, (int)d, v, (int)d,
                                   &zero, f->c, (int)r),
                       "cublasDgemm (Y^T Y)");
-    if ((s = skv_cf_factor(f, 0, info, msg, cap)) != SKV_OK) return s;
-    return skv_cf_solve(f, v, (int)d, (int)d, msg, cap);
+    if ((s = skv_cf_factor(f, 0, scaled, info, msg, cap)) != SKV_OK) return s;
+    return skv_cf_solve(f, v, (int)d, (int)d, scaled, msg, cap);
 }
 
 /* y = G x (d x r, double). */
@@ -919,7 +787,7 @@ static skv_status skv_cf_apply(skv_cuda_factor *f, const double *x, double *y, c
     return SKV_OK;
 }
 
-/* The check of step 4: H = x^T G x + s_H I = R^T R (in c), z = R^-1 (in y, as r x r), rho. */
+/* The check of step 4: H = x^T G x + s_H I = L L^T (in c), z = R^-1 = L^-T (in y, as r x r), rho. */
 static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *y, int mode, int *info, char *msg,
                                    size_t cap)
 {
@@ -929,11 +797,11 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X, check)");
-    if ((s = skv_cf_factor(f, 1, info, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_factor(f, 1, 0, info, msg, cap)) != SKV_OK) return s;
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
-    if ((s = skv_cf_solve(f, y, r, r, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->c, y, r, mode, f->state);
+    if ((s = skv_cf_solve(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
+    skv_cf_check<<<1, 1024, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }
@@ -952,12 +820,16 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     double *x = f->x, *y = f->y;
     for (int it = 1; it <= SKV_FACTOR_ITERS; it++) {
         if ((s = skv_cf_apply(f, x, y, msg, cap)) != SKV_OK) return s;
-        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
-        if ((s = skv_cf_orth(f, y, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if (it <= SKV_FACTOR_TWO_PASS_ITERS) {
+            if ((s = skv_cf_orth(f, y, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cf_orth(f, y, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        } else if ((s = skv_cf_orth(f, y, 1, f->info + ninfo++, msg, cap)) != SKV_OK) {
+            return s;
+        }
         double *t = x;
         x = y, y = t;
         if (it == SKV_FACTOR_CHECK_AT) {
-            if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cf_orth(f, x, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
             /* its own info slot, the last, not counted as a failure: an indefinite H falls back */
             if ((s = skv_cf_check_rho(f, x, y, (int)mode, f->info + SKV_CF_NINFO - 1, msg, cap)) != SKV_OK) return s;
             /* the fallback Gram: both kernels return at once unless the check set the flag */
@@ -970,8 +842,8 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
         }
     }
-    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
-    if ((s = skv_cf_orth(f, x, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+    if ((s = skv_cf_orth(f, x, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
     skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
     /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
