@@ -1030,7 +1030,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *       Cholesky QR factors Y^T Y, definite whatever G, so the iteration runs
  *       on G and the shift enters the check only, where X is orthonormal and
  *       X^T (G + delta I) X = X^T G X + delta I: the same rho.
- *  4. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), Y = G X (kept for the
+ *  4. After iteration SKV_FACTOR_CHECK_AT (X orthonormal): Y = G X (kept for the
  *     next step), and in AUTO mode H = X^T G X + delta I + s_H I = R^T R with
  *     the double-Gram Rayleigh shift (as cuda computed it), rho = 1 / (|R|_F^2
  *     |R^-1|_F^2) (0 if not finite: pivots floored because the fp32 G left H
@@ -1079,10 +1079,9 @@ static skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const 
         skv_cpu_fx_step(&f, dbl, reuse, it > SKV_FACTOR_TWO_PASS_ITERS);
         reuse = 0;
         if (it != SKV_FACTOR_CHECK_AT) continue;
-        /* the check (step 4): X <- orth(X), y = (G X)^T (the next step's), and in AUTO mode
-           H = X^T (G + delta I) X + s_H I = R^T R (X orthonormal: X^T G X + delta I), s_H the
-           double-Gram Rayleigh shift, pivots floored; rho = 1 / (|R|_F^2 |R^-1|_F^2) */
-        skv_cpu_fx_orth(&f, f.z);
+        /* the check (step 4; X is orthonormal after a two-pass iteration): y = (G X)^T (the next
+           step's), and in AUTO mode H = X^T (G + delta I) X + s_H I = R^T R (X^T G X + delta I),
+           s_H the double-Gram Rayleigh shift, pivots floored; rho = 1 / (|R|_F^2 |R^-1|_F^2) */
         if (mode != SKV_FACTOR_FALLBACK) skv_cpu_fx_apply(&f, dbl);
         double rho = 0.0;
         if (mode == SKV_FACTOR_AUTO) {

@@ -393,7 +393,7 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 /* Blocks of the prefill's value offload (writes to mapped host memory, bound by PCIe):
    the rest of the GPU stays free for the caller's work. SKV_CUDA_OFFLOAD_BLOCKS overrides
    it (0: no cap), for tuning. */
-#define SKV_CUDA_OFFLOAD_BLOCKS 16
+#define SKV_CUDA_OFFLOAD_BLOCKS 8
 #define SKV_CUDA_EV 6 /* start, selected, rebuilt, fetched (side stream), joined, end */
 
 typedef struct {

@@ -6,7 +6,7 @@
  *
  * Both work on 8 x 8 tiles, p <= SKV_FACTOR_FAST_MAX_R padded to nt = ceil(p / 8) tiles:
  * the lower triangle of L in tiles (I, J), I >= J, tile t = I (I + 1) / 2 + J, row-major
- * within a tile, then the inverses of the nt diagonal tiles (lower, row-major):
+ * within a tile with swizzled columns (skv_cf_at), then the inverses of the nt diagonal tiles (lower, row-major):
  * SKV_CF_LT_DOUBLES(nt) doubles, in shared memory and in a global copy for the solve.
  *
  * mma.sync m8n8k4 f64 fragments (a warp): A 8 x 4 row-major, lane l holds A[l / 4][l % 4];
@@ -36,6 +36,11 @@ __device__ __forceinline__ void skv_cf_dmma(double &d0, double &d1, double a, do
 
 __device__ __forceinline__ int skv_cf_tile(int I, int J) { return I * (I + 1) / 2 + J; }
 
+/* Element (i, j) of a tile: row-major with columns XOR-swizzled by 4 in rows 2, 3, 6, 7, so that
+   a fragment's 8 rows x 4 columns fall on distinct bank pairs but for pairs of rows (2 wavefronts,
+   the least for 32 doubles) instead of 4 rows. */
+__host__ __device__ __forceinline__ int skv_cf_at(int i, int j) { return i * 8 + (j ^ ((i << 1) & 4)); }
+
 /*
  * d += sgn * X Z^T for 8 x 8 row-major tiles X, Z (shared memory): D[r][n] += sgn sum_k
  * X[r][k] Z[n][k]. A = X (lane: X[l/4][l%4 + 4h]), B[k][n] = Z[n][k] (lane: Z[l/4][l%4 + 4h]).
@@ -44,8 +49,8 @@ __device__ __forceinline__ void skv_cf_mma_xzt(double &d0, double &d1, const dou
                                                double sgn)
 {
     const int r = lane >> 2, k = lane & 3;
-    skv_cf_dmma(d0, d1, sgn * x[r * 8 + k], z[r * 8 + k]);
-    skv_cf_dmma(d0, d1, sgn * x[r * 8 + k + 4], z[r * 8 + k + 4]);
+    skv_cf_dmma(d0, d1, sgn * x[skv_cf_at(r, k)], z[skv_cf_at(r, k)]);
+    skv_cf_dmma(d0, d1, sgn * x[skv_cf_at(r, k + 4)], z[skv_cf_at(r, k + 4)]);
 }
 
 /*
@@ -63,7 +68,7 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
-            for (int j = 0; j <= i; j++) l[i][j] = a[i * 8 + j];
+            for (int j = 0; j <= i; j++) l[i][j] = a[skv_cf_at(i, j)];
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             const double raw = l[k][k];
@@ -82,7 +87,7 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
 #pragma unroll
         for (int i = 0; i < 8; i++)
 #pragma unroll
-            for (int j = 0; j < 8; j++) a[i * 8 + j] = j <= i ? l[i][j] : 0.0;
+            for (int j = 0; j < 8; j++) a[skv_cf_at(i, j)] = j <= i ? l[i][j] : 0.0;
     }
     __syncwarp();
     bad = __shfl_sync(0xffffffffu, bad, 0);
@@ -93,11 +98,11 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
         for (int i = 0; i < 8; i++) {
             double acc = 0.0;
 #pragma unroll
-            for (int m = 0; m < i; m++) acc = m >= j ? fma(a[i * 8 + m], w[m], acc) : acc;
+            for (int m = 0; m < i; m++) acc = m >= j ? fma(a[skv_cf_at(i, m)], w[m], acc) : acc;
             w[i] = i < j ? 0.0 : i == j ? sinv[i] : -acc * sinv[i];
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++) z[i * 8 + j] = w[i];
+        for (int i = 0; i < 8; i++) z[skv_cf_at(i, j)] = w[i];
     }
     __syncwarp();
     return bad;
@@ -175,17 +180,36 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
         tile_j[t] = (unsigned char)(t - I * (I + 1) / 2);
     }
     __syncthreads();
-    /* the lower triangle of C + s I into the tiles (padding: the identity), a warp per tile:
-       lane l takes rows (l % 8) of columns l / 8 and l / 8 + 4 of the tile */
+    /* the lower triangle of D C D + s I into the tiles (padding: the identity), a warp per tile:
+       lane l takes rows (l % 8) of columns l / 8 and l / 8 + 4 of the tile; every load of a warp
+       issued before its stores */
     const int lr = lane & 7, lc = lane >> 3;
-    for (int t = warp; t < ntiles; t += NW) {
-        const int I = tile_i[t], J = tile_j[t], i = I * 8 + lr;
+    {
+        constexpr int PER = (SKV_CF_TILES(SKV_CF_MAXT) + NW - 1) / NW;
+        double x[PER][2];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int jj = lc + 4 * h, j = J * 8 + jj;
-            double x = i == j ? 1.0 : 0.0;
-            if (i >= j && i < p && j < p) x = c[(size_t)j * p + i] * dsc[i] * dsc[j] + (i == j ? s : 0.0);
-            tl[(size_t)t * 64 + lr * 8 + jj] = i >= j ? x : 0.0;
+        for (int u = 0; u < PER; u++) {
+            const int t = warp + u * NW;
+            const int I = t < ntiles ? tile_i[t] : 0, J = t < ntiles ? tile_j[t] : 0, i = I * 8 + lr;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = J * 8 + lc + 4 * h;
+                x[u][h] = t < ntiles && i >= j && i < p && j < p ? c[(size_t)j * p + i] : 0.0;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PER; u++) {
+            const int t = warp + u * NW;
+            if (t < ntiles) {
+                const int I = tile_i[t], J = tile_j[t], i = I * 8 + lr;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int jj = lc + 4 * h, j = J * 8 + jj;
+                    double v = i == j ? 1.0 : 0.0;
+                    if (i >= j && i < p && j < p) v = x[u][h] * dsc[i] * dsc[j] + (i == j ? s : 0.0);
+                    tl[(size_t)t * 64 + skv_cf_at(lr, jj)] = i >= j ? v : 0.0;
+                }
+            }
         }
     }
     __syncthreads();
@@ -204,8 +228,8 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
             double d0 = 0.0, d1 = 0.0;
             skv_cf_mma_xzt(d0, d1, aip, zpp, lane, 1.0);
             __syncwarp();
-            aip[r * 8 + q2] = d0;
-            aip[r * 8 + q2 + 1] = d1;
+            aip[skv_cf_at(r, q2)] = d0;
+            aip[skv_cf_at(r, q2 + 1)] = d1;
         }
         __syncthreads();
         /* the trailing tiles: A_IJ -= L_IP L_JP^T, P < J <= I. Warp 0 takes the next diagonal
@@ -215,10 +239,10 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
                 const int Q = P + 1;
                 double *aqq = tl + (size_t)skv_cf_tile(Q, Q) * 64;
                 const double *lqp = tl + (size_t)skv_cf_tile(Q, P) * 64;
-                double d0 = aqq[r * 8 + q2], d1 = aqq[r * 8 + q2 + 1];
+                double d0 = aqq[skv_cf_at(r, q2)], d1 = aqq[skv_cf_at(r, q2 + 1)];
                 if (!(SKIP & 2)) skv_cf_mma_xzt(d0, d1, lqp, lqp, lane, -1.0);
-                aqq[r * 8 + q2] = d0;
-                aqq[r * 8 + q2 + 1] = d1;
+                aqq[skv_cf_at(r, q2)] = d0;
+                aqq[skv_cf_at(r, q2 + 1)] = d1;
                 __syncwarp();
                 if (!(SKIP & 1)) {
                     const int bad = skv_cf_chol8(aqq, dinv + (size_t)Q * 64, flr, lane);
@@ -231,11 +255,11 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
             while (J < nt && I >= nt) I += J + 1 - nt, J++;
             while (J < nt) {
                 double *aij = tl + (size_t)skv_cf_tile(I, J) * 64;
-                double d0 = aij[r * 8 + q2], d1 = aij[r * 8 + q2 + 1];
+                double d0 = aij[skv_cf_at(r, q2)], d1 = aij[skv_cf_at(r, q2 + 1)];
                 skv_cf_mma_xzt(d0, d1, tl + (size_t)skv_cf_tile(I, P) * 64, tl + (size_t)skv_cf_tile(J, P) * 64, lane,
                                -1.0);
-                aij[r * 8 + q2] = d0;
-                aij[r * 8 + q2 + 1] = d1;
+                aij[skv_cf_at(r, q2)] = d0;
+                aij[skv_cf_at(r, q2 + 1)] = d1;
                 I += NW - 1;
                 while (J < nt && I >= nt) I += J + 1 - nt, J++;
             }
@@ -247,7 +271,11 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     for (size_t e = tid; e < SKV_CF_LT_DOUBLES(nt); e += NT) lt[e] = sm[e];
     {
         double f = 0.0;
-        for (int e = tid; e < ntiles * 64; e += NT) f += tl[e] * tl[e];
+        for (int e = tid; e < ntiles * 64; e += NT) { /* the p x p part only (not the padding) */
+            const int t = e >> 6, i = tile_i[t] * 8 + ((e & 63) >> 3);
+            const int j = tile_j[t] * 8 + ((e & 7) ^ (((e & 63) >> 2) & 4)); /* skv_cf_at inverted */
+            if (i < p && j < p) f += tl[e] * tl[e];
+        }
         for (int o = 16; o > 0; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
         if (lane == 0) red[warp] = f;
         __syncthreads();
@@ -277,15 +305,15 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
     const int nt = (p + 7) / 8, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t nlt = SKV_CF_LT_DOUBLES(nt);
     const double *tl = sm, *dinv = sm + (size_t)SKV_CF_TILES(nt) * 64;
-    for (size_t e0 = threadIdx.x; e0 < nlt; e0 += 8 * blockDim.x) {
-        double t[8];
+    for (size_t e0 = threadIdx.x; e0 < nlt; e0 += 16 * blockDim.x) {
+        double t[16];
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
+        for (int u = 0; u < 16; u++) {
             const size_t e = e0 + (size_t)u * blockDim.x;
             t[u] = e < nlt ? lt[e] : 0.0;
         }
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
+        for (int u = 0; u < 16; u++) {
             const size_t e = e0 + (size_t)u * blockDim.x;
             if (e < nlt) sm[e] = t[u];
         }
@@ -317,8 +345,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
             double u0 = __shfl_sync(0xffffffffu, t0[j], src0), u1 = __shfl_sync(0xffffffffu, t1[j], src0);
             double w0 = __shfl_sync(0xffffffffu, t0[j], src1), w1 = __shfl_sync(0xffffffffu, t1[j], src1);
             double x0 = 0.0, x1 = 0.0;
-            skv_cf_dmma(x0, x1, slot ? u1 : u0, z[r * 8 + kk]);
-            skv_cf_dmma(x0, x1, slot ? w1 : w0, z[r * 8 + kk + 4]);
+            skv_cf_dmma(x0, x1, slot ? u1 : u0, z[skv_cf_at(r, kk)]);
+            skv_cf_dmma(x0, x1, slot ? w1 : w0, z[skv_cf_at(r, kk + 4)]);
             const int c0 = j * 8 + q2;
             if (row < m && c0 < p) v[row + c0 * ld] = x0;
             if (row < m && c0 + 1 < p) v[row + (c0 + 1) * ld] = x1;
@@ -330,8 +358,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
             for (int k = j + 1; k < SKV_CF_MAXT; k++)
                 if (k < nt) {
                     const double *lkj = tl + (size_t)skv_cf_tile(k, j) * 64;
-                    skv_cf_dmma(t0[k], t1[k], b0, lkj[r * 8 + kk]);
-                    skv_cf_dmma(t0[k], t1[k], b1, lkj[r * 8 + kk + 4]);
+                    skv_cf_dmma(t0[k], t1[k], b0, lkj[skv_cf_at(r, kk)]);
+                    skv_cf_dmma(t0[k], t1[k], b1, lkj[skv_cf_at(r, kk + 4)]);
                 }
         }
     }

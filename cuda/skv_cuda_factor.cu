@@ -18,7 +18,7 @@
  *      call, most of the route's time): skv_cf_chol (shift, floored Cholesky,
  *      one block) and skv_cf_solve_lt (Y R^-1), on the fp64 tensor cores
  *      (cuda/skv_cuda_chol.cuh).
- *   3. After iteration SKV_FACTOR_CHECK_AT: X <- orth(X), H = X^T (G + delta I)
+ *   3. After iteration SKV_FACTOR_CHECK_AT (X orthonormal): H = X^T (G + delta I)
  *      X + s_H I = R^T R, R^-1 (the solve on I), and skv_cf_check decides on the device
  *      whether the double Gram is needed. The fallback kernels always launch
  *      and return at once unless the flag is set: the fallback Gram sums every
@@ -94,7 +94,7 @@
 /* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
 #define SKV_CF_SPLITS 8
 #define SKV_CF_TILE 64
-/* Cholesky factorizations of one FAST call: two per iteration, the check's orth and H (last), the final two. */
+/* Cholesky factorizations of one FAST call, at most: two per iteration, the check's H (last), the final two. */
 #define SKV_CF_NINFO (2 * SKV_FACTOR_ITERS + 4)
 
 /* Device-side state of the FAST route. */
@@ -828,8 +828,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
         }
         double *t = x;
         x = y, y = t;
-        if (it == SKV_FACTOR_CHECK_AT) {
-            if ((s = skv_cf_orth(f, x, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
+        if (it == SKV_FACTOR_CHECK_AT) { /* X is orthonormal after a two-pass iteration */
             /* its own info slot, the last, not counted as a failure: an indefinite H falls back */
             if ((s = skv_cf_check_rho(f, x, y, (int)mode, f->info + SKV_CF_NINFO - 1, msg, cap)) != SKV_OK) return s;
             /* the fallback Gram: both kernels return at once unless the check set the flag */

@@ -36,7 +36,7 @@
  *        X <- G X (X^T G X + s_H I)^-1, was tried: on the fp32 Gram it needs a
  *        shift s_H that damps every direction below it, 2.4e-2 excess on the
  *        benchmark keys; one Cholesky QR pass per step damps the same way.)
- *     4. Check, after iteration SKV_FACTOR_CHECK_AT: X <- orth(X) (now
+ *     4. Check, after iteration SKV_FACTOR_CHECK_AT (a two-pass one, so X is
  *        orthonormal), H = X^T (G + delta I) X + s_H I = R^T R with delta =
  *        SKV_FACTOR_GRAM_SHIFT32 tr G (the fp32 Gram's definiteness margin)
  *        and s_H = skv_factor_rq_shift(tr H), and rho = 1 / (||R||_F^2
@@ -52,7 +52,7 @@
  *        noise floor at the rank boundary) do not.
  *     5. Q = orth(orth(X)); W = Q^T; U = A Q. Cholesky factorizations per call:
  *        2 SKV_FACTOR_TWO_PASS_ITERS + (SKV_FACTOR_ITERS - SKV_FACTOR_TWO_PASS_ITERS)
- *        + 2 (the check) + 2 = 17.
+ *        + 1 (the check) + 2 = 16.
  *   Convergence: on the three test spectra with d = 1024, r = 160, 10 steps
  *   from the random start leave err / opt - 1 at 1.6e-3, 1e-4 and 1.3e-3 in
  *   double (bound 5e-3); on the benchmark keys 2.5e-3..2.7e-3 (20 steps:
@@ -77,7 +77,11 @@
 
 #define SKV_FACTOR_ITERS 10
 #define SKV_FACTOR_TWO_PASS_ITERS 3 /* iterations with two Cholesky QR passes; one equilibrated after */
+
 #define SKV_FACTOR_CHECK_AT 2
+#if SKV_FACTOR_CHECK_AT > SKV_FACTOR_TWO_PASS_ITERS
+#error "the check needs an orthonormal X: its iteration must take two passes"
+#endif
 #define SKV_FACTOR_TAU 1e-9 /* rho below this: the double Gram */
 /* FAST needs r <= this (cuda's Cholesky kernel keeps the r x r block in the registers of one
    thread block; larger ranks take EXACT) */

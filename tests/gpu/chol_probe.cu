@@ -386,7 +386,7 @@ int main()
         for (int j = 0; j < P; j++)
             for (int i = j; i < P; i++) {
                 int I = i / 8, J = j / 8;
-                l[(size_t)j * P + i] = t[(size_t)(I * (I + 1) / 2 + J) * 64 + (i % 8) * 8 + j % 8];
+                l[(size_t)j * P + i] = t[(size_t)(I * (I + 1) / 2 + J) * 64 + skv_cf_at(i % 8, j % 8)];
             }
         return l;
     };

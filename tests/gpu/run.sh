@@ -19,7 +19,7 @@
 #   probe     build, test_cuda and test_accuracy, skv-bench factorize of the cuda
 #             route alone at 16k..128k, the ncu kernel split of one 64k
 #             factorization, and the 32 x 64k demo under several offload grid caps
-#             (SKV_CUDA_OFFLOAD_BLOCKS 16 = the default, 8, 4)
+#             (the default offload grid cap)
 #   prefill   build, the GPU tests (test_contract at 30 configurations),
 #             memcheck of test_cuda, skv-bench factorize at 16k..1M with every
 #             baseline (then `demo` for the demos: together the run behind the
@@ -153,7 +153,7 @@ if [ "$T_FAC" = probe ]; then
   timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     build/skv-bench factorize --backends cuda --n 65536 --reps 1 --no-baseline 2>/dev/null |
     grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' | tail -80
-  for OB in 16 8 4; do
+  for OB in 8; do
     stamp "demo: 32 layers, one 65536-token sequence, SKV_CUDA_OFFLOAD_BLOCKS=$OB"
     SKV_CUDA_OFFLOAD_BLOCKS=$OB timeout 100 build/demo --backend cuda --layers 32 --ctx 65536 --steps 8 --share-layers 2>&1 |
       grep -v "demo: " | tail -14
