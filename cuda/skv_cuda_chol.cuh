@@ -115,7 +115,8 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
  *   scaled  1: equilibrate first (lib/skv_factor.h orth_e): C <- D C D, D = diag(C)^-1/2
  *        (1 where C_jj = 0), then the shift and the floor of that matrix;
  *   lt   out: L (C + s I = L L^T) and the inverses of its diagonal tiles, tiled (see the
- *        top of the file), then ||L||_F^2, then D (p doubles, 1 when not scaled):
+ *        top of the file), then ||L||_F^2 (check = 1; else 0), then D (p doubles, 1 when
+ *        not scaled):
  *        SKV_CF_LT_DOUBLES(nt) + 1 + p doubles;
  *   s    check = 0: skv_factor_shift(d, p, tr C) (Cholesky QR of Y^T Y);
  *        check = 1: delta + skv_factor_rq_shift(tr C + p delta), delta =
@@ -267,9 +268,12 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
         __syncthreads();
     }
 
-    /* the tiles and inverses into lt; ||L||_F^2 after them (the check's rho) */
+    /* the tiles and inverses into lt; ||L||_F^2 after them (the check's rho; 0 otherwise) */
     for (size_t e = tid; e < SKV_CF_LT_DOUBLES(nt); e += NT) lt[e] = sm[e];
-    {
+    if (!check) {
+        if (tid == 0) lt[SKV_CF_LT_DOUBLES(nt)] = 0.0;
+        for (int j = tid; j < p; j += NT) lt[SKV_CF_LT_DOUBLES(nt) + 1 + j] = dsc[j];
+    } else {
         double f = 0.0;
         for (int e = tid; e < ntiles * 64; e += NT) { /* the p x p part only (not the padding) */
             const int t = e >> 6, i = tile_i[t] * 8 + ((e & 63) >> 3);
@@ -301,24 +305,32 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
 static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
     skv_cf_solve_lt(double *__restrict__ v, int64_t m, int64_t ld, int32_t p, const double *__restrict__ lt, int scaled)
 {
-    extern __shared__ double sm[];
+    extern __shared__ __align__(16) double sm[];
+    __shared__ __align__(8) unsigned long long mbar;
     const int nt = (p + 7) / 8, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t nlt = SKV_CF_LT_DOUBLES(nt);
     const double *tl = sm, *dinv = sm + (size_t)SKV_CF_TILES(nt) * 64;
-    for (size_t e0 = threadIdx.x; e0 < nlt; e0 += 16 * blockDim.x) {
-        double t[16];
-#pragma unroll
-        for (int u = 0; u < 16; u++) {
-            const size_t e = e0 + (size_t)u * blockDim.x;
-            t[u] = e < nlt ? lt[e] : 0.0;
-        }
-#pragma unroll
-        for (int u = 0; u < 16; u++) {
-            const size_t e = e0 + (size_t)u * blockDim.x;
-            if (e < nlt) sm[e] = t[u];
-        }
+    /* lt into shared memory with one bulk copy (the tensor memory accelerator), completion
+       counted on an mbarrier (nlt * 8 bytes: a multiple of 16, both ends 16-byte aligned) */
+    const unsigned bar = (unsigned)__cvta_generic_to_shared(&mbar);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned bytes = (unsigned)(nlt * sizeof(double));
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         (unsigned)__cvta_generic_to_shared(sm)),
+                     "l"(lt), "r"(bytes), "r"(bar)
+                     : "memory");
+    }
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "SKV_CF_WAIT%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t"
+                 "@!done bra SKV_CF_WAIT%=;\n}" ::"r"(bar)
+                 : "memory");
     const int64_t row0 = ((int64_t)blockIdx.x * SKV_CF_SOLVE_WARPS + warp) * 8;
     if (row0 >= m) return;
     const int r = lane >> 2, kk = lane & 3, q2 = 2 * kk;

@@ -25,9 +25,13 @@
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
  *      a fixed order, so results stay deterministic) and overwrites G.
  *   4. Q = orth(orth(X)); W = Q^T in float (row-major W [r, d] is column-major
- *      Q [d, r], the same memory); U = A Q as three bf16 GEMMs against the
- *      three-term bf16 split of Q (hi + mid + lo represents Q to ~2^-24), fp32
- *      accumulation: fp32 accuracy at bf16 tensor-core speed.
+ *      Q [d, r], the same memory); U = A Q as SKV_CF_QTERMS bf16 GEMMs against
+ *      the bf16 split of Q (hi + mid represents each element to ~2^-17), fp32
+ *      accumulation. U's error dU adds in quadrature to the factorization's:
+ *      A - A Q Q^T is orthogonal to dU Q^T (its product with Q vanishes), so
+ *      at the benchmark keys' 0.9% error a ~2^-17 dU changes it by ~1e-7 of
+ *      itself (a third term, Q to ~2^-24, cost one more pass over A: 52 us
+ *      at 64k rows on the H200).
  *   The floored Cholesky cannot fail; a pivot that is not finite (an
  *   overflow) is counted on the device with the caller's tag (the check's
  *   own Cholesky excepted: floored pivots there mean an indefinite H, and
@@ -52,7 +56,7 @@
  *   x, y    double [d, r]      the iterate and G X (FAST)
  *   c       double [r, r]      Y^T Y (FAST)
  *   lt      double [~r^2 / 2]  its Cholesky factor in 8 x 8 tiles (FAST)
- *   qs      bf16 [3, d, r]     the split of Q (FAST)
+ *   qs      bf16 [2, d, r]     the split of Q (FAST)
  *   infos   int [SKV_CF_NINFO] solver / Cholesky infos of one call; state: the check
  *   blas_ws 32 MiB             cuBLAS workspace (set with cublasSetWorkspace,
  *                              so factorize never allocates)
@@ -93,6 +97,8 @@
 #define SKV_CF_BLAS_WS ((size_t)32 << 20)
 /* Fallback Gram: row ranges per tile, partial sums added in a fixed order. */
 #define SKV_CF_SPLITS 8
+/* bf16 terms of Q in the projection U = A Q */
+#define SKV_CF_QTERMS 2
 #define SKV_CF_TILE 64
 /* Cholesky factorizations of one FAST call, at most: two per iteration, the check's H (last), the final two. */
 #define SKV_CF_NINFO (2 * SKV_FACTOR_ITERS + 4)
@@ -170,7 +176,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
         s->c_bytes = (size_t)r * r * sizeof(double);
         s->lt_bytes = (SKV_CF_LT_DOUBLES((r + 7) / 8) + 1 + (size_t)r) * sizeof(double);
-        if (!skv_mul_size(dr, 3 * sizeof(skv_bf16), &s->qs_bytes)) return 0;
+        if (!skv_mul_size(dr, SKV_CF_QTERMS * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
     if (!skv_mul_size((size_t)s->m_max, sizeof(double), &s->evals_bytes)) return 0;
@@ -324,24 +330,6 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
         x[e] = skv_factor_start(e % d, e / d, r);
 }
 
-/* Fixed-order block reduction of two sums (blockDim.x == 1024). */
-static __device__ void skv_cf_reduce2(double &a, double &b)
-{
-    __shared__ double ra[1024], rb[1024];
-    ra[threadIdx.x] = a;
-    rb[threadIdx.x] = b;
-    __syncthreads();
-    for (int w = 512; w > 0; w >>= 1) {
-        if ((int)threadIdx.x < w) {
-            ra[threadIdx.x] += ra[threadIdx.x + w];
-            rb[threadIdx.x] += rb[threadIdx.x + w];
-        }
-        __syncthreads();
-    }
-    a = ra[0];
-    b = rb[0];
-}
-
 /* z [r, r] = I. */
 static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
 {
@@ -354,20 +342,24 @@ static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
 /*
  * The check (lib/skv_factor.h step 4): fro2 = ||L||_F^2 = ||R||_F^2 from skv_cf_chol with
  * H + s_H I = R^T R, the upper triangle of z is R^-1 (r x r, column-major).
- * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
+ * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 256 threads.
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ fro2, const double *__restrict__ z,
-                                                            int32_t r, int mode, skv_cf_state *state)
+static __global__ void __launch_bounds__(256) skv_cf_check(const double *__restrict__ fro2, const double *__restrict__ z,
+                                                           int32_t r, int mode, skv_cf_state *state)
 {
-    double a = 0.0, b = 0.0;
+    __shared__ double red[8];
+    double b = 0.0;
     for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
         int64_t i = e % r, j = e / r;
         if (i <= j) b += z[e] * z[e];
     }
-    skv_cf_reduce2(a, b);
-    a = *fro2;
+    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = b;
+    __syncthreads();
     if (threadIdx.x == 0) {
-        double rho = 1.0 / (a * b);
+        b = 0.0;
+        for (int w = 0; w < 8; w++) b += red[w];
+        double rho = 1.0 / (*fro2 * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
         state->fallback = fb;
     }
@@ -438,20 +430,19 @@ static __global__ void skv_cf_gram64_sum(double *__restrict__ g, const double *_
     }
 }
 
-/* w = (float)q; qs = the three-term bf16 split of q (hi, mid, lo planes of d*r). */
+/* w = (float)q; qs = the SKV_CF_QTERMS-term bf16 split of q (planes of d*r: hi, mid). */
 static __global__ void skv_cf_finish(const double *__restrict__ q, float *__restrict__ w, skv_bf16 *__restrict__ qs,
                                      int64_t count)
 {
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (int64_t)gridDim.x * blockDim.x) {
         double v = q[e];
-        skv_bf16 hi = skv_f32_to_bf16((float)v);
-        double r1 = v - (double)skv_bf16_to_f32(hi);
-        skv_bf16 mid = skv_f32_to_bf16((float)r1);
-        double r2 = r1 - (double)skv_bf16_to_f32(mid);
         w[e] = (float)v;
-        qs[e] = hi;
-        qs[count + e] = mid;
-        qs[2 * count + e] = skv_f32_to_bf16((float)r2);
+#pragma unroll
+        for (int k = 0; k < SKV_CF_QTERMS; k++) {
+            const skv_bf16 t = skv_f32_to_bf16((float)v);
+            qs[(size_t)k * count + e] = t;
+            v -= (double)skv_bf16_to_f32(t);
+        }
     }
 }
 
@@ -801,7 +792,7 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
     if ((s = skv_cf_solve(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
+    skv_cf_check<<<1, 256, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }
@@ -836,7 +827,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
             dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
             skv_cf_gram64<<<grid, 256, 0, f->st>>>(a, n, (int32_t)d, (double *)f->scratch, f->state);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram kernel");
-            skv_cf_gram64_sum<<<skv_cf_blocks(d * d), SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
+            skv_cf_gram64_sum<<<264, SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
                                                                                    (int32_t)d, f->state);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
         }
@@ -845,9 +836,9 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     if ((s = skv_cf_orth(f, x, 0, f->info + ninfo++, msg, cap)) != SKV_OK) return s;
     skv_cf_finish<<<skv_cf_blocks(d * r), SKV_CF_THREADS, 0, f->st>>>(x, w, f->qs, d * r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "finish kernel");
-    /* U^T [r, n] = sum over the split (lo first) of Q_k^T [r, d] * A^T [d, n] */
-    for (int k = 2; k >= 0; k--) {
-        const float beta = k == 2 ? zero : one;
+    /* U^T [r, n] = sum over the split (smallest first) of Q_k^T [r, d] * A^T [d, n] */
+    for (int k = SKV_CF_QTERMS - 1; k >= 0; k--) {
+        const float beta = k == SKV_CF_QTERMS - 1 ? zero : one;
         SKV_CF_CHECK_BLAS(cublasGemmEx_64(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, n, d, &one, f->qs + (size_t)k * d * r,
                                           CUDA_R_16BF, d, a, CUDA_R_16BF, d, &beta, u, CUDA_R_32F, r,
                                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),

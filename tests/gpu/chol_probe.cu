@@ -594,6 +594,16 @@ int main()
         cublasDgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, P, P, D, &one, dy0, D, dy0, D, &zero, dc, P);
     });
     printf("%-44s %8.2f us\n", "Y^T Y as a DGEMM (160x160x1024)", us);
+    us = time_us([&] { cublasDsyrk(h, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, P, D, &one, dy0, D, &zero, dc, P); });
+    printf("%-44s %8.2f us\n", "Y^T Y as cublasDsyrk", us);
+    for (int algo = -1; algo < 8; algo++) {
+        cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+        us = time_us([&] {
+            st = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, P, P, D, &one, dy0, CUDA_R_64F, D, dy0, CUDA_R_64F, D, &zero, dc,
+                              CUDA_R_64F, P, CUBLAS_COMPUTE_64F, (cublasGemmAlgo_t)algo);
+        });
+        printf("Y^T Y cublasGemmEx algo %-2d                     %8.2f us  status %d\n", algo, us, (int)st);
+    }
     us = time_us([&] {
         cublasDgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, P, P, P, &one, dr, P, dr, P, &zero, dc, P);
     });
