@@ -349,10 +349,8 @@ static __global__ void __launch_bounds__(256) skv_cf_check(const double *__restr
 {
     __shared__ double red[8];
     double b = 0.0;
-    for (int64_t e = threadIdx.x; e < (int64_t)r * r; e += blockDim.x) {
-        int64_t i = e % r, j = e / r;
-        if (i <= j) b += z[e] * z[e];
-    }
+    for (int32_t j = threadIdx.x >> 5; j < r; j += 8) /* column j of the upper triangle: rows 0..j */
+        for (int32_t i = threadIdx.x & 31; i <= j; i += 32) b += z[(size_t)j * r + i] * z[(size_t)j * r + i];
     for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = b;
     __syncthreads();

@@ -92,6 +92,8 @@ static const tcase cases[] = {
     {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 200, .d = 128, .r = 128},  /* r = d: exact */
     {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 96, .d = 512, .r = 96},   /* wide, r = n */
     {OP_FACTORIZE, INIT_TIES, 1e-5, .n = 640, .d = 256, .r = 40},     /* duplicate rows, rank < r */
+    {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 700, .d = 200, .r = 37},   /* FAST with r, d not multiples of 8 */
+    {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 1500, .d = 1000, .r = 153}, /* (cuda: padded Cholesky tiles) */
     /* rope: the formula and tables are pinned (DESIGN 3.2), so bitwise */
     {OP_ROPE, INIT_NORMAL, 0, .n = 37, .hk = 8, .D = 128, .R = 128, .pos0 = 0},
     {OP_ROPE, INIT_NORMAL, 0, .n = 64, .hk = 4, .D = 64, .R = 64, .inter = 1, .pos0 = 1000},

@@ -20,6 +20,9 @@
 #             route alone at 16k..128k, the ncu kernel split of one 64k
 #             factorization, and the 32 x 64k demo under several offload grid caps
 #             (the default offload grid cap)
+#   final     build, the GPU tests (test_contract at 10 configurations), memcheck of
+#             test_cuda, skv-bench factorize at 16k..1M with every baseline, the
+#             three demos (the run behind the committed factorization numbers)
 #   prefill   build, the GPU tests (test_contract at 30 configurations),
 #             memcheck of test_cuda, skv-bench factorize at 16k..1M with every
 #             baseline (then `demo` for the demos: together the run behind the
@@ -44,6 +47,7 @@ case "$MODE" in
   bench)    T_TESTS=;      T_BENCH=1; T_PERF=1; T_SAN=;  T_DEMO=;  T_FAC=full ;;
   factor)   T_TESTS=factor; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=quick ;;
   probe)    T_TESTS=probe; T_BENCH=; T_PERF=;  T_SAN=;  T_DEMO=;  T_FAC=probe ;;
+  final)    T_TESTS=final; T_BENCH=; T_PERF=;  T_SAN=cuda; T_DEMO=1; T_FAC=full ;;
   prefill)  T_TESTS=prefill; T_BENCH=; T_PERF=; T_SAN=cuda; T_DEMO=;  T_FAC=full ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
@@ -106,6 +110,12 @@ if [ "$T_TESTS" = prefill ]; then
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
 fi
+if [ "$T_TESTS" = final ]; then
+  run_test backend_ops_cuda build/tests/backend_ops -b cuda
+  run_test test_contract build/tests/test_contract 10
+  run_test test_accuracy build/tests/test_accuracy
+  run_test test_e2e build/tests/test_e2e
+fi
 if [ "$T_TESTS" = probe ]; then
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
@@ -163,6 +173,14 @@ elif [ -n "$T_FAC" ]; then
   stamp "skv-bench factorize --n $FN (GPU routes and baselines; cpu up to 64k)"
   timeout 540 build/skv-bench factorize --n $FN --json > "$OUT/factorize.json"
   cat "$OUT/factorize.json"
+  if [ "$MODE" = final ]; then
+    stamp "ncu: the kernels of one 64k factorization (serialized)"
+    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      build/skv-bench factorize --backends cuda --n 65536 --reps 1 --no-baseline 2>/dev/null |
+      grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' > "$TMP/ncu.txt"
+    awk '{n=$NF; gsub(/[",]/, "", n); k=$1; s[k]+=n; c[k]++} END {for (k in s) printf "%-70s x%-3d %9.1f us\n", k, c[k], s[k]/1000}' \
+      "$TMP/ncu.txt" | sort -k3 -n -r | tee "$OUT/ncu_split.txt"
+  fi
   if [ "$T_FAC" = quick ]; then
     stamp "ncu: the kernels of one 64k factorization (serialized)"
     timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
