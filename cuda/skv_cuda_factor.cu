@@ -342,34 +342,22 @@ static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
 /*
  * The check (lib/skv_factor.h step 4): fro2 = ||L||_F^2 = ||R||_F^2 from skv_cf_chol with
  * H + s_H I = R^T R, the upper triangle of z is R^-1 (r x r, column-major).
- * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 1024 threads.
+ * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 256 threads.
  */
-static __global__ void __launch_bounds__(1024) skv_cf_check(const double *__restrict__ fro2,
-                                                            const double *__restrict__ z, int32_t r, int mode,
-                                                            skv_cf_state *state)
+static __global__ void __launch_bounds__(256) skv_cf_check(const double *__restrict__ fro2, const double *__restrict__ z,
+                                                           int32_t r, int mode, skv_cf_state *state)
 {
-    __shared__ double red[32];
-    /* warp w sums columns w, w + 32, ... of the upper triangle (rows 0..j), up to 8 loads in flight */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    double b[8] = {};
-    for (int32_t j0 = warp; j0 < r; j0 += 32 * 8) {
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int32_t j = j0 + 32 * u;
-            if (j < r)
-                for (int32_t i = lane; i <= j; i += 32) b[u] = fma(z[(size_t)j * r + i], z[(size_t)j * r + i], b[u]);
-        }
-    }
-    double t = 0.0;
-#pragma unroll
-    for (int u = 0; u < 8; u++) t += b[u];
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    if (lane == 0) red[warp] = t;
+    __shared__ double red[8];
+    double b = 0.0;
+    for (int32_t j = threadIdx.x >> 5; j < r; j += 8) /* column j of the upper triangle: rows 0..j */
+        for (int32_t i = threadIdx.x & 31; i <= j; i += 32) b += z[(size_t)j * r + i] * z[(size_t)j * r + i];
+    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = b;
     __syncthreads();
     if (threadIdx.x == 0) {
-        t = 0.0;
-        for (int w = 0; w < 32; w++) t += red[w];
-        double rho = 1.0 / (*fro2 * t);
+        b = 0.0;
+        for (int w = 0; w < 8; w++) b += red[w];
+        double rho = 1.0 / (*fro2 * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
         state->fallback = fb;
     }
@@ -802,7 +790,7 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
     if ((s = skv_cf_solve(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 1024, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
+    skv_cf_check<<<1, 256, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }
