@@ -1022,9 +1022,11 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *     realistic keys (lambda_r / lambda_1 ~ 5e-7, a flat noise floor around r):
  *     - the header's Rayleigh-quotient step X <- G X (X^T G X + s_H I)^-1 with
  *       s_H = 2^-18 tr H on the fp32 Gram damps every direction below s_H in
- *       each step (err / opt - 1 = 2.4e-2), and a single Cholesky QR per step
- *       compounds the same damping (7.9e-2). Two passes keep X orthonormal to
- *       rounding; span(X) is that of subspace iteration either way; 2.5e-3.
+ *       each step (err / opt - 1 = 2.4e-2), and a single plain Cholesky QR per
+ *       step compounds the same damping (7.9e-2). Two passes keep X orthonormal
+ *       to rounding; span(X) is that of subspace iteration either way; 2.5e-3.
+ *       One equilibrated pass (orth_e) per step after the first three does not
+ *       damp (2.5e-3 again; the header says why).
  *     - G + SKV_FACTOR_GRAM_SHIFT32 tr(G) I is only needed for a Cholesky of
  *       X^T G X, and it slows the iteration over the noise floor (4.3e-3).
  *       Cholesky QR factors Y^T Y, definite whatever G, so the iteration runs

@@ -9,7 +9,8 @@
  *                        the shared numerics of lib/skv_numerics.h)
  *   skv_cuda_attn.cu     rebuild keys, gather values, attention, append,
  *                        input checks, small copies
- *   skv_cuda_factor.cu   the rank-r factorization (cuBLAS + cuSOLVER)
+ *   skv_cuda_factor.cu   the rank-r factorization (cuBLAS, cuSOLVER for the EXACT route, and
+ *                        skv_cuda_chol.cuh for the r x r Cholesky and solve)
  *
  * Every launcher below only enqueues work on the given stream: it never
  * allocates, never synchronizes, and returns cudaGetLastError() of its launches
