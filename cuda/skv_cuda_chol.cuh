@@ -6,8 +6,9 @@
  *
  * Both work on 8 x 8 tiles, p <= SKV_FACTOR_FAST_MAX_R padded to nt = ceil(p / 8) tiles:
  * the lower triangle of L in tiles (I, J), I >= J, tile t = I (I + 1) / 2 + J, row-major
- * within a tile with swizzled columns (skv_cf_at), then the inverses of the nt diagonal tiles (lower, row-major):
- * SKV_CF_LT_DOUBLES(nt) doubles, in shared memory and in a global copy for the solve.
+ * within a tile with swizzled columns (skv_cf_at), then the inverses of the nt diagonal
+ * tiles (lower, same layout): SKV_CF_LT_DOUBLES(nt) doubles, in shared memory and in a
+ * global copy for the solve.
  *
  * mma.sync m8n8k4 f64 fragments (a warp): A 8 x 4 row-major, lane l holds A[l / 4][l % 4];
  * B 4 x 8 column-major, lane l holds B[l % 4][l / 4]; C and D 8 x 8, lane l holds

@@ -401,6 +401,22 @@ int main()
         printf("%-44s %8.2f us   rel err %.2e\n", name, us, sqrt(e / n));
         CK(cudaMemcpy(dc, c.data(), c.size() * 8, cudaMemcpyHostToDevice));
     };
+    /* the residual of the solve now in dy: (Q R)[i][j] = Y[i][j], R column-major upper
+       (rcm[j * P + k] = R[k][j]), every 7th row */
+    auto check_solve = [&](const char *name, float us, const std::vector<double> &rcm) {
+        std::vector<double> q(y.size());
+        CK(cudaMemcpy(q.data(), dy, q.size() * 8, cudaMemcpyDeviceToHost));
+        double e = 0, n = 0;
+        for (int i = 0; i < D; i += 7)
+            for (int j = 0; j < P; j++) {
+                double acc = 0;
+                for (int k = 0; k <= j; k++) acc += q[(size_t)k * D + i] * rcm[(size_t)j * P + k];
+                double dd = acc - y[(size_t)j * D + i];
+                e += dd * dd, n += y[(size_t)j * D + i] * y[(size_t)j * D + i];
+            }
+        printf("%-44s %8.2f us   rel residual %.2e\n", name, us, sqrt(e / n));
+    };
+    auto check_q = [&](const char *name, float us) { check_solve(name, us, rh); };
     /* the library's kernels (check = 0 applies skv_factor_shift, ~1e-10 relative here) */
     double *dlt;
     CK(cudaMalloc(&dlt, SKV_CF_LT_DOUBLES(SKV_CF_MAXT) * 8 + 8 + 8 * P));
@@ -435,23 +451,14 @@ int main()
         us = time_us([&] { skv_cf_chol<3><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
         printf("%-44s %8.2f us\n", "library chol without either", us);
         const int sb = (D + 8 * SKV_CF_SOLVE_WARPS - 1) / (8 * SKV_CF_SOLVE_WARPS);
+        /* residual against the library's own L (R = L^T) */
+        std::vector<double> lc = l_of(dlt), rl((size_t)P * P);
+        for (int j = 0; j < P; j++)
+            for (int k = 0; k < P; k++) rl[(size_t)j * P + k] = lc[(size_t)k * P + j];
+        const float us1 = time_us([&] { skv_cf_solve_lt<<<sb, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(P)>>>(dy, D, D, P, dlt, 0); });
         CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
         skv_cf_solve_lt<<<sb, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(P)>>>(dy, D, D, P, dlt, 0);
-        CK(cudaDeviceSynchronize());
-        /* residual against the library's own L: (Y L^-T) L^T = Y */
-        std::vector<double> q(y.size());
-        CK(cudaMemcpy(q.data(), dy, q.size() * 8, cudaMemcpyDeviceToHost));
-        std::vector<double> lc = l_of(dlt);
-        double e = 0, n = 0;
-        for (int i = 0; i < D; i += 7)
-            for (int j = 0; j < P; j++) {
-                double acc = 0; /* (Q L^T)[i][j] = sum_k Q[i][k] L[j][k] */
-                for (int k = 0; k <= j; k++) acc += q[(size_t)k * D + i] * lc[(size_t)k * P + j];
-                double dd = acc - y[(size_t)j * D + i];
-                e += dd * dd, n += y[(size_t)j * D + i] * y[(size_t)j * D + i];
-            }
-        us = time_us([&] { skv_cf_solve_lt<<<sb, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(P)>>>(dy, D, D, P, dlt, 0); });
-        printf("%-44s %8.2f us   rel residual %.2e\n", "library solve (tensor cores), 1024 rows", us, sqrt(e / n));
+        check_solve("library solve (tensor cores), 1024 rows", us1, rl);
         us = time_us([&] { skv_cf_solve_lt<<<3, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(P)>>>(dy, P, P, P, dlt, 0); });
         printf("%-44s %8.2f us\n", "library solve, 160 rows (the check's R^-1)", us);
         CK(cudaFree(dc2));
@@ -499,43 +506,18 @@ int main()
     printf("%-44s %8.2f us\n", "solve: R to shared memory only (128 blocks)", us);
     CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
     us = time_us([&] { trsm_warp<0><<<D / 8, 256, smem>>>(dy, D, D, P, dr); }, 1);
-    {
-        /* check one solve: (Y R^-1) R = Y */
-        CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
-        trsm_warp<0><<<D / 8, 256, smem>>>(dy, D, D, P, dr);
-        std::vector<double> q(y.size());
-        CK(cudaMemcpy(q.data(), dy, q.size() * 8, cudaMemcpyDeviceToHost));
-        double e = 0, n = 0;
-        for (int i = 0; i < D; i += 7)
-            for (int j = 0; j < P; j++) {
-                double acc = 0;
-                for (int k = 0; k <= j; k++) acc += q[(size_t)k * D + i] * rh[(size_t)j * P + k];
-                double d = acc - y[(size_t)j * D + i];
-                e += d * d, n += y[(size_t)j * D + i] * y[(size_t)j * D + i];
-            }
-        printf("%-44s %8.2f us   rel residual %.2e\n", "solve: warp per row", us, sqrt(e / n));
-    }
+    CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
+    trsm_warp<0><<<D / 8, 256, smem>>>(dy, D, D, P, dr);
+    check_q("solve: warp per row", us);
     const size_t smem2 = (size_t)P * P * 8 + P * 8;
     CK(cudaFuncSetAttribute(trsm_warp2<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem2));
     CK(cudaFuncSetAttribute(trsm_warp2<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem2));
     us = time_us([&] { trsm_warp2<1><<<D / 8, 256, smem2>>>(dy, D, D, P, dr); });
     printf("%-44s %8.2f us\n", "solve v2: R to shared memory only", us);
     us = time_us([&] { trsm_warp2<0><<<D / 8, 256, smem2>>>(dy, D, D, P, dr); }, 1);
-    {
-        CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
-        trsm_warp2<0><<<D / 8, 256, smem2>>>(dy, D, D, P, dr);
-        std::vector<double> q(y.size());
-        CK(cudaMemcpy(q.data(), dy, q.size() * 8, cudaMemcpyDeviceToHost));
-        double e = 0, n = 0;
-        for (int i = 0; i < D; i += 7)
-            for (int j = 0; j < P; j++) {
-                double acc = 0;
-                for (int k = 0; k <= j; k++) acc += q[(size_t)k * D + i] * rh[(size_t)j * P + k];
-                double d = acc - y[(size_t)j * D + i];
-                e += d * d, n += y[(size_t)j * D + i] * y[(size_t)j * D + i];
-            }
-        printf("%-44s %8.2f us   rel residual %.2e\n", "solve v2: warp per row, reciprocal pivots", us, sqrt(e / n));
-    }
+    CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
+    trsm_warp2<0><<<D / 8, 256, smem2>>>(dy, D, D, P, dr);
+    check_q("solve v2: warp per row, reciprocal pivots", us);
     double *dl;
     {
         std::vector<double> lh((size_t)P * P, 0.0);
@@ -544,19 +526,6 @@ int main()
         CK(cudaMalloc(&dl, lh.size() * 8));
         CK(cudaMemcpy(dl, lh.data(), lh.size() * 8, cudaMemcpyHostToDevice));
     }
-    auto check_q = [&](const char *name, float us) {
-        std::vector<double> q(y.size());
-        CK(cudaMemcpy(q.data(), dy, q.size() * 8, cudaMemcpyDeviceToHost));
-        double e = 0, n = 0;
-        for (int i = 0; i < D; i += 7)
-            for (int j = 0; j < P; j++) {
-                double acc = 0;
-                for (int k = 0; k <= j; k++) acc += q[(size_t)k * D + i] * rh[(size_t)j * P + k];
-                double d = acc - y[(size_t)j * D + i];
-                e += d * d, n += y[(size_t)j * D + i] * y[(size_t)j * D + i];
-            }
-        printf("%-44s %8.2f us   rel residual %.2e\n", name, us, sqrt(e / n));
-    };
     us = time_us([&] { trsm_warp3<1><<<D / 8, 256>>>(dy, D, D, P, dl); }, 1);
     CK(cudaMemcpy(dy, dy0, y.size() * 8, cudaMemcpyDeviceToDevice));
     trsm_warp3<1><<<D / 8, 256>>>(dy, D, D, P, dl);
