@@ -29,7 +29,7 @@
  *      the bf16 split of Q (hi + mid represents each element to ~2^-17), fp32
  *      accumulation. U's error dU adds in quadrature to the factorization's:
  *      A - A Q Q^T is orthogonal to dU Q^T (its product with Q vanishes), so
- *      at the benchmark keys' 0.9% error a ~2^-17 dU changes it by ~1e-7 of
+ *      at the benchmark keys' 0.9% error a ~2^-17 dU changes it by ~4e-7 of
  *      itself (a third term, Q to ~2^-24, cost one more pass over A: 52 us
  *      at 64k rows on the H200).
  *   The floored Cholesky cannot fail; a pivot that is not finite (an
