@@ -104,15 +104,9 @@ run_test() {
 if [ -n "$T_TESTS" ]; then
   run_test test_cuda build/tests/test_cuda
 fi
-if [ "$T_TESTS" = prefill ]; then
+if [ "$T_TESTS" = prefill ] || [ "$T_TESTS" = final ]; then
   run_test backend_ops_cuda build/tests/backend_ops -b cuda
-  run_test test_contract build/tests/test_contract 30
-  run_test test_accuracy build/tests/test_accuracy
-  run_test test_e2e build/tests/test_e2e
-fi
-if [ "$T_TESTS" = final ]; then
-  run_test backend_ops_cuda build/tests/backend_ops -b cuda
-  run_test test_contract build/tests/test_contract 10
+  run_test test_contract build/tests/test_contract $([ "$T_TESTS" = final ] && echo 10 || echo 30)
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
 fi
