@@ -55,55 +55,55 @@ __device__ __forceinline__ void skv_cf_mma_xzt(double &d0, double &d1, const dou
 }
 
 /*
- * One 8 x 8 diagonal block, by one warp: lane 0 factors it (a, row-major, lower triangle
- * read, <- L with a = L L^T, pivots floored at flr), then lanes 0..7 each invert one
- * column (z <- L^-1, lower, row-major). Returns (in every lane) 0, or the index (1-based,
- * within the block) of the first pivot that was not finite.
+ * One 8 x 8 diagonal block, by one warp: a (row-major, lower triangle read) <- L with
+ * a = L L^T, pivots floored at flr, and z <- L^-1 (lower, row-major). Every lane factors the
+ * block in registers (the same instructions, so no lane waits on another); lane j < 8 also
+ * runs the forward substitution L z_j = e_j alongside, one step behind each pivot, and
+ * stores column j of L and of L^-1. The dependent chain is one reciprocal square root, one
+ * product and one fma per pivot. Returns (in every lane) 0, or the index (1-based, within
+ * the block) of the first pivot that was not finite.
  */
 __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, int lane)
 {
-    __shared__ double sinv[8];
+    const int j = lane & 7;
     int bad = 0;
-    if (lane == 0) {
-        double l[8][8];
+    double l[8][8], w[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 8; i++) {
 #pragma unroll
-            for (int j = 0; j <= i; j++) l[i][j] = a[skv_cf_at(i, j)];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const double raw = l[k][k];
-            if (!bad && !isfinite(raw)) bad = k + 1;
-            const double piv = raw >= flr ? raw : flr;
-            const double inv = rsqrt(piv);
-            sinv[k] = inv;
-            l[k][k] = piv * inv;
-#pragma unroll
-            for (int i = k + 1; i < 8; i++) l[i][k] *= inv;
-#pragma unroll
-            for (int j = k + 1; j < 8; j++)
-#pragma unroll
-                for (int i = j; i < 8; i++) l[i][j] = fma(-l[i][k], l[j][k], l[i][j]);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int j = 0; j < 8; j++) a[skv_cf_at(i, j)] = j <= i ? l[i][j] : 0.0;
+        for (int c = 0; c <= i; c++) l[i][c] = a[skv_cf_at(i, c)];
+        w[i] = i == j ? 1.0 : 0.0;
     }
-    __syncwarp();
-    bad = __shfl_sync(0xffffffffu, bad, 0);
-    if (lane < 8) { /* column j of L^-1: z_j = 1 / L_jj, z_i = -(sum_{j <= m < i} L[i][m] z_m) / L_ii */
-        const int j = lane;
-        double w[8];
+    __syncwarp(); /* every lane has read a before any lane writes it */
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const double raw = l[k][k];
+        if (!bad && !isfinite(raw)) bad = k + 1;
+        const double piv = raw >= flr ? raw : flr;
+        const double inv = rsqrt(piv);
+#pragma unroll
+        for (int i = k + 1; i < 8; i++) l[i][k] *= inv;
+        /* the next pivot first: it is the chain */
+        if (k + 1 < 8) l[k + 1][k + 1] = fma(-l[k + 1][k], l[k + 1][k], l[k + 1][k + 1]);
+#pragma unroll
+        for (int c = k + 1; c < 8; c++)
+#pragma unroll
+            for (int i = c; i < 8; i++)
+                if (!(i == k + 1 && c == k + 1)) l[i][c] = fma(-l[i][k], l[c][k], l[i][c]);
+        l[k][k] = piv * inv;
+        w[k] *= inv; /* z_j[k] (0 for k < j: w[k] stays 0) */
+#pragma unroll
+        for (int i = k + 1; i < 8; i++) w[i] = fma(-l[i][k], w[k], w[i]);
+    }
+    if (lane < 8) {
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            double acc = 0.0;
+            double v = 0.0; /* l[i][j] without a dynamic register index */
 #pragma unroll
-            for (int m = 0; m < i; m++) acc = m >= j ? fma(a[skv_cf_at(i, m)], w[m], acc) : acc;
-            w[i] = i < j ? 0.0 : i == j ? sinv[i] : -acc * sinv[i];
+            for (int c = 0; c <= i; c++) v = c == j ? l[i][c] : v;
+            a[skv_cf_at(i, j)] = v;
+            z[skv_cf_at(i, j)] = i < j ? 0.0 : w[i];
         }
-#pragma unroll
-        for (int i = 0; i < 8; i++) z[skv_cf_at(i, j)] = w[i];
     }
     __syncwarp();
     return bad;
@@ -297,14 +297,22 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
 /*
  * v <- v L^-T (= v R^-1) in place, or v D L^-T when scaled (D from lt): v column-major
  * [m, p] (ld), L from skv_cf_chol (lt, the tiled copy, staged in dynamic shared memory:
- * skv_cf_solve_smem bytes). A warp per 8 rows
- * of v, SKV_CF_SOLVE_WARPS warps per block, right-looking over the block columns with the
- * rows' T_k in registers (mma accumulator fragments): X_j = T_j L_jj^-T, then
- * T_k -= X_j L_kj^T for every k > j (independent products, so the tensor cores overlap
- * them). X_j changes from the accumulator layout to the A-operand layout by shuffles.
+ * skv_cf_solve_smem bytes). A warp per 8 rows of v, blockDim.x / 32 warps per block
+ * (at most SKV_CF_SOLVE_WARPS), right-looking over the block columns with the rows' T_k in
+ * registers (mma accumulator fragments): X_j = T_j L_jj^-T, then T_k -= X_j L_kj^T for
+ * every k > j (independent products, so the tensor cores overlap them). X_j changes from
+ * the accumulator layout to the A-operand layout by shuffles.
+ *   mode  SKV_CF_SOLVE_PLAIN, SKV_CF_SOLVE_SCALED (v D L^-T), or SKV_CF_SOLVE_IDENTITY:
+ *         v is not read, the rows of the m x p identity are solved (R^-1 for m = p);
+ *   sq    NULL, or out: sq[w] = the sum of squares of the output rows 8 w .. 8 w + 7
+ *         (fixed order), one double per warp of the grid (the check's ||R^-1||_F^2).
  */
+#define SKV_CF_SOLVE_PLAIN 0
+#define SKV_CF_SOLVE_SCALED 1
+#define SKV_CF_SOLVE_IDENTITY 2
 static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
-    skv_cf_solve_lt(double *__restrict__ v, int64_t m, int64_t ld, int32_t p, const double *__restrict__ lt, int scaled)
+    skv_cf_solve_lt(double *__restrict__ v, int64_t m, int64_t ld, int32_t p, const double *__restrict__ lt, int mode,
+                    double *__restrict__ sq)
 {
     extern __shared__ __align__(16) double sm[];
     __shared__ __align__(8) unsigned long long mbar;
@@ -332,7 +340,7 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t"
                  "@!done bra SKV_CF_WAIT%=;\n}" ::"r"(bar)
                  : "memory");
-    const int64_t row0 = ((int64_t)blockIdx.x * SKV_CF_SOLVE_WARPS + warp) * 8;
+    const int64_t row0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * 8;
     if (row0 >= m) return;
     const int r = lane >> 2, kk = lane & 3, q2 = 2 * kk;
     const int64_t row = row0 + r;
@@ -340,12 +348,18 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
     const int src0 = r * 4 + (kk >> 1), src1 = src0 + 2, slot = kk & 1;
     double t0[SKV_CF_MAXT], t1[SKV_CF_MAXT];
     const double *dsc = lt + nlt + 1; /* D of an equilibrated factorization */
+    double ss = 0.0;                  /* this lane's sum of squares (sq) */
 #pragma unroll
     for (int k = 0; k < SKV_CF_MAXT; k++) {
         const int c0 = k * 8 + q2;
-        t0[k] = k < nt && row < m && c0 < p ? v[row + c0 * ld] : 0.0;
-        t1[k] = k < nt && row < m && c0 + 1 < p ? v[row + (c0 + 1) * ld] : 0.0;
-        if (scaled) {
+        if (mode == SKV_CF_SOLVE_IDENTITY) {
+            t0[k] = k < nt && row < m && c0 < p && row == c0 ? 1.0 : 0.0;
+            t1[k] = k < nt && row < m && c0 + 1 < p && row == c0 + 1 ? 1.0 : 0.0;
+        } else {
+            t0[k] = k < nt && row < m && c0 < p ? v[row + c0 * ld] : 0.0;
+            t1[k] = k < nt && row < m && c0 + 1 < p ? v[row + (c0 + 1) * ld] : 0.0;
+        }
+        if (mode == SKV_CF_SOLVE_SCALED) {
             t0[k] *= k < nt && c0 < p ? dsc[c0] : 0.0;
             t1[k] *= k < nt && c0 + 1 < p ? dsc[c0 + 1] : 0.0;
         }
@@ -361,8 +375,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
             skv_cf_dmma(x0, x1, slot ? u1 : u0, z[skv_cf_at(r, kk)]);
             skv_cf_dmma(x0, x1, slot ? w1 : w0, z[skv_cf_at(r, kk + 4)]);
             const int c0 = j * 8 + q2;
-            if (row < m && c0 < p) v[row + c0 * ld] = x0;
-            if (row < m && c0 + 1 < p) v[row + (c0 + 1) * ld] = x1;
+            if (row < m && c0 < p) v[row + c0 * ld] = x0, ss = fma(x0, x0, ss);
+            if (row < m && c0 + 1 < p) v[row + (c0 + 1) * ld] = x1, ss = fma(x1, x1, ss);
             /* -X_j as the A operand; T_k -= X_j L_kj^T */
             u0 = __shfl_sync(0xffffffffu, x0, src0), u1 = __shfl_sync(0xffffffffu, x1, src0);
             w0 = __shfl_sync(0xffffffffu, x0, src1), w1 = __shfl_sync(0xffffffffu, x1, src1);
@@ -375,6 +389,10 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
                     skv_cf_dmma(t0[k], t1[k], b1, lkj[skv_cf_at(r, kk + 4)]);
                 }
         }
+    }
+    if (sq) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) sq[row0 >> 3] = ss;
     }
 }
 

@@ -19,7 +19,8 @@
  *      one block) and skv_cf_solve_lt (Y R^-1), on the fp64 tensor cores
  *      (cuda/skv_cuda_chol.cuh).
  *   3. After iteration SKV_FACTOR_CHECK_AT (X orthonormal): H = X^T (G + delta I)
- *      X + s_H I = R^T R, R^-1 (the solve on I), and skv_cf_check decides on the device
+ *      X + s_H I = R^T R, R^-1 (the solve on I, which also sums its squares per
+ *      warp), and skv_cf_check decides on the device
  *      whether the double Gram is needed. The fallback kernels always launch
  *      and return at once unless the flag is set: the fallback Gram sums every
  *      product in double (SKV_CF_SPLITS row ranges per 64 x 64 tile, added in
@@ -102,6 +103,9 @@
 #define SKV_CF_TILE 64
 /* Cholesky factorizations of one FAST call, at most: two per iteration, the check's H (last), the final two. */
 #define SKV_CF_NINFO (2 * SKV_FACTOR_ITERS + 4)
+/* Warps (8 rows each) per block of the solve Y R^-1 (<= SKV_CF_SOLVE_WARPS): fewer warps per
+   SM spread the fp64 mma work of the 1024 rows over more SMs. */
+#define SKV_CF_SOLVE_BLOCK_WARPS 4
 
 /* Device-side state of the FAST route. */
 typedef struct {
@@ -124,7 +128,8 @@ struct skv_cuda_factor {
     size_t scratch_bytes;
     int *info;      /* [SKV_CF_NINFO] */
     double *x, *y, *c;
-    double *lt; /* [SKV_CF_LT_DOUBLES(ceil(r / 8)) + 1]: the tiled Cholesky factor (skv_cuda_chol.cuh) */
+    double *lt; /* the tiled Cholesky factor, ||L||_F^2, D (skv_cuda_chol.cuh), then ceil(r / 8) per-warp
+                   sums of squares of the check's R^-1 */
     skv_bf16 *qs;
     skv_cf_state *state;
     void *blas_ws;
@@ -175,7 +180,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         if (part > s->scratch_bytes) s->scratch_bytes = part;
         if (!skv_mul_size((size_t)d, (size_t)r, &dr) || !skv_mul_size(dr, sizeof(double), &s->xy_bytes)) return 0;
         s->c_bytes = (size_t)r * r * sizeof(double);
-        s->lt_bytes = (SKV_CF_LT_DOUBLES((r + 7) / 8) + 1 + (size_t)r) * sizeof(double);
+        s->lt_bytes = (SKV_CF_LT_DOUBLES((r + 7) / 8) + 1 + (size_t)r + (size_t)(r + 7) / 8) * sizeof(double);
         if (!skv_mul_size(dr, SKV_CF_QTERMS * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
@@ -330,33 +335,20 @@ static __global__ void skv_cf_init_x(double *__restrict__ x, int32_t d, int32_t 
         x[e] = skv_factor_start(e % d, e / d, r);
 }
 
-/* z [r, r] = I. */
-static __global__ void skv_cf_identity(double *__restrict__ z, int32_t r)
-{
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)r * r; e += (int64_t)gridDim.x * blockDim.x)
-        z[e] = e % r == e / r ? 1.0 : 0.0;
-}
-
 /* ---- the shifted Cholesky of the FAST route (cuda/skv_cuda_chol.cuh) ------------------------ */
 
 /*
  * The check (lib/skv_factor.h step 4): fro2 = ||L||_F^2 = ||R||_F^2 from skv_cf_chol with
- * H + s_H I = R^T R, the upper triangle of z is R^-1 (r x r, column-major).
- * rho = 1 / (||R||_F^2 ||R^-1||_F^2); sets state->fallback. One block of 256 threads.
+ * H + s_H I = R^T R; sq[0 .. nsq) the solve's per-warp sums of squares of R^-1 (nsq <= 32).
+ * rho = 1 / (||R||_F^2 ||R^-1||_F^2), summed in a fixed order; sets state->fallback. One warp.
  */
-static __global__ void __launch_bounds__(256) skv_cf_check(const double *__restrict__ fro2, const double *__restrict__ z,
-                                                           int32_t r, int mode, skv_cf_state *state)
+static __global__ void __launch_bounds__(32) skv_cf_check(const double *__restrict__ fro2,
+                                                          const double *__restrict__ sq, int nsq, int mode,
+                                                          skv_cf_state *state)
 {
-    __shared__ double red[8];
-    double b = 0.0;
-    for (int32_t j = threadIdx.x >> 5; j < r; j += 8) /* column j of the upper triangle: rows 0..j */
-        for (int32_t i = threadIdx.x & 31; i <= j; i += 32) b += z[(size_t)j * r + i] * z[(size_t)j * r + i];
+    double b = (int)threadIdx.x < nsq ? sq[threadIdx.x] : 0.0;
     for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = b;
-    __syncthreads();
     if (threadIdx.x == 0) {
-        b = 0.0;
-        for (int w = 0; w < 8; w++) b += red[w];
         double rho = 1.0 / (*fro2 * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
         state->fallback = fb;
@@ -741,12 +733,13 @@ static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int scaled, int *
     return SKV_OK;
 }
 
-/* v [m, r] (ld) <- v R^-1 = v L^-T with L in f->lt (scaled: v D L^-T). */
-static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int m, int ld, int scaled, char *msg, size_t cap)
+/* v [m, r] (ld) <- v R^-1 = v L^-T with L in f->lt (mode: skv_cf_solve_lt's; sq: its per-warp sums). */
+static skv_status skv_cf_solve(skv_cuda_factor *f, double *v, int m, int ld, int mode, double *sq, char *msg,
+                               size_t cap)
 {
-    const unsigned blocks = (unsigned)((m + 8 * SKV_CF_SOLVE_WARPS - 1) / (8 * SKV_CF_SOLVE_WARPS));
-    skv_cf_solve_lt<<<blocks, 32 * SKV_CF_SOLVE_WARPS, skv_cf_solve_smem(f->r), f->st>>>(v, m, ld, f->r, f->lt,
-                                                                                         scaled);
+    const unsigned blocks = (unsigned)((m + 8 * SKV_CF_SOLVE_BLOCK_WARPS - 1) / (8 * SKV_CF_SOLVE_BLOCK_WARPS));
+    skv_cf_solve_lt<<<blocks, 32 * SKV_CF_SOLVE_BLOCK_WARPS, skv_cf_solve_smem(f->r), f->st>>>(v, m, ld, f->r, f->lt,
+                                                                                               mode, sq);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "triangular solve kernel");
     return SKV_OK;
 }
@@ -763,7 +756,7 @@ static skv_status skv_cf_orth(skv_cuda_factor *f, double *v, int scaled, int *in
                                   &zero, f->c, (int)r),
                       "cublasDgemm (Y^T Y)");
     if ((s = skv_cf_factor(f, 0, scaled, info, msg, cap)) != SKV_OK) return s;
-    return skv_cf_solve(f, v, (int)d, (int)d, scaled, msg, cap);
+    return skv_cf_solve(f, v, (int)d, (int)d, scaled ? SKV_CF_SOLVE_SCALED : SKV_CF_SOLVE_PLAIN, NULL, msg, cap);
 }
 
 /* y = G x (d x r, double). */
@@ -787,10 +780,11 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
     SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, r, d, &one, x, d, y, d, &zero, f->c, r),
                       "cublasDgemm (X^T G X, check)");
     if ((s = skv_cf_factor(f, 1, 0, info, msg, cap)) != SKV_OK) return s;
-    skv_cf_identity<<<skv_cf_blocks((int64_t)r * r), SKV_CF_THREADS, 0, f->st>>>(y, r);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "identity kernel");
-    if ((s = skv_cf_solve(f, y, r, r, 0, msg, cap)) != SKV_OK) return s;
-    skv_cf_check<<<1, 256, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES((r + 7) / 8), y, r, mode, f->state);
+    /* R^-1 into y (r x r) and its per-warp sums of squares after lt's D */
+    const int nt = (r + 7) / 8;
+    double *sq = f->lt + SKV_CF_LT_DOUBLES(nt) + 1 + r;
+    if ((s = skv_cf_solve(f, y, r, r, SKV_CF_SOLVE_IDENTITY, sq, msg, cap)) != SKV_OK) return s;
+    skv_cf_check<<<1, 32, 0, f->st>>>(f->lt + SKV_CF_LT_DOUBLES(nt), sq, nt, mode, f->state);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback check kernel");
     return SKV_OK;
 }

@@ -16,10 +16,10 @@
 #   factor    build, the factorization tests (test_accuracy, test_cuda), skv-bench
 #             factorize at 16k..128k with the GPU baselines, an ncu kernel split
 #             of one 64k factorization, and the demo at 32 x 64k (critical path)
-#   probe     build, test_cuda and test_accuracy, skv-bench factorize of the cuda
-#             route alone at 16k..128k, the ncu kernel split of one 64k
-#             factorization, and the 32 x 64k demo under several offload grid caps
-#             (the default offload grid cap)
+#   probe     build, test_cuda, backend_ops -b cuda, test_accuracy, test_e2e, the
+#             r x r kernel probe (tests/gpu/chol_probe.cu), skv-bench factorize of
+#             the cuda route alone at 16k..128k, the ncu kernel split of one 64k
+#             factorization
 #   final     build, the GPU tests (test_contract at 10 configurations), memcheck of
 #             test_cuda, skv-bench factorize at 16k..1M with every baseline, the
 #             three demos (the run behind the committed factorization numbers)
@@ -111,6 +111,7 @@ if [ "$T_TESTS" = prefill ] || [ "$T_TESTS" = final ]; then
   run_test test_e2e build/tests/test_e2e
 fi
 if [ "$T_TESTS" = probe ]; then
+  run_test backend_ops_cuda build/tests/backend_ops -b cuda
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
 fi
@@ -150,18 +151,18 @@ if [ -n "$T_BENCH" ]; then
   SKV_CUDA_SERIAL=1 timeout 100 build/skv-bench decode --backend cuda --ctx 131072 --batch 8 --steps 50 --warmup 5 2>&1 | tail -2
 fi
 if [ "$T_FAC" = probe ]; then
+  stamp "chol_probe: the r x r kernels on their own"
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda tests/gpu/chol_probe.cu -lcublas \
+    -o build/chol_probe && timeout 120 build/chol_probe | tee "$OUT/chol_probe.txt"
   stamp "skv-bench factorize: the cuda route alone"
   timeout 200 build/skv-bench factorize --backends cuda --n 16384,65536,131072 --no-baseline --json > "$OUT/factorize.json"
   cat "$OUT/factorize.json"
   stamp "ncu: the kernels of one 64k factorization (serialized)"
   timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     build/skv-bench factorize --backends cuda --n 65536 --reps 1 --no-baseline 2>/dev/null |
-    grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' | tail -80
-  for OB in 8; do
-    stamp "demo: 32 layers, one 65536-token sequence, SKV_CUDA_OFFLOAD_BLOCKS=$OB"
-    SKV_CUDA_OFFLOAD_BLOCKS=$OB timeout 100 build/demo --backend cuda --layers 32 --ctx 65536 --steps 8 --share-layers 2>&1 |
-      grep -v "demo: " | tail -14
-  done
+    grep gpu__time_duration | awk -F'","' '{print substr($5, 1, 60), $NF}' > "$TMP/ncu.txt"
+  awk '{n=$NF; gsub(/[",]/, "", n); k=$1; s[k]+=n; c[k]++} END {for (k in s) printf "%-70s x%-3d %9.1f us\n", k, c[k], s[k]/1000}' \
+    "$TMP/ncu.txt" | sort -k3 -n -r | tee "$OUT/ncu_split.txt"
 elif [ -n "$T_FAC" ]; then
   if [ "$T_FAC" = quick ]; then FN=16384,65536,131072; else FN=16384,65536,131072,524288,1048576; fi
   stamp "skv-bench factorize --n $FN (GPU routes and baselines; cpu up to 64k)"
