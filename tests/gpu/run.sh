@@ -109,6 +109,8 @@ if [ "$T_TESTS" = prefill ] || [ "$T_TESTS" = final ]; then
   run_test test_contract build/tests/test_contract $([ "$T_TESTS" = final ] && echo 10 || echo 30)
   run_test test_accuracy build/tests/test_accuracy
   run_test test_e2e build/tests/test_e2e
+  # the sparse_attention huge-init case that missed its NMSE bound in the probe run of 2026-12-02 (same seed)
+  [ "$T_TESTS" = final ] && run_test replay_sparse_huge build/tests/backend_ops -s 175092220619 -o sparse_attention -b cuda
 fi
 if [ "$T_TESTS" = probe ]; then
   run_test backend_ops_cuda build/tests/backend_ops -b cuda
