@@ -106,6 +106,8 @@
 /* Warps (8 rows each) per block of the solve Y R^-1 (<= SKV_CF_SOLVE_WARPS): fewer warps per
    SM spread the fp64 mma work of the 1024 rows over more SMs. */
 #define SKV_CF_SOLVE_BLOCK_WARPS 4
+static_assert(SKV_CF_SOLVE_BLOCK_WARPS <= SKV_CF_SOLVE_WARPS, "the solve's launch bound");
+static_assert(SKV_CF_MAXT <= 32, "skv_cf_check sums one partial per lane of one warp");
 
 /* Device-side state of the FAST route. */
 typedef struct {
