@@ -128,16 +128,20 @@ static const tcase cases[] = {
     {OP_GATHER, INIT_NORMAL, 0, .hk = 8, .D = 128, .c = 8, .N = 200, .S = 64},
     {OP_GATHER, INIT_TIES, 0, .hk = 2, .D = 64, .c = 4, .N = 50, .S = 50},
     {OP_GATHER, INIT_NORMAL, 0, .hk = 1, .D = 256, .c = 16, .N = 9, .S = 3},
-    /* attention: float outputs, order of accumulation free */
+    /* attention: float outputs, order of accumulation free. Huge rows (2% of rows at 1e3 x)
+       give scores up to ~1e4 whose fp32 rounding (~1e-3 absolute) moves the softmax weights by
+       ~1e-3 relative, NMSE up to ~1e-6 when such a row dominates: measured on sparse_attention,
+       cpu <= 3.3e-10 over seeds 2001..2040, cuda 1.74e-9 on seed 175092220619 (a wrong result
+       is O(1e-2) or worse) */
     {OP_SPARSE, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 4, .n = 512, .scale = 0.08838834764f},
     {OP_SPARSE, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 64, .S = 16, .n = 300, .scale = 0.125f, .flags = F_STRIDED},
-    {OP_SPARSE, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 256, .S = 3, .n = 1000, .scale = 0.0625f},
+    {OP_SPARSE, INIT_HUGE, 1e-6, .hq = 16, .hk = 4, .D = 256, .S = 3, .n = 1000, .scale = 0.0625f},
     {OP_SPARSE, INIT_TINY, 1e-9, .hq = 8, .hk = 8, .D = 128, .S = 2, .n = 64, .scale = 0.05f, .flags = F_STRIDED},
     {OP_SPARSE, INIT_TIES, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 5, .n = 700, .scale = 0.08838834764f},
     {OP_FULL, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 4096, .scale = 0.08838834764f},
     {OP_FULL, INIT_NORMAL, 1e-9, .hq = 8, .hk = 8, .D = 64, .n = 1, .scale = 0.125f},
     {OP_FULL, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 256, .n = 3000, .scale = 0.0625f},
-    {OP_FULL, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 128, .n = 1500, .scale = 0.08838834764f},
+    {OP_FULL, INIT_HUGE, 1e-6, .hq = 16, .hk = 4, .D = 128, .n = 1500, .scale = 0.08838834764f},
     {OP_FULL, INIT_LOWRANK, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 8192, .scale = 0.08838834764f},
     /* ---- perf only (--perf): Llama-3-8B shapes, Hq 32, Hk 8, D 128, r 160, c 8, S 256, O 48.
        Inputs of these come from a cheaper normal (perf_fill). One ref call, one

@@ -15,7 +15,11 @@
  *      overall:   e_sparse <= 1.25 e_oracle + 0.03 (seen up to + 0.018). The
  *                 slack is the key rebuild: rank-r keys drop the synthetic
  *                 keys' 1% isotropic noise, which moves outputs by 0.5-3%
- *                 (its own check: sparse output vs e_sel's output <= 0.05).
+ *                 (its own check: sparse output vs e_sel's output <= 0.08;
+ *                 the largest per-run value over seeds 1001..1030 was 0.018 to
+ *                 0.032, and seed 176171812859 gave 0.0502 on ref, whose
+ *                 factorization is the exact rank-r SVD, so the tail is the
+ *                 workload's, not a backend's; a broken rebuild moves it by O(1)).
  * Typical values: e_oracle ~0.06, e_sel ~0.064, e_sparse ~0.066.
  * SKV_VERBOSE=1 prints one line per measurement.
  */
@@ -217,7 +221,7 @@ int main(void)
             if (verbose) printf(" %s %.4f", skv_backend_name(be[i]), e);
             SKVT_CHECK(e <= 1.25 * e_or + 0.03, "%s step %d layer %d seq %d: rel err %.4f > 1.25 x oracle %.4f + 0.03",
                        skv_backend_name(be[i]), s, l, b, e, e_or);
-            SKVT_CHECK(rebuild <= 0.05, "%s step %d layer %d seq %d: rebuilt keys move the output by %.4f > 0.05",
+            SKVT_CHECK(rebuild <= 0.08, "%s step %d layer %d seq %d: rebuilt keys move the output by %.4f > 0.08",
                        skv_backend_name(be[i]), s, l, b, rebuild);
             if (i) {
                 /* each backend has its own factorization route (ref: double Gram + dsyevr; cpu:
