@@ -640,7 +640,8 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
             s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
             s->u = (const skv_bf16 *)(sd + lay->u);
             s->w = (const skv_bf16 *)(sd + lay->w);
-            s->vstore = (const skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore);
+            s->vstore = (const skv_bf16 *)((int64_t)i < lay->n_dev_slots ? dev + lay->dev_values + i * lay->slot_values
+                                                                          : k->host_dev + (i - lay->n_dev_slots) * lay->slot_host);
             s->out_k = (const skv_bf16 *)(sd + lay->out_k);
             s->out_v = (const skv_bf16 *)(sd + lay->out_v);
             s->loc_k = (const skv_bf16 *)(sd + lay->loc_k);
@@ -802,7 +803,7 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     CK(cudaStreamWaitEvent(os, k->side_ev, 0));
     CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
     CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand,
-                              (skv_bf16 *)(k->host_dev + i * lay->slot_host + lay->vstore), k->offload_blocks));
+                              (skv_bf16 *)k->h_seqs[i].vstore, k->offload_blocks));
     CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
     CK(cudaEventRecord(k->off_ev, os));
     /* U and W of the slot, in bf16. Enqueued last, so the cache's stream does not idle while

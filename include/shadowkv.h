@@ -153,7 +153,28 @@ typedef struct skv_config {
     int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default. When > 0, prefill and
                                    decode set it as the calling thread's OpenMP thread count. */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
+    int64_t value_device_bytes; /**< device memory the cache may spend on values (see "Value
+                                   placement" below); SKV_VALUES_ALL_DEVICE (default) = every
+                                   (layer, sequence) keeps its values on the device */
+    int32_t value_cache_chunks; /**< chunks per KV head in the device chunk cache of each
+                                   host-placed (layer, sequence); 0 = min(4 S, N_max - O);
+                                   otherwise in [S, N_max - O] */
 } skv_config;
+
+/**
+ * Value placement. Values of the candidate chunks of one (layer, sequence)
+ * ("slot") live either wholly in device memory or in the host store behind a
+ * device-resident chunk cache. Slots are placed in (layer, sequence) order:
+ * slot i = layer * batch_size + seq goes on the device while the device bytes
+ * for values (whole stores of device slots plus the chunk caches of the host
+ * slots) stay within config.value_device_bytes; all later slots use the host.
+ * Placement changes no decision; outputs are bitwise equal except on cuda when
+ * a step misses chunk-cache entries, where the missed chunks' P.V is added
+ * after their PCIe transfer (agreement within 1e-6 relative). On ref and cpu
+ * both sides are host memory and placement is bookkeeping (the chunk cache's
+ * hit and miss counts are kept the same way).
+ */
+#define SKV_VALUES_ALL_DEVICE ((int64_t)-1)
 
 /** Defaults for a Llama-3-8B shape (see field docs). */
 SKV_API skv_config skv_config_default(void);
@@ -175,6 +196,25 @@ SKV_API skv_status skv_config_validate(const skv_config *cfg);
  * Either output pointer may be NULL. Fails like skv_config_validate.
  */
 SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes);
+
+/** What a cache created from a config holds, split by placement (skv_cache_memory_info). */
+typedef struct skv_memory_info {
+    size_t device_bytes;        /**< all device memory, as skv_cache_memory */
+    size_t host_bytes;          /**< the host value stores, as skv_cache_memory */
+    size_t value_store_bytes;   /**< one slot's whole value store (N_max - O chunks per KV head) */
+    size_t value_cache_bytes;   /**< one host slot's chunk cache with its index (device) */
+    int64_t device_value_slots; /**< (layer, sequence) slots whose values live on the device */
+    int64_t host_value_slots;   /**< slots whose values live in the host store */
+    int32_t value_cache_chunks; /**< chunk-cache entries per KV head of a host slot (resolved) */
+} skv_memory_info;
+
+/**
+ * skv_cache_memory with the value placement spelled out: how many slots keep
+ * their values on the device for cfg->value_device_bytes, and the bytes of
+ * one value store and of one chunk cache. Fails like skv_config_validate
+ * (a budget below the chunk caches of all slots is SKV_ERR_INVALID_CONFIG).
+ */
+SKV_API skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info *info);
 
 /* ------------------------------------------------------------------------ */
 /* Cache                                                                    */
@@ -272,6 +312,7 @@ typedef struct skv_seq_info {
     int32_t n_local;      /**< local-window tokens: n - N*c */
     int32_t n_generated;  /**< generated tokens appended so far */
     int32_t has_selection;/**< 1 once a decode step ran */
+    int32_t values_on_device; /**< 1: values in device memory; 0: host store + chunk cache */
 } skv_seq_info;
 
 /** Fills *info for (layer, seq). Errors: NULL pointer, out-of-range index. */
@@ -331,6 +372,12 @@ typedef struct skv_stats {
                                      for the previous prefill's side work to free the
                                      staging buffers; 0 when the caller's own work between
                                      prefills (the next layer's attention) covers it */
+    int64_t value_cache_hits;   /**< selected chunks of host-placed slots found in the
+                                     device chunk cache (every backend counts them) */
+    int64_t value_cache_misses; /**< selected chunks of host-placed slots fetched from the
+                                     host store */
+    int64_t decode_launches;    /**< cuda: kernels launched by decode steps (divide by
+                                     n_decode_calls for kernels per step); 0 on ref/cpu */
 } skv_stats;
 
 /** Copies the cache's phase timings into *stats. */

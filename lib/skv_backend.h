@@ -47,19 +47,32 @@ int64_t skv_ws_reset(skv_ws *ws);
  * Byte offsets of one (layer, sequence) slot inside the device and host arenas,
  * and of the shared regions. Computed once from a validated config; the memory
  * query and create use the same function, so they cannot disagree.
+ *
+ * Device arena: L*B uniform slots (slot_device bytes each), the shared regions,
+ * then the value region: n_dev_slots whole value stores (slot_values bytes
+ * each), then one chunk cache (slot_vcache bytes each) per host slot. Host
+ * arena: one value store per host slot (slot_host bytes each). Slot i = layer
+ * * B + seq keeps its values on the device iff i < n_dev_slots.
  */
 typedef struct skv_layout {
     int32_t S;          /* selected chunks per KV head */
     int32_t cand_max;   /* N_max - O */
     int32_t local_max;  /* (Lc + 1) * c - 1 */
+    int32_t vc_chunks;  /* chunk-cache entries per KV head of a host slot (resolved) */
     int64_t n_positions;/* RoPE table rows: max_prompt_len + gen_capacity */
+    int64_t n_slots;    /* L * B */
+    int64_t n_dev_slots;/* slots whose values live on the device (the first ones) */
     /* per-slot device offsets */
     size_t u, w, landmarks, cand_ids, out_ids, out_k, out_v, loc_k, loc_v, gen_k, gen_v, sel_idx,
         sel_ids, slot_device;
-    /* per-slot host offsets */
-    size_t vstore, slot_host;
+    /* value stores [Hk, cand_max, c, D]: device ones from dev_values, host ones from 0 of the host arena */
+    size_t slot_values, slot_host;
+    /* chunk cache of a host slot: data [Hk, vc_chunks, c, D] bf16, slot_of [Hk, cand_max],
+       owner [Hk, vc_chunks], stamp [Hk, vc_chunks] int32 (metadata contiguous from vc_slot_of) */
+    size_t vc_data, vc_slot_of, vc_owner, vc_stamp, vc_meta_bytes, slot_vcache;
     /* shared device regions (after L*B slots) */
     size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids;
+    size_t dev_values, dev_vcache;
     size_t device_total, host_total;
 } skv_layout;
 

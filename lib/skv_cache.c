@@ -12,6 +12,7 @@
 
 #include "skv_internal.h"
 #include "skv_numerics.h"
+#include "skv_plan.h"
 
 typedef skv_seq_state skv_slot;
 
@@ -23,6 +24,7 @@ struct skv_cache {
     char *host;     /* host arena (value store) */
     skv_slot *slots;/* [n_layers * batch_size] */
     skv_ws ws;      /* decode-slot scratch, allocated at create */
+    int32_t *vc_scratch; /* chunk-cache bookkeeping of one KV head: 3 * vc_chunks + 2 * S */
     void *bctx;     /* backend's cache state (cache-level slots), or NULL */
     skv_stats stats;
     char err[SKV_ERRMSG_CAP];
@@ -32,16 +34,28 @@ struct skv_cache {
 /* Typed pointer to a per-slot region of the device arena. */
 #define DEV(c, l, b, field, type) \
     ((type *)((c)->dev + SLOT_INDEX(c, l, b) * (c)->lay.slot_device + (c)->lay.field))
-#define HOST(c, l, b, field, type) \
-    ((type *)((c)->host + SLOT_INDEX(c, l, b) * (c)->lay.slot_host + (c)->lay.field))
 #define SHARED(c, field, type) ((type *)((c)->dev + (c)->lay.field))
 
 static const size_t B2 = sizeof(skv_bf16);
 
-/* Most tokens one decode attention call sees: outliers, local, selected, generated. */
+/* Most tokens one decode attention call sees (the decode plan). */
 static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
 {
-    return ((int64_t)c->n_outlier_chunks + lay->S) * c->chunk_size + lay->local_max + c->gen_capacity;
+    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+}
+
+/* Value store [Hk, cand_max, c, D] of slot i: device arena for the first n_dev_slots, else host. */
+static skv_bf16 *skv_value_store(const skv_cache *c, size_t i)
+{
+    if ((int64_t)i < c->lay.n_dev_slots) return (skv_bf16 *)(c->dev + c->lay.dev_values + i * c->lay.slot_values);
+    return (skv_bf16 *)(c->host + (i - (size_t)c->lay.n_dev_slots) * c->lay.slot_host);
+}
+
+/* Chunk cache of host slot i (its base; regions at lay.vc_*), or NULL for a device slot. */
+static char *skv_value_cache(const skv_cache *c, size_t i)
+{
+    if ((int64_t)i < c->lay.n_dev_slots) return NULL;
+    return c->dev + c->lay.dev_vcache + (i - (size_t)c->lay.n_dev_slots) * c->lay.slot_vcache;
 }
 
 /*
@@ -72,9 +86,10 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes)
+SKV_API skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info *info)
 {
-    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory: cfg is NULL");
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory_info: cfg is NULL");
+    if (!info) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory_info: info is NULL");
     skv_config c;
     skv_layout lay;
     const struct skv_backend_ops *ops;
@@ -85,8 +100,25 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
         return skv_fail(NULL, SKV_ERR_SIZE_OVERFLOW, "skv_cache_memory: device bytes overflow size_t");
     if (!skv_add_size(lay.device_total, ws, &dev))
         return skv_fail(NULL, SKV_ERR_SIZE_OVERFLOW, "skv_cache_memory: device bytes overflow size_t");
-    if (device_bytes) *device_bytes = dev;
-    if (host_bytes) *host_bytes = lay.host_total;
+    memset(info, 0, sizeof *info);
+    info->device_bytes = dev;
+    info->host_bytes = lay.host_total;
+    info->value_store_bytes = lay.slot_values;
+    info->value_cache_bytes = lay.slot_vcache;
+    info->device_value_slots = lay.n_dev_slots;
+    info->host_value_slots = lay.n_slots - lay.n_dev_slots;
+    info->value_cache_chunks = lay.vc_chunks;
+    return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes)
+{
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory: cfg is NULL");
+    skv_memory_info info;
+    skv_status st = skv_cache_memory_info(cfg, &info);
+    if (st) return st;
+    if (device_bytes) *device_bytes = info.device_bytes;
+    if (host_bytes) *host_bytes = info.host_bytes;
     return SKV_OK;
 }
 
@@ -113,9 +145,10 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     k->host = ops->mem_alloc(lay.host_total, SKV_MEM_HOST);
     k->ws.cap = ws_bytes;
     k->ws.base = ws_bytes ? ops->mem_alloc(ws_bytes, SKV_MEM_DEVICE) : NULL;
+    k->vc_scratch = malloc(((size_t)3 * lay.vc_chunks + (size_t)2 * lay.S) * sizeof *k->vc_scratch);
     size_t tab = skv_rope_table_len(&c.rope, c.head_dim, lay.n_positions);
     float *cs = malloc(tab * sizeof *cs), *sn = malloc(tab * sizeof *sn);
-    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !cs || !sn) {
+    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !k->vc_scratch || !cs || !sn) {
         free(cs);
         free(sn);
         skv_cache_free(k);
@@ -154,6 +187,7 @@ SKV_API void skv_cache_free(skv_cache *cache)
         cache->ops->mem_free(cache->ws.base, SKV_MEM_DEVICE);
     }
     free(cache->slots);
+    free(cache->vc_scratch);
     free(cache);
 }
 
@@ -308,7 +342,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     if (!st) st = ops->copy2d(h_cand, 0, cand_ids, 0, (size_t)Hk * n_cand * sizeof *ids, 1);
     skv_bf16 *ok_ = DEV(c, layer, seq, out_k, skv_bf16), *ov = DEV(c, layer, seq, out_v, skv_bf16);
     skv_bf16 *lk = DEV(c, layer, seq, loc_k, skv_bf16), *lv = DEV(c, layer, seq, loc_v, skv_bf16);
-    skv_bf16 *vs = HOST(c, layer, seq, vstore, skv_bf16);
+    skv_bf16 *vs = skv_value_store(c, SLOT_INDEX(c, layer, seq));
     for (int32_t h = 0; h < Hk && !st; h++) {
         for (int32_t o = 0; o < O && !st; o++) {
             size_t src = ((size_t)h_out[(size_t)h * O + o] * cs * Hk + h) * D;
@@ -327,6 +361,10 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     if (st) {
         st = skv_slot_failed(c, fn, "offload copy", st);
         goto done;
+    }
+    {   /* an empty chunk cache (host slots): every index entry -1 */
+        char *vc = skv_value_cache(c, SLOT_INDEX(c, layer, seq));
+        if (vc) memset(vc + c->lay.vc_slot_of, 0xff, c->lay.vc_meta_bytes);
     }
     t4 = skv_now_ms();
     {
@@ -347,6 +385,28 @@ done:
 }
 
 /* ---- decode ---------------------------------------------------------------------------- */
+
+/*
+ * The chunk cache of host slot i after a good step with selection sel [Hk, S]
+ * (candidate indices): hits and misses by the rule of skv_vcache_step. ref and
+ * cpu read every value from the store (both sides are host memory), so only
+ * the index is kept; the cuda backend runs the same rule on the device.
+ */
+static void skv_vcache_account(skv_cache *c, size_t i, const int32_t *sel, int32_t step)
+{
+    char *vc = skv_value_cache(c, i);
+    if (!vc) return;
+    const int32_t Hk = c->cfg.n_kv_heads, S = c->lay.S, E = c->lay.vc_chunks, cm = c->lay.cand_max;
+    int32_t *entry = c->vc_scratch + 3 * (size_t)E, *miss = entry + S;
+    for (int32_t h = 0; h < Hk; h++) {
+        int32_t hits = skv_vcache_step((int32_t *)(vc + c->lay.vc_slot_of) + (size_t)h * cm,
+                                       (int32_t *)(vc + c->lay.vc_owner) + (size_t)h * E,
+                                       (int32_t *)(vc + c->lay.vc_stamp) + (size_t)h * E, E, sel + (size_t)h * S, S,
+                                       step, entry, miss, c->vc_scratch);
+        c->stats.value_cache_hits += hits;
+        c->stats.value_cache_misses += S - hits;
+    }
+}
 
 SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
                               const skv_bf16 *v, float *out)
@@ -414,22 +474,22 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
         if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
         t_reb += skv_now_ms() - t;
         t = skv_now_ms();
-        st = ops->gather_values(Hk, D, cs, sl->n_cand, S, HOST(c, layer, b, vstore, skv_bf16), sidx, vsel);
+        st = ops->gather_values(Hk, D, cs, sl->n_cand, S, skv_value_store(c, SLOT_INDEX(c, layer, b)), sidx, vsel);
         if (st) return skv_slot_failed(c, fn, "gather_values", st);
         t_fet += skv_now_ms() - t;
         t = skv_now_ms();
-        const int64_t oc = (int64_t)O * cs;
-        skv_kv_span spans[5] = {
-            {DEV(c, layer, b, out_k, skv_bf16), DEV(c, layer, b, out_v, skv_bf16), oc, oc * D, D},
-            {DEV(c, layer, b, loc_k, skv_bf16), DEV(c, layer, b, loc_v, skv_bf16), sl->n_local,
-             (int64_t)sl->n_local * D, D},
-            {ks, vsel, (int64_t)S * cs, (int64_t)S * cs * D, D},
-            {DEV(c, layer, b, gen_k, skv_bf16), DEV(c, layer, b, gen_v, skv_bf16), sl->n_gen,
-             (int64_t)cap * D, D},
-            /* the new token, appended only when the whole step succeeded */
-            {k + (size_t)b * Hk * D, v + (size_t)b * Hk * D, 1, D, D},
-        };
-        st = ops->sparse_attention(Hq, Hk, D, scale, qb, 5, spans, out + (size_t)b * Hq * D, &c->ws);
+        skv_span_shape sh[SKV_N_SPANS];
+        skv_plan_spans(O, cs, S, D, sl->n_local, sl->n_gen, cap, sh);
+        const skv_bf16 *sk[SKV_N_SPANS] = {DEV(c, layer, b, out_k, skv_bf16), DEV(c, layer, b, loc_k, skv_bf16), ks,
+                                           DEV(c, layer, b, gen_k, skv_bf16), k + (size_t)b * Hk * D};
+        const skv_bf16 *sv[SKV_N_SPANS] = {DEV(c, layer, b, out_v, skv_bf16), DEV(c, layer, b, loc_v, skv_bf16), vsel,
+                                           DEV(c, layer, b, gen_v, skv_bf16), v + (size_t)b * Hk * D};
+        skv_kv_span spans[SKV_N_SPANS]; /* the new token is appended only when the whole step succeeded */
+        for (int i = 0; i < SKV_N_SPANS; i++) {
+            spans[i].k = sk[i], spans[i].v = sv[i];
+            spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
+        }
+        st = ops->sparse_attention(Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, out + (size_t)b * Hq * D, &c->ws);
         c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
         t_att += skv_now_ms() - t;
@@ -452,6 +512,8 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
             st = ops->copy2d(DEV(c, layer, b, sel_ids, int32_t), 0,
                              SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
         if (st) return skv_slot_failed(c, fn, "append copy", st);
+        skv_vcache_account(c, SLOT_INDEX(c, layer, b), SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S,
+                           sl->n_gen);
         sl->n_gen++;
         sl->has_selection = 1;
     }
@@ -512,6 +574,7 @@ SKV_API skv_status skv_cache_seq_info(const skv_cache *c, int32_t layer, int32_t
     info->prefilled = sl->prefilled;
     info->n_outliers = c->cfg.n_outlier_chunks;
     info->n_selected = c->lay.S;
+    info->values_on_device = (int64_t)SLOT_INDEX(c, layer, seq) < c->lay.n_dev_slots;
     if (!sl->prefilled) return SKV_OK;
     info->n = sl->n;
     info->n_chunks = sl->n_chunks;

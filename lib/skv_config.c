@@ -35,6 +35,8 @@ SKV_API skv_config skv_config_default(void)
     c.backend = SKV_BACKEND_AUTO;
     c.n_threads = 0;
     c.cuda_stream = NULL;
+    c.value_device_bytes = SKV_VALUES_ALL_DEVICE;
+    c.value_cache_chunks = 0;
     return c;
 }
 
@@ -124,6 +126,13 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if (cfg->n_threads < 0)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_threads = %d: must be >= 0 (0 = default)",
                         cfg->n_threads);
+    if (cfg->value_device_bytes < SKV_VALUES_ALL_DEVICE)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "value_device_bytes = %lld: must be >= 0, or SKV_VALUES_ALL_DEVICE (-1)",
+                        (long long)cfg->value_device_bytes);
+    if (cfg->value_cache_chunks < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "value_cache_chunks = %d: must be >= 0 (0 = default)",
+                        cfg->value_cache_chunks);
     skv_status st = skv_rope_validate(errbuf, &cfg->rope, cfg->head_dim);
     if (st) return st;
     if (cfg->max_prompt_len > SKV_MAX_PROMPT)
@@ -167,6 +176,25 @@ static int skv_region(size_t *cursor, size_t count, size_t elem, size_t *offset)
     return skv_add_size(start, bytes, cursor);
 }
 
+/*
+ * Slots on the device for a value budget: the largest k in [0, n] with
+ * k * store + (n - k) * cache <= budget (the cost is linear in k). -1 when even
+ * k = 0 does not fit.
+ */
+static int64_t skv_dev_slots(int64_t budget, int64_t n, size_t store, size_t cache)
+{
+    if (budget == SKV_VALUES_ALL_DEVICE) return n;
+    long double B = (long double)budget, V = (long double)store, C = (long double)cache;
+    if (V >= C) {
+        if ((long double)n * C > B) return -1;
+        if (V == C) return n;
+        long double k = floorl((B - (long double)n * C) / (V - C));
+        return k > (long double)n ? n : (int64_t)k;
+    }
+    /* a chunk cache costs more than a whole store (tiny prompts): all on the device if they fit */
+    return (long double)n * V <= B ? n : ((long double)n * C <= B ? 0 : -1);
+}
+
 skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay)
 {
     skv_status st = skv_config_check(errbuf, cfg);
@@ -180,9 +208,16 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
                               cfg->n_outlier_chunks);
     lay->local_max = (cfg->n_local_chunks + 1) * cfg->chunk_size - 1;
     lay->n_positions = cfg->max_prompt_len + cfg->gen_capacity;
-    size_t S = (size_t)lay->S, cm = (size_t)lay->cand_max, lm = (size_t)lay->local_max;
+    if (cfg->value_cache_chunks && (cfg->value_cache_chunks < lay->S || cfg->value_cache_chunks > lay->cand_max))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "value_cache_chunks = %d: must be 0 (default) or in [S = budget / chunk_size = %d, "
+                        "N_max - O = %d]",
+                        cfg->value_cache_chunks, lay->S, lay->cand_max);
+    lay->vc_chunks = cfg->value_cache_chunks ? cfg->value_cache_chunks
+                                             : ((int64_t)4 * lay->S < lay->cand_max ? 4 * lay->S : lay->cand_max);
+    size_t S = (size_t)lay->S, cm = (size_t)lay->cand_max, lm = (size_t)lay->local_max, vc = (size_t)lay->vc_chunks;
     size_t HkD = 0, b2 = sizeof(skv_bf16), i4 = sizeof(int32_t), t, oc = 0;
-    size_t dev = 0, host = 0;
+    size_t dev = 0, host = 0, vcache = 0, slots = 0, R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
     int ok = skv_mul_size(Hk, D, &HkD) && skv_mul_size(O, c, &oc);
 #define REGION(cursor, a, b_, elem, off) (skv_mul3(a, b_, 1, &t) && skv_region(cursor, t, elem, off))
     ok = ok && REGION(&dev, nmax, r, b2, &lay->u);
@@ -199,11 +234,18 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_idx);
     ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_ids);
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->slot_device = t & ~(size_t)255), 1);
-    ok = ok && skv_mul3(cm, c, HkD, &t) && skv_region(&host, t, b2, &lay->vstore);
-    ok = ok && skv_add_size(host, 255, &t) && ((lay->slot_host = t & ~(size_t)255), 1);
-    /* L * B slots, then shared regions */
-    size_t slots = 0, R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
+    /* one value store, and one chunk cache (data, then its index: slot_of, owner, stamp) */
+    ok = ok && skv_mul3(cm, c, HkD, &t) && skv_mul_size(t, b2, &t) && skv_add_size(t, 255, &t) &&
+         ((lay->slot_values = lay->slot_host = t & ~(size_t)255), 1);
+    ok = ok && skv_mul3(vc, c, HkD, &t) && skv_region(&vcache, t, b2, &lay->vc_data);
+    ok = ok && REGION(&vcache, Hk, cm, i4, &lay->vc_slot_of);
+    ok = ok && REGION(&vcache, Hk, vc, i4, &lay->vc_owner);
+    ok = ok && REGION(&vcache, Hk, vc, i4, &lay->vc_stamp);
+    ok = ok && ((lay->vc_meta_bytes = vcache - lay->vc_slot_of), 1);
+    ok = ok && skv_add_size(vcache, 255, &t) && ((lay->slot_vcache = t & ~(size_t)255), 1);
+    /* L * B slots, then shared regions, then the values */
     ok = ok && skv_mul_size((size_t)cfg->n_layers, (size_t)cfg->batch_size, &slots);
+    ok = ok && slots <= (size_t)INT64_MAX && ((lay->n_slots = (int64_t)slots), 1);
     ok = ok && skv_mul_size(slots, lay->slot_device, &dev);
     ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_cos);
     ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_sin);
@@ -211,9 +253,22 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && skv_mul3(S, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_v);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
+    if (ok) {
+        lay->n_dev_slots = skv_dev_slots(cfg->value_device_bytes, lay->n_slots, lay->slot_values, lay->slot_vcache);
+        if (lay->n_dev_slots < 0)
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "value_device_bytes = %lld: below the chunk caches of all %lld (layer, sequence) "
+                            "slots (%zu bytes each, value_cache_chunks = %d); raise it or lower value_cache_chunks",
+                            (long long)cfg->value_device_bytes, (long long)lay->n_slots, lay->slot_vcache,
+                            lay->vc_chunks);
+    }
+    size_t n_dev = (size_t)lay->n_dev_slots, n_host = slots - n_dev;
+    ok = ok && skv_add_size(dev, 255, &t) && ((lay->dev_values = t & ~(size_t)255), 1);
+    ok = ok && skv_mul_size(n_dev, lay->slot_values, &t) && skv_add_size(lay->dev_values, t, &lay->dev_vcache);
+    ok = ok && skv_mul_size(n_host, lay->slot_vcache, &t) && skv_add_size(lay->dev_vcache, t, &dev);
 #undef REGION
     lay->device_total = dev;
-    ok = ok && skv_mul_size(slots, lay->slot_host, &lay->host_total);
+    ok = ok && skv_mul_size(n_host, lay->slot_host, &host) && ((lay->host_total = host), 1);
     /* ops index tokens of one head of one slot with int32 chunk ids */
     ok = ok && (uint64_t)cm * c <= (uint64_t)INT32_MAX;
     if (!ok)

@@ -66,7 +66,15 @@ static void test_no_device(skv_status avail)
 
     size_t dev = 0, host = 0;
     SKVT_CHECK_STATUS(skv_cache_memory(&c, &dev, &host), SKV_OK, "skv_cache_memory(cuda) without a device");
-    SKVT_CHECK(dev > 0 && host > 0, "skv_cache_memory(cuda): %zu device, %zu host bytes", dev, host);
+    SKVT_CHECK(dev > 0 && host == 0, "skv_cache_memory(cuda), values on the device: %zu device, %zu host bytes", dev,
+               host);
+    skv_memory_info mi;
+    SKVT_CHECK_STATUS(skv_cache_memory_info(&c, &mi), SKV_OK, "skv_cache_memory_info(cuda) without a device");
+    c.value_device_bytes = (int64_t)(mi.host_value_slots + mi.device_value_slots) * (int64_t)mi.value_cache_bytes;
+    SKVT_CHECK_STATUS(skv_cache_memory(&c, &dev, &host), SKV_OK, "skv_cache_memory(cuda) values on the host");
+    SKVT_CHECK(dev > 0 && host > 0, "skv_cache_memory(cuda), values on the host: %zu device, %zu host bytes", dev,
+               host);
+    c.value_device_bytes = SKV_VALUES_ALL_DEVICE;
 
     c.backend = SKV_BACKEND_AUTO;
     SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, "create(auto)");
