@@ -1,22 +1,45 @@
 /*
  * bench_decode.c - `skv-bench decode`: one layer's decode step at a
  * Llama-3-8B shape (Hq 32, Hk 8, D 128, r 160, c 8, budget 2048, O 48,
- * Lc 4) for each context length and batch size, through the public cache
- * API, split into the library's phases (select, rebuild, fetch, attention).
+ * Lc 4), through the public cache API, for every combination of
+ *   --ctx        prompt length per sequence            (32768,131072,1048576)
+ *   --batch      sequences                             (1,8,32; contexts above
+ *                131072 run at batch <= --big-batch only, default 1)
+ *   --placement  device: every value on the device; host: every value in the
+ *                host store behind the device chunk cache
+ *   --workload   fresh: a new random query per step and sequence (the
+ *                synthetic workload of tests/common/synth.h, one random
+ *                stream per sequence on a shared prompt); drift: each query
+ *                mixes the previous one with a fresh one, q_t = a q_{t-1} +
+ *                sqrt(1 - a^2) fresh_t (--drift a; 0.92 lands near the 60% adjacent-step overlap
+ *                the ShadowKV paper reports), as real queries drift
  *
- *   build/skv-bench decode [--backend cuda] [--ctx 32768,131072] [--batch 1,8]
- *                          [--steps 50] [--warmup 5] [--json]
+ *   build/skv-bench decode [--backend cuda] [--ctx ...] [--batch ...]
+ *       [--placement device,host] [--workload fresh,drift] [--steps 30]
+ *       [--warmup 5] [--drift 0.92] [--big-batch 1] [--hbm-gbs 4200]
+ *       [--pcie-gbs 55] [--json]
  *
- * The prompt of one sequence is generated once per context length (synthetic
- * workload, tests/common/synth.h) and every sequence of the batch is
- * prefilled from it; each sequence still has its own factorization, value
- * store and state. Per step: the inputs are staged (not timed), then
- * skv_decode + skv_cache_sync are timed with the host clock; the figure is
- * the median over --steps steps after --warmup steps. The split comes from
- * the cache's stats (CUDA events on cuda, host clock on ref/cpu) averaged
- * over the same steps. "pipelined_ms" times --steps steps issued back to
- * back with one sync at the end (launch latency overlapped).
+ * Each (ctx, batch, placement) gets one cache, prefilled for every sequence
+ * from one generated prompt (each sequence has its own factorization, store
+ * and state); the workloads then run on it one after the other. Per step the
+ * inputs are generated and copied (not timed), then skv_decode is timed: with
+ * CUDA events around it on the cache's stream (cuda), with the host clock
+ * around skv_decode + skv_cache_sync (ref, cpu). step_ms is the median over
+ * --steps steps after --warmup steps.
+ *
+ * Per row also: overlap (the mean share of a KV head's selected chunks that
+ * the previous step selected too, over up to 4 sequences and every head),
+ * hit_rate (chunk-cache hits / lookups over the timed steps, host placement),
+ * kernels_per_step (skv_stats.decode_launches per step), and floor_ms, the
+ * time the step's necessary traffic takes: device placement, the bytes a step
+ * must read from device memory (landmarks of every candidate, the U rows of
+ * the selected tokens, the selected values, the outlier / local / generated
+ * keys and values, q and out) over --hbm-gbs; host placement, the larger of
+ * that without the missed values and the missed values' bytes over
+ * --pcie-gbs. The dense baseline is timed by tests/gpu/dense_decode.py in the
+ * same run and joined by tests/gpu/decode_table.py.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +48,12 @@
 #include "synth.h"
 #include "testutil.h"
 
+#ifdef SKV_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #define MAXV 8
+#define MAX_OVERLAP_SEQS 4
 
 static double dnow_ms(void)
 {
@@ -57,131 +85,238 @@ static int parse_list(const char *s, int64_t *out)
     return n;
 }
 
+enum { PL_DEVICE, PL_HOST, N_PL };
+enum { WL_FRESH, WL_DRIFT, N_WL };
+static const char *const pl_name[N_PL] = {"device", "host"};
+static const char *const wl_name[N_WL] = {"fresh", "drift"};
+
 typedef struct {
     int64_t ctx;
-    int B;
-    double prefill_ms, step_ms, step_min_ms, pipelined_ms, device_step_ms, sel, reb, fet, att;
+    int B, placement, workload;
+    double step_ms, step_min_ms, floor_ms, hbm_mb, pcie_mb, hit_rate, overlap, kernels_per_step;
+    double select_ms, fetch_ms, attention_ms, prefill_ms;
+    int64_t device_bytes, host_bytes;
     long needle_hits, needle_total;
 } drow;
 
-static drow run_one(skv_backend be, int64_t ctx, int B, int steps, int warmup)
+typedef struct {
+    int steps, warmup;
+    double drift, hbm_gbs, pcie_gbs;
+} dopts;
+
+/* The step's bytes from device memory (hbm_mb) and, for host placement, over PCIe (the missed
+   values, pcie_mb). n_gen: mean generated tokens over the timed steps; misses: per step. */
+static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t n_local, double n_gen, double misses)
 {
-    drow row;
-    memset(&row, 0, sizeof row);
-    row.ctx = ctx, row.B = B;
-    skv_config cfg = skv_config_default();
-    cfg.n_layers = 1;
+    const double B = row->B, Hk = cfg->n_kv_heads, D = cfg->head_dim, c = cfg->chunk_size, r = cfg->rank;
+    const double S = cfg->budget / cfg->chunk_size, O = cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
+    const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * S * c * r * 2, vals = B * Hk * S * c * D * 2;
+    const double res = B * Hk * (O * c + n_local + n_gen + 1) * D * 2 * 2, qo = B * Hq * D * 6;
+    const double missed = row->placement == PL_HOST ? misses * c * D * 2 : 0;
+    row->hbm_mb = (lm + urows + res + qo + vals - missed) / 1e6;
+    row->pcie_mb = missed / 1e6;
+}
+
+static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, int64_t ctx, int B, int placement,
+                      const dopts *o, const int *want_wl, drow *rows, int *n_rows)
+{
+    skv_config cfg = wl->cfg;
+    const int per_wl = o->warmup + o->steps;
     cfg.batch_size = B;
-    cfg.max_prompt_len = ctx;
-    const int total = warmup + 2 * steps;
-    cfg.gen_capacity = total;
+    cfg.gen_capacity = N_WL * per_wl;
     cfg.backend = be;
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
-    skvs_workload wl;
-    skvs_seq seq;
+    skv_memory_info mi;
     skv_status st;
-    if ((st = skvs_workload_init(&wl, &cfg, ctx + total, SKV_BACKEND_CPU))) ddie("workload", st, NULL);
-    fprintf(stderr, "skv-bench decode: generating a %lld-token prompt\n", (long long)ctx);
-    if ((st = skvs_seq_generate(&seq, &wl, ctx, total, 0, 20251201 + (uint64_t)ctx))) ddie("workload", st, NULL);
-    size_t pb = (size_t)ctx * Hk * D * sizeof(skv_bf16);
-    skv_bf16 *dk = skvt_dbuf(be, seq.k_pre, pb), *dv = skvt_dbuf(be, seq.v, pb);
-    skvt_dput(be, dk, seq.k_pre, pb);
-    skvt_dput(be, dv, seq.v, pb);
+    if ((st = skv_cache_memory_info(&cfg, &mi))) ddie("skv_cache_memory_info", st, NULL);
+    if (placement == PL_HOST) cfg.value_device_bytes = (int64_t)(mi.host_value_slots + mi.device_value_slots) *
+                                                       (int64_t)mi.value_cache_bytes;
+    if ((st = skv_cache_memory_info(&cfg, &mi))) ddie("skv_cache_memory_info", st, NULL);
+    fprintf(stderr, "skv-bench decode: ctx %lld batch %d %s: %.2f GB device, %.2f GB host\n", (long long)ctx, B,
+            pl_name[placement], mi.device_bytes / 1e9, mi.host_bytes / 1e9);
     skv_cache *cache = NULL;
+    double t0 = dnow_ms();
     if ((st = skv_cache_create(&cfg, &cache))) ddie("skv_cache_create", st, NULL);
-    double pf[MAXV * 8];
+    const double create_ms = dnow_ms() - t0;
+    size_t pb = (size_t)ctx * Hk * D * sizeof(skv_bf16);
+    skv_bf16 *dk = skvt_dbuf(be, seq->k_pre, pb), *dv = skvt_dbuf(be, seq->v, pb);
+    skvt_dput(be, dk, seq->k_pre, pb);
+    skvt_dput(be, dv, seq->v, pb);
+    double pf[4096];
     for (int b = 0; b < B; b++) {
-        double t0 = dnow_ms();
+        t0 = dnow_ms();
         if ((st = skv_prefill(cache, 0, b, ctx, dk, dv, NULL))) ddie("skv_prefill", st, cache);
-        pf[b] = dnow_ms() - t0;
+        pf[b < 4096 ? b : 4095] = dnow_ms() - t0;
     }
-    qsort(pf, (size_t)B, sizeof *pf, dcmp);
-    row.prefill_ms = pf[B / 2];
-    if ((st = skvs_seq_attach(&seq, cache, 0, 0))) ddie("attach", st, cache);
-    skvt_dfree(be, dk, seq.k_pre);
-    skvt_dfree(be, dv, seq.v);
-    if ((st = skvs_seq_release(&seq))) ddie("workload", st, NULL);
+    if ((st = skv_cache_sync(cache))) ddie("skv_cache_sync", st, cache);
+    qsort(pf, (size_t)(B < 4096 ? B : 4096), sizeof *pf, dcmp);
+    fprintf(stderr, "skv-bench decode: created in %.0f ms, prefill %.1f ms per sequence (median)\n", create_ms,
+            pf[B / 2 < 4096 ? B / 2 : 4095]);
+    skvt_dfree(be, dk, seq->k_pre);
+    skvt_dfree(be, dv, seq->v);
+    skv_seq_info info;
+    if ((st = skv_cache_seq_info(cache, 0, 0, &info))) ddie("seq_info", st, cache);
 
     const size_t qn = (size_t)B * Hq * D, kn = (size_t)B * Hk * D;
     skv_bf16 *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
-    float *out = malloc(qn * 4);
-    int32_t *sel = malloc((size_t)S * 4);
+    float *qf = malloc(qn * sizeof(float)), *out = malloc(qn * 4);
+    const int n_ov = B < MAX_OVERLAP_SEQS ? B : MAX_OVERLAP_SEQS;
+    int32_t *prev = malloc(sizeof(int32_t) * (size_t)n_ov * Hk * S), *cur = malloc(sizeof(int32_t) * (size_t)S);
     skv_bf16 *dq = skvt_dbuf(be, q, qn * 2), *dkn = skvt_dbuf(be, k, kn * 2), *dvn = skvt_dbuf(be, v, kn * 2);
     float *dout = skvt_dbuf(be, out, qn * 4);
-    double *t = malloc(sizeof(double) * (size_t)total);
-    skv_stats s0, s1;
-    for (int i = 0; i < warmup + steps; i++) {
-        int32_t needle;
-        if ((st = skvs_step(&seq, q, k, v, &needle))) ddie("workload step", st, NULL);
-        for (int b = 1; b < B; b++) {
-            memcpy(q + (size_t)b * Hq * D, q, (size_t)Hq * D * 2);
-            memcpy(k + (size_t)b * Hk * D, k, (size_t)Hk * D * 2);
-            memcpy(v + (size_t)b * Hk * D, v, (size_t)Hk * D * 2);
+    double *t = malloc(sizeof(double) * (size_t)o->steps);
+#ifdef SKV_HAVE_CUDA
+    cudaEvent_t ev[2];
+    if (be == SKV_BACKEND_CUDA && (cudaEventCreate(&ev[0]) != cudaSuccess || cudaEventCreate(&ev[1]) != cudaSuccess))
+        ddie("cudaEventCreate", SKV_ERR_DEVICE, NULL);
+#endif
+    int step = 0; /* position in the cache's generated region (both workloads) */
+    for (int w = 0; w < N_WL; w++) {
+        if (!want_wl[w]) {
+            step += per_wl;
+            continue;
         }
-        skvt_dput(be, dq, q, qn * 2);
-        skvt_dput(be, dkn, k, kn * 2);
-        skvt_dput(be, dvn, v, kn * 2);
-        if (i == warmup && (st = skv_cache_stats(cache, &s0))) ddie("stats", st, cache);
-        double t0 = dnow_ms();
-        if ((st = skv_decode(cache, 0, dq, dkn, dvn, dout))) ddie("skv_decode", st, cache);
-        if ((st = skv_cache_sync(cache))) ddie("skv_cache_sync", st, cache);
-        if (i >= warmup) t[i - warmup] = dnow_ms() - t0;
-        for (int b = 0; b < B && i >= warmup; b++)
-            for (int h = 0; h < Hk; h++) {
-                if ((st = skv_cache_selected(cache, 0, b, h, sel))) ddie("skv_cache_selected", st, cache);
-                for (int j = 0; j < S; j++) row.needle_hits += sel[j] == needle;
-                row.needle_total++;
+        drow *row = &rows[(*n_rows)++];
+        memset(row, 0, sizeof *row);
+        row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w;
+        row->device_bytes = (int64_t)mi.device_bytes, row->host_bytes = (int64_t)mi.host_bytes;
+        row->prefill_ms = pf[B / 2 < 4096 ? B / 2 : 4095];
+        skv_stats s0, s1;
+        double ov_sum = 0;
+        long ov_n = 0;
+        for (int i = 0; i < per_wl; i++, step++) {
+            int32_t needle = -1;
+            for (int b = 0; b < B; b++) { /* one random stream per sequence */
+                skv_bf16 *qb = q + (size_t)b * Hq * D;
+                if ((st = skvs_step_stream(seq, step, (uint64_t)b + 1, qb, k + (size_t)b * Hk * D,
+                                           v + (size_t)b * Hk * D, b ? NULL : &needle)))
+                    ddie("workload step", st, NULL);
+                float *qfb = qf + (size_t)b * Hq * D;
+                if (w == WL_DRIFT && i > 0) {
+                    const double a = o->drift, f = sqrt(1 - a * a);
+                    for (size_t e = 0; e < (size_t)Hq * D; e++)
+                        qfb[e] = (float)(a * qfb[e] + f * skv_bf16_to_float(qb[e]));
+                } else {
+                    for (size_t e = 0; e < (size_t)Hq * D; e++) qfb[e] = skv_bf16_to_float(qb[e]);
+                }
+                for (size_t e = 0; e < (size_t)Hq * D; e++) qb[e] = skv_bf16_from_float(qfb[e]);
             }
+            skvt_dput(be, dq, q, qn * 2);
+            skvt_dput(be, dkn, k, kn * 2);
+            skvt_dput(be, dvn, v, kn * 2);
+            if (i == o->warmup && (st = skv_cache_stats(cache, &s0))) ddie("stats", st, cache);
+            double ms = 0;
+#ifdef SKV_HAVE_CUDA
+            if (be == SKV_BACKEND_CUDA) {
+                float f = 0;
+                cudaEventRecord(ev[0], 0);
+                if ((st = skv_decode(cache, 0, dq, dkn, dvn, dout))) ddie("skv_decode", st, cache);
+                cudaEventRecord(ev[1], 0);
+                cudaEventSynchronize(ev[1]);
+                cudaEventElapsedTime(&f, ev[0], ev[1]);
+                ms = f;
+                if ((st = skv_cache_sync(cache))) ddie("skv_cache_sync", st, cache);
+            } else
+#endif
+            {
+                double h0 = dnow_ms();
+                if ((st = skv_decode(cache, 0, dq, dkn, dvn, dout))) ddie("skv_decode", st, cache);
+                if ((st = skv_cache_sync(cache))) ddie("skv_cache_sync", st, cache);
+                ms = dnow_ms() - h0;
+            }
+            if (i >= o->warmup) t[i - o->warmup] = ms;
+            for (int b = 0; b < n_ov; b++)
+                for (int h = 0; h < Hk; h++) {
+                    int32_t *pv = prev + ((size_t)b * Hk + h) * S;
+                    if ((st = skv_cache_selected(cache, 0, b, h, cur))) ddie("skv_cache_selected", st, cache);
+                    if (i > 0) { /* both lists increase: a merge counts the common chunks */
+                        int x = 0, y = 0, common = 0;
+                        while (x < S && y < S) {
+                            if (cur[x] == pv[y]) common++, x++, y++;
+                            else if (cur[x] < pv[y]) x++;
+                            else y++;
+                        }
+                        if (i > o->warmup) ov_sum += (double)common / S, ov_n++;
+                    }
+                    if (i >= o->warmup && b == 0)
+                        for (int j = 0; j < S; j++) row->needle_hits += cur[j] == needle;
+                    if (i >= o->warmup && b == 0) row->needle_total++;
+                    memcpy(pv, cur, sizeof(int32_t) * (size_t)S);
+                }
+        }
+        if ((st = skv_cache_stats(cache, &s1))) ddie("stats", st, cache);
+        qsort(t, (size_t)o->steps, sizeof *t, dcmp);
+        row->step_ms = t[o->steps / 2];
+        row->step_min_ms = t[0];
+        row->overlap = ov_n ? ov_sum / ov_n : 0;
+        const double lookups = (double)(s1.value_cache_hits - s0.value_cache_hits) +
+                               (double)(s1.value_cache_misses - s0.value_cache_misses);
+        const double misses = (double)(s1.value_cache_misses - s0.value_cache_misses) / o->steps;
+        row->hit_rate = lookups > 0 ? (double)(s1.value_cache_hits - s0.value_cache_hits) / lookups : 0;
+        const double calls = (double)(s1.n_decode_calls - s0.n_decode_calls);
+        row->kernels_per_step = calls > 0 ? (double)(s1.decode_launches - s0.decode_launches) / calls : 0;
+        row->select_ms = (s1.decode_select_ms - s0.decode_select_ms) / o->steps;
+        row->fetch_ms = (s1.decode_fetch_ms - s0.decode_fetch_ms) / o->steps;
+        row->attention_ms = (s1.decode_attention_ms - s0.decode_attention_ms) / o->steps;
+        traffic_of(row, &cfg, info.n_candidates, info.n_local, step - o->steps / 2.0, misses);
+        const double f_hbm = row->hbm_mb * 1e6 / (o->hbm_gbs * 1e9) * 1e3,
+                     f_pcie = row->pcie_mb * 1e6 / (o->pcie_gbs * 1e9) * 1e3;
+        row->floor_ms = f_hbm > f_pcie ? f_hbm : f_pcie;
+        fprintf(stderr,
+                "skv-bench decode: %s ctx %lld batch %d %s %s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
+                "hit rate %.2f, %.1f kernels/step\n",
+                skv_backend_name(be), (long long)ctx, B, pl_name[placement], wl_name[w], row->step_ms, row->floor_ms,
+                row->step_ms / row->floor_ms, row->overlap, row->hit_rate, row->kernels_per_step);
     }
-    if ((st = skv_cache_stats(cache, &s1))) ddie("stats", st, cache);
-    qsort(t, (size_t)steps, sizeof *t, dcmp);
-    row.step_ms = t[steps / 2];
-    row.step_min_ms = t[0];
-    row.sel = (s1.decode_select_ms - s0.decode_select_ms) / steps;
-    row.reb = (s1.decode_rebuild_ms - s0.decode_rebuild_ms) / steps;
-    row.fet = (s1.decode_fetch_ms - s0.decode_fetch_ms) / steps;
-    row.att = (s1.decode_attention_ms - s0.decode_attention_ms) / steps;
-    row.device_step_ms = (s1.decode_step_ms - s0.decode_step_ms) / steps;
-    /* back to back: same inputs each step (the generated region still grows) */
-    double t0 = dnow_ms();
-    for (int i = 0; i < steps; i++)
-        if ((st = skv_decode(cache, 0, dq, dkn, dvn, dout))) ddie("skv_decode", st, cache);
-    if ((st = skv_cache_sync(cache))) ddie("skv_cache_sync", st, cache);
-    row.pipelined_ms = (dnow_ms() - t0) / steps;
+#ifdef SKV_HAVE_CUDA
+    if (be == SKV_BACKEND_CUDA) cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
+#endif
     skvt_dfree(be, dq, q);
     skvt_dfree(be, dkn, k);
     skvt_dfree(be, dvn, v);
     skvt_dfree(be, dout, out);
-    free(q), free(k), free(v), free(out), free(sel), free(t);
+    free(q), free(k), free(v), free(qf), free(out), free(prev), free(cur), free(t);
     skv_cache_free(cache);
-    skvs_seq_free(&seq);
-    skvs_workload_free(&wl);
-    return row;
 }
 
 int bench_decode_main(int argc, char **argv)
 {
-    int64_t ctxs[MAXV] = {32768, 131072}, batches[MAXV] = {1, 8};
-    int n_ctx = 2, n_b = 2, steps = 50, warmup = 5, json = 0;
+    int64_t ctxs[MAXV] = {32768, 131072, 1048576}, batches[MAXV] = {1, 8, 32};
+    int n_ctx = 3, n_b = 3, json = 0, big_batch = 1;
+    int want_pl[N_PL] = {1, 1}, want_wl[N_WL] = {1, 1};
+    dopts o = {30, 5, 0.92, 4200, 55};
     skv_backend be = SKV_BACKEND_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ctx")) n_ctx = parse_list(v, ctxs), i++;
         else if (!strcmp(a, "--batch")) n_b = parse_list(v, batches), i++;
-        else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
-        else if (!strcmp(a, "--warmup")) warmup = atoi(v), i++;
-        else if (!strcmp(a, "--backend")) {
+        else if (!strcmp(a, "--steps")) o.steps = atoi(v), i++;
+        else if (!strcmp(a, "--warmup")) o.warmup = atoi(v), i++;
+        else if (!strcmp(a, "--drift")) o.drift = atof(v), i++;
+        else if (!strcmp(a, "--big-batch")) big_batch = atoi(v), i++;
+        else if (!strcmp(a, "--hbm-gbs")) o.hbm_gbs = atof(v), i++;
+        else if (!strcmp(a, "--pcie-gbs")) o.pcie_gbs = atof(v), i++;
+        else if (!strcmp(a, "--placement") || !strcmp(a, "--workload")) {
+            int pl = !strcmp(a, "--placement");
+            int *want = pl ? want_pl : want_wl;
+            want[0] = want[1] = 0;
+            want[0] = strstr(v, pl ? "device" : "fresh") != NULL;
+            want[1] = strstr(v, pl ? "host" : "drift") != NULL;
+            i++;
+        } else if (!strcmp(a, "--backend")) {
             if (skv_backend_parse(v, &be)) ddie("--backend", SKV_ERR_INVALID_ARGUMENT, NULL);
             i++;
         } else {
-            printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072] [--batch 1,8] "
-                   "[--steps 50] [--warmup 5] [--json]\n");
+            printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
+                   "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
+                   "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--json]\n");
             return strcmp(a, "--help") ? 2 : 0;
         }
     }
-    if (steps < 1 || warmup < 0 || n_ctx < 1 || n_b < 1) {
-        fprintf(stderr, "skv-bench decode: --steps >= 1, --warmup >= 0, non-empty --ctx and --batch\n");
+    if (o.steps < 1 || o.warmup < 1 || n_ctx < 1 || n_b < 1 || !(o.drift >= 0 && o.drift < 1) ||
+        !(want_pl[0] || want_pl[1]) || !(want_wl[0] || want_wl[1])) {
+        fprintf(stderr, "skv-bench decode: --steps >= 1, --warmup >= 1, 0 <= --drift < 1, non-empty lists\n");
         return 2;
     }
     skv_config probe = skv_config_default();
@@ -193,45 +328,61 @@ int bench_decode_main(int argc, char **argv)
     be = skv_cache_backend(c);
     skv_cache_free(c);
 
-    drow rows[MAXV * MAXV];
+    drow rows[MAXV * MAXV * N_PL * N_WL];
     int n = 0;
-    for (int i = 0; i < n_ctx; i++)
+    const int total = N_WL * (o.warmup + o.steps);
+    for (int i = 0; i < n_ctx; i++) {
+        const int64_t ctx = ctxs[i];
+        skv_config cfg = skv_config_default();
+        cfg.n_layers = 1;
+        cfg.max_prompt_len = ctx;
+        skvs_workload wl;
+        skvs_seq seq;
+        if ((st = skvs_workload_init(&wl, &cfg, ctx + total, SKV_BACKEND_CPU))) ddie("workload", st, NULL);
+        double t0 = dnow_ms();
+        if ((st = skvs_seq_generate(&seq, &wl, ctx, total, 0, 20251201 + (uint64_t)ctx))) ddie("workload", st, NULL);
+        fprintf(stderr, "skv-bench decode: generated a %lld-token prompt in %.1f s\n", (long long)ctx,
+                (dnow_ms() - t0) / 1e3);
         for (int j = 0; j < n_b; j++) {
-            rows[n] = run_one(be, ctxs[i], (int)batches[j], steps, warmup);
-            const drow *r = &rows[n++];
-            fprintf(stderr,
-                    "skv-bench decode: %s ctx %lld batch %d: %.3f ms/step (device %.3f, pipelined %.3f), select %.3f rebuild "
-                    "%.3f fetch %.3f attention %.3f; prefill %.1f ms/sequence\n",
-                    skv_backend_name(be), (long long)r->ctx, r->B, r->step_ms, r->device_step_ms, r->pipelined_ms, r->sel,
-                    r->reb, r->fet,
-                    r->att, r->prefill_ms);
+            if (ctx > 131072 && batches[j] > big_batch) continue;
+            for (int p = 0; p < N_PL; p++)
+                if (want_pl[p]) run_cache(be, &wl, &seq, ctx, (int)batches[j], p, &o, want_wl, rows, &n);
         }
+        skvs_seq_free(&seq);
+        skvs_workload_free(&wl);
+    }
     if (json) {
         printf("{\"backend\": \"%s\", \"layers\": 1, \"shape\": {\"hq\": 32, \"hk\": 8, \"dim\": 128, \"rank\": 160, "
                "\"chunk\": 8, \"budget\": 2048, \"outlier_chunks\": 48, \"local_chunks\": 4},\n"
-               " \"steps\": %d, \"warmup\": %d, \"note\": \"step_ms: median over steps of skv_decode + skv_cache_sync "
-               "(host clock); device_step_ms: per-step mean of the cache's decode_step_ms (cuda: CUDA events from the "
-               "first to the last kernel of a step); split: per-step mean of the cache's phase stats (cuda: rebuild "
-               "and fetch overlap); pipelined_ms: steps back to back with the same inputs (the selection repeats, so "
-               "every value chunk is reused on the device), one sync\",\n \"rows\": [",
-               skv_backend_name(be), steps, warmup);
+               " \"steps\": %d, \"warmup\": %d, \"drift\": %.3f, \"hbm_gbs\": %.0f, \"pcie_gbs\": %.0f,\n"
+               " \"note\": \"step_ms: median over steps of one skv_decode (cuda: CUDA events around it on the cache's "
+               "stream; ref/cpu: host clock around skv_decode + skv_cache_sync); floor_ms: device placement, the "
+               "bytes a step must read from device memory (hbm_mb) over hbm_gbs; host placement, the larger of that "
+               "and the missed values (pcie_mb) over pcie_gbs; overlap: mean share of a head's selected chunks "
+               "selected at the previous step too; hit_rate: chunk-cache hits per lookup (host placement)\",\n"
+               " \"rows\": [",
+               skv_backend_name(be), o.steps, o.warmup, o.drift, o.hbm_gbs, o.pcie_gbs);
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
-            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"step_ms\": %.4f, \"step_min_ms\": %.4f, "
-                   "\"device_step_ms\": %.4f, \"pipelined_ms\": %.4f, \"select_ms\": %.4f, \"rebuild_ms\": %.4f, \"fetch_ms\": %.4f, \"attention_ms\": %.4f, "
-                   "\"prefill_ms_per_sequence\": %.3f, \"needle_hits\": %ld, \"needle_heads\": %ld}",
-                   i ? "," : "", (long long)r->ctx, r->B, r->step_ms, r->step_min_ms, r->device_step_ms,
-                   r->pipelined_ms, r->sel, r->reb,
-                   r->fet, r->att, r->prefill_ms, r->needle_hits, r->needle_total);
+            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"placement\": \"%s\", \"workload\": \"%s\", \"step_ms\": %.4f, "
+                   "\"step_min_ms\": %.4f, \"floor_ms\": %.4f, \"step_over_floor\": %.3f, \"hbm_mb\": %.2f, "
+                   "\"pcie_mb\": %.2f, \"hit_rate\": %.4f, \"overlap\": %.4f, \"kernels_per_step\": %.2f, "
+                   "\"select_ms\": %.4f, \"fetch_ms\": %.4f, \"attention_ms\": %.4f, \"prefill_ms_per_sequence\": "
+                   "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld}",
+                   i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->step_ms,
+                   r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
+                   r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->attention_ms, r->prefill_ms,
+                   (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total);
         }
         printf("]}\n");
     } else {
-        printf("%-6s %8s %6s %10s %10s %8s %8s %8s %8s %10s\n", "backend", "ctx", "batch", "step_ms", "pipelined",
-               "select", "rebuild", "fetch", "attn", "prefill");
+        printf("%-6s %8s %6s %-7s %-6s %10s %10s %8s %8s %8s %8s\n", "backend", "ctx", "batch", "place", "load",
+               "step_ms", "floor_ms", "x_floor", "overlap", "hit", "kernels");
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
-            printf("%-6s %8lld %6d %10.3f %10.3f %8.3f %8.3f %8.3f %8.3f %10.1f\n", skv_backend_name(be),
-                   (long long)r->ctx, r->B, r->step_ms, r->pipelined_ms, r->sel, r->reb, r->fet, r->att, r->prefill_ms);
+            printf("%-6s %8lld %6d %-7s %-6s %10.4f %10.4f %8.2f %8.2f %8.2f %8.1f\n", skv_backend_name(be),
+                   (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->step_ms, r->floor_ms,
+                   r->step_ms / r->floor_ms, r->overlap, r->hit_rate, r->kernels_per_step);
         }
     }
     return 0;

@@ -1,28 +1,41 @@
 /*
  * skv_cuda.h - internal interface of the cuda backend (private to cuda/).
  *
- * The backend is split in four files:
- *   skv_cuda_backend.cu  the dispatch table, memory, the cache's stream, device
+ *   skv_cuda_backend.cu  the dispatch table, memory, the cache's streams, device
  *                        state, prefill/decode orchestration, op-level slots
- *   skv_cuda_select.cu   the decision path: RoPE, landmarks/outliers, scores,
- *                        selection softmax, top-k (built with --fmad=false and
- *                        the shared numerics of lib/skv_numerics.h)
- *   skv_cuda_attn.cu     rebuild keys, gather values, attention, append,
- *                        input checks, small copies
- *   skv_cuda_factor.cu   the rank-r factorization (cuBLAS, cuSOLVER for the EXACT route, and
- *                        skv_cuda_chol.cuh for the r x r Cholesky and solve)
+ *   skv_cuda_select.cu   the decision path: RoPE, landmarks/outliers, and the
+ *                        decode selection (scores, softmax, top-k, the chunk
+ *                        cache's plan), built with --fmad=false and the shared
+ *                        numerics of lib/skv_numerics.h
+ *   skv_cuda_attn.cu     the fused key rebuild + attention, the combine and
+ *                        append, the value fetch, input checks, small copies
+ *   skv_cuda_factor.cu   the rank-r factorization
  *
- * Every launcher below only enqueues work on the given stream: it never
- * allocates, never synchronizes, and returns cudaGetLastError() of its launches
- * (cudaSuccess when there was nothing to do). All sizes are validated by lib/
- * before they get here; launchers need not re-check them. Index arithmetic
- * on token counts is 64-bit.
+ * A decode step is a fixed launch sequence that reads all per-step state from
+ * the device (so it can be captured in a graph):
+ *   1 score    landmark scores of every candidate, their max per query head,
+ *              the step's input check
+ *   2 expsum   e_j = skv_expf(s_j - M) in place; the last block of each query
+ *              head adds them canonically (Z)
+ *   3 select   a_j, the top-S per tile of candidates; the last tile of each
+ *              (sequence, KV head) merges the tiles' winners, publishes the
+ *              selection and, for a host-placed slot, runs the chunk cache's
+ *              rule (skv_plan.h): hits, misses, the entries they replace
+ *   4 attend   per (sequence, KV head) work items: a tile of selected tokens
+ *              (keys rebuilt from U W and roped in shared memory, never
+ *              written back) or a range of the resident spans; each writes a
+ *              partial softmax (max, sum, unnormalized P V)
+ *   5 combine  the partials of each query head in item order -> out; the new
+ *              token is appended, the selection published
+ * Host-placed slots add, on a side stream, the fetch of the missed chunks into
+ * the chunk cache (it runs while step 4 attends everything else) and a short
+ * pass that adds the missed chunks' P V once they arrived. Steps 2-5 use
+ * programmatic dependent launch.
  *
- * Batched decode kernels take B per-sequence descriptors (skv_cuda_seq) in
- * device memory; their variable fields (n_gen, has_sel) are advanced on the
- * device by skv_cuda_append, so a decode step is a fixed launch sequence that
- * reads all per-step state from the device (and can be captured in a graph).
- * The op-level slots use the same kernels with B = 1.
+ * Every launcher only enqueues work on the given stream: it never allocates,
+ * never synchronizes, and returns the status of its launches. Sizes are
+ * validated by lib/ before they get here. Index arithmetic on token counts is
+ * 64-bit.
  */
 #ifndef SKV_CUDA_H
 #define SKV_CUDA_H
@@ -43,17 +56,20 @@ typedef struct skv_cuda_seq {
     const int32_t *cand_ids;   /* [Hk, n_cand] chunk id of each candidate (NULL: no ids) */
     const skv_bf16 *u;         /* [n, r] */
     const skv_bf16 *w;         /* [r, Hk*D] */
-    const skv_bf16 *vstore;    /* [Hk, n_cand, c, D] value store (device alias of pinned host memory) */
+    const skv_bf16 *vstore;    /* [Hk, n_cand, c, D]: device memory, or the device alias of the pinned
+                                  host store (host slot) */
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
     const skv_bf16 *loc_k, *loc_v; /* [Hk, n_local, D] local window */
     skv_bf16 *gen_k, *gen_v;       /* [Hk, gen_cap, D] generated tokens */
     int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step */
-    skv_bf16 *vkeep;           /* [2, Hk, S*c, D]: values gathered at the steps with even / odd n_gen
-                                  (NULL: no reuse, op-level calls) */
+    /* chunk cache of a host slot; vc_data NULL for a device slot */
+    skv_bf16 *vc_data;         /* [Hk, E, c, D] */
+    int32_t *vc_slot_of;       /* [Hk, cand_max] entry of each candidate (-1) */
+    int32_t *vc_owner, *vc_stamp; /* [Hk, E] candidate held (-1), last step used (-1) */
     int64_t n;                 /* prompt length */
     int32_t n_cand;            /* N - O */
     int32_t n_local;
-    /* advanced by skv_cuda_append */
+    /* advanced on the device by the combine kernel */
     int32_t n_gen;
     int32_t has_sel;
 } skv_cuda_seq;
@@ -63,12 +79,52 @@ typedef struct skv_cuda_shape {
     int32_t B, Hq, Hk, D;
     int32_t c, S, r, O;
     int32_t gen_cap;     /* row count of gen_k/gen_v per head */
-    int32_t cand_max;    /* row stride (elements) of the scores/amax scratch */
+    int32_t cand_max;    /* row stride of the scores and of vc_slot_of */
+    int32_t vc_chunks;   /* E: chunk-cache entries per KV head */
     int32_t rotary_dim;  /* resolved (never 0) */
     int32_t interleaved;
     float scale;         /* resolved softmax scale */
     const float *cos_tab, *sin_tab; /* device RoPE tables, rotary_dim/2 floats per position */
 } skv_cuda_shape;
+
+/* How a decode (or span) attention splits into work items per (sequence, query head). */
+typedef struct skv_cuda_items {
+    int32_t tt;          /* tokens per tile */
+    int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) */
+    int32_t n_res;       /* items over the resident spans (or the caller's spans) */
+    int32_t n_items;     /* n_sel + n_res */
+} skv_cuda_items;
+
+/* The decode workspace on the device (one per cache; shared by its layers). */
+typedef struct skv_cuda_dws {
+    float *scores;               /* [B, Hq, cand_max]: scores, then e_j */
+    unsigned *macc;              /* [B, Hq] order_desc image of the max score (0: none) */
+    float *s0;                   /* [B, Hq] score of candidate 0 (ref's max scan starts there) */
+    float *Z;                    /* [B, Hq] canonical sum of e */
+    unsigned *cnt_e;             /* [B, Hq] blocks of step 2 done (reset by the last) */
+    unsigned *cnt_sel;           /* [B, Hk] tiles of step 3 done (reset by the last) */
+    unsigned long long *pool;    /* [B, Hk, pool_cap] tile winners: key << 32 | candidate */
+    int32_t pool_cap;
+    int32_t *sel_idx, *sel_ids;  /* [B, Hk, S] */
+    int32_t *vsrc;               /* [B, Hk, S] chunk-cache entry of each selected chunk; bit 31: missed */
+    int32_t *mlist, *mcount;     /* [B, Hk, S] positions of the missed chunks, [B, Hk] their count */
+    float *part_acc;             /* [B, Hq, n_items, D] */
+    float2 *part_ml;             /* [B, Hq, n_items] (max, sum), log2 domain */
+    float *pbuf;                 /* [B, Hq, S*c] weights of the selected tokens (host slots) */
+    int32_t *step_bad;           /* non-finite inputs found by step 1 (reset by step 5) */
+    unsigned *cnt_done;          /* step-5 blocks done (reset by the last) */
+    unsigned long long *first_bad; /* sticky first non-finite input, see skv_cuda_select_step */
+    unsigned long long *vc_counts; /* [2] chunk-cache hits, misses (cumulative) */
+    skv_cuda_items it;
+} skv_cuda_dws;
+
+/* Items of a decode attention for this shape and config (host). */
+skv_cuda_items skv_cuda_decode_items(const skv_cuda_shape *sh, int64_t max_resident);
+/* Items of an op-level span attention over total tokens (host). */
+skv_cuda_items skv_cuda_span_items(int32_t B, int32_t Hq, int32_t Hk, int32_t D, int64_t total);
+/* Tiles of step 3 for at most n candidates; pool entries per (sequence, KV head). */
+int32_t skv_cuda_select_tiles(int32_t n);
+int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S);
 
 /* ---- decision path (skv_cuda_select.cu, --fmad=false) ------------------------------------ */
 
@@ -87,62 +143,59 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
                                         int32_t *outlier_ids, int32_t *candidate_ids, skv_bf16 *landmarks,
                                         void *scratch);
 
-/* scores[b][qh][j] (row stride cand_max) = SKV_MUL(skv_dot_bf16(q[b][qh], landmarks_b[qh/G][j]), scale)
-   for j < seqs[b].n_cand. q [B, Hq, D]. */
-cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                           const skv_bf16 *q, float *scores);
+/*
+ * Steps 1-3 for q [B, Hq, D]: the selection of every (sequence, KV head) into
+ * ws->sel_idx / sel_ids (increasing candidate order, bit-identical to ref's
+ * score_select), amax [B, Hk, cand_max] (a_j; NULL: not written). With k and v
+ * (decode), step 1 also counts non-finite q, k, v values into *ws->step_bad and
+ * records the first in *ws->first_bad (atomicMin of ((uint64)layer << 48) |
+ * ((uint64)tensor << 40) | flat index, tensor 0 q, 1 k, 2 v), and host slots run
+ * their chunk-cache plan (unless step_bad). ws->macc, cnt_e, cnt_sel must be zero
+ * on entry (they are left zero). *launches += kernels launched.
+ */
+cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                 const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v,
+                                 int32_t layer, float *amax, int *launches);
 
-/* Per (b, kv head): selection softmax of each query head of the group, group max a_j (ref's
-   order), top-S by (skv_select_key desc, index asc), in increasing index order:
-   sel_idx [B, Hk, S]; sel_ids [B, Hk, S] = cand_ids[sel_idx] (skipped when NULL or
-   seqs[b].cand_ids is NULL). amax [B, Hk, cand_max] is required: it is the top-k key store
-   and holds a_j on return (NULL gives cudaErrorInvalidValue). scores is scratch: it comes
-   back holding the probabilities p_j (the softmax runs in place, one block per query head). */
-cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids);
+/* ---- attention path (skv_cuda_attn.cu) ---------------------------------------------------- */
 
-/* ---- sparse path (skv_cuda_attn.cu) ------------------------------------------------------- */
+/*
+ * Step 4 of a decode: the partials of every item. host_pass: host slots skip the
+ * P V of their missed chunks and record those tokens' weights for
+ * skv_cuda_attend_missed (device slots are complete either way).
+ */
+cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                            const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k_new,
+                            const skv_bf16 *v_new, int pdl);
 
-/* k_sel [B, Hk, S*c, D]: row (h, s*c + i) = RoPE(U[t] W_h) at t = sel_ids[b][h][s]*c + i. */
-cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                             const int32_t *sel_ids, skv_bf16 *k_sel);
+/* The missed chunks of host slots into their chunk-cache entries (side stream, after step 3). */
+cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                           const skv_cuda_dws *ws);
 
-/* v_sel [B, Hk, S*c, D]: chunk s of head h = vstore[h][sel_idx[b][h][s]] (c*D values).
-   With seqs[b].vkeep: a chunk that the published selection (pub_sel_idx, when has_sel) also
-   holds is copied from vkeep[(n_gen & 1) ^ 1] on the device instead of read over PCIe, and
-   every chunk is also written to vkeep[n_gen & 1] for the next step. Same values either way. */
-cudaError_t skv_cuda_gather(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            const int32_t *sel_idx, skv_bf16 *v_sel);
+/* Adds the missed chunks' P V to the partials (after skv_cuda_fetch). */
+cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                   const skv_cuda_dws *ws);
 
-/* Workspace bytes of the attention launchers for calls of at most max_tokens tokens. */
-size_t skv_cuda_attention_ws_bytes(int32_t B, int32_t Hq, int32_t Hk, int32_t D, int64_t max_tokens);
+/* Step 5: out [B, Hq, D] from the partials; with append (decode), the new token's k, v go to
+   the generated region and the selection is published (unless step_bad), and the per-step
+   accumulators are reset. */
+cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
+                             float *out, const skv_bf16 *k_new, const skv_bf16 *v_new, int append, int pdl);
 
-/* Decode attention of q [B, Hq, D] per sequence over: outliers (O*c tokens), local window
-   (n_local), selected (k_sel/v_sel, S*c), generated (n_gen), the new token (k_new/v_new
-   [B, Hk, D]). out [B, Hq, D] float. */
-cudaError_t skv_cuda_decode_attention(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                      const skv_bf16 *q, const skv_bf16 *k_sel, const skv_bf16 *v_sel,
-                                      const skv_bf16 *k_new, const skv_bf16 *v_new, float *out, void *ws,
-                                      size_t ws_bytes);
-
-/* Op-level attention over caller spans (device pointers; spans passed by value). */
+/* Op-level attention of q [Hq, D] over caller spans (device pointers), B = 1. part_acc and
+   part_ml as skv_cuda_dws for skv_cuda_span_items(1, Hq, Hk, D, total tokens). */
 cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
                                     const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans, float *out,
-                                    void *ws, size_t ws_bytes);
+                                    const skv_cuda_dws *ws);
 
-/* Counts non-finite values of q [B,Hq,D], k, v [B,Hk,D] into *step_bad (zeroed by the caller
-   with cudaMemsetAsync) and records the first one in *first_bad (atomicMin of
-   ((uint64)layer << 48) | ((uint64)tensor << 40) | flat index, tensor 0 q, 1 k, 2 v). */
-cudaError_t skv_cuda_check_step(cudaStream_t st, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t layer,
-                                const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, int32_t *step_bad,
-                                unsigned long long *first_bad);
+/* Op-level: k_out [Hk, S*c, D]: row (h, s*c + i) = RoPE(U[t] W_h) at t = chunk_ids[h][s]*c + i
+   (B = 1, seqs[0].u/w). */
+cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                             const int32_t *chunk_ids, skv_bf16 *k_out);
 
-/* If *step_bad == 0: per b, appends k_new/v_new [B, Hk, D] at gen row n_gen, copies the step's
-   selection (sel_idx/sel_ids [B, Hk, S]) to pub_sel_idx/pub_sel_ids, then n_gen++, has_sel = 1.
-   Otherwise changes nothing. One block per sequence. */
-cudaError_t skv_cuda_append(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs,
-                            const skv_bf16 *k_new, const skv_bf16 *v_new, const int32_t *sel_idx,
-                            const int32_t *sel_ids, const int32_t *step_bad);
+/* Op-level: v_out [Hk, S*c, D]: chunk s of head h = store[h][idx[h][s]] (c*D values). */
+cudaError_t skv_cuda_gather(cudaStream_t st, int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
+                            const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
 
 /* *first_bad = min(*first_bad, logical index of the first non-finite element) of a strided
    [n_a, n_b, len] bf16 tensor: element (i, j, l) at x[i*s_a + j*s_b + l], logical index
@@ -157,7 +210,7 @@ cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_
 /* y[i] = skv_f32_to_bf16(x[i]). */
 cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
 
-/* Prefill offload: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
+/* Prefill: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
    src [n, Hk, D] (token-major). dst may be mapped pinned host memory. At most max_blocks
    blocks (<= 0: as many as the work needs, up to 65535). */
 cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,

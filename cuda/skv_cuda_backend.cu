@@ -24,6 +24,7 @@
 #include "skv_cuda.h"
 #include "skv_internal.h"
 #include "skv_numerics.h"
+#include "skv_plan.h"
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -303,6 +304,64 @@ static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_
     return skv_cuda_op_end(&op, e, "landmarks_outliers");
 }
 
+/*
+ * The decode workspace, carved from one allocation: its bytes (base NULL) or its pointers.
+ * it: the attention items; host: whether any slot keeps its values on the host (the chunk
+ * cache's lists and the deferred weights exist only then). Counters that the kernels expect
+ * zero (macc, cnt_e, cnt_sel, step_bad, cnt_done, vc_counts) come zeroed from
+ * skv_cuda_dws_clear.
+ */
+static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
+                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host)
+{
+    size_t off = 0;
+    const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
+    const int32_t pool_cap = skv_cuda_pool_cap(cand_max, S);
+#define SKV_REGION(field, type, count)                                                                 \
+    do {                                                                                               \
+        if (base) ws->field = (type *)(base + off);                                                    \
+        off += ((size_t)(count) * sizeof(type) + 255) & ~(size_t)255;                                  \
+    } while (0)
+    SKV_REGION(scores, float, bq * cand_max);
+    SKV_REGION(macc, unsigned, bq);
+    SKV_REGION(s0, float, bq);
+    SKV_REGION(Z, float, bq);
+    SKV_REGION(cnt_e, unsigned, bq);
+    SKV_REGION(cnt_sel, unsigned, bk);
+    SKV_REGION(pool, unsigned long long, bk * pool_cap);
+    SKV_REGION(sel_idx, int32_t, bk * S);
+    SKV_REGION(sel_ids, int32_t, bk * S);
+    SKV_REGION(part_acc, float, bq * it.n_items * D);
+    SKV_REGION(part_ml, float2, bq * it.n_items);
+    SKV_REGION(step_bad, int32_t, 1);
+    SKV_REGION(cnt_done, unsigned, 1);
+    SKV_REGION(first_bad, unsigned long long, 1);
+    SKV_REGION(vc_counts, unsigned long long, 2);
+    SKV_REGION(mcount, int32_t, bk);
+    if (host) {
+        SKV_REGION(vsrc, int32_t, bk * S);
+        SKV_REGION(mlist, int32_t, bk * S);
+        SKV_REGION(pbuf, float, bq * S * c);
+    }
+#undef SKV_REGION
+    if (base) {
+        ws->pool_cap = pool_cap;
+        ws->it = it;
+        if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
+    }
+    return off;
+}
+
+/* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
+static cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st)
+{
+    /* macc .. cnt_sel are the regions from macc to pool; step_bad .. vc_counts from step_bad to mcount */
+    cudaError_t e = cudaMemsetAsync(ws->macc, 0, (size_t)((char *)ws->pool - (char *)ws->macc), st);
+    if (e == cudaSuccess) e = cudaMemsetAsync(ws->step_bad, 0, (size_t)((char *)ws->mcount - (char *)ws->step_bad), st);
+    if (e == cudaSuccess) e = cudaMemsetAsync(ws->first_bad, 0xff, sizeof *ws->first_bad, st);
+    return e;
+}
+
 static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
                                            float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                            const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
@@ -317,14 +376,22 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     h.n_cand = n_cand;
     skv_cuda_shape sh;
     memset(&sh, 0, sizeof sh);
-    sh.B = 1, sh.Hq = Hq, sh.Hk = Hk, sh.D = D, sh.S = S, sh.cand_max = n_cand, sh.scale = scale;
-    size_t sb = (size_t)Hq * n_cand * sizeof(float), ab = (size_t)Hk * n_cand * sizeof(float);
+    sh.B = 1, sh.Hq = Hq, sh.Hk = Hk, sh.D = D, sh.S = S, sh.cand_max = n_cand, sh.scale = scale, sh.c = 1;
+    skv_cuda_items it = {1, 0, 0, 0};
+    skv_cuda_dws dws;
+    memset(&dws, 0, sizeof dws);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0);
+    char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
-    float *scores = (float *)skv_cuda_op_alloc(&op, sb);
-    float *a = amax ? amax : (float *)skv_cuda_op_alloc(&op, ab);
-    if (!d || !scores || !a) return skv_cuda_op_oom(&op, "score_select", sb + ab);
-    cudaError_t e = skv_cuda_score(0, &sh, d, q, scores);
-    if (e == cudaSuccess) e = skv_cuda_select(0, &sh, d, scores, a, sel_idx, sel_ids);
+    if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0);
+    cudaError_t e = skv_cuda_dws_clear(&dws, 0);
+    if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, q, NULL, NULL, 0, amax, NULL);
+    /* the selection is in the workspace: copy it out */
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(sel_idx, dws.sel_idx, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
+    if (e == cudaSuccess && sel_ids && candidate_ids)
+        e = cudaMemcpyAsync(sel_ids, dws.sel_ids, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
     return skv_cuda_op_end(&op, e, "score_select");
 }
 
@@ -354,16 +421,7 @@ static skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n
                                      const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
 {
     skv_cuda_op op = {{0}, 0};
-    skv_cuda_seq h;
-    memset(&h, 0, sizeof h);
-    h.vstore = store;
-    h.n_cand = n_store;
-    skv_cuda_shape sh;
-    memset(&sh, 0, sizeof sh);
-    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S;
-    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
-    if (!d) return skv_cuda_op_oom(&op, "gather_values", sizeof h);
-    return skv_cuda_op_end(&op, skv_cuda_gather(0, &sh, d, idx, v_out), "gather_values");
+    return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, store, idx, v_out), "gather_values");
 }
 
 static skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
@@ -373,10 +431,16 @@ static skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D
     skv_cuda_op op = {{0}, 0};
     int64_t total = 0;
     for (int32_t i = 0; i < n_spans; i++) total += spans[i].n_tokens;
-    size_t bytes = skv_cuda_attention_ws_bytes(1, Hq, Hk, D, total);
-    void *w = skv_cuda_op_alloc(&op, bytes);
-    if (!w) return skv_cuda_op_oom(&op, "sparse_attention", bytes);
-    return skv_cuda_op_end(&op, skv_cuda_span_attention(0, Hq, Hk, D, scale, q, n_spans, spans, out, w, bytes),
+    skv_cuda_dws dws;
+    memset(&dws, 0, sizeof dws);
+    const skv_cuda_items it = skv_cuda_span_items(1, Hq, Hk, D, total);
+    const size_t bytes = (size_t)Hq * it.n_items * ((size_t)D * sizeof(float) + sizeof(float2)) + 256;
+    char *base = (char *)skv_cuda_op_alloc(&op, bytes);
+    if (!base) return skv_cuda_op_oom(&op, "sparse_attention", bytes);
+    dws.it = it;
+    dws.part_acc = (float *)base;
+    dws.part_ml = (float2 *)(base + (((size_t)Hq * it.n_items * D * sizeof(float) + 255) & ~(size_t)255));
+    return skv_cuda_op_end(&op, skv_cuda_span_attention(0, Hq, Hk, D, scale, q, n_spans, spans, out, &dws),
                            "sparse_attention");
 }
 
@@ -389,16 +453,20 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
-#define SKV_CUDA_RING 64 /* decode steps whose phase times can be in flight */
-/* Blocks of the prefill's value offload (writes to mapped host memory, bound by PCIe):
-   the rest of the GPU stays free for the caller's work. SKV_CUDA_OFFLOAD_BLOCKS overrides
-   it (0: no cap), for tuning. */
+#define SKV_CUDA_RING 64 /* decode steps whose times can be in flight */
+/* Blocks of the prefill's value offload to a host store (writes to mapped host memory, bound
+   by PCIe): the rest of the GPU stays free for the caller's work. */
 #define SKV_CUDA_OFFLOAD_BLOCKS 8
-#define SKV_CUDA_EV 6 /* start, selected, rebuilt, fetched (side stream), joined, end */
+/* Steps whose phases are timed: one in this many (the phase events sit between kernels that
+   otherwise overlap their launch with the previous kernel's tail). */
+#define SKV_CUDA_PHASE_EVERY 16
+enum { SKV_EV_START, SKV_EV_SELECTED, SKV_EV_FETCHED, SKV_EV_END, SKV_CUDA_EV };
 
 typedef struct {
     cudaEvent_t e[SKV_CUDA_EV];
-    int used;
+    int used;   /* start and end recorded */
+    int phases; /* selected (and fetched, host layers) recorded too */
+    int fetch;
 } skv_cuda_evset;
 
 /* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end) with wa..wb
@@ -415,28 +483,23 @@ typedef struct skv_cuda_cache {
     skv_config cfg;
     skv_layout lay;
     cudaStream_t st;
-    cudaStream_t side;              /* the value fetch runs here, beside the key rebuild */
-    int serial;                     /* SKV_CUDA_SERIAL=1: fetch on the cache's stream (debugging) */
-    int32_t offload_blocks;         /* grid cap of the prefill's value offload (SKV_CUDA_OFFLOAD_BLOCKS) */
+    cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
+    int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
     char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
     skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
-    /* decode workspace */
-    float *scores, *amax;
-    int32_t *sel_idx, *sel_ids;
-    skv_bf16 *k_sel, *v_sel;
-    void *attn_ws;
-    size_t attn_ws_bytes;
-    int32_t *step_bad;
-    unsigned long long *first_bad;
+    unsigned char *layer_host; /* [L] 1: a sequence of the layer keeps its values on the host */
+    skv_cuda_dws ws;            /* the decode workspace */
+    unsigned long long vc_seen[2]; /* chunk-cache counts already added to the stats */
+    int64_t launches;           /* decode kernels since the last sync */
+    int64_t n_steps;            /* decode steps enqueued */
     /* prefill workspace */
     skv_bf16 *kp_tmp;
     float *uf, *wf;
     void *lm_scratch;
     unsigned long long *flags, *h_flags; /* [3] device, pinned host */
-    skv_bf16 *vkeep;                     /* [L, B, 2, Hk, S*c, D] values of the last two steps */
     skv_cuda_factor *fac;
     /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
        both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
@@ -452,6 +515,8 @@ typedef struct skv_cuda_cache {
     skv_cuda_evset ring[SKV_CUDA_RING];
     int ring_head;
     skv_stats pending;
+    double phase_select_ms, phase_fetch_ms, phase_attention_ms; /* over the phase-timed steps */
+    int64_t n_timed, n_phased, n_phased_fetch;
     /* all cudaMalloc'ed blocks, freed at close */
     void *blocks[24];
     int n_blocks;
@@ -459,44 +524,50 @@ typedef struct skv_cuda_cache {
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
-    size_t scores, amax, sel, ksel, attn, kp, uf, wf, lm, seqs, factor, vkeep;
+    size_t dws, kp, uf, wf, lm, seqs, factor;
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
-static int64_t skv_cuda_max_tokens(const skv_config *c, const skv_layout *lay)
+static skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
 {
-    return ((int64_t)c->n_outlier_chunks + lay->S) * c->chunk_size + lay->local_max + c->gen_capacity + 1;
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = cfg->batch_size, sh.Hq = cfg->n_q_heads, sh.Hk = cfg->n_kv_heads, sh.D = cfg->head_dim;
+    sh.c = cfg->chunk_size, sh.S = lay->S, sh.r = cfg->rank, sh.O = cfg->n_outlier_chunks;
+    sh.gen_cap = cfg->gen_capacity, sh.cand_max = lay->cand_max, sh.vc_chunks = lay->vc_chunks;
+    sh.rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh.interleaved = cfg->rope.interleaved;
+    sh.scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
+    return sh;
+}
+
+static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
+    return skv_cuda_decode_items(&sh, skv_plan_max_resident(c->n_outlier_chunks, c->chunk_size, lay->local_max,
+                                                            c->gen_capacity));
 }
 
 static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
 {
     skv_cuda_sizes z;
-    size_t B = (size_t)c->batch_size, Hq = (size_t)c->n_q_heads, Hk = (size_t)c->n_kv_heads,
-           D = (size_t)c->head_dim, S = (size_t)lay->S, cs = (size_t)c->chunk_size, HkD = Hk * D;
-    size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank, cm = (size_t)lay->cand_max;
+    size_t Hk = (size_t)c->n_kv_heads, D = (size_t)c->head_dim, HkD = Hk * D;
+    size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank;
     int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
-    z.scores = B * Hq * cm * sizeof(float);
-    z.amax = B * Hk * cm * sizeof(float);
-    z.sel = B * Hk * S * sizeof(int32_t);
-    z.ksel = B * Hk * S * cs * D * sizeof(skv_bf16);
-    z.attn = skv_cuda_attention_ws_bytes(c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim,
-                                         skv_cuda_max_tokens(c, lay));
+    skv_cuda_dws probe;
+    z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
+                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots);
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
     z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
-    z.seqs = (size_t)c->n_layers * B * sizeof(skv_cuda_seq);
+    z.seqs = (size_t)c->n_layers * (size_t)c->batch_size * sizeof(skv_cuda_seq);
     z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
-    /* the values fetched at the last two steps of every (layer, sequence): chunks selected again
-       are copied on the device instead of crossing PCIe */
-    z.vkeep = (size_t)c->n_layers * B * 2 * Hk * S * cs * D * sizeof(skv_bf16);
     return z;
 }
 
 static size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.scores + z.amax + 2 * z.sel + 2 * z.ksel + z.attn + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor +
-           z.vkeep + 4 * sizeof(unsigned long long) + sizeof(int32_t);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + 3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -518,17 +589,16 @@ static void skv_cuda_cache_close(void *bctx)
     cudaStreamSynchronize(k->st);
     if (k->fst) cudaStreamSynchronize(k->fst);
     if (k->ost) cudaStreamSynchronize(k->ost);
+    if (k->side) cudaStreamSynchronize(k->side);
     for (int i = 0; i < SKV_CUDA_RING; i++)
         for (int j = 0; j < SKV_CUDA_EV; j++)
             if (k->ring[i].e[j]) cudaEventDestroy(k->ring[i].e[j]);
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < SKV_PE_N; j++)
             if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
-    cudaEvent_t evs[3] = {k->side_ev, k->fac_ev, k->off_ev};
-    for (int j = 0; j < 3; j++)
+    cudaEvent_t evs[5] = {k->side_ev, k->fac_ev, k->off_ev, k->fork_ev, k->join_ev};
+    for (int j = 0; j < 5; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
-    if (k->fork_ev) cudaEventDestroy(k->fork_ev);
-    if (k->join_ev) cudaEventDestroy(k->join_ev);
     if (k->side) cudaStreamDestroy(k->side);
     skv_cuda_factor_destroy(k->fac);
     if (k->fst) cudaStreamDestroy(k->fst);
@@ -536,6 +606,7 @@ static void skv_cuda_cache_close(void *bctx)
     for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
     if (k->h_flags) cudaFreeHost(k->h_flags);
     free(k->h_seqs);
+    free(k->layer_host);
     (void)cudaGetLastError();
     free(k);
 }
@@ -551,36 +622,32 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     }
     k->cfg = *cfg;
     k->lay = *lay;
-    k->serial = getenv("SKV_CUDA_SERIAL") && getenv("SKV_CUDA_SERIAL")[0] == '1';
     k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
-    if (getenv("SKV_CUDA_OFFLOAD_BLOCKS")) { /* tuning: 0 lifts the cap */
-        long v = strtol(getenv("SKV_CUDA_OFFLOAD_BLOCKS"), NULL, 10);
-        k->offload_blocks = v < 0 ? SKV_CUDA_OFFLOAD_BLOCKS : v > 65535 ? 65535 : (int32_t)v;
-    }
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
     k->host = host;
     skv_status st = SKV_OK;
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
+    const int has_host = lay->n_dev_slots < lay->n_slots;
+    char *dws_base;
+    k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
     cudaError_t e = cudaHostGetDevicePointer((void **)&k->host_dev, host, 0);
     if (e != cudaSuccess) {
         st = skv_cuda_err(e, "cudaHostGetDevicePointer(value store)", msg, cap);
         goto fail;
     }
+    if (B > 65535 || (int64_t)cfg->n_kv_heads * cfg->n_q_heads / cfg->n_kv_heads > 65535) {
+        snprintf(msg, cap, "cuda: batch_size = %d and n_q_heads = %d must be <= 65535", cfg->batch_size,
+                 cfg->n_q_heads);
+        st = SKV_ERR_UNSUPPORTED;
+        goto fail;
+    }
     k->h_seqs = (skv_cuda_seq *)calloc(L * B, sizeof *k->h_seqs);
+    k->layer_host = (unsigned char *)calloc(L, 1);
     k->d_seqs = (skv_cuda_seq *)skv_cuda_cache_alloc(k, z.seqs);
-    k->scores = (float *)skv_cuda_cache_alloc(k, z.scores);
-    k->amax = (float *)skv_cuda_cache_alloc(k, z.amax);
-    k->sel_idx = (int32_t *)skv_cuda_cache_alloc(k, z.sel);
-    k->sel_ids = (int32_t *)skv_cuda_cache_alloc(k, z.sel);
-    k->k_sel = (skv_bf16 *)skv_cuda_cache_alloc(k, z.ksel);
-    k->v_sel = (skv_bf16 *)skv_cuda_cache_alloc(k, z.ksel);
-    k->attn_ws = skv_cuda_cache_alloc(k, z.attn);
-    k->attn_ws_bytes = z.attn;
-    k->step_bad = (int32_t *)skv_cuda_cache_alloc(k, sizeof(int32_t));
-    k->first_bad = (unsigned long long *)skv_cuda_cache_alloc(k, sizeof(unsigned long long));
+    dws_base = (char *)skv_cuda_cache_alloc(k, z.dws);
     k->kp_tmp = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
     k->kstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
     k->vstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
@@ -588,25 +655,26 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
-    k->vkeep = (skv_bf16 *)skv_cuda_cache_alloc(k, z.vkeep);
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
-    if (!k->h_seqs || !k->d_seqs || !k->scores || !k->amax || !k->sel_idx || !k->sel_ids || !k->k_sel ||
-        !k->v_sel || !k->attn_ws || !k->step_bad || !k->first_bad || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf || !k->wf ||
-        !k->lm_scratch || !k->flags || !k->h_flags || !k->vkeep) {
+    if (!k->h_seqs || !k->layer_host || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
         goto fail;
     }
-    if ((e = cudaMemset(k->first_bad, 0xff, sizeof *k->first_bad)) != cudaSuccess) {
-        st = skv_cuda_err(e, "cudaMemset", msg, cap);
+    skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
+                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host);
+    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
     }
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess) {
+        (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
         goto fail;
     }
@@ -626,10 +694,6 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
         goto fail;
     }
-    if ((e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess) {
-        st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
-        goto fail;
-    }
     /* descriptors: fixed pointers now, sizes at prefill */
     for (size_t l = 0; l < L; l++)
         for (size_t b = 0; b < B; b++) {
@@ -640,8 +704,6 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
             s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
             s->u = (const skv_bf16 *)(sd + lay->u);
             s->w = (const skv_bf16 *)(sd + lay->w);
-            s->vstore = (const skv_bf16 *)((int64_t)i < lay->n_dev_slots ? dev + lay->dev_values + i * lay->slot_values
-                                                                          : k->host_dev + (i - lay->n_dev_slots) * lay->slot_host);
             s->out_k = (const skv_bf16 *)(sd + lay->out_k);
             s->out_v = (const skv_bf16 *)(sd + lay->out_v);
             s->loc_k = (const skv_bf16 *)(sd + lay->loc_k);
@@ -650,17 +712,23 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
             s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
             s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
-            s->vkeep = k->vkeep + i * 2 * (size_t)cfg->n_kv_heads * lay->S * cfg->chunk_size * cfg->head_dim;
+            if ((int64_t)i < lay->n_dev_slots) {
+                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + i * lay->slot_values);
+            } else {
+                const size_t hi = i - (size_t)lay->n_dev_slots;
+                char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
+                s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
+                s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
+                s->vc_slot_of = (int32_t *)(vc + lay->vc_slot_of);
+                s->vc_owner = (int32_t *)(vc + lay->vc_owner);
+                s->vc_stamp = (int32_t *)(vc + lay->vc_stamp);
+                k->layer_host[l] = 1;
+            }
         }
     if ((e = cudaMemcpy(k->d_seqs, k->h_seqs, z.seqs, cudaMemcpyHostToDevice)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemcpy(descriptors)", msg, cap);
         goto fail;
     }
-    sh->B = cfg->batch_size, sh->Hq = cfg->n_q_heads, sh->Hk = cfg->n_kv_heads, sh->D = cfg->head_dim;
-    sh->c = cfg->chunk_size, sh->S = lay->S, sh->r = cfg->rank, sh->O = cfg->n_outlier_chunks;
-    sh->gen_cap = cfg->gen_capacity, sh->cand_max = lay->cand_max;
-    sh->rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh->interleaved = cfg->rope.interleaved;
-    sh->scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
     sh->cos_tab = (const float *)(dev + lay->rope_cos);
     sh->sin_tab = (const float *)(dev + lay->rope_sin);
     /* the legacy-stream memsets and copies above must land before the cache's stream runs */
@@ -704,11 +772,12 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
  * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
  * check (one host synchronization, so bad input is refused before any work), copies of
  * k_pre and v into the staging buffers, RoPE, landmarks and outliers, the exact chunks and
- * the local window, the descriptor. Beside it, from the staged copies: the factorization
- * on fst and the value offload to the host store on ost. Nothing waits for them here:
- * the next decode waits for both (events), the next prefill only before it overwrites the
- * staging buffers. Returns when the cache's stream is done, so k_pre, v and k_post are
- * free for the caller. Phase times are read later (skv_cuda_cache_sync).
+ * the local window, an empty chunk cache for a host slot, the descriptor. Beside it, from
+ * the staged copies: the factorization on fst and the candidates' values on ost, into the
+ * device store or over PCIe into the host store. Nothing waits for them here: the next
+ * decode waits for both (events), the next prefill only before it overwrites the staging
+ * buffers. Returns when the cache's stream is done, so k_pre, v and k_post are free for the
+ * caller. Phase times are read later (skv_cuda_cache_sync).
  */
 static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
                                          const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
@@ -723,6 +792,8 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
     size_t i = (size_t)layer * g->batch_size + seq;
     char *sd = k->dev + i * lay->slot_device;
+    skv_cuda_seq *hs = &k->h_seqs[i];
+    const int host_slot = hs->vc_data != NULL;
     (void)stats; /* times arrive at the next sync */
 
     /* the timing set of the prefill before last: long finished (this stream waited for it) */
@@ -787,7 +858,8 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
                                  cudaMemcpyDeviceToDevice, st));
         }
     }
-    skv_cuda_seq *hs = &k->h_seqs[i];
+    if (host_slot) /* an empty chunk cache: every index entry -1 */
+        CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, lay->vc_meta_bytes, st));
     hs->n = n;
     hs->n_cand = n_cand;
     hs->n_local = n_local;
@@ -796,14 +868,15 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
     /* the side work starts once this stream's own work is done, so that it never delays it:
-       the candidate values to the host store on os, in a grid of at most k->offload_blocks
-       blocks (a full grid would hold every SM for the ~2.5 ms its PCIe writes take at 64k
-       tokens, and queue the kernels behind it), and the factorization on fs */
+       the candidate values on os (to the host store in a grid of at most offload_blocks
+       blocks: a full grid would hold every SM for the ~2.5 ms its PCIe writes take at 64k
+       tokens, and queue the kernels behind it; to the device store at full speed), and the
+       factorization on fs */
     CK(cudaEventRecord(k->side_ev, st));
     CK(cudaStreamWaitEvent(os, k->side_ev, 0));
     CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
-    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand,
-                              (skv_bf16 *)k->h_seqs[i].vstore, k->offload_blocks));
+    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand, (skv_bf16 *)hs->vstore,
+                              host_slot ? k->offload_blocks : 0));
     CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
     CK(cudaEventRecord(k->off_ev, os));
     /* U and W of the slot, in bf16. Enqueued last, so the cache's stream does not idle while
@@ -828,17 +901,21 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     return SKV_OK;
 }
 
-/* Adds a finished step's phase times to the pending stats. Rebuild and fetch
-   overlap (both start when the selection is known), so they add up to more
-   than the step. */
+/* Adds a finished step's times: the whole step, and its phases when they were recorded. */
 static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
 {
-    k->pending.decode_select_ms += skv_cuda_elapsed(s->e[0], s->e[1]);
-    k->pending.decode_rebuild_ms += skv_cuda_elapsed(s->e[1], s->e[2]);
-    k->pending.decode_fetch_ms += skv_cuda_elapsed(s->e[1], s->e[3]);
-    k->pending.decode_attention_ms += skv_cuda_elapsed(s->e[4], s->e[5]);
-    k->pending.decode_step_ms += skv_cuda_elapsed(s->e[0], s->e[5]);
-    s->used = 0;
+    k->pending.decode_step_ms += skv_cuda_elapsed(s->e[SKV_EV_START], s->e[SKV_EV_END]);
+    k->n_timed++;
+    if (s->phases) {
+        k->phase_select_ms += skv_cuda_elapsed(s->e[SKV_EV_START], s->e[SKV_EV_SELECTED]);
+        k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_END]);
+        k->n_phased++;
+        if (s->fetch) {
+            k->phase_fetch_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_FETCHED]);
+            k->n_phased_fetch++;
+        }
+    }
+    s->used = s->phases = s->fetch = 0;
 }
 
 static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
@@ -848,54 +925,57 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
     cudaStream_t st = k->st;
     const skv_cuda_shape *sh = &k->sh;
     skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
+    const int host = k->layer_host[layer];
 
-    /* phase events, unless the stream is being captured or the ring slot is still in flight
-       (then this step goes untimed: waiting for it would be a hidden synchronization) */
+    /* events, unless the stream is being captured or the ring slot is still in flight (then this
+       step goes untimed: waiting for it would be a hidden synchronization) */
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     CK(cudaStreamIsCapturing(st, &cs));
     skv_cuda_evset *ev = &k->ring[k->ring_head];
     if (ev->used && cs == cudaStreamCaptureStatusNone) { /* no event queries inside a capture */
-        cudaError_t q5 = cudaEventQuery(ev->e[SKV_CUDA_EV - 1]);
+        cudaError_t q5 = cudaEventQuery(ev->e[SKV_EV_END]);
         if (q5 == cudaSuccess) skv_cuda_take_times(k, ev);
         else if (q5 == cudaErrorNotReady) (void)cudaGetLastError();
         else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
     }
-    int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
+    const int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
+    const int phases = timed && k->n_steps % SKV_CUDA_PHASE_EVERY == 0;
     if (k->side_pending) { /* the last prefills' factorization and value offload */
         unsigned flags = cs == cudaStreamCaptureStatusNone ? 0 : cudaEventWaitExternal;
         CK(cudaStreamWaitEvent(st, k->fac_ev, flags));
         CK(cudaStreamWaitEvent(st, k->off_ev, flags));
         k->side_pending = 0;
     }
-#define SKV_MARK(j, stream)                                                                        \
-    if (timed) CK(cudaEventRecord(ev->e[j], stream))
-    SKV_MARK(0, st);
-    CK(cudaMemsetAsync(k->step_bad, 0, sizeof *k->step_bad, st));
-    CK(skv_cuda_check_step(st, sh->B, sh->Hq, sh->Hk, sh->D, layer, q, kn, vn, k->step_bad, k->first_bad));
-    CK(skv_cuda_score(st, sh, seqs, q, k->scores));
-    CK(skv_cuda_select(st, sh, seqs, k->scores, k->amax, k->sel_idx, k->sel_ids));
-    SKV_MARK(1, st);
-    /* fork: the values come over PCIe on the side stream while the keys are rebuilt */
-    cudaStream_t fs = k->serial ? st : k->side;
-    if (!k->serial) {
+    int launches = 0;
+    if (timed) CK(cudaEventRecord(ev->e[SKV_EV_START], st));
+    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, q, kn, vn, layer, NULL, &launches));
+    if (phases) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+    if (host) {
+        /* the missed chunks come over PCIe on the side stream while everything else is attended */
         CK(cudaEventRecord(k->fork_ev, st));
         CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+        if (phases) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
+        CK(cudaEventRecord(k->join_ev, k->side));
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, q, kn, vn, 0));
+        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
+        launches += 3;
+    } else {
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, q, kn, vn, !phases));
+        launches += 1;
     }
-    CK(skv_cuda_gather(fs, sh, seqs, k->sel_idx, k->v_sel));
-    SKV_MARK(3, fs);
-    if (!k->serial) CK(cudaEventRecord(k->join_ev, k->side));
-    CK(skv_cuda_rebuild(st, sh, seqs, k->sel_ids, k->k_sel));
-    SKV_MARK(2, st);
-    if (!k->serial) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-    SKV_MARK(4, st);
-    CK(skv_cuda_decode_attention(st, sh, seqs, q, k->k_sel, k->v_sel, kn, vn, out, k->attn_ws, k->attn_ws_bytes));
-    CK(skv_cuda_append(st, sh, seqs, kn, vn, k->sel_idx, k->sel_ids, k->step_bad));
-    SKV_MARK(5, st);
-#undef SKV_MARK
+    CK(skv_cuda_combine(st, sh, seqs, &k->ws, out, kn, vn, 1, 1));
+    launches += 1;
     if (timed) {
+        CK(cudaEventRecord(ev->e[SKV_EV_END], st));
         ev->used = 1;
+        ev->phases = phases;
+        ev->fetch = phases && host;
         k->ring_head = (k->ring_head + 1) % SKV_CUDA_RING;
     }
+    k->launches += launches;
+    k->n_steps++;
     return SKV_OK;
 }
 
@@ -903,12 +983,22 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     CK(cudaStreamSynchronize(k->st));
+    CK(cudaStreamSynchronize(k->side));
     CK(cudaStreamSynchronize(k->fst));
     CK(cudaStreamSynchronize(k->ost));
     for (int i = 0; i < SKV_CUDA_RING; i++)
         if (k->ring[i].used) skv_cuda_take_times(k, &k->ring[i]);
     for (int i = 0; i < 2; i++)
         if (k->pset[i].used) skv_cuda_take_prefill(k, &k->pset[i]);
+    /* the phases of the sampled steps, scaled to every timed step */
+    if (k->n_phased) {
+        const double f = (double)k->n_timed / (double)k->n_phased;
+        k->pending.decode_select_ms += k->phase_select_ms * f;
+        k->pending.decode_attention_ms += k->phase_attention_ms * f;
+    }
+    if (k->n_phased_fetch) k->pending.decode_fetch_ms += k->phase_fetch_ms * (double)k->n_timed / (double)k->n_phased;
+    k->phase_select_ms = k->phase_attention_ms = k->phase_fetch_ms = 0;
+    k->n_timed = k->n_phased = k->n_phased_fetch = 0;
     stats->prefill_rope_ms += k->pending.prefill_rope_ms;
     stats->prefill_landmarks_ms += k->pending.prefill_landmarks_ms;
     stats->prefill_offload_ms += k->pending.prefill_offload_ms;
@@ -916,11 +1006,17 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     stats->prefill_critical_ms += k->pending.prefill_critical_ms;
     stats->prefill_wait_ms += k->pending.prefill_wait_ms;
     stats->decode_select_ms += k->pending.decode_select_ms;
-    stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
     stats->decode_fetch_ms += k->pending.decode_fetch_ms;
     stats->decode_attention_ms += k->pending.decode_attention_ms;
     stats->decode_step_ms += k->pending.decode_step_ms;
+    stats->decode_launches += k->launches;
+    k->launches = 0;
     memset(&k->pending, 0, sizeof k->pending);
+    unsigned long long vc[2];
+    CK(cudaMemcpy(vc, k->ws.vc_counts, sizeof vc, cudaMemcpyDeviceToHost));
+    stats->value_cache_hits += (int64_t)(vc[0] - k->vc_seen[0]);
+    stats->value_cache_misses += (int64_t)(vc[1] - k->vc_seen[1]);
+    k->vc_seen[0] = vc[0], k->vc_seen[1] = vc[1];
     unsigned long long failures = 0, tag = ~0ull;
     skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
     if (fst_) return fst_;
@@ -932,7 +1028,7 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
         return SKV_ERR_NUMERICAL;
     }
     unsigned long long bad = ~0ull;
-    CK(cudaMemcpy(&bad, k->first_bad, sizeof bad, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&bad, k->ws.first_bad, sizeof bad, cudaMemcpyDeviceToHost));
     if (bad == ~0ull) return SKV_OK;
     /* a step with NaN/Inf inputs changed nothing on the device: take n_gen and has_sel from there */
     size_t L = (size_t)k->cfg.n_layers, B = (size_t)k->cfg.batch_size;
@@ -941,7 +1037,7 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
         states[i].n_gen = k->h_seqs[i].n_gen;
         states[i].has_selection = k->h_seqs[i].has_sel;
     }
-    CK(cudaMemsetAsync(k->first_bad, 0xff, sizeof *k->first_bad, k->st));
+    CK(cudaMemsetAsync(k->ws.first_bad, 0xff, sizeof *k->ws.first_bad, k->st));
     CK(cudaStreamSynchronize(k->st));
     int layer = (int)(bad >> 48), tensor = (int)((bad >> 40) & 0xff);
     long long idx = (long long)(bad & ((1ull << 40) - 1));

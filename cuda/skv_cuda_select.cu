@@ -1,6 +1,8 @@
 /*
  * skv_cuda_select.cu - the decision path of the cuda backend: RoPE, landmarks
- * and outlier scores, candidate scores, the selection softmax and top-k.
+ * and outlier scores at prefill; at decode the candidate scores, the selection
+ * softmax, the top-S per KV head and the chunk cache's plan (skv_cuda.h lists
+ * the steps).
  *
  * Every value a decision depends on is computed with the functions of
  * lib/skv_numerics.h or with the exact sequence of IEEE-rounded operations
@@ -17,14 +19,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <cub/block/block_scan.cuh>
-
 #include "skv_cuda.h"
+#include "skv_cuda_common.cuh"
+#include "skv_cuda_topk.cuh"
 #include "skv_numerics.h"
 
 namespace {
-
-constexpr unsigned kFullMask = 0xffffffffu;
 
 /* Grid dimensions y and z are limited to 65535: kernels that put heads or
    sequences there loop over them with this stride. */
@@ -33,13 +33,9 @@ constexpr int32_t kMaxGridYZ = 65535;
 /* Cap on 1D grids of grid-stride kernels (each block then loops). */
 constexpr int64_t kMaxGridX = 1 << 20;
 
-int32_t clamp_yz(int32_t n) { return n < kMaxGridYZ ? n : kMaxGridYZ; }
+unsigned clamp_yz(int32_t n) { return (unsigned)(n < kMaxGridYZ ? n : kMaxGridYZ); }
 
-unsigned grid_for(int64_t items, int64_t per_block)
-{
-    int64_t g = (items + per_block - 1) / per_block;
-    return (unsigned)(g < kMaxGridX ? g : kMaxGridX);
-}
+unsigned grid_for(int64_t items, int64_t per_block) { return grid_for(items, per_block, kMaxGridX); }
 
 /* ---- bf16 loads ------------------------------------------------------------------------ */
 
@@ -73,145 +69,6 @@ __host__ __device__ __forceinline__ int row_vec(const void *p, int32_t D)
     if (D % 8 == 0 && a % 16 == 0) return 8;
     if (a % 4 == 0) return 2;
     return 1;
-}
-
-/* ---- order keys ------------------------------------------------------------------------ */
-
-/*
- * 32-bit order-preserving image of a (non-NaN) float key: larger key -> larger value.
- * -0 and +0 compare equal in ref's order, so -0 is made +0 first; NaN never reaches
- * here (skv_select_key / skv_outlier_key map it to -1 / -3).
- */
-__device__ __forceinline__ uint32_t order_desc(float key)
-{
-    uint32_t u = skv_bits_from_f32(key);
-    if (u == 0x80000000u) u = 0;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-/* Lower key is better (outliers): the complement turns it into "larger is better". */
-__device__ __forceinline__ uint32_t order_asc(float key) { return ~order_desc(key); }
-
-/* ---- block-wide top-k ----------------------------------------------------------------- */
-
-template <int BLOCK>
-struct TopkSmem {
-    typename cub::BlockScan<uint32_t, BLOCK>::TempStorage scan;
-    uint32_t hist[256];
-    uint32_t bin;  /* digit chosen by the current radix pass */
-    uint32_t need; /* rank still wanted inside that digit's bucket */
-};
-
-/*
- * The k best of n items under the strict total order "larger key(i) first, then lower i"
- * (key(i) a uint32 order image, see order_desc/order_asc), called by all BLOCK threads.
- * on_win(pos, i) is called for each winner with pos = its rank among the winners in
- * increasing i (0..k-1); if LOSERS, on_lose(pos, i) for each other item likewise
- * (0..n-k-1). Requires 0 <= k <= n < 2^31 - BLOCK. Keys are re-read on every pass (they
- * live in global memory; n may be 10^5 and more), so key() must be deterministic.
- *
- * 1. Radix select, four 8-bit passes from the top: each pass histograms the digit of the
- *    items that match the threshold prefix found so far and picks the bucket holding the
- *    need-th best. After the last pass the prefix is the k-th best key T itself, and need
- *    is how many items equal to T are winners.
- * 2. Ordered compaction: winners are the items with key > T plus the first `need` items
- *    with key == T (the order breaks ties by lower index). Counting both kinds with one
- *    block scan per tile gives each item's exact output position: winners before i =
- *    gt_before(i) + min(eq_before(i), need), losers before i = i - winners before i.
- */
-template <int BLOCK, bool LOSERS, class KeyFn, class WinFn, class LoseFn>
-__device__ void block_topk(int32_t n, int32_t k, KeyFn key, WinFn on_win, LoseFn on_lose,
-                           TopkSmem<BLOCK> &sm)
-{
-    static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "per-tile counts are packed in 16 bits");
-    const int tid = threadIdx.x, lane = tid & 31;
-
-    uint32_t prefix = 0, mask = 0, need = (uint32_t)k;
-    if (k <= 0) {
-        /* nothing wins: no key is > 0xffffffff and min(eq_before, 0) = 0 */
-        prefix = 0xffffffffu;
-        need = 0;
-    } else {
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += BLOCK) sm.hist[b] = 0;
-            __syncthreads();
-            for (int32_t base = 0; base < n; base += BLOCK) { /* uniform trip count: warp ops below */
-                int32_t i = base + tid;
-                uint32_t u = 0;
-                bool hit = false;
-                if (i < n) {
-                    u = key(i);
-                    hit = (u & mask) == prefix;
-                }
-                uint32_t digit = (u >> shift) & 0xffu;
-                uint32_t hits = __ballot_sync(kFullMask, hit);
-                if (hit) { /* one atomic per distinct digit per warp: keys cluster heavily */
-                    uint32_t peers = __match_any_sync(hits, digit);
-                    if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[digit], (uint32_t)__popc(peers));
-                }
-            }
-            __syncthreads();
-            if (tid < 32) {
-                /* lane l owns buckets 255-8l .. 248-8l (best first); a warp scan finds the
-                   lane whose buckets hold the need-th best, that lane finds the bucket */
-                uint32_t cnt[8], sum = 0;
-#pragma unroll
-                for (int m = 0; m < 8; m++) {
-                    cnt[m] = sm.hist[255 - 8 * lane - m];
-                    sum += cnt[m];
-                }
-                uint32_t incl = sum;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    uint32_t v = __shfl_up_sync(kFullMask, incl, o);
-                    if (lane >= o) incl += v;
-                }
-                uint32_t cum = incl - sum;
-                if (cum < need && need <= incl) {
-                    bool found = false;
-#pragma unroll
-                    for (int m = 0; m < 8; m++) {
-                        if (!found && cum + cnt[m] >= need) {
-                            sm.bin = (uint32_t)(255 - 8 * lane - m);
-                            sm.need = need - cum;
-                            found = true;
-                        }
-                        cum += cnt[m];
-                    }
-                }
-            }
-            __syncthreads();
-            prefix |= sm.bin << shift;
-            mask |= 0xffu << shift;
-            need = sm.need;
-            /* sm.bin/need are rewritten only after two more barriers: no race */
-        }
-    }
-
-    const uint32_t T = prefix;
-    using Scan = cub::BlockScan<uint32_t, BLOCK>;
-    uint32_t gt_run = 0, eq_run = 0; /* items of earlier tiles with key > T, == T */
-    for (int32_t base = 0; base < n; base += BLOCK) {
-        int32_t i = base + tid;
-        uint32_t gt = 0, eq = 0;
-        if (i < n) {
-            uint32_t u = key(i);
-            gt = u > T;
-            eq = u == T;
-        }
-        uint32_t excl, total;
-        Scan(sm.scan).ExclusiveSum(gt | (eq << 16), excl, total);
-        uint32_t gt_before = gt_run + (excl & 0xffffu), eq_before = eq_run + (excl >> 16);
-        uint32_t win_before = gt_before + min(eq_before, need);
-        if (i < n) {
-            if (gt || (eq && eq_before < need)) on_win((int32_t)win_before, i);
-            else if (LOSERS) on_lose((int32_t)((uint32_t)i - win_before), i);
-        }
-        gt_run += total & 0xffffu;
-        eq_run += total >> 16;
-        __syncthreads(); /* scan storage is reused by the next tile */
-        if (!LOSERS && gt_run + min(eq_run, need) >= (uint32_t)k) break; /* uniform */
-    }
 }
 
 /* ---- RoPE ------------------------------------------------------------------------------ */
@@ -386,199 +243,245 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+/* ---- decode selection: step 1, scores ------------------------------------------------------ */
 
-/* ---- scores ---------------------------------------------------------------------------- */
+constexpr int kScNT = 128;          /* threads per block = candidates per tile */
+constexpr int kScBlocksPerSm = 3;   /* the grid aims at this many resident blocks per SM */
 
-constexpr int kScoreBlock = 128; /* threads per block = landmark rows per tile */
+/* Dynamic shared memory of score_kernel<GC>: two tiles of landmark rows, then q as [D][GC]. */
+__host__ __device__ inline size_t score_tile_bytes(int32_t D) { return (size_t)kScNT * D * 2; }
+inline size_t score_smem_bytes(int GC, int32_t D) { return 2 * score_tile_bytes(D) + (size_t)D * GC * sizeof(float); }
 
-/* acc[g] = fmaf chain of q_g . row over d = 0..D-1 (skv_dot_bf16's order: fma(q, l, acc));
-   the GC chains are independent and share each landmark load. */
-template <int GC, int V>
-__device__ __forceinline__ void score_chains(const uint16_t *row, const float *qs, int32_t D, float (&acc)[GC])
+/* acc[g] = fmaf chain of q_g . row over d = 0..D-1 (skv_dot_bf16's order: fma(q, l, acc)); the GC
+   chains are independent and share each landmark load. qT is [D][GC]. */
+template <int GC>
+__device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t d0, float (&acc)[GC])
 {
-#pragma unroll 2
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float *qd = qT + (d0 + i) * GC;
+        if constexpr (GC == 4) {
+            const float4 qv = *reinterpret_cast<const float4 *>(qd);
+            acc[0] = SKV_FMA(qv.x, x[i], acc[0]);
+            acc[1] = SKV_FMA(qv.y, x[i], acc[1]);
+            acc[2] = SKV_FMA(qv.z, x[i], acc[2]);
+            acc[3] = SKV_FMA(qv.w, x[i], acc[3]);
+        } else {
+#pragma unroll
+            for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qd[g], x[i], acc[g]);
+        }
+    }
+}
+
+/* The same chains read straight from global memory, V elements per load (any alignment). */
+template <int GC, int V>
+__device__ __forceinline__ void score_chains_global(const uint16_t *row, const float *qT, int32_t D, float (&acc)[GC])
+{
     for (int32_t d = 0; d < D; d += V) {
         float x[V];
         load_bf16<V>(row + d, x);
 #pragma unroll
         for (int i = 0; i < V; i++)
 #pragma unroll
-            for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qs[g * D + d + i], x[i], acc[g]);
+            for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qT[(d + i) * GC + g], x[i], acc[g]);
     }
 }
 
-/* Byte stride of a landmark row in the shared tile: D bf16 plus 16 bytes of padding, so that
-   the 16-byte reads of 8 consecutive rows (one shared-memory wavefront) hit distinct banks
-   when D % 16 == 0. */
-__host__ __device__ __forceinline__ int32_t tile_stride(int32_t D) { return 2 * D + 16; }
-
-/* Dynamic shared memory of skv_score_kernel<GC>: q rows as float, then the landmark tile. */
-size_t score_smem_bytes(int GC, int32_t D)
-{
-    return (size_t)GC * D * sizeof(float) + (size_t)kScoreBlock * tile_stride(D);
-}
-
 /*
- * grid (candidate tiles, Hk, B); one thread per candidate j computes the scores of the G
- * query heads of KV head h, GC at a time (q rows of the chunk in shared memory as float;
- * rows past G are zero and their scores are not written).
- *
- * Rows that are 16-byte aligned (D % 8 == 0) are first copied tile-wide into shared memory
- * with coalesced 16-byte loads, 8 independent loads per thread in flight (a thread reading
- * its own 2D-byte row from global memory would use half of each 32-byte sector per load and
- * serialize its loads); then each thread runs its dot chains from the tile, exactly as
- * before (one thread, d in order). Other alignments read the rows directly.
+ * grid (X, Hk, B); block (x, h, b) scores tiles x, x + X, ... of the candidates of (b, h): one
+ * thread per candidate j computes the dot chains of the G query heads of KV head h, GC at a
+ * time (q of the GC heads in shared memory as [D][GC] floats; heads past G are zero and not
+ * written). Landmark rows whose tensor is 16-byte aligned (D % 8 == 0) are staged tile-wide
+ * with cp.async into a two-stage ring, 16-byte pieces of row r rotated by r (conflict-free
+ * reads of a row per thread); the next tile loads while this one is scored. Other rows are
+ * read directly. s_j = SKV_MUL(dot, scale) -> scores[b][qh][j]; the max over the non-NaN
+ * scores of each query head goes to macc by atomicMax of its order image; s_0 to s0.
+ * Block x = 0 of (b, h) also checks q of the group and k, v of head h (decode).
  */
 template <int GC>
-__global__ void __launch_bounds__(kScoreBlock)
-    skv_score_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const uint16_t *__restrict__ q,
-                     float *__restrict__ scores)
+__global__ void __launch_bounds__(kScNT)
+    score_kernel(const skv_cuda_shape sh, const skv_cuda_seq *seqs, const uint16_t *__restrict__ q,
+                 float *__restrict__ scores, unsigned *macc, float *s0, int32_t *step_bad,
+                 unsigned long long *first_bad, int32_t layer, const uint16_t *kn, const uint16_t *vn)
 {
-    extern __shared__ __align__(16) float qs[]; /* [GC, D] floats, then the tile */
-    const int32_t D = sh.D, G = sh.Hq / sh.Hk;
-    unsigned char *tile = reinterpret_cast<unsigned char *>(qs + GC * D);
-    const int32_t tstride = tile_stride(D);
-    const int tid = threadIdx.x;
+    extern __shared__ __align__(16) unsigned char sc_smem[];
+    const int32_t D = sh.D, G = sh.Hq / sh.Hk, nc = D / 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float *qT = reinterpret_cast<float *>(sc_smem + 2 * score_tile_bytes(D));
+    __shared__ float wmax[kScNT / 32][GC];
+
     for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
         for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
-            const int32_t n = seqs[b].n_cand;
-            const int32_t j0 = blockIdx.x * kScoreBlock, j = j0 + tid;
-            if (j0 >= n) continue; /* block-uniform */
-            const uint16_t *L = seqs[b].landmarks + (int64_t)h * n * D;
-            const int vec = row_vec(L, D);
-            const int32_t rows = min(kScoreBlock, n - j0);
-
-            __syncthreads(); /* previous users of qs and the tile are done */
-            if (vec == 8) {
-                const int32_t upr = D / 8, units = rows * upr; /* 16-byte units of the tile */
-                const uint4 *src = reinterpret_cast<const uint4 *>(L + (int64_t)j0 * D);
-                int32_t u = tid;
-                for (; u + 7 * kScoreBlock < units; u += 8 * kScoreBlock) {
-                    uint4 w[8];
-#pragma unroll
-                    for (int i = 0; i < 8; i++) w[i] = src[u + i * kScoreBlock];
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        const int32_t v = u + i * kScoreBlock;
-                        *reinterpret_cast<uint4 *>(tile + (v / upr) * tstride + (v % upr) * 16) = w[i];
+            if (kn && blockIdx.x == 0) { /* the step's inputs of this (b, h) are finite */
+                const int64_t nq = (int64_t)G * D, nk = D, qoff = ((int64_t)b * sh.Hq + (int64_t)h * G) * D,
+                              koff = ((int64_t)b * sh.Hk + h) * D;
+                int count = 0;
+                unsigned long long first = ~0ull;
+                for (int64_t i = tid; i < nq + 2 * nk; i += kScNT) {
+                    const int tensor = i < nq ? 0 : i < nq + nk ? 1 : 2;
+                    const int64_t j = tensor == 0 ? qoff + i : koff + (i - nq - (tensor == 2 ? nk : 0));
+                    const uint16_t x = tensor == 0 ? q[j] : tensor == 1 ? kn[j] : vn[j];
+                    if (!skv_bf16_isfinite(x)) {
+                        count++;
+                        const unsigned long long key =
+                            ((unsigned long long)layer << 48) | ((unsigned long long)tensor << 40) | (unsigned long long)j;
+                        first = key < first ? key : first;
                     }
                 }
-                for (; u < units; u += kScoreBlock)
-                    *reinterpret_cast<uint4 *>(tile + (u / upr) * tstride + (u % upr) * 16) = src[u];
-            }
-            for (int32_t g0 = 0; g0 < G; g0 += GC) {
-                if (g0 > 0) __syncthreads(); /* previous users of qs are done */
-                for (int32_t e = tid; e < GC * D; e += kScoreBlock) {
-                    int32_t g = g0 + e / D;
-                    qs[e] = g < G ? skv_bf16_to_f32(q[((int64_t)b * sh.Hq + (int64_t)h * G + g) * D + e % D]) : 0.0f;
+                count = warp_sum_int(count);
+                first = warp_min_u64(first);
+                if (lane == 0) {
+                    if (count) atomicAdd(step_bad, count);
+                    if (first != ~0ull) atomicMin(first_bad, first);
                 }
-                __syncthreads(); /* qs and the tile complete */
-                if (j >= n) continue;
-                float acc[GC];
+            }
+            const int32_t n = seqs[b].n_cand;
+            const int32_t ntiles = (int32_t)ceil_div64(n, kScNT);
+            if ((int32_t)blockIdx.x >= ntiles) continue; /* block-uniform */
+            const uint16_t *L = seqs[b].landmarks + (int64_t)h * n * D;
+            const bool fast = row_vec(L, D) == 8;
+            for (int32_t g0 = 0; g0 < G; g0 += GC) {
+                __syncthreads(); /* previous users of qT and the tiles are done */
+                for (int32_t e = tid; e < GC * D; e += kScNT) {
+                    const int32_t d = e / GC, g = e - d * GC;
+                    qT[e] = g0 + g < G ? skv_bf16_to_f32(q[((int64_t)b * sh.Hq + (int64_t)h * G + g0 + g) * D + d])
+                                       : 0.0f;
+                }
+                float mx[GC];
 #pragma unroll
-                for (int g = 0; g < GC; g++) acc[g] = 0.0f;
-                if (vec == 8) score_chains<GC, 8>(reinterpret_cast<const uint16_t *>(tile + tid * tstride), qs, D, acc);
-                else if (vec == 2) score_chains<GC, 2>(L + (int64_t)j * D, qs, D, acc);
-                else score_chains<GC, 1>(L + (int64_t)j * D, qs, D, acc);
+                for (int g = 0; g < GC; g++) mx[g] = -INFINITY;
+                auto load_tile = [&](int stage, int32_t t) {
+                    const int32_t j0 = t * kScNT, rows = min(kScNT, n - j0);
+                    unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
+                    const uint16_t *src = L + (int64_t)j0 * D;
+                    for (int32_t idx = tid; idx < rows * nc; idx += kScNT) {
+                        const int32_t r = idx / nc, k = idx - r * nc;
+                        int32_t kk = k + r % nc;
+                        if (kk >= nc) kk -= nc;
+                        cp_async16(tile + (size_t)r * 2 * D + kk * 16, src + (int64_t)r * D + k * 8);
+                    }
+                };
+                int stage = 0;
+                int32_t t = blockIdx.x;
+                if (fast) load_tile(0, t);
+                cp_async_commit();
+                __syncthreads(); /* qT complete */
+                for (; t < ntiles; t += gridDim.x) {
+                    const int32_t tn = t + gridDim.x;
+                    if (fast && tn < ntiles) load_tile(stage ^ 1, tn);
+                    cp_async_commit();
+                    cp_async_wait_group<1>(); /* tile t landed (this thread's pieces) */
+                    __syncthreads();          /* ... and everyone's */
+                    const int32_t j = t * kScNT + tid;
+                    if (j < n) {
+                        float acc[GC];
 #pragma unroll
-                for (int g = 0; g < GC; g++)
-                    if (g0 + g < G)
-                        scores[((int64_t)b * sh.Hq + (int64_t)h * G + g0 + g) * sh.cand_max + j] =
-                            SKV_MUL(acc[g], sh.scale);
+                        for (int g = 0; g < GC; g++) acc[g] = 0.0f;
+                        if (fast) {
+                            const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+                            int32_t kk = tid % nc;
+                            for (int32_t k = 0; k < nc; k++) {
+                                float x[8];
+                                bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + kk * 16), x);
+                                score_fma8<GC>(x, qT, k * 8, acc);
+                                if (++kk == nc) kk = 0;
+                            }
+                        } else if (row_vec(L, D) == 2) {
+                            score_chains_global<GC, 2>(L + (int64_t)j * D, qT, D, acc);
+                        } else {
+                            score_chains_global<GC, 1>(L + (int64_t)j * D, qT, D, acc);
+                        }
+#pragma unroll
+                        for (int g = 0; g < GC; g++) {
+                            if (g0 + g >= G) break;
+                            const float s = SKV_MUL(acc[g], sh.scale);
+                            const int64_t row = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
+                            scores[row * sh.cand_max + j] = s;
+                            mx[g] = fmaxf(mx[g], s); /* NaN never wins */
+                            if (j == 0) s0[row] = s;
+                        }
+                    }
+                    __syncthreads(); /* stage is refilled at the next iteration but one */
+                    stage ^= 1;
+                }
+#pragma unroll
+                for (int g = 0; g < GC; g++) {
+                    const float m = warp_max(mx[g]);
+                    if (lane == 0) wmax[warp][g] = m;
+                }
+                __syncthreads();
+                if (tid < GC && g0 + tid < G) {
+                    float m = wmax[0][tid];
+                    for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
+                    if (m != -INFINITY)
+                        atomicMax(&macc[(int64_t)b * sh.Hq + (int64_t)h * G + g0 + tid], order_desc(m));
+                }
             }
         }
+    pdl_trigger();
 }
 
-/* ---- selection ------------------------------------------------------------------------- */
+/* ---- decode selection: step 2, e_j and their canonical sum ----------------------------------- */
 
-constexpr int kLanes = SKV_CANON_LANES;       /* 256 */
-constexpr int kSmxBlock = 1024;               /* threads per (b, query head) softmax */
-constexpr int kSmxTile = 4 * kSmxBlock;       /* e_j staged per canonical-sum step */
-constexpr int kSelBlock = 1024;               /* threads per (b, kv head) top-k */
-constexpr int32_t kSmemKeysMax = 40 * 1024;   /* top-k keys kept in shared memory up to this n */
-static_assert(kLanes == 256 && kSmxBlock % kLanes == 0 && kSmxTile % kLanes == 0,
-              "the canonical sum has 256 lanes");
+constexpr int kExNT = 256;                 /* = SKV_CANON_LANES: one lane per canonical partial */
+constexpr int kExPer = 8;                  /* e_j per thread */
+constexpr int kExTile = kExNT * kExPer;    /* candidates per block */
+static_assert(kExNT == SKV_CANON_LANES, "the canonical sum has 256 lanes");
 
 /*
- * Selection softmax, grid (Hq, B), one block per (b, query head), in place over the scores
- * row s[0..n) (ref's skv_softmax_inplace):
- *  1. M: ref's scan gives s[0] if it is NaN, else the max of the non-NaN values (the sign
- *     of a zero max changes no e_j), so any reduction order of "x > m" serves;
- *  2. Z = canonical sum of e_j = skv_expf(s_j - M): all threads compute e_j of a tile of
- *     kSmxTile consecutive j into shared memory, then lane k < 256 adds the tile's
- *     j = k, k+256, ... in order to its partial (the tiles start at multiples of 256, so
- *     lane k's chain is ref's partial k, in ref's order); then the fixed tree (shared
- *     memory for w >= 32, shuffles below: same pairs);
- *  3. s_j = e_j / Z with e_j recomputed (deterministic).
- * Loads are issued in batches of independent values so that their latencies overlap.
+ * grid (X, Hq, B). M = s_0 if it is NaN (ref's scan starts there and NaN never compares
+ * greater), else the max of the non-NaN scores (the sign of a zero max changes no e_j).
+ * Each block turns its tile of scores into e_j = skv_expf(s_j - M) in place. The last block
+ * of (b, qh) (a counter after a fence) computes Z = canonical sum of e: lane k adds
+ * e_k, e_{k+256}, ... in order (loads from L2, 8 in flight), then the fixed pairwise tree.
  */
-__global__ void __launch_bounds__(kSmxBlock)
-    skv_softmax_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, float *scores)
+__global__ void __launch_bounds__(kExNT)
+    expsum_kernel(const skv_cuda_shape sh, const skv_cuda_seq *seqs, float *scores, const unsigned *macc,
+                  const float *s0, float *Z, unsigned *cnt)
 {
-    __shared__ float E[kSmxTile];
-    __shared__ float part[kLanes];
-    __shared__ float wmax[kSmxBlock / 32];
-    __shared__ float Zs;
-    const int tid = threadIdx.x, lane = tid & 31;
-
-    for (int32_t b = blockIdx.y; b < sh.B; b += gridDim.y)
-        for (int32_t qh = blockIdx.x; qh < sh.Hq; qh += gridDim.x) {
-            const int32_t n = seqs[b].n_cand;
-            if (n <= 0) continue; /* block-uniform */
-            float *s = scores + ((int64_t)b * sh.Hq + qh) * sh.cand_max;
-
-            float m = -INFINITY; /* max of non-NaN values: NaN never compares greater */
-            int32_t j = tid;
-            for (; j + 7 * kSmxBlock < n; j += 8 * kSmxBlock) {
-                float x[8];
+    __shared__ float part[kExNT];
+    __shared__ int last;
+    pdl_wait();
+    const int tid = threadIdx.x;
+    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
+        for (int32_t qh = blockIdx.y; qh < sh.Hq; qh += gridDim.y) {
+            const int32_t n = seqs[b].n_cand, nblk = (int32_t)ceil_div64(n, kExTile);
+            if ((int32_t)blockIdx.x >= nblk) continue; /* block-uniform */
+            const int64_t row = (int64_t)b * sh.Hq + qh;
+            float *s = scores + row * sh.cand_max;
+            const float first = s0[row];
+            const float M = first != first ? first : order_desc_inv(macc[row]);
+            const int32_t j0 = blockIdx.x * kExTile;
+            float x[kExPer];
 #pragma unroll
-                for (int u = 0; u < 8; u++) x[u] = s[j + u * kSmxBlock];
-#pragma unroll
-                for (int u = 0; u < 8; u++)
-                    if (x[u] > m) m = x[u];
-            }
-            for (; j < n; j += kSmxBlock) {
-                float x = s[j];
-                if (x > m) m = x;
+            for (int u = 0; u < kExPer; u++) {
+                const int32_t j = j0 + u * kExNT + tid;
+                x[u] = j < n ? s[j] : 0.0f;
             }
 #pragma unroll
-            for (int o = 16; o >= 1; o >>= 1) {
-                float y = __shfl_xor_sync(kFullMask, m, o);
-                if (y > m) m = y;
+            for (int u = 0; u < kExPer; u++) {
+                const int32_t j = j0 + u * kExNT + tid;
+                if (j < n) s[j] = skv_expf(SKV_SUB(x[u], M));
             }
-            if (lane == 0) wmax[tid / 32] = m;
+            __threadfence();
             __syncthreads();
-            m = wmax[0];
-            for (int w = 1; w < kSmxBlock / 32; w++) {
-                float y = wmax[w];
-                if (y > m) m = y;
-            }
-            const float s0 = s[0];
-            const float M = s0 != s0 ? s0 : m;
-
+            if (tid == 0) last = atomicAdd(&cnt[row], 1u) == (unsigned)nblk - 1;
+            __syncthreads();
+            if (!last) continue; /* block-uniform */
+            __threadfence();
             float P = 0.0f;
-            for (int32_t base = 0; base < n; base += kSmxTile) {
-                float x[kSmxTile / kSmxBlock];
+            int32_t j = tid;
+            for (; j + 7 * kExNT < n; j += 8 * kExNT) {
+                float e[8];
 #pragma unroll
-                for (int u = 0; u < kSmxTile / kSmxBlock; u++) {
-                    const int32_t jj = base + u * kSmxBlock + tid;
-                    x[u] = jj < n ? s[jj] : 0.0f;
-                }
+                for (int u = 0; u < 8; u++) e[u] = __ldcg(s + j + u * kExNT);
 #pragma unroll
-                for (int u = 0; u < kSmxTile / kSmxBlock; u++)
-                    if (base + u * kSmxBlock + tid < n) E[u * kSmxBlock + tid] = skv_expf(SKV_SUB(x[u], M));
-                __syncthreads();
-                if (tid < kLanes) {
-                    const int32_t cnt = min(kSmxTile, n - base);
-#pragma unroll 4
-                    for (int32_t i = tid; i < cnt; i += kLanes) P = SKV_ADD(P, E[i]);
-                }
-                __syncthreads(); /* E is rewritten by the next tile */
+                for (int u = 0; u < 8; u++) P = SKV_ADD(P, e[u]);
             }
-            if (tid < kLanes) part[tid] = P;
+            for (; j < n; j += kExNT) P = SKV_ADD(P, __ldcg(s + j));
+            part[tid] = P;
             __syncthreads();
-            for (int w = kLanes / 2; w >= 32; w >>= 1) {
+            for (int w = kExNT / 2; w >= 32; w >>= 1) {
                 if (tid < w) part[tid] = SKV_ADD(part[tid], part[tid + w]);
                 __syncthreads();
             }
@@ -586,119 +489,205 @@ __global__ void __launch_bounds__(kSmxBlock)
                 float v = part[tid];
 #pragma unroll
                 for (int w = 16; w >= 1; w >>= 1) {
-                    float o = __shfl_down_sync(kFullMask, v, w);
+                    const float o = __shfl_down_sync(kFullMask, v, w);
                     v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
                 }
-                if (tid == 0) Zs = v;
+                if (tid == 0) {
+                    Z[row] = v;
+                    cnt[row] = 0;
+                }
             }
-            __syncthreads();
-            const float Z = Zs;
-
-            j = tid;
-            for (; j + 7 * kSmxBlock < n; j += 8 * kSmxBlock) {
-                float x[8];
-#pragma unroll
-                for (int u = 0; u < 8; u++) x[u] = s[j + u * kSmxBlock];
-#pragma unroll
-                for (int u = 0; u < 8; u++) s[j + u * kSmxBlock] = SKV_DIV(skv_expf(SKV_SUB(x[u], M)), Z);
-            }
-            for (; j < n; j += kSmxBlock) s[j] = SKV_DIV(skv_expf(SKV_SUB(s[j], M)), Z);
-            __syncthreads(); /* wmax, part, Zs are reused by the next (b, query head) */
+            __syncthreads(); /* part and last are reused by the next (b, qh) */
         }
+    pdl_trigger();
+}
+
+/* ---- decode selection: step 3, top-S per tile, merge, chunk-cache plan ------------------------ */
+
+constexpr int kSeNT = 512;               /* threads per tile block */
+constexpr int kSePer = 8;                /* candidates per thread */
+constexpr int kSeTile = kSeNT * kSePer;  /* candidates per tile */
+
+struct SelectArgs {
+    skv_cuda_shape sh;
+    const skv_cuda_seq *seqs;
+    const float *e, *Z;                 /* [B, Hq, cand_max], [B, Hq] */
+    float *amax;                        /* [B, Hk, cand_max] or NULL */
+    unsigned long long *pool;           /* [B, Hk, pool_cap] */
+    int32_t pool_cap;
+    unsigned *cnt;                      /* [B, Hk] */
+    int32_t *sel_idx, *sel_ids;         /* [B, Hk, S] */
+    int32_t *vsrc, *mlist, *mcount;     /* host slots */
+    const int32_t *step_bad;            /* NULL: op-level (no chunk caches) */
+    unsigned long long *vc_counts;
+};
+
+struct SelectSmem {
+    TopkSmem<kSeNT> tk;
+    uint32_t keys[kSeTile];
+    int32_t hits[kSeNT / 32];
+    int last;
+};
+
+/*
+ * Final selection of (b, h) is in a.sel_idx: its chunk ids, and for a host slot the chunk
+ * cache's rule (lib/skv_plan.h): hits stamp their entries; the n_miss least recently used
+ * unpinned entries (block top-k: key ~(stamp + 1), pinned 0; ties to the lower entry) are
+ * taken by the misses in increasing position order. On a bad step nothing of the cache
+ * changes (the step's values are never read back). The state update touches disjoint words:
+ * an evicted candidate is cached, a missed one is not.
+ */
+__device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectSmem &sm)
+{
+    const skv_cuda_shape &sh = a.sh;
+    const int32_t S = sh.S, n = a.seqs[b].n_cand;
+    const int64_t bh = (int64_t)b * sh.Hk + h;
+    int32_t *sel = a.sel_idx + bh * S;
+    const int32_t *cids = a.seqs[b].cand_ids;
+    if (a.sel_ids && cids)
+        for (int32_t s = threadIdx.x; s < S; s += kSeNT) a.sel_ids[bh * S + s] = cids[(int64_t)h * n + sel[s]];
+    const skv_cuda_seq &sq = a.seqs[b];
+    if (!sq.vc_data || !a.step_bad) return; /* block-uniform */
+    const int bad = *a.step_bad != 0;
+    const int32_t E = sh.vc_chunks, step = sq.n_gen;
+    int32_t *slot_of = sq.vc_slot_of + (int64_t)h * sh.cand_max;
+    int32_t *owner = sq.vc_owner + (int64_t)h * E, *stamp = sq.vc_stamp + (int64_t)h * E;
+    int32_t *vsrc = a.vsrc + bh * S, *mlist = a.mlist + bh * S;
+    /* hits: stamped now (pinned); misses marked */
+    int nh = 0;
+    for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+        const int32_t e = slot_of[sel[s]];
+        if (e >= 0) {
+            nh++;
+            vsrc[s] = e;
+            if (!bad) stamp[e] = step;
+        } else {
+            vsrc[s] = (int32_t)0x80000000;
+        }
+    }
+    nh = warp_sum_int(nh);
+    if ((threadIdx.x & 31) == 0) sm.hits[threadIdx.x >> 5] = nh;
+    __syncthreads(); /* stamps and vsrc visible */
+    int32_t hits = 0;
+    for (int w = 0; w < kSeNT / 32; w++) hits += sm.hits[w];
+    const int32_t n_miss = S - hits;
+    /* victims into mlist[0..n_miss) in increasing entry order (scratch: positions come next) */
+    block_topk<kSeNT, false>(
+        E, n_miss,
+        [=](int32_t e) { return stamp[e] == step && !bad ? 0u : ~(uint32_t)(stamp[e] + 1); },
+        [=](int32_t pos, int32_t e) { mlist[pos] = e; }, [](int32_t, int32_t) {}, sm.tk);
+    /* miss ranks: the misses' positions in increasing s, by the same ordered compaction */
+    block_topk<kSeNT, false>(
+        S, n_miss, [=](int32_t s) { return vsrc[s] < 0 ? 1u : 0u; },
+        [=](int32_t pos, int32_t s) {
+            const int32_t e = mlist[pos]; /* this thread's own victim: read before it is replaced */
+            vsrc[s] = (int32_t)(0x80000000u | (uint32_t)e);
+        },
+        [](int32_t, int32_t) {}, sm.tk);
+    __syncthreads(); /* every victim read */
+    for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+        const int32_t v = vsrc[s];
+        if (v >= 0) continue;
+        const int32_t e = v & 0x7fffffff, m = sel[s];
+        if (!bad) {
+            const int32_t old = owner[e];
+            if (old >= 0) slot_of[old] = -1;
+            owner[e] = m;
+            slot_of[m] = e;
+            stamp[e] = step;
+        }
+    }
+    __syncthreads();
+    /* the fetch list: missed positions in increasing order */
+    block_topk<kSeNT, false>(
+        S, n_miss, [=](int32_t s) { return vsrc[s] < 0 ? 1u : 0u; }, [=](int32_t pos, int32_t s) { mlist[pos] = s; },
+        [](int32_t, int32_t) {}, sm.tk);
+    if (threadIdx.x == 0) {
+        a.mcount[bh] = bad ? 0 : n_miss;
+        if (!bad) {
+            atomicAdd(&a.vc_counts[0], (unsigned long long)hits);
+            atomicAdd(&a.vc_counts[1], (unsigned long long)n_miss);
+        }
+    }
 }
 
 /*
- * grid (Hk, B), one block per (b, h), after skv_softmax_kernel left p in the scores rows of
- * the G query heads g of KV head h (query head h*G + g):
- *  1. a_j = p of g = 0, then a = p if p > a for g = 1.. in order (ref's loop, NaN included),
- *     stored in amax; with SMEM, the top-k keys order_desc(skv_select_key(a_j)) are also
- *     kept in dynamic shared memory (n <= kSmemKeysMax), else the top-k re-reads amax;
- *  2. top-S of skv_select_key(a_j) (desc, ties to lower j), increasing j.
+ * grid (X, Hk, B), block (x, h, b): tile x of kSeTile candidates of (b, h).
+ *  1. a_j = p of query head 0, then a = p if p > a for g = 1.. in order (ref's loop, NaN
+ *     included), p = SKV_DIV(e_j, Z); keys order_desc(skv_select_key(a_j)) in shared memory;
+ *  2. the tile's top min(S, count) (block_topk): with one tile they are the selection; else
+ *     they go to the pool (key << 32 | j, increasing j within the tile, tiles in order: the pool
+ *     is in increasing j) and the last tile block of (b, h) selects the top S of the pool.
  */
-template <bool SMEM>
-__global__ void __launch_bounds__(kSelBlock)
-    skv_select_kernel(skv_cuda_shape sh, const skv_cuda_seq *seqs, const float *__restrict__ p,
-                      float *__restrict__ amax, int32_t *sel_idx, int32_t *sel_ids)
+__global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
 {
-    __shared__ TopkSmem<kSelBlock> sm;
-    extern __shared__ uint32_t keys_s[]; /* [n] with SMEM */
-
+    __shared__ SelectSmem sm;
+    pdl_wait();
+    const skv_cuda_shape &sh = a.sh;
     const int tid = threadIdx.x;
     const int32_t G = sh.Hq / sh.Hk, S = sh.S;
-    const int32_t h = blockIdx.x;
-    const int64_t cm = sh.cand_max;
-
-    for (int32_t b = blockIdx.y; b < sh.B; b += gridDim.y) {
-        const int32_t n = seqs[b].n_cand;
-        const float *prow = p + ((int64_t)b * sh.Hq + (int64_t)h * G) * cm;
-        float *a = amax + ((int64_t)b * sh.Hk + h) * cm;
-
-        constexpr int U = 8; /* independent loads in flight per thread and query head */
-        int32_t j = tid;
-        for (; j + (U - 1) * kSelBlock < n; j += U * kSelBlock) {
-            float av[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) av[u] = prow[j + u * kSelBlock];
-            for (int32_t g = 1; g < G; g++) {
-                float pv[U];
-#pragma unroll
-                for (int u = 0; u < U; u++) pv[u] = prow[g * cm + j + u * kSelBlock];
-#pragma unroll
-                for (int u = 0; u < U; u++)
-                    if (pv[u] > av[u]) av[u] = pv[u];
+    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
+        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
+            const int32_t n = a.seqs[b].n_cand, ntl = (int32_t)ceil_div64(n, kSeTile);
+            if ((int32_t)blockIdx.x >= ntl) continue; /* block-uniform */
+            const int64_t bh = (int64_t)b * sh.Hk + h, cm = sh.cand_max;
+            const int32_t j0 = blockIdx.x * kSeTile, cnt = min(kSeTile, n - j0);
+            const float *e0 = a.e + ((int64_t)b * sh.Hq + (int64_t)h * G) * cm;
+            const float *Zr = a.Z + (int64_t)b * sh.Hq + (int64_t)h * G;
+            for (int32_t i = tid; i < cnt; i += kSeNT) {
+                const int32_t j = j0 + i;
+                float av = SKV_DIV(e0[j], Zr[0]);
+                for (int32_t g = 1; g < G; g++) {
+                    const float p = SKV_DIV(e0[g * cm + j], Zr[g]);
+                    if (p > av) av = p;
+                }
+                sm.keys[i] = order_desc(skv_select_key(av));
+                if (a.amax) a.amax[bh * cm + j] = av;
             }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                a[j + u * kSelBlock] = av[u];
-                if (SMEM) keys_s[j + u * kSelBlock] = order_desc(skv_select_key(av[u]));
+            __syncthreads();
+            int32_t *sel = a.sel_idx + bh * S;
+            unsigned long long *pool = a.pool + bh * a.pool_cap + (int64_t)blockIdx.x * S;
+            const int32_t kt = min(S, cnt);
+            if (ntl == 1) {
+                block_topk<kSeNT, false>(
+                    cnt, kt, [&](int32_t i) { return sm.keys[i]; }, [=](int32_t pos, int32_t i) { sel[pos] = j0 + i; },
+                    [](int32_t, int32_t) {}, sm.tk);
+                __syncthreads(); /* sel complete */
+                select_finish(a, b, h, sm);
+                continue;
             }
+            block_topk<kSeNT, false>(
+                cnt, kt, [&](int32_t i) { return sm.keys[i]; },
+                [&](int32_t pos, int32_t i) { pool[pos] = ((unsigned long long)sm.keys[i] << 32) | (uint32_t)(j0 + i); },
+                [](int32_t, int32_t) {}, sm.tk);
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) sm.last = atomicAdd(&a.cnt[bh], 1u) == (unsigned)ntl - 1;
+            __syncthreads();
+            if (!sm.last) continue; /* block-uniform */
+            __threadfence();
+            /* the pool: full tiles gave S each (a tile holds at least S... or all its items) */
+            const int32_t per_tile = min(S, kSeTile), last_cnt = n - (ntl - 1) * kSeTile;
+            const int32_t np = (ntl - 1) * per_tile + min(S, last_cnt);
+            const unsigned long long *pl = a.pool + bh * a.pool_cap;
+            /* pool index -> entry: tile t's winners start at t * S */
+            auto at = [=](int32_t i) {
+                const int32_t t = i / per_tile;
+                return __ldcg(pl + (int64_t)t * S + (i - t * per_tile));
+            };
+            block_topk<kSeNT, false>(
+                np, S, [=](int32_t i) { return (uint32_t)(at(i) >> 32); },
+                [=](int32_t pos, int32_t i) { sel[pos] = (int32_t)(at(i) & 0xffffffffu); }, [](int32_t, int32_t) {},
+                sm.tk);
+            __syncthreads();
+            select_finish(a, b, h, sm);
+            if (tid == 0) a.cnt[bh] = 0;
         }
-        for (; j < n; j += kSelBlock) {
-            float aj = prow[j];
-            for (int32_t g = 1; g < G; g++) {
-                float pv = prow[g * cm + j];
-                if (pv > aj) aj = pv;
-            }
-            a[j] = aj;
-            if (SMEM) keys_s[j] = order_desc(skv_select_key(aj));
-        }
-        __syncthreads(); /* a[] and keys_s visible to the block */
-
-        int32_t *out_idx = sel_idx + ((int64_t)b * sh.Hk + h) * S;
-        const int32_t *cids = seqs[b].cand_ids;
-        int32_t *out_ids = (sel_ids && cids) ? sel_ids + ((int64_t)b * sh.Hk + h) * S : nullptr;
-        const int32_t *ch = cids ? cids + (int64_t)h * n : nullptr;
-        auto on_win = [=](int32_t pos, int32_t i) {
-            out_idx[pos] = i;
-            if (out_ids) out_ids[pos] = ch[i];
-        };
-        if (SMEM)
-            block_topk<kSelBlock, false>(
-                n, S, [=](int32_t i) { return keys_s[i]; }, on_win, [](int32_t, int32_t) {}, sm);
-        else
-            block_topk<kSelBlock, false>(
-                n, S, [=](int32_t i) { return order_desc(skv_select_key(a[i])); }, on_win,
-                [](int32_t, int32_t) {}, sm);
-        __syncthreads();
-    }
-}
-
-/* ---- launchers ------------------------------------------------------------------------- */
-template <int GC>
-cudaError_t launch_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_bf16 *q,
-                         float *scores, dim3 grid)
-{
-    const size_t smem = score_smem_bytes(GC, sh->D);
-    if (smem > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(skv_score_kernel<GC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem);
-        if (e != cudaSuccess) return e;
-    }
-    skv_score_kernel<GC><<<grid, kScoreBlock, smem, st>>>(*sh, seqs, q, scores);
-    return cudaGetLastError();
+    pdl_trigger();
 }
 
 } /* namespace */
+
 /* ---- launchers ------------------------------------------------------------------------- */
 
 cudaError_t skv_cuda_rope(cudaStream_t st, int32_t head_dim, int32_t rotary_dim, int32_t interleaved,
@@ -770,43 +759,59 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
                                                                          landmarks);
     return cudaGetLastError();
 }
+int32_t skv_cuda_select_tiles(int32_t n) { return (int32_t)ceil_div64(n > 0 ? n : 1, kSeTile); }
 
+int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S) { return skv_cuda_select_tiles(cand_max) * S; }
 
-cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                           const skv_bf16 *q, float *scores)
+template <int GC>
+static cudaError_t launch_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_bf16 *q,
+                                const skv_cuda_dws *ws, int32_t layer, const skv_bf16 *k, const skv_bf16 *v)
+{
+    const size_t smem = score_smem_bytes(GC, sh->D);
+    cudaError_t e = allow_smem(score_kernel<GC>, smem);
+    if (e != cudaSuccess) return e;
+    const int64_t ntiles = ceil_div64(sh->cand_max, kScNT), pairs = (int64_t)sh->B * sh->Hk;
+    int64_t x = ceil_div64((int64_t)num_sms() * kScBlocksPerSm, pairs);
+    if (x > ntiles) x = ntiles;
+    if (x < 1) x = 1;
+    return launch(score_kernel<GC>, dim3((unsigned)x, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kScNT), smem, st, false,
+                  *sh, seqs, q, ws->scores, ws->macc, ws->s0, ws->step_bad, ws->first_bad, layer, k, v);
+}
+
+cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                 const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v,
+                                 int32_t layer, float *amax, int *launches)
 {
     if (sh->B <= 0 || sh->Hk <= 0 || sh->cand_max <= 0) return cudaSuccess;
     const int32_t G = sh->Hq / sh->Hk;
-    const dim3 grid((unsigned)((sh->cand_max + kScoreBlock - 1) / kScoreBlock), clamp_yz(sh->Hk), clamp_yz(sh->B));
     /* GC: the smallest chunk of query heads covering G (at most 8 chains per thread) */
-    if (G <= 1) return launch_score<1>(st, sh, seqs, q, scores, grid);
-    if (G == 2) return launch_score<2>(st, sh, seqs, q, scores, grid);
-    if (G <= 4) return launch_score<4>(st, sh, seqs, q, scores, grid);
-    return launch_score<8>(st, sh, seqs, q, scores, grid);
-}
-
-/* Two launches: the selection softmax per (b, query head), in place over scores (lib never
-   reads scores after select: they are scratch of score + select), then group max and top-k
-   per (b, kv head). amax is required (lib always passes a buffer): it holds a_j on return,
-   and is the top-k key store when cand_max > kSmemKeysMax. */
-cudaError_t skv_cuda_select(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            float *scores, float *amax, int32_t *sel_idx, int32_t *sel_ids)
-{
-    if (sh->B <= 0 || sh->Hk <= 0) return cudaSuccess;
-    if (!amax) return cudaErrorInvalidValue;
-    float *p = scores; /* scratch: overwritten with the probabilities */
-    skv_softmax_kernel<<<dim3((unsigned)clamp_yz(sh->Hq), clamp_yz(sh->B)), kSmxBlock, 0, st>>>(*sh, seqs, p);
-    const dim3 grid((unsigned)sh->Hk, clamp_yz(sh->B));
-    if (sh->cand_max <= kSmemKeysMax) {
-        const size_t smem = (size_t)sh->cand_max * sizeof(uint32_t);
-        if (smem > 48 * 1024) {
-            cudaError_t e = cudaFuncSetAttribute(skv_select_kernel<true>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-            if (e != cudaSuccess) return e;
-        }
-        skv_select_kernel<true><<<grid, kSelBlock, smem, st>>>(*sh, seqs, p, amax, sel_idx, sel_ids);
-    } else {
-        skv_select_kernel<false><<<grid, kSelBlock, 0, st>>>(*sh, seqs, p, amax, sel_idx, sel_ids);
-    }
-    return cudaGetLastError();
+    cudaError_t e = G <= 1 ? launch_score<1>(st, sh, seqs, q, ws, layer, k, v)
+                    : G == 2 ? launch_score<2>(st, sh, seqs, q, ws, layer, k, v)
+                    : G <= 4 ? launch_score<4>(st, sh, seqs, q, ws, layer, k, v)
+                             : launch_score<8>(st, sh, seqs, q, ws, layer, k, v);
+    if (e != cudaSuccess) return e;
+    e = launch(expsum_kernel, dim3((unsigned)ceil_div64(sh->cand_max, kExTile), clamp_yz(sh->Hq), clamp_yz(sh->B)),
+               dim3(kExNT), 0, st, true, *sh, seqs, ws->scores, (const unsigned *)ws->macc, (const float *)ws->s0,
+               ws->Z, ws->cnt_e);
+    if (e != cudaSuccess) return e;
+    SelectArgs a;
+    a.sh = *sh;
+    a.seqs = seqs;
+    a.e = ws->scores;
+    a.Z = ws->Z;
+    a.amax = amax;
+    a.pool = ws->pool;
+    a.pool_cap = ws->pool_cap;
+    a.cnt = ws->cnt_sel;
+    a.sel_idx = ws->sel_idx;
+    a.sel_ids = ws->sel_ids;
+    a.vsrc = ws->vsrc;
+    a.mlist = ws->mlist;
+    a.mcount = ws->mcount;
+    a.step_bad = k ? ws->step_bad : NULL;
+    a.vc_counts = ws->vc_counts;
+    e = launch(select_kernel, dim3((unsigned)skv_cuda_select_tiles(sh->cand_max), clamp_yz(sh->Hk), clamp_yz(sh->B)),
+               dim3(kSeNT), 0, st, true, a);
+    if (launches) *launches += 3;
+    return e;
 }

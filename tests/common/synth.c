@@ -339,18 +339,19 @@ static double logaddexp(double x, double y)
     return m + log(exp(x - m) + exp(y - m));
 }
 
-skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t *needle)
+/* The tokens of decode step `step` drawn from RNG stream `stream` (0: skvs_step's); with
+   append, k and v also go to ref_k / ref_v. */
+static skv_status step_tokens(skvs_seq *s, int32_t step, uint64_t stream, int append, skv_bf16 *q, skv_bf16 *k,
+                              skv_bf16 *v, int32_t *needle)
 {
     const skvs_workload *w = s->w;
     const skv_config *cfg = &w->cfg;
     const int Hq = cfg->n_q_heads, Hk = cfg->n_kv_heads, D = cfg->head_dim, P = Hk * D;
     const int G = Hq / Hk, c = cfg->chunk_size, m = s->n_sample, m_bg = s->m_bg;
-    if (s->n_gen >= s->max_steps) return SKV_ERR_CAPACITY;
-    const int32_t step = s->n_gen;
     const int64_t pos = s->n + step;
     const double sc = w->scale;
     skvt_rng r;
-    skvt_rng_seed(&r, s->seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(step + 1)));
+    skvt_rng_seed(&r, s->seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(step + 1)) ^ (0xd1b54a32d192ed03ull * stream));
 
     /* the new token: an ordinary key near the last prompt chunk's latent */
     float *row = malloc(sizeof(float) * (size_t)P), *xq = malloc(sizeof(float) * (size_t)P);
@@ -373,7 +374,7 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
     skv_status st = skv_op_rope(w->backend, &cfg->rope, D, 1, Hk, pos, w->cos_tab, w->sin_tab, kpre, k);
     for (int e = 0; e < P; e++) v[e] = skv_f32_to_bf16(fast_normal(&r));
     if (st) goto done;
-    if (s->ref_k)
+    if (append && s->ref_k)
         for (int e = 0; e < P; e++) {
             s->ref_k[(size_t)pos * P + e] = skv_bf16_to_f32(k[e]);
             s->ref_v[(size_t)pos * P + e] = skv_bf16_to_f32(v[e]);
@@ -428,10 +429,24 @@ skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t
                 q[(size_t)g * D + d] = skv_f32_to_bf16((float)(gamma * qn[d] + beta * u[d] + alpha * sk[d]));
         }
     }
-    s->n_gen++;
 done:
     free(row), free(xq), free(a), free(kpre);
     return st;
+}
+
+skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t *needle)
+{
+    if (s->n_gen >= s->max_steps) return SKV_ERR_CAPACITY;
+    skv_status st = step_tokens(s, s->n_gen, 0, 1, q, k, v, needle);
+    if (!st) s->n_gen++;
+    return st;
+}
+
+skv_status skvs_step_stream(skvs_seq *s, int32_t step, uint64_t stream, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v,
+                            int32_t *needle)
+{
+    if (step < 0 || step >= s->max_steps) return SKV_ERR_CAPACITY;
+    return step_tokens(s, step, stream, 0, q, k, v, needle);
 }
 
 /* ---- references ------------------------------------------------------------- */

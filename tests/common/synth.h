@@ -102,6 +102,15 @@ skv_status skvs_seq_attach(skvs_seq *s, const skv_cache *cache, int32_t layer, i
  */
 skv_status skvs_step(skvs_seq *s, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v, int32_t *needle);
 
+/*
+ * The tokens of decode step `step` (< max_steps) from an independent random stream: stream
+ * 0 gives what skvs_step gives at that step, others other queries on the same prompt (one
+ * per sequence of a batch that shares a prompt). Changes nothing in s (no n_gen advance, no
+ * append to ref_k / ref_v).
+ */
+skv_status skvs_step_stream(skvs_seq *s, int32_t step, uint64_t stream, skv_bf16 *q, skv_bf16 *k, skv_bf16 *v,
+                            int32_t *needle);
+
 /* What the reference measured for one query token. */
 typedef struct skvs_ref_stats {
     double topk_mass;   /* mean over query heads of the attention share of the

@@ -6,7 +6,9 @@ with the flash backend and enable_gqa=True, q [B, 32, 1, 128] against K/V
 [B, 8, ctx, 128]. Median of CUDA-event timings after warm-up, rotating over
 several K/V sets so the 60 MB L2 does not hold them. Prints one JSON object.
 
-    python3 tests/gpu/dense_decode.py [--ctx 32768,131072] [--batch 1,8]
+    python3 tests/gpu/dense_decode.py [--ctx 32768,131072,1048576] [--batch 1,8,32] [--big-batch 1]
+
+Contexts above 131072 run at batch <= --big-batch only (as skv-bench decode).
 """
 import argparse
 import contextlib
@@ -52,12 +54,15 @@ def time_one(B, ctx, reps=50, warmup=10):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ctx", default="32768,131072")
-    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--ctx", default="32768,131072,1048576")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--big-batch", type=int, default=1)
     args = ap.parse_args()
     rows = []
     for ctx in [int(x) for x in args.ctx.split(",")]:
         for B in [int(x) for x in args.batch.split(",")]:
+            if ctx > 131072 and B > args.big_batch:
+                continue
             rows.append(time_one(B, ctx))
             torch.cuda.empty_cache()
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
