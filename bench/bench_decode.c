@@ -185,11 +185,11 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         double ov_sum = 0;
         long ov_n = 0;
         for (int i = 0; i < per_wl; i++, step++) {
-            int32_t needle = -1;
+            int32_t needle = -1, other;
             for (int b = 0; b < B; b++) { /* one random stream per sequence */
                 skv_bf16 *qb = q + (size_t)b * Hq * D;
                 if ((st = skvs_step_stream(seq, step, (uint64_t)b + 1, qb, k + (size_t)b * Hk * D,
-                                           v + (size_t)b * Hk * D, b ? NULL : &needle)))
+                                           v + (size_t)b * Hk * D, b ? &other : &needle)))
                     ddie("workload step", st, NULL);
                 float *qfb = qf + (size_t)b * Hq * D;
                 if (w == WL_DRIFT && i > 0) {

@@ -95,6 +95,27 @@ typedef struct skv_cuda_items {
     int32_t n_items;     /* n_sel + n_res */
 } skv_cuda_items;
 
+/* The tensors of one decode step (device pointers). k, v NULL: an op-level selection. */
+typedef struct skv_cuda_io {
+    const skv_bf16 *q, *k, *v; /* [B, Hq, D], [B, Hk, D], [B, Hk, D] */
+    float *out;                /* [B, Hq, D] */
+} skv_cuda_io;
+
+/* The score kernel's node of a captured decode step: the parameters a replay is updated with
+   (skv_cuda_score_node_set_io), kept by the caller. */
+typedef struct skv_cuda_score_node {
+    cudaKernelNodeParams params; /* filled by skv_cuda_select_step while it is captured */
+    void *args[1];               /* args[0] = argbuf */
+    union {
+        unsigned char bytes[768];
+        long double align;
+    } argbuf;
+} skv_cuda_score_node;
+
+/* Points the node's parameters at another step's tensors (params stay valid for
+   cudaGraphExecKernelNodeSetParams). */
+void skv_cuda_score_node_set_io(skv_cuda_score_node *node, const skv_cuda_io *io);
+
 /* The decode workspace on the device (one per cache; shared by its layers). */
 typedef struct skv_cuda_dws {
     float *scores;               /* [B, Hq, cand_max]: scores, then e_j */
@@ -115,6 +136,7 @@ typedef struct skv_cuda_dws {
     unsigned *cnt_done;          /* step-5 blocks done (reset by the last) */
     unsigned long long *first_bad; /* sticky first non-finite input, see skv_cuda_select_step */
     unsigned long long *vc_counts; /* [2] chunk-cache hits, misses (cumulative) */
+    skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
 } skv_cuda_dws;
 
@@ -144,29 +166,31 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
                                         void *scratch);
 
 /*
- * Steps 1-3 for q [B, Hq, D]: the selection of every (sequence, KV head) into
- * ws->sel_idx / sel_ids (increasing candidate order, bit-identical to ref's
- * score_select), amax [B, Hk, cand_max] (a_j; NULL: not written). With k and v
- * (decode), step 1 also counts non-finite q, k, v values into *ws->step_bad and
- * records the first in *ws->first_bad (atomicMin of ((uint64)layer << 48) |
- * ((uint64)tensor << 40) | flat index, tensor 0 q, 1 k, 2 v), and host slots run
- * their chunk-cache plan (unless step_bad). ws->macc, cnt_e, cnt_sel must be zero
- * on entry (they are left zero). *launches += kernels launched.
+ * Steps 1-3 for io->q [B, Hq, D]: the selection of every (sequence, KV head) into
+ * ws->sel_idx / sel_ids (increasing candidate order, bit-identical to ref's score_select),
+ * amax [B, Hk, cand_max] (a_j; NULL: not written). With io->k and io->v (decode), step 1 also
+ * publishes *io to ws->io for steps 4 and 5, counts non-finite q, k, v values into
+ * *ws->step_bad and records the first in *ws->first_bad (atomicMin of ((uint64)layer << 48) |
+ * ((uint64)tensor << 40) | flat index, tensor 0 q, 1 k, 2 v), and host slots run their
+ * chunk-cache plan (unless step_bad). tiled: every landmark tensor is 16-byte aligned with D %
+ * 8 == 0 (the cache's are). graph (or NULL): receives the score kernel's parameters for a
+ * replay. ws->macc, cnt_e, cnt_sel must be zero on entry (they are left zero). *launches +=
+ * kernels launched (NULL: not counted). Query groups above 64 heads are refused
+ * (cudaErrorInvalidValue).
  */
 cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                 const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v,
-                                 int32_t layer, float *amax, int *launches);
+                                 const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
+                                 skv_cuda_score_node *graph, int *launches);
 
 /* ---- attention path (skv_cuda_attn.cu) ---------------------------------------------------- */
 
 /*
- * Step 4 of a decode: the partials of every item. host_pass: host slots skip the
- * P V of their missed chunks and record those tokens' weights for
- * skv_cuda_attend_missed (device slots are complete either way).
+ * Step 4 of a decode: the partials of every item (q, k_new, v_new from ws->io). Host slots
+ * skip the P V of their missed chunks and record those tokens' weights for
+ * skv_cuda_attend_missed.
  */
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k_new,
-                            const skv_bf16 *v_new, int pdl);
+                            const skv_cuda_dws *ws, int pdl);
 
 /* The missed chunks of host slots into their chunk-cache entries (side stream, after step 3). */
 cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
@@ -176,11 +200,11 @@ cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_
 cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                    const skv_cuda_dws *ws);
 
-/* Step 5: out [B, Hq, D] from the partials; with append (decode), the new token's k, v go to
-   the generated region and the selection is published (unless step_bad), and the per-step
-   accumulators are reset. */
+/* Step 5: out [B, Hq, D] from the partials. Decode (seqs != NULL): out, k, v from ws->io; the
+   new token's k, v go to the generated region and the selection is published (unless
+   step_bad), and the per-step accumulators are reset. Op-level (seqs NULL): out as given. */
 cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
-                             float *out, const skv_bf16 *k_new, const skv_bf16 *v_new, int append, int pdl);
+                             float *out, int pdl);
 
 /* Op-level attention of q [Hq, D] over caller spans (device pointers), B = 1. part_acc and
    part_ml as skv_cuda_dws for skv_cuda_span_items(1, Hq, Hk, D, total tokens). */

@@ -78,12 +78,17 @@ __host__ __device__ constexpr int att_tt(int DT) { return DT == 0 ? 16 : (DT <= 
 
 struct AttLayout {
     int tt, dc, lds, dp, nparts, nsub; /* dc: 8-element pieces per row; dp = 8*dc */
+    int whole;          /* tensor-core rebuild with all of W_h and the tile's U rows loaded at once */
+    size_t off_uw;      /* whole: U rows [tt][r + 8] after W_h [r][ldw] in the work region */
     size_t off_k, off_v, off_q, off_spart, off_p, off_alpha, off_ml, off_tok, off_miss, off_work, bytes;
     size_t stage_bytes; /* tensor-core rebuild: one stage (W slice, then U slice) */
     int ldw, ldu, ldx;  /* leading dims: W slice, U slice (bf16), x tile (float) */
 };
 
-__host__ __device__ inline AttLayout att_layout(int D, int DT, int gc)
+/* Largest work region of the whole-load rebuild (above it the r slices stream through two stages). */
+constexpr size_t kWholeMax = 72 * 1024;
+
+__host__ __device__ inline AttLayout att_layout(int D, int DT, int gc, int r)
 {
     AttLayout L;
     L.tt = att_tt(DT);
@@ -120,6 +125,10 @@ __host__ __device__ inline AttLayout att_layout(int D, int DT, int gc)
     const size_t simple = (size_t)L.tt * kRbSimpleK * 4;                      /* CUDA-core rebuild slice */
     const size_t xs = (size_t)L.tt * L.ldx * 4;                               /* rebuilt rows (float) */
     const size_t red = (size_t)L.nsub * gc * L.dp * 4;                        /* end-of-item reduction */
+    const size_t whole = (size_t)r * L.ldw * 2 + (size_t)L.tt * (r + 8) * 2;
+    L.whole = DT != 0 && D == DT && r % 16 == 0 && whole <= kWholeMax;
+    L.off_uw = (size_t)r * L.ldw * 2;
+    if (L.whole && whole > work) work = whole;
     if (simple > work) work = simple;
     if (xs > work) work = xs;
     if (red > work) work = red;
@@ -300,6 +309,127 @@ __device__ void rope_rows(const float *x_s, int ldx, const int64_t *tok_s, int n
     }
 }
 
+/* Issues (cp.async, not committed) W_h [r][D] and the tile's U rows [TT][r] into the work
+   region for rebuild_mma_whole. Rows whose token is -1 are zero. */
+template <int DT, int TT>
+__device__ void rebuild_whole_issue(unsigned char *work, const AttLayout &L, const uint16_t *U, const uint16_t *W,
+                                    int h, int Hk, int r, const int64_t *tok_s)
+{
+    uint16_t *Ws = reinterpret_cast<uint16_t *>(work);
+    uint16_t *Us = reinterpret_cast<uint16_t *>(work + L.off_uw);
+    const uint16_t *Wh = W + (int64_t)h * DT;
+    const int64_t ldW = (int64_t)Hk * DT;
+    const bool aligned = (((uintptr_t)U | (uintptr_t)W) & 15) == 0;
+    constexpr int WC = DT / 8;
+    for (int idx = threadIdx.x; idx < r * WC; idx += kAtNT) {
+        const int k = idx / WC, cc = idx - k * WC;
+        uint16_t *dst = Ws + k * L.ldw + cc * 8;
+        const uint16_t *src = Wh + (int64_t)k * ldW + cc * 8;
+        if (aligned) cp_async16(dst, src);
+        else load8_slow(dst, src, 8);
+    }
+    const int UC = r / 8, ldu = r + 8;
+    for (int idx = threadIdx.x; idx < TT * UC; idx += kAtNT) {
+        const int row = idx / UC, cc = idx - row * UC;
+        const int64_t t = tok_s[row];
+        uint16_t *dst = Us + row * ldu + cc * 8;
+        if (t < 0) store_zero16(dst);
+        else if (aligned) cp_async16(dst, U + t * r + cc * 8);
+        else load8_slow(dst, U + t * r + cc * 8, 8);
+    }
+}
+
+/* x_s = U_tile W_h from the loaded work region (the caller waited for the copies and synced). */
+template <int DT, int TT>
+__device__ void rebuild_mma_whole(unsigned char *work, const AttLayout &L, int r, float *x_s)
+{
+    using namespace nvcuda;
+    constexpr int FR = TT / 32, NF = DT / 64;
+    const int warp = threadIdx.x >> 5, wr = warp & 1, wc = warp >> 1, ldu = r + 8;
+    const __nv_bfloat16 *Ws = reinterpret_cast<const __nv_bfloat16 *>(work);
+    const __nv_bfloat16 *Us = reinterpret_cast<const __nv_bfloat16 *>(work + L.off_uw);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FR][NF];
+#pragma unroll
+    for (int i = 0; i < FR; i++)
+#pragma unroll
+        for (int j = 0; j < NF; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int kk = 0; kk < r; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FR];
+#pragma unroll
+        for (int i = 0; i < FR; i++) wmma::load_matrix_sync(fa[i], Us + (wr * (TT / 2) + 16 * i) * ldu + kk, ldu);
+#pragma unroll
+        for (int j = 0; j < NF; j++) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, Ws + kk * L.ldw + wc * (DT / 4) + 16 * j, L.ldw);
+#pragma unroll
+            for (int i = 0; i < FR; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+        }
+    }
+    __syncthreads(); /* x_s overwrites W_h and U */
+#pragma unroll
+    for (int i = 0; i < FR; i++)
+#pragma unroll
+        for (int j = 0; j < NF; j++)
+            wmma::store_matrix_sync(x_s + (wr * (TT / 2) + 16 * i) * L.ldx + wc * (DT / 4) + 16 * j, acc[i][j], L.ldx,
+                                    wmma::mem_row_major);
+    __syncthreads();
+}
+
+/*
+ * RoPE of a tile in the common layout (pairs (i, i + D/2), rotary dim D, D % 16 == 0) in
+ * 8-dim pieces: thread-owned (row, piece) items, the table rows prefetched into registers
+ * before the GEMM (rope_fast_load) and applied after it (rope_fast_apply), same operations
+ * as skv_rope_rotate.
+ */
+constexpr int kRopeItems = 2; /* (row, piece) items per thread: TT * D/16 <= 2 * kAtNT */
+
+struct RopeRegs {
+    float4 c[kRopeItems][2], s[kRopeItems][2];
+};
+
+__device__ __forceinline__ void rope_fast_load(RopeRegs &rr, const int64_t *tok_s, int TT, int D, const skv_cuda_shape &sh)
+{
+    const int pieces = D / 16, h2 = D / 2;
+#pragma unroll
+    for (int u = 0; u < kRopeItems; u++) {
+        const int idx = threadIdx.x + u * kAtNT, row = idx / pieces, p = idx - row * pieces;
+        if (row < TT && tok_s[row] >= 0) {
+            const float4 *cs = reinterpret_cast<const float4 *>(sh.cos_tab + tok_s[row] * h2 + p * 8);
+            const float4 *sn = reinterpret_cast<const float4 *>(sh.sin_tab + tok_s[row] * h2 + p * 8);
+            rr.c[u][0] = cs[0], rr.c[u][1] = cs[1], rr.s[u][0] = sn[0], rr.s[u][1] = sn[1];
+        }
+    }
+}
+
+__device__ __forceinline__ void rope_fast_apply(const RopeRegs &rr, const float *x_s, int ldx, const int64_t *tok_s,
+                                                int TT, int D, uint16_t *Ks, int lds)
+{
+    const int pieces = D / 16, h2 = D / 2;
+#pragma unroll
+    for (int u = 0; u < kRopeItems; u++) {
+        const int idx = threadIdx.x + u * kAtNT, row = idx / pieces, p = idx - row * pieces;
+        if (row >= TT) continue;
+        uint32_t wa[4] = {0, 0, 0, 0}, wb[4] = {0, 0, 0, 0};
+        if (tok_s[row] >= 0) {
+            const float *xa = x_s + row * ldx + p * 8, *xb = xa + h2;
+            const float c[8] = {rr.c[u][0].x, rr.c[u][0].y, rr.c[u][0].z, rr.c[u][0].w,
+                                rr.c[u][1].x, rr.c[u][1].y, rr.c[u][1].z, rr.c[u][1].w};
+            const float sn[8] = {rr.s[u][0].x, rr.s[u][0].y, rr.s[u][0].z, rr.s[u][0].w,
+                                 rr.s[u][1].x, rr.s[u][1].y, rr.s[u][1].z, rr.s[u][1].w};
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                float a0, b0, a1, b1;
+                skv_rope_rotate(xa[j], xb[j], c[j], sn[j], &a0, &b0);
+                skv_rope_rotate(xa[j + 1], xb[j + 1], c[j + 1], sn[j + 1], &a1, &b1);
+                wa[j / 2] = (uint32_t)skv_f32_to_bf16(a0) | ((uint32_t)skv_f32_to_bf16(a1) << 16);
+                wb[j / 2] = (uint32_t)skv_f32_to_bf16(b0) | ((uint32_t)skv_f32_to_bf16(b1) << 16);
+            }
+        }
+        *reinterpret_cast<uint4 *>(Ks + row * lds + p * 8) = make_uint4(wa[0], wa[1], wa[2], wa[3]);
+        *reinterpret_cast<uint4 *>(Ks + row * lds + h2 + p * 8) = make_uint4(wb[0], wb[1], wb[2], wb[3]);
+    }
+}
+
 /* The rebuild of one tile into x_s, by the path this shape takes. */
 template <int DT>
 __device__ void rebuild_tile(unsigned char *work, const AttLayout &L, const skv_cuda_shape &sh, const uint16_t *U,
@@ -331,10 +461,10 @@ struct AttendArgs {
     skv_cuda_shape sh;
     const int32_t *sel_idx, *sel_ids, *vsrc; /* [B, Hk, S] */
     float *pbuf;                      /* [B, Hq, S*c]: host pass only, else NULL */
-    const uint16_t *k_new, *v_new;
     /* op-level spans (seqs == NULL) */
     int32_t n_spans;
     skv_kv_span spans[SKV_MAX_SPANS];
+    const skv_cuda_io *io;            /* decode: q, k_new, v_new from here (step 1 published them) */
 };
 
 /* One non-empty span as a range walks it: tokens [start, end) of the concatenation. */
@@ -370,8 +500,9 @@ __device__ int att_resident_spans(const AttendArgs &a, int b, int h, AttSpan *sp
         const skv_cuda_shape &sh = a.sh;
         skv_span_shape ss[SKV_N_SPANS];
         skv_plan_spans(sh.O, sh.c, sh.S, a.D, s.n_local, s.n_gen, sh.gen_cap, ss);
-        const uint16_t *ks[SKV_N_SPANS] = {s.out_k, s.loc_k, nullptr, s.gen_k, a.k_new + (int64_t)b * a.Hk * a.D};
-        const uint16_t *vs[SKV_N_SPANS] = {s.out_v, s.loc_v, nullptr, s.gen_v, a.v_new + (int64_t)b * a.Hk * a.D};
+        const uint16_t *kn = (const uint16_t *)a.io->k, *vn = (const uint16_t *)a.io->v;
+        const uint16_t *ks[SKV_N_SPANS] = {s.out_k, s.loc_k, nullptr, s.gen_k, kn + (int64_t)b * a.Hk * a.D};
+        const uint16_t *vs[SKV_N_SPANS] = {s.out_v, s.loc_v, nullptr, s.gen_v, vn + (int64_t)b * a.Hk * a.D};
         for (int i = 0; i < SKV_N_SPANS; i++)
             if (i != SKV_SPAN_SELECTED)
                 n = att_add_span(sp, n, &pos, ks[i], vs[i], ss[i].n_tokens, h * ss[i].head_stride, a.D);
@@ -549,7 +680,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
 {
     constexpr int TT = att_tt(DT);
     const int D = DT ? DT : a.D;
-    const AttLayout L = att_layout(D, DT, GC);
+    const AttLayout L = att_layout(D, DT, GC, a.sh.r);
     uint16_t *Ks = reinterpret_cast<uint16_t *>(skv_attn_smem + L.off_k);
     uint16_t *Vs = reinterpret_cast<uint16_t *>(skv_attn_smem + L.off_v);
     float *q_s = reinterpret_cast<float *>(skv_attn_smem + L.off_q);
@@ -574,9 +705,10 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
     const int64_t acc_stride = (int64_t)a.it.n_items * D, ml_stride = a.it.n_items;
 
     pdl_wait();
+    const uint16_t *qin = a.io ? (const uint16_t *)a.io->q : a.q;
     for (int i = tid; i < GC * L.dp; i += kAtNT) {
         const int g = i / L.dp, d = i - g * L.dp;
-        q_s[i] = d < D ? skv_bf16_to_f32(a.q[(head0 + g) * D + d]) : 0.0f;
+        q_s[i] = d < D ? skv_bf16_to_f32(qin[(head0 + g) * D + d]) : 0.0f;
     }
     AttState<GC> st;
 #pragma unroll
@@ -628,10 +760,26 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
             if ((((uintptr_t)src & 15) == 0) && left >= 8) cp_async16(dv, src + cc * 8);
             else load8_slow(dv, src + cc * 8, left);
         }
-        cp_async_commit();
         float *x_s = reinterpret_cast<float *>(work);
-        rebuild_tile<DT>(work, L, sh, sq.u, sq.w, h, tok_s, x_s);
-        rope_rows(x_s, L.ldx, tok_s, TT, D, sh, Ks, L.lds, true);
+        const bool fast_rope = DT != 0 && !sh.interleaved && sh.rotary_dim == D && TT * (D / 16) <= kRopeItems * kAtNT;
+        if constexpr (DT != 0) {
+            if (L.whole) { /* every load of the item in one round trip, the table rows during the GEMM */
+                rebuild_whole_issue<DT, TT>(work, L, sq.u, sq.w, h, sh.Hk, sh.r, tok_s);
+                cp_async_commit();
+                RopeRegs rr;
+                if (fast_rope) rope_fast_load(rr, tok_s, TT, D, sh);
+                cp_async_wait_all();
+                __syncthreads();
+                rebuild_mma_whole<DT, TT>(work, L, sh.r, x_s);
+                if (fast_rope) rope_fast_apply(rr, x_s, L.ldx, tok_s, TT, D, Ks, L.lds);
+                else rope_rows(x_s, L.ldx, tok_s, TT, D, sh, Ks, L.lds, true);
+            }
+        }
+        if (!L.whole) {
+            cp_async_commit();
+            rebuild_tile<DT>(work, L, sh, sq.u, sq.w, h, tok_s, x_s);
+            rope_rows(x_s, L.ldx, tok_s, TT, D, sh, Ks, L.lds, true);
+        }
         cp_async_wait_all();
         __syncthreads();
         float *pb = a.pbuf && host ? a.pbuf + head0 * SC + t0 : nullptr;
@@ -722,7 +870,7 @@ struct CombineArgs {
     float *out;
     /* decode */
     skv_cuda_seq *seqs;
-    const uint16_t *k_new, *v_new;
+    const skv_cuda_io *io;            /* out, k_new, v_new */
     const int32_t *sel_idx, *sel_ids;
     unsigned *macc;
     int32_t *step_bad;
@@ -738,39 +886,37 @@ struct CombineArgs {
  */
 __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
 {
-    float *w_s = reinterpret_cast<float *>(skv_attn_smem); /* [n_items] */
-    __shared__ float tmp[kCoNT / 32];
-    __shared__ float lsum;
+    float2 *ml_s = reinterpret_cast<float2 *>(skv_attn_smem);       /* [n_items] */
+    float *w_s = reinterpret_cast<float *>(ml_s + a.n_items);       /* [n_items] */
     pdl_wait();
     const int tid = threadIdx.x, b = blockIdx.y;
     if ((int)blockIdx.x < a.Hq) {
         const int64_t bh = (int64_t)b * a.Hq + blockIdx.x;
         const float2 *ml = a.part_ml + bh * a.n_items;
+        for (int s = tid; s < a.n_items; s += kCoNT) ml_s[s] = ml[s];
+        __syncthreads();
+        /* every thread derives the same max and sum from shared memory, in item order: the same
+           bits whichever items ran first */
         float m = -INFINITY;
-        for (int s = tid; s < a.n_items; s += kCoNT) m = fmaxf(m, ml[s].x);
-        m = warp_max(m);
-        if ((tid & 31) == 0) tmp[tid >> 5] = m;
+        for (int s = 0; s < a.n_items; s++) m = fmaxf(m, ml_s[s].x);
+        for (int s = tid; s < a.n_items; s += kCoNT) w_s[s] = ml_s[s].x == -INFINITY ? 0.0f : exp2f(ml_s[s].x - m);
         __syncthreads();
-        m = tmp[0];
-        for (int w = 1; w < kCoNT / 32; w++) m = fmaxf(m, tmp[w]);
-        __syncthreads();
-        if (tid == 0) { /* in item order: the same bits whichever items ran first */
-            float l = 0.0f;
-            for (int s = 0; s < a.n_items; s++) {
-                const float2 x = ml[s];
-                const float w = x.x == -INFINITY ? 0.0f : exp2f(x.x - m);
-                w_s[s] = w;
-                l = fmaf(w, x.y, l);
-            }
-            lsum = l;
-        }
-        __syncthreads();
-        const float inv = 1.0f / lsum;
+        float l = 0.0f;
+        for (int s = 0; s < a.n_items; s++) l = fmaf(w_s[s], ml_s[s].y, l);
+        const float inv = 1.0f / l;
         const float *acc = a.part_acc + bh * a.n_items * a.D;
         for (int d = tid; d < a.D; d += kCoNT) {
             float v = 0.0f;
-            for (int s = 0; s < a.n_items; s++) v = fmaf(w_s[s], acc[(int64_t)s * a.D + d], v);
-            a.out[bh * a.D + d] = v * inv;
+            int s = 0;
+            for (; s + 8 <= a.n_items; s += 8) { /* 8 loads in flight */
+                float x[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) x[u] = acc[(int64_t)(s + u) * a.D + d];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v = fmaf(w_s[s + u], x[u], v);
+            }
+            for (; s < a.n_items; s++) v = fmaf(w_s[s], acc[(int64_t)s * a.D + d], v);
+            (a.io ? a.io->out : a.out)[bh * a.D + d] = v * inv;
         }
         if (a.macc && tid == 0) a.macc[bh] = 0;
     } else if (*a.step_bad == 0) {
@@ -781,8 +927,8 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
             for (int64_t i = tid; i < HD; i += kCoNT) {
                 const int64_t hh = i / a.D, d = i - hh * a.D;
                 const int64_t dst = (hh * a.gen_cap + n_gen) * a.D + d;
-                sq->gen_k[dst] = a.k_new[b * HD + i];
-                sq->gen_v[dst] = a.v_new[b * HD + i];
+                sq->gen_k[dst] = a.io->k[b * HD + i];
+                sq->gen_v[dst] = a.io->v[b * HD + i];
             }
             for (int64_t i = tid; i < HS; i += kCoNT) {
                 sq->pub_sel_idx[i] = a.sel_idx[b * HS + i];
@@ -877,7 +1023,7 @@ __global__ void __launch_bounds__(kAtNT) rebuild_kernel(const skv_cuda_shape sh,
 {
     constexpr int TT = att_tt(DT);
     const int D = sh.D;
-    const AttLayout L = att_layout(D, DT, 1);
+    const AttLayout L = att_layout(D, DT, 1, sh.r);
     int64_t *tok_s = reinterpret_cast<int64_t *>(skv_attn_smem + L.off_tok);
     unsigned char *work = skv_attn_smem + L.off_work;
     const int h = blockIdx.y;
@@ -1061,15 +1207,14 @@ skv_cuda_items skv_cuda_span_items(int32_t B, int32_t Hq, int32_t Hk, int32_t D,
     return it;
 }
 
-static AttendArgs attend_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_cuda_dws *ws,
-                              const skv_bf16 *q, const skv_bf16 *k_new, const skv_bf16 *v_new)
+static AttendArgs attend_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_cuda_dws *ws)
 {
     AttendArgs a;
     memset(&a, 0, sizeof a);
     a.Hq = sh->Hq, a.Hk = sh->Hk, a.D = sh->D, a.G = sh->Hq / sh->Hk;
     a.nqc = a.G / att_gc(a.G);
     a.scale_log2 = sh->scale * 1.44269504088896341f;
-    a.q = q;
+    a.io = ws->io;
     a.part_acc = ws->part_acc;
     a.part_ml = ws->part_ml;
     a.it = ws->it;
@@ -1077,7 +1222,6 @@ static AttendArgs attend_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs
     a.sh = *sh;
     a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids, a.vsrc = ws->vsrc;
     a.pbuf = ws->pbuf;
-    a.k_new = k_new, a.v_new = v_new;
     return a;
 }
 
@@ -1087,7 +1231,7 @@ static cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int B, in
     const int gc = att_gc(a.G), DT = att_dt(a.D);
     if ((int64_t)a.Hk * a.nqc > 65535 || B > 65535) return cudaErrorInvalidValue;
     const AttendKernel k = pick_attend(DT, gc, missed);
-    const size_t smem = missed ? 0 : att_layout(a.D, DT, gc).bytes;
+    const size_t smem = missed ? 0 : att_layout(a.D, DT, gc, a.sh.r).bytes;
     cudaError_t e = allow_smem(k, smem);
     if (e != cudaSuccess) return e;
     return launch(k, dim3((unsigned)n_items, (unsigned)(a.Hk * a.nqc), (unsigned)B), dim3(kAtNT), smem, st, pdl != 0,
@@ -1095,11 +1239,10 @@ static cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int B, in
 }
 
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                            const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k_new,
-                            const skv_bf16 *v_new, int pdl)
+                            const skv_cuda_dws *ws, int pdl)
 {
     if (sh->B <= 0 || sh->Hq <= 0 || sh->Hk <= 0) return cudaSuccess;
-    const AttendArgs a = attend_args(sh, seqs, ws, q, k_new, v_new);
+    const AttendArgs a = attend_args(sh, seqs, ws);
     return launch_attend(st, a, sh->B, ws->it.n_items, false, pdl);
 }
 
@@ -1107,7 +1250,7 @@ cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, co
                                    const skv_cuda_dws *ws)
 {
     if (sh->B <= 0 || sh->Hq <= 0 || sh->Hk <= 0 || ws->it.n_sel <= 0 || !ws->pbuf) return cudaSuccess;
-    const AttendArgs a = attend_args(sh, seqs, ws, NULL, NULL, NULL);
+    const AttendArgs a = attend_args(sh, seqs, ws);
     return launch_attend(st, a, sh->B, ws->it.n_sel, true, 0);
 }
 
@@ -1128,8 +1271,9 @@ cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_
 }
 
 cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
-                             float *out, const skv_bf16 *k_new, const skv_bf16 *v_new, int append, int pdl)
+                             float *out, int pdl)
 {
+    const int append = seqs != NULL;
     if (sh->B <= 0 || sh->Hq <= 0) return cudaSuccess;
     CombineArgs a;
     memset(&a, 0, sizeof a);
@@ -1139,13 +1283,13 @@ cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda
     a.out = out;
     if (append) {
         a.seqs = seqs;
-        a.k_new = k_new, a.v_new = v_new;
+        a.io = ws->io;
         a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids;
         a.macc = ws->macc;
         a.step_bad = ws->step_bad;
         a.cnt_done = ws->cnt_done;
     }
-    const size_t smem = (size_t)a.n_items * sizeof(float);
+    const size_t smem = (size_t)a.n_items * (sizeof(float2) + sizeof(float));
     cudaError_t e = allow_smem(combine_kernel, smem);
     if (e != cudaSuccess) return e;
     if (sh->Hq + (append ? 1 : 0) > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
@@ -1162,21 +1306,23 @@ cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int
     skv_cuda_shape sh;
     memset(&sh, 0, sizeof sh);
     sh.B = 1, sh.Hq = Hq, sh.Hk = Hk, sh.D = D, sh.scale = scale;
-    AttendArgs a = attend_args(&sh, NULL, ws, q, NULL, NULL);
+    AttendArgs a = attend_args(&sh, NULL, ws);
     a.seqs = NULL;
+    a.io = NULL;
+    a.q = q;
     a.pbuf = NULL;
     a.n_spans = n_spans;
     for (int i = 0; i < n_spans; i++) a.spans[i] = spans[i];
     cudaError_t e = launch_attend(st, a, 1, ws->it.n_items, false, 0);
     if (e != cudaSuccess) return e;
-    return skv_cuda_combine(st, &sh, NULL, ws, out, NULL, NULL, 0, 1);
+    return skv_cuda_combine(st, &sh, NULL, ws, out, 1);
 }
 
 template <int DT>
 static cudaError_t launch_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                   const int32_t *chunk_ids, skv_bf16 *k_out)
 {
-    const size_t smem = att_layout(sh->D, DT, 1).bytes;
+    const size_t smem = att_layout(sh->D, DT, 1, sh->r).bytes;
     cudaError_t e = allow_smem(rebuild_kernel<DT>, smem);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)ceil_div64((int64_t)sh->S * sh->c, att_tt(DT)), (unsigned)sh->Hk);

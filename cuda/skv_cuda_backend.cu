@@ -338,6 +338,7 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
     SKV_REGION(first_bad, unsigned long long, 1);
     SKV_REGION(vc_counts, unsigned long long, 2);
     SKV_REGION(mcount, int32_t, bk);
+    SKV_REGION(io, skv_cuda_io, 1);
     if (host) {
         SKV_REGION(vsrc, int32_t, bk * S);
         SKV_REGION(mlist, int32_t, bk * S);
@@ -386,7 +387,10 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
     skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
-    if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, q, NULL, NULL, 0, amax, NULL);
+    skv_cuda_io io = {q, NULL, NULL, NULL};
+    /* the staged score path needs 16-byte aligned rows */
+    const int tiled = D % 8 == 0 && ((uintptr_t)landmarks & 15) == 0;
+    if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, &io, tiled, 0, amax, NULL, NULL);
     /* the selection is in the workspace: copy it out */
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(sel_idx, dws.sel_idx, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
@@ -479,10 +483,22 @@ typedef struct {
     int used;
 } skv_cuda_pset;
 
+/* A layer's decode step as a CUDA graph: captured at its first step, replayed after with the
+   score node's tensors updated (one launch instead of five to seven). */
+typedef struct {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaGraphNode_t score; /* the root kernel node, in graph */
+    int kernels;
+    skv_cuda_score_node node;
+} skv_cuda_layer_graph;
+
 typedef struct skv_cuda_cache {
     skv_config cfg;
     skv_layout lay;
     cudaStream_t st;
+    cudaStream_t cap;               /* the layer graphs are captured here */
+    skv_cuda_layer_graph *graphs;   /* [L] */
     cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
     int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
@@ -600,6 +616,12 @@ static void skv_cuda_cache_close(void *bctx)
     for (int j = 0; j < 5; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
     if (k->side) cudaStreamDestroy(k->side);
+    if (k->cap) cudaStreamDestroy(k->cap);
+    for (int l = 0; k->graphs && l < k->cfg.n_layers; l++) {
+        if (k->graphs[l].exec) cudaGraphExecDestroy(k->graphs[l].exec);
+        if (k->graphs[l].graph) cudaGraphDestroy(k->graphs[l].graph);
+    }
+    free(k->graphs);
     skv_cuda_factor_destroy(k->fac);
     if (k->fst) cudaStreamDestroy(k->fst);
     if (k->ost) cudaStreamDestroy(k->ost);
@@ -644,8 +666,15 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         st = SKV_ERR_UNSUPPORTED;
         goto fail;
     }
+    if ((cfg->n_q_heads / cfg->n_kv_heads + 7) / 8 * 8 > 64) {
+        snprintf(msg, cap, "cuda: n_q_heads / n_kv_heads = %d: groups of at most 64 query heads per KV head",
+                 cfg->n_q_heads / cfg->n_kv_heads);
+        st = SKV_ERR_UNSUPPORTED;
+        goto fail;
+    }
     k->h_seqs = (skv_cuda_seq *)calloc(L * B, sizeof *k->h_seqs);
     k->layer_host = (unsigned char *)calloc(L, 1);
+    k->graphs = (skv_cuda_layer_graph *)calloc(L, sizeof *k->graphs);
     k->d_seqs = (skv_cuda_seq *)skv_cuda_cache_alloc(k, z.seqs);
     dws_base = (char *)skv_cuda_cache_alloc(k, z.dws);
     k->kp_tmp = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
@@ -659,7 +688,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
-    if (!k->h_seqs || !k->layer_host || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
+    if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
         !k->wf || !k->lm_scratch || !k->flags || !k->h_flags) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
@@ -674,7 +703,8 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     }
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess) {
+        (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->cap, cudaStreamNonBlocking)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
         goto fail;
     }
@@ -918,60 +948,122 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
     s->used = s->phases = s->fetch = 0;
 }
 
+/*
+ * The launch sequence of one decode step on stream st (skv_cuda.h lists the steps): direct, or
+ * into a capture. ev (or NULL): the step's event set, whose phase events are recorded.
+ * node (or NULL): receives the score kernel's parameters (a capture).
+ */
+static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int32_t layer, const skv_cuda_io *io,
+                                        skv_cuda_evset *ev, skv_cuda_score_node *node, int *launches, char *msg,
+                                        size_t cap)
+{
+    const skv_cuda_shape *sh = &k->sh;
+    skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
+    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches));
+    if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+    if (k->layer_host[layer]) {
+        /* the missed chunks come over PCIe on the side stream while everything else is attended */
+        CK(cudaEventRecord(k->fork_ev, st));
+        CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
+        CK(cudaEventRecord(k->join_ev, k->side));
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, 0));
+        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
+        *launches += 3;
+    } else {
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, !ev));
+        *launches += 1;
+    }
+    CK(skv_cuda_combine(st, sh, seqs, &k->ws, NULL, 1));
+    *launches += 1;
+    return SKV_OK;
+}
+
+/* Captures layer's step on the capture stream into its graph (first step of the layer). */
+static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const skv_cuda_io *io, char *msg, size_t cap)
+{
+    skv_cuda_layer_graph *g = &k->graphs[layer];
+    int kernels = 0;
+    CK(cudaStreamBeginCapture(k->cap, cudaStreamCaptureModeThreadLocal));
+    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, NULL, &g->node, &kernels, msg, cap);
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(k->cap, &graph);
+    if (s) {
+        if (graph) cudaGraphDestroy(graph);
+        return s;
+    }
+    if (e != cudaSuccess) return skv_cuda_err(e, "cudaStreamEndCapture(decode step)", msg, cap);
+    size_t n_roots = 0;
+    cudaGraphNode_t roots[4];
+    e = cudaGraphGetRootNodes(graph, NULL, &n_roots);
+    if (e == cudaSuccess && (n_roots != 1 || (e = cudaGraphGetRootNodes(graph, roots, &n_roots)) != cudaSuccess)) {
+        if (e == cudaSuccess) e = cudaErrorInvalidValue; /* the score kernel must be the only root */
+    }
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (e != cudaSuccess) {
+        cudaGraphDestroy(graph);
+        g->exec = NULL;
+        return skv_cuda_err(e, "cudaGraphInstantiate(decode step)", msg, cap);
+    }
+    g->graph = graph;
+    g->score = roots[0];
+    g->kernels = kernels;
+    return SKV_OK;
+}
+
 static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
                                         const skv_bf16 *vn, float *out, char *msg, size_t cap)
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     cudaStream_t st = k->st;
-    const skv_cuda_shape *sh = &k->sh;
-    skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
-    const int host = k->layer_host[layer];
+    const skv_cuda_io io = {q, kn, vn, out};
 
     /* events, unless the stream is being captured or the ring slot is still in flight (then this
        step goes untimed: waiting for it would be a hidden synchronization) */
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     CK(cudaStreamIsCapturing(st, &cs));
+    const int capturing = cs != cudaStreamCaptureStatusNone;
     skv_cuda_evset *ev = &k->ring[k->ring_head];
-    if (ev->used && cs == cudaStreamCaptureStatusNone) { /* no event queries inside a capture */
+    if (ev->used && !capturing) { /* no event queries inside a capture */
         cudaError_t q5 = cudaEventQuery(ev->e[SKV_EV_END]);
         if (q5 == cudaSuccess) skv_cuda_take_times(k, ev);
         else if (q5 == cudaErrorNotReady) (void)cudaGetLastError();
         else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
     }
-    const int timed = cs == cudaStreamCaptureStatusNone && !ev->used;
+    const int timed = !capturing && !ev->used;
+    /* one step in SKV_CUDA_PHASE_EVERY is launched directly with phase events; the others replay
+       the layer's graph (a step inside the caller's capture is launched directly) */
     const int phases = timed && k->n_steps % SKV_CUDA_PHASE_EVERY == 0;
     if (k->side_pending) { /* the last prefills' factorization and value offload */
-        unsigned flags = cs == cudaStreamCaptureStatusNone ? 0 : cudaEventWaitExternal;
+        unsigned flags = capturing ? cudaEventWaitExternal : 0;
         CK(cudaStreamWaitEvent(st, k->fac_ev, flags));
         CK(cudaStreamWaitEvent(st, k->off_ev, flags));
         k->side_pending = 0;
     }
     int launches = 0;
     if (timed) CK(cudaEventRecord(ev->e[SKV_EV_START], st));
-    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, q, kn, vn, layer, NULL, &launches));
-    if (phases) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
-    if (host) {
-        /* the missed chunks come over PCIe on the side stream while everything else is attended */
-        CK(cudaEventRecord(k->fork_ev, st));
-        CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
-        if (phases) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
-        CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, q, kn, vn, 0));
-        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
-        launches += 3;
+    skv_cuda_layer_graph *g = &k->graphs[layer];
+    if (capturing || phases) {
+        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, phases ? ev : NULL, NULL, &launches, msg, cap);
+        if (s) return s;
     } else {
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, q, kn, vn, !phases));
-        launches += 1;
+        if (!g->exec) {
+            skv_status s = skv_cuda_capture_layer(k, layer, &io, msg, cap);
+            if (s) return s;
+        } else {
+            skv_cuda_score_node_set_io(&g->node, &io);
+            CK(cudaGraphExecKernelNodeSetParams(g->exec, g->score, &g->node.params));
+        }
+        CK(cudaGraphLaunch(g->exec, st));
+        launches = g->kernels;
     }
-    CK(skv_cuda_combine(st, sh, seqs, &k->ws, out, kn, vn, 1, 1));
-    launches += 1;
     if (timed) {
         CK(cudaEventRecord(ev->e[SKV_EV_END], st));
         ev->used = 1;
         ev->phases = phases;
-        ev->fetch = phases && host;
+        ev->fetch = phases && k->layer_host[layer];
         k->ring_head = (k->ring_head + 1) % SKV_CUDA_RING;
     }
     k->launches += launches;

@@ -18,6 +18,7 @@
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "skv_cuda.h"
 #include "skv_cuda_common.cuh"
@@ -246,20 +247,38 @@ __global__ void __launch_bounds__(256)
 /* ---- decode selection: step 1, scores ------------------------------------------------------ */
 
 constexpr int kScNT = 128;          /* threads per block = candidates per tile */
-constexpr int kScBlocksPerSm = 3;   /* the grid aims at this many resident blocks per SM */
+constexpr int kScMaxGp = 64;        /* query heads per KV head this kernel takes */
 
-/* Dynamic shared memory of score_kernel<GC>: two tiles of landmark rows, then q as [D][GC]. */
+struct ScoreArgs {
+    skv_cuda_shape sh;
+    const skv_cuda_seq *seqs;
+    skv_cuda_io io;                 /* the step's q, k, v, out (k, v NULL: no input check) */
+    skv_cuda_io *io_dev;            /* where the later steps read io (NULL: op-level) */
+    float *scores;
+    unsigned *macc;
+    float *s0;
+    int32_t *step_bad;
+    unsigned long long *first_bad;
+    int32_t layer;
+    int32_t ntiles;                 /* tiles per (b, h): ceil(cand_max / kScNT) */
+    int64_t total, per;             /* B*Hk*ntiles tiles; each block takes per consecutive ones */
+};
+
+/* Dynamic shared memory of score_kernel: two tiles of landmark rows (DT != 0), then q as [D][Gp]. */
 __host__ __device__ inline size_t score_tile_bytes(int32_t D) { return (size_t)kScNT * D * 2; }
-inline size_t score_smem_bytes(int GC, int32_t D) { return 2 * score_tile_bytes(D) + (size_t)D * GC * sizeof(float); }
+inline size_t score_smem_bytes(int DT, int32_t D, int32_t Gp)
+{
+    return (DT ? 2 * score_tile_bytes(D) : 0) + (size_t)D * Gp * sizeof(float);
+}
 
-/* acc[g] = fmaf chain of q_g . row over d = 0..D-1 (skv_dot_bf16's order: fma(q, l, acc)); the GC
-   chains are independent and share each landmark load. qT is [D][GC]. */
+/* acc[g] = fmaf chain of q_g . row over the 8 elements of piece d0 (skv_dot_bf16's order:
+   fma(q, l, acc)); qT is [D][Gp] from head g0. */
 template <int GC>
-__device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t d0, float (&acc)[GC])
+__device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t Gp, int32_t d0, float (&acc)[GC])
 {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const float *qd = qT + (d0 + i) * GC;
+        const float *qd = qT + (d0 + i) * Gp;
         if constexpr (GC == 4) {
             const float4 qv = *reinterpret_cast<const float4 *>(qd);
             acc[0] = SKV_FMA(qv.x, x[i], acc[0]);
@@ -273,48 +292,85 @@ __device__ __forceinline__ void score_fma8(const float x[8], const float *qT, in
     }
 }
 
-/* The same chains read straight from global memory, V elements per load (any alignment). */
-template <int GC, int V>
-__device__ __forceinline__ void score_chains_global(const uint16_t *row, const float *qT, int32_t D, float (&acc)[GC])
-{
-    for (int32_t d = 0; d < D; d += V) {
-        float x[V];
-        load_bf16<V>(row + d, x);
-#pragma unroll
-        for (int i = 0; i < V; i++)
-#pragma unroll
-            for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qT[(d + i) * GC + g], x[i], acc[g]);
-    }
-}
-
 /*
- * grid (X, Hk, B); block (x, h, b) scores tiles x, x + X, ... of the candidates of (b, h): one
- * thread per candidate j computes the dot chains of the G query heads of KV head h, GC at a
- * time (q of the GC heads in shared memory as [D][GC] floats; heads past G are zero and not
- * written). Landmark rows whose tensor is 16-byte aligned (D % 8 == 0) are staged tile-wide
- * with cp.async into a two-stage ring, 16-byte pieces of row r rotated by r (conflict-free
- * reads of a row per thread); the next tile loads while this one is scored. Other rows are
- * read directly. s_j = SKV_MUL(dot, scale) -> scores[b][qh][j]; the max over the non-NaN
- * scores of each query head goes to macc by atomicMax of its order image; s_0 to s0.
- * Block x = 0 of (b, h) also checks q of the group and k, v of head h (decode).
+ * Block i scores the tiles [i*per, (i+1)*per) of the flat (b, h, tile) order: one thread per
+ * candidate j of a tile computes the dot chains of the G query heads of KV head h, GC at a
+ * time (q of the group in shared memory as [D][Gp] floats, Gp = G rounded up to GC; heads
+ * past G are zero and not written). DT != 0 (D == DT, landmark rows 16-byte aligned): tiles
+ * are staged with cp.async into a two-stage ring, 16-byte pieces of row r rotated by r
+ * (conflict-free row reads), the next tile loading while this one is scored, and the chain
+ * loop is unrolled. DT = 0: rows are read straight from global memory. s_j = SKV_MUL(dot,
+ * scale) -> scores[b][qh][j]; the max over the non-NaN scores of each query head goes to macc
+ * (atomicMax of its order image) when a block leaves a (b, h); s_0 to s0. The block holding
+ * the first tile of (b, h) checks q of the group and k, v of head h; block 0 publishes io.
  */
-template <int GC>
-__global__ void __launch_bounds__(kScNT)
-    score_kernel(const skv_cuda_shape sh, const skv_cuda_seq *seqs, const uint16_t *__restrict__ q,
-                 float *__restrict__ scores, unsigned *macc, float *s0, int32_t *step_bad,
-                 unsigned long long *first_bad, int32_t layer, const uint16_t *kn, const uint16_t *vn)
+template <int GC, int DT>
+__global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
 {
     extern __shared__ __align__(16) unsigned char sc_smem[];
-    const int32_t D = sh.D, G = sh.Hq / sh.Hk, nc = D / 8;
+    __shared__ float wmax[kScNT / 32][kScMaxGp];
+    const skv_cuda_shape &sh = a.sh;
+    const int32_t D = DT ? DT : sh.D, G = sh.Hq / sh.Hk, Gp = (G + GC - 1) / GC * GC;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float *qT = reinterpret_cast<float *>(sc_smem + 2 * score_tile_bytes(D));
-    __shared__ float wmax[kScNT / 32][GC];
+    float *qT = reinterpret_cast<float *>(sc_smem + (DT ? 2 * score_tile_bytes(D) : 0));
+    const int64_t t_begin = (int64_t)blockIdx.x * a.per, t_end = min(a.total, t_begin + a.per);
+    if (a.io_dev && blockIdx.x == 0 && tid == 0) *a.io_dev = a.io;
+    const uint16_t *q = (const uint16_t *)a.io.q;
+    constexpr int NC = DT / 8;
 
-    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
-        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
-            if (kn && blockIdx.x == 0) { /* the step's inputs of this (b, h) are finite */
+    auto load_tile = [&](int stage, int64_t t) {
+        if constexpr (DT != 0) {
+            const int64_t pair = t / a.ntiles;
+            const int32_t b = (int32_t)(pair / sh.Hk), h = (int32_t)(pair - (int64_t)b * sh.Hk);
+            const int32_t n = a.seqs[b].n_cand, j0 = (int32_t)(t - pair * a.ntiles) * kScNT;
+            const int32_t rows = min(kScNT, n - j0);
+            unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
+            const uint16_t *src = a.seqs[b].landmarks + ((int64_t)h * n + j0) * D;
+            for (int32_t idx = tid; idx < rows * NC; idx += kScNT) {
+                const int32_t r = idx / NC, k = idx - r * NC;
+                const int32_t kk = (k + r) % NC;
+                cp_async16(tile + (size_t)r * 2 * D + kk * 16, src + (int64_t)r * D + k * 8);
+            }
+        }
+    };
+
+    int64_t cur = -1; /* the (b, h) whose max is being gathered */
+    float mx[kScMaxGp / GC][GC];
+    int stage = 0;
+    if (t_begin < t_end) load_tile(0, t_begin);
+    cp_async_commit();
+    for (int64_t t = t_begin; t < t_end; t++) {
+        const int64_t pair = t / a.ntiles;
+        const int32_t b = (int32_t)(pair / sh.Hk), h = (int32_t)(pair - (int64_t)b * sh.Hk);
+        if (pair != cur) {
+            if (cur >= 0) { /* leave the previous (b, h): its max */
+                const int32_t pb = (int32_t)(cur / sh.Hk), ph = (int32_t)(cur - (int64_t)pb * sh.Hk);
+                for (int32_t g0 = 0; g0 < Gp; g0 += GC)
+#pragma unroll
+                    for (int g = 0; g < GC; g++) {
+                        const float m = warp_max(mx[g0 / GC][g]);
+                        if (lane == 0) wmax[warp][g0 + g] = m;
+                    }
+                __syncthreads();
+                if (tid < G) {
+                    float m = wmax[0][tid];
+                    for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
+                    if (m != -INFINITY) atomicMax(&a.macc[(int64_t)pb * sh.Hq + (int64_t)ph * G + tid], order_desc(m));
+                }
+            }
+            __syncthreads(); /* qT and wmax are free */
+            const uint16_t *qg = q + ((int64_t)b * sh.Hq + (int64_t)h * G) * D;
+            for (int32_t e = tid; e < Gp * D; e += kScNT) {
+                const int32_t d = e / Gp, g = e - d * Gp;
+                qT[e] = g < G ? skv_bf16_to_f32(qg[(int64_t)g * D + d]) : 0.0f;
+            }
+            for (int32_t g0 = 0; g0 < Gp; g0 += GC)
+#pragma unroll
+                for (int g = 0; g < GC; g++) mx[g0 / GC][g] = -INFINITY;
+            if (a.io.k && t == pair * a.ntiles) { /* the step's inputs of this (b, h) are finite */
                 const int64_t nq = (int64_t)G * D, nk = D, qoff = ((int64_t)b * sh.Hq + (int64_t)h * G) * D,
                               koff = ((int64_t)b * sh.Hk + h) * D;
+                const uint16_t *kn = (const uint16_t *)a.io.k, *vn = (const uint16_t *)a.io.v;
                 int count = 0;
                 unsigned long long first = ~0ull;
                 for (int64_t i = tid; i < nq + 2 * nk; i += kScNT) {
@@ -323,101 +379,80 @@ __global__ void __launch_bounds__(kScNT)
                     const uint16_t x = tensor == 0 ? q[j] : tensor == 1 ? kn[j] : vn[j];
                     if (!skv_bf16_isfinite(x)) {
                         count++;
-                        const unsigned long long key =
-                            ((unsigned long long)layer << 48) | ((unsigned long long)tensor << 40) | (unsigned long long)j;
+                        const unsigned long long key = ((unsigned long long)a.layer << 48) |
+                                                       ((unsigned long long)tensor << 40) | (unsigned long long)j;
                         first = key < first ? key : first;
                     }
                 }
                 count = warp_sum_int(count);
                 first = warp_min_u64(first);
                 if (lane == 0) {
-                    if (count) atomicAdd(step_bad, count);
-                    if (first != ~0ull) atomicMin(first_bad, first);
+                    if (count) atomicAdd(a.step_bad, count);
+                    if (first != ~0ull) atomicMin(a.first_bad, first);
                 }
             }
-            const int32_t n = seqs[b].n_cand;
-            const int32_t ntiles = (int32_t)ceil_div64(n, kScNT);
-            if ((int32_t)blockIdx.x >= ntiles) continue; /* block-uniform */
-            const uint16_t *L = seqs[b].landmarks + (int64_t)h * n * D;
-            const bool fast = row_vec(L, D) == 8;
-            for (int32_t g0 = 0; g0 < G; g0 += GC) {
-                __syncthreads(); /* previous users of qT and the tiles are done */
-                for (int32_t e = tid; e < GC * D; e += kScNT) {
-                    const int32_t d = e / GC, g = e - d * GC;
-                    qT[e] = g0 + g < G ? skv_bf16_to_f32(q[((int64_t)b * sh.Hq + (int64_t)h * G + g0 + g) * D + d])
-                                       : 0.0f;
-                }
-                float mx[GC];
+            cur = pair;
+        }
+        if (t + 1 < t_end) load_tile(stage ^ 1, t + 1);
+        cp_async_commit();
+        cp_async_wait_group<1>(); /* tile t landed (this thread's pieces) */
+        __syncthreads();          /* ... and everyone's, and qT */
+        const int32_t n = a.seqs[b].n_cand, j = (int32_t)(t - pair * a.ntiles) * kScNT + tid;
+        if (j < n) {
+            const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
+            const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+            for (int32_t g0 = 0; g0 < Gp; g0 += GC) {
+                float acc[GC];
 #pragma unroll
-                for (int g = 0; g < GC; g++) mx[g] = -INFINITY;
-                auto load_tile = [&](int stage, int32_t t) {
-                    const int32_t j0 = t * kScNT, rows = min(kScNT, n - j0);
-                    unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
-                    const uint16_t *src = L + (int64_t)j0 * D;
-                    for (int32_t idx = tid; idx < rows * nc; idx += kScNT) {
-                        const int32_t r = idx / nc, k = idx - r * nc;
-                        int32_t kk = k + r % nc;
-                        if (kk >= nc) kk -= nc;
-                        cp_async16(tile + (size_t)r * 2 * D + kk * 16, src + (int64_t)r * D + k * 8);
+                for (int g = 0; g < GC; g++) acc[g] = 0.0f;
+                if constexpr (DT != 0) {
+#pragma unroll
+                    for (int32_t k = 0; k < NC; k++) {
+                        float x[8];
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k + tid) % NC) * 16), x);
+                        score_fma8<GC>(x, qT + g0, Gp, k * 8, acc);
                     }
-                };
-                int stage = 0;
-                int32_t t = blockIdx.x;
-                if (fast) load_tile(0, t);
-                cp_async_commit();
-                __syncthreads(); /* qT complete */
-                for (; t < ntiles; t += gridDim.x) {
-                    const int32_t tn = t + gridDim.x;
-                    if (fast && tn < ntiles) load_tile(stage ^ 1, tn);
-                    cp_async_commit();
-                    cp_async_wait_group<1>(); /* tile t landed (this thread's pieces) */
-                    __syncthreads();          /* ... and everyone's */
-                    const int32_t j = t * kScNT + tid;
-                    if (j < n) {
-                        float acc[GC];
+                } else {
+                    const int v = row_vec(L, D);
+                    for (int32_t d = 0; d < D; d += 2) {
+                        float x[2];
+                        if (v >= 2) load_bf16<2>(L + d, x);
+                        else x[0] = skv_bf16_to_f32(L[d]), x[1] = skv_bf16_to_f32(L[d + 1]);
 #pragma unroll
-                        for (int g = 0; g < GC; g++) acc[g] = 0.0f;
-                        if (fast) {
-                            const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
-                            int32_t kk = tid % nc;
-                            for (int32_t k = 0; k < nc; k++) {
-                                float x[8];
-                                bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + kk * 16), x);
-                                score_fma8<GC>(x, qT, k * 8, acc);
-                                if (++kk == nc) kk = 0;
-                            }
-                        } else if (row_vec(L, D) == 2) {
-                            score_chains_global<GC, 2>(L + (int64_t)j * D, qT, D, acc);
-                        } else {
-                            score_chains_global<GC, 1>(L + (int64_t)j * D, qT, D, acc);
-                        }
+                        for (int i = 0; i < 2; i++)
 #pragma unroll
-                        for (int g = 0; g < GC; g++) {
-                            if (g0 + g >= G) break;
-                            const float s = SKV_MUL(acc[g], sh.scale);
-                            const int64_t row = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
-                            scores[row * sh.cand_max + j] = s;
-                            mx[g] = fmaxf(mx[g], s); /* NaN never wins */
-                            if (j == 0) s0[row] = s;
-                        }
+                            for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qT[(d + i) * Gp + g0 + g], x[i], acc[g]);
                     }
-                    __syncthreads(); /* stage is refilled at the next iteration but one */
-                    stage ^= 1;
                 }
 #pragma unroll
                 for (int g = 0; g < GC; g++) {
-                    const float m = warp_max(mx[g]);
-                    if (lane == 0) wmax[warp][g] = m;
-                }
-                __syncthreads();
-                if (tid < GC && g0 + tid < G) {
-                    float m = wmax[0][tid];
-                    for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
-                    if (m != -INFINITY)
-                        atomicMax(&macc[(int64_t)b * sh.Hq + (int64_t)h * G + g0 + tid], order_desc(m));
+                    if (g0 + g >= G) break;
+                    const float sc = SKV_MUL(acc[g], sh.scale);
+                    const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
+                    a.scores[row_i * sh.cand_max + j] = sc;
+                    mx[g0 / GC][g] = fmaxf(mx[g0 / GC][g], sc); /* NaN never wins */
+                    if (j == 0) a.s0[row_i] = sc;
                 }
             }
         }
+        __syncthreads(); /* stage is refilled at the next iteration but one */
+        stage ^= 1;
+    }
+    if (cur >= 0) {
+        const int32_t pb = (int32_t)(cur / sh.Hk), ph = (int32_t)(cur - (int64_t)pb * sh.Hk);
+        for (int32_t g0 = 0; g0 < Gp; g0 += GC)
+#pragma unroll
+            for (int g = 0; g < GC; g++) {
+                const float m = warp_max(mx[g0 / GC][g]);
+                if (lane == 0) wmax[warp][g0 + g] = m;
+            }
+        __syncthreads();
+        if (tid < G) {
+            float m = wmax[0][tid];
+            for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
+            if (m != -INFINITY) atomicMax(&a.macc[(int64_t)pb * sh.Hq + (int64_t)ph * G + tid], order_desc(m));
+        }
+    }
     pdl_trigger();
 }
 
@@ -469,16 +504,26 @@ __global__ void __launch_bounds__(kExNT)
             __syncthreads();
             if (!last) continue; /* block-uniform */
             __threadfence();
-            float P = 0.0f;
-            int32_t j = tid;
-            for (; j + 7 * kExNT < n; j += 8 * kExNT) {
-                float e[8];
+            /* lane tid's chain: 16 loads in flight, the next batch loaded before this one is added
+               (adding the zeros past n changes no sum: e >= 0) */
+            constexpr int PF = 16;
+            float P = 0.0f, cur[PF], nxt[PF];
 #pragma unroll
-                for (int u = 0; u < 8; u++) e[u] = __ldcg(s + j + u * kExNT);
-#pragma unroll
-                for (int u = 0; u < 8; u++) P = SKV_ADD(P, e[u]);
+            for (int u = 0; u < PF; u++) {
+                const int32_t j = tid + u * kExNT;
+                cur[u] = j < n ? __ldcg(s + j) : 0.0f;
             }
-            for (; j < n; j += kExNT) P = SKV_ADD(P, __ldcg(s + j));
+            for (int32_t j0 = tid; j0 < n; j0 += PF * kExNT) {
+#pragma unroll
+                for (int u = 0; u < PF; u++) {
+                    const int32_t j = j0 + (PF + u) * kExNT;
+                    nxt[u] = j < n ? __ldcg(s + j) : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < PF; u++) P = SKV_ADD(P, cur[u]);
+#pragma unroll
+                for (int u = 0; u < PF; u++) cur[u] = nxt[u];
+            }
             part[tid] = P;
             __syncthreads();
             for (int w = kExNT / 2; w >= 32; w >>= 1) {
@@ -505,7 +550,7 @@ __global__ void __launch_bounds__(kExNT)
 /* ---- decode selection: step 3, top-S per tile, merge, chunk-cache plan ------------------------ */
 
 constexpr int kSeNT = 512;               /* threads per tile block */
-constexpr int kSePer = 8;                /* candidates per thread */
+constexpr int kSePer = 32;               /* candidates per thread: up to 128k-token prompts in one tile */
 constexpr int kSeTile = kSeNT * kSePer;  /* candidates per tile */
 
 struct SelectArgs {
@@ -524,10 +569,11 @@ struct SelectArgs {
 
 struct SelectSmem {
     TopkSmem<kSeNT> tk;
-    uint32_t keys[kSeTile];
+    uint32_t *keys; /* [kSeTile], dynamic shared memory */
     int32_t hits[kSeNT / 32];
     int last;
 };
+constexpr size_t kSeKeyBytes = (size_t)kSeTile * sizeof(uint32_t);
 
 /*
  * Final selection of (b, h) is in a.sel_idx: its chunk ids, and for a host slot the chunk
@@ -622,7 +668,10 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
 __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
 {
     __shared__ SelectSmem sm;
+    extern __shared__ __align__(16) uint32_t se_keys[];
+    if (threadIdx.x == 0) sm.keys = se_keys;
     pdl_wait();
+    __syncthreads();
     const skv_cuda_shape &sh = a.sh;
     const int tid = threadIdx.x;
     const int32_t G = sh.Hq / sh.Hk, S = sh.S;
@@ -634,31 +683,50 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
             const int32_t j0 = blockIdx.x * kSeTile, cnt = min(kSeTile, n - j0);
             const float *e0 = a.e + ((int64_t)b * sh.Hq + (int64_t)h * G) * cm;
             const float *Zr = a.Z + (int64_t)b * sh.Hq + (int64_t)h * G;
-            for (int32_t i = tid; i < cnt; i += kSeNT) {
-                const int32_t j = j0 + i;
-                float av = SKV_DIV(e0[j], Zr[0]);
-                for (int32_t g = 1; g < G; g++) {
-                    const float p = SKV_DIV(e0[g * cm + j], Zr[g]);
-                    if (p > av) av = p;
+            /* keys of the tile into shared memory, strided over the threads (coalesced loads, four
+               items' worth in flight per thread) */
+            float zr[8];
+#pragma unroll
+            for (int g = 0; g < 8; g++) zr[g] = g < G ? Zr[g] : 1.0f;
+#pragma unroll 4
+            for (int it = 0; it < kSePer; it++) {
+                const int32_t i = it * kSeNT + tid, j = j0 + i;
+                if (i < cnt) {
+                    float ev[8];
+#pragma unroll
+                    for (int g = 0; g < 8; g++) ev[g] = g < G ? e0[g * cm + j] : 0.0f;
+                    float av = SKV_DIV(ev[0], zr[0]);
+#pragma unroll
+                    for (int g = 1; g < 8; g++) {
+                        if (g >= G) break;
+                        const float p = SKV_DIV(ev[g], zr[g]);
+                        if (p > av) av = p;
+                    }
+                    for (int32_t g = 8; g < G; g++) { /* groups above 8 query heads */
+                        const float p = SKV_DIV(e0[g * cm + j], Zr[g]);
+                        if (p > av) av = p;
+                    }
+                    sm.keys[i] = order_desc(skv_select_key(av));
+                    if (a.amax) a.amax[bh * cm + j] = av;
                 }
-                sm.keys[i] = order_desc(skv_select_key(av));
-                if (a.amax) a.amax[bh * cm + j] = av;
             }
             __syncthreads();
             int32_t *sel = a.sel_idx + bh * S;
             unsigned long long *pool = a.pool + bh * a.pool_cap + (int64_t)blockIdx.x * S;
             const int32_t kt = min(S, cnt);
             if (ntl == 1) {
+                const uint32_t *keys = sm.keys;
                 block_topk<kSeNT, false>(
-                    cnt, kt, [&](int32_t i) { return sm.keys[i]; }, [=](int32_t pos, int32_t i) { sel[pos] = j0 + i; },
+                    cnt, kt, [=](int32_t i) { return keys[i]; }, [=](int32_t pos, int32_t i) { sel[pos] = j0 + i; },
                     [](int32_t, int32_t) {}, sm.tk);
                 __syncthreads(); /* sel complete */
                 select_finish(a, b, h, sm);
                 continue;
             }
+            const uint32_t *keys = sm.keys;
             block_topk<kSeNT, false>(
-                cnt, kt, [&](int32_t i) { return sm.keys[i]; },
-                [&](int32_t pos, int32_t i) { pool[pos] = ((unsigned long long)sm.keys[i] << 32) | (uint32_t)(j0 + i); },
+                cnt, kt, [=](int32_t i) { return keys[i]; },
+                [=](int32_t pos, int32_t i) { pool[pos] = ((unsigned long long)keys[i] << 32) | (uint32_t)(j0 + i); },
                 [](int32_t, int32_t) {}, sm.tk);
             __threadfence();
             __syncthreads();
@@ -759,36 +827,94 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
                                                                          landmarks);
     return cudaGetLastError();
 }
+static_assert(sizeof(ScoreArgs) <= sizeof(((skv_cuda_score_node *)0)->argbuf), "argbuf holds ScoreArgs");
+
+void skv_cuda_score_node_set_io(skv_cuda_score_node *node, const skv_cuda_io *io)
+{
+    reinterpret_cast<ScoreArgs *>(node->argbuf.bytes)->io = *io;
+    node->args[0] = node->argbuf.bytes;
+    node->params.kernelParams = node->args;
+}
+
 int32_t skv_cuda_select_tiles(int32_t n) { return (int32_t)ceil_div64(n > 0 ? n : 1, kSeTile); }
 
 int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S) { return skv_cuda_select_tiles(cand_max) * S; }
 
-template <int GC>
-static cudaError_t launch_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_bf16 *q,
-                                const skv_cuda_dws *ws, int32_t layer, const skv_bf16 *k, const skv_bf16 *v)
+template <int GC, int DT>
+static cudaError_t launch_score_dt(cudaStream_t st, const ScoreArgs &a, cudaKernelNodeParams *node, void **node_args)
 {
-    const size_t smem = score_smem_bytes(GC, sh->D);
-    cudaError_t e = allow_smem(score_kernel<GC>, smem);
+    const int32_t G = a.sh.Hq / a.sh.Hk, Gp = (G + GC - 1) / GC * GC;
+    const size_t smem = score_smem_bytes(DT, a.sh.D, Gp);
+    cudaError_t e = allow_smem(score_kernel<GC, DT>, smem);
     if (e != cudaSuccess) return e;
-    const int64_t ntiles = ceil_div64(sh->cand_max, kScNT), pairs = (int64_t)sh->B * sh->Hk;
-    int64_t x = ceil_div64((int64_t)num_sms() * kScBlocksPerSm, pairs);
-    if (x > ntiles) x = ntiles;
-    if (x < 1) x = 1;
-    return launch(score_kernel<GC>, dim3((unsigned)x, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kScNT), smem, st, false,
-                  *sh, seqs, q, ws->scores, ws->macc, ws->s0, ws->step_bad, ws->first_bad, layer, k, v);
+    static int per_sm_of[kScMaxGp + 1]; /* by Gp: the occupancy query is a host call; ask once */
+    int per_sm = per_sm_of[Gp];
+    if (!per_sm) {
+        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<GC, DT>, kScNT, smem)) != cudaSuccess)
+            return e;
+        if (per_sm < 1) return cudaErrorInvalidConfiguration;
+        per_sm_of[Gp] = per_sm;
+    }
+    ScoreArgs b = a;
+    const int64_t grid = min(b.total, (int64_t)num_sms() * per_sm);
+    b.per = ceil_div64(b.total, grid);
+    const unsigned nblk = (unsigned)ceil_div64(b.total, b.per);
+    if (node) { /* a graph's kernel node: the caller keeps the arguments */
+        *reinterpret_cast<ScoreArgs *>(node_args[0]) = b;
+        node->func = (void *)score_kernel<GC, DT>;
+        node->gridDim = dim3(nblk);
+        node->blockDim = dim3(kScNT);
+        node->sharedMemBytes = (unsigned)smem;
+        node->kernelParams = node_args;
+        node->extra = NULL;
+    }
+    return launch(score_kernel<GC, DT>, dim3(nblk), dim3(kScNT), smem, st, false, b);
+}
+
+template <int GC>
+static cudaError_t launch_score(cudaStream_t st, const ScoreArgs &a, bool tiled, cudaKernelNodeParams *node,
+                                void **node_args)
+{
+    if (!tiled) return launch_score_dt<GC, 0>(st, a, node, node_args);
+    switch (a.sh.D) {
+    case 64: return launch_score_dt<GC, 64>(st, a, node, node_args);
+    case 128: return launch_score_dt<GC, 128>(st, a, node, node_args);
+    case 256: return launch_score_dt<GC, 256>(st, a, node, node_args);
+    default: return launch_score_dt<GC, 0>(st, a, node, node_args);
+    }
 }
 
 cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                 const skv_cuda_dws *ws, const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v,
-                                 int32_t layer, float *amax, int *launches)
+                                 const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
+                                 skv_cuda_score_node *graph, int *launches)
 {
     if (sh->B <= 0 || sh->Hk <= 0 || sh->cand_max <= 0) return cudaSuccess;
     const int32_t G = sh->Hq / sh->Hk;
+    if ((G + 7) / 8 * 8 > kScMaxGp) return cudaErrorInvalidValue; /* the cache and the op refuse such shapes */
+    ScoreArgs sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sh = *sh;
+    sa.seqs = seqs;
+    sa.io = *io;
+    sa.io_dev = io->k ? ws->io : NULL;
+    sa.scores = ws->scores;
+    sa.macc = ws->macc;
+    sa.s0 = ws->s0;
+    sa.step_bad = ws->step_bad;
+    sa.first_bad = ws->first_bad;
+    sa.layer = layer;
+    sa.ntiles = (int32_t)ceil_div64(sh->cand_max, kScNT);
+    sa.total = (int64_t)sh->B * sh->Hk * sa.ntiles;
+    /* the tiled path needs 16-byte aligned landmark rows: the cache's always are; op-level
+       callers' pointers are checked by the caller (tiled = 0 otherwise) */
+    cudaKernelNodeParams *node = graph ? &graph->params : NULL;
+    void **args = graph ? graph->args : NULL;
+    if (graph) graph->args[0] = graph->argbuf.bytes;
     /* GC: the smallest chunk of query heads covering G (at most 8 chains per thread) */
-    cudaError_t e = G <= 1 ? launch_score<1>(st, sh, seqs, q, ws, layer, k, v)
-                    : G == 2 ? launch_score<2>(st, sh, seqs, q, ws, layer, k, v)
-                    : G <= 4 ? launch_score<4>(st, sh, seqs, q, ws, layer, k, v)
-                             : launch_score<8>(st, sh, seqs, q, ws, layer, k, v);
+    cudaError_t e = G <= 1 ? launch_score<1>(st, sa, tiled, node, args)
+                    : G == 2 ? launch_score<2>(st, sa, tiled, node, args)
+                    : G <= 4 ? launch_score<4>(st, sa, tiled, node, args)
+                             : launch_score<8>(st, sa, tiled, node, args);
     if (e != cudaSuccess) return e;
     e = launch(expsum_kernel, dim3((unsigned)ceil_div64(sh->cand_max, kExTile), clamp_yz(sh->Hq), clamp_yz(sh->B)),
                dim3(kExNT), 0, st, true, *sh, seqs, ws->scores, (const unsigned *)ws->macc, (const float *)ws->s0,
@@ -808,10 +934,11 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     a.vsrc = ws->vsrc;
     a.mlist = ws->mlist;
     a.mcount = ws->mcount;
-    a.step_bad = k ? ws->step_bad : NULL;
+    a.step_bad = io->k ? ws->step_bad : NULL;
     a.vc_counts = ws->vc_counts;
+    if ((e = allow_smem(select_kernel, kSeKeyBytes)) != cudaSuccess) return e;
     e = launch(select_kernel, dim3((unsigned)skv_cuda_select_tiles(sh->cand_max), clamp_yz(sh->Hk), clamp_yz(sh->B)),
-               dim3(kSeNT), 0, st, true, a);
+               dim3(kSeNT), kSeKeyBytes, st, true, a);
     if (launches) *launches += 3;
     return e;
 }

@@ -45,93 +45,94 @@ struct TopkSmem {
 };
 
 /*
- * The k best of n items under the strict total order "larger key(i) first, then lower i"
- * (key(i) a uint32 order image), called by all BLOCK threads. on_win(pos, i) is called
- * for each winner with pos = its rank among the winners in increasing i (0..k-1); if
- * LOSERS, on_lose(pos, i) for each other item likewise (0..n-k-1). Requires
- * 0 <= k <= n < 2^31. key() must be deterministic (it is evaluated several times).
- *
- * 1. Radix select, four 8-bit passes from the top (items strided over the threads, so
- *    reads coalesce): each pass histograms the digit of the items that match the
- *    threshold prefix found so far and picks the bucket holding the need-th best. After
- *    the last pass the prefix is the k-th best key T itself, and need is how many items
- *    equal to T are winners (the order breaks ties by lower index).
- * 2. Ordered compaction with contiguous ownership: thread t owns items
- *    [t*per, (t+1)*per), counts its items > T and == T, one block scan gives every
- *    thread the counts before its run, and the thread emits its items in order:
- *    winners before i = gt_before(i) + min(eq_before(i), need).
+ * The k-th best key of n items under the order "larger key first, then lower index" as a
+ * threshold T and the number `need` of items equal to T that win (the lowest-indexed ones):
+ * radix select, four 8-bit passes from the top. hist_pass(shift, mask, prefix) must add, into
+ * sm.hist, each item whose key matches prefix under mask, by digit (key >> shift) & 0xff.
+ * Called by all BLOCK threads; 0 <= k <= n.
  */
-template <int BLOCK, bool LOSERS, class KeyFn, class WinFn, class LoseFn>
-__device__ void block_topk(int32_t n, int32_t k, KeyFn key, WinFn on_win, LoseFn on_lose, TopkSmem<BLOCK> &sm)
+template <int BLOCK, class HistFn>
+__device__ void radix_threshold(int32_t k, HistFn hist_pass, TopkSmem<BLOCK> &sm, uint32_t *T_out, uint32_t *need_out)
 {
-    static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "whole warps");
     const int tid = threadIdx.x, lane = tid & 31;
-
     uint32_t prefix = 0, mask = 0, need = (uint32_t)k;
     if (k <= 0) {
         /* nothing wins: no key is > 0xffffffff and min(eq_before, 0) = 0 */
-        prefix = 0xffffffffu;
-        need = 0;
-    } else {
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += BLOCK) sm.hist[b] = 0;
-            __syncthreads();
-            for (int32_t base = 0; base < n; base += BLOCK) { /* uniform trip count: warp ops below */
-                const int32_t i = base + tid;
-                uint32_t u = 0;
-                bool hit = false;
-                if (i < n) {
-                    u = key(i);
-                    hit = (u & mask) == prefix;
-                }
-                const uint32_t digit = (u >> shift) & 0xffu;
-                const uint32_t hits = __ballot_sync(kFullMask, hit);
-                if (hit) { /* one atomic per distinct digit per warp: keys cluster heavily */
-                    const uint32_t peers = __match_any_sync(hits, digit);
-                    if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[digit], (uint32_t)__popc(peers));
-                }
+        *T_out = 0xffffffffu;
+        *need_out = 0;
+        return;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = tid; b < 256; b += BLOCK) sm.hist[b] = 0;
+        __syncthreads();
+        hist_pass(shift, mask, prefix);
+        __syncthreads();
+        if (tid < 32) {
+            /* lane l owns buckets 255-8l .. 248-8l (best first); a warp scan finds the lane whose
+               buckets hold the need-th best, that lane finds the bucket */
+            uint32_t cnt[8], sum = 0;
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                cnt[m] = sm.hist[255 - 8 * lane - m];
+                sum += cnt[m];
             }
-            __syncthreads();
-            if (tid < 32) {
-                /* lane l owns buckets 255-8l .. 248-8l (best first); a warp scan finds the
-                   lane whose buckets hold the need-th best, that lane finds the bucket */
-                uint32_t cnt[8], sum = 0;
+            uint32_t incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const uint32_t v = __shfl_up_sync(kFullMask, incl, o);
+                if (lane >= o) incl += v;
+            }
+            uint32_t cum = incl - sum;
+            if (cum < need && need <= incl) {
+                bool found = false;
 #pragma unroll
                 for (int m = 0; m < 8; m++) {
-                    cnt[m] = sm.hist[255 - 8 * lane - m];
-                    sum += cnt[m];
-                }
-                uint32_t incl = sum;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const uint32_t v = __shfl_up_sync(kFullMask, incl, o);
-                    if (lane >= o) incl += v;
-                }
-                uint32_t cum = incl - sum;
-                if (cum < need && need <= incl) {
-                    bool found = false;
-#pragma unroll
-                    for (int m = 0; m < 8; m++) {
-                        if (!found && cum + cnt[m] >= need) {
-                            sm.bin = (uint32_t)(255 - 8 * lane - m);
-                            sm.need = need - cum;
-                            found = true;
-                        }
-                        cum += cnt[m];
+                    if (!found && cum + cnt[m] >= need) {
+                        sm.bin = (uint32_t)(255 - 8 * lane - m);
+                        sm.need = need - cum;
+                        found = true;
                     }
+                    cum += cnt[m];
                 }
             }
-            __syncthreads();
-            prefix |= sm.bin << shift;
-            mask |= 0xffu << shift;
-            need = sm.need;
-            __syncthreads(); /* everyone read bin/need before the next pass rewrites them */
         }
+        __syncthreads();
+        prefix |= sm.bin << shift;
+        mask |= 0xffu << shift;
+        need = sm.need;
+        __syncthreads(); /* everyone read bin/need before the next pass rewrites them */
     }
+    *T_out = prefix;
+    *need_out = need;
+}
 
-    const uint32_t T = prefix;
+/* One item of a histogram pass: warp-aggregated (one atomic per distinct digit per warp: keys
+   cluster heavily). All lanes of the warp must call it together. */
+__device__ __forceinline__ void hist_add(uint32_t *hist, bool valid, uint32_t u, int shift, uint32_t mask,
+                                         uint32_t prefix)
+{
+    const bool hit = valid && (u & mask) == prefix;
+    const uint32_t digit = (u >> shift) & 0xffu;
+    const uint32_t hits = __ballot_sync(kFullMask, hit);
+    if (hit) {
+        const uint32_t peers = __match_any_sync(hits, digit);
+        if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[digit], (uint32_t)__popc(peers));
+    }
+}
+
+/*
+ * Ordered compaction with contiguous ownership: thread t owns items [t*per, (t+1)*per),
+ * counts its items > T and == T, one block scan gives every thread the counts before its run,
+ * and the thread emits its items in order: winners before i = gt_before(i) + min(eq_before(i),
+ * need). on_win(pos, i) with pos the rank among the winners in increasing i; if LOSERS,
+ * on_lose likewise.
+ */
+template <int BLOCK, bool LOSERS, class KeyFn, class WinFn, class LoseFn>
+__device__ void ordered_compaction(int32_t n, uint32_t T, uint32_t need, KeyFn key, WinFn on_win, LoseFn on_lose,
+                                   TopkSmem<BLOCK> &sm)
+{
     const int32_t per = (int32_t)ceil_div64(n, BLOCK);
-    const int32_t lo = min(n, tid * per), hi = min(n, lo + per);
+    const int32_t lo = min(n, (int32_t)threadIdx.x * per), hi = min(n, lo + per);
     uint32_t gt = 0, eq = 0;
     for (int32_t i = lo; i < hi; i++) {
         const uint32_t u = key(i);
@@ -149,6 +150,50 @@ __device__ void block_topk(int32_t n, int32_t k, KeyFn key, WinFn on_win, LoseFn
         if (u == T) e++;
     }
     __syncthreads(); /* the scan storage and hist may be reused by the caller */
+}
+
+/*
+ * The k best of n items under the strict total order "larger key(i) first, then lower i"
+ * (key(i) a uint32 order image), called by all BLOCK threads: radix_threshold over items
+ * strided across the threads (coalesced reads), then ordered_compaction. Requires
+ * 0 <= k <= n < 2^31; key() must be deterministic (it is evaluated several times).
+ */
+template <int BLOCK, bool LOSERS, class KeyFn, class WinFn, class LoseFn>
+__device__ void block_topk(int32_t n, int32_t k, KeyFn key, WinFn on_win, LoseFn on_lose, TopkSmem<BLOCK> &sm)
+{
+    static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "whole warps");
+    uint32_t T, need;
+    uint32_t *hist = sm.hist;
+    radix_threshold<BLOCK>(
+        k,
+        [=](int shift, uint32_t mask, uint32_t prefix) {
+            for (int32_t base = 0; base < n; base += BLOCK) { /* uniform trip count: warp ops inside */
+                const int32_t i = base + threadIdx.x;
+                hist_add(hist, i < n, i < n ? key(i) : 0u, shift, mask, prefix);
+            }
+        },
+        sm, &T, &need);
+    ordered_compaction<BLOCK, LOSERS>(n, T, need, key, on_win, on_lose, sm);
+}
+
+/* block_topk with the radix passes over keys held in registers: kr[it] = key(it * BLOCK + tid)
+   (items past n ignored); key(i) is read once more for the compaction. */
+template <int BLOCK, int IPT, class KeyFn, class WinFn>
+__device__ void block_topk_reg(int32_t n, int32_t k, const uint32_t (&kr)[IPT], KeyFn key, WinFn on_win,
+                               TopkSmem<BLOCK> &sm)
+{
+    uint32_t T, need;
+    radix_threshold<BLOCK>(
+        k,
+        [&](int shift, uint32_t mask, uint32_t prefix) {
+#pragma unroll
+            for (int it = 0; it < IPT; it++) {
+                const int32_t i = it * BLOCK + threadIdx.x;
+                hist_add(sm.hist, i < n, kr[it], shift, mask, prefix);
+            }
+        },
+        sm, &T, &need);
+    ordered_compaction<BLOCK, false>(n, T, need, key, on_win, [](int32_t, int32_t) {}, sm);
 }
 
 } /* namespace */
