@@ -923,16 +923,25 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
         skv_cuda_seq *sq = a.seqs + b;
         const int32_t n_gen = sq->n_gen; /* read by all threads before thread 0 advances it */
         if (n_gen < a.gen_cap) {         /* lib rejects a full region before the step */
-            const int64_t HD = (int64_t)a.Hk * a.D, HS = (int64_t)a.Hk * a.S;
-            for (int64_t i = tid; i < HD; i += kCoNT) {
-                const int64_t hh = i / a.D, d = i - hh * a.D;
-                const int64_t dst = (hh * a.gen_cap + n_gen) * a.D + d;
-                sq->gen_k[dst] = a.io->k[b * HD + i];
-                sq->gen_v[dst] = a.io->v[b * HD + i];
-            }
-            for (int64_t i = tid; i < HS; i += kCoNT) {
-                sq->pub_sel_idx[i] = a.sel_idx[b * HS + i];
-                if (sq->pub_sel_ids && a.sel_ids) sq->pub_sel_ids[i] = a.sel_ids[b * HS + i];
+            /* k, v of the new token to generated row n_gen (the selection was published by the
+               select step); 16-byte pieces when every row is aligned */
+            const int64_t HD = (int64_t)a.Hk * a.D;
+            const uint16_t *kn = (const uint16_t *)a.io->k + b * HD, *vn = (const uint16_t *)a.io->v + b * HD;
+            uint16_t *gk = (uint16_t *)sq->gen_k, *gv = (uint16_t *)sq->gen_v;
+            if (a.D % 8 == 0 && ((((uintptr_t)kn | (uintptr_t)vn | (uintptr_t)gk | (uintptr_t)gv)) & 15) == 0) {
+                const int64_t pr = a.D / 8;
+                for (int64_t i = tid; i < HD / 8; i += kCoNT) {
+                    const int64_t hh = i / pr, e = i - hh * pr, dst = (hh * a.gen_cap + n_gen) * pr + e;
+                    const uint4 x = reinterpret_cast<const uint4 *>(kn)[i], y = reinterpret_cast<const uint4 *>(vn)[i];
+                    reinterpret_cast<uint4 *>(gk)[dst] = x;
+                    reinterpret_cast<uint4 *>(gv)[dst] = y;
+                }
+            } else {
+                for (int64_t i = tid; i < HD; i += kCoNT) {
+                    const int64_t hh = i / a.D, d = i - hh * a.D, dst = (hh * a.gen_cap + n_gen) * a.D + d;
+                    gk[dst] = kn[i];
+                    gv[dst] = vn[i];
+                }
             }
             __syncthreads(); /* all copies are done before the sequence says they exist */
             if (tid == 0) {

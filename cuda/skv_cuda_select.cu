@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(kExNT)
 /* ---- decode selection: step 3, top-S per tile, merge, chunk-cache plan ------------------------ */
 
 constexpr int kSeNT = 512;               /* threads per tile block */
-constexpr int kSePer = 32;               /* candidates per thread: up to 128k-token prompts in one tile */
+constexpr int kSePer = 8;                /* candidates per thread */
 constexpr int kSeTile = kSeNT * kSePer;  /* candidates per tile */
 
 struct SelectArgs {
@@ -573,7 +573,11 @@ struct SelectSmem {
     int32_t hits[kSeNT / 32];
     int last;
 };
-constexpr size_t kSeKeyBytes = (size_t)kSeTile * sizeof(uint32_t);
+/* Keys in shared memory at key_slot(i): one pad word per 32 keys, so that both the strided
+   reads of the radix passes and the contiguous runs of the ordered compaction are free of
+   bank conflicts. */
+__device__ __forceinline__ int32_t key_slot(int32_t i) { return i + (i >> 5); }
+constexpr size_t kSeKeyBytes = (size_t)(kSeTile + kSeTile / 32) * sizeof(uint32_t);
 
 /*
  * Final selection of (b, h) is in a.sel_idx: its chunk ids, and for a host slot the chunk
@@ -593,8 +597,14 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
     if (a.sel_ids && cids)
         for (int32_t s = threadIdx.x; s < S; s += kSeNT) a.sel_ids[bh * S + s] = cids[(int64_t)h * n + sel[s]];
     const skv_cuda_seq &sq = a.seqs[b];
-    if (!sq.vc_data || !a.step_bad) return; /* block-uniform */
+    if (!a.step_bad) return; /* op-level: no cache state */
     const int bad = *a.step_bad != 0;
+    if (!bad) /* a good step publishes its selection (a bad one keeps the last) */
+        for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+            sq.pub_sel_idx[(int64_t)h * S + s] = sel[s];
+            if (a.sel_ids && cids) sq.pub_sel_ids[(int64_t)h * S + s] = a.sel_ids[bh * S + s];
+        }
+    if (!sq.vc_data) return; /* block-uniform */
     const int32_t E = sh.vc_chunks, step = sq.n_gen;
     int32_t *slot_of = sq.vc_slot_of + (int64_t)h * sh.cand_max;
     int32_t *owner = sq.vc_owner + (int64_t)h * E, *stamp = sq.vc_stamp + (int64_t)h * E;
@@ -688,7 +698,7 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
             float zr[8];
 #pragma unroll
             for (int g = 0; g < 8; g++) zr[g] = g < G ? Zr[g] : 1.0f;
-#pragma unroll 4
+#pragma unroll
             for (int it = 0; it < kSePer; it++) {
                 const int32_t i = it * kSeNT + tid, j = j0 + i;
                 if (i < cnt) {
@@ -706,7 +716,7 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
                         const float p = SKV_DIV(e0[g * cm + j], Zr[g]);
                         if (p > av) av = p;
                     }
-                    sm.keys[i] = order_desc(skv_select_key(av));
+                    sm.keys[key_slot(i)] = order_desc(skv_select_key(av));
                     if (a.amax) a.amax[bh * cm + j] = av;
                 }
             }
@@ -717,7 +727,7 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
             if (ntl == 1) {
                 const uint32_t *keys = sm.keys;
                 block_topk<kSeNT, false>(
-                    cnt, kt, [=](int32_t i) { return keys[i]; }, [=](int32_t pos, int32_t i) { sel[pos] = j0 + i; },
+                    cnt, kt, [=](int32_t i) { return keys[key_slot(i)]; }, [=](int32_t pos, int32_t i) { sel[pos] = j0 + i; },
                     [](int32_t, int32_t) {}, sm.tk);
                 __syncthreads(); /* sel complete */
                 select_finish(a, b, h, sm);
@@ -725,8 +735,10 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
             }
             const uint32_t *keys = sm.keys;
             block_topk<kSeNT, false>(
-                cnt, kt, [=](int32_t i) { return keys[i]; },
-                [=](int32_t pos, int32_t i) { pool[pos] = ((unsigned long long)keys[i] << 32) | (uint32_t)(j0 + i); },
+                cnt, kt, [=](int32_t i) { return keys[key_slot(i)]; },
+                [=](int32_t pos, int32_t i) {
+                    pool[pos] = ((unsigned long long)keys[key_slot(i)] << 32) | (uint32_t)(j0 + i);
+                },
                 [](int32_t, int32_t) {}, sm.tk);
             __threadfence();
             __syncthreads();
@@ -743,10 +755,20 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
                 const int32_t t = i / per_tile;
                 return __ldcg(pl + (int64_t)t * S + (i - t * per_tile));
             };
-            block_topk<kSeNT, false>(
-                np, S, [=](int32_t i) { return (uint32_t)(at(i) >> 32); },
-                [=](int32_t pos, int32_t i) { sel[pos] = (int32_t)(at(i) & 0xffffffffu); }, [](int32_t, int32_t) {},
-                sm.tk);
+            if (np <= kSeTile) { /* the pool's keys fit in shared memory (always, up to 2M-token prompts) */
+                uint32_t *keys = sm.keys;
+                for (int32_t i = tid; i < np; i += kSeNT) keys[key_slot(i)] = (uint32_t)(at(i) >> 32);
+                __syncthreads();
+                block_topk<kSeNT, false>(
+                    np, S, [=](int32_t i) { return keys[key_slot(i)]; },
+                    [=](int32_t pos, int32_t i) { sel[pos] = (int32_t)(at(i) & 0xffffffffu); }, [](int32_t, int32_t) {},
+                    sm.tk);
+            } else {
+                block_topk<kSeNT, false>(
+                    np, S, [=](int32_t i) { return (uint32_t)(at(i) >> 32); },
+                    [=](int32_t pos, int32_t i) { sel[pos] = (int32_t)(at(i) & 0xffffffffu); }, [](int32_t, int32_t) {},
+                    sm.tk);
+            }
             __syncthreads();
             select_finish(a, b, h, sm);
             if (tid == 0) a.cnt[bh] = 0;
