@@ -309,17 +309,16 @@ __device__ void rope_rows(const float *x_s, int ldx, const int64_t *tok_s, int n
     }
 }
 
-/* Issues (cp.async, not committed) W_h [r][D] and the tile's U rows [TT][r] into the work
-   region for rebuild_mma_whole. Rows whose token is -1 are zero. */
-template <int DT, int TT>
-__device__ void rebuild_whole_issue(unsigned char *work, const AttLayout &L, const uint16_t *U, const uint16_t *W,
-                                    int h, int Hk, int r, const int64_t *tok_s)
+/* Issues (cp.async, not committed) W_h [r][D] into the work region for rebuild_mma_whole: it
+   depends on nothing a decode step writes, so an item issues it before waiting for the
+   previous kernel. */
+template <int DT>
+__device__ void rebuild_whole_issue_w(unsigned char *work, const AttLayout &L, const uint16_t *W, int h, int Hk, int r)
 {
     uint16_t *Ws = reinterpret_cast<uint16_t *>(work);
-    uint16_t *Us = reinterpret_cast<uint16_t *>(work + L.off_uw);
     const uint16_t *Wh = W + (int64_t)h * DT;
     const int64_t ldW = (int64_t)Hk * DT;
-    const bool aligned = (((uintptr_t)U | (uintptr_t)W) & 15) == 0;
+    const bool aligned = ((uintptr_t)W & 15) == 0;
     constexpr int WC = DT / 8;
     for (int idx = threadIdx.x; idx < r * WC; idx += kAtNT) {
         const int k = idx / WC, cc = idx - k * WC;
@@ -328,6 +327,15 @@ __device__ void rebuild_whole_issue(unsigned char *work, const AttLayout &L, con
         if (aligned) cp_async16(dst, src);
         else load8_slow(dst, src, 8);
     }
+}
+
+/* Issues (cp.async, not committed) the tile's U rows [TT][r] (rows whose token is -1 are zero). */
+template <int TT>
+__device__ void rebuild_whole_issue_u(unsigned char *work, const AttLayout &L, const uint16_t *U, int r,
+                                      const int64_t *tok_s)
+{
+    uint16_t *Us = reinterpret_cast<uint16_t *>(work + L.off_uw);
+    const bool aligned = ((uintptr_t)U & 15) == 0;
     const int UC = r / 8, ldu = r + 8;
     for (int idx = threadIdx.x; idx < TT * UC; idx += kAtNT) {
         const int row = idx / UC, cc = idx - row * UC;
@@ -704,6 +712,8 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
     float2 *ml_out = a.part_ml + head0 * a.it.n_items + item;
     const int64_t acc_stride = (int64_t)a.it.n_items * D, ml_stride = a.it.n_items;
 
+    if constexpr (DT != 0) /* W_h of a selected tile first: nothing before this kernel writes it */
+        if (item < a.it.n_sel && L.whole) rebuild_whole_issue_w<DT>(work, L, a.seqs[b].w, h, a.Hk, a.sh.r);
     pdl_wait();
     const uint16_t *qin = a.io ? (const uint16_t *)a.io->q : a.q;
     for (int i = tid; i < GC * L.dp; i += kAtNT) {
@@ -764,7 +774,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
         const bool fast_rope = DT != 0 && !sh.interleaved && sh.rotary_dim == D && TT * (D / 16) <= kRopeItems * kAtNT;
         if constexpr (DT != 0) {
             if (L.whole) { /* every load of the item in one round trip, the table rows during the GEMM */
-                rebuild_whole_issue<DT, TT>(work, L, sq.u, sq.w, h, sh.Hk, sh.r, tok_s);
+                rebuild_whole_issue_u<TT>(work, L, sq.u, sh.r, tok_s);
                 cp_async_commit();
                 RopeRegs rr;
                 if (fast_rope) rope_fast_load(rr, tok_s, TT, D, sh);

@@ -116,16 +116,23 @@ decode_bench() {
   stamp "decode table"
   python3 tests/gpu/decode_table.py "$OUT/bench_decode.json" "$TMP/dense.json" "$TMP/gpu.txt" > "$OUT/decode.json"
 }
-# device time and DRAM traffic of each decode kernel, two steps per configuration (ncu serializes kernels)
+# device time, DRAM throughput, occupancy and the main stall reasons of each decode kernel,
+# one step per configuration (ncu serializes kernels)
 ncu_decode() {
+  local M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
+  M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  for r in barrier long_scoreboard short_scoreboard wait mio_throttle membar no_instruction; do
+    M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
   for cfgs in "131072 8" "131072 1" "32768 8" "1048576 1"; do
     set -- $cfgs
     stamp "ncu: decode kernels at $1 tokens, batch $2, device values, fresh queries"
-    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|attend|combine|fetch" \
-      --launch-skip 5 --launch-count 10 --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-      --csv build/skv-bench decode --backend cuda --ctx $1 --batch $2 --placement device --workload fresh \
-      --steps 2 --warmup 1 2>/dev/null | grep -E "gpu__time|dram__bytes" |
-      awk -F'","' '{k=substr($5,1,28); m=$(NF-2); u=$(NF-1); v=$NF; gsub(/[",]/,"",v); print k, m, u, v}' |
+    echo "== ctx $1 batch $2" >> "$OUT/ncu.txt"
+    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|attend|combine" \
+      --launch-skip 5 --launch-count 5 --metrics $M build/skv-bench decode --backend cuda --ctx $1 --batch $2 \
+      --placement device --workload fresh --steps 2 --warmup 1 2>/dev/null |
+      grep -E "void|_kernel|duration|pct|inst_exec|stalled|bytes" |
+      sed -e 's/smsp__average_warps_issue_stalled_//' -e 's/_per_issue_active.ratio//' -e 's/  */ /g' | cut -c1-100 |
       tee -a "$OUT/ncu.txt"
   done
 }
