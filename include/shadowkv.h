@@ -189,10 +189,12 @@ SKV_API skv_status skv_config_validate(const skv_config *cfg);
 /**
  * Bytes a cache created from *cfg will hold, before anything is created.
  * device_bytes: the device-resident part (factors, landmarks, outliers,
- * local window, generated tokens, RoPE tables, decode workspace; the
- * workspace depends on the backend, resolved as skv_cache_create does);
- * host_bytes: the value store. With ref/cpu both live in host memory; the
- * split is what a cuda cache would place on each side.
+ * local window, generated tokens, RoPE tables, the value stores of the slots
+ * placed on the device and the chunk caches of the others, decode workspace;
+ * the workspace depends on the backend, resolved as skv_cache_create does);
+ * host_bytes: the value stores of the slots placed on the host (see "Value
+ * placement"; 0 by default). With ref/cpu both live in host memory; the split
+ * is what a cuda cache would place on each side.
  * Either output pointer may be NULL. Fails like skv_config_validate.
  */
 SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes, size_t *host_bytes);
@@ -276,13 +278,15 @@ SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int
  * SKV_ERR_CAPACITY, SKV_ERR_NONFINITE. On error nothing is appended and the
  * previous selection is kept.
  * cuda: returns once the step is enqueued on the cache's stream; out is
- * written when the stream reaches it. A step whose q, k or v holds NaN/Inf
- * changes nothing in the cache (its out is undefined) and the next
- * synchronizing call (skv_cache_sync, stats, introspection) returns
- * SKV_ERR_NONFINITE naming the step and element. The launch sequence is
- * fixed, so a call may be captured into a CUDA graph; a captured call is one
- * step and its graph must be launched exactly once, before the next call on
- * that layer.
+ * written when the stream reaches it. The first step of each layer captures
+ * the layer's step into a CUDA graph (once); later steps replay it with the
+ * new tensors (one launch; no allocation, no synchronization). A step whose
+ * q, k or v holds NaN/Inf changes nothing in the cache (its out is undefined)
+ * and the next synchronizing call (skv_cache_sync, stats, introspection)
+ * returns SKV_ERR_NONFINITE naming the step and element. The launch sequence
+ * is fixed, so a call may be captured into the caller's CUDA graph (it is then
+ * launched directly into the capture); a captured call is one step and its
+ * graph must be launched exactly once, before the next call on that layer.
  */
 SKV_API skv_status skv_decode(skv_cache *cache, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
                       const skv_bf16 *v, float *out);
@@ -340,12 +344,17 @@ SKV_API skv_status skv_cache_landmarks(const skv_cache *cache, int32_t layer, in
                                int32_t kv_head, skv_bf16 *landmarks);
 
 /**
- * Cumulative time per phase, in milliseconds, since create or reset. ref/cpu:
- * host wall clock. cuda: device time between CUDA events on the cache's
- * streams (read at skv_cache_sync/skv_cache_stats; a step enqueued while
- * 64 earlier ones are still in flight, or inside a graph capture, is not
- * timed); there the key rebuild and the value fetch run side by side, so the
- * phases add up to more than decode_step_ms.
+ * Cumulative time per phase, in milliseconds, since create or reset, and
+ * decode counters. ref/cpu: host wall clock. cuda: device time between CUDA
+ * events on the cache's streams (read at skv_cache_sync/skv_cache_stats; a
+ * step enqueued while 64 earlier ones are still in flight, or inside a graph
+ * capture, is not timed). cuda decode: decode_step_ms times every timed step;
+ * the phases are measured on one step in 16 (launched directly, with events
+ * between its kernels; the others replay the layer's CUDA graph) and scaled
+ * to all timed steps; the key rebuild is fused into the attention, so
+ * decode_rebuild_ms stays 0 and decode_attention_ms holds both; decode_fetch_ms
+ * is the transfer of missed chunks of host-placed values, beside the
+ * attention.
  */
 typedef struct skv_stats {
     double prefill_factorize_ms;
@@ -376,8 +385,10 @@ typedef struct skv_stats {
                                      device chunk cache (every backend counts them) */
     int64_t value_cache_misses; /**< selected chunks of host-placed slots fetched from the
                                      host store */
-    int64_t decode_launches;    /**< cuda: kernels launched by decode steps (divide by
-                                     n_decode_calls for kernels per step); 0 on ref/cpu */
+    int64_t decode_launches;    /**< cuda: kernels run by decode steps (divide by
+                                     n_decode_calls for kernels per step: 5, or 7 on a
+                                     layer with host-placed values); a replayed step
+                                     is one graph launch on the host; 0 on ref/cpu */
 } skv_stats;
 
 /** Copies the cache's phase timings into *stats. */
