@@ -304,7 +304,7 @@ __device__ __forceinline__ void score_fma8(const float x[8], const float *qT, in
  * (atomicMax of its order image) when a block leaves a (b, h); s_0 to s0. The block holding
  * the first tile of (b, h) checks q of the group and k, v of head h; block 0 publishes io.
  */
-template <int GC, int DT>
+template <int GC, int DT, bool MULTI>
 __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
 {
     extern __shared__ __align__(16) unsigned char sc_smem[];
@@ -335,7 +335,28 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
     };
 
     int64_t cur = -1; /* the (b, h) whose max is being gathered */
-    float mx[kScMaxGp / GC][GC];
+    /* running max per query head: with one pass over the heads (G <= GC) in registers */
+    constexpr int NPASS = MULTI ? kScMaxGp / GC : 1;
+    float mx[NPASS][GC];
+    /* the block's max of each query head of pair p -> macc (block-wide) */
+    auto flush_max = [&](int64_t p) {
+        const int32_t pb = (int32_t)(p / sh.Hk), ph = (int32_t)(p - (int64_t)pb * sh.Hk);
+#pragma unroll
+        for (int pi = 0; pi < NPASS; pi++) {
+            if (pi * GC >= Gp) break;
+#pragma unroll
+            for (int g = 0; g < GC; g++) {
+                const float m = warp_max(mx[pi][g]);
+                if (lane == 0) wmax[warp][pi * GC + g] = m;
+            }
+        }
+        __syncthreads();
+        if (tid < G) {
+            float m = wmax[0][tid];
+            for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
+            if (m != -INFINITY) atomicMax(&a.macc[(int64_t)pb * sh.Hq + (int64_t)ph * G + tid], order_desc(m));
+        }
+    };
     int stage = 0;
     if (t_begin < t_end) load_tile(0, t_begin);
     cp_async_commit();
@@ -343,30 +364,17 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         const int64_t pair = t / a.ntiles;
         const int32_t b = (int32_t)(pair / sh.Hk), h = (int32_t)(pair - (int64_t)b * sh.Hk);
         if (pair != cur) {
-            if (cur >= 0) { /* leave the previous (b, h): its max */
-                const int32_t pb = (int32_t)(cur / sh.Hk), ph = (int32_t)(cur - (int64_t)pb * sh.Hk);
-                for (int32_t g0 = 0; g0 < Gp; g0 += GC)
-#pragma unroll
-                    for (int g = 0; g < GC; g++) {
-                        const float m = warp_max(mx[g0 / GC][g]);
-                        if (lane == 0) wmax[warp][g0 + g] = m;
-                    }
-                __syncthreads();
-                if (tid < G) {
-                    float m = wmax[0][tid];
-                    for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
-                    if (m != -INFINITY) atomicMax(&a.macc[(int64_t)pb * sh.Hq + (int64_t)ph * G + tid], order_desc(m));
-                }
-            }
+            if (cur >= 0) flush_max(cur); /* leave the previous (b, h) */
             __syncthreads(); /* qT and wmax are free */
             const uint16_t *qg = q + ((int64_t)b * sh.Hq + (int64_t)h * G) * D;
             for (int32_t e = tid; e < Gp * D; e += kScNT) {
                 const int32_t d = e / Gp, g = e - d * Gp;
                 qT[e] = g < G ? skv_bf16_to_f32(qg[(int64_t)g * D + d]) : 0.0f;
             }
-            for (int32_t g0 = 0; g0 < Gp; g0 += GC)
 #pragma unroll
-                for (int g = 0; g < GC; g++) mx[g0 / GC][g] = -INFINITY;
+            for (int pi = 0; pi < NPASS; pi++)
+#pragma unroll
+                for (int g = 0; g < GC; g++) mx[pi][g] = -INFINITY;
             if (a.io.k && t == pair * a.ntiles) { /* the step's inputs of this (b, h) are finite */
                 const int64_t nq = (int64_t)G * D, nk = D, qoff = ((int64_t)b * sh.Hq + (int64_t)h * G) * D,
                               koff = ((int64_t)b * sh.Hk + h) * D;
@@ -401,7 +409,10 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         if (j < n) {
             const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
             const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
-            for (int32_t g0 = 0; g0 < Gp; g0 += GC) {
+#pragma unroll
+            for (int pi = 0; pi < NPASS; pi++) {
+                const int32_t g0 = pi * GC;
+                if (g0 >= Gp) break;
                 float acc[GC];
 #pragma unroll
                 for (int g = 0; g < GC; g++) acc[g] = 0.0f;
@@ -430,7 +441,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
                     const float sc = SKV_MUL(acc[g], sh.scale);
                     const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
                     a.scores[row_i * sh.cand_max + j] = sc;
-                    mx[g0 / GC][g] = fmaxf(mx[g0 / GC][g], sc); /* NaN never wins */
+                    mx[pi][g] = fmaxf(mx[pi][g], sc); /* NaN never wins */
                     if (j == 0) a.s0[row_i] = sc;
                 }
             }
@@ -438,21 +449,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         __syncthreads(); /* stage is refilled at the next iteration but one */
         stage ^= 1;
     }
-    if (cur >= 0) {
-        const int32_t pb = (int32_t)(cur / sh.Hk), ph = (int32_t)(cur - (int64_t)pb * sh.Hk);
-        for (int32_t g0 = 0; g0 < Gp; g0 += GC)
-#pragma unroll
-            for (int g = 0; g < GC; g++) {
-                const float m = warp_max(mx[g0 / GC][g]);
-                if (lane == 0) wmax[warp][g0 + g] = m;
-            }
-        __syncthreads();
-        if (tid < G) {
-            float m = wmax[0][tid];
-            for (int w = 1; w < kScNT / 32; w++) m = fmaxf(m, wmax[w][tid]);
-            if (m != -INFINITY) atomicMax(&a.macc[(int64_t)pb * sh.Hq + (int64_t)ph * G + tid], order_desc(m));
-        }
-    }
+    if (cur >= 0) flush_max(cur);
     pdl_trigger();
 }
 
@@ -862,17 +859,17 @@ int32_t skv_cuda_select_tiles(int32_t n) { return (int32_t)ceil_div64(n > 0 ? n 
 
 int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S) { return skv_cuda_select_tiles(cand_max) * S; }
 
-template <int GC, int DT>
+template <int GC, int DT, bool MULTI>
 static cudaError_t launch_score_dt(cudaStream_t st, const ScoreArgs &a, cudaKernelNodeParams *node, void **node_args)
 {
     const int32_t G = a.sh.Hq / a.sh.Hk, Gp = (G + GC - 1) / GC * GC;
     const size_t smem = score_smem_bytes(DT, a.sh.D, Gp);
-    cudaError_t e = allow_smem(score_kernel<GC, DT>, smem);
+    cudaError_t e = allow_smem(score_kernel<GC, DT, MULTI>, smem);
     if (e != cudaSuccess) return e;
     static int per_sm_of[kScMaxGp + 1]; /* by Gp: the occupancy query is a host call; ask once */
     int per_sm = per_sm_of[Gp];
     if (!per_sm) {
-        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<GC, DT>, kScNT, smem)) != cudaSuccess)
+        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<GC, DT, MULTI>, kScNT, smem)) != cudaSuccess)
             return e;
         if (per_sm < 1) return cudaErrorInvalidConfiguration;
         per_sm_of[Gp] = per_sm;
@@ -883,27 +880,36 @@ static cudaError_t launch_score_dt(cudaStream_t st, const ScoreArgs &a, cudaKern
     const unsigned nblk = (unsigned)ceil_div64(b.total, b.per);
     if (node) { /* a graph's kernel node: the caller keeps the arguments */
         *reinterpret_cast<ScoreArgs *>(node_args[0]) = b;
-        node->func = (void *)score_kernel<GC, DT>;
+        node->func = (void *)score_kernel<GC, DT, MULTI>;
         node->gridDim = dim3(nblk);
         node->blockDim = dim3(kScNT);
         node->sharedMemBytes = (unsigned)smem;
         node->kernelParams = node_args;
         node->extra = NULL;
     }
-    return launch(score_kernel<GC, DT>, dim3(nblk), dim3(kScNT), smem, st, false, b);
+    return launch(score_kernel<GC, DT, MULTI>, dim3(nblk), dim3(kScNT), smem, st, false, b);
 }
 
+template <int GC, bool MULTI>
+static cudaError_t launch_score_m(cudaStream_t st, const ScoreArgs &a, bool tiled, cudaKernelNodeParams *node,
+                                 void **node_args)
+{
+    if (!tiled) return launch_score_dt<GC, 0, MULTI>(st, a, node, node_args);
+    switch (a.sh.D) {
+    case 64: return launch_score_dt<GC, 64, MULTI>(st, a, node, node_args);
+    case 128: return launch_score_dt<GC, 128, MULTI>(st, a, node, node_args);
+    case 256: return launch_score_dt<GC, 256, MULTI>(st, a, node, node_args);
+    default: return launch_score_dt<GC, 0, MULTI>(st, a, node, node_args);
+    }
+}
+
+/* GC <= 4 covers G in one pass; GC = 8 takes groups above 8 heads in several passes */
 template <int GC>
 static cudaError_t launch_score(cudaStream_t st, const ScoreArgs &a, bool tiled, cudaKernelNodeParams *node,
                                 void **node_args)
 {
-    if (!tiled) return launch_score_dt<GC, 0>(st, a, node, node_args);
-    switch (a.sh.D) {
-    case 64: return launch_score_dt<GC, 64>(st, a, node, node_args);
-    case 128: return launch_score_dt<GC, 128>(st, a, node, node_args);
-    case 256: return launch_score_dt<GC, 256>(st, a, node, node_args);
-    default: return launch_score_dt<GC, 0>(st, a, node, node_args);
-    }
+    if (GC == 8 && a.sh.Hq / a.sh.Hk > 8) return launch_score_m<8, true>(st, a, tiled, node, node_args);
+    return launch_score_m<GC, false>(st, a, tiled, node, node_args);
 }
 
 cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,

@@ -115,23 +115,6 @@ typedef struct {
     float *dout;
 } world;
 
-/* low-rank keys with noise, normal values */
-static void make_prompt(skvt_rng *r, const world *wd, int64_t n, skv_bf16 *k, skv_bf16 *v)
-{
-    double basis[4][256];
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < wd->row; i++) basis[j][i] = skvt_rng_normal(r);
-    for (int64_t t = 0; t < n; t++) {
-        double z[4];
-        for (int j = 0; j < 4; j++) z[j] = skvt_rng_normal(r);
-        for (size_t i = 0; i < wd->row; i++) {
-            double x = 0.05 * skvt_rng_normal(r);
-            for (int j = 0; j < 4; j++) x += z[j] * basis[j][i];
-            k[t * wd->row + i] = skv_bf16_from_float((float)x);
-        }
-    }
-    skvt_fill_bf16_normal(r, v, (size_t)n * wd->row, 1.0);
-}
 
 static skv_cache *make_cache(world *wd, void *stream)
 {
@@ -236,7 +219,7 @@ static void test_gpu(uint64_t seed)
         for (int b = 0; b < 2; b++) {
             wd.k[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
             wd.v[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
-            make_prompt(&r, &wd, wd.n[b], wd.k[l][b], wd.v[l][b]);
+            skvt_lowrank_prompt(&r, wd.row, wd.n[b], wd.k[l][b], wd.v[l][b]);
         }
     size_t pb = (size_t)wd.cfg.max_prompt_len * wd.row * 2;
     if (skv_buffer_alloc(SKV_BACKEND_CUDA, pb, (void **)&wd.dk) || skv_buffer_alloc(SKV_BACKEND_CUDA, pb, (void **)&wd.dv) ||

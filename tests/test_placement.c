@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "synth.h"
 #include "testutil.h"
 
 static skv_config base_config(void)
@@ -159,22 +160,6 @@ typedef struct {
     size_t row;
 } world;
 
-static void make_prompt(skvt_rng *r, const world *wd, int64_t n, skv_bf16 *k, skv_bf16 *v)
-{
-    double basis[4][128];
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < wd->row; i++) basis[j][i] = skvt_rng_normal(r);
-    for (int64_t t = 0; t < n; t++) {
-        double z[4];
-        for (int j = 0; j < 4; j++) z[j] = skvt_rng_normal(r);
-        for (size_t i = 0; i < wd->row; i++) {
-            double x = 0.05 * skvt_rng_normal(r);
-            for (int j = 0; j < 4; j++) x += z[j] * basis[j][i];
-            k[(size_t)t * wd->row + i] = skv_bf16_from_float((float)x);
-            v[(size_t)t * wd->row + i] = skv_bf16_from_float((float)skvt_rng_normal(r));
-        }
-    }
-}
 
 static skv_cache *make_cache(world *wd, int64_t budget)
 {
@@ -199,16 +184,6 @@ static skv_cache *make_cache(world *wd, int64_t budget)
     return cache;
 }
 
-static double head_rel_diff(const float *a, const float *b, int D)
-{
-    double num = 0, den = 0;
-    for (int d = 0; d < D; d++) {
-        double x = (double)a[d] - b[d];
-        num += x * x;
-        den += (double)b[d] * b[d];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
 
 static void test_equivalence(skv_backend be, uint64_t seed, int64_t *hits_out, int64_t *miss_out)
 {
@@ -228,7 +203,7 @@ static void test_equivalence(skv_backend be, uint64_t seed, int64_t *hits_out, i
         for (int b = 0; b < B; b++) {
             wd.k[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
             wd.v[l][b] = malloc((size_t)wd.n[b] * wd.row * 2);
-            make_prompt(&r, &wd, wd.n[b], wd.k[l][b], wd.v[l][b]);
+            skvt_lowrank_prompt(&r, wd.row, wd.n[b], wd.k[l][b], wd.v[l][b]);
         }
     skv_memory_info mi;
     skv_config probe = wd.cfg;
@@ -303,7 +278,7 @@ static void test_equivalence(skv_backend be, uint64_t seed, int64_t *hits_out, i
                         /* bitwise, except on cuda for a host slot (missed chunks added after the transfer) */
                         int host_slot = (int64_t)l * B + b >= want_dev[p];
                         if (!same && (be != SKV_BACKEND_CUDA || !host_slot)) exact_fail++;
-                        double dd = head_rel_diff(out[p] + o, out[0] + o, D);
+                        double dd = skvs_rel_err(out[p] + o, out[0] + o, (size_t)D);
                         if (dd > worst) worst = dd;
                     }
             for (int b = 0; b < B; b++)

@@ -145,3 +145,21 @@ int skvt_check_status_(skv_status got, skv_status want, const char *what, const 
     return skvt_check_(got == want, file, line, "%s: got %s, want %s", what, skv_status_string(got),
                        skv_status_string(want));
 }
+
+void skvt_lowrank_prompt(skvt_rng *r, size_t row, int64_t n, skv_bf16 *k, skv_bf16 *v)
+{
+    double *basis = malloc(sizeof(double) * 4 * row);
+    if (!SKVT_CHECK(basis != NULL, "skvt_lowrank_prompt: out of memory")) abort();
+    for (size_t i = 0; i < 4 * row; i++) basis[i] = skvt_rng_normal(r);
+    for (int64_t t = 0; t < n; t++) {
+        double z[4];
+        for (int j = 0; j < 4; j++) z[j] = skvt_rng_normal(r);
+        for (size_t i = 0; i < row; i++) {
+            double x = 0.05 * skvt_rng_normal(r);
+            for (int j = 0; j < 4; j++) x += z[j] * basis[(size_t)j * row + i];
+            k[(size_t)t * row + i] = skv_bf16_from_float((float)x);
+            v[(size_t)t * row + i] = skv_bf16_from_float((float)skvt_rng_normal(r));
+        }
+    }
+    free(basis);
+}

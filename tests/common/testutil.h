@@ -42,6 +42,10 @@ void skvt_skip(const char *why);
 /* Prints "N passed, N failed[, N skipped]" and returns the exit code (0 iff no failure). */
 int skvt_finish(void);
 
+/* A prompt of n tokens with rows of `row` elements: keys of rank 4 plus 5% noise, normal
+   values (k, v [n, row]). */
+void skvt_lowrank_prompt(skvt_rng *r, size_t row, int64_t n, skv_bf16 *k, skv_bf16 *v);
+
 /* Helpers on bf16 buffers. */
 void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale);
 void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n);
