@@ -172,6 +172,44 @@ __device__ void rebuild_load_stage(unsigned char *stage, const AttLayout &L, con
     }
 }
 
+/* One 16-deep step of the rebuild GEMM: acc += U[rows of this warp][kk..kk+16) W[kk..kk+16)[its
+   columns] (U rows ldu apart, W rows ldw apart; 8 warps as 2 row halves x 4 column quarters). */
+template <int DT, int TT>
+__device__ __forceinline__ void mma_kstep(
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[TT / 32][DT / 64],
+    const __nv_bfloat16 *Us, int ldu, const __nv_bfloat16 *Ws, int ldw, int kk)
+{
+    using namespace nvcuda;
+    const int warp = threadIdx.x >> 5, wr = warp & 1, wc = warp >> 1;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[TT / 32];
+#pragma unroll
+    for (int i = 0; i < TT / 32; i++) wmma::load_matrix_sync(fa[i], Us + (wr * (TT / 2) + 16 * i) * ldu + kk, ldu);
+#pragma unroll
+    for (int j = 0; j < DT / 64; j++) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, Ws + kk * ldw + wc * (DT / 4) + 16 * j, ldw);
+#pragma unroll
+        for (int i = 0; i < TT / 32; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
+    }
+}
+
+/* The rebuild's accumulators (8 warps as 2 row halves x 4 column quarters) into x_s [TT][ldx],
+   then a barrier: x_s is complete for every thread. */
+template <int DT, int TT>
+__device__ __forceinline__ void store_acc_tile(
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[TT / 32][DT / 64],
+    const AttLayout &L, float *x_s)
+{
+    const int warp = threadIdx.x >> 5, wr = warp & 1, wc = warp >> 1;
+#pragma unroll
+    for (int i = 0; i < TT / 32; i++)
+#pragma unroll
+        for (int j = 0; j < DT / 64; j++)
+            nvcuda::wmma::store_matrix_sync(x_s + (wr * (TT / 2) + 16 * i) * L.ldx + wc * (DT / 4) + 16 * j, acc[i][j],
+                                            L.ldx, nvcuda::wmma::mem_row_major);
+    __syncthreads();
+}
+
 /*
  * x_s[row][0..D) = U[tok_s[row]] W_h for TT rows (float accumulate), tensor cores: 8 warps as
  * 2 (row halves of TT/2) x 4 (column quarters of DT/4), WMMA 16x16x16 bf16, r streamed in
@@ -183,7 +221,6 @@ __device__ void rebuild_mma(unsigned char *work, const AttLayout &L, const uint1
 {
     using namespace nvcuda;
     constexpr int FR = TT / 32, NF = DT / 64;
-    const int warp = threadIdx.x >> 5, wr = warp & 1, wc = warp >> 1;
     const uint16_t *Wh = W + (int64_t)h * D;
     const int64_t ldW = (int64_t)Hk * D;
     const bool aligned = (((uintptr_t)U | (uintptr_t)W) & 15) == 0; /* then every piece is */
@@ -209,27 +246,11 @@ __device__ void rebuild_mma(unsigned char *work, const AttLayout &L, const uint1
 #pragma unroll
         for (int kk = 0; kk < kRbKT; kk += 16) {
             if (kt * kRbKT + kk >= r) break; /* zero padding of the last slice: skip the work */
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FR];
-#pragma unroll
-            for (int i = 0; i < FR; i++)
-                wmma::load_matrix_sync(fa[i], Us + (wr * (TT / 2) + 16 * i) * L.ldu + kk, L.ldu);
-#pragma unroll
-            for (int j = 0; j < NF; j++) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
-                wmma::load_matrix_sync(fb, Ws + kk * L.ldw + wc * (DT / 4) + 16 * j, L.ldw);
-#pragma unroll
-                for (int i = 0; i < FR; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
-            }
+            mma_kstep<DT, TT>(acc, Us, L.ldu, Ws, L.ldw, kk);
         }
     }
     __syncthreads(); /* x_s overwrites the stages */
-#pragma unroll
-    for (int i = 0; i < FR; i++)
-#pragma unroll
-        for (int j = 0; j < NF; j++)
-            wmma::store_matrix_sync(x_s + (wr * (TT / 2) + 16 * i) * L.ldx + wc * (DT / 4) + 16 * j, acc[i][j], L.ldx,
-                                    wmma::mem_row_major);
-    __syncthreads();
+    store_acc_tile<DT, TT>(acc, L, x_s);
 }
 
 /* The same on CUDA cores for every shape (r any, D even up to NG * 256): U in slices of
@@ -353,7 +374,7 @@ __device__ void rebuild_mma_whole(unsigned char *work, const AttLayout &L, int r
 {
     using namespace nvcuda;
     constexpr int FR = TT / 32, NF = DT / 64;
-    const int warp = threadIdx.x >> 5, wr = warp & 1, wc = warp >> 1, ldu = r + 8;
+    const int ldu = r + 8;
     const __nv_bfloat16 *Ws = reinterpret_cast<const __nv_bfloat16 *>(work);
     const __nv_bfloat16 *Us = reinterpret_cast<const __nv_bfloat16 *>(work + L.off_uw);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FR][NF];
@@ -361,26 +382,9 @@ __device__ void rebuild_mma_whole(unsigned char *work, const AttLayout &L, int r
     for (int i = 0; i < FR; i++)
 #pragma unroll
         for (int j = 0; j < NF; j++) wmma::fill_fragment(acc[i][j], 0.0f);
-    for (int kk = 0; kk < r; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FR];
-#pragma unroll
-        for (int i = 0; i < FR; i++) wmma::load_matrix_sync(fa[i], Us + (wr * (TT / 2) + 16 * i) * ldu + kk, ldu);
-#pragma unroll
-        for (int j = 0; j < NF; j++) {
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
-            wmma::load_matrix_sync(fb, Ws + kk * L.ldw + wc * (DT / 4) + 16 * j, L.ldw);
-#pragma unroll
-            for (int i = 0; i < FR; i++) wmma::mma_sync(acc[i][j], fa[i], fb, acc[i][j]);
-        }
-    }
+    for (int kk = 0; kk < r; kk += 16) mma_kstep<DT, TT>(acc, Us, ldu, Ws, L.ldw, kk);
     __syncthreads(); /* x_s overwrites W_h and U */
-#pragma unroll
-    for (int i = 0; i < FR; i++)
-#pragma unroll
-        for (int j = 0; j < NF; j++)
-            wmma::store_matrix_sync(x_s + (wr * (TT / 2) + 16 * i) * L.ldx + wc * (DT / 4) + 16 * j, acc[i][j], L.ldx,
-                                    wmma::mem_row_major);
-    __syncthreads();
+    store_acc_tile<DT, TT>(acc, L, x_s);
 }
 
 /*
