@@ -21,10 +21,15 @@
  *              (sequence, KV head) merges the tiles' winners, publishes the
  *              selection and, for a host-placed slot, runs the chunk cache's
  *              rule (skv_plan.h): hits, misses, the entries they replace
+ *   (2+3 fused: with at most 32768 candidates and enough (sequence, KV head)
+ *    pairs to fill the GPU, one CTA per pair does both, with the same
+ *    arithmetic: 4 kernels per step)
  *   4 attend   per (sequence, KV head) work items: a tile of selected tokens
- *              (keys rebuilt from U W and roped in shared memory, never
- *              written back) or a range of the resident spans; each writes a
- *              partial softmax (max, sum, unnormalized P V)
+ *              (keys rebuilt from U W and roped on chip, never written back)
+ *              or a range of the resident spans; each writes a partial
+ *              softmax (max, sum, unnormalized P V). The common shape (D 128,
+ *              G <= 8, r % 16 == 0, rotate-half RoPE) runs a kernel that keeps
+ *              W_h in shared memory and every product in mma fragments
  *   5 combine  the partials of each query head in item order -> out; the new
  *              token is appended, the selection published
  * Host-placed slots add, on a side stream, the fetch of the missed chunks into
@@ -93,6 +98,7 @@ typedef struct skv_cuda_items {
     int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) */
     int32_t n_res;       /* items over the resident spans (or the caller's spans) */
     int32_t n_items;     /* n_sel + n_res */
+    int32_t frag;        /* every item is one tile and the shape has the fragment kernel */
 } skv_cuda_items;
 
 /* The tensors of one decode step (device pointers). k, v NULL: an op-level selection. */

@@ -824,6 +824,401 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
     pdl_trigger();
 }
 
+/* ================================================================================================
+ * The decode attention on tensor-core fragments (D = 128, r % 16 == 0, G <= 8, rotate-half RoPE
+ * over all of D, and every item one tile of at most 64 tokens: skv_cuda_items.frag): the
+ * common shape, with the same work items and partials as attend_kernel.
+ *
+ * A CTA is one (sequence b, KV head h) and a contiguous range of its items; W_h stays in shared
+ * memory for the whole range. Its 16 warps form four groups of 4; group q takes the range's
+ * items q, q + 4, ..., each one tile: the group loads the tile (cp.async), then warp w of the
+ * group works on tokens 16w .. 16w + 15, everything in mma fragments: the rebuild
+ * K_pre = U W_h (m16n8k16 bf16, float accumulate), RoPE on the accumulators (the pair
+ * (i, i + 64) sits in the same thread), K rounded to bf16 and used in place as the B operand of
+ * S^T = Q K^T (query heads are the rows), and P (split into two bf16 parts, hi + lo, so the
+ * weights keep 16 bits) as the B operand of O^T = V^T P^T. The group shares the item's max per
+ * head (one barrier); the warps' sums and O are added in warp order, so the result has the same
+ * bits whatever runs first. Four groups per SM hide each other's load latency.
+ * ============================================================================================= */
+
+constexpr int kMmGroups = 4;
+constexpr int kMmGroupNT = 128;
+constexpr int kMmNT = kMmGroups * kMmGroupNT;
+constexpr int kMmTT = 64;        /* tokens per item (= att_tt(128)) */
+constexpr int kMmD = 128;
+constexpr int kMmLdv = kMmD + 8; /* K, V and W_h rows: 272 bytes, conflict-free ldmatrix */
+constexpr int kMmMaxG = 8;
+constexpr int kMmMaxRes = 256;   /* resident items of one tile each: up to 16k resident tokens */
+constexpr size_t kMmSmemMax = 220 * 1024; /* dynamic shared memory, below the opt-in limit of sm_90 */
+
+struct MmLayout {
+    int ldu;                    /* U rows: r + 8 (r % 16 == 0 keeps ldmatrix conflict-free) */
+    size_t uk_bytes, stage_bytes, off_v, off_tok, off_miss, off_groups, bytes;
+};
+
+__host__ __device__ inline MmLayout mm_layout(int r)
+{
+    MmLayout L;
+    L.ldu = r + 8;
+    const size_t u = (size_t)kMmTT * L.ldu * 2, k = (size_t)kMmTT * kMmLdv * 2;
+    L.uk_bytes = align_up(u > k ? u : k, 128); /* U (selected tile) or K (resident tile) */
+    L.off_v = L.uk_bytes;
+    L.off_tok = L.off_v + align_up((size_t)kMmTT * kMmLdv * 2, 128);
+    L.off_miss = L.off_tok + kMmTT * sizeof(int64_t);
+    L.stage_bytes = align_up(L.off_miss + kMmTT * sizeof(int32_t), 128);
+    L.off_groups = align_up((size_t)r * kMmLdv * 2, 128); /* W_h first */
+    L.bytes = L.off_groups + kMmGroups * L.stage_bytes;
+    return L;
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* d += A B, m16n8k16, bf16 in, float accumulate. */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
+{
+    return (uint32_t)skv_f32_to_bf16(lo) | ((uint32_t)skv_f32_to_bf16(hi) << 16);
+}
+
+__device__ __forceinline__ void group_bar(int q) { asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "r"(kMmGroupNT) : "memory"); }
+
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+struct MmCtx {
+    int b, h, n_sel;
+    int64_t T; /* resident tokens of (b, h); resident item i covers [64 i, 64 i + 64) */
+};
+
+/* Issue (cp.async, not committed) the loads of item `item` into stage st; qt: thread of the group. */
+__device__ void mm_issue(const AttendArgs &a, const MmCtx &c, const MmLayout &L, unsigned char *st, int item, int qt,
+                         const AttSpan *sp)
+{
+    uint16_t *UK = reinterpret_cast<uint16_t *>(st), *Vs = reinterpret_cast<uint16_t *>(st + L.off_v);
+    int64_t *tok_s = reinterpret_cast<int64_t *>(st + L.off_tok);
+    int32_t *miss_s = reinterpret_cast<int32_t *>(st + L.off_miss);
+    const int row = qt & (kMmTT - 1), half = qt >> 6; /* two threads per row: even and odd pieces */
+    if (item < c.n_sel) {
+        /* one lookup of the selection per thread, then every copy of the row in flight together */
+        const skv_cuda_shape &sh = a.sh;
+        const skv_cuda_seq &sq = a.seqs[c.b];
+        const int32_t cc = sh.c, S = sh.S, r = sh.r, SC = S * cc;
+        const int32_t ts = item * kMmTT + row;
+        const int64_t bh = (int64_t)c.b * a.Hk + c.h;
+        int64_t pos = -1;
+        const uint16_t *vp = nullptr;
+        int miss = 0;
+        if (ts < SC) {
+            const int32_t s = ts / cc, i = ts - s * cc;
+            pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
+            if (sq.vc_data) {
+                const int32_t v = a.vsrc[bh * S + s];
+                miss = v < 0 && a.pbuf; /* missed: its P V comes after the fetch */
+                if (!miss) vp = sq.vc_data + (((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * cc + i) * kMmD;
+            } else {
+                vp = sq.vstore + (((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * cc + i) * kMmD;
+            }
+        }
+        uint16_t *du = UK + row * L.ldu, *dv = Vs + row * kMmLdv;
+        const uint16_t *su = sq.u + (pos < 0 ? 0 : pos) * r;
+        const bool ua = ((uintptr_t)su & 15) == 0, va = ((uintptr_t)vp & 15) == 0;
+        for (int p = half; p < r / 8; p += 2) {
+            if (pos < 0) store_zero16(du + p * 8);
+            else if (ua) cp_async16(du + p * 8, su + p * 8);
+            else load8_slow(du + p * 8, su + p * 8, 8);
+        }
+#pragma unroll
+        for (int p = half; p < kMmD / 8; p += 2) {
+            if (!vp) store_zero16(dv + p * 8);
+            else if (va) cp_async16(dv + p * 8, vp + p * 8);
+            else load8_slow(dv + p * 8, vp + p * 8, 8);
+        }
+        if (half == 0) {
+            tok_s[row] = pos;
+            miss_s[row] = miss;
+            if (pos >= 0) { /* the RoPE table rows, 256 bytes each, into L2 */
+                prefetch_l2(sh.cos_tab + pos * (kMmD / 2));
+                prefetch_l2(sh.cos_tab + pos * (kMmD / 2) + 32);
+                prefetch_l2(sh.sin_tab + pos * (kMmD / 2));
+                prefetch_l2(sh.sin_tab + pos * (kMmD / 2) + 32);
+            }
+        }
+    } else {
+        const int64_t t = (int64_t)(item - c.n_sel) * kMmTT + row;
+        uint16_t *dk = UK + row * kMmLdv, *dv = Vs + row * kMmLdv;
+        if (t >= c.T) {
+#pragma unroll
+            for (int p = half; p < kMmD / 8; p += 2) store_zero16(dk + p * 8), store_zero16(dv + p * 8);
+        } else {
+            int cur = 0;
+            while (t >= sp[cur].end) cur++;
+            const AttSpan &s = sp[cur];
+            const int64_t off = (t - s.start) * s.stride;
+#pragma unroll
+            for (int p = half; p < kMmD / 8; p += 2) {
+                if (s.aligned) {
+                    cp_async16(dk + p * 8, s.k + off + p * 8);
+                    cp_async16(dv + p * 8, s.v + off + p * 8);
+                } else {
+                    load8_slow(dk + p * 8, s.k + off + p * 8, 8);
+                    load8_slow(dv + p * 8, s.v + off + p * 8, 8);
+                }
+            }
+        }
+        if (half == 0) miss_s[row] = 0;
+    }
+}
+
+__global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_constant__ AttendArgs a, int ipc)
+{
+    __shared__ AttSpan sp_s[SKV_MAX_SPANS];
+    __shared__ int64_t T_s;
+    __shared__ float red_m[kMmGroups][4][kMmMaxG], red_l[kMmGroups][4][kMmMaxG];
+    const skv_cuda_shape &sh = a.sh;
+    const MmLayout L = mm_layout(sh.r);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, q = warp >> 2, w = warp & 3, qt = tid & 127;
+    const int g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const int G = a.G, r = sh.r;
+    uint16_t *Ws = reinterpret_cast<uint16_t *>(skv_attn_smem);
+    unsigned char *st = skv_attn_smem + L.off_groups + q * L.stage_bytes;
+
+    MmCtx c;
+    c.b = b;
+    c.h = h;
+    c.n_sel = a.it.n_sel;
+    const int i0 = blockIdx.x * ipc, i1 = min(a.it.n_items, i0 + ipc);
+
+    /* W_h: nothing a step writes */
+    {
+        const uint16_t *Wh = a.seqs[b].w + (int64_t)h * kMmD;
+        const int64_t ldW = (int64_t)a.Hk * kMmD;
+        const bool wa = ((uintptr_t)a.seqs[b].w & 15) == 0;
+        for (int idx = tid; idx < r * (kMmD / 8); idx += kMmNT) {
+            const int k = idx >> 4, p = idx & 15;
+            uint16_t *dst = Ws + k * kMmLdv + p * 8;
+            if (wa) cp_async16(dst, Wh + (int64_t)k * ldW + p * 8);
+            else load8_slow(dst, Wh + (int64_t)k * ldW + p * 8, 8);
+        }
+    }
+    pdl_wait();
+    if (tid == 0) {
+        const int n = att_resident_spans(a, b, h, sp_s);
+        T_s = n ? sp_s[n - 1].end : 0;
+    }
+    __syncthreads();
+    c.T = T_s;
+    int item = i0 + q;
+    if (item < i1) mm_issue(a, c, L, st, item, qt, sp_s);
+    cp_async_commit();
+
+    /* Q of the group as A fragments (rows = query heads; rows >= G are zero) */
+    const int64_t head0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    uint32_t qa[8][2];
+    {
+        const uint16_t *qin = (const uint16_t *)a.io->q + head0 * kMmD;
+#pragma unroll
+        for (int kd = 0; kd < 8; kd++) {
+            uint32_t lo = 0, hi = 0;
+            if (g < G) {
+                const uint16_t *p = qin + g * kMmD + 16 * kd + 2 * t;
+                lo = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+                hi = (uint32_t)p[8] | ((uint32_t)p[9] << 16);
+            }
+            qa[kd][0] = lo;
+            qa[kd][1] = hi;
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads(); /* W_h and every group's first tile */
+
+    const float scl = a.scale_log2;
+    const int64_t SC = (int64_t)sh.S * sh.c;
+    const uint16_t *UK = reinterpret_cast<const uint16_t *>(st);
+    const uint16_t *Vs = reinterpret_cast<const uint16_t *>(st + L.off_v);
+    const int64_t *tok_s = reinterpret_cast<const int64_t *>(st + L.off_tok);
+    const int32_t *miss_s = reinterpret_cast<const int32_t *>(st + L.off_miss);
+    for (bool first = true; item < i1; item += kMmGroups, first = false) {
+        if (item >= c.n_sel && (int64_t)(item - c.n_sel) * kMmTT >= c.T) {
+            /* an empty resident item (the generated region not yet filled): an empty partial,
+               no loads and no barrier (group-uniform) */
+            float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
+            for (int i = qt; i < G * kMmD; i += kMmGroupNT)
+                acc_out[(i >> 7) * (int64_t)a.it.n_items * kMmD + (i & (kMmD - 1))] = 0.0f;
+            if (qt < G) a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(-INFINITY, 0.0f);
+            continue;
+        }
+        if (!first) {
+            mm_issue(a, c, L, st, item, qt, sp_s);
+            cp_async_commit();
+            cp_async_wait_all();
+            group_bar(q);
+        }
+        const bool sel = item < c.n_sel;
+        int nvalid;
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        if (sel) {
+            nvalid = (int)(SC - (int64_t)item * kMmTT < kMmTT ? SC - (int64_t)item * kMmTT : kMmTT);
+            /* rebuild: acc[j] = rows 16w + (g, g + 8), columns 8j + 2t, +1 */
+            float acc[16][4];
+#pragma unroll
+            for (int j = 0; j < 16; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            const uint16_t *ua = UK + (16 * w + (lane & 15)) * L.ldu + (lane >> 4) * 8;
+            const uint16_t *wb = Ws + ((lane & 7) + ((lane >> 3) & 1) * 8) * kMmLdv + (lane >> 4) * 8;
+#pragma unroll 2
+            for (int kk = 0; kk < r; kk += 16) {
+                uint32_t af[4];
+                ldsm_x4(af, ua + kk);
+#pragma unroll
+                for (int np = 0; np < 8; np++) {
+                    uint32_t bf[4];
+                    ldsm_x4_t(bf, wb + kk * kMmLdv + np * 16);
+                    mma_bf16(acc[2 * np], af[0], af[1], af[2], af[3], bf[0], bf[1]);
+                    mma_bf16(acc[2 * np + 1], af[0], af[1], af[2], af[3], bf[2], bf[3]);
+                }
+            }
+            /* RoPE: pair i = 8j + 2t + e of rows g and g + 8 is (acc[j], acc[j + 8]); the table rows
+               were prefetched into L2 when the tile was issued */
+            const int64_t p0 = tok_s[16 * w + g], p1 = tok_s[16 * w + g + 8];
+            const float *c0 = sh.cos_tab + (p0 < 0 ? 0 : p0) * (kMmD / 2) + 2 * t;
+            const float *s0 = sh.sin_tab + (p0 < 0 ? 0 : p0) * (kMmD / 2) + 2 * t;
+            const float *c1 = sh.cos_tab + (p1 < 0 ? 0 : p1) * (kMmD / 2) + 2 * t;
+            const float *s1 = sh.sin_tab + (p1 < 0 ? 0 : p1) * (kMmD / 2) + 2 * t;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float2 ca = __ldg(reinterpret_cast<const float2 *>(c0 + 8 * j));
+                const float2 sa = __ldg(reinterpret_cast<const float2 *>(s0 + 8 * j));
+                const float2 cb = __ldg(reinterpret_cast<const float2 *>(c1 + 8 * j));
+                const float2 sb = __ldg(reinterpret_cast<const float2 *>(s1 + 8 * j));
+                skv_rope_rotate(acc[j][0], acc[j + 8][0], ca.x, sa.x, &acc[j][0], &acc[j + 8][0]);
+                skv_rope_rotate(acc[j][1], acc[j + 8][1], ca.y, sa.y, &acc[j][1], &acc[j + 8][1]);
+                skv_rope_rotate(acc[j][2], acc[j + 8][2], cb.x, sb.x, &acc[j][2], &acc[j + 8][2]);
+                skv_rope_rotate(acc[j][3], acc[j + 8][3], cb.y, sb.y, &acc[j][3], &acc[j + 8][3]);
+            }
+            /* S^T = Q K^T with K (bf16) straight from the accumulators */
+#pragma unroll
+            for (int kd = 0; kd < 8; kd++) {
+                mma_bf16(sc[0], qa[kd][0], 0u, qa[kd][1], 0u, pack_bf16(acc[2 * kd][0], acc[2 * kd][1]),
+                         pack_bf16(acc[2 * kd + 1][0], acc[2 * kd + 1][1]));
+                mma_bf16(sc[1], qa[kd][0], 0u, qa[kd][1], 0u, pack_bf16(acc[2 * kd][2], acc[2 * kd][3]),
+                         pack_bf16(acc[2 * kd + 1][2], acc[2 * kd + 1][3]));
+            }
+        } else {
+            const int64_t t0 = (int64_t)(item - c.n_sel) * kMmTT;
+            nvalid = (int)(c.T - t0 <= 0 ? 0 : c.T - t0 < kMmTT ? c.T - t0 : kMmTT);
+            const uint16_t *kb = UK + (16 * w + (lane & 7) + ((lane >> 4) << 3)) * kMmLdv + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int kd = 0; kd < 8; kd++) {
+                uint32_t bf[4];
+                ldsm_x4(bf, kb + 16 * kd);
+                mma_bf16(sc[0], qa[kd][0], 0u, qa[kd][1], 0u, bf[0], bf[1]);
+                mma_bf16(sc[1], qa[kd][0], 0u, qa[kd][1], 0u, bf[2], bf[3]);
+            }
+        }
+        /* scores (log2 domain), masked past nvalid; the item's max per head over the group */
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int tok = 16 * w + 8 * nt + 2 * t + e;
+                sc[nt][e] = tok < nvalid ? sc[nt][e] * scl : -INFINITY;
+                mx = fmaxf(mx, sc[nt][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+        if (t == 0) red_m[q][w][g] = mx;
+        group_bar(q);
+        float m = red_m[q][0][g];
+#pragma unroll
+        for (int v = 1; v < 4; v++) m = fmaxf(m, red_m[q][v][g]);
+        float ps = 0.0f;
+        uint32_t ph[2], pl[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            float p[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                p[e] = m == -INFINITY ? 0.0f : exp2f(sc[nt][e] - m);
+                ps += p[e];
+            }
+            const uint32_t hi = pack_bf16(p[0], p[1]);
+            ph[nt] = hi;
+            pl[nt] = pack_bf16(p[0] - __uint_as_float(hi << 16), p[1] - __uint_as_float(hi & 0xffff0000u));
+            if (sel && a.pbuf && g < G) { /* weights of deferred tokens for the missed pass */
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int tok = 16 * w + 8 * nt + 2 * t + e;
+                    if (tok < nvalid && miss_s[tok]) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tok] = p[e];
+                }
+            }
+        }
+        ps += __shfl_xor_sync(kFullMask, ps, 1);
+        ps += __shfl_xor_sync(kFullMask, ps, 2);
+        /* O^T = V^T P^T (A: V^T from V rows 16w .. 16w + 15; B: P, which is S^T's layout);
+           m-tile i: dims 16i + g, 16i + g + 8; heads 2t, 2t + 1 */
+        float o[8][4];
+        const uint16_t *vb = Vs + (16 * w + (lane & 7) + (lane >> 4) * 8) * kMmLdv + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int mt = 0; mt < 8; mt++) {
+            uint32_t af[4];
+            ldsm_x4_t(af, vb + mt * 16);
+            o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+            mma_bf16(o[mt], af[0], af[1], af[2], af[3], ph[0], ph[1]);
+            mma_bf16(o[mt], af[0], af[1], af[2], af[3], pl[0], pl[1]);
+        }
+        /* the item's partial: warps added in order (red aliases this stage's U / K, read by now) */
+        float *red = reinterpret_cast<float *>(st);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int hd = 2 * t + (e & 1), d = 16 * j + g + (e >> 1) * 8;
+                if (hd < G) red[(w * G + hd) * kMmD + d] = o[j][e];
+            }
+        if (g < G && t == 0) red_l[q][w][g] = ps;
+        group_bar(q);
+        float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
+        const int64_t acc_stride = (int64_t)a.it.n_items * kMmD;
+        for (int i = qt; i < G * kMmD; i += kMmGroupNT) {
+            const int gg = i >> 7, d = i & (kMmD - 1);
+            float v = red[gg * kMmD + d];
+#pragma unroll
+            for (int ww = 1; ww < 4; ww++) v += red[(ww * G + gg) * kMmD + d];
+            acc_out[gg * acc_stride + d] = v;
+        }
+        if (qt < G) {
+            float l = red_l[q][0][qt], mq = red_m[q][0][qt];
+#pragma unroll
+            for (int ww = 1; ww < 4; ww++) l += red_l[q][ww][qt], mq = fmaxf(mq, red_m[q][ww][qt]);
+            a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(mq, l);
+        }
+        group_bar(q); /* red, red_m and red_l are read before the next item rewrites them */
+    }
+    pdl_trigger();
+}
+
 /*
  * The missed chunks' P V (host slots, after the fetch): per item of the selected span with a
  * missed chunk, acc[g][d] += sum over its missed tokens t (increasing) of p_t v_t, with the
@@ -1201,13 +1596,24 @@ static AttendKernel pick_attend(int DT, int gc, bool missed)
     }
 }
 
+/* The fragment kernel's shapes: D = 128, r % 16 == 0 with its shared memory within the
+   opt-in limit, G <= 8, rotate-half RoPE over all of D. */
+static bool mm_shape_ok(const skv_cuda_shape *sh)
+{
+    const int G = sh->Hq / sh->Hk;
+    return sh->D == kMmD && sh->r > 0 && sh->r % 16 == 0 && mm_layout(sh->r).bytes <= kMmSmemMax && G >= 1 &&
+           G <= kMmMaxG && !sh->interleaved && sh->rotary_dim == sh->D && sh->Hk <= 65535 && sh->B <= 65535;
+}
+
 skv_cuda_items skv_cuda_decode_items(const skv_cuda_shape *sh, int64_t max_resident)
 {
     skv_cuda_items it;
     it.tt = att_tt(att_dt(sh->D));
     it.n_sel = (int32_t)ceil_div64((int64_t)sh->S * sh->c, it.tt);
-    int64_t r = ceil_div64(max_resident, 4 * (int64_t)it.tt);
-    it.n_res = (int32_t)(r < 1 ? 1 : r > 64 ? 64 : r);
+    const int64_t one = ceil_div64(max_resident, it.tt); /* items of one tile each */
+    it.frag = mm_shape_ok(sh) && it.tt == kMmTT && one <= kMmMaxRes;
+    int64_t r = it.frag ? one : ceil_div64(max_resident, 4 * (int64_t)it.tt);
+    it.n_res = (int32_t)(r < 1 ? 1 : it.frag ? r : r > 64 ? 64 : r);
     it.n_items = it.n_sel + it.n_res;
     return it;
 }
@@ -1217,6 +1623,7 @@ skv_cuda_items skv_cuda_span_items(int32_t B, int32_t Hq, int32_t Hk, int32_t D,
     skv_cuda_items it;
     it.tt = att_tt(att_dt(D));
     it.n_sel = 0;
+    it.frag = 0;
     const int G = Hq / Hk;
     const int64_t ctas = (int64_t)B * Hk * (G / att_gc(G));
     int64_t s = ceil_div64((int64_t)3 * num_sms(), ctas);
@@ -1266,6 +1673,20 @@ cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv
 {
     if (sh->B <= 0 || sh->Hq <= 0 || sh->Hk <= 0) return cudaSuccess;
     const AttendArgs a = attend_args(sh, seqs, ws);
+    if (seqs && ws->it.frag) {
+        /* one CTA per multiprocessor and about one item per group: (b, h) pairs split into
+           ranges of items, at least one item per group */
+        const int64_t pairs = (int64_t)sh->B * sh->Hk, n_items = ws->it.n_items;
+        int64_t split = num_sms() / pairs; /* CTAs per pair: one wave (one CTA per SM fits) */
+        if (split < 1) split = 1;
+        int64_t ipc = ceil_div64(n_items, split);
+        if (ipc < kMmGroups) ipc = kMmGroups < n_items ? kMmGroups : n_items;
+        const size_t smem = mm_layout(sh->r).bytes;
+        cudaError_t e = allow_smem(attend_mma_kernel, smem);
+        if (e != cudaSuccess) return e;
+        return launch(attend_mma_kernel, dim3((unsigned)ceil_div64(n_items, ipc), (unsigned)sh->Hk, (unsigned)sh->B),
+                      dim3(kMmNT), smem, st, pdl != 0, a, (int)ipc);
+    }
     return launch_attend(st, a, sh->B, ws->it.n_items, false, pdl);
 }
 

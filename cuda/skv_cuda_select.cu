@@ -246,7 +246,9 @@ __global__ void __launch_bounds__(256)
 
 /* ---- decode selection: step 1, scores ------------------------------------------------------ */
 
-constexpr int kScNT = 128;          /* threads per block = candidates per tile */
+constexpr int kScNT = 128;          /* threads per block */
+constexpr int kScRows = 128;        /* candidates per tile: one row per thread (kScRows / kScNT rows) */
+constexpr int kScR = kScRows / kScNT;
 constexpr int kScMaxGp = 64;        /* query heads per KV head this kernel takes */
 
 struct ScoreArgs {
@@ -260,12 +262,12 @@ struct ScoreArgs {
     int32_t *step_bad;
     unsigned long long *first_bad;
     int32_t layer;
-    int32_t ntiles;                 /* tiles per (b, h): ceil(cand_max / kScNT) */
+    int32_t ntiles;                 /* tiles per (b, h): ceil(cand_max / kScRows) */
     int64_t total, per;             /* B*Hk*ntiles tiles; each block takes per consecutive ones */
 };
 
 /* Dynamic shared memory of score_kernel: two tiles of landmark rows (DT != 0), then q as [D][Gp]. */
-__host__ __device__ inline size_t score_tile_bytes(int32_t D) { return (size_t)kScNT * D * 2; }
+__host__ __device__ inline size_t score_tile_bytes(int32_t D) { return (size_t)kScRows * D * 2; }
 inline size_t score_smem_bytes(int DT, int32_t D, int32_t Gp)
 {
     return (DT ? 2 * score_tile_bytes(D) : 0) + (size_t)D * Gp * sizeof(float);
@@ -273,9 +275,41 @@ inline size_t score_smem_bytes(int DT, int32_t D, int32_t Gp)
 
 /* acc[g] = fmaf chain of q_g . row over the 8 elements of piece d0 (skv_dot_bf16's order:
    fma(q, l, acc)); qT is [D][Gp] from head g0. */
-template <int GC>
-__device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t Gp, int32_t d0, float (&acc)[GC])
+/* The same for two rows sharing the q loads; GPC != 0: Gp known at compile time (the loads
+   then take immediate offsets). */
+template <int GC, int GPC>
+__device__ __forceinline__ void score_fma8x2(const float xa[8], const float xb[8], const float *qT, int32_t Gp_rt,
+                                             int32_t d0, float (&aa)[GC], float (&ab)[GC])
 {
+    const int32_t Gp = GPC ? GPC : Gp_rt;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float *qd = qT + (d0 + i) * Gp;
+        if constexpr (GC == 4) {
+            const float4 qv = *reinterpret_cast<const float4 *>(qd);
+            aa[0] = SKV_FMA(qv.x, xa[i], aa[0]);
+            aa[1] = SKV_FMA(qv.y, xa[i], aa[1]);
+            aa[2] = SKV_FMA(qv.z, xa[i], aa[2]);
+            aa[3] = SKV_FMA(qv.w, xa[i], aa[3]);
+            ab[0] = SKV_FMA(qv.x, xb[i], ab[0]);
+            ab[1] = SKV_FMA(qv.y, xb[i], ab[1]);
+            ab[2] = SKV_FMA(qv.z, xb[i], ab[2]);
+            ab[3] = SKV_FMA(qv.w, xb[i], ab[3]);
+        } else {
+#pragma unroll
+            for (int g = 0; g < GC; g++) {
+                const float qg = qd[g];
+                aa[g] = SKV_FMA(qg, xa[i], aa[g]);
+                ab[g] = SKV_FMA(qg, xb[i], ab[g]);
+            }
+        }
+    }
+}
+
+template <int GC, int GPC>
+__device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t Gp_rt, int32_t d0, float (&acc)[GC])
+{
+    const int32_t Gp = GPC ? GPC : Gp_rt;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const float *qd = qT + (d0 + i) * Gp;
@@ -304,7 +338,7 @@ __device__ __forceinline__ void score_fma8(const float x[8], const float *qT, in
  * (atomicMax of its order image) when a block leaves a (b, h); s_0 to s0. The block holding
  * the first tile of (b, h) checks q of the group and k, v of head h; block 0 publishes io.
  */
-template <int GC, int DT, bool MULTI>
+template <int GC, int DT, bool MULTI, int GPC>
 __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
 {
     extern __shared__ __align__(16) unsigned char sc_smem[];
@@ -322,8 +356,8 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         if constexpr (DT != 0) {
             const int64_t pair = t / a.ntiles;
             const int32_t b = (int32_t)(pair / sh.Hk), h = (int32_t)(pair - (int64_t)b * sh.Hk);
-            const int32_t n = a.seqs[b].n_cand, j0 = (int32_t)(t - pair * a.ntiles) * kScNT;
-            const int32_t rows = min(kScNT, n - j0);
+            const int32_t n = a.seqs[b].n_cand, j0 = (int32_t)(t - pair * a.ntiles) * kScRows;
+            const int32_t rows = min(kScRows, n - j0);
             unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
             const uint16_t *src = a.seqs[b].landmarks + ((int64_t)h * n + j0) * D;
             for (int32_t idx = tid; idx < rows * NC; idx += kScNT) {
@@ -405,25 +439,65 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         cp_async_commit();
         cp_async_wait_group<1>(); /* tile t landed (this thread's pieces) */
         __syncthreads();          /* ... and everyone's, and qT */
-        const int32_t n = a.seqs[b].n_cand, j = (int32_t)(t - pair * a.ntiles) * kScNT + tid;
-        if (j < n) {
-            const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
-            const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+        const int32_t n = a.seqs[b].n_cand, jt = (int32_t)(t - pair * a.ntiles) * kScRows;
+        /* s_j of row j of the tile for query heads g0 .. g0 + GC - 1 (G past: not written) */
+        auto emit = [&](int pi, int32_t j, const float (&acc)[GC]) {
+            const int32_t g0 = pi * GC;
 #pragma unroll
-            for (int pi = 0; pi < NPASS; pi++) {
-                const int32_t g0 = pi * GC;
-                if (g0 >= Gp) break;
-                float acc[GC];
+            for (int g = 0; g < GC; g++) {
+                if (g0 + g >= G) break;
+                const float sc = SKV_MUL(acc[g], sh.scale);
+                const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
+                a.scores[row_i * sh.cand_max + j] = sc;
+                mx[pi][g] = fmaxf(mx[pi][g], sc); /* NaN never wins */
+                if (j == 0) a.s0[row_i] = sc;
+            }
+        };
+        if constexpr (DT != 0) {
+            /* rows tid and tid + kScNT together (one q load feeds both chains); piece k of a
+               row sits at (k + row) % NC, and kScNT % NC == 0 */
+            static_assert(kScNT % (DT / 8) == 0, "row rotation");
+            static_assert(kScR == 1 || kScR == 2, "one or two rows per thread");
+            const int32_t ja = jt + tid, jb = ja + kScNT;
+            if (ja < n) {
+                const unsigned char *ra = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+                const unsigned char *rb = ra + (size_t)kScNT * 2 * D; /* past the tile's rows: not stored */
 #pragma unroll
-                for (int g = 0; g < GC; g++) acc[g] = 0.0f;
-                if constexpr (DT != 0) {
+                for (int pi = 0; pi < NPASS; pi++) {
+                    const int32_t g0 = pi * GC;
+                    if (g0 >= Gp) break;
+                    float aa[GC], ab[GC];
 #pragma unroll
+                    for (int g = 0; g < GC; g++) aa[g] = ab[g] = 0.0f;
+                    constexpr int UNR = NC > 16 ? 8 : NC; /* D = 256: bounded, no spills */
+#pragma unroll UNR
                     for (int32_t k = 0; k < NC; k++) {
-                        float x[8];
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k + tid) % NC) * 16), x);
-                        score_fma8<GC>(x, qT + g0, Gp, k * 8, acc);
+                        float xa[8], xb[8];
+                        const int32_t off = ((k + tid) % NC) * 16;
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(ra + off), xa);
+                        if constexpr (kScR == 2) {
+                            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(rb + off), xb);
+                            score_fma8x2<GC, GPC>(xa, xb, qT + g0, Gp, k * 8, aa, ab);
+                        } else {
+                            score_fma8<GC, GPC>(xa, qT + g0, Gp, k * 8, aa);
+                        }
                     }
-                } else {
+                    emit(pi, ja, aa);
+                    if (kScR == 2 && jb < n) emit(pi, jb, ab);
+                }
+            }
+        } else {
+            for (int rr = 0; rr < kScRows / kScNT; rr++) {
+                const int32_t j = jt + tid + rr * kScNT;
+                if (j >= n) break;
+                const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
+#pragma unroll
+                for (int pi = 0; pi < NPASS; pi++) {
+                    const int32_t g0 = pi * GC;
+                    if (g0 >= Gp) break;
+                    float acc[GC];
+#pragma unroll
+                    for (int g = 0; g < GC; g++) acc[g] = 0.0f;
                     const int v = row_vec(L, D);
                     for (int32_t d = 0; d < D; d += 2) {
                         float x[2];
@@ -434,15 +508,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
 #pragma unroll
                             for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qT[(d + i) * Gp + g0 + g], x[i], acc[g]);
                     }
-                }
-#pragma unroll
-                for (int g = 0; g < GC; g++) {
-                    if (g0 + g >= G) break;
-                    const float sc = SKV_MUL(acc[g], sh.scale);
-                    const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
-                    a.scores[row_i * sh.cand_max + j] = sc;
-                    mx[pi][g] = fmaxf(mx[pi][g], sc); /* NaN never wins */
-                    if (j == 0) a.s0[row_i] = sc;
+                    emit(pi, j, acc);
                 }
             }
         }
@@ -562,14 +628,20 @@ struct SelectArgs {
     int32_t *vsrc, *mlist, *mcount;     /* host slots */
     const int32_t *step_bad;            /* NULL: op-level (no chunk caches) */
     unsigned long long *vc_counts;
+    /* the fused kernel: scores turned into e in place, the max accumulators */
+    float *s;
+    const unsigned *macc;
+    const float *s0;
 };
 
-struct SelectSmem {
-    TopkSmem<kSeNT> tk;
-    uint32_t *keys; /* [kSeTile], dynamic shared memory */
-    int32_t hits[kSeNT / 32];
+template <int NT>
+struct SelectSmemT {
+    TopkSmem<NT> tk;
+    uint32_t *keys; /* the keys of a tile, dynamic shared memory */
+    int32_t hits[NT / 32];
     int last;
 };
+using SelectSmem = SelectSmemT<kSeNT>;
 /* Keys in shared memory at key_slot(i): one pad word per 32 keys, so that both the strided
    reads of the radix passes and the contiguous runs of the ordered compaction are free of
    bank conflicts. */
@@ -584,7 +656,8 @@ constexpr size_t kSeKeyBytes = (size_t)(kSeTile + kSeTile / 32) * sizeof(uint32_
  * changes (the step's values are never read back). The state update touches disjoint words:
  * an evicted candidate is cached, a missed one is not.
  */
-__device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectSmem &sm)
+template <int NT>
+__device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectSmemT<NT> &sm)
 {
     const skv_cuda_shape &sh = a.sh;
     const int32_t S = sh.S, n = a.seqs[b].n_cand;
@@ -592,12 +665,12 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
     int32_t *sel = a.sel_idx + bh * S;
     const int32_t *cids = a.seqs[b].cand_ids;
     if (a.sel_ids && cids)
-        for (int32_t s = threadIdx.x; s < S; s += kSeNT) a.sel_ids[bh * S + s] = cids[(int64_t)h * n + sel[s]];
+        for (int32_t s = threadIdx.x; s < S; s += NT) a.sel_ids[bh * S + s] = cids[(int64_t)h * n + sel[s]];
     const skv_cuda_seq &sq = a.seqs[b];
     if (!a.step_bad) return; /* op-level: no cache state */
     const int bad = *a.step_bad != 0;
     if (!bad) /* a good step publishes its selection (a bad one keeps the last) */
-        for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+        for (int32_t s = threadIdx.x; s < S; s += NT) {
             sq.pub_sel_idx[(int64_t)h * S + s] = sel[s];
             if (a.sel_ids && cids) sq.pub_sel_ids[(int64_t)h * S + s] = a.sel_ids[bh * S + s];
         }
@@ -608,7 +681,7 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
     int32_t *vsrc = a.vsrc + bh * S, *mlist = a.mlist + bh * S;
     /* hits: stamped now (pinned); misses marked */
     int nh = 0;
-    for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+    for (int32_t s = threadIdx.x; s < S; s += NT) {
         const int32_t e = slot_of[sel[s]];
         if (e >= 0) {
             nh++;
@@ -622,15 +695,15 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
     if ((threadIdx.x & 31) == 0) sm.hits[threadIdx.x >> 5] = nh;
     __syncthreads(); /* stamps and vsrc visible */
     int32_t hits = 0;
-    for (int w = 0; w < kSeNT / 32; w++) hits += sm.hits[w];
+    for (int w = 0; w < NT / 32; w++) hits += sm.hits[w];
     const int32_t n_miss = S - hits;
     /* victims into mlist[0..n_miss) in increasing entry order (scratch: positions come next) */
-    block_topk<kSeNT, false>(
+    block_topk<NT, false>(
         E, n_miss,
         [=](int32_t e) { return stamp[e] == step && !bad ? 0u : ~(uint32_t)(stamp[e] + 1); },
         [=](int32_t pos, int32_t e) { mlist[pos] = e; }, [](int32_t, int32_t) {}, sm.tk);
     /* miss ranks: the misses' positions in increasing s, by the same ordered compaction */
-    block_topk<kSeNT, false>(
+    block_topk<NT, false>(
         S, n_miss, [=](int32_t s) { return vsrc[s] < 0 ? 1u : 0u; },
         [=](int32_t pos, int32_t s) {
             const int32_t e = mlist[pos]; /* this thread's own victim: read before it is replaced */
@@ -638,7 +711,7 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
         },
         [](int32_t, int32_t) {}, sm.tk);
     __syncthreads(); /* every victim read */
-    for (int32_t s = threadIdx.x; s < S; s += kSeNT) {
+    for (int32_t s = threadIdx.x; s < S; s += NT) {
         const int32_t v = vsrc[s];
         if (v >= 0) continue;
         const int32_t e = v & 0x7fffffff, m = sel[s];
@@ -652,7 +725,7 @@ __device__ void select_finish(const SelectArgs &a, int32_t b, int32_t h, SelectS
     }
     __syncthreads();
     /* the fetch list: missed positions in increasing order */
-    block_topk<kSeNT, false>(
+    block_topk<NT, false>(
         S, n_miss, [=](int32_t s) { return vsrc[s] < 0 ? 1u : 0u; }, [=](int32_t pos, int32_t s) { mlist[pos] = s; },
         [](int32_t, int32_t) {}, sm.tk);
     if (threadIdx.x == 0) {
@@ -773,6 +846,111 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
     pdl_trigger();
 }
 
+
+/* ---- decode selection, fused: e_j, Z and the top-S of one (b, h) in one CTA ------------------ */
+
+constexpr int kSzNT = 1024;                 /* 4 sets of 256 canonical lanes */
+constexpr int32_t kSzMax = 32768;           /* candidates whose keys fit in shared memory */
+static_assert(kSzNT == 4 * SKV_CANON_LANES, "a set of threads per query head");
+
+__host__ __device__ constexpr size_t sz_key_bytes(int32_t n) { return ((size_t)n + (size_t)n / 32 + 1) * sizeof(uint32_t); }
+
+/*
+ * grid (1, Hk, B), block (h, b) when every sequence has at most kSzMax candidates: steps 2 and 3
+ * of the decode for the whole (b, h) in one CTA, with no pool and no second kernel.
+ *  1. Query heads of the group four at a time, one set of 256 threads each: lane k of the set
+ *     turns s_j into e_j = skv_expf(s_j - M) in place for j = k, k + 256, ... and adds them in
+ *     that order (the canonical partial k), then the fixed pairwise tree gives Z (expsum's
+ *     arithmetic, the same bits).
+ *  2. Keys a_j over all n candidates, then the block top-S (select_kernel's single-tile path)
+ *     and select_finish.
+ */
+__global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
+{
+    __shared__ SelectSmemT<kSzNT> sm;
+    __shared__ float part[4][SKV_CANON_LANES];
+    __shared__ float zs[kScMaxGp];
+    extern __shared__ __align__(16) uint32_t sz_keys[];
+    pdl_wait();
+    const skv_cuda_shape &sh = a.sh;
+    const int tid = threadIdx.x, set = tid >> 8, k = tid & (SKV_CANON_LANES - 1);
+    const int32_t G = sh.Hq / sh.Hk, S = sh.S;
+    const int64_t cm = sh.cand_max;
+    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
+        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
+            const int32_t n = a.seqs[b].n_cand;
+            const int64_t bh = (int64_t)b * sh.Hk + h, row0 = (int64_t)b * sh.Hq + (int64_t)h * G;
+            for (int32_t g0 = 0; g0 < G; g0 += 4) {
+                const int32_t g = g0 + set;
+                float P = 0.0f;
+                if (g < G) {
+                    const int64_t row = row0 + g;
+                    float *s = a.s + row * cm;
+                    const float first = a.s0[row];
+                    const float M = first != first ? first : order_desc_inv(a.macc[row]);
+                    int32_t j = k;
+                    constexpr int U = 4; /* loads in flight; the adds stay in order */
+                    for (; j + (U - 1) * SKV_CANON_LANES < n; j += U * SKV_CANON_LANES) {
+                        float x[U];
+#pragma unroll
+                        for (int u = 0; u < U; u++) x[u] = s[j + u * SKV_CANON_LANES];
+#pragma unroll
+                        for (int u = 0; u < U; u++) {
+                            const float ev = skv_expf(SKV_SUB(x[u], M));
+                            s[j + u * SKV_CANON_LANES] = ev;
+                            P = SKV_ADD(P, ev);
+                        }
+                    }
+                    for (; j < n; j += SKV_CANON_LANES) {
+                        const float ev = skv_expf(SKV_SUB(s[j], M));
+                        s[j] = ev;
+                        P = SKV_ADD(P, ev);
+                    }
+                }
+                part[set][k] = P;
+                __syncthreads();
+                for (int w = SKV_CANON_LANES / 2; w >= 32; w >>= 1) {
+                    if (k < w) part[set][k] = SKV_ADD(part[set][k], part[set][k + w]);
+                    __syncthreads();
+                }
+                if (k < 32 && g < G) { /* the first warp of the set, whole */
+                    float v = part[set][k];
+#pragma unroll
+                    for (int w = 16; w >= 1; w >>= 1) {
+                        const float o = __shfl_down_sync(kFullMask, v, w);
+                        v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
+                    }
+                    if (k == 0) {
+                        zs[g] = v;
+                        const_cast<float *>(a.Z)[row0 + g] = v; /* Z is the workspace's, written here */
+                    }
+                }
+                __syncthreads(); /* part is reused; zs complete after the last round */
+            }
+            /* keys a_j (select_kernel's arithmetic) into shared memory */
+            const float *e0 = a.s + row0 * cm;
+            for (int32_t j = tid; j < n; j += kSzNT) {
+                float av = SKV_DIV(e0[j], zs[0]);
+                for (int32_t g = 1; g < G; g++) {
+                    const float p = SKV_DIV(e0[g * cm + j], zs[g]);
+                    if (p > av) av = p;
+                }
+                sz_keys[key_slot(j)] = order_desc(skv_select_key(av));
+                if (a.amax) a.amax[bh * cm + j] = av;
+            }
+            __syncthreads();
+            int32_t *sel = a.sel_idx + bh * S;
+            const uint32_t *keys = sz_keys;
+            block_topk<kSzNT, false>(
+                n, min(S, n), [=](int32_t i) { return keys[key_slot(i)]; }, [=](int32_t pos, int32_t i) { sel[pos] = i; },
+                [](int32_t, int32_t) {}, sm.tk);
+            __syncthreads(); /* sel complete */
+            select_finish(a, b, h, sm);
+            __syncthreads(); /* shared memory is reused by the next (b, h) */
+        }
+    pdl_trigger();
+}
+
 } /* namespace */
 
 /* ---- launchers ------------------------------------------------------------------------- */
@@ -859,17 +1037,17 @@ int32_t skv_cuda_select_tiles(int32_t n) { return (int32_t)ceil_div64(n > 0 ? n 
 
 int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S) { return skv_cuda_select_tiles(cand_max) * S; }
 
-template <int GC, int DT, bool MULTI>
+template <int GC, int DT, bool MULTI, int GPC>
 static cudaError_t launch_score_dt(cudaStream_t st, const ScoreArgs &a, cudaKernelNodeParams *node, void **node_args)
 {
     const int32_t G = a.sh.Hq / a.sh.Hk, Gp = (G + GC - 1) / GC * GC;
     const size_t smem = score_smem_bytes(DT, a.sh.D, Gp);
-    cudaError_t e = allow_smem(score_kernel<GC, DT, MULTI>, smem);
+    cudaError_t e = allow_smem(score_kernel<GC, DT, MULTI, GPC>, smem);
     if (e != cudaSuccess) return e;
     static int per_sm_of[kScMaxGp + 1]; /* by Gp: the occupancy query is a host call; ask once */
     int per_sm = per_sm_of[Gp];
     if (!per_sm) {
-        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<GC, DT, MULTI>, kScNT, smem)) != cudaSuccess)
+        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score_kernel<GC, DT, MULTI, GPC>, kScNT, smem)) != cudaSuccess)
             return e;
         if (per_sm < 1) return cudaErrorInvalidConfiguration;
         per_sm_of[Gp] = per_sm;
@@ -880,26 +1058,29 @@ static cudaError_t launch_score_dt(cudaStream_t st, const ScoreArgs &a, cudaKern
     const unsigned nblk = (unsigned)ceil_div64(b.total, b.per);
     if (node) { /* a graph's kernel node: the caller keeps the arguments */
         *reinterpret_cast<ScoreArgs *>(node_args[0]) = b;
-        node->func = (void *)score_kernel<GC, DT, MULTI>;
+        node->func = (void *)score_kernel<GC, DT, MULTI, GPC>;
         node->gridDim = dim3(nblk);
         node->blockDim = dim3(kScNT);
         node->sharedMemBytes = (unsigned)smem;
         node->kernelParams = node_args;
         node->extra = NULL;
     }
-    return launch(score_kernel<GC, DT, MULTI>, dim3(nblk), dim3(kScNT), smem, st, false, b);
+    return launch(score_kernel<GC, DT, MULTI, GPC>, dim3(nblk), dim3(kScNT), smem, st, false, b);
 }
 
 template <int GC, bool MULTI>
 static cudaError_t launch_score_m(cudaStream_t st, const ScoreArgs &a, bool tiled, cudaKernelNodeParams *node,
                                  void **node_args)
 {
-    if (!tiled) return launch_score_dt<GC, 0, MULTI>(st, a, node, node_args);
+    if (!tiled) return launch_score_dt<GC, 0, MULTI, 0>(st, a, node, node_args);
+    const bool exact = !MULTI && a.sh.Hq / a.sh.Hk == GC; /* Gp == GC: the q offsets are constants */
     switch (a.sh.D) {
-    case 64: return launch_score_dt<GC, 64, MULTI>(st, a, node, node_args);
-    case 128: return launch_score_dt<GC, 128, MULTI>(st, a, node, node_args);
-    case 256: return launch_score_dt<GC, 256, MULTI>(st, a, node, node_args);
-    default: return launch_score_dt<GC, 0, MULTI>(st, a, node, node_args);
+    case 64: return launch_score_dt<GC, 64, MULTI, 0>(st, a, node, node_args);
+    case 128:
+        if (exact) return launch_score_dt<GC, 128, MULTI, (MULTI ? 0 : GC)>(st, a, node, node_args);
+        return launch_score_dt<GC, 128, MULTI, 0>(st, a, node, node_args);
+    case 256: return launch_score_dt<GC, 256, MULTI, 0>(st, a, node, node_args);
+    default: return launch_score_dt<GC, 0, MULTI, 0>(st, a, node, node_args);
     }
 }
 
@@ -931,7 +1112,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     sa.step_bad = ws->step_bad;
     sa.first_bad = ws->first_bad;
     sa.layer = layer;
-    sa.ntiles = (int32_t)ceil_div64(sh->cand_max, kScNT);
+    sa.ntiles = (int32_t)ceil_div64(sh->cand_max, kScRows);
     sa.total = (int64_t)sh->B * sh->Hk * sa.ntiles;
     /* the tiled path needs 16-byte aligned landmark rows: the cache's always are; op-level
        callers' pointers are checked by the caller (tiled = 0 otherwise) */
@@ -944,11 +1125,8 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                     : G <= 4 ? launch_score<4>(st, sa, tiled, node, args)
                              : launch_score<8>(st, sa, tiled, node, args);
     if (e != cudaSuccess) return e;
-    e = launch(expsum_kernel, dim3((unsigned)ceil_div64(sh->cand_max, kExTile), clamp_yz(sh->Hq), clamp_yz(sh->B)),
-               dim3(kExNT), 0, st, true, *sh, seqs, ws->scores, (const unsigned *)ws->macc, (const float *)ws->s0,
-               ws->Z, ws->cnt_e);
-    if (e != cudaSuccess) return e;
     SelectArgs a;
+    memset(&a, 0, sizeof a);
     a.sh = *sh;
     a.seqs = seqs;
     a.e = ws->scores;
@@ -964,6 +1142,22 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     a.mcount = ws->mcount;
     a.step_bad = io->k ? ws->step_bad : NULL;
     a.vc_counts = ws->vc_counts;
+    a.s = ws->scores;
+    a.macc = (const unsigned *)ws->macc;
+    a.s0 = (const float *)ws->s0;
+    /* one CTA per (b, h) computes e, Z and the selection together when there are enough pairs
+       to fill a good part of the GPU (a few pairs leave the long chains of one CTA exposed) */
+    if (sh->cand_max <= kSzMax && (int64_t)sh->B * sh->Hk * 3 >= num_sms()) {
+        const size_t smem = sz_key_bytes(sh->cand_max);
+        if ((e = allow_smem(selz_kernel, smem)) != cudaSuccess) return e;
+        e = launch(selz_kernel, dim3(1, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kSzNT), smem, st, true, a);
+        if (launches) *launches += 2;
+        return e;
+    }
+    e = launch(expsum_kernel, dim3((unsigned)ceil_div64(sh->cand_max, kExTile), clamp_yz(sh->Hq), clamp_yz(sh->B)),
+               dim3(kExNT), 0, st, true, *sh, seqs, ws->scores, (const unsigned *)ws->macc, (const float *)ws->s0,
+               ws->Z, ws->cnt_e);
+    if (e != cudaSuccess) return e;
     if ((e = allow_smem(select_kernel, kSeKeyBytes)) != cudaSuccess) return e;
     e = launch(select_kernel, dim3((unsigned)skv_cuda_select_tiles(sh->cand_max), clamp_yz(sh->Hk), clamp_yz(sh->B)),
                dim3(kSeNT), kSeKeyBytes, st, true, a);

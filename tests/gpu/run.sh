@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU test and benchmark driver, run on the device machine from the repo root:
 #
-#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize]
+#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
 #
 #   quick     build; the GPU tests with short settings; a short decode benchmark
 #   decode    build; test_cuda and test_placement; the decode benchmark over every
@@ -13,6 +13,11 @@
 #   prefill   build; the factorization benchmark (16k..1M, with the GPU baselines) and
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
+#   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
+#             decode modes run into build/dev: one stripped libshadowkv.so.0 that
+#             the tests and skv-bench link to (small enough to carry to the device
+#             machine with .deps); then PREBUILT=build/dev bash tests/gpu/run.sh decode
+#             there skips the build (minutes of nvcc on a fresh machine)
 #
 # Writes under $OUT (default build/gpu-out), at most 8 files: log.txt (this script's
 # output), tests_log.txt (every test's full output), tests.json (per-binary result
@@ -23,9 +28,26 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize) ;;
-  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize)"; exit 2 ;;
+  quick|decode|full|prefill|sanitize|pack) ;;
+  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|pack)"; exit 2 ;;
 esac
+if [ "$MODE" = pack ]; then
+  set -e
+  DEPS=$PWD/.deps
+  make -j"$(nproc)" SKV_DEPS=$DEPS lib build/obj/tests/common/synth.o build/obj/tests/common/testutil.o >/dev/null
+  rm -rf build/dev && mkdir -p build/dev
+  strip -o build/dev/libshadowkv.so.0 build/libshadowkv.so
+  L=$DEPS/usr/lib/x86_64-linux-gnu
+  CFL="-std=c99 -D_POSIX_C_SOURCE=200809L -O2 -fopenmp -DSKV_HAVE_CUDA -Iinclude -Ilib -I$DEPS/usr/include
+       -I$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread -I/usr/local/cuda/include -Itests/common"
+  LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
+       -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
+  COMMON="build/obj/tests/common/synth.o build/obj/tests/common/testutil.o"
+  for t in test_cuda test_placement; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
+  cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
+  du -sh build/dev
+  exit 0
+fi
 OUT=${OUT:-build/gpu-out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
@@ -51,13 +73,19 @@ if ! printf '#include <lapacke.h>\n#include <cblas.h>\nint main(void){return 0;}
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 
+TBIN=build/tests BIN=build
+if [ -n "${PREBUILT:-}" ]; then
+  TBIN=$PREBUILT BIN=$PREBUILT
+  stamp "prebuilt binaries in $PREBUILT (no build)"
+else
 stamp "build"
 TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads"
-make -j"$(nproc)" $MAKEVARS lib build/skv-bench build/demo $(for t in $TESTS; do echo build/tests/$t; done) \
+make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
 tail -3 "$TMP/build.txt"
 [ $rc -eq 0 ] || { grep -E "error|warning" "$TMP/build.txt" | head -60; echo "BUILD FAILED"; exit 1; }
+fi
 
 # runs one test binary; records its closing line in tests.json
 echo "{" > "$TMP/tests.tmp"
@@ -75,30 +103,30 @@ run_test() {
 }
 memcheck() {
   TEST_TIMEOUT=300 run_test "memcheck_$1" compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 \
-    build/tests/$1 "${@:2}"
+    $TBIN/$1 "${@:2}"
   grep -h "ERROR SUMMARY" "$TMP/t_memcheck_$1.txt"
 }
 
 case "$MODE" in
   quick)
-    run_test test_cuda build/tests/test_cuda
-    run_test test_placement build/tests/test_placement
-    run_test backend_ops_cuda build/tests/backend_ops -b cuda
-    run_test test_contract build/tests/test_contract 20
-    run_test test_e2e build/tests/test_e2e ;;
+    run_test test_cuda $TBIN/test_cuda
+    run_test test_placement $TBIN/test_placement
+    run_test backend_ops_cuda $TBIN/backend_ops -b cuda
+    run_test test_contract $TBIN/test_contract 20
+    run_test test_e2e $TBIN/test_e2e ;;
   decode)
-    run_test test_cuda build/tests/test_cuda
-    run_test test_placement build/tests/test_placement ;;
+    run_test test_cuda $TBIN/test_cuda
+    run_test test_placement $TBIN/test_placement ;;
   full)
-    run_test test_cuda build/tests/test_cuda
-    run_test test_placement build/tests/test_placement
-    run_test backend_ops_cuda build/tests/backend_ops -b cuda
-    run_test test_contract build/tests/test_contract 100
-    run_test test_accuracy build/tests/test_accuracy
-    run_test test_e2e build/tests/test_e2e
-    run_test test_numerics build/tests/test_numerics
-    run_test test_bad_input build/tests/test_bad_input
-    run_test test_threads build/tests/test_threads
+    run_test test_cuda $TBIN/test_cuda
+    run_test test_placement $TBIN/test_placement
+    run_test backend_ops_cuda $TBIN/backend_ops -b cuda
+    run_test test_contract $TBIN/test_contract 100
+    run_test test_accuracy $TBIN/test_accuracy
+    run_test test_e2e $TBIN/test_e2e
+    run_test test_numerics $TBIN/test_numerics
+    run_test test_bad_input $TBIN/test_bad_input
+    run_test test_threads $TBIN/test_threads
     memcheck test_cuda
     memcheck test_placement ;;
   sanitize)
@@ -112,7 +140,7 @@ decode_bench() {
   stamp "dense baseline (torch sdpa flash)"
   timeout 240 python3 tests/gpu/dense_decode.py $DENSE_ARGS > "$TMP/dense.json"
   stamp "skv-bench decode $args"
-  timeout 480 build/skv-bench decode --backend cuda $args --json > "$OUT/bench_decode.json"
+  timeout 480 $BIN/skv-bench decode --backend cuda $args --json > "$OUT/bench_decode.json"
   stamp "decode table"
   python3 tests/gpu/decode_table.py "$OUT/bench_decode.json" "$TMP/dense.json" "$TMP/gpu.txt" > "$OUT/decode.json"
 }
@@ -129,7 +157,7 @@ ncu_decode() {
     stamp "ncu: decode kernels at $1 tokens, batch $2, device values, fresh queries"
     echo "== ctx $1 batch $2" >> "$OUT/ncu.txt"
     timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|attend|combine" \
-      --launch-skip 5 --launch-count 5 --metrics $M build/skv-bench decode --backend cuda --ctx $1 --batch $2 \
+      --launch-skip 5 --launch-count 5 --metrics $M $BIN/skv-bench decode --backend cuda --ctx $1 --batch $2 \
       --placement device --workload fresh --steps 2 --warmup 1 2>/dev/null |
       grep -E "void|_kernel|duration|pct|inst_exec|stalled|bytes" |
       sed -e 's/smsp__average_warps_issue_stalled_//' -e 's/_per_issue_active.ratio//' -e 's/  */ /g' | cut -c1-100 |
@@ -148,11 +176,11 @@ if [ "$MODE" = decode ] || [ "$MODE" = full ]; then
 fi
 if [ "$MODE" = prefill ]; then
   stamp "skv-bench factorize --n 16384..1048576 (GPU routes and baselines; cpu up to 64k)"
-  timeout 400 build/skv-bench factorize --n 16384,65536,131072,524288,1048576 --json > "$OUT/factorize.json"
+  timeout 400 $BIN/skv-bench factorize --n 16384,65536,131072,524288,1048576 --json > "$OUT/factorize.json"
   stamp "demos: 32 layers; one 131072-token sequence, 8 of 32768, one of 65536"
-  { echo '{"one_128k": '; timeout 200 build/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json;
-    echo ', "batch8_32k": '; timeout 200 build/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 --share-layers --json;
-    echo ', "one_64k": '; timeout 200 build/demo --backend cuda --layers 32 --ctx 65536 --steps 32 --share-layers --json;
+  { echo '{"one_128k": '; timeout 200 $BIN/demo --backend cuda --layers 32 --ctx 131072 --steps 32 --share-layers --json;
+    echo ', "batch8_32k": '; timeout 200 $BIN/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 --share-layers --json;
+    echo ', "one_64k": '; timeout 200 $BIN/demo --backend cuda --layers 32 --ctx 65536 --steps 32 --share-layers --json;
     echo '}'; } > "$OUT/demo.json"
 fi
 sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
