@@ -835,8 +835,8 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
  * group works on tokens 16w .. 16w + 15, everything in mma fragments: the rebuild
  * K_pre = U W_h (m16n8k16 bf16, float accumulate), RoPE on the accumulators (the pair
  * (i, i + 64) sits in the same thread), K rounded to bf16 and used in place as the B operand of
- * S^T = Q K^T (query heads are the rows), and P (split into two bf16 parts, hi + lo, so the
- * weights keep 16 bits) as the B operand of O^T = V^T P^T. The group shares the item's max per
+ * S^T = Q K^T (query heads are the rows), and P (split exactly into three bf16 parts,
+ * hi + mid + lo, so the weights keep all 24 bits) as the B operand of O^T = V^T P^T. The group shares the item's max per
  * head (one barrier); the warps' sums and O are added in warp order, so the result has the same
  * bits whatever runs first. Four groups per SM hide each other's load latency.
  * ============================================================================================= */
@@ -1154,7 +1154,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
 #pragma unroll
         for (int v = 1; v < 4; v++) m = fmaxf(m, red_m[q][v][g]);
         float ps = 0.0f;
-        uint32_t ph[2], pl[2];
+        uint32_t ph[2], pm[2], pl[2];
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
             float p[2];
@@ -1163,9 +1163,13 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
                 p[e] = m == -INFINITY ? 0.0f : exp2f(sc[nt][e] - m);
                 ps += p[e];
             }
-            const uint32_t hi = pack_bf16(p[0], p[1]);
+            /* p = hi + mid + lo exactly: three bf16 of 8 significant bits each hold its 24 */
+            const float r0 = p[0] - __uint_as_float(pack_bf16(p[0], p[1]) << 16);
+            const float r1 = p[1] - __uint_as_float(pack_bf16(p[0], p[1]) & 0xffff0000u);
+            const uint32_t hi = pack_bf16(p[0], p[1]), mid = pack_bf16(r0, r1);
             ph[nt] = hi;
-            pl[nt] = pack_bf16(p[0] - __uint_as_float(hi << 16), p[1] - __uint_as_float(hi & 0xffff0000u));
+            pm[nt] = mid;
+            pl[nt] = pack_bf16(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
             if (sel && a.pbuf && g < G) { /* weights of deferred tokens for the missed pass */
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
@@ -1185,8 +1189,9 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             uint32_t af[4];
             ldsm_x4_t(af, vb + mt * 16);
             o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+            mma_bf16(o[mt], af[0], af[1], af[2], af[3], pl[0], pl[1]); /* smallest first */
+            mma_bf16(o[mt], af[0], af[1], af[2], af[3], pm[0], pm[1]);
             mma_bf16(o[mt], af[0], af[1], af[2], af[3], ph[0], ph[1]);
-            mma_bf16(o[mt], af[0], af[1], af[2], af[3], pl[0], pl[1]);
         }
         /* the item's partial: warps added in order (red aliases this stage's U / K, read by now) */
         float *red = reinterpret_cast<float *>(st);

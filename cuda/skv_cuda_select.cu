@@ -889,7 +889,7 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
                     const float first = a.s0[row];
                     const float M = first != first ? first : order_desc_inv(a.macc[row]);
                     int32_t j = k;
-                    constexpr int U = 4; /* loads in flight; the adds stay in order */
+                    constexpr int U = 16; /* loads in flight (one L2 round trip per U); the adds stay in order */
                     for (; j + (U - 1) * SKV_CANON_LANES < n; j += U * SKV_CANON_LANES) {
                         float x[U];
 #pragma unroll
@@ -927,9 +927,34 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
                 }
                 __syncthreads(); /* part is reused; zs complete after the last round */
             }
-            /* keys a_j (select_kernel's arithmetic) into shared memory */
+            /* keys a_j (select_kernel's arithmetic) into shared memory; up to 4 query heads, 8
+               candidates per thread at a time (32 loads in flight) */
             const float *e0 = a.s + row0 * cm;
-            for (int32_t j = tid; j < n; j += kSzNT) {
+            int32_t jb = tid;
+            if (G <= 4) {
+                constexpr int V = 8;
+                for (; jb + (V - 1) * kSzNT < n; jb += V * kSzNT) {
+                    float ev[V][4];
+#pragma unroll
+                    for (int u = 0; u < V; u++)
+#pragma unroll
+                        for (int g = 0; g < 4; g++) ev[u][g] = g < G ? e0[g * cm + jb + u * kSzNT] : 0.0f;
+#pragma unroll
+                    for (int u = 0; u < V; u++) {
+                        const int32_t j = jb + u * kSzNT;
+                        float av = SKV_DIV(ev[u][0], zs[0]);
+#pragma unroll
+                        for (int g = 1; g < 4; g++) {
+                            if (g >= G) break;
+                            const float p = SKV_DIV(ev[u][g], zs[g]);
+                            if (p > av) av = p;
+                        }
+                        sz_keys[key_slot(j)] = order_desc(skv_select_key(av));
+                        if (a.amax) a.amax[bh * cm + j] = av;
+                    }
+                }
+            }
+            for (int32_t j = jb; j < n; j += kSzNT) {
                 float av = SKV_DIV(e0[j], zs[0]);
                 for (int32_t g = 1; g < G; g++) {
                     const float p = SKV_DIV(e0[g * cm + j], zs[g]);
@@ -1146,8 +1171,9 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     a.macc = (const unsigned *)ws->macc;
     a.s0 = (const float *)ws->s0;
     /* one CTA per (b, h) computes e, Z and the selection together when there are enough pairs
-       to fill a good part of the GPU (a few pairs leave the long chains of one CTA exposed) */
-    if (sh->cand_max <= kSzMax && (int64_t)sh->B * sh->Hk * 3 >= num_sms()) {
+       to fill a good part of the GPU, or few candidates (one select tile); a few pairs over many
+       candidates leave the long chains of one CTA exposed and take the split path */
+    if (sh->cand_max <= kSzMax && ((int64_t)sh->B * sh->Hk * 3 >= num_sms() || sh->cand_max <= kSeTile)) {
         const size_t smem = sz_key_bytes(sh->cand_max);
         if ((e = allow_smem(selz_kernel, smem)) != cudaSuccess) return e;
         e = launch(selz_kernel, dim3(1, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kSzNT), smem, st, true, a);

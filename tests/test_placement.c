@@ -185,11 +185,13 @@ static skv_cache *make_cache(world *wd, int64_t budget)
 }
 
 
-static void test_equivalence(skv_backend be, uint64_t seed, int64_t *hits_out, int64_t *miss_out)
+/* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel */
+static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_t *hits_out, int64_t *miss_out)
 {
     world wd;
     memset(&wd, 0, sizeof wd);
     wd.cfg = base_config();
+    wd.cfg.head_dim = head_dim;
     wd.be = be;
     skvt_rng r;
     skvt_rng_seed(&r, seed);
@@ -349,18 +351,23 @@ int main(void)
     uint64_t seed = skvt_base_seed("test_placement");
     test_split();
     const skv_backend bes[3] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
-    int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
-    for (int i = 0; i < 3; i++) {
-        if (skv_backend_available(bes[i]) != SKV_OK) {
-            skvt_skip("cuda backend not available on this machine");
-            continue;
+    static const int dims[2] = {64, 128};
+    for (int di = 0; di < 2; di++) {
+        int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
+        printf("head_dim %d\n", dims[di]);
+        for (int i = 0; i < 3; i++) {
+            if (skv_backend_available(bes[i]) != SKV_OK) {
+                skvt_skip("cuda backend not available on this machine");
+                continue;
+            }
+            test_equivalence(bes[i], seed + (uint64_t)di, dims[di], &hits[i], &miss[i]);
         }
-        test_equivalence(bes[i], seed, &hits[i], &miss[i]);
+        for (int i = 1; i < 3; i++)
+            if (hits[i] >= 0)
+                SKVT_CHECK(hits[i] == hits[0] && miss[i] == miss[0],
+                           "head_dim %d: %s counts %lld hits, %lld misses; ref %lld, %lld", dims[di],
+                           skv_backend_name(bes[i]), (long long)hits[i], (long long)miss[i], (long long)hits[0],
+                           (long long)miss[0]);
     }
-    for (int i = 1; i < 3; i++)
-        if (hits[i] >= 0)
-            SKVT_CHECK(hits[i] == hits[0] && miss[i] == miss[0], "%s counts %lld hits, %lld misses; ref %lld, %lld",
-                       skv_backend_name(bes[i]), (long long)hits[i], (long long)miss[i], (long long)hits[0],
-                       (long long)miss[0]);
     return skvt_finish();
 }
