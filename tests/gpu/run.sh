@@ -22,7 +22,9 @@
 # Writes under $OUT (default build/gpu-out), at most 8 files: log.txt (this script's
 # output), tests_log.txt (every test's full output), tests.json (per-binary result
 # lines), decode.json (the decode table), bench_decode.json, ncu.txt, factorize.json,
-# demo.json. Extra environment: BENCH_ARGS replaces the decode benchmark's grid.
+# demo.json. Extra environment: BENCH_ARGS replaces the decode benchmark's grid,
+# NCU_CONFIGS the profiled "ctx batch" pairs (comma-separated; none: no profile),
+# PREBUILT (see pack).
 # Needs no network: when the system lacks LAPACKE/OpenBLAS it builds with the
 # extracted Debian packages in .deps (make SKV_DEPS=.deps).
 set -uo pipefail
@@ -149,20 +151,25 @@ decode_bench() {
 ncu_decode() {
   local M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
   M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
-  for r in barrier long_scoreboard short_scoreboard wait mio_throttle membar no_instruction; do
+  for r in barrier long_scoreboard short_scoreboard wait mio_throttle lg_throttle math_pipe_throttle membar no_instruction; do
     M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
   done
-  for cfgs in "131072 8" "131072 1" "32768 8" "1048576 1"; do
+  local IFS_SAVE=$IFS
+  IFS=,
+  for cfgs in ${NCU_CONFIGS:-131072 8,131072 1,32768 8,1048576 1}; do
+    IFS=$IFS_SAVE
     set -- $cfgs
     stamp "ncu: decode kernels at $1 tokens, batch $2, device values, fresh queries"
     echo "== ctx $1 batch $2" >> "$OUT/ncu.txt"
-    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|attend|combine" \
+    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|selz|attend|combine" \
       --launch-skip 5 --launch-count 5 --metrics $M $BIN/skv-bench decode --backend cuda --ctx $1 --batch $2 \
       --placement device --workload fresh --steps 2 --warmup 1 2>/dev/null |
       grep -E "void|_kernel|duration|pct|inst_exec|stalled|bytes" |
       sed -e 's/smsp__average_warps_issue_stalled_//' -e 's/_per_issue_active.ratio//' -e 's/  */ /g' | cut -c1-100 |
       tee -a "$OUT/ncu.txt"
+    IFS=,
   done
+  IFS=$IFS_SAVE
 }
 
 if [ "$MODE" = quick ]; then
@@ -172,7 +179,7 @@ fi
 if [ "$MODE" = decode ] || [ "$MODE" = full ]; then
   DENSE_ARGS="--ctx 32768,131072,1048576 --batch 1,8,32"
   decode_bench "${BENCH_ARGS:---ctx 32768,131072,1048576 --batch 1,8,32 --steps 30 --warmup 5}"
-  [ "$MODE" = decode ] && ncu_decode
+  [ "$MODE" = decode ] && [ "${NCU_CONFIGS:-}" != none ] && ncu_decode
 fi
 if [ "$MODE" = prefill ]; then
   stamp "skv-bench factorize --n 16384..1048576 (GPU routes and baselines; cpu up to 64k)"
