@@ -247,8 +247,7 @@ __global__ void __launch_bounds__(256)
 /* ---- decode selection: step 1, scores ------------------------------------------------------ */
 
 constexpr int kScNT = 128;          /* threads per block */
-constexpr int kScRows = 128;        /* candidates per tile: one row per thread (kScRows / kScNT rows) */
-constexpr int kScR = kScRows / kScNT;
+constexpr int kScRows = kScNT;      /* candidates per tile: one row per thread */
 constexpr int kScMaxGp = 64;        /* query heads per KV head this kernel takes */
 
 struct ScoreArgs {
@@ -274,38 +273,8 @@ inline size_t score_smem_bytes(int DT, int32_t D, int32_t Gp)
 }
 
 /* acc[g] = fmaf chain of q_g . row over the 8 elements of piece d0 (skv_dot_bf16's order:
-   fma(q, l, acc)); qT is [D][Gp] from head g0. */
-/* The same for two rows sharing the q loads; GPC != 0: Gp known at compile time (the loads
-   then take immediate offsets). */
-template <int GC, int GPC>
-__device__ __forceinline__ void score_fma8x2(const float xa[8], const float xb[8], const float *qT, int32_t Gp_rt,
-                                             int32_t d0, float (&aa)[GC], float (&ab)[GC])
-{
-    const int32_t Gp = GPC ? GPC : Gp_rt;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float *qd = qT + (d0 + i) * Gp;
-        if constexpr (GC == 4) {
-            const float4 qv = *reinterpret_cast<const float4 *>(qd);
-            aa[0] = SKV_FMA(qv.x, xa[i], aa[0]);
-            aa[1] = SKV_FMA(qv.y, xa[i], aa[1]);
-            aa[2] = SKV_FMA(qv.z, xa[i], aa[2]);
-            aa[3] = SKV_FMA(qv.w, xa[i], aa[3]);
-            ab[0] = SKV_FMA(qv.x, xb[i], ab[0]);
-            ab[1] = SKV_FMA(qv.y, xb[i], ab[1]);
-            ab[2] = SKV_FMA(qv.z, xb[i], ab[2]);
-            ab[3] = SKV_FMA(qv.w, xb[i], ab[3]);
-        } else {
-#pragma unroll
-            for (int g = 0; g < GC; g++) {
-                const float qg = qd[g];
-                aa[g] = SKV_FMA(qg, xa[i], aa[g]);
-                ab[g] = SKV_FMA(qg, xb[i], ab[g]);
-            }
-        }
-    }
-}
-
+   fma(q, l, acc)); qT is [D][Gp] from head g0; GPC != 0: Gp known at compile time (the
+   loads then take immediate offsets). */
 template <int GC, int GPC>
 __device__ __forceinline__ void score_fma8(const float x[8], const float *qT, int32_t Gp_rt, int32_t d0, float (&acc)[GC])
 {
@@ -454,42 +423,30 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
             }
         };
         if constexpr (DT != 0) {
-            /* rows tid and tid + kScNT together (one q load feeds both chains); piece k of a
-               row sits at (k + row) % NC, and kScNT % NC == 0 */
-            static_assert(kScNT % (DT / 8) == 0, "row rotation");
-            static_assert(kScR == 1 || kScR == 2, "one or two rows per thread");
-            const int32_t ja = jt + tid, jb = ja + kScNT;
-            if (ja < n) {
-                const unsigned char *ra = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
-                const unsigned char *rb = ra + (size_t)kScNT * 2 * D; /* past the tile's rows: not stored */
+            /* row tid of the tile; piece k of a row sits at (k + row) % NC */
+            const int32_t j = jt + tid;
+            if (j < n) {
+                const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
 #pragma unroll
                 for (int pi = 0; pi < NPASS; pi++) {
                     const int32_t g0 = pi * GC;
                     if (g0 >= Gp) break;
-                    float aa[GC], ab[GC];
+                    float acc[GC];
 #pragma unroll
-                    for (int g = 0; g < GC; g++) aa[g] = ab[g] = 0.0f;
+                    for (int g = 0; g < GC; g++) acc[g] = 0.0f;
                     constexpr int UNR = NC > 16 ? 8 : NC; /* D = 256: bounded, no spills */
 #pragma unroll UNR
                     for (int32_t k = 0; k < NC; k++) {
-                        float xa[8], xb[8];
-                        const int32_t off = ((k + tid) % NC) * 16;
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(ra + off), xa);
-                        if constexpr (kScR == 2) {
-                            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(rb + off), xb);
-                            score_fma8x2<GC, GPC>(xa, xb, qT + g0, Gp, k * 8, aa, ab);
-                        } else {
-                            score_fma8<GC, GPC>(xa, qT + g0, Gp, k * 8, aa);
-                        }
+                        float x[8];
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k + tid) % NC) * 16), x);
+                        score_fma8<GC, GPC>(x, qT + g0, Gp, k * 8, acc);
                     }
-                    emit(pi, ja, aa);
-                    if (kScR == 2 && jb < n) emit(pi, jb, ab);
+                    emit(pi, j, acc);
                 }
             }
         } else {
-            for (int rr = 0; rr < kScRows / kScNT; rr++) {
-                const int32_t j = jt + tid + rr * kScNT;
-                if (j >= n) break;
+            const int32_t j = jt + tid;
+            if (j < n) {
                 const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
 #pragma unroll
                 for (int pi = 0; pi < NPASS; pi++) {
