@@ -409,31 +409,18 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         cp_async_wait_group<1>(); /* tile t landed (this thread's pieces) */
         __syncthreads();          /* ... and everyone's, and qT */
         const int32_t n = a.seqs[b].n_cand, jt = (int32_t)(t - pair * a.ntiles) * kScRows;
-        /* s_j of row j of the tile for query heads g0 .. g0 + GC - 1 (G past: not written) */
-        auto emit = [&](int pi, int32_t j, const float (&acc)[GC]) {
-            const int32_t g0 = pi * GC;
+        const int32_t j = jt + tid; /* one row per thread */
+        if (j < n) {
+            const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
+            const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
 #pragma unroll
-            for (int g = 0; g < GC; g++) {
-                if (g0 + g >= G) break;
-                const float sc = SKV_MUL(acc[g], sh.scale);
-                const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
-                a.scores[row_i * sh.cand_max + j] = sc;
-                mx[pi][g] = fmaxf(mx[pi][g], sc); /* NaN never wins */
-                if (j == 0) a.s0[row_i] = sc;
-            }
-        };
-        if constexpr (DT != 0) {
-            /* row tid of the tile; piece k of a row sits at (k + row) % NC */
-            const int32_t j = jt + tid;
-            if (j < n) {
-                const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+            for (int pi = 0; pi < NPASS; pi++) {
+                const int32_t g0 = pi * GC;
+                if (g0 >= Gp) break;
+                float acc[GC];
 #pragma unroll
-                for (int pi = 0; pi < NPASS; pi++) {
-                    const int32_t g0 = pi * GC;
-                    if (g0 >= Gp) break;
-                    float acc[GC];
-#pragma unroll
-                    for (int g = 0; g < GC; g++) acc[g] = 0.0f;
+                for (int g = 0; g < GC; g++) acc[g] = 0.0f;
+                if constexpr (DT != 0) { /* piece k of a staged row sits at (k + row) % NC */
                     constexpr int UNR = NC > 16 ? 8 : NC; /* D = 256: bounded, no spills */
 #pragma unroll UNR
                     for (int32_t k = 0; k < NC; k++) {
@@ -441,20 +428,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
                         bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k + tid) % NC) * 16), x);
                         score_fma8<GC, GPC>(x, qT + g0, Gp, k * 8, acc);
                     }
-                    emit(pi, j, acc);
-                }
-            }
-        } else {
-            const int32_t j = jt + tid;
-            if (j < n) {
-                const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
-#pragma unroll
-                for (int pi = 0; pi < NPASS; pi++) {
-                    const int32_t g0 = pi * GC;
-                    if (g0 >= Gp) break;
-                    float acc[GC];
-#pragma unroll
-                    for (int g = 0; g < GC; g++) acc[g] = 0.0f;
+                } else {
                     const int v = row_vec(L, D);
                     for (int32_t d = 0; d < D; d += 2) {
                         float x[2];
@@ -465,7 +439,15 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
 #pragma unroll
                             for (int g = 0; g < GC; g++) acc[g] = SKV_FMA(qT[(d + i) * Gp + g0 + g], x[i], acc[g]);
                     }
-                    emit(pi, j, acc);
+                }
+#pragma unroll
+                for (int g = 0; g < GC; g++) {
+                    if (g0 + g >= G) break;
+                    const float sc = SKV_MUL(acc[g], sh.scale);
+                    const int64_t row_i = (int64_t)b * sh.Hq + (int64_t)h * G + g0 + g;
+                    a.scores[row_i * sh.cand_max + j] = sc;
+                    mx[pi][g] = fmaxf(mx[pi][g], sc); /* NaN never wins */
+                    if (j == 0) a.s0[row_i] = sc;
                 }
             }
         }
