@@ -16,6 +16,7 @@
  *
  * Launchers only enqueue work; they never allocate or synchronize.
  */
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>
@@ -915,6 +916,212 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
     pdl_trigger();
 }
 
+/* ---- decode selection, one cluster per (b, h): e_j, Z and the top-S on 8 CTAs ----------------- */
+
+constexpr int kSkC = 8;                                  /* CTAs per cluster (the portable maximum) */
+constexpr int kSkNT = 256;                               /* threads per CTA */
+constexpr int kSkLanes = SKV_CANON_LANES / kSkC;         /* canonical lanes per CTA: 32, one word */
+constexpr size_t kSkSmemMax = 160 * 1024;                /* dynamic shared memory it may take */
+static_assert(kSkLanes == 32, "a CTA's share of a row of 256 candidates is one 32-bit word");
+
+/* Dynamic shared memory of selc_kernel for G query heads and rows of 256 candidates: e of the
+   CTA's candidates per head, their keys, the canonical partials per head, and (used in rank 0)
+   the winner and tie bitmaps of all candidates. */
+__host__ __device__ constexpr size_t sk_dyn_bytes(int32_t G, int32_t rows)
+{
+    return ((size_t)(G + 1) * (size_t)rows * kSkLanes + (size_t)G * kSkLanes + 2 * (size_t)rows * kSkC) *
+           sizeof(float);
+}
+
+struct SelcSmem {
+    SelectSmemT<kSkNT> fin;                /* select_finish and the compaction scan (rank 0) */
+    float zs[kScMaxGp], mx[kScMaxGp];
+    uint32_t hist[2][256];                 /* this CTA's radix histograms, by pass parity */
+};
+
+/*
+ * grid (8, Hk, B), clusters of 8 along x: the 8 CTAs of a cluster take one (b, h). CTA c owns
+ * the canonical lanes 32c .. 32c + 31, that is the candidates j = 256 m + 32 c + l, and their
+ * e_j stay in its shared memory (they are not written back). The arithmetic is selz_kernel's,
+ * so the decisions are bitwise the same:
+ *  1. e_j = skv_expf(s_j - M) for the CTA's candidates of every query head of the group; one
+ *     thread per (head, lane) adds its lane's e in increasing j (the canonical partial).
+ *  2. Cluster barrier; every CTA gathers the 256 partials of each head from the 8 CTAs and runs
+ *     the fixed pairwise tree (the same additions as expsum's) for Z.
+ *  3. Keys a_j of its candidates; the radix select of the top min(S, n) runs on the cluster: each
+ *     pass adds the 8 CTAs' histograms (distributed shared memory) and every CTA picks the same
+ *     digit, so all hold the same threshold T and tie count.
+ *  4. Each CTA writes its words of the winner (> T) and tie (== T) bitmaps into rank 0, which
+ *     emits the winners in increasing j (the lowest-indexed ties first) and runs select_finish.
+ */
+__global__ void __launch_bounds__(kSkNT, 4) selc_kernel(const SelectArgs a)
+{
+    namespace cg = cooperative_groups;
+    __shared__ SelcSmem sm;
+    extern __shared__ __align__(16) float sk_dyn[];
+    const cg::cluster_group cl = cg::this_cluster();
+    pdl_wait();
+    const skv_cuda_shape &sh = a.sh;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const unsigned rank = cl.block_rank();
+    const int32_t G = sh.Hq / sh.Hk, S = sh.S;
+    const int64_t cm = sh.cand_max;
+    const int32_t Mmax = (int32_t)ceil_div64(cm, SKV_CANON_LANES); /* rows the buffers hold */
+    float *E = sk_dyn;                                                  /* [G][Mmax * 32] */
+    uint32_t *K = reinterpret_cast<uint32_t *>(sk_dyn + (int64_t)G * Mmax * kSkLanes); /* [Mmax * 32] */
+    float(*part)[kSkLanes] = reinterpret_cast<float(*)[kSkLanes]>(K + Mmax * kSkLanes); /* [G][32] */
+    uint32_t *gt = reinterpret_cast<uint32_t *>(part + G), *eq = gt + Mmax * kSkC;      /* [Mmax * 8] */
+    const int32_t c0 = (int32_t)rank * kSkLanes;
+    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
+        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
+            const int32_t n = a.seqs[b].n_cand, M = (int32_t)ceil_div64(n, SKV_CANON_LANES), R = M * kSkLanes;
+            const int64_t bh = (int64_t)b * sh.Hk + h, row0 = (int64_t)b * sh.Hq + (int64_t)h * G;
+            for (int32_t g = tid; g < G; g += kSkNT) {
+                const float first = a.s0[row0 + g];
+                sm.mx[g] = first != first ? first : order_desc_inv(a.macc[row0 + g]);
+            }
+            __syncthreads();
+            /* 1. e of (head g, row m) for the CTA's 32 lanes: warp-wide coalesced 128-byte rows,
+               U rows in flight per warp */
+            {
+                constexpr int U = 8;
+                const int32_t items = G * M;
+                for (int32_t base = warp; base < items; base += U * (kSkNT / 32)) {
+                    float x[U];
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const int32_t it = base + u * (kSkNT / 32), g = it / max(M, 1), m = it - g * M;
+                        const int32_t j = m * SKV_CANON_LANES + c0 + lane;
+                        x[u] = it < items && j < n ? a.s[(row0 + g) * cm + j] : 0.0f;
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const int32_t it = base + u * (kSkNT / 32), g = it / max(M, 1), m = it - g * M;
+                        const int32_t j = m * SKV_CANON_LANES + c0 + lane;
+                        if (it < items) E[(int64_t)g * Mmax * kSkLanes + m * kSkLanes + lane] = j < n ? skv_expf(SKV_SUB(x[u], sm.mx[g])) : 0.0f;
+                    }
+                }
+            }
+            __syncthreads();
+            /* the canonical partial of lane c0 + l: e_{c0+l}, e_{c0+l+256}, ... in order */
+            for (int32_t ch = tid; ch < G * kSkLanes; ch += kSkNT) {
+                const int32_t g = ch / kSkLanes, l = ch - g * kSkLanes;
+                const float *e = E + (int64_t)g * Mmax * kSkLanes + l;
+                const int32_t mr = (n - c0 - l + SKV_CANON_LANES - 1) / SKV_CANON_LANES; /* rows with j < n */
+                float P = 0.0f;
+                for (int32_t m = 0; m < mr; m++) P = SKV_ADD(P, e[m * kSkLanes]);
+                part[g][l] = P;
+            }
+            cl.sync(); /* every CTA's partials written */
+            /* 2. Z of each head: lane l holds the partials of lanes 32c + l, c = 0..7; the tree
+               adds k and k + w for w = 128, 64, 32 (across the registers), then 16 .. 1 */
+            for (int32_t g = warp; g < G; g += kSkNT / 32) {
+                float v[kSkC];
+#pragma unroll
+                for (int c = 0; c < kSkC; c++) v[c] = *cl.map_shared_rank(&part[g][lane], (unsigned)c);
+#pragma unroll
+                for (int c = 0; c < 4; c++) v[c] = SKV_ADD(v[c], v[c + 4]);
+#pragma unroll
+                for (int c = 0; c < 2; c++) v[c] = SKV_ADD(v[c], v[c + 2]);
+                float z = SKV_ADD(v[0], v[1]);
+#pragma unroll
+                for (int w = 16; w >= 1; w >>= 1) {
+                    const float o = __shfl_down_sync(kFullMask, z, w);
+                    z = SKV_ADD(z, o);
+                }
+                if (lane == 0) {
+                    sm.zs[g] = z;
+                    if (rank == 0) const_cast<float *>(a.Z)[row0 + g] = z;
+                }
+            }
+            __syncthreads();
+            /* 3. keys a_j (select_kernel's arithmetic); 0 ("no value") past n */
+            for (int32_t i = tid; i < R; i += kSkNT) {
+                const int32_t m = i / kSkLanes, j = m * SKV_CANON_LANES + c0 + (i & (kSkLanes - 1));
+                uint32_t key = 0;
+                if (j < n) {
+                    float av = SKV_DIV(E[i], sm.zs[0]);
+                    for (int32_t g = 1; g < G; g++) {
+                        const float p = SKV_DIV(E[(int64_t)g * Mmax * kSkLanes + i], sm.zs[g]);
+                        if (p > av) av = p;
+                    }
+                    key = order_desc(skv_select_key(av));
+                    if (a.amax) a.amax[bh * cm + j] = av;
+                }
+                K[i] = key;
+            }
+            /* radix select over the cluster: radix_threshold's passes on the sum of the 8 CTAs'
+               histograms (each CTA fills its own, by pass parity, then adds all 8), so every CTA
+               picks the same digits */
+            uint32_t T, need;
+            radix_threshold<kSkNT>(
+                min(S, n),
+                [&](int shift, uint32_t mask, uint32_t prefix) {
+                    uint32_t *hist = sm.hist[((24 - shift) >> 3) & 1];
+                    hist[tid] = 0;
+                    __syncthreads(); /* also: K complete */
+                    for (int32_t base = 0; base < R; base += kSkNT) { /* uniform trip count */
+                        const int32_t i = base + tid;
+                        const int32_t j = (i / kSkLanes) * SKV_CANON_LANES + c0 + (i & (kSkLanes - 1));
+                        const bool valid = i < R && j < n;
+                        hist_add(hist, valid, valid ? K[i] : 0u, shift, mask, prefix);
+                    }
+                    cl.sync(); /* every CTA's histogram of this pass complete */
+                    uint32_t t = 0;
+#pragma unroll
+                    for (int c = 0; c < kSkC; c++) t += *cl.map_shared_rank(&hist[tid], (unsigned)c);
+                    sm.fin.tk.hist[tid] = t;
+                },
+                sm.fin.tk, &T, &need);
+            /* 4. the CTA's rows as words 8 m + rank of rank 0's bitmaps */
+            __syncthreads(); /* K complete when k <= 0 */
+            for (int32_t m = warp; m < M; m += kSkNT / 32) {
+                const int32_t j = m * SKV_CANON_LANES + c0 + lane;
+                const uint32_t u = K[m * kSkLanes + lane];
+                const uint32_t wgt = __ballot_sync(kFullMask, j < n && u > T);
+                const uint32_t weq = __ballot_sync(kFullMask, j < n && u == T);
+                if (lane == 0) {
+                    *cl.map_shared_rank(&gt[m * kSkC + rank], 0u) = wgt;
+                    *cl.map_shared_rank(&eq[m * kSkC + rank], 0u) = weq;
+                }
+            }
+            cl.sync(); /* the bitmaps complete in rank 0; no CTA reads another's memory after this */
+            if (rank != 0) continue; /* cluster-uniform per CTA */
+            /* ordered compaction over the words: winners before j = gt_before + min(eq_before, need) */
+            const int32_t W = M * kSkC, per = (int32_t)ceil_div64(W, kSkNT);
+            const int32_t lo = min(W, tid * per), hi = min(W, lo + per);
+            uint32_t cg_ = 0, ce = 0;
+            for (int32_t w = lo; w < hi; w++) {
+                cg_ += __popc(gt[w]);
+                ce += __popc(eq[w]);
+            }
+            unsigned long long excl;
+            cub::BlockScan<unsigned long long, kSkNT>(sm.fin.tk.scan).ExclusiveSum(((unsigned long long)cg_ << 32) | ce, excl);
+            uint32_t e = (uint32_t)(excl & 0xffffffffu);
+            uint32_t pos = (uint32_t)(excl >> 32) + min(e, need);
+            int32_t *sel = a.sel_idx + bh * S;
+            for (int32_t w = lo; w < hi; w++) {
+                uint32_t bits = gt[w] | eq[w];
+                const uint32_t wg = gt[w];
+                while (bits) {
+                    const int bit = __ffs(bits) - 1;
+                    bits &= bits - 1;
+                    const int32_t j = w * 32 + bit;
+                    if ((wg >> bit) & 1u) {
+                        sel[pos++] = j;
+                    } else {
+                        if (e < need) sel[pos++] = j;
+                        e++;
+                    }
+                }
+            }
+            __syncthreads(); /* sel complete; the scan storage is reused */
+            select_finish(a, b, h, sm.fin);
+            __syncthreads(); /* shared memory is reused by the next (b, h) */
+        }
+    pdl_trigger(); /* no CTA touches another's shared memory after the bitmap barrier */
+}
+
 } /* namespace */
 
 /* ---- launchers ------------------------------------------------------------------------- */
@@ -1112,6 +1319,14 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     /* one CTA per (b, h) computes e, Z and the selection together when there are enough pairs
        to fill a good part of the GPU, or few candidates (one select tile); a few pairs over many
        candidates leave the long chains of one CTA exposed and take the split path */
+    const size_t sk_dyn = sk_dyn_bytes(G, (int32_t)ceil_div64(sh->cand_max, SKV_CANON_LANES));
+    if (sh->cand_max <= kSzMax && sk_dyn <= kSkSmemMax) {
+        if ((e = allow_smem(selc_kernel, sk_dyn)) != cudaSuccess) return e;
+        e = launch_cluster(selc_kernel, (unsigned)kSkC, dim3(kSkC, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kSkNT),
+                           sk_dyn, st, true, a);
+        if (launches) *launches += 2;
+        return e;
+    }
     if (sh->cand_max <= kSzMax && ((int64_t)sh->B * sh->Hk * 3 >= num_sms() || sh->cand_max <= kSeTile)) {
         const size_t smem = sz_key_bytes(sh->cand_max);
         if ((e = allow_smem(selz_kernel, smem)) != cudaSuccess) return e;

@@ -3,7 +3,8 @@
 #
 #   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
 #
-#   quick     build; the GPU tests with short settings; a short decode benchmark
+#   quick     build; the GPU tests with short settings; a short decode benchmark (and
+#             the ncu profile when NCU_CONFIGS is set)
 #   decode    build; test_cuda and test_placement; the decode benchmark over every
 #             placement, workload, context and batch (skv-bench decode) with the dense
 #             SDPA baseline of the same run, joined into decode.json; the per-kernel
@@ -162,7 +163,7 @@ ncu_decode() {
     set -- $cfgs
     stamp "ncu: decode kernels at $1 tokens, batch $2, device values, fresh queries"
     echo "== ctx $1 batch $2" >> "$OUT/ncu.txt"
-    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|selz|attend|combine" \
+    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|selz|selc|attend|combine" \
       --launch-skip 5 --launch-count 5 --metrics $M $BIN/skv-bench decode --backend cuda --ctx $1 --batch $2 \
       --placement device --workload fresh --steps 2 --warmup 1 2>/dev/null |
       grep -E "void|_kernel|duration|pct|inst_exec|stalled|bytes" |
@@ -176,6 +177,7 @@ ncu_decode() {
 if [ "$MODE" = quick ]; then
   DENSE_ARGS="--ctx 32768,131072 --batch 1,8"
   decode_bench "${BENCH_ARGS:---ctx 32768,131072 --batch 1,8 --steps 15 --warmup 3}"
+  [ -n "${NCU_CONFIGS:-}" ] && [ "${NCU_CONFIGS}" != none ] && ncu_decode
 fi
 if [ "$MODE" = decode ] || [ "$MODE" = full ]; then
   DENSE_ARGS="--ctx 32768,131072,1048576 --batch 1,8,32"
