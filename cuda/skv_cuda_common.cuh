@@ -26,12 +26,14 @@ inline unsigned grid_for(int64_t units, int64_t per_block, int64_t cap)
     return (unsigned)g;
 }
 
-/* Kernels that need more than 48 KiB of dynamic shared memory must say so first
-   (a function attribute: no allocation, no synchronization). */
+/* Kernels whose static plus dynamic shared memory passes 48 KiB must say so first (a function
+   attribute: no allocation, no synchronization). The attribute is set once the dynamic part
+   passes 48 KiB less kSmemStaticMax, the most static shared memory a kernel here declares. */
+constexpr size_t kSmemStaticMax = 16 * 1024;
 template <class K>
 cudaError_t allow_smem(K kernel, size_t bytes)
 {
-    if (bytes <= kSmemDefaultMax) return cudaSuccess;
+    if (bytes + kSmemStaticMax <= kSmemDefaultMax) return cudaSuccess;
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 

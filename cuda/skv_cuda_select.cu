@@ -939,6 +939,8 @@ struct SelcSmem {
     uint32_t hist[2][256];                 /* this CTA's radix histograms, by pass parity */
 };
 
+static_assert(sizeof(SelcSmem) <= kSmemStaticMax, "allow_smem's bound on static shared memory");
+
 /*
  * grid (8, Hk, B), clusters of 8 along x: the 8 CTAs of a cluster take one (b, h). CTA c owns
  * the canonical lanes 32c .. 32c + 31, that is the candidates j = 256 m + 32 c + l, and their
