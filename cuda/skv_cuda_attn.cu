@@ -851,21 +851,24 @@ constexpr int kMmMaxG = 8;
 constexpr int kMmMaxRes = 256;   /* resident items of one tile each: up to 16k resident tokens */
 constexpr size_t kMmSmemMax = 220 * 1024; /* dynamic shared memory, below the opt-in limit of sm_90 */
 
+static_assert(kMmMaxG * kMmD * sizeof(float) <= 16 * kMmLdv * 2, "a warp's partial fits in its 16 V rows");
+
 struct MmLayout {
-    int ldu;                    /* U rows: r + 8 (r % 16 == 0 keeps ldmatrix conflict-free) */
+    int ldk;                    /* U and K rows: max(r + 8, 136) elements (odd multiples of 16 bytes:
+                                   conflict-free ldmatrix) */
     size_t uk_bytes, stage_bytes, off_v, off_tok, off_miss, off_groups, bytes;
 };
 
 __host__ __device__ inline MmLayout mm_layout(int r)
 {
     MmLayout L;
-    L.ldu = r + 8;
-    const size_t u = (size_t)kMmTT * L.ldu * 2, k = (size_t)kMmTT * kMmLdv * 2;
-    L.uk_bytes = align_up(u > k ? u : k, 128); /* U (selected tile) or K (resident tile) */
+    L.ldk = r + 8 > kMmLdv ? r + 8 : kMmLdv;
+    /* U (selected item) or K (resident item), per warp a block of 16 rows */
+    L.uk_bytes = align_up((size_t)kMmTT * L.ldk * 2, 128);
     L.off_v = L.uk_bytes;
     L.off_tok = L.off_v + align_up((size_t)kMmTT * kMmLdv * 2, 128);
-    L.off_miss = L.off_tok + kMmTT * sizeof(int64_t);
-    L.stage_bytes = align_up(L.off_miss + kMmTT * sizeof(int32_t), 128);
+    L.off_miss = L.off_tok + 2 * kMmTT * sizeof(int64_t); /* token and miss rows by item parity */
+    L.stage_bytes = align_up(L.off_miss + 2 * kMmTT * sizeof(int32_t), 128);
     L.off_groups = align_up((size_t)r * kMmLdv * 2, 128); /* W_h first */
     L.bytes = L.off_groups + kMmGroups * L.stage_bytes;
     return L;
@@ -911,82 +914,87 @@ struct MmCtx {
     int64_t T; /* resident tokens of (b, h); resident item i covers [64 i, 64 i + 64) */
 };
 
-/* Issue (cp.async, not committed) the loads of item `item` into stage st; qt: thread of the group. */
-__device__ void mm_issue(const AttendArgs &a, const MmCtx &c, const MmLayout &L, unsigned char *st, int item, int qt,
-                         const AttSpan *sp)
+/* Where one row (token) of an item comes from: its position (-1: none), the source of its U row
+   (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros), and whether its P V waits
+   for the fetch of a missed chunk. */
+struct MmRow {
+    int64_t pos;
+    const uint16_t *uk, *v;
+    int miss;
+};
+
+/* An item with nothing to load: a resident item past the resident tokens (all later ones are too). */
+__device__ __forceinline__ bool mm_empty(const MmCtx &c, int item)
 {
-    uint16_t *UK = reinterpret_cast<uint16_t *>(st), *Vs = reinterpret_cast<uint16_t *>(st + L.off_v);
-    int64_t *tok_s = reinterpret_cast<int64_t *>(st + L.off_tok);
-    int32_t *miss_s = reinterpret_cast<int32_t *>(st + L.off_miss);
-    const int row = qt & (kMmTT - 1), half = qt >> 6; /* two threads per row: even and odd pieces */
+    return item >= c.n_sel && (int64_t)(item - c.n_sel) * kMmTT >= c.T;
+}
+
+/* The sources of row `row` of item `item` (the selection lookups; no shared memory written). */
+__device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int row, const AttSpan *sp)
+{
+    MmRow m;
+    m.pos = -1;
+    m.uk = m.v = nullptr;
+    m.miss = 0;
     if (item < c.n_sel) {
-        /* one lookup of the selection per thread, then every copy of the row in flight together */
         const skv_cuda_shape &sh = a.sh;
         const skv_cuda_seq &sq = a.seqs[c.b];
-        const int32_t cc = sh.c, S = sh.S, r = sh.r, SC = S * cc;
+        const int32_t cc = sh.c, S = sh.S;
         const int32_t ts = item * kMmTT + row;
         const int64_t bh = (int64_t)c.b * a.Hk + c.h;
-        int64_t pos = -1;
-        const uint16_t *vp = nullptr;
-        int miss = 0;
-        if (ts < SC) {
+        if (ts < S * cc) {
             const int32_t s = ts / cc, i = ts - s * cc;
-            pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
+            m.pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
+            m.uk = sq.u + m.pos * sh.r;
             if (sq.vc_data) {
                 const int32_t v = a.vsrc[bh * S + s];
-                miss = v < 0 && a.pbuf; /* missed: its P V comes after the fetch */
-                if (!miss) vp = sq.vc_data + (((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * cc + i) * kMmD;
+                m.miss = v < 0 && a.pbuf; /* missed: its P V comes after the fetch */
+                if (!m.miss) m.v = sq.vc_data + (((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * cc + i) * kMmD;
             } else {
-                vp = sq.vstore + (((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * cc + i) * kMmD;
-            }
-        }
-        uint16_t *du = UK + row * L.ldu, *dv = Vs + row * kMmLdv;
-        const uint16_t *su = sq.u + (pos < 0 ? 0 : pos) * r;
-        const bool ua = ((uintptr_t)su & 15) == 0, va = ((uintptr_t)vp & 15) == 0;
-        for (int p = half; p < r / 8; p += 2) {
-            if (pos < 0) store_zero16(du + p * 8);
-            else if (ua) cp_async16(du + p * 8, su + p * 8);
-            else load8_slow(du + p * 8, su + p * 8, 8);
-        }
-#pragma unroll
-        for (int p = half; p < kMmD / 8; p += 2) {
-            if (!vp) store_zero16(dv + p * 8);
-            else if (va) cp_async16(dv + p * 8, vp + p * 8);
-            else load8_slow(dv + p * 8, vp + p * 8, 8);
-        }
-        if (half == 0) {
-            tok_s[row] = pos;
-            miss_s[row] = miss;
-            if (pos >= 0) { /* the RoPE table rows, 256 bytes each, into L2 */
-                prefetch_l2(sh.cos_tab + pos * (kMmD / 2));
-                prefetch_l2(sh.cos_tab + pos * (kMmD / 2) + 32);
-                prefetch_l2(sh.sin_tab + pos * (kMmD / 2));
-                prefetch_l2(sh.sin_tab + pos * (kMmD / 2) + 32);
+                m.v = sq.vstore + (((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * cc + i) * kMmD;
             }
         }
     } else {
         const int64_t t = (int64_t)(item - c.n_sel) * kMmTT + row;
-        uint16_t *dk = UK + row * kMmLdv, *dv = Vs + row * kMmLdv;
-        if (t >= c.T) {
-#pragma unroll
-            for (int p = half; p < kMmD / 8; p += 2) store_zero16(dk + p * 8), store_zero16(dv + p * 8);
-        } else {
+        if (t < c.T) {
             int cur = 0;
             while (t >= sp[cur].end) cur++;
-            const AttSpan &s = sp[cur];
-            const int64_t off = (t - s.start) * s.stride;
-#pragma unroll
-            for (int p = half; p < kMmD / 8; p += 2) {
-                if (s.aligned) {
-                    cp_async16(dk + p * 8, s.k + off + p * 8);
-                    cp_async16(dv + p * 8, s.v + off + p * 8);
-                } else {
-                    load8_slow(dk + p * 8, s.k + off + p * 8, 8);
-                    load8_slow(dv + p * 8, s.v + off + p * 8, 8);
-                }
-            }
+            const int64_t off = (t - sp[cur].start) * sp[cur].stride;
+            m.uk = sp[cur].k + off;
+            m.v = sp[cur].v + off;
         }
-        if (half == 0) miss_s[row] = 0;
+    }
+    return m;
+}
+
+/* 16-byte pieces half, half + 2, ... of a row of n pieces from src (NULL: zeros) into dst. */
+__device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, int n, int half)
+{
+    const bool al = ((uintptr_t)src & 15) == 0;
+    for (int p = half; p < n; p += 2) {
+        if (!src) store_zero16(dst + p * 8);
+        else if (al) cp_async16(dst + p * 8, src + p * 8);
+        else load8_slow(dst + p * 8, src + p * 8, 8);
+    }
+}
+
+/* Issue (cp.async, not committed) the U or K row of m into the warp's block (row rw of 16), and
+   its token and miss flag into the item parity's rows; the RoPE table rows go to L2. */
+__device__ __forceinline__ void mm_issue_uk(const AttendArgs &a, const MmLayout &L, uint16_t *UKw, int64_t *tok,
+                                            int32_t *miss, int item_sel, int r, int row, int rw, int half,
+                                            const MmRow &m)
+{
+    mm_copy_row(UKw + rw * L.ldk, m.uk, item_sel ? r / 8 : kMmD / 8, half);
+    if (half == 0) {
+        tok[row] = m.pos;
+        miss[row] = m.miss;
+        if (m.pos >= 0) {
+            const skv_cuda_shape &sh = a.sh;
+            prefetch_l2(sh.cos_tab + m.pos * (kMmD / 2));
+            prefetch_l2(sh.cos_tab + m.pos * (kMmD / 2) + 32);
+            prefetch_l2(sh.sin_tab + m.pos * (kMmD / 2));
+            prefetch_l2(sh.sin_tab + m.pos * (kMmD / 2) + 32);
+        }
     }
 }
 
@@ -1001,8 +1009,15 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.z, h = blockIdx.y;
     const int G = a.G, r = sh.r;
+    /* the rows a thread copies: its warp's own 16 (two threads per row), so that a warp's waits
+       cover everything it reads of the stage (no group barrier for the loads) */
+    const int rw = lane & 15, row = 16 * w + rw, half = lane >> 4;
     uint16_t *Ws = reinterpret_cast<uint16_t *>(skv_attn_smem);
     unsigned char *st = skv_attn_smem + L.off_groups + q * L.stage_bytes;
+    uint16_t *UKw = reinterpret_cast<uint16_t *>(st) + 16 * w * L.ldk;
+    uint16_t *Vs = reinterpret_cast<uint16_t *>(st + L.off_v);
+    int64_t *tok_s = reinterpret_cast<int64_t *>(st + L.off_tok);  /* [2][64] */
+    int32_t *miss_s = reinterpret_cast<int32_t *>(st + L.off_miss); /* [2][64] */
 
     MmCtx c;
     c.b = b;
@@ -1030,7 +1045,11 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     __syncthreads();
     c.T = T_s;
     int item = i0 + q;
-    if (item < i1) mm_issue(a, c, L, st, item, qt, sp_s);
+    if (item < i1 && !mm_empty(c, item)) {
+        const MmRow m = mm_lookup(a, c, item, row, sp_s);
+        mm_issue_uk(a, L, UKw, tok_s, miss_s, item < c.n_sel, r, row, rw, half, m);
+        mm_copy_row(Vs + row * kMmLdv, m.v, kMmD / 8, half);
+    }
     cp_async_commit();
 
     /* Q of the group as A fragments (rows = query heads; rows >= G are zero) */
@@ -1051,30 +1070,35 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         }
     }
     cp_async_wait_all();
-    __syncthreads(); /* W_h and every group's first tile */
+    __syncthreads(); /* W_h and every warp's first rows */
 
     const float scl = a.scale_log2;
     const int64_t SC = (int64_t)sh.S * sh.c;
-    const uint16_t *UK = reinterpret_cast<const uint16_t *>(st);
-    const uint16_t *Vs = reinterpret_cast<const uint16_t *>(st + L.off_v);
-    const int64_t *tok_s = reinterpret_cast<const int64_t *>(st + L.off_tok);
-    const int32_t *miss_s = reinterpret_cast<const int32_t *>(st + L.off_miss);
-    for (bool first = true; item < i1; item += kMmGroups, first = false) {
-        if (item >= c.n_sel && (int64_t)(item - c.n_sel) * kMmTT >= c.T) {
+    /*
+     * Per item, with the next item of the group (nx) loading behind it: its rows' lookups first
+     * (in flight during the rebuild), its U / K rows once this warp has read its own, its V rows
+     * once the group has read the item's partial (which sits in the V rows). cp.async groups per
+     * thread, in commit order: U/K(item), V(item), U/K(nx), V(nx); wait_group 1 before the
+     * rebuild leaves V(item) in flight, wait_group 1 before P V leaves U/K(nx) in flight.
+     */
+    for (int par = 0; item < i1; item += kMmGroups, par ^= 1) {
+        if (mm_empty(c, item)) {
             /* an empty resident item (the generated region not yet filled): an empty partial,
-               no loads and no barrier (group-uniform) */
+               no loads and no barrier (group-uniform; every later item is empty too) */
             float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
             for (int i = qt; i < G * kMmD; i += kMmGroupNT)
                 acc_out[(i >> 7) * (int64_t)a.it.n_items * kMmD + (i & (kMmD - 1))] = 0.0f;
             if (qt < G) a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(-INFINITY, 0.0f);
             continue;
         }
-        if (!first) {
-            mm_issue(a, c, L, st, item, qt, sp_s);
-            cp_async_commit();
-            cp_async_wait_all();
-            group_bar(q);
-        }
+        const int nx = item + kMmGroups;
+        const bool has_nx = nx < i1 && !mm_empty(c, nx);
+        MmRow mn;
+        if (has_nx) mn = mm_lookup(a, c, nx, row, sp_s);
+        const int64_t *tok = tok_s + par * kMmTT;
+        const int32_t *miss = miss_s + par * kMmTT;
+        cp_async_wait_group<1>();
+        __syncwarp(); /* the warp's U / K rows of the item */
         const bool sel = item < c.n_sel;
         int nvalid;
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -1084,7 +1108,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             float acc[16][4];
 #pragma unroll
             for (int j = 0; j < 16; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-            const uint16_t *ua = UK + (16 * w + (lane & 15)) * L.ldu + (lane >> 4) * 8;
+            const uint16_t *ua = UKw + (lane & 15) * L.ldk + (lane >> 4) * 8;
             const uint16_t *wb = Ws + ((lane & 7) + ((lane >> 3) & 1) * 8) * kMmLdv + (lane >> 4) * 8;
 #pragma unroll 2
             for (int kk = 0; kk < r; kk += 16) {
@@ -1098,9 +1122,13 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
                     mma_bf16(acc[2 * np + 1], af[0], af[1], af[2], af[3], bf[2], bf[3]);
                 }
             }
+            const int64_t p0 = tok[16 * w + g], p1 = tok[16 * w + g + 8];
+            __syncwarp(); /* the warp's U rows read: the next item's may land */
+            if (has_nx) mm_issue_uk(a, L, UKw, tok_s + (par ^ 1) * kMmTT, miss_s + (par ^ 1) * kMmTT, nx < c.n_sel, r,
+                                    row, rw, half, mn);
+            cp_async_commit();
             /* RoPE: pair i = 8j + 2t + e of rows g and g + 8 is (acc[j], acc[j + 8]); the table rows
-               were prefetched into L2 when the tile was issued */
-            const int64_t p0 = tok_s[16 * w + g], p1 = tok_s[16 * w + g + 8];
+               were prefetched into L2 when the rows were issued */
             const float *c0 = sh.cos_tab + (p0 < 0 ? 0 : p0) * (kMmD / 2) + 2 * t;
             const float *s0 = sh.sin_tab + (p0 < 0 ? 0 : p0) * (kMmD / 2) + 2 * t;
             const float *c1 = sh.cos_tab + (p1 < 0 ? 0 : p1) * (kMmD / 2) + 2 * t;
@@ -1127,7 +1155,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         } else {
             const int64_t t0 = (int64_t)(item - c.n_sel) * kMmTT;
             nvalid = (int)(c.T - t0 <= 0 ? 0 : c.T - t0 < kMmTT ? c.T - t0 : kMmTT);
-            const uint16_t *kb = UK + (16 * w + (lane & 7) + ((lane >> 4) << 3)) * kMmLdv + ((lane >> 3) & 1) * 8;
+            const uint16_t *kb = UKw + ((lane & 7) + ((lane >> 4) << 3)) * L.ldk + ((lane >> 3) & 1) * 8;
 #pragma unroll
             for (int kd = 0; kd < 8; kd++) {
                 uint32_t bf[4];
@@ -1135,6 +1163,10 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
                 mma_bf16(sc[0], qa[kd][0], 0u, qa[kd][1], 0u, bf[0], bf[1]);
                 mma_bf16(sc[1], qa[kd][0], 0u, qa[kd][1], 0u, bf[2], bf[3]);
             }
+            __syncwarp(); /* the warp's K rows read */
+            if (has_nx) mm_issue_uk(a, L, UKw, tok_s + (par ^ 1) * kMmTT, miss_s + (par ^ 1) * kMmTT, nx < c.n_sel, r,
+                                    row, rw, half, mn);
+            cp_async_commit();
         }
         /* scores (log2 domain), masked past nvalid; the item's max per head over the group */
         float mx = -INFINITY;
@@ -1142,8 +1174,8 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int tok = 16 * w + 8 * nt + 2 * t + e;
-                sc[nt][e] = tok < nvalid ? sc[nt][e] * scl : -INFINITY;
+                const int tk = 16 * w + 8 * nt + 2 * t + e;
+                sc[nt][e] = tk < nvalid ? sc[nt][e] * scl : -INFINITY;
                 mx = fmaxf(mx, sc[nt][e]);
             }
         mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
@@ -1173,13 +1205,15 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             if (sel && a.pbuf && g < G) { /* weights of deferred tokens for the missed pass */
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const int tok = 16 * w + 8 * nt + 2 * t + e;
-                    if (tok < nvalid && miss_s[tok]) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tok] = p[e];
+                    const int tk = 16 * w + 8 * nt + 2 * t + e;
+                    if (tk < nvalid && miss[tk]) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tk] = p[e];
                 }
             }
         }
         ps += __shfl_xor_sync(kFullMask, ps, 1);
         ps += __shfl_xor_sync(kFullMask, ps, 2);
+        cp_async_wait_group<1>();
+        __syncwarp(); /* the warp's V rows of the item */
         /* O^T = V^T P^T (A: V^T from V rows 16w .. 16w + 15; B: P, which is S^T's layout);
            m-tile i: dims 16i + g, 16i + g + 8; heads 2t, 2t + 1 */
         float o[8][4];
@@ -1193,25 +1227,26 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             mma_bf16(o[mt], af[0], af[1], af[2], af[3], pm[0], pm[1]);
             mma_bf16(o[mt], af[0], af[1], af[2], af[3], ph[0], ph[1]);
         }
-        /* the item's partial: warps added in order (red aliases this stage's U / K, read by now) */
-        float *red = reinterpret_cast<float *>(st);
+        __syncwarp(); /* the warp's V rows read: its partial goes there */
+        /* the item's partial: warp ww's O in its own V rows (G x 128 floats fit in 16 rows),
+           added in warp order */
+        float *red = reinterpret_cast<float *>(Vs + 16 * w * kMmLdv);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int hd = 2 * t + (e & 1), d = 16 * j + g + (e >> 1) * 8;
-                if (hd < G) red[(w * G + hd) * kMmD + d] = o[j][e];
+                if (hd < G) red[hd * kMmD + d] = o[j][e];
             }
         if (g < G && t == 0) red_l[q][w][g] = ps;
         group_bar(q);
         float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
         const int64_t acc_stride = (int64_t)a.it.n_items * kMmD;
         for (int i = qt; i < G * kMmD; i += kMmGroupNT) {
-            const int gg = i >> 7, d = i & (kMmD - 1);
-            float v = red[gg * kMmD + d];
+            float v = reinterpret_cast<const float *>(Vs)[i];
 #pragma unroll
-            for (int ww = 1; ww < 4; ww++) v += red[(ww * G + gg) * kMmD + d];
-            acc_out[gg * acc_stride + d] = v;
+            for (int ww = 1; ww < 4; ww++) v += reinterpret_cast<const float *>(Vs + 16 * ww * kMmLdv)[i];
+            acc_out[(i >> 7) * acc_stride + (i & (kMmD - 1))] = v;
         }
         if (qt < G) {
             float l = red_l[q][0][qt], mq = red_m[q][0][qt];
@@ -1219,8 +1254,11 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             for (int ww = 1; ww < 4; ww++) l += red_l[q][ww][qt], mq = fmaxf(mq, red_m[q][ww][qt]);
             a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(mq, l);
         }
-        group_bar(q); /* red, red_m and red_l are read before the next item rewrites them */
+        group_bar(q); /* the partials, red_m and red_l read before they are rewritten */
+        if (has_nx) mm_copy_row(Vs + row * kMmLdv, mn.v, kMmD / 8, half);
+        cp_async_commit();
     }
+    cp_async_wait_all();
     pdl_trigger();
 }
 
