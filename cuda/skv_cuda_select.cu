@@ -984,24 +984,27 @@ __global__ void __launch_bounds__(kSkNT, 4) selc_kernel(const SelectArgs a)
             }
             __syncthreads();
             /* 1. e of (head g, row m) for the CTA's 32 lanes: warp-wide coalesced 128-byte rows,
-               U rows in flight per warp */
-            {
-                constexpr int U = 8;
-                const int32_t items = G * M;
-                for (int32_t base = warp; base < items; base += U * (kSkNT / 32)) {
+               the (head, row) items w, w + 8, ... of the flat head-major order, U in flight */
+            if (M > 0) {
+                constexpr int U = 8, NW = kSkNT / 32;
+                int32_t gb = 0, mb = warp; /* (head, row) of the next batch's first item */
+                while (mb >= M && gb < G) mb -= M, gb++;
+                while (gb < G) {
+                    int32_t gu[U], ju[U];
                     float x[U];
 #pragma unroll
                     for (int u = 0; u < U; u++) {
-                        const int32_t it = base + u * (kSkNT / 32), g = it / max(M, 1), m = it - g * M;
-                        const int32_t j = m * SKV_CANON_LANES + c0 + lane;
-                        x[u] = it < items && j < n ? a.s[(row0 + g) * cm + j] : 0.0f;
+                        gu[u] = gb;
+                        ju[u] = mb * SKV_CANON_LANES + c0 + lane;
+                        x[u] = gb < G && ju[u] < n ? a.s[(row0 + gb) * cm + ju[u]] : 0.0f;
+                        mb += NW;
+                        while (mb >= M && gb < G) mb -= M, gb++;
                     }
 #pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        const int32_t it = base + u * (kSkNT / 32), g = it / max(M, 1), m = it - g * M;
-                        const int32_t j = m * SKV_CANON_LANES + c0 + lane;
-                        if (it < items) E[(int64_t)g * Mmax * kSkLanes + m * kSkLanes + lane] = j < n ? skv_expf(SKV_SUB(x[u], sm.mx[g])) : 0.0f;
-                    }
+                    for (int u = 0; u < U; u++)
+                        if (gu[u] < G)
+                            E[(int64_t)gu[u] * Mmax * kSkLanes + (ju[u] - c0) / SKV_CANON_LANES * kSkLanes + lane] =
+                                ju[u] < n ? skv_expf(SKV_SUB(x[u], sm.mx[gu[u]])) : 0.0f;
                 }
             }
             __syncthreads();
