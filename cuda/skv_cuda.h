@@ -21,11 +21,9 @@
  *              (sequence, KV head) merges the tiles' winners, publishes the
  *              selection and, for a host-placed slot, runs the chunk cache's
  *              rule (skv_plan.h): hits, misses, the entries they replace
- *   (2+3 fused, with the same arithmetic: with at most 32768 candidates a
- *    cluster of 8 CTAs per (sequence, KV head) does both, the canonical lanes
- *    and their candidates split over the CTAs and the radix select run on the
- *    cluster's summed histograms; when the e of a large query group do not fit
- *    its shared memory, one CTA per pair: 4 kernels per step)
+ *   (2+3 fused: with at most 32768 candidates and enough (sequence, KV head)
+ *    pairs to fill the GPU, one CTA per pair does both, with the same
+ *    arithmetic: 4 kernels per step)
  *   4 attend   per (sequence, KV head) work items: a tile of selected tokens
  *              (keys rebuilt from U W and roped on chip, never written back)
  *              or a range of the resident spans; each writes a partial

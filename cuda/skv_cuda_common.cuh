@@ -56,43 +56,23 @@ inline int num_sms()
 /*
  * Launch with programmatic dependent launch when pdl is set: the kernel may be
  * scheduled while the previous kernel of the stream finishes; it must call
- * pdl_wait() before it touches memory that kernel reads or writes. cluster_x > 1
- * groups that many consecutive blocks along x into a thread-block cluster (grid.x
- * must be a multiple of it).
+ * pdl_wait() before it touches memory that kernel reads or writes.
  */
 template <typename... KArgs, typename... Args>
-cudaError_t launch_cluster(void (*kernel)(KArgs...), unsigned cluster_x, dim3 grid, dim3 block, size_t smem,
-                           cudaStream_t st, bool pdl, Args... args)
+cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl,
+                   Args... args)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
-    cudaLaunchAttribute at[2];
-    unsigned n = 0;
-    if (pdl) {
-        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[n].val.programmaticStreamSerializationAllowed = 1;
-        n++;
-    }
-    if (cluster_x > 1) {
-        at[n].id = cudaLaunchAttributeClusterDimension;
-        at[n].val.clusterDim.x = cluster_x;
-        at[n].val.clusterDim.y = 1;
-        at[n].val.clusterDim.z = 1;
-        n++;
-    }
-    cfg.attrs = n ? at : nullptr;
-    cfg.numAttrs = n;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = pdl ? at : nullptr;
+    cfg.numAttrs = pdl ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
-}
-
-template <typename... KArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl,
-                   Args... args)
-{
-    return launch_cluster(kernel, 1u, grid, block, smem, st, pdl, args...);
 }
 
 /* Waits until the previous grid of the stream has completed and its memory is visible

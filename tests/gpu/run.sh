@@ -4,7 +4,8 @@
 #   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
 #
 #   quick     build; the GPU tests with short settings; a short decode benchmark (and
-#             the ncu profile when NCU_CONFIGS is set)
+#             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
+#             of the kernels NCU_HOT names)
 #   decode    build; test_cuda and test_placement; the decode benchmark over every
 #             placement, workload, context and batch (skv-bench decode) with the dense
 #             SDPA baseline of the same run, joined into decode.json; the per-kernel
@@ -21,11 +22,12 @@
 #             machine with .deps); then PREBUILT=build/dev bash tests/gpu/run.sh decode
 #             there skips the build (minutes of nvcc on a fresh machine)
 #
-# Writes under $OUT (default build/gpu-out), at most 8 files: log.txt (this script's
+# Writes under $OUT (default build/gpu-out), at most 9 files: log.txt (this script's
 # output), tests_log.txt (every test's full output), tests.json (per-binary result
 # lines), decode.json (the decode table), bench_decode.json, ncu.txt, factorize.json,
-# demo.json. Extra environment: BENCH_ARGS replaces the decode benchmark's grid,
+# demo.json, hot.txt. Extra environment: BENCH_ARGS replaces the decode benchmark's grid,
 # NCU_CONFIGS the profiled "ctx batch" pairs (comma-separated; none: no profile),
+# NCU_HOT "kernel-regex ctx batch" triples for hot.txt (quick mode),
 # PREBUILT (see pack).
 # Needs no network: when the system lacks LAPACKE/OpenBLAS it builds with the
 # extracted Debian packages in .deps (make SKV_DEPS=.deps).
@@ -163,7 +165,7 @@ ncu_decode() {
     set -- $cfgs
     stamp "ncu: decode kernels at $1 tokens, batch $2, device values, fresh queries"
     echo "== ctx $1 batch $2" >> "$OUT/ncu.txt"
-    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|selz|selc|attend|combine" \
+    timeout 200 ncu --clock-control none -k regex:"score_kernel|expsum|select_kernel|selz|attend|combine" \
       --launch-skip 5 --launch-count 5 --metrics $M $BIN/skv-bench decode --backend cuda --ctx $1 --batch $2 \
       --placement device --workload fresh --steps 2 --warmup 1 2>/dev/null |
       grep -E "void|_kernel|duration|pct|inst_exec|stalled|bytes" |
@@ -174,10 +176,31 @@ ncu_decode() {
   IFS=$IFS_SAVE
 }
 
+# where the time of one kernel goes, per SASS instruction (warp-stall samples), at one
+# configuration: NCU_HOT="kernel-regex ctx batch" (several separated by commas)
+ncu_hot() {
+  local IFS_SAVE=$IFS
+  IFS=,
+  for spec in $NCU_HOT; do
+    IFS=$IFS_SAVE
+    set -- $spec
+    stamp "ncu hot spots: $1 at $2 tokens, batch $3"
+    rm -f "$TMP/hot.ncu-rep"
+    timeout 200 ncu --clock-control none --set full -k regex:"$1" --launch-skip 2 --launch-count 1 -o "$TMP/hot" \
+      $BIN/skv-bench decode --backend cuda --ctx $2 --batch $3 --placement device --workload fresh --steps 2 \
+      --warmup 1 >/dev/null 2>&1
+    ncu -i "$TMP/hot.ncu-rep" --page source --csv --print-source sass > "$TMP/hot.csv" 2>&1
+    { echo "== $1 at $2 x $3"; python3 tests/gpu/ncu_hot.py "$TMP/hot.csv" 45; } | tee -a "$OUT/hot.txt"
+    IFS=,
+  done
+  IFS=$IFS_SAVE
+}
+
 if [ "$MODE" = quick ]; then
   DENSE_ARGS="--ctx 32768,131072 --batch 1,8"
   decode_bench "${BENCH_ARGS:---ctx 32768,131072 --batch 1,8 --steps 15 --warmup 3}"
   [ -n "${NCU_CONFIGS:-}" ] && [ "${NCU_CONFIGS}" != none ] && ncu_decode
+  [ -n "${NCU_HOT:-}" ] && ncu_hot
 fi
 if [ "$MODE" = decode ] || [ "$MODE" = full ]; then
   DENSE_ARGS="--ctx 32768,131072,1048576 --batch 1,8,32"
