@@ -900,9 +900,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+/* Two floats rounded to bf16 (to nearest even, as skv_f32_to_bf16 does for every non-NaN
+   value) and packed, lo in the low half: one cvt instruction. */
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 {
-    return (uint32_t)skv_f32_to_bf16(lo) | ((uint32_t)skv_f32_to_bf16(hi) << 16);
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 __device__ __forceinline__ void group_bar(int q) { asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "r"(kMmGroupNT) : "memory"); }
@@ -1196,9 +1200,10 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
                 ps += p[e];
             }
             /* p = hi + mid + lo exactly: three bf16 of 8 significant bits each hold its 24 */
-            const float r0 = p[0] - __uint_as_float(pack_bf16(p[0], p[1]) << 16);
-            const float r1 = p[1] - __uint_as_float(pack_bf16(p[0], p[1]) & 0xffff0000u);
-            const uint32_t hi = pack_bf16(p[0], p[1]), mid = pack_bf16(r0, r1);
+            const uint32_t hi = pack_bf16(p[0], p[1]);
+            const float r0 = p[0] - __uint_as_float(hi << 16);
+            const float r1 = p[1] - __uint_as_float(hi & 0xffff0000u);
+            const uint32_t mid = pack_bf16(r0, r1);
             ph[nt] = hi;
             pm[nt] = mid;
             pl[nt] = pack_bf16(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
@@ -1314,6 +1319,8 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
 /* ---- combine and append ---------------------------------------------------------------------- */
 
 constexpr int kCoNT = 128;
+constexpr int kCoSU = 8; /* items per warp in flight */
+constexpr int kCoDU = 4; /* dims per lane and pass */
 
 struct CombineArgs {
     int32_t Hq, Hk, D, S, gen_cap, n_items;
@@ -1356,18 +1363,44 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
         float l = 0.0f;
         for (int s = 0; s < a.n_items; s++) l = fmaf(w_s[s], ml_s[s].y, l);
         const float inv = 1.0f / l;
+        /* warp w adds the items w, w + 4, ... (kCoSU items' loads in flight, kCoDU dims per lane),
+           then the four warps' sums are added in warp order: the same bits whatever ran first */
         const float *acc = a.part_acc + bh * a.n_items * a.D;
-        for (int d = tid; d < a.D; d += kCoNT) {
-            float v = 0.0f;
-            int s = 0;
-            for (; s + 8 <= a.n_items; s += 8) { /* 8 loads in flight */
-                float x[8];
+        float *red = w_s + a.n_items; /* [kCoNT / 32][D] */
+        const int warp = tid >> 5, lane = tid & 31;
+        constexpr int NW = kCoNT / 32;
+        for (int d0 = 0; d0 < a.D; d0 += 32 * kCoDU) {
+            float v[kCoDU];
 #pragma unroll
-                for (int u = 0; u < 8; u++) x[u] = acc[(int64_t)(s + u) * a.D + d];
+            for (int u = 0; u < kCoDU; u++) v[u] = 0.0f;
+            for (int s0 = warp; s0 < a.n_items; s0 += NW * kCoSU) {
+                float x[kCoSU][kCoDU];
 #pragma unroll
-                for (int u = 0; u < 8; u++) v = fmaf(w_s[s + u], x[u], v);
+                for (int i = 0; i < kCoSU; i++)
+#pragma unroll
+                    for (int u = 0; u < kCoDU; u++) {
+                        const int s = s0 + NW * i, d = d0 + lane + 32 * u;
+                        x[i][u] = s < a.n_items && d < a.D ? acc[(int64_t)s * a.D + d] : 0.0f;
+                    }
+#pragma unroll
+                for (int i = 0; i < kCoSU; i++) {
+                    const int s = s0 + NW * i;
+                    if (s < a.n_items)
+#pragma unroll
+                        for (int u = 0; u < kCoDU; u++) v[u] = fmaf(w_s[s], x[i][u], v[u]);
+                }
             }
-            for (; s < a.n_items; s++) v = fmaf(w_s[s], acc[(int64_t)s * a.D + d], v);
+#pragma unroll
+            for (int u = 0; u < kCoDU; u++) {
+                const int d = d0 + lane + 32 * u;
+                if (d < a.D) red[warp * a.D + d] = v[u];
+            }
+        }
+        __syncthreads();
+        for (int d = tid; d < a.D; d += kCoNT) {
+            float v = red[d];
+#pragma unroll
+            for (int w = 1; w < NW; w++) v += red[w * a.D + d];
             (a.io ? a.io->out : a.out)[bh * a.D + d] = v * inv;
         }
         if (a.macc && tid == 0) a.macc[bh] = 0;
@@ -1776,7 +1809,7 @@ cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda
         a.step_bad = ws->step_bad;
         a.cnt_done = ws->cnt_done;
     }
-    const size_t smem = (size_t)a.n_items * (sizeof(float2) + sizeof(float));
+    const size_t smem = (size_t)a.n_items * (sizeof(float2) + sizeof(float)) + (size_t)(kCoNT / 32) * a.D * sizeof(float);
     cudaError_t e = allow_smem(combine_kernel, smem);
     if (e != cudaSuccess) return e;
     if (sh->Hq + (append ? 1 : 0) > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
