@@ -941,6 +941,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
     m.uk = m.v = nullptr;
     m.miss = 0;
     if (item < c.n_sel) {
+        pdl_wait(); /* the selection comes from the previous kernel (resident items do not wait) */
         const skv_cuda_shape &sh = a.sh;
         const skv_cuda_seq &sq = a.seqs[c.b];
         const int32_t cc = sh.c, S = sh.S;
@@ -1002,7 +1003,14 @@ __device__ __forceinline__ void mm_issue_uk(const AttendArgs &a, const MmLayout 
     }
 }
 
-__global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_constant__ AttendArgs a, int ipc)
+/* Item at position p of CTA x's list (of `split` CTAs per pair): its resident items (every
+   split-th from x), then its selected items (likewise). */
+__device__ __forceinline__ int mm_item(const MmCtx &c, int x, int split, int nr_x, int p)
+{
+    return p < nr_x ? c.n_sel + x + p * split : x + (p - nr_x) * split;
+}
+
+__global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_constant__ AttendArgs a, int split)
 {
     __shared__ AttSpan sp_s[SKV_MAX_SPANS];
     __shared__ int64_t T_s;
@@ -1027,7 +1035,13 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     c.b = b;
     c.h = h;
     c.n_sel = a.it.n_sel;
-    const int i0 = blockIdx.x * ipc, i1 = min(a.it.n_items, i0 + ipc);
+    /* CTA x takes every split-th item, its resident ones first: those need nothing of this
+       step's selection, so they run while the selection finishes (the kernel is launched as a
+       dependent; only the selected items' lookups wait for it) */
+    const int x = blockIdx.x, n_res = a.it.n_items - c.n_sel;
+    const int nr_x = n_res > x ? (n_res - x + split - 1) / split : 0;
+    const int ns_x = c.n_sel > x ? (c.n_sel - x + split - 1) / split : 0;
+    const int n_x = nr_x + ns_x;
 
     /* W_h: nothing a step writes */
     {
@@ -1041,20 +1055,14 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             else load8_slow(dst, Wh + (int64_t)k * ldW + p * 8, 8);
         }
     }
-    pdl_wait();
+    /* the spans and q: written before the selection kernel started (it launches this kernel
+       only after its own wait) */
     if (tid == 0) {
         const int n = att_resident_spans(a, b, h, sp_s);
         T_s = n ? sp_s[n - 1].end : 0;
     }
     __syncthreads();
     c.T = T_s;
-    int item = i0 + q;
-    if (item < i1 && !mm_empty(c, item)) {
-        const MmRow m = mm_lookup(a, c, item, row, sp_s);
-        mm_issue_uk(a, L, UKw, tok_s, miss_s, item < c.n_sel, r, row, rw, half, m);
-        mm_copy_row(Vs + row * kMmLdv, m.v, kMmD / 8, half);
-    }
-    cp_async_commit();
 
     /* Q of the group as A fragments (rows = query heads; rows >= G are zero) */
     const int64_t head0 = (int64_t)b * a.Hq + (int64_t)h * G;
@@ -1074,7 +1082,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         }
     }
     cp_async_wait_all();
-    __syncthreads(); /* W_h and every warp's first rows */
+    __syncthreads(); /* W_h */
 
     const float scl = a.scale_log2;
     const int64_t SC = (int64_t)sh.S * sh.c;
@@ -1083,20 +1091,35 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
      * (in flight during the rebuild), its U / K rows once this warp has read its own, its V rows
      * once the group has read the item's partial (which sits in the V rows). cp.async groups per
      * thread, in commit order: U/K(item), V(item), U/K(nx), V(nx); wait_group 1 before the
-     * rebuild leaves V(item) in flight, wait_group 1 before P V leaves U/K(nx) in flight.
+     * rebuild leaves V(item) in flight, wait_group 1 before P V leaves U/K(nx) in flight. An
+     * item that nothing prefetched (the first, or one after an empty item) is issued in place,
+     * with an empty group after it for the same count.
      */
-    for (int par = 0; item < i1; item += kMmGroups, par ^= 1) {
+    bool issued = false;
+    for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
+        const int item = mm_item(c, x, split, nr_x, pi);
         if (mm_empty(c, item)) {
             /* an empty resident item (the generated region not yet filled): an empty partial,
-               no loads and no barrier (group-uniform; every later item is empty too) */
+               no loads and no barrier (group-uniform) */
             float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
             for (int i = qt; i < G * kMmD; i += kMmGroupNT)
                 acc_out[(i >> 7) * (int64_t)a.it.n_items * kMmD + (i & (kMmD - 1))] = 0.0f;
             if (qt < G) a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(-INFINITY, 0.0f);
+            issued = false;
             continue;
         }
-        const int nx = item + kMmGroups;
-        const bool has_nx = nx < i1 && !mm_empty(c, nx);
+        if (!issued) {
+            const MmRow m = mm_lookup(a, c, item, row, sp_s);
+            mm_issue_uk(a, L, UKw, tok_s + par * kMmTT, miss_s + par * kMmTT, item < c.n_sel, r, row, rw, half, m);
+            mm_copy_row(Vs + row * kMmLdv, m.v, kMmD / 8, half);
+            cp_async_commit();
+            cp_async_commit();
+        }
+        const int nx = pi + kMmGroups < n_x ? mm_item(c, x, split, nr_x, pi + kMmGroups) : -1;
+        /* not across the step from resident to selected items: that lookup waits for the
+           selection, and this item does not */
+        const bool has_nx = nx >= 0 && !mm_empty(c, nx) && !(item >= c.n_sel && nx < c.n_sel);
+        issued = has_nx;
         MmRow mn;
         if (has_nx) mn = mm_lookup(a, c, nx, row, sp_s);
         const int64_t *tok = tok_s + par * kMmTT;
@@ -1755,13 +1778,13 @@ cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv
         const int64_t pairs = (int64_t)sh->B * sh->Hk, n_items = ws->it.n_items;
         int64_t split = num_sms() / pairs; /* CTAs per pair: one wave (one CTA per SM fits) */
         if (split < 1) split = 1;
-        int64_t ipc = ceil_div64(n_items, split);
-        if (ipc < kMmGroups) ipc = kMmGroups < n_items ? kMmGroups : n_items;
+        if (split > ceil_div64(n_items, kMmGroups)) split = ceil_div64(n_items, kMmGroups); /* a few items per group */
+        if (split < 1) split = 1;
         const size_t smem = mm_layout(sh->r).bytes;
         cudaError_t e = allow_smem(attend_mma_kernel, smem);
         if (e != cudaSuccess) return e;
-        return launch(attend_mma_kernel, dim3((unsigned)ceil_div64(n_items, ipc), (unsigned)sh->Hk, (unsigned)sh->B),
-                      dim3(kMmNT), smem, st, pdl != 0, a, (int)ipc);
+        return launch(attend_mma_kernel, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
+                      st, pdl != 0, a, (int)split);
     }
     return launch_attend(st, a, sh->B, ws->it.n_items, false, pdl);
 }

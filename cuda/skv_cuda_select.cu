@@ -690,6 +690,7 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
     extern __shared__ __align__(16) uint32_t se_keys[];
     if (threadIdx.x == 0) sm.keys = se_keys;
     pdl_wait();
+    pdl_trigger(); /* the attention's resident items need nothing of this kernel */
     __syncthreads();
     const skv_cuda_shape &sh = a.sh;
     const int tid = threadIdx.x;
@@ -782,7 +783,6 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
             select_finish(a, b, h, sm);
             if (tid == 0) a.cnt[bh] = 0;
         }
-    pdl_trigger();
 }
 
 
@@ -811,6 +811,7 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
     __shared__ float zs[kScMaxGp];
     extern __shared__ __align__(16) uint32_t sz_keys[];
     pdl_wait();
+    pdl_trigger(); /* the attention's resident items need nothing of this kernel */
     const skv_cuda_shape &sh = a.sh;
     const int tid = threadIdx.x, set = tid >> 8, k = tid & (SKV_CANON_LANES - 1);
     const int32_t G = sh.Hq / sh.Hk, S = sh.S;
@@ -912,7 +913,6 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
             select_finish(a, b, h, sm);
             __syncthreads(); /* shared memory is reused by the next (b, h) */
         }
-    pdl_trigger();
 }
 
 } /* namespace */

@@ -16,7 +16,7 @@
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
-#             decode modes run (and backend_ops, test_contract, test_e2e) into
+#             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e) into
 #             build/dev: one stripped libshadowkv.so.0 that
 #             the tests and skv-bench link to (small enough to carry to the device
 #             machine with .deps); then PREBUILT=build/dev bash tests/gpu/run.sh decode
@@ -49,7 +49,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/tests/common/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_contract test_e2e; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
+  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   du -sh build/dev
   exit 0
