@@ -972,14 +972,23 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
     return m;
 }
 
+/* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
+   they were if-converted into predicated loads that every copy issued. */
+__device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
+{
+    for (int p = half; p < n; p += 2) {
+        if (!src) store_zero16(dst + p * 8);
+        else load8_slow(dst + p * 8, src + p * 8, 8);
+    }
+}
+
 /* 16-byte pieces half, half + 2, ... of a row of n pieces from src (NULL: zeros) into dst. */
 __device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, int n, int half)
 {
-    const bool al = ((uintptr_t)src & 15) == 0;
-    for (int p = half; p < n; p += 2) {
-        if (!src) store_zero16(dst + p * 8);
-        else if (al) cp_async16(dst + p * 8, src + p * 8);
-        else load8_slow(dst + p * 8, src + p * 8, 8);
+    if (src && ((uintptr_t)src & 15) == 0) {
+        for (int p = half; p < n; p += 2) cp_async16(dst + p * 8, src + p * 8);
+    } else {
+        mm_copy_row_slow(dst, src, n, half);
     }
 }
 
@@ -1047,12 +1056,16 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     {
         const uint16_t *Wh = a.seqs[b].w + (int64_t)h * kMmD;
         const int64_t ldW = (int64_t)a.Hk * kMmD;
-        const bool wa = ((uintptr_t)a.seqs[b].w & 15) == 0;
-        for (int idx = tid; idx < r * (kMmD / 8); idx += kMmNT) {
-            const int k = idx >> 4, p = idx & 15;
-            uint16_t *dst = Ws + k * kMmLdv + p * 8;
-            if (wa) cp_async16(dst, Wh + (int64_t)k * ldW + p * 8);
-            else load8_slow(dst, Wh + (int64_t)k * ldW + p * 8, 8);
+        if (((uintptr_t)a.seqs[b].w & 15) == 0) {
+            for (int idx = tid; idx < r * (kMmD / 8); idx += kMmNT) {
+                const int k = idx >> 4, p = idx & 15;
+                cp_async16(Ws + k * kMmLdv + p * 8, Wh + (int64_t)k * ldW + p * 8);
+            }
+        } else {
+            for (int idx = tid; idx < r * (kMmD / 8); idx += kMmNT) {
+                const int k = idx >> 4, p = idx & 15;
+                load8_slow(Ws + k * kMmLdv + p * 8, Wh + (int64_t)k * ldW + p * 8, 8);
+            }
         }
     }
     /* the spans and q: written before the selection kernel started (it launches this kernel

@@ -300,7 +300,7 @@ __device__ __forceinline__ void score_fma8(const float x[8], const float *qT, in
  * candidate j of a tile computes the dot chains of the G query heads of KV head h, GC at a
  * time (q of the group in shared memory as [D][Gp] floats, Gp = G rounded up to GC; heads
  * past G are zero and not written). DT != 0 (D == DT, landmark rows 16-byte aligned): tiles
- * are staged with cp.async into a two-stage ring, 16-byte pieces of row r rotated by r
+ * are staged with cp.async into a two-stage ring, 16-byte piece k of row r at k ^ (r % NC)
  * (conflict-free row reads), the next tile loading while this one is scored, and the chain
  * loop is unrolled. DT = 0: rows are read straight from global memory. s_j = SKV_MUL(dot,
  * scale) -> scores[b][qh][j]; the max over the non-NaN scores of each query head goes to macc
@@ -328,12 +328,13 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
             const int32_t n = a.seqs[b].n_cand, j0 = (int32_t)(t - pair * a.ntiles) * kScRows;
             const int32_t rows = min(kScRows, n - j0);
             unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
-            const uint16_t *src = a.seqs[b].landmarks + ((int64_t)h * n + j0) * D;
-            for (int32_t idx = tid; idx < rows * NC; idx += kScNT) {
-                const int32_t r = idx / NC, k = idx - r * NC;
-                const int32_t kk = (k + r) % NC;
-                cp_async16(tile + (size_t)r * 2 * D + kk * 16, src + (int64_t)r * D + k * 8);
-            }
+            /* thread tid copies piece k = tid % NC of rows tid / NC, + RPP, ...: addresses by
+               increments (the per-piece index arithmetic was a fifth of the kernel's instructions) */
+            constexpr int RPP = kScNT / NC;
+            const int k = tid % NC;
+            const uint16_t *src = a.seqs[b].landmarks + ((int64_t)h * n + j0 + tid / NC) * D + k * 8;
+            for (int r = tid / NC; r < rows; r += RPP, src += RPP * DT)
+                cp_async16(tile + r * (2 * DT) + ((k ^ (r & (NC - 1))) << 4), src);
         }
     };
 
@@ -413,6 +414,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         if (j < n) {
             const uint16_t *L = a.seqs[b].landmarks + ((int64_t)h * n + j) * D;
             const unsigned char *row = sc_smem + stage * score_tile_bytes(D) + (size_t)tid * 2 * D;
+            const int sw4 = (tid & (NC - 1)) << 4; /* piece k of this row sits at k ^ (row % NC) */
 #pragma unroll
             for (int pi = 0; pi < NPASS; pi++) {
                 const int32_t g0 = pi * GC;
@@ -420,12 +422,12 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
                 float acc[GC];
 #pragma unroll
                 for (int g = 0; g < GC; g++) acc[g] = 0.0f;
-                if constexpr (DT != 0) { /* piece k of a staged row sits at (k + row) % NC */
+                if constexpr (DT != 0) { /* piece k of a staged row sits at k ^ (row % NC) */
                     constexpr int UNR = NC > 16 ? 8 : NC; /* D = 256: bounded, no spills */
 #pragma unroll UNR
                     for (int32_t k = 0; k < NC; k++) {
                         float x[8];
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k + tid) % NC) * 16), x);
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(row + ((k << 4) ^ sw4)), x);
                         score_fma8<GC, GPC>(x, qT + g0, Gp, k * 8, acc);
                     }
                 } else {
