@@ -326,12 +326,12 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
     SKV_REGION(macc, unsigned, bq);
     SKV_REGION(s0, float, bq);
     SKV_REGION(Z, float, bq);
+    SKV_REGION(zpart, float, bq * SKV_CANON_LANES);
     SKV_REGION(cnt_e, unsigned, bq);
     SKV_REGION(cnt_sel, unsigned, bk);
     SKV_REGION(pool, unsigned long long, bk * pool_cap);
     SKV_REGION(sel_idx, int32_t, bk * S);
     SKV_REGION(sel_ids, int32_t, bk * S);
-    SKV_REGION(zpart, float, bq * SKV_CANON_LANES); /* outside the zeroed counters: no state */
     SKV_REGION(part_acc, float, bq * it.n_items * D);
     SKV_REGION(part_ml, float2, bq * it.n_items);
     SKV_REGION(step_bad, int32_t, 1);
