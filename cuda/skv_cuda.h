@@ -22,9 +22,8 @@
  *              selection and, for a host-placed slot, runs the chunk cache's
  *              rule (skv_plan.h): hits, misses, the entries they replace
  *   (2+3 fused: with at most 32768 candidates and enough (sequence, KV head)
- *    pairs to fill the GPU, 8 CTAs per pair turn s into e and add each
- *    canonical lane's chain, then one CTA per pair does the rest, with the
- *    same arithmetic: 5 kernels per step)
+ *    pairs to fill the GPU, one CTA per pair does both, with the same
+ *    arithmetic: 4 kernels per step)
  *   4 attend   per (sequence, KV head) work items: a tile of selected tokens
  *              (keys rebuilt from U W and roped on chip, never written back)
  *              or a range of the resident spans; each writes a partial
@@ -129,7 +128,6 @@ typedef struct skv_cuda_dws {
     unsigned *macc;              /* [B, Hq] order_desc image of the max score (0: none) */
     float *s0;                   /* [B, Hq] score of candidate 0 (ref's max scan starts there) */
     float *Z;                    /* [B, Hq] canonical sum of e */
-    float *zpart;                /* [B, Hq, 256] its canonical partial sums (fused selection) */
     unsigned *cnt_e;             /* [B, Hq] blocks of step 2 done (reset by the last) */
     unsigned *cnt_sel;           /* [B, Hk] tiles of step 3 done (reset by the last) */
     unsigned long long *pool;    /* [B, Hk, pool_cap] tile winners: key << 32 | candidate */

@@ -326,7 +326,6 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
     SKV_REGION(macc, unsigned, bq);
     SKV_REGION(s0, float, bq);
     SKV_REGION(Z, float, bq);
-    SKV_REGION(zpart, float, bq * SKV_CANON_LANES);
     SKV_REGION(cnt_e, unsigned, bq);
     SKV_REGION(cnt_sel, unsigned, bk);
     SKV_REGION(pool, unsigned long long, bk * pool_cap);

@@ -569,12 +569,10 @@ struct SelectArgs {
     int32_t *vsrc, *mlist, *mcount;     /* host slots */
     const int32_t *step_bad;            /* NULL: op-level (no chunk caches) */
     unsigned long long *vc_counts;
-    /* the fused kernel: scores turned into e in place, the max accumulators, the lanes' partial
-       sums of e (ez_kernel) */
+    /* the fused kernel: scores turned into e in place, the max accumulators */
     float *s;
     const unsigned *macc;
     const float *s0;
-    const float *zpart;
 };
 
 template <int NT>
@@ -790,61 +788,7 @@ __global__ void __launch_bounds__(kSeNT) select_kernel(const SelectArgs a)
 }
 
 
-/* ---- decode selection, fused: e_j and the canonical lanes' partial sums ------------------------ */
-
-constexpr int kEzC = 8;                            /* CTAs per (b, h) */
-constexpr int kEzLanes = SKV_CANON_LANES / kEzC;   /* canonical lanes per CTA: one warp's worth */
-constexpr int kEzMaxG = 8;                         /* query heads per pass: one warp each */
-static_assert(kEzLanes == 32, "a warp per (query head, 32 lanes)");
-
-/*
- * grid (8, Hk, B), block 32 * min(G, 8): CTA c of (b, h) owns the canonical lanes 32c .. 32c + 31;
- * warp g takes query head g of the group (then g + 8, ...), lane l the canonical lane
- * k = 32c + l: e_j = skv_expf(s_j - M) in place for j = k, k + 256, ... and their sum in that
- * order (expsum's chain, the same bits), into zpart[b][qh][k]. selz_kernel adds the 256 partials
- * of a head by the fixed tree.
- */
-__global__ void __launch_bounds__(32 * kEzMaxG) ez_kernel(const SelectArgs a)
-{
-    pdl_wait();
-    const skv_cuda_shape &sh = a.sh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int32_t G = sh.Hq / sh.Hk, k = (int32_t)blockIdx.x * kEzLanes + lane;
-    const int64_t cm = sh.cand_max;
-    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
-        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
-            const int32_t n = a.seqs[b].n_cand;
-            for (int32_t g = warp; g < G; g += nw) {
-                const int64_t row = (int64_t)b * sh.Hq + (int64_t)h * G + g;
-                float *s = a.s + row * cm;
-                const float first = a.s0[row];
-                const float M = first != first ? first : order_desc_inv(a.macc[row]);
-                float P = 0.0f;
-                int32_t j = k;
-                constexpr int U = 16; /* loads in flight (one L2 round trip per U); the adds stay in order */
-                for (; j + (U - 1) * SKV_CANON_LANES < n; j += U * SKV_CANON_LANES) {
-                    float x[U];
-#pragma unroll
-                    for (int u = 0; u < U; u++) x[u] = s[j + u * SKV_CANON_LANES];
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        const float ev = skv_expf(SKV_SUB(x[u], M));
-                        s[j + u * SKV_CANON_LANES] = ev;
-                        P = SKV_ADD(P, ev);
-                    }
-                }
-                for (; j < n; j += SKV_CANON_LANES) {
-                    const float ev = skv_expf(SKV_SUB(s[j], M));
-                    s[j] = ev;
-                    P = SKV_ADD(P, ev);
-                }
-                const_cast<float *>(a.zpart)[row * SKV_CANON_LANES + k] = P;
-            }
-        }
-    pdl_trigger();
-}
-
-/* ---- decode selection, fused: Z and the top-S of one (b, h) in one CTA -------------------------- */
+/* ---- decode selection, fused: e_j, Z and the top-S of one (b, h) in one CTA ------------------ */
 
 constexpr int kSzNT = 1024;                 /* 4 sets of 256 canonical lanes */
 constexpr int32_t kSzMax = 32768;           /* candidates whose keys fit in shared memory */
@@ -854,10 +798,11 @@ __host__ __device__ constexpr size_t sz_key_bytes(int32_t n) { return ((size_t)n
 
 /*
  * grid (1, Hk, B), block (h, b) when every sequence has at most kSzMax candidates: steps 2 and 3
- * of the decode for the whole (b, h) in one CTA, with no pool, after ez_kernel.
+ * of the decode for the whole (b, h) in one CTA, with no pool and no second kernel.
  *  1. Query heads of the group four at a time, one set of 256 threads each: lane k of the set
- *     takes the canonical partial k of ez_kernel, then the fixed pairwise tree gives Z
- *     (expsum's arithmetic, the same bits).
+ *     turns s_j into e_j = skv_expf(s_j - M) in place for j = k, k + 256, ... and adds them in
+ *     that order (the canonical partial k), then the fixed pairwise tree gives Z (expsum's
+ *     arithmetic, the same bits).
  *  2. Keys a_j over all n candidates, then the block top-S (select_kernel's single-tile path)
  *     and select_finish.
  */
@@ -879,8 +824,31 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
             const int64_t bh = (int64_t)b * sh.Hk + h, row0 = (int64_t)b * sh.Hq + (int64_t)h * G;
             for (int32_t g0 = 0; g0 < G; g0 += 4) {
                 const int32_t g = g0 + set;
-                /* the partial of canonical lane k (ez_kernel) */
-                const float P = g < G ? __ldcg(a.zpart + (row0 + g) * SKV_CANON_LANES + k) : 0.0f;
+                float P = 0.0f;
+                if (g < G) {
+                    const int64_t row = row0 + g;
+                    float *s = a.s + row * cm;
+                    const float first = a.s0[row];
+                    const float M = first != first ? first : order_desc_inv(a.macc[row]);
+                    int32_t j = k;
+                    constexpr int U = 16; /* loads in flight (one L2 round trip per U); the adds stay in order */
+                    for (; j + (U - 1) * SKV_CANON_LANES < n; j += U * SKV_CANON_LANES) {
+                        float x[U];
+#pragma unroll
+                        for (int u = 0; u < U; u++) x[u] = s[j + u * SKV_CANON_LANES];
+#pragma unroll
+                        for (int u = 0; u < U; u++) {
+                            const float ev = skv_expf(SKV_SUB(x[u], M));
+                            s[j + u * SKV_CANON_LANES] = ev;
+                            P = SKV_ADD(P, ev);
+                        }
+                    }
+                    for (; j < n; j += SKV_CANON_LANES) {
+                        const float ev = skv_expf(SKV_SUB(s[j], M));
+                        s[j] = ev;
+                        P = SKV_ADD(P, ev);
+                    }
+                }
                 part[set][k] = P;
                 __syncthreads();
                 for (int w = SKV_CANON_LANES / 2; w >= 32; w >>= 1) {
@@ -1143,18 +1111,14 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
     a.s = ws->scores;
     a.macc = (const unsigned *)ws->macc;
     a.s0 = (const float *)ws->s0;
-    a.zpart = ws->zpart;
     /* one CTA per (b, h) computes e, Z and the selection together when there are enough pairs
        to fill a good part of the GPU, or few candidates (one select tile); a few pairs over many
        candidates leave the long chains of one CTA exposed and take the split path */
     if (sh->cand_max <= kSzMax && ((int64_t)sh->B * sh->Hk * 3 >= num_sms() || sh->cand_max <= kSeTile)) {
         const size_t smem = sz_key_bytes(sh->cand_max);
         if ((e = allow_smem(selz_kernel, smem)) != cudaSuccess) return e;
-        e = launch(ez_kernel, dim3(kEzC, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(32 * (G < kEzMaxG ? G : kEzMaxG)), 0,
-                   st, true, a);
-        if (e != cudaSuccess) return e;
         e = launch(selz_kernel, dim3(1, clamp_yz(sh->Hk), clamp_yz(sh->B)), dim3(kSzNT), smem, st, true, a);
-        if (launches) *launches += 3;
+        if (launches) *launches += 2;
         return e;
     }
     e = launch(expsum_kernel, dim3((unsigned)ceil_div64(sh->cand_max, kExTile), clamp_yz(sh->Hq), clamp_yz(sh->B)),

@@ -386,8 +386,10 @@ typedef struct skv_stats {
     int64_t value_cache_misses; /**< selected chunks of host-placed slots fetched from the
                                      host store */
     int64_t decode_launches;    /**< cuda: kernels run by decode steps (divide by
-                                     n_decode_calls for kernels per step: 5, 2 more
-                                     on a layer with host-placed values); a replayed step
+                                     n_decode_calls for kernels per step: 4 or 5 (5
+                                     when few (sequence, KV head) pairs share many
+                                     candidates), 2 more on a layer with host-placed
+                                     values); a replayed step
                                      is one graph launch on the host; 0 on ref/cpu */
 } skv_stats;
 
