@@ -460,6 +460,31 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
     pdl_trigger();
 }
 
+/*
+ * The fixed pairwise tree of the canonical sum over the 256 lane partials in part[] (k: this
+ * thread's lane; every thread of the block calls it, after writing its partial): lanes k < w
+ * add part[k + w] for w = 128, 64, 32 in shared memory, then the first warp (k < 32, whole)
+ * by shuffles. The sum is in lane k = 0: skv_canonical_sum's order, the same bits.
+ */
+__device__ __forceinline__ float canon_tree(float *part, int k)
+{
+    __syncthreads();
+    for (int w = SKV_CANON_LANES / 2; w >= 32; w >>= 1) {
+        if (k < w) part[k] = SKV_ADD(part[k], part[k + w]);
+        __syncthreads();
+    }
+    float v = 0.0f;
+    if (k < 32) {
+        v = part[k];
+#pragma unroll
+        for (int w = 16; w >= 1; w >>= 1) {
+            const float o = __shfl_down_sync(kFullMask, v, w);
+            v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
+        }
+    }
+    return v;
+}
+
 /* ---- decode selection: step 2, e_j and their canonical sum ----------------------------------- */
 
 constexpr int kExNT = 256;                 /* = SKV_CANON_LANES: one lane per canonical partial */
@@ -529,22 +554,10 @@ __global__ void __launch_bounds__(kExNT)
                 for (int u = 0; u < PF; u++) cur[u] = nxt[u];
             }
             part[tid] = P;
-            __syncthreads();
-            for (int w = kExNT / 2; w >= 32; w >>= 1) {
-                if (tid < w) part[tid] = SKV_ADD(part[tid], part[tid + w]);
-                __syncthreads();
-            }
-            if (tid < 32) { /* the first warp, whole */
-                float v = part[tid];
-#pragma unroll
-                for (int w = 16; w >= 1; w >>= 1) {
-                    const float o = __shfl_down_sync(kFullMask, v, w);
-                    v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
-                }
-                if (tid == 0) {
-                    Z[row] = v;
-                    cnt[row] = 0;
-                }
+            const float v = canon_tree(part, tid);
+            if (tid == 0) {
+                Z[row] = v;
+                cnt[row] = 0;
             }
             __syncthreads(); /* part and last are reused by the next (b, qh) */
         }
@@ -850,22 +863,10 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
                     }
                 }
                 part[set][k] = P;
-                __syncthreads();
-                for (int w = SKV_CANON_LANES / 2; w >= 32; w >>= 1) {
-                    if (k < w) part[set][k] = SKV_ADD(part[set][k], part[set][k + w]);
-                    __syncthreads();
-                }
-                if (k < 32 && g < G) { /* the first warp of the set, whole */
-                    float v = part[set][k];
-#pragma unroll
-                    for (int w = 16; w >= 1; w >>= 1) {
-                        const float o = __shfl_down_sync(kFullMask, v, w);
-                        v = SKV_ADD(v, o); /* lanes k < w: P[k] + P[k+w] */
-                    }
-                    if (k == 0) {
-                        zs[g] = v;
-                        const_cast<float *>(a.Z)[row0 + g] = v; /* Z is the workspace's, written here */
-                    }
+                const float v = canon_tree(part[set], k);
+                if (k == 0 && g < G) {
+                    zs[g] = v;
+                    const_cast<float *>(a.Z)[row0 + g] = v; /* Z is the workspace's, written here */
                 }
                 __syncthreads(); /* part is reused; zs complete after the last round */
             }
