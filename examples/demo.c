@@ -58,7 +58,7 @@ static void usage(FILE *f)
             "                     (default 16384,24576)\n"
             "  --steps N          decode steps (default 64)\n"
             "  --budget N         selected tokens per KV head (default 2048)\n"
-            "  --backend NAME     ref | cpu | cuda | auto (default auto; env SKV_BACKEND overrides)\n"
+            "  --backend NAME     ref | cpu | cuda | auto (default auto; env SKV_BACKEND picks for auto)\n"
             "  --seed N           workload seed (default 42)\n"
             "  --acc-layers N     layers whose accuracy is measured at every step (default 1)\n"
             "  --share-layers     every layer gets layer 0's prompts and step inputs\n"

@@ -149,7 +149,7 @@ typedef struct skv_config {
     int32_t batch_size;       /**< B sequences held by the cache; default 1 */
     int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
     int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
-    skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND overrides */
+    skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND applies only to auto */
     int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default. When > 0, prefill and
                                    decode set it as the calling thread's OpenMP thread count. */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
@@ -227,8 +227,9 @@ typedef struct skv_cache skv_cache;
 
 /**
  * Creates a cache and allocates all of its memory (see skv_cache_memory).
- * The backend is cfg->backend unless the environment variable SKV_BACKEND
- * (ref|cpu|cuda|auto) is set. auto picks cuda when usable, else cpu.
+ * The backend is cfg->backend. When that is auto, the environment variable
+ * SKV_BACKEND (ref|cpu|cuda|auto) may name one; an explicit cfg->backend is
+ * never overridden. auto picks cuda when usable, else cpu.
  * Returns SKV_OK and *out, or an error with *out set to NULL:
  * SKV_ERR_INVALID_CONFIG, SKV_ERR_SIZE_OVERFLOW, SKV_ERR_NO_DEVICE,
  * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NULL_POINTER.

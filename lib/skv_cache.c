@@ -60,7 +60,7 @@ static char *skv_value_cache(const skv_cache *c, size_t i)
 
 /*
  * What create builds from *cfg: the config with the environment's backend
- * applied, the layout, the backend table and the decode workspace size. With
+ * applied when the config asks for auto (an explicit backend wins), the layout, the backend table and the decode workspace size. With
  * probe = 0 an explicit backend is not probed (the memory query of a cuda
  * config works on a machine without a GPU); auto is always resolved.
  */
@@ -68,7 +68,7 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
                                  const struct skv_backend_ops **ops, size_t *ws_bytes)
 {
     *c = *cfg;
-    const char *env = getenv("SKV_BACKEND");
+    const char *env = c->backend == SKV_BACKEND_AUTO ? getenv("SKV_BACKEND") : NULL;
     if (env && *env && skv_backend_parse(env, &c->backend) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_CONFIG,
                         "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);

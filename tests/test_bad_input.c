@@ -21,7 +21,8 @@
  *    negative O/Lc/n_threads, rope (theta, rotary_dim, interleaved,
  *    llama3_scaling and its factors), attn_scale, backend enum, size overflow,
  *    an unallocatable (beyond the address space) cache -> OUT_OF_MEMORY.
- *  - backends: SKV_BACKEND=bogus/cuda/auto/ref/"", cfg.backend = cuda/auto,
+ *  - backends: SKV_BACKEND=bogus/cuda/auto/ref/"" (read for cfg.backend = auto only; an
+ *    explicit backend wins), cfg.backend = cuda/auto,
  *    skv_backend_parse / skv_backend_available.
  *  - NULL pointers of every cache entry point and every skv_op_*.
  *  - out-of-range layer/seq/kv_head; prompt too short/long, n = 0, n < 0.
@@ -613,7 +614,9 @@ static void test_backends(void)
     const int gpu = cuda_usable();
     const skv_backend auto_be = gpu ? SKV_BACKEND_CUDA : SKV_BACKEND_CPU;
 
+    /* the environment names the backend only for cfg.backend = auto */
     unsetenv("SKV_BACKEND");
+    cfg.backend = SKV_BACKEND_AUTO;
     LBL("SKV_BACKEND=bogus");
     setenv("SKV_BACKEND", "bogus", 1);
     c = (skv_cache *)(void *)&dummy_object;
@@ -634,7 +637,7 @@ static void test_backends(void)
         skv_cache_free(c);
     }
 
-    LBL("SKV_BACKEND=auto over cfg ref");
+    LBL("SKV_BACKEND=auto over cfg auto");
     setenv("SKV_BACKEND", "auto", 1);
     c = NULL;
     check_ok(skv_cache_create(&cfg, &c), lbl);
@@ -643,12 +646,19 @@ static void test_backends(void)
     SKVT_CHECK(c && skv_cache_config(c)->backend == auto_be, "%s: config backend not resolved", lbl);
     skv_cache_free(c);
 
-    LBL("SKV_BACKEND=ref over cfg cpu");
+    LBL("SKV_BACKEND=ref over cfg auto");
     setenv("SKV_BACKEND", "ref", 1);
-    cfg.backend = SKV_BACKEND_CPU;
+    cfg.backend = SKV_BACKEND_AUTO;
     c = NULL;
     check_ok(skv_cache_create(&cfg, &c), lbl);
     SKVT_CHECK(c && skv_cache_backend(c) == SKV_BACKEND_REF, "%s: backend not ref", lbl);
+    skv_cache_free(c);
+
+    LBL("cfg cpu wins over SKV_BACKEND=ref");
+    cfg.backend = SKV_BACKEND_CPU;
+    c = NULL;
+    check_ok(skv_cache_create(&cfg, &c), lbl);
+    SKVT_CHECK(c && skv_cache_backend(c) == SKV_BACKEND_CPU, "%s: backend not cpu", lbl);
     skv_cache_free(c);
 
     LBL("SKV_BACKEND= (empty) is ignored");
@@ -660,6 +670,7 @@ static void test_backends(void)
 
     LBL("SKV_BACKEND=bogus with an invalid config");
     setenv("SKV_BACKEND", "bogus", 1);
+    cfg.backend = SKV_BACKEND_AUTO;
     cfg.head_dim = 63;
     c = (skv_cache *)(void *)&dummy_object;
     expect_err(skv_cache_create(&cfg, &c), SKV_ERR_INVALID_CONFIG, NULL, NULL, NULL);

@@ -82,10 +82,17 @@ static void test_no_device(skv_status avail)
                           skv_backend_name(skv_cache_backend(cache)));
     skv_cache_free(cache);
 
-    c.backend = SKV_BACKEND_REF;
+    /* the environment picks for auto only: an explicit backend wins over it */
     setenv("SKV_BACKEND", "cuda", 1);
+    c.backend = SKV_BACKEND_AUTO;
     cache = NULL;
-    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_ERR_NO_DEVICE, "create(ref) with SKV_BACKEND=cuda");
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_ERR_NO_DEVICE, "create(auto) with SKV_BACKEND=cuda");
+    skv_cache_free(cache);
+    c.backend = SKV_BACKEND_REF;
+    cache = NULL;
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, "create(ref) with SKV_BACKEND=cuda");
+    if (cache) SKVT_CHECK(skv_cache_backend(cache) == SKV_BACKEND_REF, "explicit ref with SKV_BACKEND=cuda ran on %s",
+                          skv_backend_name(skv_cache_backend(cache)));
     unsetenv("SKV_BACKEND");
     skv_cache_free(cache);
 
