@@ -427,7 +427,7 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  * U W close to the best rank-r approximation (DESIGN.md section 6). Compare
  * backends on the product U W only. Requires 1 <= r <= min(n, d) and
  * n <= 2^31 (anything larger is refused with SKV_ERR_INVALID_ARGUMENT);
- * a NaN or Inf in a is refused before any work. Routes (README, "The key
+ * a NaN or Inf in a is refused before any work. Routes (docs/usage.md, "The key
  * factorization"): ref the double Gram + dsyevr; cpu and cuda a subspace
  * iteration on the Gram matrix with an automatic double-Gram fallback, or
  * the Gram + eigensolver route for shapes it does not take; the environment

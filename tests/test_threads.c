@@ -1,5 +1,5 @@
 /*
- * Thread safety as the README states it: separate caches may be used from
+ * Thread safety as docs/usage.md states it: separate caches may be used from
  * separate threads at once, skv_op_* and the config/memory queries are
  * reentrant (every worker also runs op-level selections and memory queries on
  * shared read-only inputs), and skv_last_error() is per thread.
