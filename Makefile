@@ -9,6 +9,8 @@
 # source order: -ffp-contract=off everywhere, and no fast-math flag of any kind.
 
 CC      ?= gcc
+# the version of include/shadowkv.h (SKV_VERSION_MAJOR/MINOR/PATCH), for the .pc file
+VERSION := $(shell sed -n 's/^\#define SKV_VERSION_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' include/shadowkv.h | paste -sd.)
 PREFIX  ?= /usr/local
 BUILD   ?= build
 
@@ -32,9 +34,14 @@ ALLCFLAGS := $(BASEFLAGS) $(CFLAGS)
 OMPFLAGS := -fopenmp
 LIBS    := $(DEPS_LIB) -llapacke -lopenblas -lm $(OMPFLAGS) -lpthread
 
-# ---- CUDA backend: compiled in when nvcc is found (SKV_CUDA=0 forces a CPU-only build) ----
+# ---- CUDA backend: built when nvcc is found (SKV_CUDA=0 skips it) ----------------
+# It is a plugin of its own, build/libshadowkv-cuda.so.0 (and libshadowkv-cuda.a
+# for static links), that the library opens at run time (lib/skv_cuda_loader.c):
+# libshadowkv.so and libshadowkv.a need no CUDA library, on any machine.
 NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 SKV_CUDA ?= $(if $(NVCC),1,0)
+PLUGIN        := $(BUILD)/libshadowkv-cuda.so.0
+PLUGIN_STATIC := $(BUILD)/libshadowkv-cuda.a
 ifeq ($(SKV_CUDA),1)
 CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
 # sm_90 machine code for Hopper, plus compute_90 PTX so newer GPUs can JIT it
@@ -44,20 +51,25 @@ NVCCFLAGS  := -std=c++17 -O3 -g $(NVCC_ARCH) -Xcompiler -fPIC,-fvisibility=hidde
 # the decision path (selection, landmarks, RoPE) must not be contracted behind our back
 NVCC_EXACT := --fmad=false
 CU_SRC     := $(wildcard cuda/*.cu)
-CU_OBJ     := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_SRC))
-C_CUDA_SRC :=
+PLUGIN_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_SRC)) $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard cuda/*.c))
 CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcusolver -lcublas -lcudart -lstdc++ -ldl -lrt
+# tests, demo and bench link the plugin's archive (they also call the CUDA runtime)
+CUDA_LINK  := -Wl,--undefined=skv_cuda_plugin_init $(PLUGIN_STATIC)
 TEST_CUDA_FLAGS := -DSKV_HAVE_CUDA -I$(CUDA_HOME)/include
+PLUGINS    := $(PLUGIN) $(PLUGIN_STATIC)
 else
 TEST_CUDA_FLAGS :=
-CU_OBJ     :=
-C_CUDA_SRC := cuda/skv_cuda_stub.c
+PLUGIN_OBJ :=
 CUDA_LIBS  :=
+CUDA_LINK  :=
+PLUGINS    :=
 endif
-LIBS     += $(CUDA_LIBS)
 
-LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) $(C_CUDA_SRC)
-LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC)) $(CU_OBJ)
+LIB_SRC  := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c)
+LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
+LIBS     += -ldl
+# what a program that links the library statically adds, CUDA included when built
+PROG_LIBS := $(CUDA_LINK) $(LIBS) $(CUDA_LIBS)
 HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
             $(wildcard cuda/*.h) $(wildcard cuda/*.cuh)
 
@@ -77,7 +89,7 @@ DEPS_STAMP := $(BUILD)/.deps-ok
 .PHONY: all lib demo check bench tests install uninstall clean deps link-check asan-check
 
 all: lib $(BUILD)/demo $(BUILD)/skv-bench $(TEST_BIN)
-lib: $(STATIC) $(SHARED)
+lib: $(STATIC) $(SHARED) $(PLUGINS)
 
 # ---- system packages (a fresh Debian machine has none of these) -------------
 # Installs what is missing through apt-get, once; a no-op when present.
@@ -128,24 +140,31 @@ $(STATIC): $(LIB_OBJ)
 $(SHARED): $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ -Wl,-soname,libshadowkv.so.0 $(LIBS)
 
+$(PLUGIN): $(PLUGIN_OBJ)
+	$(CC) -shared -o $@ $^ -Wl,-soname,libshadowkv-cuda.so.0 $(CUDA_LIBS)
+
+$(PLUGIN_STATIC): $(PLUGIN_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
 # ---- tests, demo, bench (linked statically against the library) -------------
 $(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common -c $< -o $@
 
-$(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) lib/skv_numerics.h
+$(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS) lib/skv_numerics.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) $(TEST_LDFLAGS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) $(TEST_LDFLAGS) -o $@
 
 # allocation-failure injection: the library's heap calls go through the test's wrappers
 $(BUILD)/tests/test_alloc_fail: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=free,--wrap=posix_memalign
 
-$(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+$(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
 
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
-$(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(LIBS) -o $@
+$(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
 
 tests: $(TEST_BIN)
 bench: $(BUILD)/skv-bench
@@ -173,19 +192,30 @@ asan-check:
 	  bash tests/run_all.sh $(patsubst $(BUILD)/%,build-asan/%,$(TEST_BIN))
 
 # Installs into a staging prefix and builds examples/link_example.c with
-# pkg-config only, then runs it.
+# pkg-config only, then runs it: against the shared library, against the static
+# archive, and once more with every CUDA library hidden from the dynamic loader
+# (its cache and the plugin's run path ignored), where it must run on cpu and
+# report why cuda is unavailable. libshadowkv.so.0 must not need any CUDA library.
+LDSO := $(firstword $(wildcard /lib64/ld-linux-x86-64.so.2 /lib/ld-linux-aarch64.so.1))
 link-check: lib
 	@rm -rf $(BUILD)/stage
 	@$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/$(BUILD)/stage >/dev/null
 	@echo "== link_example (installed copy, pkg-config)"
-	@PKG_CONFIG_PATH=$(CURDIR)/$(BUILD)/stage/lib/pkgconfig; export PKG_CONFIG_PATH; \
+	@S=$(CURDIR)/$(BUILD)/stage/lib; PKG_CONFIG_PATH=$$S/pkgconfig; export PKG_CONFIG_PATH; \
+	  if readelf -d $$S/libshadowkv.so.0 | grep NEEDED | grep -Ei 'cuda|cublas|cusolver'; then \
+	    echo "link-check: libshadowkv.so.0 needs a CUDA library"; exit 1; fi; \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example examples/link_example.c \
 	    $$(pkg-config --cflags --libs shadowkv) && \
-	  LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/stage/lib ./$(BUILD)/link_example && \
+	  LD_LIBRARY_PATH=$$S ./$(BUILD)/link_example && \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_static examples/link_example.c \
-	    $$(pkg-config --cflags shadowkv) $(CURDIR)/$(BUILD)/stage/lib/libshadowkv.a \
+	    $$(pkg-config --cflags shadowkv) $$S/libshadowkv.a \
 	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') && \
-	  ./$(BUILD)/link_example_static
+	  ./$(BUILD)/link_example_static && \
+	  if [ -n "$(LDSO)" ] && [ -z "$(SKV_DEPS)" ]; then \
+	    echo "== link_example with the CUDA libraries hidden from the loader"; \
+	    env -u LD_LIBRARY_PATH $(LDSO) --inhibit-cache --inhibit-rpath $$S/libshadowkv-cuda.so.0 \
+	      --library-path $$S ./$(BUILD)/link_example --expect-no-cuda; \
+	  fi
 
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
@@ -193,12 +223,15 @@ install: lib
 	install -m 644 $(STATIC) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(SHARED) $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0
 	ln -sf libshadowkv.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv.so
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|0.1.0|' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|' shadowkv.pc.in \
+	$(if $(PLUGINS),install -m 755 $(PLUGIN) $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.so.0)
+	$(if $(PLUGINS),install -m 644 $(PLUGIN_STATIC) $(DESTDIR)$(PREFIX)/lib/)
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' shadowkv.pc.in \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/include/shadowkv.h $(DESTDIR)$(PREFIX)/lib/libshadowkv.a \
 	  $(DESTDIR)$(PREFIX)/lib/libshadowkv.so $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0 \
+	  $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.a \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
 
 clean:

@@ -10,6 +10,9 @@
  *   skv_cuda_attn.cu     the fused key rebuild + attention, the combine and
  *                        append, the value fetch, input checks, small copies
  *   skv_cuda_factor.cu   the rank-r factorization
+ *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init): these
+ *                        files build libshadowkv-cuda.so.0, which the library
+ *                        opens at run time (lib/skv_cuda_loader.c)
  *
  * A decode step is a fixed launch sequence that reads all per-step state from
  * the device (so it can be captured in a graph):
@@ -53,6 +56,16 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Records a failure detail for the library's message (skv_cuda_plugin.c forwards it
+   to the library's skv_backend_note through the loader's services). */
+void skv_cuda_note(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+/* Fills the cuda dispatch table (skv_cuda_backend.cu). */
+void skv_cuda_fill_ops(struct skv_backend_ops *ops);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */
 typedef struct skv_cuda_seq {

@@ -31,7 +31,7 @@
 static skv_status skv_cuda_err(cudaError_t e, const char *what, char *msg, size_t cap)
 {
     if (msg && cap) snprintf(msg, cap, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
-    skv_backend_note("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+    skv_cuda_note("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
     (void)cudaGetLastError(); /* a failed call must not surface as a later launch's error */
     return e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE;
 }
@@ -221,7 +221,7 @@ static skv_status skv_cuda_op_end(skv_cuda_op *op, cudaError_t e, const char *wh
 static skv_status skv_cuda_op_oom(skv_cuda_op *op, const char *what, size_t bytes)
 {
     skv_cuda_op_end(op, cudaSuccess, what);
-    skv_backend_note("%s: cudaMalloc of %zu bytes failed", what, bytes);
+    skv_cuda_note("%s: cudaMalloc of %zu bytes failed", what, bytes);
     return SKV_ERR_OUT_OF_MEMORY;
 }
 
@@ -277,7 +277,7 @@ static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const s
         if (st == SKV_OK) st = skv_cuda_factorize(f, n, a, u, w, 0, 1, msg, sizeof msg);
         skv_cuda_factor_destroy(f);
     }
-    if (st) skv_backend_note("%s", msg);
+    if (st) skv_cuda_note("%s", msg);
     return st;
 }
 

@@ -215,14 +215,14 @@ static skv_status skv_cf_fail(char *msg, size_t cap, skv_status st, const char *
 static skv_status skv_cf_cuda(cudaError_t e, const char *what, char *msg, size_t cap)
 {
     if (e == cudaSuccess) return SKV_OK;
-    return skv_cf_fail(msg, cap, e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_NO_DEVICE, what,
+    return skv_cf_fail(msg, cap, e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE, what,
                        cudaGetErrorString(e));
 }
 
 static skv_status skv_cf_blas(cublasStatus_t e, const char *what, char *msg, size_t cap)
 {
     if (e == CUBLAS_STATUS_SUCCESS) return SKV_OK;
-    skv_status st = SKV_ERR_NO_DEVICE; /* not initialized, execution failed, internal, arch mismatch ... */
+    skv_status st = SKV_ERR_DEVICE; /* not initialized, execution failed, internal, arch mismatch ... */
     if (e == CUBLAS_STATUS_ALLOC_FAILED) st = SKV_ERR_OUT_OF_MEMORY;
     else if (e == CUBLAS_STATUS_INVALID_VALUE) st = SKV_ERR_INVALID_ARGUMENT;
     else if (e == CUBLAS_STATUS_NOT_SUPPORTED) st = SKV_ERR_UNSUPPORTED;
@@ -234,7 +234,7 @@ static skv_status skv_cf_blas(cublasStatus_t e, const char *what, char *msg, siz
 static skv_status skv_cf_solver(cusolverStatus_t e, const char *what, char *msg, size_t cap)
 {
     if (e == CUSOLVER_STATUS_SUCCESS) return SKV_OK;
-    skv_status st = SKV_ERR_NO_DEVICE;
+    skv_status st = SKV_ERR_DEVICE;
     const char *name = "cuSOLVER error";
     switch (e) {
     case CUSOLVER_STATUS_NOT_INITIALIZED: name = "CUSOLVER_STATUS_NOT_INITIALIZED"; break;
@@ -483,13 +483,13 @@ static skv_status skv_cf_alloc(void **p, size_t bytes, const char *what, char *m
     cudaGetLastError(); /* allocation failures are not sticky: clear the error state */
     if (msg && cap)
         snprintf(msg, cap, "cuda factorize: cudaMalloc of %zu bytes (%s): %s", bytes, what, cudaGetErrorString(e));
-    return e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_NO_DEVICE;
+    return e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE;
 }
 
-/* A handle call failed at create: no usable device (or out of memory). */
+/* A handle call failed at create: a device runtime failure (or out of memory). */
 static skv_status skv_cf_handle_status(skv_status st)
 {
-    return st == SKV_ERR_OUT_OF_MEMORY ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_NO_DEVICE;
+    return st == SKV_ERR_OUT_OF_MEMORY ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE;
 }
 
 extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_max, int32_t d, int32_t r,

@@ -8,14 +8,28 @@
  * step and prints the selected chunks of KV head 0. Tensors go through
  * skv_buffer_alloc/skv_buffer_copy, so the same code runs on every backend
  * (device memory for cuda, host memory for ref and cpu).
+ *
+ * With --expect-no-cuda (make check runs it so, with the CUDA libraries hidden
+ * from the loader) it also checks that cuda is reported unavailable, with the
+ * reason, and that the auto backend resolved to cpu.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <shadowkv.h>
 
-int main(void)
+int main(int argc, char **argv)
 {
+    const int expect_no_cuda = argc > 1 && strcmp(argv[1], "--expect-no-cuda") == 0;
+    if (expect_no_cuda) {
+        skv_status a = skv_backend_available(SKV_BACKEND_CUDA);
+        printf("link_example: cuda: %s (%s)\n", skv_status_string(a), skv_last_error());
+        if (a != SKV_ERR_NO_DEVICE) {
+            fprintf(stderr, "link_example: cuda should be unavailable here\n");
+            return 1;
+        }
+    }
     skv_config cfg = skv_config_default();
     cfg.n_layers = 1;
     cfg.n_q_heads = 4;
@@ -81,6 +95,8 @@ int main(void)
            skv_backend_name(skv_cache_backend(cache)), dev, host);
     for (int i = 0; i < 8; i++) printf(" %d", sel[i]);
     printf("\n");
+    const int ok = !expect_no_cuda || skv_cache_backend(cache) == SKV_BACKEND_CPU;
+    if (!ok) fprintf(stderr, "link_example: auto should have resolved to cpu\n");
     free(k);
     free(v);
     skv_buffer_free(be, dk);
@@ -90,5 +106,5 @@ int main(void)
     skv_buffer_free(be, dvn);
     skv_buffer_free(be, dout);
     skv_cache_free(cache);
-    return 0;
+    return ok ? 0 : 1;
 }

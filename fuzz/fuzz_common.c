@@ -289,7 +289,7 @@ static void fnv_ids(fnv *f, skv_status st, const int32_t *ids, int64_t count)
     if (st == SKV_OK && count > 0) fnv_bytes(f, ids, (size_t)count * sizeof *ids);
 }
 
-uint64_t skvf_fingerprint(const skv_cache *cache)
+uint64_t skvf_fingerprint(skv_cache *cache)
 {
     fnv f = {0xCBF29CE484222325ull};
     if (!cache) return f.h;

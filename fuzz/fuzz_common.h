@@ -75,7 +75,7 @@ void skvf_guarded_free(void *p, const char *what);
 /* A hash of everything a caller can observe of a cache without changing it: config,
    seq_info of every (layer, seq), selected/outliers/candidates/landmarks of every
    (layer, seq, kv head) where defined, and the call counters of the stats. */
-uint64_t skvf_fingerprint(const skv_cache *cache);
+uint64_t skvf_fingerprint(skv_cache *cache);
 
 /* A small valid config carved from the input: every size bounded so that create,
    prefill and decode of one input run in milliseconds (n_layers <= 2, batch <= 2,

@@ -52,7 +52,7 @@ static int all_tame(const skv_bf16 *x, size_t n)
 
 /* Carved introspection of (layer, seq, head): statuses as documented, outputs within
    bounds, nothing changes. */
-static void introspect(skvf_data *d, const skv_cache *c, const skv_config *cfg, const unsigned char done[2][2])
+static void introspect(skvf_data *d, skv_cache *c, const skv_config *cfg, const unsigned char done[2][2])
 {
     const int32_t l = carve_index(d, cfg->n_layers), b = carve_index(d, cfg->batch_size);
     const int32_t h = carve_index(d, cfg->n_kv_heads);
@@ -104,7 +104,7 @@ static void introspect(skvf_data *d, const skv_cache *c, const skv_config *cfg, 
 }
 
 /* After a successful step: selected chunks are increasing candidates. */
-static void check_selection(const skv_cache *c, const skv_config *cfg, int32_t l)
+static void check_selection(skv_cache *c, const skv_config *cfg, int32_t l)
 {
     for (int32_t b = 0; b < cfg->batch_size; b++) {
         skv_seq_info in;

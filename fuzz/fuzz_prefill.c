@@ -64,7 +64,7 @@ static float max_abs(const skv_bf16 *x, size_t n)
     return m;
 }
 
-static void check_seq_info(const skv_cache *c, const skv_config *cfg, int32_t l, int32_t b, int64_t n)
+static void check_seq_info(skv_cache *c, const skv_config *cfg, int32_t l, int32_t b, int64_t n)
 {
     skv_seq_info in;
     skv_status st = skv_cache_seq_info(c, l, b, &in);

@@ -55,6 +55,19 @@ extern "C" {
 #define SKV_VERSION_MAJOR 0
 #define SKV_VERSION_MINOR 1
 #define SKV_VERSION_PATCH 0
+/** The header's version as one number: major * 10000 + minor * 100 + patch. */
+#define SKV_VERSION_NUMBER (SKV_VERSION_MAJOR * 10000 + SKV_VERSION_MINOR * 100 + SKV_VERSION_PATCH)
+
+/**
+ * The library's version, SKV_VERSION_NUMBER of the headers it was built with.
+ * A program compares it with its own SKV_VERSION_NUMBER to catch a header and
+ * library mismatch (the major numbers must agree; the library's minor number may
+ * be newer). Structs that grow (skv_config and the output structs) stay compatible
+ * across minor versions: see skv_config.struct_size.
+ */
+SKV_API unsigned skv_version_number(void);
+/** The library's version as "major.minor.patch" (static storage). */
+SKV_API const char *skv_version_string(void);
 
 /** A bfloat16 value: the upper 16 bits of an IEEE-754 binary32. */
 typedef uint16_t skv_bf16;
@@ -133,8 +146,29 @@ typedef struct skv_rope_config {
     int32_t original_max_position; /**< default 8192 */
 } skv_rope_config;
 
-/** Cache configuration. Obtain defaults from skv_config_default(). */
+/**
+ * How the rank-r key factorization is computed (docs/usage.md, "factorization
+ * routes"). Every route meets the accuracy bound of docs/DESIGN.md section 6; they
+ * differ in speed and in how they get there. ref has one route (the double Gram
+ * and dsyevr) and ignores the choice.
+ */
+typedef enum skv_factorize_route {
+    SKV_FACTORIZE_AUTO = 0,     /**< the fast subspace iteration where the shape allows it,
+                                     with its built-in fallback to the double Gram (default) */
+    SKV_FACTORIZE_FAST = 1,     /**< the fast route, never falling back (tests, debugging) */
+    SKV_FACTORIZE_FALLBACK = 2, /**< always the double-precision Gram route */
+    SKV_FACTORIZE_EXACT = 3     /**< the blocked exact route whatever the shape */
+} skv_factorize_route;
+
+/**
+ * Cache configuration. Obtain it from skv_config_default() (or skv_config_init),
+ * then change fields: struct_size must hold the size the caller was compiled with.
+ * New fields are only ever appended, so a program built against an older header
+ * keeps working with a newer library (the fields it does not know take their
+ * defaults); a config from a newer header than the library's is refused.
+ */
 typedef struct skv_config {
+    size_t struct_size;       /**< sizeof(skv_config) of the caller; set by skv_config_default() */
     int32_t n_layers;         /**< L; default 32 */
     int32_t n_q_heads;        /**< Hq; default 32 */
     int32_t n_kv_heads;       /**< Hk, divides Hq; default 8 */
@@ -150,8 +184,7 @@ typedef struct skv_config {
     int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
     int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
     skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND applies only to auto */
-    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default. When > 0, prefill and
-                                   decode set it as the calling thread's OpenMP thread count. */
+    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
     int64_t value_device_bytes; /**< device memory the cache may spend on values (see "Value
                                    placement" below); SKV_VALUES_ALL_DEVICE (default) = every
@@ -159,6 +192,7 @@ typedef struct skv_config {
     int32_t value_cache_chunks; /**< chunks per KV head in the device chunk cache of each
                                    host-placed (layer, sequence); 0 = min(4 S, N_max - O);
                                    otherwise in [S, N_max - O] */
+    skv_factorize_route factorize; /**< the prefill's factorization route; default AUTO */
 } skv_config;
 
 /**
@@ -176,8 +210,21 @@ typedef struct skv_config {
  */
 #define SKV_VALUES_ALL_DEVICE ((int64_t)-1)
 
-/** Defaults for a Llama-3-8B shape (see field docs). */
-SKV_API skv_config skv_config_default(void);
+/**
+ * Fills the first struct_size bytes of *cfg with the defaults (a Llama-3-8B shape,
+ * see the field docs) and sets cfg->struct_size = struct_size. Returns
+ * SKV_ERR_NULL_POINTER, or SKV_ERR_INVALID_ARGUMENT when struct_size is not the
+ * size of some published skv_config (nothing is written then).
+ */
+SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size);
+
+/** Defaults for a Llama-3-8B shape (see field docs), compiled into the caller. */
+static inline skv_config skv_config_default(void)
+{
+    skv_config c;
+    skv_config_init(&c, sizeof c);
+    return c;
+}
 
 /**
  * Checks every field of *cfg. Returns SKV_OK, SKV_ERR_NULL_POINTER,
@@ -216,7 +263,12 @@ typedef struct skv_memory_info {
  * one value store and of one chunk cache. Fails like skv_config_validate
  * (a budget below the chunk caches of all slots is SKV_ERR_INVALID_CONFIG).
  */
-SKV_API skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info *info);
+SKV_API skv_status skv_cache_memory_info_sized(const skv_config *cfg, skv_memory_info *info, size_t info_size);
+/** skv_cache_memory_info_sized with the caller's sizeof (so the struct may grow). */
+static inline skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info *info)
+{
+    return skv_cache_memory_info_sized(cfg, info, sizeof *info);
+}
 
 /* ------------------------------------------------------------------------ */
 /* Cache                                                                    */
@@ -302,8 +354,9 @@ SKV_API skv_status skv_decode(skv_cache *cache, int32_t layer, const skv_bf16 *q
 SKV_API skv_status skv_cache_sync(skv_cache *cache);
 
 /* ------------------------------------------------------------------------ */
-/* Introspection (read-only, host outputs; synchronizes like skv_cache_sync */
-/* and returns its deferred error if there is one)                          */
+/* Introspection (host outputs; synchronizes like skv_cache_sync and       */
+/* returns its deferred error if there is one, so it takes a non-const     */
+/* cache; output structs are written up to the caller's sizeof)            */
 /* ------------------------------------------------------------------------ */
 
 /** Shape of one (layer, sequence) of a cache. */
@@ -321,27 +374,32 @@ typedef struct skv_seq_info {
 } skv_seq_info;
 
 /** Fills *info for (layer, seq). Errors: NULL pointer, out-of-range index. */
-SKV_API skv_status skv_cache_seq_info(const skv_cache *cache, int32_t layer, int32_t seq,
-                              skv_seq_info *info);
+SKV_API skv_status skv_cache_seq_info_sized(skv_cache *cache, int32_t layer, int32_t seq, skv_seq_info *info,
+                                            size_t info_size);
+/** skv_cache_seq_info_sized with the caller's sizeof. */
+static inline skv_status skv_cache_seq_info(skv_cache *cache, int32_t layer, int32_t seq, skv_seq_info *info)
+{
+    return skv_cache_seq_info_sized(cache, layer, seq, info, sizeof *info);
+}
 
 /**
  * Chunk ids selected at the last decode step for (layer, seq, kv_head), in
  * increasing order, into ids[0..S). SKV_ERR_NO_SELECTION before the first step,
  * SKV_ERR_NOT_PREFILLED before prefill.
  */
-SKV_API skv_status skv_cache_selected(const skv_cache *cache, int32_t layer, int32_t seq,
+SKV_API skv_status skv_cache_selected(skv_cache *cache, int32_t layer, int32_t seq,
                               int32_t kv_head, int32_t *ids);
 
 /** Outlier chunk ids of (layer, seq, kv_head), increasing, into ids[0..O). */
-SKV_API skv_status skv_cache_outliers(const skv_cache *cache, int32_t layer, int32_t seq,
+SKV_API skv_status skv_cache_outliers(skv_cache *cache, int32_t layer, int32_t seq,
                               int32_t kv_head, int32_t *ids);
 
 /** Candidate chunk ids of (layer, seq, kv_head), increasing, into ids[0..N-O). */
-SKV_API skv_status skv_cache_candidates(const skv_cache *cache, int32_t layer, int32_t seq,
+SKV_API skv_status skv_cache_candidates(skv_cache *cache, int32_t layer, int32_t seq,
                                 int32_t kv_head, int32_t *ids);
 
 /** bf16 landmarks of the candidates of (layer, seq, kv_head), [N-O, D]. */
-SKV_API skv_status skv_cache_landmarks(const skv_cache *cache, int32_t layer, int32_t seq,
+SKV_API skv_status skv_cache_landmarks(skv_cache *cache, int32_t layer, int32_t seq,
                                int32_t kv_head, skv_bf16 *landmarks);
 
 /**
@@ -394,8 +452,13 @@ typedef struct skv_stats {
                                      is one graph launch on the host; 0 on ref/cpu */
 } skv_stats;
 
-/** Copies the cache's phase timings into *stats. */
-SKV_API skv_status skv_cache_stats(const skv_cache *cache, skv_stats *stats);
+/** Copies the cache's phase timings into *stats (its first stats_size bytes). */
+SKV_API skv_status skv_cache_stats_sized(skv_cache *cache, skv_stats *stats, size_t stats_size);
+/** skv_cache_stats_sized with the caller's sizeof. */
+static inline skv_status skv_cache_stats(skv_cache *cache, skv_stats *stats)
+{
+    return skv_cache_stats_sized(cache, stats, sizeof *stats);
+}
 
 /** Zeroes the cache's phase timings. */
 SKV_API skv_status skv_cache_stats_reset(skv_cache *cache);

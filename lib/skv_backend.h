@@ -175,8 +175,38 @@ struct skv_backend_ops {
 extern const struct skv_backend_ops skv_ref_ops;
 /* Fills *ops from ref's table, then overrides with cpu slots. */
 void skv_cpu_fill_ops(struct skv_backend_ops *ops);
-/* Fills the cuda table (may leave slots NULL until implemented). */
-void skv_cuda_fill_ops(struct skv_backend_ops *ops);
+
+/*
+ * The cuda backend lives in its own shared object, libshadowkv-cuda.so.0, that
+ * lib/skv_cuda_loader.c opens at run time the first time the cuda table is asked
+ * for (so libshadowkv.so itself needs no CUDA library to load). A static link can
+ * instead put the plugin's archive into the program (libshadowkv-cuda.a with
+ * -Wl,--undefined=skv_cuda_plugin_init); the loader then uses that copy.
+ *
+ * The plugin exports one function, skv_cuda_plugin_init. The loader hands it the
+ * services the library provides and a zeroed table; the plugin checks the ABI
+ * numbers, fills the table and returns SKV_OK, or returns an error with a message.
+ * SKV_PLUGIN_ABI changes whenever struct skv_backend_ops, skv_host_services or any
+ * type a slot takes changes, so a plugin from another build is refused, never
+ * called through a mismatched table.
+ */
+#define SKV_PLUGIN_ABI 1
+#define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
+#define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
+
+typedef struct skv_host_services {
+    int32_t abi;       /* SKV_PLUGIN_ABI of the library */
+    size_t ops_size;   /* sizeof(struct skv_backend_ops) of the library */
+    /* A slot's failure detail (skv_backend_note of the library). */
+    void (*note)(const char *detail);
+} skv_host_services;
+
+typedef skv_status (*skv_cuda_plugin_init_fn)(const skv_host_services *host, struct skv_backend_ops *ops,
+                                              char *msg, size_t cap);
+
+/* The cuda table: the plugin's, once loaded; otherwise a table whose probe says why
+   the plugin is not usable (SKV_ERR_NO_DEVICE) and whose other slots are NULL. */
+const struct skv_backend_ops *skv_cuda_ops(void);
 
 /* Registry: the table of a resolved backend (REF/CPU/CUDA), or NULL. */
 const struct skv_backend_ops *skv_backend_ops_get(skv_backend backend);

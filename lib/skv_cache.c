@@ -67,12 +67,13 @@ static char *skv_value_cache(const skv_cache *c, size_t i)
 static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c, skv_layout *lay,
                                  const struct skv_backend_ops **ops, size_t *ws_bytes)
 {
-    *c = *cfg;
+    skv_status st = skv_config_import(NULL, cfg, c);
+    if (st) return st;
     const char *env = c->backend == SKV_BACKEND_AUTO ? getenv("SKV_BACKEND") : NULL;
     if (env && *env && skv_backend_parse(env, &c->backend) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_CONFIG,
                         "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
-    skv_status st = skv_layout_compute(NULL, c, lay);
+    st = skv_layout_compute(NULL, c, lay);
     if (st) return st;
     if (probe || c->backend == SKV_BACKEND_AUTO) {
         st = skv_backend_resolve(NULL, c->backend, &c->backend, ops);
@@ -86,10 +87,15 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info *info)
+SKV_API skv_status skv_cache_memory_info_sized(const skv_config *cfg, skv_memory_info *out, size_t out_size)
 {
     if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory_info: cfg is NULL");
-    if (!info) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory_info: info is NULL");
+    if (!out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_memory_info: info is NULL");
+    if (out_size < SKV_MEMORY_INFO_MIN_SIZE)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                        "skv_cache_memory_info: info_size = %zu, below the first skv_memory_info's %zu", out_size,
+                        (size_t)SKV_MEMORY_INFO_MIN_SIZE);
+    skv_memory_info info_, *info = &info_;
     skv_config c;
     skv_layout lay;
     const struct skv_backend_ops *ops;
@@ -108,6 +114,7 @@ SKV_API skv_status skv_cache_memory_info(const skv_config *cfg, skv_memory_info 
     info->device_value_slots = lay.n_dev_slots;
     info->host_value_slots = lay.n_slots - lay.n_dev_slots;
     info->value_cache_chunks = lay.vc_chunks;
+    skv_copy_sized(out, out_size, info, sizeof *info);
     return SKV_OK;
 }
 
@@ -540,11 +547,10 @@ SKV_API skv_status skv_cache_sync(skv_cache *c)
 
 /* ---- introspection ----------------------------------------------------------------------- */
 
-static skv_status skv_intro_check(const skv_cache *cc, const char *fn, int32_t layer, int32_t seq,
+static skv_status skv_intro_check(skv_cache *c, const char *fn, int32_t layer, int32_t seq,
                                   int32_t kv_head, const void *dst, const char *dst_name,
                                   const skv_slot **sl)
 {
-    skv_cache *c = (skv_cache *)cc; /* error buffer and, after a deferred error, the mirrors */
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
     skv_status sst = skv_cache_sync(c);
     if (sst) return sst;
@@ -561,27 +567,34 @@ static skv_status skv_intro_check(const skv_cache *cc, const char *fn, int32_t l
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_seq_info(const skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *info)
+SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *out,
+                                            size_t out_size)
 {
     static const char fn[] = "skv_cache_seq_info";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
-    if (!info) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "%s: info is NULL", fn);
-    skv_status st = skv_check_index((skv_cache *)c, fn, layer, seq);
+    if (!out) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: info is NULL", fn);
+    if (out_size < SKV_SEQ_INFO_MIN_SIZE)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: info_size = %zu, below the first skv_seq_info's %zu",
+                        fn, out_size, (size_t)SKV_SEQ_INFO_MIN_SIZE);
+    skv_status st = skv_check_index(c, fn, layer, seq);
     if (st) return st;
-    if ((st = skv_cache_sync((skv_cache *)c))) return st;
+    if ((st = skv_cache_sync(c))) return st;
     const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
-    memset(info, 0, sizeof *info);
-    info->prefilled = sl->prefilled;
-    info->n_outliers = c->cfg.n_outlier_chunks;
-    info->n_selected = c->lay.S;
-    info->values_on_device = (int64_t)SLOT_INDEX(c, layer, seq) < c->lay.n_dev_slots;
-    if (!sl->prefilled) return SKV_OK;
-    info->n = sl->n;
-    info->n_chunks = sl->n_chunks;
-    info->n_candidates = sl->n_cand;
-    info->n_local = sl->n_local;
-    info->n_generated = sl->n_gen;
-    info->has_selection = sl->has_selection;
+    skv_seq_info info;
+    memset(&info, 0, sizeof info);
+    info.prefilled = sl->prefilled;
+    info.n_outliers = c->cfg.n_outlier_chunks;
+    info.n_selected = c->lay.S;
+    info.values_on_device = (int64_t)SLOT_INDEX(c, layer, seq) < c->lay.n_dev_slots;
+    if (sl->prefilled) {
+        info.n = sl->n;
+        info.n_chunks = sl->n_chunks;
+        info.n_candidates = sl->n_cand;
+        info.n_local = sl->n_local;
+        info.n_generated = sl->n_gen;
+        info.has_selection = sl->has_selection;
+    }
+    skv_copy_sized(out, out_size, &info, sizeof info);
     return SKV_OK;
 }
 
@@ -594,19 +607,19 @@ static skv_status skv_read_head_row(const skv_cache *c, int32_t layer, int32_t s
     return c->ops->copy2d(dst, 0, src + (size_t)kv_head * row_bytes, 0, row_bytes, 1);
 }
 
-SKV_API skv_status skv_cache_selected(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+SKV_API skv_status skv_cache_selected(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                       int32_t *ids)
 {
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_selected", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
     if (!sl->has_selection)
-        return skv_fail((char *)c->err, SKV_ERR_NO_SELECTION,
+        return skv_fail(c->err, SKV_ERR_NO_SELECTION,
                         "skv_cache_selected: no decode step has run for layer %d", layer);
     return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_ids, (size_t)c->lay.S * sizeof *ids, ids);
 }
 
-SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+SKV_API skv_status skv_cache_outliers(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                       int32_t *ids)
 {
     const skv_slot *sl;
@@ -616,7 +629,7 @@ SKV_API skv_status skv_cache_outliers(const skv_cache *c, int32_t layer, int32_t
                              (size_t)c->cfg.n_outlier_chunks * sizeof *ids, ids);
 }
 
-SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                         int32_t *ids)
 {
     const skv_slot *sl;
@@ -625,7 +638,7 @@ SKV_API skv_status skv_cache_candidates(const skv_cache *c, int32_t layer, int32
     return skv_read_head_row(c, layer, seq, kv_head, c->lay.cand_ids, (size_t)sl->n_cand * sizeof *ids, ids);
 }
 
-SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                        skv_bf16 *landmarks)
 {
     const skv_slot *sl;
@@ -635,13 +648,17 @@ SKV_API skv_status skv_cache_landmarks(const skv_cache *c, int32_t layer, int32_
                              (size_t)sl->n_cand * (size_t)c->cfg.head_dim * B2, landmarks);
 }
 
-SKV_API skv_status skv_cache_stats(const skv_cache *c, skv_stats *stats)
+SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t stats_size)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: cache is NULL");
-    if (!stats) return skv_fail((char *)c->err, SKV_ERR_NULL_POINTER, "skv_cache_stats: stats is NULL");
-    skv_status st = skv_cache_sync((skv_cache *)c);
+    if (!stats) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "skv_cache_stats: stats is NULL");
+    if (stats_size < SKV_STATS_MIN_SIZE)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT,
+                        "skv_cache_stats: stats_size = %zu, below the first skv_stats's %zu", stats_size,
+                        (size_t)SKV_STATS_MIN_SIZE);
+    skv_status st = skv_cache_sync(c);
     if (st) return st;
-    *stats = c->stats;
+    skv_copy_sized(stats, stats_size, &c->stats, sizeof c->stats);
     return SKV_OK;
 }
 

@@ -7,10 +7,11 @@
 
 #include "skv_internal.h"
 
-SKV_API skv_config skv_config_default(void)
+static skv_config skv_defaults(void)
 {
     skv_config c;
     memset(&c, 0, sizeof c);
+    c.struct_size = sizeof c;
     c.n_layers = 32;
     c.n_q_heads = 32;
     c.n_kv_heads = 8;
@@ -37,7 +38,46 @@ SKV_API skv_config skv_config_default(void)
     c.cuda_stream = NULL;
     c.value_device_bytes = SKV_VALUES_ALL_DEVICE;
     c.value_cache_chunks = 0;
+    c.factorize = SKV_FACTORIZE_AUTO;
     return c;
+}
+
+SKV_API unsigned skv_version_number(void) { return SKV_VERSION_NUMBER; }
+
+#define SKV_STR_(x) #x
+#define SKV_STR(x) SKV_STR_(x)
+SKV_API const char *skv_version_string(void)
+{
+    return SKV_STR(SKV_VERSION_MAJOR) "." SKV_STR(SKV_VERSION_MINOR) "." SKV_STR(SKV_VERSION_PATCH);
+}
+
+/* A size some published skv_config had: today only the first layout's. */
+static int skv_config_size_ok(size_t size) { return size >= SKV_CONFIG_MIN_SIZE && size <= sizeof(skv_config); }
+
+SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
+{
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_config_init: cfg is NULL");
+    if (!skv_config_size_ok(struct_size))
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                        "skv_config_init: struct_size = %zu; this library (%s) knows skv_config sizes %zu..%zu",
+                        struct_size, skv_version_string(), (size_t)SKV_CONFIG_MIN_SIZE, sizeof(skv_config));
+    skv_config d = skv_defaults();
+    d.struct_size = struct_size;
+    memcpy(cfg, &d, struct_size);
+    return SKV_OK;
+}
+
+skv_status skv_config_import(char *errbuf, const skv_config *cfg, skv_config *out)
+{
+    if (!skv_config_size_ok(cfg->struct_size))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "struct_size = %zu: not a skv_config size this library (%s) knows (%zu..%zu); "
+                        "start from skv_config_default()",
+                        cfg->struct_size, skv_version_string(), (size_t)SKV_CONFIG_MIN_SIZE, sizeof(skv_config));
+    *out = skv_defaults();
+    memcpy(out, cfg, cfg->struct_size);
+    out->struct_size = sizeof *out;
+    return SKV_OK;
 }
 
 /* Largest head_dim / chunk etc. accepted: keeps every index within int32 and
@@ -130,6 +170,9 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "value_device_bytes = %lld: must be >= 0, or SKV_VALUES_ALL_DEVICE (-1)",
                         (long long)cfg->value_device_bytes);
+    if ((int)cfg->factorize < SKV_FACTORIZE_AUTO || (int)cfg->factorize > SKV_FACTORIZE_EXACT)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "factorize = %d: not a skv_factorize_route value",
+                        (int)cfg->factorize);
     if (cfg->value_cache_chunks < 0)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "value_cache_chunks = %d: must be >= 0 (0 = default)",
                         cfg->value_cache_chunks);
@@ -282,8 +325,11 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
 
 SKV_API skv_status skv_config_validate(const skv_config *cfg)
 {
+    if (!cfg) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_config_validate: cfg is NULL");
+    skv_config c;
     skv_layout lay;
-    return skv_layout_compute(NULL, cfg, &lay);
+    skv_status st = skv_config_import(NULL, cfg, &c);
+    return st ? st : skv_layout_compute(NULL, &c, &lay);
 }
 
 /* ---- RoPE tables ------------------------------------------------------------ */
@@ -343,22 +389,17 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
 
 /* ---- backend registry -------------------------------------------------------- */
 
-static struct skv_backend_ops skv_cpu_table, skv_cuda_table;
+static struct skv_backend_ops skv_cpu_table;
 static pthread_once_t skv_tables_once = PTHREAD_ONCE_INIT;
 
-static void skv_tables_init(void)
-{
-    skv_cpu_fill_ops(&skv_cpu_table);
-    skv_cuda_fill_ops(&skv_cuda_table);
-}
+static void skv_tables_init(void) { skv_cpu_fill_ops(&skv_cpu_table); }
 
 const struct skv_backend_ops *skv_backend_ops_get(skv_backend backend)
 {
-    pthread_once(&skv_tables_once, skv_tables_init);
     switch (backend) {
     case SKV_BACKEND_REF: return &skv_ref_ops;
-    case SKV_BACKEND_CPU: return &skv_cpu_table;
-    case SKV_BACKEND_CUDA: return &skv_cuda_table;
+    case SKV_BACKEND_CPU: pthread_once(&skv_tables_once, skv_tables_init); return &skv_cpu_table;
+    case SKV_BACKEND_CUDA: return skv_cuda_ops(); /* opens the plugin on first use */
     default: return NULL;
     }
 }

@@ -7,6 +7,8 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
+#include <string.h>
 #include "skv_backend.h"
 
 #ifdef __cplusplus
@@ -37,10 +39,21 @@ void skv_backend_note(const char *fmt, ...)
     ;
 const char *skv_backend_detail(void);
 
-/* a * b into *out; 0 on overflow. */
-int skv_mul_size(size_t a, size_t b, size_t *out);
+/* a * b into *out; 0 on overflow. (Inline: the cuda backend, a separate shared
+   object, uses them too.) */
+static inline int skv_mul_size(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
 /* a + b into *out; 0 on overflow. */
-int skv_add_size(size_t a, size_t b, size_t *out);
+static inline int skv_add_size(size_t a, size_t b, size_t *out)
+{
+    if (b > SIZE_MAX - a) return 0;
+    *out = a + b;
+    return 1;
+}
 
 /* Resolved rotary dim (0 in the config means head_dim). */
 static inline int32_t skv_rotary_dim(const skv_rope_config *rope, int32_t head_dim)
@@ -62,6 +75,28 @@ skv_status skv_backend_resolve(char *errbuf, skv_backend want, skv_backend *got,
                                const struct skv_backend_ops **ops);
 
 skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay);
+
+/*
+ * The structs of the public API that grow by appending fields. The smallest size
+ * each ever had (its first published layout) is the least a caller may pass.
+ */
+#define SKV_CONFIG_MIN_SIZE sizeof(skv_config)
+#define SKV_STATS_MIN_SIZE sizeof(skv_stats)
+#define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
+#define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)
+
+/* A caller's config (cfg->struct_size bytes of it) completed with the defaults of
+   the fields its header did not have, into *out; INVALID_CONFIG for a size no
+   skv_config ever had. */
+skv_status skv_config_import(char *errbuf, const skv_config *cfg, skv_config *out);
+
+/* Copies the library's struct into a caller's of dst_size bytes (the first bytes:
+   fields are only ever appended); a larger caller struct gets zeros past ours. */
+static inline void skv_copy_sized(void *dst, size_t dst_size, const void *src, size_t src_size)
+{
+    memcpy(dst, src, dst_size < src_size ? dst_size : src_size);
+    if (dst_size > src_size) memset((char *)dst + src_size, 0, dst_size - src_size);
+}
 
 #ifdef __cplusplus
 }

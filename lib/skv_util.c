@@ -66,20 +66,6 @@ const char *skv_backend_detail(void)
     return skv_tls_note_out;
 }
 
-int skv_mul_size(size_t a, size_t b, size_t *out)
-{
-    if (a != 0 && b > SIZE_MAX / a) return 0;
-    *out = a * b;
-    return 1;
-}
-
-int skv_add_size(size_t a, size_t b, size_t *out)
-{
-    if (b > SIZE_MAX - a) return 0;
-    *out = a + b;
-    return 1;
-}
-
 SKV_API skv_bf16 skv_bf16_from_float(float x) { return skv_f32_to_bf16(x); }
 SKV_API float skv_bf16_to_float(skv_bf16 x) { return skv_bf16_to_f32(x); }
 

@@ -90,7 +90,7 @@ static int has_word(const char *msg, const char *word)
  * Checks the status and that skv_last_error() (and the cache's message when
  * c != NULL) contains w1 and w2 as words (NULL: not checked).
  */
-static void expect_err(skv_status got, skv_status want, const skv_cache *c, const char *w1,
+static void expect_err(skv_status got, skv_status want, skv_cache *c, const char *w1,
                        const char *w2)
 {
     SKVT_CHECK_STATUS(got, want, lbl);
@@ -241,7 +241,7 @@ static void snap_put(snap *s, const void *x, size_t bytes)
     s->n += bytes;
 }
 
-static void snap_take(const skv_cache *c, snap *s)
+static void snap_take(skv_cache *c, snap *s)
 {
     s->n = 0;
     for (int l = 0; l < NL; l++)
@@ -295,14 +295,14 @@ static snap snA, snB;
 static int snap_equal(const snap *a, const snap *b) { return a->n == b->n && memcmp(a->p, b->p, a->n) == 0; }
 
 /* A and B must be observably identical. */
-static void same_state(const skv_cache *A, const skv_cache *B)
+static void same_state(skv_cache *A, skv_cache *B)
 {
     snap_take(A, &snA);
     snap_take(B, &snB);
     SKVT_CHECK(snap_equal(&snA, &snB), "%s: cache A differs from its twin B after the bad call", lbl);
 }
 
-static int32_t seq_prefilled(const skv_cache *c, int l, int b)
+static int32_t seq_prefilled(skv_cache *c, int l, int b)
 {
     skv_seq_info in;
     memset(&in, 0, sizeof in);

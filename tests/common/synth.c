@@ -302,7 +302,7 @@ void skvs_seq_free(skvs_seq *s)
     memset(s, 0, sizeof *s);
 }
 
-skv_status skvs_seq_attach(skvs_seq *s, const skv_cache *cache, int32_t layer, int32_t seq_idx)
+skv_status skvs_seq_attach(skvs_seq *s, skv_cache *cache, int32_t layer, int32_t seq_idx)
 {
     const skv_config *cfg = &s->w->cfg;
     skv_seq_info info;

@@ -92,7 +92,7 @@ skv_status skvs_seq_release(skvs_seq *s);
 void skvs_seq_free(skvs_seq *s);
 
 /* Reads the outlier chunk ids and N of (layer, seq_idx) from the cache. */
-skv_status skvs_seq_attach(skvs_seq *s, const skv_cache *cache, int32_t layer, int32_t seq_idx);
+skv_status skvs_seq_attach(skvs_seq *s, skv_cache *cache, int32_t layer, int32_t seq_idx);
 
 /*
  * The next decode step (step index s->n_gen): post-RoPE q [Hq, D], k [Hk, D]

@@ -1,0 +1,114 @@
+/*
+ * The stable ABI (shadowkv.h): the version query agrees with the header, a config
+ * carries the size its caller was compiled with (struct_size), sizes no skv_config
+ * ever had are refused with nothing written, and the output structs are written up
+ * to the caller's size only (a larger caller struct is zero-filled past ours, a
+ * byte past the caller's size is never touched). Also: the cuda table is there on
+ * every build and answers with SKV_OK or SKV_ERR_NO_DEVICE and a reason.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "testutil.h"
+
+static skv_config small_config(void)
+{
+    skv_config c = skv_config_default();
+    c.n_layers = 1;
+    c.n_q_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = 32;
+    c.rank = 8;
+    c.budget = 32;
+    c.n_outlier_chunks = 2;
+    c.n_local_chunks = 1;
+    c.max_prompt_len = 256;
+    c.gen_capacity = 4;
+    c.backend = SKV_BACKEND_REF;
+    return c;
+}
+
+int main(void)
+{
+    /* version: header and library agree, and the string spells the number */
+    SKVT_CHECK(skv_version_number() == SKV_VERSION_NUMBER, "skv_version_number %u, header %d", skv_version_number(),
+               SKV_VERSION_NUMBER);
+    char want[32];
+    snprintf(want, sizeof want, "%d.%d.%d", SKV_VERSION_MAJOR, SKV_VERSION_MINOR, SKV_VERSION_PATCH);
+    SKVT_CHECK(strcmp(skv_version_string(), want) == 0, "skv_version_string \"%s\", header %s",
+               skv_version_string(), want);
+
+    /* struct_size: set by the defaults, checked by every entry point */
+    skv_config c = skv_config_default();
+    SKVT_CHECK(c.struct_size == sizeof c, "skv_config_default().struct_size = %zu", c.struct_size);
+    SKVT_CHECK(c.factorize == SKV_FACTORIZE_AUTO, "default factorize = %d", (int)c.factorize);
+    c = small_config();
+    SKVT_CHECK_STATUS(skv_config_validate(&c), SKV_OK, "validate(small)");
+    const size_t bad_sizes[] = {0, 1, sizeof c - 1, sizeof c + 8, (size_t)-1};
+    for (size_t i = 0; i < sizeof bad_sizes / sizeof bad_sizes[0]; i++) {
+        skv_config b = small_config();
+        b.struct_size = bad_sizes[i];
+        size_t dev = 7, host = 7;
+        skv_cache *cache = (skv_cache *)&b;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_ERR_INVALID_CONFIG, "validate(struct_size bad)");
+        SKVT_CHECK(strstr(skv_last_error(), "struct_size") != NULL, "message names struct_size: %s",
+                   skv_last_error());
+        SKVT_CHECK_STATUS(skv_cache_memory(&b, &dev, &host), SKV_ERR_INVALID_CONFIG, "memory(struct_size bad)");
+        SKVT_CHECK(dev == 7 && host == 7, "memory wrote outputs on error");
+        SKVT_CHECK_STATUS(skv_cache_create(&b, &cache), SKV_ERR_INVALID_CONFIG, "create(struct_size bad)");
+        SKVT_CHECK(cache == NULL, "create left *out set on error");
+        /* skv_config_init refuses the size and writes nothing */
+        unsigned char raw[sizeof(skv_config) + 16];
+        memset(raw, 0xA5, sizeof raw);
+        if (bad_sizes[i] <= sizeof raw) {
+            SKVT_CHECK_STATUS(skv_config_init((skv_config *)raw, bad_sizes[i]), SKV_ERR_INVALID_ARGUMENT,
+                              "skv_config_init(bad size)");
+            int untouched = 1;
+            for (size_t j = 0; j < sizeof raw; j++) untouched &= raw[j] == 0xA5;
+            SKVT_CHECK(untouched, "skv_config_init wrote on a refused size %zu", bad_sizes[i]);
+        }
+    }
+    SKVT_CHECK_STATUS(skv_config_init(NULL, sizeof c), SKV_ERR_NULL_POINTER, "skv_config_init(NULL)");
+    /* a refused factorize route */
+    skv_config f = small_config();
+    f.factorize = (skv_factorize_route)7;
+    SKVT_CHECK_STATUS(skv_config_validate(&f), SKV_ERR_INVALID_CONFIG, "validate(factorize = 7)");
+
+    /* output structs: written up to the caller's size */
+    skv_cache *cache = NULL;
+    c = small_config();
+    if (SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, "create")) {
+        unsigned char buf[sizeof(skv_stats) + 32];
+        memset(buf, 0xA5, sizeof buf);
+        SKVT_CHECK_STATUS(skv_cache_stats_sized(cache, (skv_stats *)buf, sizeof(skv_stats) + 16), SKV_OK,
+                          "stats_sized(larger)");
+        int ok = 1;
+        for (size_t j = sizeof(skv_stats); j < sizeof(skv_stats) + 16; j++) ok &= buf[j] == 0;
+        for (size_t j = sizeof(skv_stats) + 16; j < sizeof buf; j++) ok &= buf[j] == 0xA5;
+        SKVT_CHECK(ok, "stats_sized: the caller's tail is zeroed and nothing past it written");
+        SKVT_CHECK_STATUS(skv_cache_stats_sized(cache, (skv_stats *)buf, sizeof(skv_stats) - 8),
+                          SKV_ERR_INVALID_ARGUMENT, "stats_sized(smaller than the first skv_stats)");
+        unsigned char ib[sizeof(skv_seq_info) + 8];
+        memset(ib, 0xA5, sizeof ib);
+        SKVT_CHECK_STATUS(skv_cache_seq_info_sized(cache, 0, 0, (skv_seq_info *)ib, sizeof(skv_seq_info)), SKV_OK,
+                          "seq_info_sized");
+        ok = 1;
+        for (size_t j = sizeof(skv_seq_info); j < sizeof ib; j++) ok &= ib[j] == 0xA5;
+        SKVT_CHECK(ok, "seq_info_sized wrote past the caller's size");
+        skv_cache_free(cache);
+    }
+    unsigned char mb[sizeof(skv_memory_info) + 8];
+    memset(mb, 0xA5, sizeof mb);
+    SKVT_CHECK_STATUS(skv_cache_memory_info_sized(&c, (skv_memory_info *)mb, sizeof(skv_memory_info) + 8), SKV_OK,
+                      "memory_info_sized(larger)");
+    SKVT_CHECK(mb[sizeof(skv_memory_info)] == 0 && mb[sizeof mb - 1] == 0, "memory_info_sized: tail not zeroed");
+    SKVT_CHECK_STATUS(skv_cache_memory_info_sized(&c, (skv_memory_info *)mb, 4), SKV_ERR_INVALID_ARGUMENT,
+                      "memory_info_sized(4 bytes)");
+
+    /* the cuda table exists on every build: usable, or unusable with a reason */
+    skv_status a = skv_backend_available(SKV_BACKEND_CUDA);
+    SKVT_CHECK(a == SKV_OK || a == SKV_ERR_NO_DEVICE, "skv_backend_available(cuda) = %d", (int)a);
+    if (a != SKV_OK) SKVT_CHECK(strlen(skv_last_error()) > 20, "cuda unavailable without a reason");
+    printf("cuda: %s%s%s\n", skv_status_string(a), a ? " - " : "", a ? skv_last_error() : "");
+    return skvt_finish();
+}
