@@ -5,7 +5,7 @@
 #   make bench      build/skv-bench
 #   make install PREFIX=/usr/local
 #
-# The exact-selection contract (DESIGN.md section 5) needs IEEE arithmetic in
+# The exact-selection contract (docs/DESIGN.md section 5) needs IEEE arithmetic in
 # source order: -ffp-contract=off everywhere, and no fast-math flag of any kind.
 
 CC      ?= gcc

@@ -3,7 +3,7 @@
  * table and overrides every op slot.
  *
  * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
- * to ref (DESIGN.md section 5). They are computed from skv_numerics.h; where a
+ * to ref (docs/DESIGN.md section 5). They are computed from skv_numerics.h; where a
  * loop is vectorized, it is vectorized ACROSS independent chains (candidates,
  * tokens, dims), so every lane runs exactly the fmaf/add/div sequence of the
  * shared scalar function, in the same order. Only IEEE-rounded AVX ops are
@@ -1458,7 +1458,7 @@ static skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
 
 /*
  * The decode hot spot: per KV head, X = U_sel W_h (M = S*c rows, K = r,
- * N = D), float accumulation (tolerance-checked, DESIGN.md section 6), then
+ * N = D), float accumulation (tolerance-checked, docs/DESIGN.md section 6), then
  * RoPE. Fused per work item of 48 rows: gather the rows' U (bf16 -> float,
  * packed), the 6x16 kernel against W_h packed once per call, RoPE, store; the
  * float X never leaves the thread's cache.

@@ -275,7 +275,7 @@ void skv_cuda_factor_destroy(skv_cuda_factor *f);
 
 /*
  * a [n, d] bf16 (device) -> u [n, r], w [r, d] float (device), U W ~ the best rank-r
- * approximation (DESIGN.md section 6; the routes of lib/skv_factor.h), on the factor's
+ * approximation (docs/DESIGN.md section 6; the routes of lib/skv_factor.h), on the factor's
  * stream. 1 <= r <= min(n, d), n <= n_max. sync = 0: asynchronous on the FAST route (no
  * host synchronization, no allocation; the EXACT route's Xsyevd synchronizes with the
  * host); a failed solver call is counted on the device under

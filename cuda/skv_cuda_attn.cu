@@ -6,7 +6,7 @@
  * chunk cache, the op-level rebuild / gather / span attention, input checks
  * and small copies.
  *
- * Nothing here is on the exact-selection path (DESIGN.md section 5): tensor
+ * Nothing here is on the exact-selection path (docs/DESIGN.md section 5): tensor
  * cores and any summation order are allowed, within the tolerances of
  * section 6 (rebuilt keys 1e-2 max relative row error, attention 2e-3
  * relative L2 per head, both against double). The order is fixed, though:

@@ -8,7 +8,7 @@
  * lib/skv_numerics.h or with the exact sequence of IEEE-rounded operations
  * they perform (SKV_* map to __f*_rn intrinsics here, and the file is built
  * with --fmad=false), so outlier sets, candidate lists, landmarks and selected
- * sets are bit-identical to ref (DESIGN.md section 5). Parallelism never
+ * sets are bit-identical to ref (docs/DESIGN.md section 5). Parallelism never
  * splits an ordered chain: a dot product, a landmark sum or a canonical
  * partial sum is always run by one thread in ref's order; only independent
  * chains, and order-insensitive combinations (max, min with explicit

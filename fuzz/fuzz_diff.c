@@ -18,7 +18,7 @@
  *    shapes and data (ties, NaN/Inf, bad sizes): statuses equal, outputs
  *    bitwise equal on success and untouched on error. skv_op_sparse_attention
  *    on identical spans: outputs within relative L2 4e-3 (each backend is
- *    within 2e-3 of the double-precision result, DESIGN.md section 6).
+ *    within 2e-3 of the double-precision result, docs/DESIGN.md section 6).
  * A failing status additionally satisfies skvf_check_status.
  */
 #include <math.h>

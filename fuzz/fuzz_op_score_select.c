@@ -126,7 +126,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         const float *AM = am.p;
         float sc = scale > 0.0f ? scale : 1.0f / sqrtf((float)D), s[64], a[64];
         for (int32_t h = 0; h < Hk; h++) {
-            for (int32_t g = 0; g < G; g++) { /* the oracle: skv_numerics.h, as DESIGN.md section 5 */
+            for (int32_t g = 0; g < G; g++) { /* the oracle: skv_numerics.h, as docs/DESIGN.md section 5 */
                 const skv_bf16 *qi = Q + (size_t)(h * G + g) * D;
                 for (int32_t j = 0; j < nc; j++) s[j] = SKV_MUL(skv_dot_bf16(qi, L + ((size_t)h * nc + j) * D, D), sc);
                 skv_softmax_inplace(s, nc);

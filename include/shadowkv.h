@@ -487,7 +487,7 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
 
 /**
  * Rank-r factorization of a [n, d] (bf16): U [n, r] and W [r, d] (float) with
- * U W close to the best rank-r approximation (DESIGN.md section 6). Compare
+ * U W close to the best rank-r approximation (docs/DESIGN.md section 6). Compare
  * backends on the product U W only. Requires 1 <= r <= min(n, d) and
  * n <= 2^31 (anything larger is refused with SKV_ERR_INVALID_ARGUMENT);
  * a NaN or Inf in a is refused before any work. Routes (docs/usage.md, "The key

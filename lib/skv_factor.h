@@ -5,7 +5,7 @@
  *
  * Goal: U [n, r], W [r, d] with U W = A Q Q^T for an orthonormal d x r basis Q
  * of (nearly) the top-r right singular subspace of A [n, d] (bf16), so that
- * ||A - U W||_F <= 1.005 * the best rank-r error (DESIGN.md section 6). Only the
+ * ||A - U W||_F <= 1.005 * the best rank-r error (docs/DESIGN.md section 6). Only the
  * subspace matters, not individual singular vectors: no eigensolver is needed.
  *
  * Routes (skv_factor_route_for):

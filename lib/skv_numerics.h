@@ -1,13 +1,30 @@
 /*
  * skv_numerics.h - the shared numerics of the exact-selection contract
- * (DESIGN.md section 5). static inline, compiles as C99 on the host and as
- * CUDA device code. No backend re-implements anything that is here.
+ * (docs/DESIGN.md section 5). static inline, compiles as C99 on the host and
+ * as CUDA device code.
  *
  * Every decision (landmarks, outlier scores, candidate lists, selection)
- * is computed from these functions only, with IEEE-rounded operations in a
- * fixed order. Host files are built with -ffp-contract=off; on the device the
+ * is defined by these functions, with IEEE-rounded operations in a fixed
+ * order. Host files are built with -ffp-contract=off; on the device the
  * SKV_ADD/SKV_MUL/... macros map to explicitly rounded __f*_rn intrinsics so
  * nvcc cannot contract them.
+ *
+ * ref calls these functions as they are. cpu and cuda re-implement some of
+ * them for speed, lane by lane, each lane running the same operations in the
+ * same order as the function here (docs/DESIGN.md 5.5):
+ *  - cpu/skv_cpu.c: bf16 conversion (skv_cpu_ld8/st8), the rotate-half RoPE
+ *    row (skv_cpu_rope_row), the chunk landmark score (skv_cpu_chunk_score)
+ *    and the dot chains of the scores (skv_cpu_dot8x4) in AVX2 lanes; the
+ *    softmax, skv_expf and the canonical sum are called from here.
+ *  - cuda/skv_cuda_select.cu: the landmark kernel (mean and cos chains, the
+ *    ordered min as a warp reduction), the score kernel's dot chains and max,
+ *    the canonical sum's lanes and tree (expsum_kernel, selz_kernel,
+ *    canon_tree), the group max and top-S (select_kernel, selz_kernel).
+ * (cpu's attention exp, skv_cpu_exp8, follows skv_expf's method but is not on
+ * the decision path: it is held to tolerances, not to these bits.)
+ * Pinned by tests/test_numerics.c (these functions against independent
+ * versions), tests/backend_ops.c (cpu and cuda ops vs ref, decisions and amax
+ * bitwise) and tests/test_contract.c (cache-level decisions vs ref, bitwise).
  */
 #ifndef SKV_NUMERICS_H
 #define SKV_NUMERICS_H

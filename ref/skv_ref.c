@@ -1,7 +1,7 @@
 /*
  * ref backend: the oracle. Plain C99 loops, one thread, LAPACKE for the
  * eigensolver. Written to be read; every other backend is checked against it.
- * Decisions use skv_numerics.h only (DESIGN.md section 5).
+ * Decisions use skv_numerics.h only (docs/DESIGN.md section 5).
  */
 #include <math.h>
 #include <stdlib.h>

@@ -1,6 +1,6 @@
 /*
  * backend_ops.c - every op of every non-ref backend against ref (the ggml
- * test-backend-ops pattern, see STYLE.md).
+ * test-backend-ops pattern).
  *
  * A table of cases {op, shape, init, tolerance}. For each case the inputs are
  * drawn once from a seed derived from the base seed and the case's index (so
@@ -94,13 +94,13 @@ static const tcase cases[] = {
     {OP_FACTORIZE, INIT_TIES, 1e-5, .n = 640, .d = 256, .r = 40},     /* duplicate rows, rank < r */
     {OP_FACTORIZE, INIT_NORMAL, 1e-5, .n = 700, .d = 200, .r = 37},   /* FAST with r, d not multiples of 8 */
     {OP_FACTORIZE, INIT_LOWRANK, 1e-5, .n = 1500, .d = 1000, .r = 153}, /* (cuda: padded Cholesky tiles) */
-    /* rope: the formula and tables are pinned (DESIGN 3.2), so bitwise */
+    /* rope: the formula and tables are pinned (docs/DESIGN.md 3.2), so bitwise */
     {OP_ROPE, INIT_NORMAL, 0, .n = 37, .hk = 8, .D = 128, .R = 128, .pos0 = 0},
     {OP_ROPE, INIT_NORMAL, 0, .n = 64, .hk = 4, .D = 64, .R = 64, .inter = 1, .pos0 = 1000},
     {OP_ROPE, INIT_HUGE, 0, .n = 17, .hk = 2, .D = 256, .R = 96, .pos0 = 131000},
     {OP_ROPE, INIT_NORMAL, 0, .n = 33, .hk = 8, .D = 128, .R = 64, .inter = 1, .llama3 = 1, .pos0 = 20000},
     {OP_ROPE, INIT_TINY, 0, .n = 16, .hk = 8, .D = 128, .R = 128, .llama3 = 1, .pos0 = 7, .flags = F_INPLACE},
-    /* landmarks and outliers: all bitwise (DESIGN 5) */
+    /* landmarks and outliers: all bitwise (docs/DESIGN.md section 5) */
     {OP_LANDMARKS, INIT_NORMAL, 0, .N = 64, .c = 8, .hk = 8, .D = 128, .O = 8},
     {OP_LANDMARKS, INIT_LOWRANK, 0, .N = 300, .c = 8, .hk = 2, .D = 128, .O = 48},
     {OP_LANDMARKS, INIT_TIES, 0, .N = 120, .c = 4, .hk = 4, .D = 64, .O = 17},
@@ -756,8 +756,8 @@ static int compare(const tcase *tc, double tol, problem *p, run *r, char *msg, s
         } else if (t->cmp == CMP_FACTOR_U) {
             /* backends factor by different routes (ref: the exact top-r subspace; cpu: subspace
                iteration), so the product is held to ref's through the residual against A:
-               ||A - UW||^2 <= 1.0101 ||A - UW_ref||^2 + tol ||A||^2 (DESIGN 6: err <= 1.005 opt,
-               plus float rounding); NMSE(UW) against ref is printed for information */
+               ||A - UW||^2 <= 1.0101 ||A - UW_ref||^2 + tol ||A||^2 (docs/DESIGN.md section 6:
+               err <= 1.005 opt, plus float rounding); NMSE(UW) against ref is printed for information */
             const size_t ne = (size_t)tc->n * tc->d;
             double *a = product(t->host, p->out[i + 1].host, tc->n, tc->d, tc->r);
             double *b = product(got, gbuf_body(&r->out[i + 1]), tc->n, tc->d, tc->r);
@@ -811,7 +811,7 @@ static int cmp_double(const void *a, const void *b)
  *    spans count their tokens, not the padding.
  * Z: FLOPs / X (cpu and ref print GFLOP/s and stop there: no ceiling).
  * F: the H200 roofline floor max(bytes / HBM, t_flop), t_flop the sum over
- *    the op's parts of FLOPs / rate; R = X / F. Ceilings (DESIGN.md section 7,
+ *    the op's parts of FLOPs / rate; R = X / F. Ceilings (docs/DESIGN.md section 7,
  *    measured): HBM 4.3e12 B/s (device copy, read+write), bf16 tensor core
  *    785e12 FLOP/s, fp32 (no TF32) 51e12 FLOP/s.
  *

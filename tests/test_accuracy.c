@@ -1,7 +1,7 @@
 /*
  * test_accuracy.c - each op on each available backend against a naive
- * double-precision oracle written here, with the tolerances of DESIGN.md
- * section 6, plus bad-argument handling of every op.
+ * double-precision oracle written here, with the tolerances of
+ * docs/DESIGN.md section 6, plus bad-argument handling of every op.
  *
  *  factorize    err = ||A - UW||_F / ||A||_F (double) vs opt = best rank-r error
  *               of the bf16-rounded A (LAPACK dsyevd on the double Gram):
@@ -14,7 +14,7 @@
  *  rope         |out - x'| <= 2^-8 |x'| + 2^-22 (|x c| + |y s|): half a bf16 ulp
  *               of the exact rotation of the same inputs plus the two float
  *               roundings of the fmaf formula; passthrough dims bitwise
- *  landmarks    bitwise vs DESIGN 3.4-3.5 written out here, and vs double
+ *  landmarks    bitwise vs docs/DESIGN.md 3.4-3.5 written out here, and vs double
  *               means/cosines within float error bounds
  *  score_select amax vs double softmax-max within a first-order float error
  *               bound (stated at amax_tol); selection = top-S of the
@@ -537,7 +537,7 @@ static void test_landmarks(void)
                 for (int i = 0; i < hk * D; i++) k[t * hk * D + i] = bf(-3.0 * bd(k[t * hk * D + i]));
         if (cs[ci].ties) /* duplicate chunks: tied scores */
             for (int j = 4; j < N; j++) memcpy(k + (size_t)j * c * hk * D, k + (size_t)(j % 4) * c * hk * D, (size_t)c * hk * D * 2);
-        /* oracle 1: DESIGN 3.4-3.5 in float, written out */
+        /* oracle 1: docs/DESIGN.md 3.4-3.5 in float, written out */
         float *score = xmalloc(sizeof(float) * (size_t)hk * N), *meanf = xmalloc(sizeof(float) * (size_t)hk * N * D);
         double *score_d = dalloc((size_t)hk * N), *mean_d = dalloc((size_t)hk * N * D), *mbound = dalloc((size_t)hk * N * D);
         for (int h = 0; h < hk; h++)
@@ -633,7 +633,7 @@ static void test_landmarks(void)
             }
             printf("landmarks %-4s N=%d c=%d Hk=%d D=%d O=%d%s: ids %s, landmarks %s\n", skv_backend_name(be), N, c, hk,
                    D, O, cs[ci].ties ? " ties" : "", bad_ids ? "DIFFER" : "exact", bad_lm ? "DIFFER" : "exact");
-            SKVT_CHECK(bad_ids == 0, "landmarks_outliers %s: %ld outlier/candidate ids differ from DESIGN 3.5",
+            SKVT_CHECK(bad_ids == 0, "landmarks_outliers %s: %ld outlier/candidate ids differ from docs/DESIGN.md 3.5",
                        skv_backend_name(be), bad_ids);
             SKVT_CHECK(bad_lm == 0, "landmarks_outliers %s: %ld landmarks differ from bf16(float mean)", skv_backend_name(be), bad_lm);
             SKVT_CHECK(bad_lmd == 0, "landmarks_outliers %s: %ld landmarks off the double mean", skv_backend_name(be), bad_lmd);

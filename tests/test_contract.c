@@ -1,5 +1,5 @@
 /*
- * The exact-selection contract (DESIGN.md section 5) through the public cache
+ * The exact-selection contract (docs/DESIGN.md section 5) through the public cache
  * API: for >= 100 random configurations (GQA group 1/4/8, head dim 64/128/256,
  * chunk 4/8/16, ragged batches, planted exact ties), every non-ref backend
  * must produce bitwise the same bf16 landmarks, outlier sets, candidate lists
@@ -249,7 +249,7 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
 }
 
 /*
- * No flush-to-zero anywhere on the decision path (DESIGN.md section 5): after
+ * No flush-to-zero anywhere on the decision path (docs/DESIGN.md section 5): after
  * the backends have run (OpenMP, BLAS, SIMD kernels), neither this thread nor
  * an OpenMP worker may have FTZ/DAZ set, and a subnormal product must survive.
  */

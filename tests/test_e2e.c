@@ -226,7 +226,7 @@ int main(void)
             if (i) {
                 /* each backend has its own factorization route (ref: double Gram + dsyevr; cpu:
                    subspace iteration; cuda: fp32 block Grams + Xsyevd), all within the bound of
-                   DESIGN.md section 6 but not equal: a backend's output may differ from ref's by
+                   docs/DESIGN.md section 6 but not equal: a backend's output may differ from ref's by
                    up to both outputs' rebuilt-key errors (each measured against the same
                    selection with exact keys), plus attention rounding */
                 double x = skvs_rel_err(o, rec_out[0] + r * HD, HD);

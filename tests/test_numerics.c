@@ -1,6 +1,6 @@
 /*
  * test_numerics.c - the shared numerics of lib/skv_numerics.h against
- * independent implementations written from the text of DESIGN.md:
+ * independent implementations written from the text of docs/DESIGN.md:
  * skv_expf vs double exp (<= 2 ulp, exact 0 below ln(FLT_MIN), inf above the
  * range, NaN for NaN), bf16 round-to-nearest-even, the canonical sum (bitwise),
  * the fmaf dot products (bitwise), RoPE tables vs double formulas (incl.
@@ -233,7 +233,7 @@ static void test_bf16(void)
 
 /* ---- canonical sum -------------------------------------------------------- */
 
-/* DESIGN.md section 5, written from the text: lane k sums x_k, x_{k+256}, ... */
+/* docs/DESIGN.md section 5, written from the text: lane k sums x_k, x_{k+256}, ... */
 static float canon_ref(const float *x, long m)
 {
     float P[256];
@@ -477,7 +477,7 @@ static void test_rope_row(void)
 
 /* ---- decision helpers ----------------------------------------------------- */
 
-/* cos(a, b) and the chunk landmark score, written from DESIGN.md 3.4-3.5 */
+/* cos(a, b) and the chunk landmark score, written from docs/DESIGN.md 3.4-3.5 */
 static void test_landmark_score(void)
 {
     enum { D = 128, C = 8 };
@@ -509,7 +509,7 @@ static void test_landmark_score(void)
         }
         if (fbits(got) != fbits(want)) bad++;
     }
-    SKVT_CHECK(bad == 0, "skv_chunk_landmark_score: %ld values differ from DESIGN 3.4-3.5", bad);
+    SKVT_CHECK(bad == 0, "skv_chunk_landmark_score: %ld values differ from docs/DESIGN.md 3.4-3.5", bad);
 }
 
 int main(void)

@@ -131,7 +131,7 @@ typedef struct skvs_ref_stats {
  *                chunks, local window, generated tokens) plus, per KV head,
  *                the `budget` candidate tokens with the truly highest
  *                a_t = max over the GQA group of the full softmax probability
- *                p_{i,t} (the library's rule, DESIGN.md 4.4, applied per token);
+ *                p_{i,t} (the library's rule, docs/DESIGN.md 4.4, applied per token);
  *  out_selected  the always-kept tokens plus the chunks in selected [Hk, S]
  *                (e.g. from skv_cache_selected): the library's selection with
  *                exact keys, which separates selection error from key-rebuild
