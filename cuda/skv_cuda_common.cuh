@@ -1,6 +1,6 @@
 /*
- * skv_cuda_common.cuh - small device and launch helpers shared by the decode
- * kernels (skv_cuda_select.cu, skv_cuda_attn.cu). Header-only; everything is
+ * skv_cuda_common.cuh - small device and launch helpers shared by the cuda
+ * files (skv_cuda_select.cu, skv_cuda_attn.cu, skv_cuda_factor.cu). Header-only; everything is
  * in an anonymous namespace, so each file has its own copy.
  */
 #ifndef SKV_CUDA_COMMON_CUH

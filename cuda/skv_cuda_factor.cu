@@ -80,6 +80,7 @@
 #include <stdlib.h>
 
 #include "skv_cuda.h"
+#include "skv_cuda_common.cuh"
 #include "skv_internal.h"
 #include "skv_numerics.h"
 
@@ -821,7 +822,7 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
             dim3 grid((unsigned)(nt * (nt + 1) / 2), SKV_CF_SPLITS);
             skv_cf_gram64<<<grid, 256, 0, f->st>>>(a, n, (int32_t)d, (double *)f->scratch, f->state);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram kernel");
-            skv_cf_gram64_sum<<<264, SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
+            skv_cf_gram64_sum<<<2 * num_sms(), SKV_CF_THREADS, 0, f->st>>>(f->gd, (const double *)f->scratch,
                                                                                    (int32_t)d, f->state);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "fallback Gram sum kernel");
         }
