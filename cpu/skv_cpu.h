@@ -1,0 +1,83 @@
+/*
+ * skv_cpu.h - private header of the cpu backend (OpenMP + AVX2/FMA, LAPACKE,
+ * OpenBLAS). cpu/skv_cpu.c fills the dispatch table from ref's and overrides
+ * every op slot with the functions declared here.
+ *
+ * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
+ * to ref (docs/DESIGN.md section 5). They are computed from skv_numerics.h; where a
+ * loop is vectorized, it is vectorized ACROSS independent chains (candidates,
+ * tokens, dims), so every lane runs exactly the fmaf/add/div sequence of the
+ * shared scalar function, in the same order. Only IEEE-rounded AVX ops are
+ * used there (vfmadd, vadd, vmul, vdiv, vsqrt, vmax with fmaxf's NaN rule).
+ *
+ * Results do not depend on the thread count (fixed blocking, fixed merge
+ * order). Scratch: the decode slots take theirs from the cache's workspace
+ * (skv_ws, sized by the *_ws_bytes functions below at create), so a decode
+ * step allocates nothing; prefill slots malloc per call.
+ */
+#ifndef SKV_CPU_H
+#define SKV_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "skv_backend.h"
+#include "skv_factor.h"
+#include "skv_numerics.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define SKV_CPU_SIMD 1
+#else
+#define SKV_CPU_SIMD 0
+#endif
+
+#define SKV_CPU_MAX_D 1024 /* lib/ rejects head_dim > 1024 */
+#define SKV_CPU_RB 48      /* rebuild: rows per work item, 8 slivers of 6 */
+#define SKV_CPU_BT 256     /* attention: tokens per work item */
+
+static inline int skv_cpu_min(int a, int b) { return a < b ? a : b; }
+
+/* 64-byte aligned scratch (no 32-byte loads split across cache lines); free(). */
+void *skv_cpu_alloc(size_t bytes);
+
+/* ---- GEMM micro-kernels (skv_cpu_gemm.c) ---- */
+void skv_cpu_skern(int k, const float *a, const float *b, float *c, int64_t ldc);
+void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t);
+void skv_cpu_skern_rows(int64_t k, const float *const ar[6], const float *b, float *c);
+void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const double *b, double *t);
+
+/* ---- Gram matrices (skv_cpu_gram.c) ---- */
+skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g);
+skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, double *g);
+int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count);
+void skv_cpu_mirror(double *g, int32_t d);
+
+/* ---- factorization (skv_cpu_factor.c: the route and the EXACT route; skv_cpu_fast.c: FAST) ---- */
+skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
+skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
+                                  skv_factor_mode mode);
+
+/* ---- RoPE (skv_cpu_rope.c) ---- */
+void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n);
+void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float *cs, const float *sn,
+                      skv_bf16 *out);
+skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H, int64_t pos0,
+                        const float *cos_tab, const float *sin_tab, const skv_bf16 *in, skv_bf16 *out);
+
+/* ---- the other op slots ---- */
+skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                      const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
+                                      skv_bf16 *landmarks);
+skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S, float scale,
+                                const skv_bf16 *q, const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                                int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws);
+skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                skv_bf16 *k_out, skv_ws *ws);
+skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                    int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                  int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
+
+#endif /* SKV_CPU_H */

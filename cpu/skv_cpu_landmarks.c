@@ -1,0 +1,123 @@
+/*
+ * landmarks_outliers: chunk means and their cosine scores, top-O outliers.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "skv_cpu_simd.h"
+
+/* ---- landmarks and outliers ----------------------------------------------------------- */
+
+/*
+ * skv_chunk_landmark_score, vectorized across the chunk's tokens: lane i is
+ * token i's cos chain (ab, aa, bb: fmaf over d in order, from 0), so each lane
+ * reproduces the scalar function's value exactly; the min over tokens is then
+ * taken in token order with the same NaN rule. The mean is vectorized over d
+ * (each d is its own in-order token sum).
+ */
+static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, float *mean)
+{
+#if SKV_CPU_SIMD
+    int d = 0;
+    __m256 inv_c = _mm256_set1_ps((float)c);
+    for (; d + 8 <= D; d += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int t = 0; t < c; t++) acc = _mm256_add_ps(acc, skv_cpu_ld8(k + t * ts + d));
+        _mm256_storeu_ps(mean + d, _mm256_div_ps(acc, inv_c));
+    }
+    for (; d < D; d++) {
+        float acc = 0.0f;
+        for (int t = 0; t < c; t++) acc = SKV_ADD(acc, skv_bf16_to_f32(k[t * ts + d]));
+        mean[d] = SKV_DIV(acc, (float)c);
+    }
+    float best = 0.0f;
+    for (int t0 = 0; t0 < c; t0 += 8) {
+        int nt = skv_cpu_min(8, c - t0);
+        const skv_bf16 *p[8];
+        for (int i = 0; i < 8; i++) p[i] = k + (t0 + skv_cpu_min(i, nt - 1)) * ts; /* pad: repeat a row */
+        __m256 ab = _mm256_setzero_ps(), aa = ab, bb = ab;
+        for (d = 0; d + 8 <= D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = skv_cpu_ld8(p[i] + d);
+            skv_cpu_transpose8(r);
+            for (int e = 0; e < 8; e++) {
+                __m256 m = _mm256_broadcast_ss(mean + d + e);
+                ab = _mm256_fmadd_ps(r[e], m, ab);
+                aa = _mm256_fmadd_ps(r[e], r[e], aa);
+                bb = _mm256_fmadd_ps(m, m, bb);
+            }
+        }
+        for (; d < D; d++) {
+            __m256 x = skv_cpu_col8(p, d), m = _mm256_broadcast_ss(mean + d);
+            ab = _mm256_fmadd_ps(x, m, ab);
+            aa = _mm256_fmadd_ps(x, x, aa);
+            bb = _mm256_fmadd_ps(m, m, bb);
+        }
+        /* vmaxps(x, 1e-8) returns 1e-8 when x is NaN, as fmaxf does */
+        __m256 den = _mm256_max_ps(_mm256_mul_ps(_mm256_sqrt_ps(aa), _mm256_sqrt_ps(bb)), _mm256_set1_ps(1e-8f));
+        float sv[8];
+        _mm256_storeu_ps(sv, _mm256_div_ps(ab, den));
+        for (int i = 0; i < nt; i++) {
+            float s = sv[i];
+            if (t0 + i == 0 || s < best || s != s) best = s;
+            if (best != best) return best;
+        }
+    }
+    return best;
+#else
+    return skv_chunk_landmark_score(k, ts, c, D, mean);
+#endif
+}
+
+skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                             const skv_bf16 *k_post, int32_t *outlier_ids,
+                                             int32_t *candidate_ids, skv_bf16 *landmarks)
+{
+    if (N <= 0 || O < 0 || O >= N) return SKV_ERR_INVALID_ARGUMENT;
+    size_t nh = (size_t)Hk * N;
+    skv_bf16 *lm = malloc(nh * D * sizeof *lm); /* every chunk's landmark, [Hk, N, D] */
+    float *key = malloc(nh * sizeof *key);
+    int32_t *scratch = malloc(nh * sizeof *scratch);
+    char *is_out = calloc(nh, 1);
+    if (!lm || !key || !scratch || !is_out) {
+        free(lm);
+        free(key);
+        free(scratch);
+        free(is_out);
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    int32_t n_cand = N - O;
+#pragma omp parallel
+    {
+        /* token-major input: chunk j of head h is c rows of stride Hk*D */
+#pragma omp for schedule(static)
+        for (int64_t jh = 0; jh < (int64_t)nh; jh++) {
+            int64_t j = jh / Hk, h = jh % Hk;
+            float mean[SKV_CPU_MAX_D];
+            float s = skv_cpu_chunk_score(k_post + ((size_t)j * c * Hk + h) * D, (int64_t)Hk * D, c, D, mean);
+            key[h * N + j] = skv_outlier_key(s);
+            skv_bf16 *l = lm + ((size_t)h * N + j) * D;
+            for (int32_t d = 0; d < D; d++) l[d] = skv_f32_to_bf16(mean[d]);
+        }
+#pragma omp for schedule(static)
+        for (int32_t h = 0; h < Hk; h++) {
+            int32_t *oid = O > 0 ? outlier_ids + (size_t)h * O : NULL; /* may be NULL when O == 0 */
+            char *mark = is_out + (size_t)h * N;
+            if (O > 0) skv_topk_indices(key + (size_t)h * N, N, O, 1, scratch + (size_t)h * N, oid);
+            for (int32_t o = 0; o < O; o++) mark[oid[o]] = 1;
+            int32_t m = 0;
+            for (int32_t j = 0; j < N; j++) {
+                if (mark[j]) continue;
+                candidate_ids[(size_t)h * n_cand + m] = j;
+                memcpy(landmarks + ((size_t)h * n_cand + m) * D, lm + ((size_t)h * N + j) * D, (size_t)D * sizeof *lm);
+                m++;
+            }
+        }
+    }
+    free(lm);
+    free(key);
+    free(scratch);
+    free(is_out);
+    return SKV_OK;
+}
+

@@ -1,0 +1,67 @@
+/*
+ * RoPE of bf16 rows (the rope slot; rebuild_keys uses skv_cpu_rope_row too).
+ */
+#include "skv_cpu_simd.h"
+
+/* bf16 -> float of n contiguous values. */
+void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
+{
+    int64_t i = 0;
+#if SKV_CPU_SIMD
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, skv_cpu_ld8(in + i));
+#endif
+    for (; i < n; i++) out[i] = skv_bf16_to_f32(in[i]);
+}
+
+/*
+ * skv_rope_row_f32, vectorized over pairs for the rotate-half layout: the same
+ * fmaf/mul per element and the same bf16 rounding, so the output is identical
+ * (tests compare rope bit for bit against ref). Interleaved pairs and the
+ * rotary tail go through the shared scalar function.
+ */
+void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float *cs,
+                             const float *sn, skv_bf16 *out)
+{
+#if SKV_CPU_SIMD
+    int h2 = R / 2;
+    if (!interleaved && h2 >= 8) {
+        int i = 0;
+        for (; i + 8 <= h2; i += 8) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h2);
+            __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
+            __m256 nbs = _mm256_xor_ps(_mm256_mul_ps(b, s), _mm256_set1_ps(-0.0f)); /* -(y*s) */
+            skv_cpu_st8(out + i, _mm256_fmadd_ps(a, c, nbs));
+            skv_cpu_st8(out + i + h2, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+        }
+        for (; i < h2; i++) {
+            float xo, yo;
+            skv_rope_rotate(x[i], x[i + h2], cs[i], sn[i], &xo, &yo);
+            out[i] = skv_f32_to_bf16(xo);
+            out[i + h2] = skv_f32_to_bf16(yo);
+        }
+        for (int d = R; d < D; d++) out[d] = skv_f32_to_bf16(x[d]);
+        return;
+    }
+#endif
+    skv_rope_row_f32(x, D, R, interleaved, cs, sn, out);
+}
+
+/* ---- RoPE --------------------------------------------------------------------------- */
+
+skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H,
+                               int64_t pos0, const float *cos_tab, const float *sin_tab,
+                               const skv_bf16 *in, skv_bf16 *out)
+{
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    int64_t rows = n_tokens * H;
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t row = 0; row < rows; row++) {
+        float x[SKV_CPU_MAX_D]; /* row converted first: in == out is allowed */
+        int64_t t = row / H;
+        skv_cpu_to_f32(in + row * D, x, D);
+        skv_cpu_rope_row(x, D, R, rope->interleaved, cos_tab + (pos0 + t) * h2, sin_tab + (pos0 + t) * h2,
+                         out + row * D);
+    }
+    return SKV_OK;
+}
+

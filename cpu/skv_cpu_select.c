@@ -1,0 +1,103 @@
+/*
+ * score_select: landmark scores, softmax, group max, top-S per KV head.
+ */
+#include <string.h>
+
+#include "skv_cpu_simd.h"
+
+/* ---- score and select --------------------------------------------------------------- */
+
+/*
+ * dot(q_g, L_j) for 8 candidates j (rows L, L+D, ...) and 4 queries qf[4][D]:
+ * lanes are candidates, each lane is skv_dot_bf16's fmaf chain over d = 0..D-1
+ * from 0, so the values are bit-identical to it. out[g*ld + lane].
+ */
+#if SKV_CPU_SIMD
+static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out, int64_t ld)
+{
+    const skv_bf16 *p[8];
+    for (int i = 0; i < 8; i++) p[i] = L + (size_t)i * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = skv_cpu_ld8(p[i] + d);
+        skv_cpu_transpose8(r);
+        for (int e = 0; e < 8; e++) {
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + d + e), r[e], a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + D + d + e), r[e], a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 2 * D + d + e), r[e], a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 3 * D + d + e), r[e], a3);
+        }
+    }
+    for (; d < D; d++) {
+        __m256 x = skv_cpu_col8(p, d);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + d), x, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + D + d), x, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 2 * D + d), x, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + 3 * D + d), x, a3);
+    }
+    _mm256_storeu_ps(out, a0);
+    _mm256_storeu_ps(out + ld, a1);
+    _mm256_storeu_ps(out + 2 * ld, a2);
+    _mm256_storeu_ps(out + 3 * ld, a3);
+}
+#endif
+
+skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+                                       float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                       const int32_t *candidate_ids, int32_t *sel_idx,
+                                       int32_t *sel_ids, float *amax, skv_ws *ws)
+{
+    int32_t G = Hq / Hk, G4 = (G + 3) / 4 * 4; /* queries padded to groups of 4 (zero rows) */
+    const int32_t JB = 64;                     /* candidates per work item */
+    int64_t nblk = (n_cand + JB - 1) / JB;
+    float *s = skv_ws_alloc(ws, (size_t)Hk * G4 * n_cand * sizeof *s); /* scores, then probabilities */
+    float *qf = skv_ws_alloc(ws, (size_t)Hk * G4 * D * sizeof *qf);
+    float *a = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *a);
+    int32_t *scratch = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *scratch);
+    if (!s || !qf || !a || !scratch) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
+    memset(qf, 0, (size_t)Hk * G4 * D * sizeof *qf);
+    for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + ((size_t)(i / G) * G4 + i % G) * D, D);
+#pragma omp parallel
+    {
+        /* 1. s = dot(q, L) * scale, items = (head, block of candidates, group of 4 queries) */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < (int64_t)Hk * nblk * (G4 / 4); it++) {
+            int64_t g4 = it % (G4 / 4), b = it / (G4 / 4) % nblk, h = it / (G4 / 4) / nblk;
+            int32_t j0 = (int32_t)b * JB, j1 = skv_cpu_min(j0 + JB, n_cand), j = j0;
+            const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
+            const float *qg = qf + ((size_t)h * G4 + g4 * 4) * D;
+            float *sg = s + ((size_t)h * G4 + g4 * 4) * n_cand;
+#if SKV_CPU_SIMD
+            for (; j + 8 <= j1; j += 8) skv_cpu_dot8x4(qg, D, L + (size_t)j * D, sg + j, n_cand);
+#endif
+            for (; j < j1; j++)
+                for (int g = 0; g < 4; g++) sg[g * n_cand + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
+            for (int g = 0; g < 4; g++)
+                for (j = j0; j < j1; j++) sg[g * n_cand + j] = SKV_MUL(sg[g * n_cand + j], scale);
+        }
+        /* 2. softmax per query head, exactly as ref */
+#pragma omp for schedule(static)
+        for (int32_t i = 0; i < Hq; i++) {
+            float *si = s + ((size_t)(i / G) * G4 + i % G) * n_cand;
+            skv_softmax_inplace(si, n_cand);
+        }
+        /* 3. max over the group, top-S per KV head */
+#pragma omp for schedule(static)
+        for (int32_t h = 0; h < Hk; h++) {
+            float *ah = a + (size_t)h * n_cand;
+            const float *sh = s + (size_t)h * G4 * n_cand;
+            memcpy(ah, sh, (size_t)n_cand * sizeof *ah);
+            for (int32_t g = 1; g < G; g++)
+                for (int32_t j = 0; j < n_cand; j++)
+                    if (sh[(size_t)g * n_cand + j] > ah[j]) ah[j] = sh[(size_t)g * n_cand + j];
+            if (amax) memcpy(amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
+            skv_select_head(ah, n_cand, S, scratch + (size_t)h * n_cand, sel_idx + (size_t)h * S,
+                            candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
+                            sel_ids ? sel_ids + (size_t)h * S : NULL);
+        }
+    }
+    return SKV_OK;
+}
+
