@@ -16,8 +16,8 @@
  * "error" field instead (ms, err and excess null) and the run goes on.
  *
  * Routes:
- *   ref, cpu, cuda     skv_op_factorize on that backend (as SKV_FACTORIZE
- *                      says; unset: auto). ms: the median of --reps calls
+ *   ref, cpu, cuda     skv_op_factorize_route on that backend with the route
+ *                      of --route (default auto). ms: the median of --reps calls
  *                      after one warm-up; ref: one call. ref only at
  *                      n <= --ref-max-n (default 16384: plain double Gram +
  *                      dsyevr, seconds per call), cpu only at n <= --cpu-max-n
@@ -36,7 +36,7 @@
  *                      after one warm-up, one timed call at n >= 524288;
  *                      only at n <= --gesvd-max-n (default 0: every n).
  *                      Needs a CUDA build (SKV_HAVE_CUDA) and the cuda backend.
- *   cuda_gram_syevd    skv_op_factorize on cuda with SKV_FACTORIZE=exact: the
+ *   cuda_gram_syevd    skv_op_factorize_route on cuda with the exact route: the
  *                      library's Gram + Xsyevd route, timed like cuda.
  * The SVD baselines are scored by their rank-r truncation: U_r S_r as U,
  * V_r^T as W.
@@ -191,20 +191,14 @@ static void print_row(const frow *x, int json, int first)
     }
 }
 
-/* SKV_FACTORIZE = mode for the calls that follow; NULL: back to the saved value */
-static char *env_saved;
-static int env_had;
-static void set_mode(const char *mode)
-{
-    if (mode) setenv("SKV_FACTORIZE", mode, 1);
-    else if (env_had) setenv("SKV_FACTORIZE", env_saved, 1);
-    else unsetenv("SKV_FACTORIZE");
-}
+/* --route: the library routes' choice */
+static const char *const route_names[] = {"auto", "fast", "fallback", "exact"};
+static skv_factorize_route route_main = SKV_FACTORIZE_AUTO;
 
 /*
  * One library route: skv_op_factorize(be) on a, u, w (device buffers for
- * cuda), k calls (the first a warm-up when k > 1), under SKV_FACTORIZE = mode
- * (NULL: as set). Returns the median ms of the timed calls, or < 0 with msg
+ * cuda), k calls (the first a warm-up when k > 1), with the route mode
+ * (NULL: --route's). Returns the median ms of the timed calls, or < 0 with msg
  * set on failure.
  */
 static double time_route(skv_backend be, const char *mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a,
@@ -213,11 +207,12 @@ static double time_route(skv_backend be, const char *mode, int64_t n, int32_t d,
     double t[65];
     if (k > 65) k = 65;
     for (int i = 0; i < k; i++) {
-        if (mode) set_mode(mode);
+        skv_factorize_route route = route_main;
+        for (int m = 0; mode && m < 4; m++)
+            if (!strcmp(mode, route_names[m])) route = (skv_factorize_route)m;
         double t0 = fnow_ms();
-        skv_status st = skv_op_factorize(be, n, d, r, a, u, w);
+        skv_status st = skv_op_factorize_route(be, route, n, d, r, a, u, w);
         t[i] = fnow_ms() - t0;
-        if (mode) set_mode(NULL);
         if (st) {
             snprintf(msg, cap, "skv_op_factorize: %s (%s)", skv_status_string(st), skv_last_error());
             return -1.0;
@@ -346,7 +341,7 @@ static void usage(void)
     printf("usage: skv-bench factorize [--backends ref,cpu,cuda] [--n 16384,65536,131072,524288,1048576]\n"
            "                           [--rank 160] [--width 1024] [--reps 3] [--ref-max-n 16384] [--cpu-max-n 65536]\n"
            "                           [--baselines sgesdd,cusolver_gesvd,cuda_gram_syevd] [--no-baseline]\n"
-           "                           [--gesvd-max-n 0] [--json]\n"
+           "                           [--gesvd-max-n 0] [--route auto|fast|fallback|exact] [--json]\n"
            "  ref runs only at n <= --ref-max-n, cpu and sgesdd only at n <= --cpu-max-n, cusolver_gesvd only at\n"
            "  n <= --gesvd-max-n (0: every n); backends that are not available here are skipped; cusolver_gesvd\n"
            "  needs a CUDA build and the cuda backend.\n");
@@ -377,6 +372,16 @@ int bench_factorize_main(int argc, char **argv)
         else if (!strcmp(a, "--cpu-max-n")) cpu_max_n = atoll(v), i++;
         else if (!strcmp(a, "--gesvd-max-n")) gesvd_max_n = atoll(v), i++;
         else if (!strcmp(a, "--backends")) list = v, i++;
+        else if (!strcmp(a, "--route")) {
+            int found = 0;
+            for (int m = 0; m < 4; m++)
+                if (!strcmp(v, route_names[m])) route_main = (skv_factorize_route)m, found = 1;
+            if (!found) {
+                fprintf(stderr, "skv-bench factorize: --route %s: expected auto, fast, fallback or exact\n", v);
+                return 2;
+            }
+            i++;
+        }
         else {
             usage();
             return strcmp(a, "--help") ? 2 : 0;
@@ -426,16 +431,13 @@ int bench_factorize_main(int argc, char **argv)
     if (have_cuda && in_list(baselines, "cusolver_gesvd"))
         fprintf(stderr, "skv-bench factorize: cusolver_gesvd needs a build with CUDA headers (SKV_HAVE_CUDA), skipped\n");
 #endif
-    const char *env = getenv("SKV_FACTORIZE");
-    env_had = env != NULL;
-    env_saved = env ? strdup(env) : NULL;
 
     json_out = json;
     if (json) {
         printf("{\"what\": \"rank-%d factorization of one layer's [n, %d] keys (synthetic workload)\", \"reps\": %d,\n"
                " \"skv_factorize\": \"",
                r, d, reps);
-        json_str(env_saved ? env_saved : "auto (unset)");
+        json_str(route_names[route_main]);
         printf("\", \"ref_max_n\": %lld, \"cpu_max_n\": %lld, \"gesvd_max_n\": %lld,\n"
                " \"note\": \"ms: median of reps calls after a warm-up (ref: one call; cusolver_gesvd: one timed call at "
                "n >= %d); err = ||A-UW||_F/||A||_F in double; opt: best rank-r error from the double Gram's "
@@ -552,7 +554,6 @@ int bench_factorize_main(int argc, char **argv)
         skvs_workload_free(&wl);
     }
     if (json) printf("]}\n");
-    free(env_saved);
     skv_op_release();
     return 0;
 }

@@ -53,9 +53,10 @@ int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count);
 void skv_cpu_mirror(double *g, int32_t d);
 
 /* ---- factorization (skv_cpu_factor.c: the route and the EXACT route; skv_cpu_fast.c: FAST) ---- */
-skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
+skv_status skv_cpu_factorize(skv_factorize_route mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                             float *w);
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
-                                  skv_factor_mode mode);
+                                  skv_factorize_route mode);
 
 /* ---- RoPE (skv_cpu_rope.c) ---- */
 void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n);

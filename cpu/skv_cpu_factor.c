@@ -156,10 +156,10 @@ static skv_status skv_cpu_factorize_exact(int64_t n, int32_t d, int32_t r, const
     return st;
 }
 
-/* The route of lib/skv_factor.h (SKV_FACTORIZE read once per call). */
-skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
+/* The route of lib/skv_factor.h for the caller's choice. */
+skv_status skv_cpu_factorize(skv_factorize_route mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                             float *w)
 {
-    skv_factor_mode mode = skv_factor_mode_env();
 #if SKV_CPU_SIMD
     if (skv_factor_route_for(n, d, r, mode) == SKV_ROUTE_FAST) return skv_cpu_factorize_fast(n, d, r, a, u, w, mode);
 #else

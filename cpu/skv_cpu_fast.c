@@ -393,7 +393,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  * not depend on the thread count. No BLAS: nothing here starts OpenBLAS threads.
  */
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
-                                         skv_factor_mode mode)
+                                         skv_factorize_route mode)
 {
     skv_status st = SKV_OK;
     skv_cpu_fx f = {d, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, omp_get_max_threads(), NULL};
@@ -434,9 +434,9 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
         /* the check (step 4; X is orthonormal after a two-pass iteration): y = (G X)^T (the next
            step's), and in AUTO mode H = X^T (G + delta I) X + s_H I = R^T R (X^T G X + delta I),
            s_H the double-Gram Rayleigh shift, pivots floored; rho = 1 / (|R|_F^2 |R^-1|_F^2) */
-        if (mode != SKV_FACTOR_FALLBACK) skv_cpu_fx_apply(&f, dbl);
+        if (mode != SKV_FACTORIZE_FALLBACK) skv_cpu_fx_apply(&f, dbl);
         double rho = 0.0;
-        if (mode == SKV_FACTOR_AUTO) {
+        if (mode == SKV_FACTORIZE_AUTO) {
             skv_cpu_fx_chol(&f, f.z, f.y, delta, SKV_CPU_SHIFT_RQ);
             skv_cpu_trinv(f.c, r, f.ci);
             double fr = 0.0, fi = 0.0;
@@ -448,7 +448,7 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
             double q = fr * fi; /* not finite when G's rounding left H indefinite: the fallback */
             rho = q > 0.0 && q < INFINITY ? 1.0 / q : 0.0;
         }
-        if (mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU))) {
+        if (mode == SKV_FACTORIZE_FALLBACK || (mode == SKV_FACTORIZE_AUTO && !(rho >= SKV_FACTOR_TAU))) {
             f.gd = skv_cpu_alloc((size_t)((d + 7) / 8) * 8 * d * sizeof *f.gd);
             if (!f.gd) {
                 st = SKV_ERR_OUT_OF_MEMORY;

@@ -281,10 +281,10 @@ void skv_cuda_factor_destroy(skv_cuda_factor *f);
  * host); a failed solver call is counted on the device under
  * tag (see skv_cuda_factor_counts). sync = 1: synchronizes the stream and returns
  * SKV_ERR_NUMERICAL with a message if a solver call failed. a must stay unchanged until
- * the stream has run the call.
+ * the stream has run the call. mode: the caller's route choice.
  */
-skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
-                              unsigned long long tag, int sync, char *msg, size_t cap);
+skv_status skv_cuda_factorize(skv_cuda_factor *f, skv_factorize_route mode, int64_t n, const skv_bf16 *a, float *u,
+                              float *w, unsigned long long tag, int sync, char *msg, size_t cap);
 
 /* Synchronizes the factor's stream and reads its counters since create: calls with a
    failed solver step, and the tag of the first such call (~0 if none). */

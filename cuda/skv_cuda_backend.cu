@@ -256,7 +256,8 @@ static void skv_cuda_op_release(void)
     pthread_mutex_unlock(&skv_cuda_fop_lock);
 }
 
-static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
+static skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a,
+                                        float *u, float *w)
 {
     char msg[SKV_ERRMSG_CAP];
     skv_status st = SKV_OK;
@@ -269,12 +270,12 @@ static skv_status skv_cuda_factorize_op(int64_t n, int32_t d, int32_t r, const s
             st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, msg, sizeof msg);
             skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r;
         }
-        if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, n, a, u, w, 0, 1, msg, sizeof msg);
+        if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, route, n, a, u, w, 0, 1, msg, sizeof msg);
         pthread_mutex_unlock(&skv_cuda_fop_lock);
     } else {
         skv_cuda_factor *f = NULL;
         st = skv_cuda_factor_create(&f, n, d, r, 0, msg, sizeof msg);
-        if (st == SKV_OK) st = skv_cuda_factorize(f, n, a, u, w, 0, 1, msg, sizeof msg);
+        if (st == SKV_OK) st = skv_cuda_factorize(f, route, n, a, u, w, 0, 1, msg, sizeof msg);
         skv_cuda_factor_destroy(f);
     }
     if (st) skv_cuda_note("%s", msg);
@@ -913,7 +914,7 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
        the host issues the factorization's calls */
     CK(cudaStreamWaitEvent(fs, k->side_ev, 0));
     CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
-    skv_status s = skv_cuda_factorize(k->fac, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
+    skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
                                       0, msg, cap);
     if (s) return s;
     CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));

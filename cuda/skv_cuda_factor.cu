@@ -38,7 +38,7 @@
  *   own Cholesky excepted: floored pivots there mean an indefinite H, and
  *   send the call to the double Gram).
  *
- * EXACT (n < d, 2r > d, r > 160, or SKV_FACTORIZE=exact): the same blocked
+ * EXACT (n < d, 2r > d, r > 160, or the exact route chosen): the same blocked
  * Gram (A A^T when n < d), cusolverDnXsyevd in double (all eigenpairs),
  * W = V_r^T, U = A V_r in true fp32 (PEDANTIC) over row blocks converted to
  * float; n < d: U = the top eigenvectors, W = U^T A. This route synchronizes
@@ -155,7 +155,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
 {
     if (n_max < 1 || d < 1 || r < 1) return 0;
     s->m_max = n_max < d ? n_max : d;
-    s->fast_ok = skv_factor_route_for(n_max, d, r, SKV_FACTOR_AUTO) == SKV_ROUTE_FAST;
+    s->fast_ok = skv_factor_route_for(n_max, d, r, SKV_FACTORIZE_AUTO) == SKV_ROUTE_FAST;
     s->proj_rows = SKV_CF_PROJ_ELEMS / d;
     if (s->proj_rows < 1) s->proj_rows = 1;
     if (s->proj_rows > n_max) s->proj_rows = n_max;
@@ -353,7 +353,7 @@ static __global__ void __launch_bounds__(32) skv_cf_check(const double *__restri
     for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
     if (threadIdx.x == 0) {
         double rho = 1.0 / (*fro2 * b);
-        int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
+        int fb = mode == SKV_FACTORIZE_FALLBACK || (mode == SKV_FACTORIZE_AUTO && !(rho >= SKV_FACTOR_TAU));
         state->fallback = fb;
     }
 }
@@ -794,7 +794,7 @@ static skv_status skv_cf_check_rho(skv_cuda_factor *f, const double *x, double *
 
 /* The FAST route (see the top of the file); solver infos go to f->info[0 .. SKV_CF_NINFO). */
 static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
-                              skv_factor_mode mode, char *msg, size_t cap)
+                              skv_factorize_route mode, char *msg, size_t cap)
 {
     const int64_t d = f->d, r = f->r;
     const float one = 1.0f, zero = 0.0f;
@@ -842,8 +842,8 @@ static skv_status skv_cf_fast(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     return SKV_OK;
 }
 
-extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
-                                         unsigned long long tag, int sync, char *msg, size_t cap)
+extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, skv_factorize_route mode, int64_t n, const skv_bf16 *a,
+                                         float *u, float *w, unsigned long long tag, int sync, char *msg, size_t cap)
 {
     const int64_t d = f->d, r = f->r;
     if (n < 1 || n > f->n_max || n > SKV_CUDA_FACTOR_MAX_N || r > (n < d ? n : d)) {
@@ -853,7 +853,6 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, int64_t n, const sk
                      (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
         return SKV_ERR_INVALID_ARGUMENT;
     }
-    skv_factor_mode mode = skv_factor_mode_env();
     int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
     int n_info = fast ? SKV_CF_NINFO - 1 : 1; /* the check's own Cholesky is not a failure */
     skv_status s;

@@ -493,8 +493,8 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  * a NaN or Inf in a is refused before any work. Routes (docs/usage.md, "The key
  * factorization"): ref the double Gram + dsyevr; cpu and cuda a subspace
  * iteration on the Gram matrix with an automatic double-Gram fallback, or
- * the Gram + eigensolver route for shapes it does not take; the environment
- * variable SKV_FACTORIZE=auto|fast|fallback|exact forces one (cpu, cuda).
+ * the Gram + eigensolver route for shapes it does not take (SKV_FACTORIZE_AUTO;
+ * skv_op_factorize_route picks another route).
  * cuda keeps one workspace per process for these calls (rebuilt for a larger
  * n or another shape), so repeated calls run warm; skv_op_release frees it.
  * Errors: SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE, SKV_ERR_NUMERICAL,
@@ -502,6 +502,13 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  */
 SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
                             const skv_bf16 *a, float *u, float *w);
+
+/**
+ * skv_op_factorize with an explicit route (skv_factorize_route; ref has one route and
+ * ignores it). A route value outside the enum is SKV_ERR_INVALID_ARGUMENT.
+ */
+SKV_API skv_status skv_op_factorize_route(skv_backend backend, skv_factorize_route route, int64_t n, int32_t d,
+                                          int32_t r, const skv_bf16 *a, float *u, float *w);
 
 /**
  * Frees what op-level calls keep between calls: on cuda, the factorization

@@ -120,7 +120,9 @@ struct skv_backend_ops {
     size_t (*decode_ws_bytes)(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens);
 
     /* --- ops (one public skv_op_* per slot; see shadowkv.h) ----------------- */
-    skv_status (*factorize)(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
+    /* route: the caller's choice (ref has one route and ignores it) */
+    skv_status (*factorize)(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                            float *w);
     skv_status (*rope)(const skv_rope_config *rope, int32_t head_dim, int64_t n_tokens,
                        int32_t n_heads, int64_t pos0, const float *cos_tab, const float *sin_tab,
                        const skv_bf16 *in, skv_bf16 *out);

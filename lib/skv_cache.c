@@ -323,7 +323,7 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     }
     t1 = skv_now_ms();
     /* 2. factorization of k_pre as [n, Hk*D], stored in bf16 */
-    st = ops->factorize(n, (int32_t)HkD, r, k_pre, uf, wf);
+    st = ops->factorize(c->cfg.factorize, n, (int32_t)HkD, r, k_pre, uf, wf);
     if (st) {
         st = skv_slot_failed(c, fn, "factorize", st);
         goto done;

@@ -60,14 +60,17 @@
  *   double (bound 5e-3); on the benchmark keys 2.5e-3..2.7e-3 (20 steps:
  *   7.7e-4).
  *
- * SKV_FACTORIZE (environment, read per call; for tests and debugging):
- *   auto (default) | fast (never fall back) | fallback (always the double
- *   Gram) | exact (the EXACT route whatever the shape).
+ * The route choice (skv_factorize_route, shadowkv.h: skv_config.factorize, or the
+ * argument of skv_op_factorize_route):
+ *   AUTO (default) | FAST (never fall back) | FALLBACK (always the double
+ *   Gram) | EXACT (the EXACT route whatever the shape).
  */
 #ifndef SKV_FACTOR_H
 #define SKV_FACTOR_H
 
 #include <stdint.h>
+
+#include "shadowkv.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,7 +99,6 @@
 /* s_H / tr(H) of the check: above the rounding of H, far below the Ritz values it measures */
 #define SKV_FACTOR_RQ_SHIFT 0x1p-40
 
-typedef enum { SKV_FACTOR_AUTO = 0, SKV_FACTOR_FAST, SKV_FACTOR_FALLBACK, SKV_FACTOR_EXACT } skv_factor_mode;
 typedef enum { SKV_ROUTE_EXACT = 0, SKV_ROUTE_FAST } skv_factor_route;
 
 /* X_0[i][j] in [-1, 1): splitmix64 of the element index (i * r + j). */
@@ -125,20 +127,11 @@ SKV_FHD double skv_factor_rq_shift(double trace)
     return s > 0x1p-1000 ? s : 0x1p-1000;
 }
 
-/* SKV_FACTORIZE from the environment (AUTO if unset or unknown). */
-static inline skv_factor_mode skv_factor_mode_env(void)
+/* The route a call takes: mode is the caller's choice (skv_config.factorize or the
+   argument of skv_op_factorize_route). */
+static inline skv_factor_route skv_factor_route_for(int64_t n, int32_t d, int32_t r, skv_factorize_route mode)
 {
-    const char *e = getenv("SKV_FACTORIZE");
-    if (!e) return SKV_FACTOR_AUTO;
-    if (!strcmp(e, "fast")) return SKV_FACTOR_FAST;
-    if (!strcmp(e, "fallback")) return SKV_FACTOR_FALLBACK;
-    if (!strcmp(e, "exact")) return SKV_FACTOR_EXACT;
-    return SKV_FACTOR_AUTO;
-}
-
-static inline skv_factor_route skv_factor_route_for(int64_t n, int32_t d, int32_t r, skv_factor_mode mode)
-{
-    if (mode == SKV_FACTOR_EXACT || n < d || 2 * (int64_t)r > d || r > SKV_FACTOR_FAST_MAX_R) return SKV_ROUTE_EXACT;
+    if (mode == SKV_FACTORIZE_EXACT || n < d || 2 * (int64_t)r > d || r > SKV_FACTOR_FAST_MAX_R) return SKV_ROUTE_EXACT;
     return SKV_ROUTE_FAST;
 }
 

@@ -67,7 +67,16 @@ SKV_API void skv_op_release(void)
 SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, int32_t r,
                                     const skv_bf16 *a, float *u, float *w)
 {
+    return skv_op_factorize_route(backend, SKV_FACTORIZE_AUTO, n, d, r, a, u, w);
+}
+
+SKV_API skv_status skv_op_factorize_route(skv_backend backend, skv_factorize_route route, int64_t n, int32_t d,
+                                          int32_t r, const skv_bf16 *a, float *u, float *w)
+{
     static const char fn[] = "skv_op_factorize";
+    if ((int)route < SKV_FACTORIZE_AUTO || (int)route > SKV_FACTORIZE_EXACT)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: route = %d: not a skv_factorize_route value", fn,
+                        (int)route);
     SKV_NONNULL(fn, a);
     SKV_NONNULL(fn, u);
     SKV_NONNULL(fn, w);
@@ -76,7 +85,7 @@ SKV_API skv_status skv_op_factorize(skv_backend backend, int64_t n, int32_t d, i
     SKV_RANGE(fn, r, 1, n < d ? n : d);
     SKV_GET_SLOT(fn, factorize);
     SKV_FINITE(fn, a, n * d);
-    return skv_slot_result(fn, ops, ops->factorize(n, d, r, a, u, w));
+    return skv_slot_result(fn, ops, ops->factorize(route, n, d, r, a, u, w));
 }
 
 static skv_status skv_rope_args(const char *fn, const skv_rope_config *rope, int32_t head_dim)

@@ -75,7 +75,7 @@ static skv_status skv_ref_check_range(const int32_t *x, int64_t n, int64_t lo, i
  * the top right singular vectors of A; W = V_r^T, U = A V_r. Exact arithmetic
  * would give the best rank-r approximation; double keeps it there.
  */
-static skv_status skv_ref_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+static skv_status skv_ref_factorize(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                                     float *w)
 {
     double *g = malloc((size_t)d * d * sizeof *g);

@@ -7,6 +7,7 @@
  * every build and answers with SKV_OK or SKV_ERR_NO_DEVICE and a reason.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "testutil.h"
@@ -104,6 +105,34 @@ int main(void)
     SKVT_CHECK(mb[sizeof(skv_memory_info)] == 0 && mb[sizeof mb - 1] == 0, "memory_info_sized: tail not zeroed");
     SKVT_CHECK_STATUS(skv_cache_memory_info_sized(&c, (skv_memory_info *)mb, 4), SKV_ERR_INVALID_ARGUMENT,
                       "memory_info_sized(4 bytes)");
+
+    /* the route choice: refused outside the enum; every route prefills a cpu cache */
+    {
+        skv_bf16 a8[64];
+        float u8[16], w8[16];
+        for (int i = 0; i < 64; i++) a8[i] = skv_bf16_from_float((float)((i * 37) % 11) - 5.0f);
+        SKVT_CHECK_STATUS(skv_op_factorize_route(SKV_BACKEND_CPU, (skv_factorize_route)4, 8, 8, 2, a8, u8, w8),
+                          SKV_ERR_INVALID_ARGUMENT, "skv_op_factorize_route(route 4)");
+        skvt_rng rng;
+        uint64_t seed = skvt_base_seed("test_abi");
+        skvt_rng_seed(&rng, seed);
+        const int64_t n = 200;
+        skv_config rc = small_config();
+        rc.backend = SKV_BACKEND_CPU;
+        const size_t row = (size_t)rc.n_kv_heads * rc.head_dim;
+        skv_bf16 *k = malloc(sizeof *k * n * row), *v = malloc(sizeof *v * n * row);
+        skvt_lowrank_prompt(&rng, row, n, k, v);
+        for (int route = SKV_FACTORIZE_AUTO; route <= SKV_FACTORIZE_EXACT; route++) {
+            rc.factorize = (skv_factorize_route)route;
+            skv_cache *rcache = NULL;
+            if (!SKVT_CHECK_STATUS(skv_cache_create(&rc, &rcache), SKV_OK, "create(route)")) continue;
+            SKVT_CHECK_STATUS(skv_prefill(rcache, 0, 0, n, k, v, NULL), SKV_OK, "prefill(route)");
+            SKVT_CHECK(skv_cache_config(rcache)->factorize == (skv_factorize_route)route, "config keeps the route");
+            skv_cache_free(rcache);
+        }
+        free(k);
+        free(v);
+    }
 
     /* the cuda table exists on every build: usable, or unusable with a reason */
     skv_status a = skv_backend_available(SKV_BACKEND_CUDA);

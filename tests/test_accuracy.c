@@ -7,7 +7,7 @@
  *               of the bf16-rounded A (LAPACK dsyevd on the double Gram):
  *               float U, W: err <= 1.005 opt; bf16 U, W: err <= opt + 4e-3;
  *               rank-deficient A and n == r: err <= 1e-4; the FAST route's
- *               SKV_FACTORIZE modes (auto, fallback, exact meet the bound, a
+ *               factorization routes (auto, fallback, exact meet the bound, a
  *               spike spectrum misses it under fast); r > min(n, d) ->
  *               INVALID_ARGUMENT, NaN/Inf in A -> NONFINITE naming the
  *               element, u and w untouched
@@ -308,19 +308,12 @@ static skv_bf16 *make_spike_matrix(int n, int d)
     return a;
 }
 
-/* SKV_FACTORIZE = mode (NULL: unset) for the calls that follow */
-static void factorize_mode(const char *mode)
-{
-    if (mode) setenv("SKV_FACTORIZE", mode, 1);
-    else unsetenv("SKV_FACTORIZE");
-}
-
 /*
  * Route coverage (lib/skv_factor.h) at the real shape d = 1024, r = 160 with
  * n = 2048 (n >= d and 2r <= d: the FAST route; n kept small for the run
- * time): the 1/i, rank-deficient and spike matrices under SKV_FACTORIZE =
- * auto, fallback, exact and fast on the backends that read the knob (cpu,
- * cuda). ref ignores the knob: it runs once, on the spike only
+ * time): the 1/i, rank-deficient and spike matrices under the routes
+ * auto, fallback, exact and fast (skv_op_factorize_route) on the backends that
+ * have them (cpu, cuda). ref ignores the choice: it runs once, on the spike only
  * (test_factorize covers 1/i and rank-deficient matrices on ref).
  * Every run meets the bound of test_factorize (1/i under fast too: auto does
  * not fall back there, so that is the production computation), except:
@@ -329,7 +322,6 @@ static void factorize_mode(const char *mode)
  *    that auto took it;
  *  - rank-deficient under fast: printed, not checked (no requirement; its
  *    integer Gram is exact in fp32 only while the blocks are short).
- * SKV_FACTORIZE is restored afterwards.
  */
 enum { ROUTE_INV, ROUTE_RANKDEF, ROUTE_SPIKE };
 static const char *route_names[] = {"1/i", "rank-deficient", "spike"};
@@ -338,8 +330,8 @@ static void test_factorize_routes(void)
 {
     const int n = 2048, d = 1024, r = 160;
     const char *modes[] = {"auto", "fallback", "exact", "fast"};
-    const char *env = getenv("SKV_FACTORIZE");
-    char *saved = env ? strdup(env) : NULL;
+    const skv_factorize_route routes[] = {SKV_FACTORIZE_AUTO, SKV_FACTORIZE_FALLBACK, SKV_FACTORIZE_EXACT,
+                                          SKV_FACTORIZE_FAST};
     const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
                  w_bytes = sizeof(float) * (size_t)r * d;
     float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
@@ -361,65 +353,61 @@ static void test_factorize_routes(void)
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
             if (be == SKV_BACKEND_REF && m != ROUTE_SPIKE) continue;
-            /* ref has one route (double Gram + dsyevr) and ignores SKV_FACTORIZE */
+            /* ref has one route (double Gram + dsyevr) and ignores the choice */
             int one_route = be == SKV_BACKEND_REF, n_modes = one_route ? 1 : 4;
             for (int mi = 0; mi < n_modes; mi++) {
                 const char *mode = modes[mi];
                 skv_bf16 *da = stage_in(be, a, a_bytes);
                 float *du = stage_out(be, u, u_bytes), *dw = stage_out(be, w, w_bytes);
-                factorize_mode(mode);
                 double t0 = now_s();
-                skv_status s = skv_op_factorize(be, n, d, r, da, du, dw);
+                skv_status s = skv_op_factorize_route(be, routes[mi], n, d, r, da, du, dw);
                 double secs = now_s() - t0;
-                factorize_mode(saved);
                 unstage(be, da, a);
                 unstage_out(be, u, du, u_bytes);
                 unstage_out(be, w, dw, w_bytes);
                 const char *bn = skv_backend_name(be), *mn = one_route ? "-" : mode;
-                if (!SKVT_CHECK(s == SKV_OK, "factorize %s %s SKV_FACTORIZE=%s: %s (%s)", bn, route_names[m], mn,
+                if (!SKVT_CHECK(s == SKV_OK, "factorize %s %s route %s: %s (%s)", bn, route_names[m], mn,
                                 skv_status_string(s), skv_last_error()))
                     continue;
                 long nonfinite = 0;
                 for (size_t i = 0; i < (size_t)n * r; i++) nonfinite += !isfinite(u[i]);
                 for (size_t i = 0; i < (size_t)r * d; i++) nonfinite += !isfinite(w[i]);
-                if (!SKVT_CHECK(nonfinite == 0, "factorize %s %s SKV_FACTORIZE=%s: %ld non-finite factor entries", bn,
+                if (!SKVT_CHECK(nonfinite == 0, "factorize %s %s route %s: %ld non-finite factor entries", bn,
                                 route_names[m], mn, nonfinite))
                     continue;
                 double err = factor_error(a, u, w, n, d, r, 0), err_bf = factor_error(a, u, w, n, d, r, 1);
-                printf("factorize %-4s %-14s SKV_FACTORIZE=%-8s: err %.6g (%.5f opt) bf16 err %.6g  [%.2f s]\n", bn,
+                printf("factorize %-4s %-14s route %-8s: err %.6g (%.5f opt) bf16 err %.6g  [%.2f s]\n", bn,
                        route_names[m], mn, err, opt > 0 ? err / opt : 0.0, err_bf, secs);
                 int fast = !one_route && !strcmp(mode, "fast");
                 if (m == ROUTE_SPIKE && be == SKV_BACKEND_CUDA && !strcmp(mode, "exact")) {
                     /* cuda's EXACT route is the Gram + Xsyevd baseline on the fp32 block Gram, without
                        the FAST route's double-Gram fallback: reported, not held */
-                    printf("factorize cuda spike SKV_FACTORIZE=exact: %.3f x opt (baseline route, no fallback)\n",
+                    printf("factorize cuda spike route exact: %.3f x opt (baseline route, no fallback)\n",
                            err / opt);
-                    skvt_skip("cuda SKV_FACTORIZE=exact on the spike: the baseline route has no fallback");
+                    skvt_skip("cuda route exact on the spike: the baseline route has no fallback");
                 } else if (m == ROUTE_SPIKE && fast && err <= 1.0001 * opt) {
                     /* the portable (no AVX2) cpu build has only the exact route */
-                    skvt_skip("SKV_FACTORIZE=fast on the spike came out exact: no FAST route in this build");
+                    skvt_skip("route fast on the spike came out exact: no FAST route in this build");
                 } else if (m == ROUTE_SPIKE && fast) {
                     SKVT_CHECK(err > 1.005 * opt,
-                               "factorize %s spike SKV_FACTORIZE=fast: err %.6g <= 1.005 * opt %.6g: the fp32 Gram "
+                               "factorize %s spike route fast: err %.6g <= 1.005 * opt %.6g: the fp32 Gram "
                                "alone met the bound, so the spike no longer shows that the fallback is needed",
                                bn, err, opt);
                 } else if (m == ROUTE_RANKDEF) {
                     if (fast) continue;
-                    SKVT_CHECK(err <= 1e-4, "factorize %s rank-deficient SKV_FACTORIZE=%s: err %.3g > 1e-4", bn, mn, err);
-                    SKVT_CHECK(err_bf <= 4e-3, "factorize %s rank-deficient SKV_FACTORIZE=%s: bf16 err %.3g > 4e-3", bn,
+                    SKVT_CHECK(err <= 1e-4, "factorize %s rank-deficient route %s: err %.3g > 1e-4", bn, mn, err);
+                    SKVT_CHECK(err_bf <= 4e-3, "factorize %s rank-deficient route %s: bf16 err %.3g > 4e-3", bn,
                                mn, err_bf);
                 } else {
-                    SKVT_CHECK(err <= 1.005 * opt, "factorize %s %s SKV_FACTORIZE=%s: err %.6g > 1.005 * opt %.6g", bn,
+                    SKVT_CHECK(err <= 1.005 * opt, "factorize %s %s route %s: err %.6g > 1.005 * opt %.6g", bn,
                                route_names[m], mn, err, opt);
-                    SKVT_CHECK(err_bf <= opt + 4e-3, "factorize %s %s SKV_FACTORIZE=%s: bf16 err %.6g > opt %.6g + 4e-3",
+                    SKVT_CHECK(err_bf <= opt + 4e-3, "factorize %s %s route %s: bf16 err %.6g > opt %.6g + 4e-3",
                                bn, route_names[m], mn, err_bf, opt);
                 }
             }
         }
         free(a);
     }
-    factorize_mode(saved);
-    free(saved);
     free(u);
     free(w);
 }
