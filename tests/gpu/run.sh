@@ -17,7 +17,8 @@
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e) into
-#             build/dev: one stripped libshadowkv.so.0 that
+#             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
+#             libshadowkv-cuda.so.0 it opens from its directory) that
 #             the tests and skv-bench link to (small enough to carry to the device
 #             machine with .deps); then PREBUILT=build/dev bash tests/gpu/run.sh decode
 #             there skips the build (minutes of nvcc on a fresh machine)
@@ -43,6 +44,7 @@ if [ "$MODE" = pack ]; then
   make -j"$(nproc)" SKV_DEPS=$DEPS lib build/obj/tests/common/synth.o build/obj/tests/common/testutil.o >/dev/null
   rm -rf build/dev && mkdir -p build/dev
   strip -o build/dev/libshadowkv.so.0 build/libshadowkv.so
+  strip -o build/dev/libshadowkv-cuda.so.0 build/libshadowkv-cuda.so.0 # opened at run time, from $ORIGIN
   L=$DEPS/usr/lib/x86_64-linux-gnu
   CFL="-std=c99 -D_POSIX_C_SOURCE=200809L -O2 -fopenmp -DSKV_HAVE_CUDA -Iinclude -Ilib -I$DEPS/usr/include
        -I$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread -I/usr/local/cuda/include -Itests/common"
