@@ -2,8 +2,7 @@
 
 The binding is a thin ctypes layer over the library's C ABI (see _ffi.py): tensors
 pass as raw pointers, with no copy. CUDA tensors go to the cuda backend as device
-pointers, on the torch stream current when the cache is created; CPU tensors go to
-ref and cpu. torch.bfloat16 is the library's skv_bf16.
+pointers; CPU tensors go to ref and cpu. torch.bfloat16 is the library's skv_bf16.
 
     import torch, shadowkv
     cfg = shadowkv.config(n_layers=1, n_q_heads=8, n_kv_heads=2, head_dim=64, rank=32,
@@ -13,24 +12,33 @@ ref and cpu. torch.bfloat16 is the library's skv_bf16.
     out = cache.decode(0, q, k, v)            # q [B, Hq, D], k/v [B, Hk, D] -> out [B, Hq, D] float32
     cache.selected(0, 0, 0)                   # the chunk ids chosen for KV head 0
 
+A cuda cache runs on the torch stream that is current when it is created (or `stream=`);
+prefill and decode must be called with that stream current (they check), so torch's
+work and the library's stay in stream order with no synchronization added.
+
 Every C status other than SKV_OK raises ShadowKVError with the library's message.
+Arguments are checked in Python first (shape, dtype, device, contiguity); those errors
+are TypeError or ValueError naming the argument. torch is imported only when a
+tensor is involved: version(), backend_available(), config() and memory() work without it.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from . import _ffi
 from ._ffi import Config, RopeConfig
 
-__all__ = ["ShadowKVError", "Cache", "config", "memory", "backend_available", "version", "ops", "Config",
-           "RopeConfig"]
+__all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "backend_available", "version",
+           "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE"]
+
+VALUES_ALL_DEVICE = _ffi.VALUES_ALL_DEVICE
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded libshadowkv (opened on first use)."""
+    """The loaded libshadowkv (opened on first use; see _ffi.load for where it is looked for)."""
     global _lib
     if _lib is None:
         _lib = _ffi.load()
@@ -38,12 +46,18 @@ def lib() -> ctypes.CDLL:
 
 
 class ShadowKVError(RuntimeError):
-    """A libshadowkv call failed: .status (int), .status_name, and the library's message."""
+    """A libshadowkv call failed.
+
+    Attributes: status (the skv_status number), status_name ("SKV_ERR_..."), call (the C
+    function) and message (the library's message, from skv_cache_last_error or
+    skv_last_error, naming the bad argument and its value).
+    """
 
     def __init__(self, status: int, message: str, call: str):
         self.status = status
         self.status_name = _ffi.STATUS_NAMES.get(status, f"status {status}")
         self.call = call
+        self.message = message
         super().__init__(f"{call}: {self.status_name}: {message}")
 
 
@@ -62,30 +76,50 @@ def version() -> str:
     return lib().skv_version_string().decode()
 
 
+def library_path() -> str:
+    """The path of the libshadowkv that was loaded."""
+    return lib()._skv_path
+
+
 def backend_available(backend: str) -> bool:
-    """Whether backend ("ref", "cpu", "cuda", "auto") can run here."""
+    """Whether backend ("ref", "cpu", "cuda", "auto") can run here (skv_backend_available)."""
     return lib().skv_backend_available(_backend_id(backend)) == _ffi.OK
 
 
 def _backend_id(backend: Any) -> int:
-    if isinstance(backend, int):
+    if isinstance(backend, int) and not isinstance(backend, bool) and backend in _ffi.BACKEND_NAMES:
         return backend
     try:
         return _ffi.BACKENDS[backend]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"backend {backend!r}: expected one of {sorted(_ffi.BACKENDS)}") from None
 
 
-def config(**fields: Any) -> Config:
-    """A skv_config with the library's defaults (a Llama-3-8B shape), then fields set.
+def _resolve_backend(backend: Any) -> str:
+    """The backend name an op call runs on: auto is cuda when usable, else cpu (as in the library)."""
+    name = _ffi.BACKEND_NAMES[_backend_id(backend)]
+    if name == "auto":
+        return "cuda" if backend_available("cuda") else "cpu"
+    return name
 
-    Fields are the C names (n_layers, n_q_heads, n_kv_heads, head_dim, rank, chunk_size,
+
+_CONFIG_ENUMS = {"backend", "factorize"}
+
+
+def config(**fields: Any) -> Config:
+    """A skv_config with the library's defaults (a Llama-3-8B shape), then `fields` set.
+
+    Fields are the C names: n_layers, n_q_heads, n_kv_heads, head_dim, rank, chunk_size,
     budget, n_outlier_chunks, n_local_chunks, attn_scale, batch_size, max_prompt_len,
-    gen_capacity, n_threads, value_device_bytes, value_cache_chunks); backend and
-    factorize take names ("cpu", "exact", ...); rope takes a dict of RopeConfig fields.
+    gen_capacity, n_threads, value_device_bytes, value_cache_chunks. backend ("auto",
+    "ref", "cpu", "cuda") and factorize ("auto", "fast", "fallback", "exact") take
+    names; rope takes a dict of RopeConfig fields (theta, rotary_dim, interleaved,
+    llama3_scaling, scaling_factor, low_freq_factor, high_freq_factor,
+    original_max_position). Nothing is validated here; validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")
+    names = dict(Config._fields_)
     for k, v in fields.items():
         if k == "backend":
             c.backend = _backend_id(v)
@@ -94,21 +128,61 @@ def config(**fields: Any) -> Config:
                 raise ValueError(f"factorize {v!r}: expected one of {sorted(_ffi.ROUTES)}")
             c.factorize = _ffi.ROUTES[v]
         elif k == "rope":
+            if isinstance(v, RopeConfig):
+                c.rope = v
+                continue
             for rk, rv in dict(v).items():
                 if rk not in dict(RopeConfig._fields_):
-                    raise ValueError(f"rope field {rk!r}: not a RopeConfig field")
-                setattr(c.rope, rk, rv)
+                    raise ValueError(f"rope field {rk!r}: not a RopeConfig field "
+                                     f"({', '.join(n for n, _ in RopeConfig._fields_)})")
+                try:
+                    setattr(c.rope, rk, rv)
+                except TypeError as e:
+                    raise TypeError(f"rope field {rk}: {e}") from None
         elif k in ("struct_size", "cuda_stream"):
             raise ValueError(f"{k} is set by the binding")
-        elif k in dict(Config._fields_):
-            setattr(c, k, v)
+        elif k in names:
+            try:
+                setattr(c, k, v)
+            except TypeError as e:
+                raise TypeError(f"config field {k}: {e}") from None
         else:
-            raise ValueError(f"config field {k!r}: not a skv_config field")
+            raise ValueError(f"config field {k!r}: not a skv_config field "
+                             f"({', '.join(n for n, _ in Config._fields_ if n not in ('struct_size', 'cuda_stream'))})")
     return c
 
 
+def config_dict(cfg: Config) -> dict:
+    """The fields of a Config as a dict (rope as a nested dict, backend and factorize as names)."""
+    out = {}
+    for name, _ in Config._fields_:
+        v = getattr(cfg, name)
+        if name == "rope":
+            v = {rn: getattr(v, rn) for rn, _ in RopeConfig._fields_}
+        elif name == "backend":
+            v = _ffi.BACKEND_NAMES.get(v, v)
+        elif name == "factorize":
+            v = {i: n for n, i in _ffi.ROUTES.items()}.get(v, v)
+        out[name] = v
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """Checks every field of cfg (skv_config_validate); raises ShadowKVError naming the field."""
+    _check_config(cfg)
+    _check(lib().skv_config_validate(ctypes.byref(cfg)), "skv_config_validate")
+
+
+def _check_config(cfg: Any) -> None:
+    if not isinstance(cfg, Config):
+        raise TypeError(f"cfg: expected a shadowkv.Config (from shadowkv.config()), got {type(cfg).__name__}")
+
+
 def memory(cfg: Config) -> dict:
-    """What a cache from cfg would hold (skv_cache_memory_info): bytes and value placement."""
+    """What a cache from cfg would hold, before creating it (skv_cache_memory_info): device_bytes,
+    host_bytes, value_store_bytes, value_cache_bytes, device_value_slots, host_value_slots,
+    value_cache_chunks."""
+    _check_config(cfg)
     info = _ffi.MemoryInfo()
     _check(lib().skv_cache_memory_info_sized(ctypes.byref(cfg), ctypes.byref(info), ctypes.sizeof(info)),
            "skv_cache_memory_info")
@@ -116,12 +190,27 @@ def memory(cfg: Config) -> dict:
 
 
 def _torch():
-    import torch  # imported lazily: the package loads without torch for version queries
+    try:
+        import torch  # imported lazily: the package loads without torch for version queries
+    except ImportError as e:
+        raise ImportError("shadowkv: this call takes torch tensors; install torch (pip install torch)") from e
     return torch
 
 
-def _tensor(t: Any, name: str, shape: tuple, dtype: Any, device_type: str, allow_none: bool = False):
-    """Checks a torch tensor argument; returns its address (or None)."""
+def _device_for(backend: str):
+    """The torch device a backend's tensors live on (cuda: the current CUDA device)."""
+    torch = _torch()
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tensor(t: Any, name: str, shape: Sequence[int], dtype: Any, device: Any, allow_none: bool = False,
+            dims: str = ""):
+    """Checks a torch tensor argument: type, dtype, device, shape, contiguity. Returns its address
+    (None for None or an empty tensor). dims names the expected dimensions for messages."""
     torch = _torch()
     if t is None:
         if allow_none:
@@ -131,51 +220,82 @@ def _tensor(t: Any, name: str, shape: tuple, dtype: Any, device_type: str, allow
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name}: dtype {t.dtype}, expected {dtype}")
-    if t.device.type != device_type:
-        raise ValueError(f"{name}: on {t.device}, but this backend takes {device_type} tensors")
+    device = torch.device(device)
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise ValueError(f"{name}: on {t.device}, but this {'cache' if dims else 'call'} takes tensors on {device}")
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}" + (f" {dims}" if dims else ""))
     if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
+        raise ValueError(f"{name}: must be contiguous (stride {tuple(t.stride())}); pass {name}.contiguous()")
     return t.data_ptr() if t.numel() else None
+
+
+def _ndim(t: Any, name: str, n: int, dims: str) -> None:
+    """Checks that t is a tensor with n dimensions (before its shape is used)."""
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {dims}, got {type(t).__name__}")
+    if t.dim() != n:
+        raise ValueError(f"{name}: expected a {n}-d tensor {dims}, got shape {tuple(t.shape)}")
 
 
 class Cache:
     """A ShadowKV cache (skv_cache): prefill per (layer, sequence), decode per layer for the batch.
 
-    On cuda, every call is enqueued on the stream that was current when the cache was
-    created (or `stream`); nothing here synchronizes beyond what the C API does
-    (decode only enqueues; sync, stats and the introspection calls wait).
+    Cache(cfg) or Cache(**fields) (fields as in config()). All memory is allocated here
+    (see memory()). Tensors are bfloat16 on the cache's device: the CPU for ref and cpu,
+    the CUDA device current at creation for cuda. On cuda, calls are enqueued on the torch
+    stream that was current at creation (or `stream`); prefill and decode refuse to run
+    while another stream is current. decode only enqueues; sync(), stats() and the
+    introspection calls wait for the cache's work, as the C API does.
     """
 
     def __init__(self, cfg: Optional[Config] = None, stream: Any = None, **fields: Any):
+        self._handle = None
+        self._lib = lib()
         if cfg is None:
             cfg = config(**fields)
         elif fields:
             raise TypeError("pass either a Config or fields, not both")
+        _check_config(cfg)
         c = Config()
         ctypes.pointer(c)[0] = cfg
-        self._handle = None
+        c.struct_size = ctypes.sizeof(Config)
+        self._stream = None
         want_cuda = c.backend == _ffi.BACKENDS["cuda"] or (
             c.backend == _ffi.BACKENDS["auto"] and backend_available("cuda"))
         if want_cuda:
             torch = _torch()
-            s = stream if stream is not None else torch.cuda.current_stream()
-            c.cuda_stream = ctypes.c_void_p(s.cuda_stream)
-            self._stream = s
+            if torch.cuda.is_available():  # else the library reports SKV_ERR_NO_DEVICE with its reason
+                s = stream if stream is not None else torch.cuda.current_stream()
+                c.cuda_stream = ctypes.c_void_p(s.cuda_stream)
+                self._stream = s
+        elif stream is not None:
+            raise ValueError("stream: only a cuda cache takes a stream")
         h = ctypes.c_void_p()
-        _check(lib().skv_cache_create(ctypes.byref(c), ctypes.byref(h)), "skv_cache_create")
+        _check(self._lib.skv_cache_create(ctypes.byref(c), ctypes.byref(h)), "skv_cache_create")
         self._handle = h
-        got = lib().skv_cache_config(h).contents
         self.config = Config()
-        ctypes.pointer(self.config)[0] = got
-        self.backend = _ffi.BACKEND_NAMES[lib().skv_cache_backend(h)]
-        self._device = "cuda" if self.backend == "cuda" else "cpu"
+        ctypes.pointer(self.config)[0] = self._lib.skv_cache_config(h).contents
+        self.backend = _ffi.BACKEND_NAMES[self._lib.skv_cache_backend(h)]
+        if self.backend == "cuda":
+            torch = _torch()
+            self.device = torch.device("cuda", self._stream.device.index if self._stream is not None
+                                       else torch.cuda.current_device())
+        else:
+            self.device = "cpu"
+            self._stream = None  # auto resolved to cpu (SKV_BACKEND): no stream
+        c = self.config
+        self.n_layers, self.batch_size = c.n_layers, c.batch_size
+        self.n_q_heads, self.n_kv_heads, self.head_dim = c.n_q_heads, c.n_kv_heads, c.head_dim
+        self.chunk_size, self.n_outliers = c.chunk_size, c.n_outlier_chunks
+        self.n_selected = c.budget // c.chunk_size
 
+    # -- life cycle -------------------------------------------------------------------
     def close(self) -> None:
-        """Frees the cache (also done when the object is collected)."""
+        """Frees the cache (also done when the object is collected). Waits for its work on cuda."""
         if self._handle:
-            lib().skv_cache_free(self._handle)
+            self._lib.skv_cache_free(self._handle)
             self._handle = None
 
     def __del__(self):
@@ -184,99 +304,149 @@ class Cache:
         except Exception:
             pass
 
-    def __enter__(self):
+    def __enter__(self) -> "Cache":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"shadowkv.Cache(backend={self.backend!r}, L={c.n_layers}, B={c.batch_size}, Hq={c.n_q_heads}, "
+                f"Hk={c.n_kv_heads}, D={c.head_dim}, rank={c.rank}, c={c.chunk_size}, budget={c.budget}, "
+                f"O={c.n_outlier_chunks}, Lc={c.n_local_chunks}{'' if self._handle else ', closed'})")
 
     def _h(self):
         if not self._handle:
             raise ValueError("the cache is closed")
         return self._handle
 
+    def _check_stream(self, call: str) -> None:
+        if self._stream is None:
+            return
+        torch = _torch()
+        cur = torch.cuda.current_stream(self.device)
+        if cur.cuda_stream != self._stream.cuda_stream:
+            raise ValueError(f"{call}: the current torch stream is {cur}, but this cache runs on {self._stream}; "
+                             "call it under `with torch.cuda.stream(cache.stream)` or create the cache under "
+                             "the stream you use")
+
+    @property
+    def stream(self):
+        """The torch.cuda.Stream the cache runs on (None on ref and cpu)."""
+        return self._stream
+
     @property
     def shape(self) -> dict:
+        """The cache's dimensions: L, B, Hq, Hk, D, c (chunk size), O (outlier chunks), S (selected chunks)."""
         c = self.config
         return dict(L=c.n_layers, B=c.batch_size, Hq=c.n_q_heads, Hk=c.n_kv_heads, D=c.head_dim,
                     c=c.chunk_size, O=c.n_outlier_chunks, S=c.budget // c.chunk_size)
 
+    # -- prefill and decode -------------------------------------------------------------
     def prefill(self, layer: int, seq: int, k_pre, v, k_post=None) -> None:
-        """Prefill of (layer, seq): k_pre, v (and optional k_post) [n, Hk, D] bfloat16."""
+        """Prefill of (layer, seq) with a prompt of n tokens at positions 0..n-1.
+
+        k_pre: [n, Hk, D] pre-RoPE keys; v: [n, Hk, D] values; k_post: [n, Hk, D] post-RoPE
+        keys, or None to let the library apply its RoPE. bfloat16, contiguous, on the
+        cache's device. Raises ShadowKVError (e.g. SKV_ERR_PROMPT_TOO_SHORT) on a library error.
+        """
         torch = _torch()
         c = self.config
-        if not isinstance(k_pre, torch.Tensor) or k_pre.dim() != 3:
-            raise ValueError("k_pre: expected a [n, Hk, D] tensor")
+        _ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
         n = k_pre.shape[0]
         shp = (n, c.n_kv_heads, c.head_dim)
-        a = _tensor(k_pre, "k_pre", shp, torch.bfloat16, self._device)
-        b = _tensor(v, "v", shp, torch.bfloat16, self._device)
-        p = _tensor(k_post, "k_post", shp, torch.bfloat16, self._device, allow_none=True)
-        _check(lib().skv_prefill(self._h(), layer, seq, n, a, b, p), "skv_prefill", self._handle)
+        dims = f"= [n, Hk={c.n_kv_heads}, D={c.head_dim}]"
+        a = _tensor(k_pre, "k_pre", shp, torch.bfloat16, self.device, dims=dims)
+        b = _tensor(v, "v", shp, torch.bfloat16, self.device, dims=dims)
+        p = _tensor(k_post, "k_post", shp, torch.bfloat16, self.device, allow_none=True, dims=dims)
+        self._check_stream("prefill")
+        _check(self._lib.skv_prefill(self._h(), layer, seq, n, a, b, p), "skv_prefill", self._handle)
 
     def decode(self, layer: int, q, k, v, out=None):
-        """One decode step of layer for the whole batch: q [B, Hq, D], k, v [B, Hk, D] bfloat16
-        (post-RoPE); returns out [B, Hq, D] float32 (written when the stream reaches it on cuda)."""
+        """One decode step of `layer` for the whole batch.
+
+        q: [B, Hq, D] post-RoPE queries; k, v: [B, Hk, D] the new token's post-RoPE key and
+        value (bfloat16). Returns out [B, Hq, D] float32 (a new tensor, or `out`). On cuda the
+        step is only enqueued: out is written when the cache's stream reaches it.
+        """
         torch = _torch()
         c = self.config
         B, Hq, Hk, D = c.batch_size, c.n_q_heads, c.n_kv_heads, c.head_dim
-        qa = _tensor(q, "q", (B, Hq, D), torch.bfloat16, self._device)
-        ka = _tensor(k, "k", (B, Hk, D), torch.bfloat16, self._device)
-        va = _tensor(v, "v", (B, Hk, D), torch.bfloat16, self._device)
+        qa = _tensor(q, "q", (B, Hq, D), torch.bfloat16, self.device, dims=f"= [B, Hq, D]")
+        ka = _tensor(k, "k", (B, Hk, D), torch.bfloat16, self.device, dims=f"= [B, Hk, D]")
+        va = _tensor(v, "v", (B, Hk, D), torch.bfloat16, self.device, dims=f"= [B, Hk, D]")
         if out is None:
             out = torch.empty((B, Hq, D), dtype=torch.float32, device=q.device)
-        oa = _tensor(out, "out", (B, Hq, D), torch.float32, self._device)
-        _check(lib().skv_decode(self._h(), layer, qa, ka, va, oa), "skv_decode", self._handle)
+        oa = _tensor(out, "out", (B, Hq, D), torch.float32, self.device, dims=f"= [B, Hq, D]")
+        self._check_stream("decode")
+        _check(self._lib.skv_decode(self._h(), layer, qa, ka, va, oa), "skv_decode", self._handle)
         return out
 
     def sync(self) -> None:
-        """Waits for the cache's work; raises a deferred error of an earlier decode step."""
-        _check(lib().skv_cache_sync(self._h()), "skv_cache_sync", self._handle)
+        """Waits for the cache's work; raises a deferred error of an earlier decode step (cuda)."""
+        _check(self._lib.skv_cache_sync(self._h()), "skv_cache_sync", self._handle)
 
+    # -- statistics and introspection ----------------------------------------------------
     def stats(self) -> dict:
-        """Phase times (ms) and counters (skv_cache_stats)."""
+        """Phase times (ms) and counters (skv_cache_stats): prefill_*_ms, decode_*_ms,
+        n_prefill_calls, n_decode_calls, decode_allocations, value_cache_hits/misses, ..."""
         s = _ffi.Stats()
-        _check(lib().skv_cache_stats_sized(self._h(), ctypes.byref(s), ctypes.sizeof(s)), "skv_cache_stats",
+        _check(self._lib.skv_cache_stats_sized(self._h(), ctypes.byref(s), ctypes.sizeof(s)), "skv_cache_stats",
                self._handle)
         return {name: getattr(s, name) for name, _ in s._fields_}
 
     def reset_stats(self) -> None:
-        _check(lib().skv_cache_stats_reset(self._h()), "skv_cache_stats_reset", self._handle)
+        """Zeroes the phase timings and counters (skv_cache_stats_reset)."""
+        _check(self._lib.skv_cache_stats_reset(self._h()), "skv_cache_stats_reset", self._handle)
 
     def seq_info(self, layer: int, seq: int) -> dict:
-        """Shape of (layer, seq): prefilled, n, n_chunks, n_candidates, n_outliers, ..."""
+        """Shape of (layer, seq): prefilled, n, n_chunks, n_candidates, n_outliers, n_selected,
+        n_local, n_generated, has_selection, values_on_device."""
         i = _ffi.SeqInfo()
-        _check(lib().skv_cache_seq_info_sized(self._h(), layer, seq, ctypes.byref(i), ctypes.sizeof(i)),
+        _check(self._lib.skv_cache_seq_info_sized(self._h(), layer, seq, ctypes.byref(i), ctypes.sizeof(i)),
                "skv_cache_seq_info", self._handle)
         return {name: getattr(i, name) for name, _ in i._fields_}
 
+    def _per_head(self, fn, kv_head: Optional[int]):
+        torch = _torch()
+        if kv_head is not None:
+            return fn(kv_head)
+        return torch.stack([fn(h) for h in range(self.config.n_kv_heads)])
+
     def _ids(self, fn: str, layer: int, seq: int, kv_head: int, count: int):
         torch = _torch()
-        out = torch.empty(count, dtype=torch.int32)
-        _check(getattr(lib(), fn)(self._h(), layer, seq, kv_head, out.data_ptr() if count else None), fn,
-               self._handle)
-        return out
+        buf = torch.empty(max(count, 1), dtype=torch.int32)
+        _check(getattr(self._lib, fn)(self._h(), layer, seq, kv_head, buf.data_ptr()), fn, self._handle)
+        return buf[:count]
 
-    def selected(self, layer: int, seq: int, kv_head: int):
-        """Chunk ids selected at the last decode step (int32 CPU tensor of S, increasing)."""
-        return self._ids("skv_cache_selected", layer, seq, kv_head, self.shape["S"])
+    def selected(self, layer: int, seq: int, kv_head: Optional[int] = None):
+        """Chunk ids selected at the last decode step of (layer, seq): an int32 CPU tensor of S ids,
+        increasing, for kv_head, or [Hk, S] for every KV head when kv_head is None."""
+        S = self.config.budget // self.config.chunk_size
+        return self._per_head(lambda h: self._ids("skv_cache_selected", layer, seq, h, S), kv_head)
 
-    def outliers(self, layer: int, seq: int, kv_head: int):
-        """Outlier chunk ids (int32 CPU tensor of O, increasing)."""
-        return self._ids("skv_cache_outliers", layer, seq, kv_head, self.shape["O"])
+    def outliers(self, layer: int, seq: int, kv_head: Optional[int] = None):
+        """Outlier chunk ids of (layer, seq) (int32 CPU tensor of O, increasing; [Hk, O] for kv_head None)."""
+        O = self.config.n_outlier_chunks
+        return self._per_head(lambda h: self._ids("skv_cache_outliers", layer, seq, h, O), kv_head)
 
-    def candidates(self, layer: int, seq: int, kv_head: int):
-        """Candidate chunk ids (int32 CPU tensor of N - O, increasing)."""
-        return self._ids("skv_cache_candidates", layer, seq, kv_head, self.seq_info(layer, seq)["n_candidates"])
+    def candidates(self, layer: int, seq: int, kv_head: Optional[int] = None):
+        """Candidate chunk ids of (layer, seq) (int32 CPU tensor of N - O, increasing; [Hk, N-O] for None)."""
+        n = self.seq_info(layer, seq)["n_candidates"]
+        return self._per_head(lambda h: self._ids("skv_cache_candidates", layer, seq, h, n), kv_head)
 
-    def landmarks(self, layer: int, seq: int, kv_head: int):
-        """bf16 landmarks of the candidates ([N - O, D] CPU tensor)."""
+    def landmarks(self, layer: int, seq: int, kv_head: Optional[int] = None):
+        """bf16 landmarks of the candidates of (layer, seq): a [N - O, D] CPU tensor ([Hk, N-O, D] for None)."""
         torch = _torch()
         n = self.seq_info(layer, seq)["n_candidates"]
-        out = torch.empty((n, self.config.head_dim), dtype=torch.bfloat16)
-        _check(lib().skv_cache_landmarks(self._h(), layer, seq, kv_head, out.data_ptr() if n else None),
-               "skv_cache_landmarks", self._handle)
-        return out
+
+        def one(h):
+            buf = torch.empty((max(n, 1), self.config.head_dim), dtype=torch.bfloat16)
+            _check(self._lib.skv_cache_landmarks(self._h(), layer, seq, h, buf.data_ptr()), "skv_cache_landmarks",
+                   self._handle)
+            return buf[:n]
+        return self._per_head(one, kv_head)
 
 
 from . import ops  # noqa: E402  (ops uses the helpers above)

@@ -29,6 +29,10 @@ BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
 # skv_factorize_route
 ROUTES = {"auto": 0, "fast": 1, "fallback": 2, "exact": 3}
 
+# SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
+# major number must agree (its minor number may be newer: structs only grow at the end)
+HEADER_VERSION = 100
+
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16
 
@@ -137,6 +141,8 @@ _SIGNATURES = {
     "skv_version_string": (c_char_p, []),
     "skv_status_string": (c_char_p, [c_int]),
     "skv_last_error": (c_char_p, []),
+    "skv_backend_name": (c_char_p, [c_int]),
+    "skv_backend_parse": (c_int, [c_char_p, POINTER(c_int)]),
     "skv_backend_available": (c_int, [c_int]),
     "skv_config_init": (c_int, [POINTER(Config), c_size_t]),
     "skv_config_validate": (c_int, [POINTER(Config)]),
@@ -159,6 +165,7 @@ _SIGNATURES = {
     "skv_cache_stats_reset": (c_int, [c_void_p]),
     "skv_rope_table_len": (c_size_t, [POINTER(RopeConfig), c_int32, c_int64]),
     "skv_rope_table_build": (c_int, [POINTER(RopeConfig), c_int32, c_int64, _P, _P]),
+    "skv_op_factorize": (c_int, [c_int, c_int64, c_int32, c_int32, _P, _P, _P]),
     "skv_op_factorize_route": (c_int, [c_int, c_int, c_int64, c_int32, c_int32, _P, _P, _P]),
     "skv_op_release": (None, []),
     "skv_op_rope": (c_int, [c_int, POINTER(RopeConfig), c_int32, c_int64, c_int32, c_int64, _P, _P, _P, _P]),
@@ -171,12 +178,21 @@ _SIGNATURES = {
     "skv_op_sparse_attention": (c_int, [c_int, c_int32, c_int32, c_int32, c_float, _P, c_int32, POINTER(KvSpan),
                                         _P]),
     "skv_op_full_attention": (c_int, [c_int, c_int32, c_int32, c_int32, c_float, _P, c_int64, _P, _P, _P]),
+    "skv_buffer_alloc": (c_int, [c_int, c_size_t, POINTER(c_void_p)]),
+    "skv_buffer_free": (None, [c_int, c_void_p]),
+    "skv_buffer_copy": (c_int, [c_int, c_void_p, c_void_p, c_size_t]),
+    "skv_bf16_from_float": (c_uint16, [c_float]),
+    "skv_bf16_to_float": (c_float, [c_uint16]),
 }
 
 
 def _candidates() -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
-    out = [os.path.join(here, "libshadowkv.so.0")]  # the copy pip install put in the package
+    out = []
+    env = os.environ.get("SHADOWKV_LIBRARY")  # an explicit path wins (tests/gpu/run.sh's prebuilt copy)
+    if env:
+        return [env]
+    out.append(os.path.join(here, "libshadowkv.so.0"))  # the copy pip install put in the package
     repo = os.path.dirname(os.path.dirname(here))  # a source checkout: python/shadowkv -> repo root
     out.append(os.path.join(repo, "build", "libshadowkv.so"))
     found = ctypes.util.find_library("shadowkv")
@@ -187,7 +203,8 @@ def _candidates() -> list[str]:
 
 
 def load(path: str | None = None) -> ctypes.CDLL:
-    """Opens libshadowkv (path, else the package's copy, a source checkout's build/, the loader's path)."""
+    """Opens libshadowkv: path, else $SHADOWKV_LIBRARY, else the package's copy, a source checkout's
+    build/libshadowkv.so, then the dynamic loader's search path."""
     errors = []
     for cand in [path] if path else _candidates():
         if os.path.sep in cand and not os.path.exists(cand):
@@ -201,6 +218,10 @@ def load(path: str | None = None) -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args
+        got = lib.skv_version_number()
+        if got // 10000 != HEADER_VERSION // 10000 or got < HEADER_VERSION:
+            errors.append(f"{cand}: library version {got} does not match the binding's {HEADER_VERSION}")
+            continue
         lib._skv_path = cand
         return lib
     raise OSError("libshadowkv not found (build it with `make lib` in the repository, or install it): "

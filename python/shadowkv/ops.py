@@ -4,34 +4,70 @@ A kernel author compares a kernel with the reference in three lines:
 
     from shadowkv import ops
     sel_idx, sel_ids, amax = ops.score_select(q, landmarks, n_select=256, backend="ref")
-    assert torch.equal(my_kernel(q, landmarks).cpu(), sel_idx)
+    assert torch.equal(my_kernel(q.cuda(), landmarks.cuda()).cpu(), sel_idx)
 
 Tensors are bfloat16 (int32 for ids, float32 for U, W, tables and outputs), contiguous,
-on the CPU for ref and cpu and on a CUDA device for cuda. Outputs are new tensors on
-the same device. The calls are synchronous.
+on the CPU for ref and cpu and on the current CUDA device for cuda ("auto" is cuda when
+usable, else cpu, as in the library). Outputs are new tensors on the same device. The
+calls are synchronous: on cuda the library runs them on the legacy default stream and
+returns when done, so they must be called while torch's default stream is current.
+Which outputs are bitwise equal across backends (rope, landmarks and outliers, score_select,
+gather_values) and which are compared with tolerances is docs/DESIGN.md sections 5 and 6.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
-from . import _ffi, _backend_id, _check, _tensor, _torch, lib
+from . import _backend_id, _check, _device_for, _ffi, _ndim, _resolve_backend, _tensor, _torch, lib
 from ._ffi import RopeConfig
 
 __all__ = ["rope_config", "rope_tables", "factorize", "rope", "landmarks_outliers", "score_select",
            "rebuild_keys", "gather_values", "sparse_attention", "full_attention", "release"]
 
 
-def _dev(backend: str) -> str:
-    return "cuda" if backend == "cuda" else "cpu"
+def _prepare(backend: Any):
+    """(backend id, device) for an op call; on cuda, checks that the default stream is current."""
+    name = _resolve_backend(backend)
+    if name == "cuda":  # no GPU (or no plugin): the library's SKV_ERR_NO_DEVICE and its reason
+        _check(lib().skv_backend_available(_ffi.BACKENDS["cuda"]), "skv_backend_available")
+    dev = _device_for(name)
+    if name == "cuda":
+        torch = _torch()
+        if torch.cuda.is_available() and torch.cuda.current_stream().cuda_stream != torch.cuda.default_stream().cuda_stream:
+            raise ValueError("ops on cuda run on the legacy default stream: call them while torch's default stream "
+                             "is current (outside `with torch.cuda.stream(...)`)")
+    return _backend_id(name), dev
 
 
 def _empty(shape, dtype, device):
     return _torch().empty(shape, dtype=dtype, device=device)
 
 
+def _rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    return rope.rotary_dim if rope.rotary_dim else head_dim
+
+
+def _check_tables(cos, sin, rope: RopeConfig, head_dim: int, n_positions: int, dev) -> Tuple[int, int]:
+    """The tables must be float32 [>= n_positions, R/2] (or flat) on dev: the C side cannot check their length."""
+    torch = _torch()
+    half = _rotary_dim(rope, head_dim) // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor (from ops.rope_tables), got {type(t).__name__}")
+        if t.numel() < n_positions * half:
+            raise ValueError(f"{name}: {t.numel()} entries, but {n_positions} positions x R/2 = {half} need "
+                             f"{n_positions * half} (ops.rope_tables(rope, head_dim, n_positions))")
+    if tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"sin: shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
+    return (_tensor(cos, "cos", tuple(cos.shape), torch.float32, dev),
+            _tensor(sin, "sin", tuple(cos.shape), torch.float32, dev))
+
+
 def rope_config(**fields: Any) -> RopeConfig:
-    """A RopeConfig with the library's defaults (theta 500000, rotate-half, no scaling), then fields."""
+    """A RopeConfig with the library's defaults (theta 500000, rotate-half, no scaling), then fields:
+    theta, rotary_dim, interleaved, llama3_scaling, scaling_factor, low_freq_factor,
+    high_freq_factor, original_max_position."""
     from . import config
     r = config().rope
     for k, v in fields.items():
@@ -41,145 +77,170 @@ def rope_config(**fields: Any) -> RopeConfig:
     return r
 
 
-def rope_tables(rope: RopeConfig, head_dim: int, n_positions: int, device: str = "cpu"):
-    """(cos, sin) float32 tables [n_positions, R/2] (skv_rope_table_build), on device."""
+def rope_tables(rope: Optional[RopeConfig], head_dim: int, n_positions: int, device: Any = "cpu"):
+    """(cos, sin): float32 tables [n_positions, R/2] (skv_rope_table_build: double rounded to float),
+    built on the host and moved to device. Every backend uses these tables."""
     torch = _torch()
+    rope = rope if rope is not None else rope_config()
     n = lib().skv_rope_table_len(ctypes.byref(rope), head_dim, n_positions)
-    if n == 0 and n_positions > 0:
-        raise ValueError(f"rope_tables: invalid rope config or head_dim {head_dim}")
+    if n == 0:
+        raise ValueError(f"rope_tables: invalid rope config, head_dim {head_dim} or n_positions {n_positions}")
     cos = torch.empty(n, dtype=torch.float32)
     sin = torch.empty(n, dtype=torch.float32)
-    _check(lib().skv_rope_table_build(ctypes.byref(rope), head_dim, n_positions, cos.data_ptr() if n else None,
-                                      sin.data_ptr() if n else None), "skv_rope_table_build")
-    shape = (n_positions, n // n_positions if n_positions else 0)
+    _check(lib().skv_rope_table_build(ctypes.byref(rope), head_dim, n_positions, cos.data_ptr(), sin.data_ptr()),
+           "skv_rope_table_build")
+    shape = (n_positions, n // n_positions)
     return cos.view(shape).to(device), sin.view(shape).to(device)
 
 
-def factorize(a, rank: int, backend: str = "ref", route: str = "auto"):
-    """Rank-r factorization of a [n, d] bfloat16: (U [n, r], W [r, d]) float32 with U W ~ a."""
+def factorize(a, rank: int, backend: str = "ref", route: Optional[str] = None):
+    """Rank-r factorization of a [n, d] bfloat16: (U [n, r], W [r, d]) float32 with U W close to the
+    best rank-r approximation (skv_op_factorize; route "auto", "fast", "fallback" or "exact" picks
+    skv_op_factorize_route; ref ignores it). Compare backends on U @ W only."""
     torch = _torch()
-    dev = _dev(backend)
-    if not isinstance(a, torch.Tensor) or a.dim() != 2:
-        raise ValueError("a: expected a [n, d] tensor")
+    bid, dev = _prepare(backend)
+    _ndim(a, "a", 2, "[n, d]")
     n, d = a.shape
     pa = _tensor(a, "a", (n, d), torch.bfloat16, dev)
-    if route not in _ffi.ROUTES:
-        raise ValueError(f"route {route!r}: expected one of {sorted(_ffi.ROUTES)}")
-    u, w = _empty((n, rank), torch.float32, a.device), _empty((rank, d), torch.float32, a.device)
-    _check(lib().skv_op_factorize_route(_backend_id(backend), _ffi.ROUTES[route], n, d, rank, pa, u.data_ptr(),
-                                        w.data_ptr()), "skv_op_factorize")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank: {rank!r}, expected an int in [1, min(n, d)] = [1, {min(n, d)}]")
+    u, w = _empty((n, rank), torch.float32, dev), _empty((rank, d), torch.float32, dev)
+    if route is None:
+        _check(lib().skv_op_factorize(bid, n, d, rank, pa, u.data_ptr(), w.data_ptr()), "skv_op_factorize")
+    else:
+        if route not in _ffi.ROUTES:
+            raise ValueError(f"route {route!r}: expected one of {sorted(_ffi.ROUTES)}")
+        _check(lib().skv_op_factorize_route(bid, _ffi.ROUTES[route], n, d, rank, pa, u.data_ptr(), w.data_ptr()),
+               "skv_op_factorize_route")
     return u, w
 
 
 def rope(x, pos0: int, cos, sin, rope_cfg: Optional[RopeConfig] = None, backend: str = "ref", out=None):
-    """RoPE of x [n_tokens, n_heads, D] bfloat16 at positions pos0.. (tables from rope_tables)."""
+    """RoPE of x [n_tokens, n_heads, D] bfloat16 at positions pos0..pos0+n_tokens-1, with tables from
+    rope_tables covering pos0 + n_tokens positions: a new bfloat16 tensor (or out; out may be x)."""
     torch = _torch()
-    dev = _dev(backend)
-    rc = rope_cfg or rope_config()
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError("x: expected a [n_tokens, n_heads, D] tensor")
+    bid, dev = _prepare(backend)
+    rc = rope_cfg if rope_cfg is not None else rope_config()
+    _ndim(x, "x", 3, "[n_tokens, n_heads, D]")
     n, h, D = x.shape
     px = _tensor(x, "x", (n, h, D), torch.bfloat16, dev)
-    pc = _tensor(cos, "cos", tuple(cos.shape), torch.float32, dev)
-    ps = _tensor(sin, "sin", tuple(cos.shape), torch.float32, dev)
+    if pos0 < 0:
+        raise ValueError(f"pos0: {pos0}, must be >= 0")
+    pc, ps = _check_tables(cos, sin, rc, D, pos0 + n, dev)
     if out is None:
         out = torch.empty_like(x)
     po = _tensor(out, "out", (n, h, D), torch.bfloat16, dev)
-    _check(lib().skv_op_rope(_backend_id(backend), ctypes.byref(rc), D, n, h, pos0, pc, ps, px, po), "skv_op_rope")
+    _check(lib().skv_op_rope(bid, ctypes.byref(rc), D, n, h, pos0, pc, ps, px, po), "skv_op_rope")
     return out
 
 
 def landmarks_outliers(k_post, chunk: int, n_outliers: int, backend: str = "ref"):
-    """Landmarks and outliers of k_post [N*c, Hk, D]: (outlier_ids [Hk, O], candidate_ids [Hk, N-O],
-    landmarks [Hk, N-O, D] bfloat16)."""
+    """Landmarks and outliers of the N context chunks of k_post [N*c, Hk, D] bfloat16 (post-RoPE):
+    (outlier_ids [Hk, O] int32, candidate_ids [Hk, N-O] int32, landmarks [Hk, N-O, D] bfloat16)."""
     torch = _torch()
-    dev = _dev(backend)
-    if not isinstance(k_post, torch.Tensor) or k_post.dim() != 3:
-        raise ValueError("k_post: expected a [N*c, Hk, D] tensor")
+    bid, dev = _prepare(backend)
+    _ndim(k_post, "k_post", 3, "[N*c, Hk, D]")
     T, Hk, D = k_post.shape
     if chunk <= 0 or T % chunk:
-        raise ValueError(f"k_post: {T} tokens is not a multiple of chunk = {chunk}")
+        raise ValueError(f"k_post: {T} tokens is not a positive multiple of chunk = {chunk}")
     N = T // chunk
+    if not 0 <= n_outliers < N:
+        raise ValueError(f"n_outliers: {n_outliers}, expected 0 <= n_outliers < N = {N} chunks")
     pk = _tensor(k_post, "k_post", (T, Hk, D), torch.bfloat16, dev)
-    oid = _empty((Hk, n_outliers), torch.int32, k_post.device)
-    cid = _empty((Hk, N - n_outliers), torch.int32, k_post.device)
-    lm = _empty((Hk, N - n_outliers, D), torch.bfloat16, k_post.device)
-    _check(lib().skv_op_landmarks_outliers(_backend_id(backend), N, chunk, Hk, D, n_outliers, pk,
-                                           oid.data_ptr() if oid.numel() else None, cid.data_ptr(), lm.data_ptr()),
-           "skv_op_landmarks_outliers")
-    return oid, cid, lm
+    oid = _empty((Hk, max(n_outliers, 1)), torch.int32, dev)
+    cid = _empty((Hk, N - n_outliers), torch.int32, dev)
+    lm = _empty((Hk, N - n_outliers, D), torch.bfloat16, dev)
+    _check(lib().skv_op_landmarks_outliers(bid, N, chunk, Hk, D, n_outliers, pk, oid.data_ptr(), cid.data_ptr(),
+                                           lm.data_ptr()), "skv_op_landmarks_outliers")
+    return oid[:, :n_outliers], cid, lm
 
 
 def score_select(q, landmarks, n_select: int, candidate_ids=None, scale: float = 0.0, backend: str = "ref"):
-    """Scores landmarks [Hk, n_cand, D] against q [Hq, D] and selects n_select per KV head:
-    (sel_idx [Hk, S], sel_ids [Hk, S] or None, amax [Hk, n_cand] float32)."""
+    """Scores landmarks [Hk, n_cand, D] against one token's queries q [Hq, D] and selects n_select per
+    KV head: (sel_idx [Hk, S] int32, sel_ids [Hk, S] int32 (None without candidate_ids [Hk, n_cand]),
+    amax [Hk, n_cand] float32, the group max of the selection softmax). scale 0 = 1/sqrt(D)."""
     torch = _torch()
-    dev = _dev(backend)
-    if not isinstance(landmarks, torch.Tensor) or landmarks.dim() != 3:
-        raise ValueError("landmarks: expected a [Hk, n_cand, D] tensor")
+    bid, dev = _prepare(backend)
+    _ndim(landmarks, "landmarks", 3, "[Hk, n_cand, D]")
+    _ndim(q, "q", 2, "[Hq, D]")
     Hk, n_cand, D = landmarks.shape
-    if not isinstance(q, torch.Tensor) or q.dim() != 2:
-        raise ValueError("q: expected a [Hq, D] tensor")
     Hq = q.shape[0]
-    pq = _tensor(q, "q", (Hq, D), torch.bfloat16, dev)
+    pq = _tensor(q, "q", (Hq, D), torch.bfloat16, dev, dims="= [Hq, D]")
     pl = _tensor(landmarks, "landmarks", (Hk, n_cand, D), torch.bfloat16, dev)
-    pc = _tensor(candidate_ids, "candidate_ids", (Hk, n_cand), torch.int32, dev, allow_none=True)
-    sel_idx = _empty((Hk, n_select), torch.int32, q.device)
-    sel_ids = _empty((Hk, n_select), torch.int32, q.device) if candidate_ids is not None else None
-    amax = _empty((Hk, n_cand), torch.float32, q.device)
-    _check(lib().skv_op_score_select(_backend_id(backend), Hq, Hk, D, n_cand, n_select, scale, pq, pl, pc,
-                                     sel_idx.data_ptr(), sel_ids.data_ptr() if sel_ids is not None else None,
-                                     amax.data_ptr()), "skv_op_score_select")
+    pc = _tensor(candidate_ids, "candidate_ids", (Hk, n_cand), torch.int32, dev, allow_none=True,
+                 dims="= [Hk, n_cand]")
+    if not 1 <= n_select <= n_cand:
+        raise ValueError(f"n_select: {n_select}, expected 1 <= n_select <= n_cand = {n_cand}")
+    sel_idx = _empty((Hk, n_select), torch.int32, dev)
+    sel_ids = _empty((Hk, n_select), torch.int32, dev) if candidate_ids is not None else None
+    amax = _empty((Hk, n_cand), torch.float32, dev)
+    _check(lib().skv_op_score_select(bid, Hq, Hk, D, n_cand, n_select, scale, pq, pl, pc, sel_idx.data_ptr(),
+                                     sel_ids.data_ptr() if sel_ids is not None else None, amax.data_ptr()),
+           "skv_op_score_select")
     return sel_idx, sel_ids, amax
 
 
 def rebuild_keys(u, w, chunk_ids, chunk: int, cos, sin, head_dim: int, rope_cfg: Optional[RopeConfig] = None,
                  backend: str = "ref"):
-    """Post-RoPE keys of the chunks chunk_ids [Hk, S] from U [n, r], W [r, Hk*D] (bfloat16):
-    k_out [Hk, S*c, D] bfloat16."""
+    """Post-RoPE keys of the chunks chunk_ids [Hk, S] (int32) from U [n, r] and W [r, Hk*D] (bfloat16),
+    token t of chunk j at position t = j*c + i: k_out [Hk, S*c, D] bfloat16. Tables cover n positions."""
     torch = _torch()
-    dev = _dev(backend)
-    rc = rope_cfg or rope_config()
+    bid, dev = _prepare(backend)
+    rc = rope_cfg if rope_cfg is not None else rope_config()
+    _ndim(u, "u", 2, "[n, r]")
+    _ndim(chunk_ids, "chunk_ids", 2, "[Hk, S]")
     n, r = u.shape
     Hk, S = chunk_ids.shape
     pu = _tensor(u, "u", (n, r), torch.bfloat16, dev)
-    pw = _tensor(w, "w", (r, Hk * head_dim), torch.bfloat16, dev)
+    pw = _tensor(w, "w", (r, Hk * head_dim), torch.bfloat16, dev, dims="= [r, Hk*D]")
     pi = _tensor(chunk_ids, "chunk_ids", (Hk, S), torch.int32, dev)
-    pc = _tensor(cos, "cos", tuple(cos.shape), torch.float32, dev)
-    ps = _tensor(sin, "sin", tuple(cos.shape), torch.float32, dev)
-    out = _empty((Hk, S * chunk, head_dim), torch.bfloat16, u.device)
-    _check(lib().skv_op_rebuild_keys(_backend_id(backend), ctypes.byref(rc), head_dim, Hk, r, chunk, S, n, pu, pw, pi,
-                                     pc, ps, out.data_ptr()), "skv_op_rebuild_keys")
+    pc, ps = _check_tables(cos, sin, rc, head_dim, n, dev)
+    if chunk <= 0:
+        raise ValueError(f"chunk: {chunk}, must be > 0")
+    out = _empty((Hk, S * chunk, head_dim), torch.bfloat16, dev)
+    _check(lib().skv_op_rebuild_keys(bid, ctypes.byref(rc), head_dim, Hk, r, chunk, S, n, pu, pw, pi, pc, ps,
+                                     out.data_ptr()), "skv_op_rebuild_keys")
     return out
 
 
 def gather_values(store, idx, backend: str = "ref"):
-    """Value chunks idx [Hk, S] of store [Hk, n_store, c, D] bfloat16: v_out [Hk, S*c, D]."""
+    """Value chunks idx [Hk, S] (int32, 0 <= idx < n_store) of store [Hk, n_store, c, D] bfloat16:
+    v_out [Hk, S*c, D]."""
     torch = _torch()
-    dev = _dev(backend)
+    bid, dev = _prepare(backend)
+    _ndim(store, "store", 4, "[Hk, n_store, c, D]")
+    _ndim(idx, "idx", 2, "[Hk, S]")
     Hk, n_store, c, D = store.shape
     S = idx.shape[1]
     ps = _tensor(store, "store", (Hk, n_store, c, D), torch.bfloat16, dev)
-    pi = _tensor(idx, "idx", (Hk, S), torch.int32, dev)
-    out = _empty((Hk, S * c, D), torch.bfloat16, store.device)
-    _check(lib().skv_op_gather_values(_backend_id(backend), Hk, D, c, n_store, S, ps, pi, out.data_ptr()),
-           "skv_op_gather_values")
+    pi = _tensor(idx, "idx", (Hk, S), torch.int32, dev, dims="= [Hk, S]")
+    out = _empty((Hk, S * c, D), torch.bfloat16, dev)
+    _check(lib().skv_op_gather_values(bid, Hk, D, c, n_store, S, ps, pi, out.data_ptr()), "skv_op_gather_values")
     return out
 
 
 def sparse_attention(q, spans: Sequence[tuple], n_kv_heads: int, scale: float = 0.0, backend: str = "ref"):
-    """Attention of q [Hq, D] over spans, each (k, v) with k, v [Hk, n_tokens, D] bfloat16
-    (head-major) or [n_tokens, Hk, D] given as (k, v, "token-major"); out [Hq, D] float32."""
+    """Attention of one token's queries q [Hq, D] over the union of spans: out [Hq, D] float32.
+
+    Each span is (k, v) with k, v [Hk, n_tokens, D] bfloat16 (head-major), or (k, v, "token-major")
+    with k, v [n_tokens, Hk, D]. At most 16 spans, at least one token in total. scale 0 = 1/sqrt(D).
+    """
     torch = _torch()
-    dev = _dev(backend)
+    bid, dev = _prepare(backend)
+    _ndim(q, "q", 2, "[Hq, D]")
     Hq, D = q.shape
     if len(spans) > _ffi.MAX_SPANS:
-        raise ValueError(f"spans: at most {_ffi.MAX_SPANS}")
+        raise ValueError(f"spans: {len(spans)}, at most {_ffi.MAX_SPANS}")
     arr = (_ffi.KvSpan * max(1, len(spans)))()
     for i, sp in enumerate(spans):
+        if not isinstance(sp, (tuple, list)) or len(sp) not in (2, 3):
+            raise TypeError(f"spans[{i}]: expected (k, v) or (k, v, 'token-major')")
         k, v = sp[0], sp[1]
-        token_major = len(sp) > 2 and sp[2] == "token-major"
-        if token_major:
+        layout = sp[2] if len(sp) > 2 else "head-major"
+        if layout not in ("head-major", "token-major"):
+            raise ValueError(f"spans[{i}]: layout {layout!r}, expected 'head-major' or 'token-major'")
+        _ndim(k, f"spans[{i}].k", 3, "[Hk, n, D]" if layout == "head-major" else "[n, Hk, D]")
+        if layout == "token-major":
             n_t = k.shape[0]
             shp, hs, ts = (n_t, n_kv_heads, D), D, n_kv_heads * D
         else:
@@ -189,27 +250,29 @@ def sparse_attention(q, spans: Sequence[tuple], n_kv_heads: int, scale: float = 
         arr[i].v = _tensor(v, f"spans[{i}].v", shp, torch.bfloat16, dev)
         arr[i].n_tokens, arr[i].head_stride, arr[i].token_stride = n_t, hs, ts
     pq = _tensor(q, "q", (Hq, D), torch.bfloat16, dev)
-    out = _empty((Hq, D), torch.float32, q.device)
-    _check(lib().skv_op_sparse_attention(_backend_id(backend), Hq, n_kv_heads, D, scale, pq, len(spans), arr,
-                                         out.data_ptr()), "skv_op_sparse_attention")
+    out = _empty((Hq, D), torch.float32, dev)
+    _check(lib().skv_op_sparse_attention(bid, Hq, n_kv_heads, D, scale, pq, len(spans), arr, out.data_ptr()),
+           "skv_op_sparse_attention")
     return out
 
 
 def full_attention(q, k, v, scale: float = 0.0, backend: str = "ref"):
-    """Dense attention of q [Hq, D] over k, v [n_tokens, Hk, D] bfloat16: out [Hq, D] float32."""
+    """Dense attention of one token's queries q [Hq, D] over k, v [n_tokens, Hk, D] bfloat16 (the prompt
+    layout): out [Hq, D] float32. The baseline sparse decode is compared against."""
     torch = _torch()
-    dev = _dev(backend)
+    bid, dev = _prepare(backend)
+    _ndim(q, "q", 2, "[Hq, D]")
+    _ndim(k, "k", 3, "[n_tokens, Hk, D]")
     Hq, D = q.shape
     n, Hk, _ = k.shape
     pq = _tensor(q, "q", (Hq, D), torch.bfloat16, dev)
-    pk = _tensor(k, "k", (n, Hk, D), torch.bfloat16, dev)
-    pv = _tensor(v, "v", (n, Hk, D), torch.bfloat16, dev)
-    out = _empty((Hq, D), torch.float32, q.device)
-    _check(lib().skv_op_full_attention(_backend_id(backend), Hq, Hk, D, scale, pq, n, pk, pv, out.data_ptr()),
-           "skv_op_full_attention")
+    pk = _tensor(k, "k", (n, Hk, D), torch.bfloat16, dev, dims="= [n_tokens, Hk, D]")
+    pv = _tensor(v, "v", (n, Hk, D), torch.bfloat16, dev, dims="= [n_tokens, Hk, D]")
+    out = _empty((Hq, D), torch.float32, dev)
+    _check(lib().skv_op_full_attention(bid, Hq, Hk, D, scale, pq, n, pk, pv, out.data_ptr()), "skv_op_full_attention")
     return out
 
 
 def release() -> None:
-    """Frees what op-level calls keep (cuda's factorization workspace)."""
+    """Frees what op-level calls keep between calls (cuda's factorization workspace)."""
     lib().skv_op_release()

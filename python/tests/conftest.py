@@ -1,0 +1,70 @@
+"""Shared fixtures of the shadowkv Python tests.
+
+Backends: SKV_PY_BACKENDS (comma-separated, default "ref,cpu") names the backends the
+`backend` fixture runs each test on; tests/gpu/test_python_cuda.py runs the same tests
+with "cuda". Seeds: every random test draws from a torch.Generator seeded with
+SKV_SEED (default 1234) mixed with the test's name, and prints the seed, so a failure is
+replayed with SKV_SEED=N (as with the C tests, tests/common/testutil.c; the C tests default
+to a clock seed, these to a fixed one so make check is deterministic).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYDIR = os.path.dirname(HERE)
+REPO = os.path.dirname(PYDIR)
+if PYDIR not in sys.path:  # the package from this checkout, unless it is installed
+    sys.path.insert(0, PYDIR)
+
+DEFAULT_SEED = 1234
+
+
+def base_seed() -> int:
+    e = os.environ.get("SKV_SEED", "")
+    return int(e) if e else DEFAULT_SEED
+
+
+def backends() -> list:
+    return [b.strip() for b in os.environ.get("SKV_PY_BACKENDS", "ref,cpu").split(",") if b.strip()]
+
+
+@pytest.fixture(params=backends())
+def backend(request):
+    """The backend under test (ref, cpu, or cuda in the GPU half); cuda skips without a GPU."""
+    import shadowkv
+    if request.param == "cuda" and not shadowkv.backend_available("cuda"):
+        pytest.skip("cuda backend not available here")
+    return request.param
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of this test: SKV_SEED (default 1234) mixed with the test's name; printed."""
+    s = (base_seed() * 1000003 + zlib.crc32(request.node.name.encode())) % (2 ** 63)
+    print(f"{request.node.nodeid}: seed {s} (replay with SKV_SEED={base_seed()})")
+    return s
+
+
+@pytest.fixture
+def gen(seed):
+    """A torch.Generator seeded with the test's seed (CPU tensors; move them to the device)."""
+    import torch
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def device_of(backend: str):
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
+
+
+@pytest.fixture
+def device(backend):
+    """The torch device the backend's tensors live on."""
+    return device_of(backend)

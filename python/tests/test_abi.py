@@ -1,0 +1,136 @@
+"""The ctypes declarations (shadowkv/_ffi.py) against include/shadowkv.h.
+
+A tiny C program compiled against the header prints sizeof and offsetof of every struct
+and field; the ctypes mirrors must agree exactly. Every SKV_API function of the header
+must be bound with the header's number of parameters.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+import shadowkv
+from shadowkv import _ffi
+
+HEADER = os.path.join(REPO, "include", "shadowkv.h")
+
+STRUCTS = {
+    "skv_rope_config": _ffi.RopeConfig,
+    "skv_config": _ffi.Config,
+    "skv_memory_info": _ffi.MemoryInfo,
+    "skv_seq_info": _ffi.SeqInfo,
+    "skv_stats": _ffi.Stats,
+    "skv_kv_span": _ffi.KvSpan,
+}
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler to read the header's layout")
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "shadowkv.h"', "int main(void) {"]
+    for cname, cls in STRUCTS.items():
+        lines.append(f'printf("{cname} sizeof %zu\\n", sizeof({cname}));')
+        lines.append(f'printf("{cname} alignof %zu\\n", _Alignof({cname}));')
+        for field, _ in cls._fields_:
+            lines.append(f'printf("{cname} {field} %zu %zu\\n", offsetof({cname}, {field}), '
+                         f'sizeof((({cname} *)0)->{field}));')
+    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_bf16"):
+        lines.append(f'printf("{e} sizeof %zu\\n", sizeof({e}));')
+    lines.append('printf("SKV_VERSION_NUMBER %d\\n", SKV_VERSION_NUMBER);')
+    lines.append('printf("SKV_MAX_SPANS %d\\n", SKV_MAX_SPANS);')
+    lines.append('printf("SKV_STATUS_COUNT %d\\n", SKV_STATUS_COUNT);')
+    lines.append('printf("SKV_VALUES_ALL_DEVICE %lld\\n", (long long)SKV_VALUES_ALL_DEVICE);')
+    lines.append("return 0; }")
+    d = tmp_path_factory.mktemp("abi")
+    src, exe = d / "layout.c", d / "layout"
+    src.write_text("\n".join(lines) + "\n")
+    subprocess.run([cc, "-std=c11", "-I", os.path.join(REPO, "include"), str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    table = {}
+    for line in out.splitlines():
+        parts = line.split()
+        nkey = 2 if len(parts) == 4 else len(parts) - 1  # "struct field offset size" or "name [what] value"
+        table[tuple(parts[:nkey])] = tuple(int(x) for x in parts[nkey:])
+    return table
+
+
+@pytest.mark.parametrize("cname", list(STRUCTS))
+def test_struct_layout(c_layout, cname):
+    cls = STRUCTS[cname]
+    assert ctypes.sizeof(cls) == c_layout[(cname, "sizeof")][0], f"sizeof({cname})"
+    assert ctypes.alignment(cls) == c_layout[(cname, "alignof")][0], f"alignof({cname})"
+    for field, ftype in cls._fields_:
+        off, size = c_layout[(cname, field)]
+        assert getattr(cls, field).offset == off, f"offsetof({cname}, {field})"
+        assert ctypes.sizeof(ftype) == size, f"sizeof({cname}.{field})"
+
+
+def test_enums_and_constants(c_layout):
+    for e in ("skv_status", "skv_backend", "skv_factorize_route"):
+        assert c_layout[(e, "sizeof")][0] == ctypes.sizeof(ctypes.c_int), e
+    assert c_layout[("skv_bf16", "sizeof")][0] == 2
+    assert c_layout[("SKV_VERSION_NUMBER",)][0] == _ffi.HEADER_VERSION
+    assert c_layout[("SKV_MAX_SPANS",)][0] == _ffi.MAX_SPANS
+    assert c_layout[("SKV_STATUS_COUNT",)][0] == len(_ffi.STATUS_NAMES)
+    assert c_layout[("SKV_VALUES_ALL_DEVICE",)][0] == _ffi.VALUES_ALL_DEVICE
+
+
+def _header_functions():
+    """(name, n_params, returns_void) of every SKV_API declaration of the header."""
+    text = open(HEADER).read()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    out = []
+    for m in re.finditer(r"SKV_API\s+([^;{]*?)\b(skv_\w+)\s*\(([^)]*)\)\s*;", text):
+        ret, name, params = m.group(1).strip(), m.group(2), m.group(3).strip()
+        n = 0 if params in ("", "void") else len(params.split(","))
+        out.append((name, n, ret == "void"))
+    return out
+
+
+def test_every_function_bound():
+    funcs = _header_functions()
+    assert len(funcs) > 40, "the header parse found too few functions"
+    for name, n, is_void in funcs:
+        assert name in _ffi._SIGNATURES, f"{name} is not declared in _ffi._SIGNATURES"
+        res, args = _ffi._SIGNATURES[name]
+        assert len(args) == n, f"{name}: {len(args)} ctypes arguments, the header has {n}"
+        assert (res is None) == is_void, f"{name}: return type"
+    # and nothing is bound that the header does not declare
+    names = {f[0] for f in funcs}
+    assert set(_ffi._SIGNATURES) <= names
+
+
+def test_version_and_names():
+    L = shadowkv.lib()
+    assert shadowkv.version() == "0.1.0"
+    assert L.skv_version_number() == _ffi.HEADER_VERSION
+    for code, name in _ffi.STATUS_NAMES.items():
+        assert L.skv_status_string(code).decode().startswith(name), code
+    for name, code in _ffi.BACKENDS.items():
+        assert L.skv_backend_name(code).decode() == name
+        out = ctypes.c_int(-1)
+        assert L.skv_backend_parse(name.encode(), ctypes.byref(out)) == 0 and out.value == code
+    assert os.path.exists(shadowkv.library_path())
+
+
+def test_bf16_matches_torch():
+    """torch.bfloat16 is skv_bf16: the same bits for the same float (round to nearest even)."""
+    torch = pytest.importorskip("torch")
+    L = shadowkv.lib()
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(2000, generator=g) * 10.0 ** torch.randint(-30, 30, (2000,), generator=g),
+                   torch.tensor([0.0, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, float("inf"), -float("inf"), 3.0e38])])
+    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    for xi, bi in zip(x.tolist(), bits.tolist()):
+        assert L.skv_bf16_from_float(xi) == bi, xi
+        assert L.skv_bf16_to_float(bi) == torch.tensor([bi], dtype=torch.int32).to(torch.int16).view(
+            torch.bfloat16).float().item()

@@ -1,0 +1,225 @@
+"""shadowkv.hf: the transformers Cache on a small Llama built in code (random weights, nothing
+downloaded), on each backend: (a) with rank = Hk*D and a budget covering the whole context, the
+logits of 16 generated tokens match transformers' DynamicCache within bf16 tolerance; (b) with
+the library's default sparse settings, generation runs and the selections are introspectable;
+(c) bad use gives a clear exception. Plus the RoPE mapping (Llama-3 scaling included)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import shadowkv  # noqa: E402
+from shadowkv import ops  # noqa: E402
+from shadowkv.hf import ShadowKVCache, rope_config_for  # noqa: E402
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # small, so the scaling acts within these prompts
+
+
+def tiny_llama(seed, device, dtype=torch.bfloat16, rope=LLAMA3_ROPE, **kw):
+    f = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, initializer_range=0.08,
+             rope_parameters=dict(rope), attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+    f.update(kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**f))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def prompt(gen, B, T, device, vocab=256):
+    return torch.randint(0, vocab, (B, T), generator=gen).to(device)
+
+
+def dense_logits(model, ids, tokens):
+    """Teacher-forced logits with transformers' DynamicCache and sdpa: the prompt's last position,
+    then one step per token of `tokens` but the last ([B, n] -> n logits [B, vocab])."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        dc = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = [model(ids, cache=dc, use_cache=True).logits[:, -1]]
+            for i in range(tokens.shape[1] - 1):
+                out.append(model(tokens[:, i:i + 1], cache=dc, use_cache=True).logits[:, -1])
+    finally:
+        model.set_attn_implementation(impl)
+    return out
+
+
+# ---- RoPE mapping ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, dict(rope_type="default", rope_theta=10000.0)], ids=["llama3", "default"])
+def test_rope_mapping(rope):
+    """The library's RoPE tables for the mapped config have the model's frequencies, and the library's
+    rotation of k_proj's output is the model's post-RoPE key."""
+    # float32: model.to(torch.bfloat16) would also round transformers' inv_freq buffer to bf16
+    model = tiny_llama(1, "cpu", dtype=torch.float32, rope=rope)
+    rc = ops.rope_config(**rope_config_for(model.config))
+    assert rc.llama3_scaling == (rope["rope_type"] == "llama3")
+    D = model.config.head_dim
+    cos, sin = ops.rope_tables(rc, D, 2)
+    f_lib = torch.atan2(sin[1].double(), cos[1].double())  # position 1: the angle is f_i itself (< pi)
+    f_hf = model.model.rotary_emb.inv_freq.double()
+    assert torch.allclose(f_lib, f_hf, rtol=1e-6, atol=0), (f_lib, f_hf)
+    # k_proj's output, roped by the library, against the keys the model hands its cache
+    T = 200
+    captured = {}
+    h = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.setdefault("k", o))
+    dc = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.arange(T)[None] % 256, cache=dc, use_cache=True)
+    h.remove()
+    k_pre = captured["k"][0].view(T, -1, D).to(torch.bfloat16)
+    k_post_hf = dc.layers[0].keys[0].transpose(0, 1)  # [T, Hk, D]
+    cos, sin = ops.rope_tables(rc, D, T)
+    k_post = ops.rope(k_pre.contiguous(), 0, cos, sin, rc, backend="ref")
+    diff = (k_post.float() - k_post_hf.float()).abs().max().item()
+    assert diff <= 2 ** -6 * k_post_hf.float().abs().max().item(), diff  # a bf16 ulp or two
+    if rope["rope_type"] == "llama3":  # without the scaling the rotation is visibly different
+        plain = ops.rope_config(theta=rc.theta)
+        c2, s2 = ops.rope_tables(plain, D, T)
+        wrong = ops.rope(k_pre.contiguous(), 0, c2, s2, plain, backend="ref")
+        assert (wrong.float() - k_post_hf.float()).abs().max().item() > 20 * diff
+
+
+def test_unsupported_rope():
+    cfg = LlamaConfig(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                           original_max_position_embeddings=2048))
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ShadowKVCache(cfg)
+
+
+# ---- (a) full rank and a budget covering the context: the dense result -----------------------------
+
+def full_budget_cache(model, backend, batch_size=1, T=160):
+    c, O, Lc = 8, 4, 2
+    N = T // c - Lc
+    hf = model.config
+    return ShadowKVCache(model, backend=backend, batch_size=batch_size, rank=hf.num_key_value_heads * hf.head_dim,
+                         chunk_size=c, n_outlier_chunks=O, n_local_chunks=Lc, budget=(N - O) * c, gen_capacity=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_full_budget_matches_dynamic_cache(backend, device, gen, dtype):
+    model = tiny_llama(2, device, dtype=dtype)
+    T, B, new = 160, 2, 17  # 17 new tokens: the prompt's logits, then 16 from skv_decode steps
+    ids = prompt(gen, B, T, device)
+    cache = full_budget_cache(model, backend, batch_size=B, T=T)
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, cache=cache, output_logits=True,
+                         return_dict_in_generate=True)
+    assert model.config._attn_implementation == "shadowkv"
+    assert cache.skv.backend == backend
+    st = cache.stats()
+    assert st["n_prefill_calls"] == 2 * B and st["n_decode_calls"] == 2 * (new - 1)
+    assert cache.get_seq_length() == T + new - 1
+    tokens = out.sequences[:, T:]
+    ref = dense_logits(model, ids, tokens)
+    # the prompt is dense attention in both (generate computes the last position's logits alone)
+    assert torch.allclose(out.logits[0].float(), ref[0].float(), rtol=0, atol=1e-5 * ref[0].float().abs().max())
+    worst = 0.0
+    for i, (got, want) in enumerate(zip(out.logits, ref)):
+        got, want = got.float(), want.float()
+        # bf16 tolerance: 4 bf16 ulps of the largest logit (2^-5 relative); transformers' own eager and
+        # sdpa paths differ by about half of that on this model
+        tol = 2 ** -5 * want.abs().max().item()
+        err = (got - want).abs().max().item()
+        worst = max(worst, err / tol)
+        assert err <= tol, f"token {i}: logits differ by {err} > {tol}"
+    print(f"worst logit difference: {worst:.2f} of the tolerance")
+    # and the tokens are the dense greedy ones, but where the dense top-2 margin is within the tolerance
+    dense = model.generate(ids, max_new_tokens=new, do_sample=False, cache=DynamicCache(config=model.config))
+    for b in range(B):
+        diff = (dense[b, T:] != tokens[b]).nonzero()
+        if len(diff):
+            i = diff[0].item()
+            top2 = ref[i][b].float().topk(2).values
+            assert (top2[0] - top2[1]).item() <= 2 * 2 ** -5 * ref[i][b].float().abs().max().item()
+
+
+# ---- (b) default sparse settings -----------------------------------------------------------------
+
+def test_sparse_generation_is_introspectable(backend, device, gen):
+    # rank 160 of the defaults needs Hk*D >= 160: 4 KV heads of 64
+    model = tiny_llama(3, device, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                       intermediate_size=512)
+    d = shadowkv.config()
+    T = (d.n_outlier_chunks + d.budget // d.chunk_size + d.n_local_chunks) * d.chunk_size + 100  # 2564
+    ids = prompt(gen, 1, T, device)
+    cache = ShadowKVCache(model, backend=backend, gen_capacity=64)  # the library's default sparse settings
+    c = cache.skv_config
+    assert (c.rank, c.budget, c.chunk_size, c.n_outlier_chunks, c.n_local_chunks) == (160, 2048, 8, 48, 4)
+    new = 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, past_key_values=cache)  # the issue's spelling
+    assert out.shape == (1, T + new)
+    S, O = c.budget // c.chunk_size, c.n_outlier_chunks
+    N = T // c.chunk_size - c.n_local_chunks
+    for layer in range(model.config.num_hidden_layers):
+        info = cache.seq_info(layer, 0)
+        assert info["n"] == T and info["n_generated"] == new - 1 and info["has_selection"] == 1
+        sel = cache.selected(layer, 0)
+        assert sel.shape == (model.config.num_key_value_heads, S) and sel.dtype == torch.int32
+        cand, outl = cache.candidates(layer, 0), cache.outliers(layer, 0)
+        assert outl.shape == (4, O) and cand.shape == (4, N - O)
+        for h in range(sel.shape[0]):
+            assert torch.all(sel[h][1:] > sel[h][:-1]) and bool(torch.isin(sel[h], cand[h]).all())
+    assert cache.stats()["n_decode_calls"] == 2 * (new - 1)
+    # the same prompt through a fresh cache gives the same tokens (the run is deterministic)
+    cache.reset()
+    again = model.generate(ids, max_new_tokens=new, do_sample=False, cache=cache)
+    assert torch.equal(again, out)
+
+
+# ---- (c) bad use -----------------------------------------------------------------------------------
+
+def test_not_a_llama():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with torch.random.fork_rng(devices=[]):
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0,
+                                          eos_token_id=0))
+    with pytest.raises(TypeError, match=r"Llama-family models .*GPT2LMHeadModel with model_type 'gpt2'"):
+        ShadowKVCache(gpt2)
+
+
+def test_bad_use(backend, device, gen):
+    model = tiny_llama(4, device)
+    ids = prompt(gen, 2, 160, device)
+    with pytest.raises(ValueError, match=r"a batch of 2 sequences is larger than the cache \(batch_size=1\)"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, cache=full_budget_cache(model, backend, batch_size=1))
+    with pytest.raises(ValueError, match=r"a prompt of 100 tokens is shorter than the sparse budget needs: at least .*"
+                                         r"= 160 tokens"):
+        model.generate(ids[:, :100], max_new_tokens=3, do_sample=False, cache=full_budget_cache(model, backend, 2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    with pytest.raises(ValueError, match="unpadded prompts"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                       cache=full_budget_cache(model, backend, 2))
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, cache=full_budget_cache(model, backend, 4))
+    with pytest.raises(shadowkv.ShadowKVError, match="rank"):  # a bad field fails at construction
+        ShadowKVCache(model, backend=backend, rank=10 ** 6)
+    with pytest.raises(TypeError, match="n_layers: taken from the model"):
+        ShadowKVCache(model, backend=backend, n_layers=3)
+    # the model's attention switched away from "shadowkv": refused, not silently wrong
+    cache = full_budget_cache(model, backend, 2)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="set_attn_implementation"):
+        model(ids, cache=cache, use_cache=True)
+    # a cache after a failed call is reset and reused
+    cache = full_budget_cache(model, backend, 2)
+    with pytest.raises(NotImplementedError, match="one at a time"):
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+            model(ids[:, :2], cache=cache, use_cache=True)
+    cache.reset()
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+    assert out.shape == (2, 163)
