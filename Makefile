@@ -1,7 +1,7 @@
 # libshadowkv build.
 #   make            build/libshadowkv.a, build/libshadowkv.so, tools
 #   make demo       install missing packages, build and run the demo (the main job)
-#   make check      install missing packages, build and run every test
+#   make check      install missing packages, build and run every test (C, then Python: pycheck)
 #   make bench      build/skv-bench
 #   make install PREFIX=/usr/local
 #
@@ -172,10 +172,43 @@ bench: $(BUILD)/skv-bench
 demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
-# make check: every test binary, then the install + pkg-config link check;
-# ends with the summed "N passed, N failed, N skipped".
-check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
-	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" bash tests/run_all.sh $(TEST_BIN)
+# make check: every test binary, the fuzz corpus replays, the Python tests (make pycheck;
+# SKV_PYCHECK=0 leaves them out), then the install + pkg-config link check; ends with the
+# summed "N passed, N failed, N skipped".
+SKV_PYCHECK ?= 1
+PYCHECK := $(filter 1,$(SKV_PYCHECK))
+check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN) $(if $(PYCHECK),$(SHARED) $(PLUGINS))
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" MAKE_ENTRIES="$(if $(PYCHECK),pycheck)" bash tests/run_all.sh $(TEST_BIN)
+
+# ---- Python package tests (python/tests, pytest) on ref and cpu -----------------------------
+# They run in a virtual environment at $(VENV), created when missing and reused afterwards:
+# python3 -m venv (python3-venv comes from apt-get when missing), then pip installs
+# $(PY_PKGS) once, when one of them is missing. PyPI's torch wheel brings its CUDA
+# libraries (several GB); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the
+# CPU-only wheel instead. pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
+VENV    ?= .venv
+PY_PKGS := torch transformers pytest numpy setuptools
+.PHONY: pyvenv pycheck
+pyvenv:
+	@if [ ! -x $(VENV)/bin/python ]; then \
+	  echo "make: creating the Python environment $(VENV) (once; later runs reuse it)"; \
+	  python3 -m venv $(VENV) >/dev/null 2>&1 || { \
+	    rm -rf $(VENV); echo "make: installing python3-venv (apt-get)"; \
+	    if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq python3 python3-venv \
+	      >/dev/null && python3 -m venv $(VENV); } || { echo "make: could not create $(VENV)"; exit 1; }; \
+	fi
+	@if ! $(VENV)/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
+	    $(PY_PKGS) >/dev/null 2>&1; then \
+	  echo "make: installing $(PY_PKGS) into $(VENV) (pip, once)"; \
+	  $(if $(TORCH_INDEX_URL),$(VENV)/bin/pip install -q --index-url $(TORCH_INDEX_URL) torch &&) \
+	  $(VENV)/bin/pip install -q $(PY_PKGS) || { echo "make: pip install into $(VENV) failed"; exit 1; }; \
+	fi
+
+pycheck: $(SHARED) $(PLUGINS) pyvenv
+	@echo "== python/tests ($(VENV)/bin/python, pytest, backends ref and cpu)"
+	@SHADOWKV_LIBRARY=$(CURDIR)/$(SHARED) SKV_PY_BACKENDS=ref,cpu PYTHON=$(VENV)/bin/python \
+	  bash python/tests/run.sh -q -p no:cacheprovider python/tests
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.

@@ -5,9 +5,11 @@
 set -u
 total_p=0 total_f=0 total_s=0 bad=0
 # Each entry is a test binary, or (from $FUZZ_REPLAY) a fuzz replay binary
-# build/.../replay_<harness>, run over fuzz/corpus/<harness> and fuzz/regressions/<harness>.
+# build/.../replay_<harness>, run over fuzz/corpus/<harness> and fuzz/regressions/<harness>,
+# or (from $MAKE_ENTRIES) a make target that ends with such a line (pycheck: the Python tests).
 entries=("$@")
 for r in ${FUZZ_REPLAY:-}; do entries+=("$r"); done
+for m in ${MAKE_ENTRIES:-}; do entries+=("make:$m"); done
 for t in "${entries[@]}"; do
   echo "== $t"
   start=$(date +%s%N)
@@ -16,7 +18,10 @@ for t in "${entries[@]}"; do
   case "$(basename "$t")" in
     replay_*) h=$(basename "$t"); h=${h#replay_}; args=("fuzz/corpus/$h"); [ -d "fuzz/regressions/$h" ] && args+=("fuzz/regressions/$h") ;;
   esac
-  "./$t" "${args[@]}" 2>&1 | tee "$log"
+  case "$t" in
+    make:*) make --no-print-directory "${t#make:}" 2>&1 | tee "$log" ;;
+    *) "./$t" "${args[@]}" 2>&1 | tee "$log" ;;
+  esac
   rc=${PIPESTATUS[0]}
   line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
   rm -f "$log"

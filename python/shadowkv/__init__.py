@@ -262,8 +262,9 @@ class Cache:
         ctypes.pointer(c)[0] = cfg
         c.struct_size = ctypes.sizeof(Config)
         self._stream = None
-        want_cuda = c.backend == _ffi.BACKENDS["cuda"] or (
-            c.backend == _ffi.BACKENDS["auto"] and backend_available("cuda"))
+        # a cuda cache runs on a torch stream; without a usable device (the library's probe says
+        # so) torch is not needed: skv_cache_create reports SKV_ERR_NO_DEVICE with the reason
+        want_cuda = c.backend in (_ffi.BACKENDS["cuda"], _ffi.BACKENDS["auto"]) and backend_available("cuda")
         if want_cuda:
             torch = _torch()
             if torch.cuda.is_available():  # else the library reports SKV_ERR_NO_DEVICE with its reason

@@ -235,7 +235,8 @@ class ShadowKVCache(_HFCache):
             return key_states, value_states
         if T != 1:
             raise NotImplementedError(f"ShadowKVCache: after the prompt, tokens come one at a time (got {T} at "
-                                      f"layer {layer_idx}); prefill the whole prompt in one forward pass")
+                                      f"layer {layer_idx}); prefill the whole prompt in one forward pass, and "
+                                      "call cache.reset() before a new prompt")
         if B != self.skv.batch_size:
             raise ValueError(f"decode with a batch of {B}, but the prompt had {self.skv.batch_size} sequences")
         dev = self.skv.device

@@ -21,6 +21,13 @@ try:
     shadowkv.Cache(n_layers=1, backend="cpu").decode(0, None, None, None)
 except ImportError as e:
     print("ImportError:", e)
+if not shadowkv.backend_available("cuda"):  # no GPU: the library's reason, torch not needed
+    try:
+        shadowkv.Cache(n_layers=1, backend="cuda")
+    except shadowkv.ShadowKVError as e:
+        print(e.status_name)
+else:
+    print("SKV_ERR_NO_DEVICE (cuda available: not checked)")
 """
 
 
@@ -31,6 +38,7 @@ def test_import_without_torch():
     lines = r.stdout.splitlines()
     assert lines[0] == "0.1.0" and lines[2] == "True True"
     assert lines[3].startswith("ImportError: shadowkv: this call takes torch tensors")
+    assert lines[4].startswith("SKV_ERR_NO_DEVICE")
 
 
 def test_pip_install_carries_the_library(tmp_path):

@@ -3,7 +3,8 @@
 #
 #   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
 #
-#   quick     build; the GPU tests with short settings; a short decode benchmark (and
+#   quick     build; the GPU tests with short settings (the Python tests on cuda too:
+#             tests/gpu/test_python_cuda.py); a short decode benchmark (and
 #             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
 #             of the kernels NCU_HOT names)
 #   decode    build; test_cuda and test_placement; the decode benchmark over every
@@ -109,6 +110,16 @@ run_test() {
   local line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$TMP/t_$name.txt" | tail -1)
   echo "  \"$name\": {\"cmd\": \"$*\", \"rc\": $rc, \"result\": \"$line\", \"s\": $(( $(date +%s) - t ))}," >> "$TMP/tests.tmp"
 }
+# the Python tests on cuda (tests/gpu/test_python_cuda.py: python/tests' backend tests and a
+# decode step captured into a CUDA graph through torch); needs python3 with torch and pytest
+# (transformers for the Hugging Face cache's tests)
+python_cuda() {
+  local lib=$PWD/$BIN/libshadowkv.so
+  [ -e "$lib" ] || lib=$PWD/$BIN/libshadowkv.so.0
+  if ! python3 -c "import torch, pytest" >/dev/null 2>&1; then stamp "python_cuda skipped: python3 has no torch or pytest"; return; fi
+  run_test python_cuda env SHADOWKV_LIBRARY="$lib" PYTHON=python3 bash python/tests/run.sh -q -p no:cacheprovider \
+    tests/gpu/test_python_cuda.py
+}
 memcheck() {
   TEST_TIMEOUT=300 run_test "memcheck_$1" compute-sanitizer --tool memcheck --leak-check full --error-exitcode 99 \
     $TBIN/$1 "${@:2}"
@@ -121,7 +132,8 @@ case "$MODE" in
     run_test test_placement $TBIN/test_placement
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     run_test test_contract $TBIN/test_contract 20
-    run_test test_e2e $TBIN/test_e2e ;;
+    run_test test_e2e $TBIN/test_e2e
+    python_cuda ;;
   decode)
     run_test test_cuda $TBIN/test_cuda
     run_test test_placement $TBIN/test_placement ;;
@@ -135,6 +147,7 @@ case "$MODE" in
     run_test test_numerics $TBIN/test_numerics
     run_test test_bad_input $TBIN/test_bad_input
     run_test test_threads $TBIN/test_threads
+    python_cuda
     memcheck test_cuda
     memcheck test_placement ;;
   sanitize)
