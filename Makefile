@@ -208,7 +208,7 @@ pyvenv:
 pycheck: $(SHARED) $(PLUGINS) pyvenv
 	@echo "== python/tests ($(VENV)/bin/python, pytest, backends ref and cpu)"
 	@SHADOWKV_LIBRARY=$(CURDIR)/$(SHARED) SKV_PY_BACKENDS=ref,cpu PYTHON=$(VENV)/bin/python \
-	  bash python/tests/run.sh -q -p no:cacheprovider python/tests
+	  bash python/tests/run.sh -q -rfEsx -p no:cacheprovider python/tests
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.

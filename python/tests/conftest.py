@@ -68,3 +68,14 @@ def device_of(backend: str):
 def device(backend):
     """The torch device the backend's tensors live on."""
     return device_of(backend)
+
+
+
+def pytest_sessionstart(session):
+    """One line before the tests (shown with -q too): the library, the backends and the seed."""
+    import shadowkv
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        env = os.environ.get("SKV_SEED", "")
+        tr.write_line(f"shadowkv {shadowkv.version()} ({shadowkv.library_path()}), backends {','.join(backends())}, "
+                      f"seed {base_seed()} ({'SKV_SEED' if env else 'default'}; replay with SKV_SEED=N)")

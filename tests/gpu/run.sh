@@ -117,7 +117,7 @@ python_cuda() {
   local lib=$PWD/$BIN/libshadowkv.so
   [ -e "$lib" ] || lib=$PWD/$BIN/libshadowkv.so.0
   if ! python3 -c "import torch, pytest" >/dev/null 2>&1; then stamp "python_cuda skipped: python3 has no torch or pytest"; return; fi
-  run_test python_cuda env SHADOWKV_LIBRARY="$lib" PYTHON=python3 bash python/tests/run.sh -q -p no:cacheprovider \
+  run_test python_cuda env SHADOWKV_LIBRARY="$lib" PYTHON=python3 bash python/tests/run.sh -q -rfEsx -p no:cacheprovider \
     tests/gpu/test_python_cuda.py
 }
 memcheck() {
