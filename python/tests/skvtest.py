@@ -86,15 +86,17 @@ class Workload:
         local = torch.arange(info["n_chunks"] * c, info["n"])
         return torch.cat([tok, local])
 
-    def rebuilt_keys(self, backend):
+    def rebuilt_keys(self, backend, device):
         """What the cache attends to for selected chunks, recomputed through the op level: the rank-r
-        factorization of k_pre (ops.factorize on backend, as the cache's prefill does), both factors
-        rounded to bf16 as the cache stores them, keys rebuilt and roped (ops.rebuild_keys on ref).
-        Per (layer, seq): [n, Hk, D] with the context tokens rebuilt, the local window exact."""
+        factorization of k_pre (ops.factorize on backend, with its input on `device`, the backend's;
+        as the cache's prefill does), both factors rounded to bf16 as the cache stores them, keys
+        rebuilt and roped (ops.rebuild_keys on ref). Per (layer, seq), on the CPU: [n, Hk, D] with the
+        context tokens rebuilt, the local window exact."""
         cfg, out = self.cfg, {}
         for (layer, b), kp in self.k_pre.items():
             n = kp.shape[0]
-            u, w = ops.factorize(kp.view(n, -1), cfg.rank, backend=backend)
+            u, w = ops.factorize(kp.view(n, -1).to(device), cfg.rank, backend=backend)
+            u, w = u.cpu(), w.cpu()
             N = n // cfg.chunk_size - cfg.n_local_chunks
             ids = torch.arange(N, dtype=torch.int32).repeat(cfg.n_kv_heads, 1)
             kr = ops.rebuild_keys(u.to(torch.bfloat16), w.to(torch.bfloat16), ids, cfg.chunk_size, self.cos,

@@ -40,7 +40,7 @@ def test_decode_matches_float64_over_reported_tokens(backend, device, gen):
     cache = shadowkv.Cache(cfg)
     assert cache.backend == backend
     # the cuda cache's prefill factorizes on its own pipeline: its bf16 factors need not be the op's
-    rebuilt = wl.rebuilt_keys(backend)
+    rebuilt = wl.rebuilt_keys(backend, device)
     tol_rebuilt = TOL_REBUILT if backend != "cuda" else TOL_EXACT
     worst = dict(exact=0.0, rebuilt=0.0, dense=0.0)
 
