@@ -5,10 +5,11 @@
 
     model = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B", torch_dtype=torch.bfloat16).cuda()
     cache = ShadowKVCache(model, batch_size=1, gen_capacity=256)   # budget, rank, ...: config() fields
-    out = model.generate(input_ids, max_new_tokens=256, cache=cache)  # or past_key_values=cache
+    out = model.generate(input_ids, max_new_tokens=256, cache=cache)  # past_key_values=cache on 5.17
     cache.selected(layer=0, seq=0)                                   # [Hk, S] chunk ids of the last step
 
-How it works (Llama-family models, transformers 5):
+How it works (Llama-family models, transformers 5; tested with 5.17 and 5.24. 5.24 takes the cache
+as `cache=`, with `past_key_values=` a deprecated alias; 5.17 only as `past_key_values=`):
 
 - The prompt's forward pass is ordinary dense attention (sdpa) over the prompt's own keys. On
   the way, `update()` prefills every (layer, sequence) of a libshadowkv cache: the library gets
@@ -60,13 +61,20 @@ __all__ = ["ShadowKVCache", "ATTN_IMPLEMENTATION", "register", "rope_config_for"
 ATTN_IMPLEMENTATION = "shadowkv"
 SUPPORTED_MODEL_TYPES = ("llama",)
 
-_active = threading.local()  # the cache whose decode step waits for its attention call
+# per thread: .cache, the cache whose decode step waits for its attention call; .positions, (cache,
+# layer, prompt length) whose prompt's positions its attention call checks (transformers 5.17 does not
+# pass position_ids to Cache.update, only to the attention function; 5.24 passes them to both)
+_active = threading.local()
 
 
 def _shadowkv_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                         scaling: Optional[float] = None, **kwargs):
     """The "shadowkv" attention implementation: a pending ShadowKVCache decode step of this layer
     goes to skv_decode; everything else (prompts, other caches) is sdpa."""
+    check = getattr(_active, "positions", None)
+    if check is not None and check[1:] == (getattr(module, "layer_idx", None), query.shape[2]):
+        _active.positions = None
+        check[0]._check_positions_deferred(kwargs.get("position_ids"), query.shape[2])
     cache = getattr(_active, "cache", None)
     if cache is not None and cache._pending is not None and cache._pending[0] == getattr(module, "layer_idx", None):
         _active.cache = None
@@ -173,6 +181,10 @@ class ShadowKVCache(_HFCache):
     from its config. Raises TypeError for a model that is not Llama-family.
     """
 
+    # the most sequences one generate call may hold (the batch_size argument). A plain attribute here:
+    # transformers 5.17 has a read-only, deprecated Cache.max_batch_size property, which this shadows
+    max_batch_size: int = 1
+
     def __init__(self, model, backend: str = "auto", batch_size: int = 1, max_prompt_len: Optional[int] = None,
                  gen_capacity: int = 1024, **fields: Any):
         hf = _text_config(model)
@@ -228,8 +240,13 @@ class ShadowKVCache(_HFCache):
             raise RuntimeError(f"layer {self._pending[0]}'s decode step never reached its attention call")
         layer = self.layers[layer_idx]
         B, Hk, T, D = key_states.shape
+        _active.positions = None  # a check left by a call that failed before its attention call
         if layer.n_seen == 0:
-            self._prefill(layer_idx, key_states, value_states, kw.get("position_ids"))
+            creates = self.skv is None
+            position_ids = kw.get("position_ids")
+            self._prefill(layer_idx, key_states, value_states, position_ids)
+            if creates and position_ids is None:  # transformers 5.17: the attention call that follows has them
+                _active.positions = (self, layer_idx, T)
             layer.n_seen = T
             layer.is_initialized = True
             return key_states, value_states
@@ -290,10 +307,7 @@ class ShadowKVCache(_HFCache):
                     f"({c.n_outlier_chunks} + {S} + {c.n_local_chunks}) * {c.chunk_size} = {self.min_prompt_len} "
                     "tokens; use a longer prompt, or a smaller budget or n_outlier_chunks")
             if position_ids is not None:
-                want = torch.arange(T, device=position_ids.device)
-                if not bool((position_ids == want).all()):
-                    raise ValueError("ShadowKVCache takes unpadded prompts at positions 0..n-1 (every sequence of the "
-                                     "batch the same length); got other position_ids (a padded batch?)")
+                self._check_positions(position_ids, T)
             self._create(B, T, key_states.device)
             self._inv_tables = None
         elif B != self.skv.batch_size:
@@ -313,6 +327,25 @@ class ShadowKVCache(_HFCache):
         for b in range(B):
             self.skv.prefill(layer_idx, b, k_pre[b].transpose(0, 1).contiguous(), v[b].transpose(0, 1).contiguous(),
                              k_post[b].transpose(0, 1).contiguous())
+
+    @staticmethod
+    def _check_positions(position_ids, T: int) -> None:
+        want = torch.arange(T, device=position_ids.device)
+        if not bool((position_ids == want).all()):
+            raise ValueError("ShadowKVCache takes unpadded prompts at positions 0..n-1 (every sequence of the "
+                             "batch the same length); got other position_ids (a padded batch?)")
+
+    def _check_positions_deferred(self, position_ids, T: int) -> None:
+        """The prompt's position check where Cache.update did not get position_ids (transformers 5.17):
+        in the attention call of the layer that created the libshadowkv cache, which is dropped again
+        when the check fails (as if it had failed before the prefill, as on 5.24)."""
+        if position_ids is None:
+            return
+        try:
+            self._check_positions(position_ids, T)
+        except ValueError:
+            self.reset()
+            raise
 
     def reset(self) -> None:
         """Drops every sequence: the next prompt starts a new libshadowkv cache."""

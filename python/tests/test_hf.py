@@ -5,6 +5,7 @@ the library's default sparse settings, generation runs and the selections are in
 (c) bad use gives a clear exception. Plus the RoPE mapping (Llama-3 scaling included)."""
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -12,11 +13,20 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
 
 import shadowkv  # noqa: E402
 from shadowkv import ops  # noqa: E402
 from shadowkv.hf import ShadowKVCache, rope_config_for  # noqa: E402
+
+# the keyword that hands a model (and generate) its cache: `cache` in transformers 5.24 (where
+# `past_key_values` is a deprecated alias), `past_key_values` in 5.17 (which does not know `cache`)
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_arg(cache) -> dict:
+    return {CACHE_ARG: cache}
+
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)  # small, so the scaling acts within these prompts
@@ -46,9 +56,9 @@ def dense_logits(model, ids, tokens):
     try:
         dc = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = [model(ids, cache=dc, use_cache=True).logits[:, -1]]
+            out = [model(ids, **cache_arg(dc), use_cache=True).logits[:, -1]]
             for i in range(tokens.shape[1] - 1):
-                out.append(model(tokens[:, i:i + 1], cache=dc, use_cache=True).logits[:, -1])
+                out.append(model(tokens[:, i:i + 1], **cache_arg(dc), use_cache=True).logits[:, -1])
     finally:
         model.set_attn_implementation(impl)
     return out
@@ -75,7 +85,7 @@ def test_rope_mapping(rope):
     h = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.setdefault("k", o))
     dc = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.arange(T)[None] % 256, cache=dc, use_cache=True)
+        model(torch.arange(T)[None] % 256, **cache_arg(dc), use_cache=True)
     h.remove()
     k_pre = captured["k"][0].view(T, -1, D).to(torch.bfloat16)
     k_post_hf = dc.layers[0].keys[0].transpose(0, 1)  # [T, Hk, D]
@@ -113,7 +123,7 @@ def test_full_budget_matches_dynamic_cache(backend, device, gen, dtype):
     T, B, new = 160, 2, 17  # 17 new tokens: the prompt's logits, then 16 from skv_decode steps
     ids = prompt(gen, B, T, device)
     cache = full_budget_cache(model, backend, batch_size=B, T=T)
-    out = model.generate(ids, max_new_tokens=new, do_sample=False, cache=cache, output_logits=True,
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, **cache_arg(cache), output_logits=True,
                          return_dict_in_generate=True)
     assert model.config._attn_implementation == "shadowkv"
     assert cache.skv.backend == backend
@@ -135,7 +145,8 @@ def test_full_budget_matches_dynamic_cache(backend, device, gen, dtype):
         assert err <= tol, f"token {i}: logits differ by {err} > {tol}"
     print(f"worst logit difference: {worst:.2f} of the tolerance")
     # and the tokens are the dense greedy ones, but where the dense top-2 margin is within the tolerance
-    dense = model.generate(ids, max_new_tokens=new, do_sample=False, cache=DynamicCache(config=model.config))
+    dense = model.generate(ids, max_new_tokens=new, do_sample=False,
+                           **cache_arg(DynamicCache(config=model.config)))
     for b in range(B):
         diff = (dense[b, T:] != tokens[b]).nonzero()
         if len(diff):
@@ -175,7 +186,7 @@ def test_sparse_generation_is_introspectable(backend, device, gen):
     assert cache.stats()["n_decode_calls"] == 2 * (new - 1)
     # the same prompt through a fresh cache gives the same tokens (the run is deterministic)
     cache.reset()
-    again = model.generate(ids, max_new_tokens=new, do_sample=False, cache=cache)
+    again = model.generate(ids, max_new_tokens=new, do_sample=False, **cache_arg(cache))
     assert torch.equal(again, out)
 
 
@@ -194,17 +205,20 @@ def test_bad_use(backend, device, gen):
     model = tiny_llama(4, device)
     ids = prompt(gen, 2, 160, device)
     with pytest.raises(ValueError, match=r"a batch of 2 sequences is larger than the cache \(batch_size=1\)"):
-        model.generate(ids, max_new_tokens=3, do_sample=False, cache=full_budget_cache(model, backend, batch_size=1))
+        model.generate(ids, max_new_tokens=3, do_sample=False,
+                       **cache_arg(full_budget_cache(model, backend, batch_size=1)))
     with pytest.raises(ValueError, match=r"a prompt of 100 tokens is shorter than the sparse budget needs: at least .*"
                                          r"= 160 tokens"):
-        model.generate(ids[:, :100], max_new_tokens=3, do_sample=False, cache=full_budget_cache(model, backend, 2))
+        model.generate(ids[:, :100], max_new_tokens=3, do_sample=False,
+                       **cache_arg(full_budget_cache(model, backend, 2)))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
     with pytest.raises(ValueError, match="unpadded prompts"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
-                       cache=full_budget_cache(model, backend, 2))
+                       **cache_arg(full_budget_cache(model, backend, 2)))
     with pytest.raises(NotImplementedError, match="beam search"):
-        model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, cache=full_budget_cache(model, backend, 4))
+        model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False,
+                       **cache_arg(full_budget_cache(model, backend, 4)))
     with pytest.raises(shadowkv.ShadowKVError, match="rank"):  # a bad field fails at construction
         ShadowKVCache(model, backend=backend, rank=10 ** 6)
     with pytest.raises(TypeError, match="n_layers: taken from the model"):
@@ -213,13 +227,13 @@ def test_bad_use(backend, device, gen):
     cache = full_budget_cache(model, backend, 2)
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="set_attn_implementation"):
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **cache_arg(cache), use_cache=True)
     # a cache after a failed call is reset and reused
     cache = full_budget_cache(model, backend, 2)
     with pytest.raises(NotImplementedError, match="one at a time"):
         with torch.no_grad():
-            model(ids, cache=cache, use_cache=True)
-            model(ids[:, :2], cache=cache, use_cache=True)
+            model(ids, **cache_arg(cache), use_cache=True)
+            model(ids[:, :2], **cache_arg(cache), use_cache=True)
     cache.reset()
-    out = model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_arg(cache))
     assert out.shape == (2, 163)
