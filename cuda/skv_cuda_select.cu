@@ -27,14 +27,8 @@
 
 namespace {
 
-/* Grid dimensions y and z are limited to 65535: kernels that put heads or
-   sequences there loop over them with this stride. */
-constexpr int32_t kMaxGridYZ = 65535;
-
 /* Cap on 1D grids of grid-stride kernels (each block then loops). */
 constexpr int64_t kMaxGridX = 1 << 20;
-
-unsigned clamp_yz(int32_t n) { return (unsigned)(n < kMaxGridYZ ? n : kMaxGridYZ); }
 
 unsigned grid_for(int64_t items, int64_t per_block) { return grid_for(items, per_block, kMaxGridX); }
 
