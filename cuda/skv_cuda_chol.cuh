@@ -19,6 +19,7 @@
 
 #include <limits.h>
 
+#include "skv_cuda_common.cuh"
 #include "skv_factor.h"
 
 #define SKV_CF_MAXT ((SKV_FACTOR_FAST_MAX_R + 7) / 8)
@@ -153,7 +154,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
         dsc[j] = dj;
         tc += cjj * dj * dj;
     }
-    for (int o = 16; o > 0; o >>= 1) tc += __shfl_xor_sync(0xffffffffu, tc, o);
+    tc = warp_sum(tc);
     if (lane == 0) red[warp] = tc;
     __syncthreads();
     tc = 0.0;
@@ -161,7 +162,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     __syncthreads();
     if (check) {
         for (int32_t i = tid; i < d; i += NT) tg += g[(size_t)i * d + i];
-        for (int o = 16; o > 0; o >>= 1) tg += __shfl_xor_sync(0xffffffffu, tg, o);
+        tg = warp_sum(tg);
         if (lane == 0) red[warp] = tg;
         __syncthreads();
         tg = 0.0;
@@ -281,7 +282,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
             const int j = tile_j[t] * 8 + ((e & 7) ^ (((e & 63) >> 2) & 4)); /* skv_cf_at inverted */
             if (i < p && j < p) f += tl[e] * tl[e];
         }
-        for (int o = 16; o > 0; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
+        f = warp_sum(f);
         if (lane == 0) red[warp] = f;
         __syncthreads();
         if (tid == 0) {
@@ -369,8 +370,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
         if (j < nt) {
             /* X_j = T_j Z_jj^T */
             const double *z = dinv + (size_t)j * 64;
-            double u0 = __shfl_sync(0xffffffffu, t0[j], src0), u1 = __shfl_sync(0xffffffffu, t1[j], src0);
-            double w0 = __shfl_sync(0xffffffffu, t0[j], src1), w1 = __shfl_sync(0xffffffffu, t1[j], src1);
+            double u0 = __shfl_sync(kFullMask, t0[j], src0), u1 = __shfl_sync(kFullMask, t1[j], src0);
+            double w0 = __shfl_sync(kFullMask, t0[j], src1), w1 = __shfl_sync(kFullMask, t1[j], src1);
             double x0 = 0.0, x1 = 0.0;
             skv_cf_dmma(x0, x1, slot ? u1 : u0, z[skv_cf_at(r, kk)]);
             skv_cf_dmma(x0, x1, slot ? w1 : w0, z[skv_cf_at(r, kk + 4)]);
@@ -378,8 +379,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
             if (row < m && c0 < p) v[row + c0 * ld] = x0, ss = fma(x0, x0, ss);
             if (row < m && c0 + 1 < p) v[row + (c0 + 1) * ld] = x1, ss = fma(x1, x1, ss);
             /* -X_j as the A operand; T_k -= X_j L_kj^T */
-            u0 = __shfl_sync(0xffffffffu, x0, src0), u1 = __shfl_sync(0xffffffffu, x1, src0);
-            w0 = __shfl_sync(0xffffffffu, x0, src1), w1 = __shfl_sync(0xffffffffu, x1, src1);
+            u0 = __shfl_sync(kFullMask, x0, src0), u1 = __shfl_sync(kFullMask, x1, src0);
+            w0 = __shfl_sync(kFullMask, x0, src1), w1 = __shfl_sync(kFullMask, x1, src1);
             const double b0 = -(slot ? u1 : u0), b1 = -(slot ? w1 : w0);
 #pragma unroll
             for (int k = j + 1; k < SKV_CF_MAXT; k++)
@@ -391,7 +392,7 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
         }
     }
     if (sq) {
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        ss = warp_sum(ss);
         if (lane == 0) sq[row0 >> 3] = ss;
     }
 }

@@ -1,6 +1,6 @@
 /*
  * skv_cuda_common.cuh - small device and launch helpers shared by the cuda
- * files (the .cu files of cuda/). Header-only; everything is in an
+ * files (the .cu files of cuda/ and skv_cuda_chol.cuh). Header-only; everything is in an
  * anonymous namespace, so each file has its own copy.
  */
 #ifndef SKV_CUDA_COMMON_CUH
@@ -98,6 +98,12 @@ __device__ __forceinline__ float warp_max(float x)
 }
 
 __device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+    return x;
+}
+
+__device__ __forceinline__ double warp_sum(double x)
 {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
     return x;

@@ -274,11 +274,7 @@ static skv_status skv_cf_solver(cusolverStatus_t e, const char *what, char *msg,
 #define SKV_CF_THREADS 256
 #define SKV_CF_MAX_BLOCKS 8192
 
-static unsigned skv_cf_blocks(int64_t count)
-{
-    int64_t b = (count + SKV_CF_THREADS - 1) / SKV_CF_THREADS;
-    return (unsigned)(b < SKV_CF_MAX_BLOCKS ? b : SKV_CF_MAX_BLOCKS);
-}
+static unsigned skv_cf_blocks(int64_t count) { return grid_for(count, SKV_CF_THREADS, SKV_CF_MAX_BLOCKS); }
 
 /* y[i] = (float)x[i] (exact). */
 static __global__ void skv_cf_bf16_to_f32(const skv_bf16 *__restrict__ x, float *__restrict__ y, int64_t count)
@@ -350,7 +346,7 @@ static __global__ void __launch_bounds__(32) skv_cf_check(const double *__restri
                                                           skv_cf_state *state)
 {
     double b = (int)threadIdx.x < nsq ? sq[threadIdx.x] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    b = warp_sum(b);
     if (threadIdx.x == 0) {
         double rho = 1.0 / (*fro2 * b);
         int fb = mode == SKV_FACTOR_FALLBACK || (mode == SKV_FACTOR_AUTO && !(rho >= SKV_FACTOR_TAU));
