@@ -557,7 +557,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->lt, sz.lt_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
         /* both kernels keep the tiled factor in shared memory (~115 KiB at r = 160) */
-        cudaError_t e = cudaFuncSetAttribute(skv_cf_chol<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaError_t e = cudaFuncSetAttribute(skv_cf_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)skv_cf_chol_smem(r));
         if (e == cudaSuccess)
             e = cudaFuncSetAttribute(skv_cf_solve_lt, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -726,8 +726,8 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
 /* f->lt <- L (tiled) with c + s I = L L^T, the shift as skv_cf_chol documents (check: H's). */
 static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int scaled, int *info, char *msg, size_t cap)
 {
-    skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(f->r), f->st>>>(f->c, f->r, f->d, check, scaled, f->gd,
-                                                                              f->lt, info);
+    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(f->r), f->st>>>(f->c, f->r, f->d, check, scaled, f->gd,
+                                                                           f->lt, info);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
     return SKV_OK;
 }
