@@ -40,7 +40,7 @@
  *              G <= 8, r % 16 == 0, rotate-half RoPE) runs a kernel that keeps
  *              W_h in shared memory and every product in mma fragments
  *   5 combine  the partials of each query head in item order -> out; the new
- *              token is appended, the selection published
+ *              token is appended, and the sequence marked as having a selection
  * Host-placed slots add, on a side stream, the fetch of the missed chunks into
  * the chunk cache (it runs while step 4 attends everything else) and a short
  * pass that adds the missed chunks' P V once they arrived. Steps 2-5 use
@@ -235,8 +235,8 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
 /* ---- combine (skv_cuda_combine.cu) ------------------------------------------------------- */
 
 /* Step 5: out [B, Hq, D] from the partials. Decode (seqs != NULL): out, k, v from ws->io; the
-   new token's k, v go to the generated region and the selection is published (unless
-   step_bad), and the per-step accumulators are reset. Op-level (seqs NULL): out as given. */
+   new token's k, v go to the generated region and has_sel is set (unless step_bad), and the
+   per-step accumulators are reset. Op-level (seqs NULL): out as given. */
 cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
                              float *out, int pdl);
 

@@ -568,7 +568,7 @@ struct AttState {
  * pbuf_row + g * pb_stride + t.
  */
 template <int GC>
-__device__ void att_tile(const AttLayout &L, int D, float scale_log2, const uint16_t *Ks, const uint16_t *Vs,
+__device__ void att_tile(const AttLayout &L, float scale_log2, const uint16_t *Ks, const uint16_t *Vs,
                          const float *q_s, float *spart, float *p_s, float *alpha_s, const int32_t *miss_s, int nvalid,
                          AttState<GC> &st, float *pbuf_row, int64_t pb_stride)
 {
@@ -796,7 +796,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
         cp_async_wait_all();
         __syncthreads();
         float *pb = a.pbuf && host ? a.pbuf + head0 * SC + t0 : nullptr;
-        att_tile<GC>(L, D, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, pb, SC);
+        att_tile<GC>(L, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, pb, SC);
         att_finish<GC>(L, D, st, red, ml_s, acc_out, acc_stride, ml_out, ml_stride);
     } else {
         /* a range of the resident spans */
@@ -815,7 +815,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
             cp_async_wait_all();
             __syncthreads();
             const int nvalid = (int)(t1 - tile0 < TT ? t1 - tile0 : TT);
-            att_tile<GC>(L, D, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, nullptr, 0);
+            att_tile<GC>(L, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, nullptr, 0);
             __syncthreads(); /* Ks/Vs are refilled by the next tile */
         }
         att_finish<GC>(L, D, st, red, ml_s, acc_out, acc_stride, ml_out, ml_stride);
@@ -972,7 +972,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
 }
 
 /* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
-   they were if-converted into predicated loads that every copy issued. */
+   they are if-converted into predicated loads that every copy issues. */
 __device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
 {
     for (int p = half; p < n; p += 2) {

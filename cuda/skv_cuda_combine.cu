@@ -28,14 +28,13 @@ constexpr int kCoSU = 8; /* items per warp in flight */
 constexpr int kCoDU = 4; /* dims per lane and pass */
 
 struct CombineArgs {
-    int32_t Hq, Hk, D, S, gen_cap, n_items;
+    int32_t Hq, Hk, D, gen_cap, n_items;
     const float *part_acc;
     const float2 *part_ml;
     float *out;
     /* decode */
     skv_cuda_seq *seqs;
     const skv_cuda_io *io;            /* out, k_new, v_new */
-    const int32_t *sel_idx, *sel_ids;
     unsigned *macc;
     int32_t *step_bad;
     unsigned *cnt_done;
@@ -45,8 +44,9 @@ struct CombineArgs {
  * grid (Hq [+ 1], B). Block (qh, b): out = sum_i w_i acc_i / sum_i w_i l_i with
  * w_i = 2^(m_i - max m) (empty items weigh nothing), items in order; the max-score
  * accumulator of (b, qh) is reset for the next step. Block (Hq, b) (decode): unless the step
- * was bad, appends k_new/v_new at generated row n_gen, publishes the selection, then
- * n_gen++, has_sel = 1. The last block to finish resets step_bad.
+ * was bad, appends k_new/v_new at generated row n_gen, then n_gen++, has_sel = 1 (the select
+ * step wrote the selection to pub_sel_idx / pub_sel_ids). The last block to finish resets
+ * step_bad.
  */
 __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
 {
@@ -162,14 +162,13 @@ cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda
     if (sh->B <= 0 || sh->Hq <= 0) return cudaSuccess;
     CombineArgs a;
     memset(&a, 0, sizeof a);
-    a.Hq = sh->Hq, a.Hk = sh->Hk, a.D = sh->D, a.S = sh->S, a.gen_cap = sh->gen_cap, a.n_items = ws->it.n_items;
+    a.Hq = sh->Hq, a.Hk = sh->Hk, a.D = sh->D, a.gen_cap = sh->gen_cap, a.n_items = ws->it.n_items;
     a.part_acc = ws->part_acc;
     a.part_ml = ws->part_ml;
     a.out = out;
     if (append) {
         a.seqs = seqs;
         a.io = ws->io;
-        a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids;
         a.macc = ws->macc;
         a.step_bad = ws->step_bad;
         a.cnt_done = ws->cnt_done;
