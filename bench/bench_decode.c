@@ -308,6 +308,7 @@ int bench_decode_main(int argc, char **argv)
             if (skv_backend_parse(v, &be)) ddie("--backend", SKV_ERR_INVALID_ARGUMENT, NULL);
             i++;
         } else {
+            if (strcmp(a, "--help")) fprintf(stderr, "skv-bench decode: unknown option '%s'\n", a);
             printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
                    "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--json]\n");

@@ -378,6 +378,7 @@ int bench_factorize_main(int argc, char **argv)
         else if (!strcmp(a, "--gesvd-max-n")) gesvd_max_n = atoll(v), i++;
         else if (!strcmp(a, "--backends")) list = v, i++;
         else {
+            if (strcmp(a, "--help")) fprintf(stderr, "skv-bench factorize: unknown option '%s'\n", a);
             usage();
             return strcmp(a, "--help") ? 2 : 0;
         }
