@@ -8,7 +8,7 @@
  *   --placement  device: every value on the device; host: every value in the
  *                host store behind the device chunk cache
  *   --workload   fresh: a new random query per step and sequence (the
- *                synthetic workload of tests/common/synth.h, one random
+ *                synthetic workload of examples/synth.h, one random
  *                stream per sequence on a shared prompt); drift: each query
  *                mixes the previous one with a fresh one, q_t = a q_{t-1} +
  *                sqrt(1 - a^2) fresh_t (--drift a; 0.92 lands near the 60% adjacent-step overlap

@@ -1,7 +1,7 @@
 /*
  * skv_bench.c - backend comparison at one Llama-3-8B layer (Hq 32, Hk 8,
  * D 128, r 160, c 8, budget 2048, O 48, Lc 4), batch 1, on the synthetic
- * workload of tests/common/synth.h:
+ * workload of examples/synth.h:
  *  - skv_prefill of one layer at --ctx tokens (a fresh cache per repetition);
  *  - one skv_decode step of that layer;
  *  - every op-level function (skv_op_*) at the same shape, chained the way
