@@ -73,9 +73,12 @@ PROG_LIBS := $(CUDA_LINK) $(LIBS) $(CUDA_LIBS)
 HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
             $(wildcard cuda/*.h) $(wildcard cuda/*.cuh)
 
+# tests/common: the tests' seeded RNG and checks; examples/synth.[ch]: the demo's synthetic
+# workload, which the tests and the benchmark use too (public API, CBLAS and libc only)
+SYNTH_OBJ  := $(BUILD)/obj/examples/synth.o
 COMMON_SRC := $(wildcard tests/common/*.c)
-COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC))
-COMMON_HDR := $(wildcard tests/common/*.h)
+COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC)) $(SYNTH_OBJ)
+COMMON_HDR := $(wildcard tests/common/*.h) examples/synth.h
 TEST_SRC   := $(wildcard tests/*.c)
 TEST_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 
@@ -88,7 +91,7 @@ DEPS_STAMP := $(BUILD)/.deps-ok
 
 .PHONY: all lib demo check bench tests install uninstall clean deps link-check asan-check
 
-all: lib $(BUILD)/demo $(BUILD)/skv-bench $(TEST_BIN)
+all: lib $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(TEST_BIN)
 lib: $(STATIC) $(SHARED) $(PLUGINS)
 
 # ---- system packages (a fresh Debian machine has none of these) -------------
@@ -152,19 +155,30 @@ $(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common -c $< -o $@
 
+# examples see the public header only (no -Ilib, no -Itests/common)
+EXCFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -O2 -g -ffp-contract=off -Iinclude $(DEPS_INC) $(WARN) $(CFLAGS)
+
+$(SYNTH_OBJ): examples/synth.c examples/synth.h include/shadowkv.h | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(EXCFLAGS) -c $< -o $@
+
 $(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS) lib/skv_numerics.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) $(TEST_LDFLAGS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) $(TEST_LDFLAGS) -o $@
 
 # allocation-failure injection: the library's heap calls go through the test's wrappers
 $(BUILD)/tests/test_alloc_fail: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=free,--wrap=posix_memalign
 
-$(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+$(BUILD)/demo: examples/demo.c $(SYNTH_OBJ) examples/synth.h include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) -Iexamples $< $(SYNTH_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+
+# a whole prefill + decode loop on shadowkv.h alone (run by make check)
+$(BUILD)/decode_loop: examples/decode_loop.c include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) $< $(STATIC) $(PROG_LIBS) -o $@
 
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
 
 tests: $(TEST_BIN)
 bench: $(BUILD)/skv-bench
@@ -172,10 +186,11 @@ bench: $(BUILD)/skv-bench
 demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
-# make check: every test binary, then the install + pkg-config link check;
-# ends with the summed "N passed, N failed, N skipped".
-check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
-	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" bash tests/run_all.sh $(TEST_BIN)
+# make check: every test binary, the fuzz corpus replays, the examples that check
+# themselves (build/decode_loop: exit status), then the install + pkg-config link
+# check; ends with the summed "N passed, N failed, N skipped".
+check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" EXAMPLES="$(BUILD)/decode_loop" bash tests/run_all.sh $(TEST_BIN)
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.

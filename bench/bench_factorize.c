@@ -8,7 +8,7 @@
  *                             [--cpu-max-n 65536] [--baselines sgesdd,cusolver_gesvd,cuda_gram_syevd]
  *                             [--no-baseline] [--gesvd-max-n 0] [--json]
  *
- * The keys come from the synthetic workload (tests/common/synth.h), one
+ * The keys come from the synthetic workload (examples/synth.h), one
  * prompt per n, so the spectrum is that of realistic low-rank keys. Each row
  * (route, n) has ms, err = ||A - U W||_F / ||A||_F in double, opt = the best
  * rank-r error (from the eigenvalues of the double Gram matrix,
@@ -383,6 +383,7 @@ int bench_factorize_main(int argc, char **argv)
             i++;
         }
         else {
+            if (strcmp(a, "--help")) fprintf(stderr, "skv-bench factorize: unknown option '%s'\n", a);
             usage();
             return strcmp(a, "--help") ? 2 : 0;
         }

@@ -1,6 +1,6 @@
 /*
  * demo.c - the project's main job: ShadowKV decoding of a batch of long
- * prompts on a synthetic Llama-shaped workload (tests/common/synth.h), with
+ * prompts on a synthetic Llama-shaped workload (examples/synth.h), with
  * end-to-end timings, the library's phase split, memory, and accuracy against
  * dense attention and a per-token oracle.
  *
@@ -27,8 +27,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "shadowkv.h"
 #include "synth.h"
-#include "testutil.h"
 
 #define MAX_BATCH 64
 
@@ -145,6 +145,37 @@ static void parse(int argc, char **argv, opts *o)
     if (o->share && o->acc_layers > 1) o->acc_layers = 1; /* the other layers see the same data */
 }
 
+/*
+ * Tensors in the memory the cache's backend takes: for cuda a zeroed device buffer, for
+ * ref/cpu the host array itself (no copy). dput/dget copy only when the two differ; dfree
+ * frees only a device buffer. A failure ends the demo (exit 1).
+ */
+static void *dbuf(skv_backend be, void *host, size_t bytes)
+{
+    if (be != SKV_BACKEND_CUDA) return host;
+    void *d = NULL;
+    skv_status st = skv_buffer_alloc(be, bytes ? bytes : 1, &d);
+    if (st) die("skv_buffer_alloc", st, NULL);
+    return d;
+}
+
+static void dput(skv_backend be, void *dev, const void *host, size_t bytes)
+{
+    skv_status st = dev == host || !bytes ? SKV_OK : skv_buffer_copy(be, dev, host, bytes);
+    if (st) die("skv_buffer_copy to the device", st, NULL);
+}
+
+static void dget(skv_backend be, void *host, const void *dev, size_t bytes)
+{
+    skv_status st = dev == host || !bytes ? SKV_OK : skv_buffer_copy(be, host, dev, bytes);
+    if (st) die("skv_buffer_copy to the host", st, NULL);
+}
+
+static void dfree(skv_backend be, void *dev, void *host)
+{
+    if (dev != host) skv_buffer_free(be, dev);
+}
+
 static int contains(const int32_t *ids, int n, int32_t x)
 {
     for (int i = 0; i < n; i++)
@@ -191,9 +222,9 @@ int main(int argc, char **argv)
                                         o.seed * 1000003u + (uint64_t)(lg * B + b))))
                 die("workload generation", st, NULL);
             size_t pb = (size_t)o.ctx[b] * row * sizeof(skv_bf16);
-            skv_bf16 *dk = skvt_dbuf(be, s->k_pre, pb), *dv = skvt_dbuf(be, s->v, pb);
-            skvt_dput(be, dk, s->k_pre, pb);
-            skvt_dput(be, dv, s->v, pb);
+            skv_bf16 *dk = dbuf(be, s->k_pre, pb), *dv = dbuf(be, s->v, pb);
+            dput(be, dk, s->k_pre, pb);
+            dput(be, dv, s->v, pb);
             gen_ms += now_ms() - t_gen;
             for (int l = o.share ? 0 : lg; l < (o.share ? L : lg + 1); l++) {
                 double t0 = now_ms();
@@ -204,8 +235,8 @@ int main(int argc, char **argv)
                         (long long)o.ctx[b], dt);
             }
             t_gen = now_ms();
-            skvt_dfree(be, dk, s->k_pre);
-            skvt_dfree(be, dv, s->v);
+            dfree(be, dk, s->k_pre);
+            dfree(be, dv, s->v);
             if ((st = skvs_seq_attach(s, cache, lg, b))) die("outlier read-back", st, cache);
             if ((st = skvs_seq_release(s))) die("workload", st, NULL);
         }
@@ -231,9 +262,9 @@ int main(int argc, char **argv)
     int32_t *rec_sel = malloc(sizeof(int32_t) * Hk * S * n_rec + 1), *rec_needle = malloc(sizeof(int32_t) * n_rec + 1);
     if (!q || !k || !v || !rec_q || !out || !rec_out || !sel || !needle || !rec_sel || !rec_needle)
         die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
-    skv_bf16 *dq = skvt_dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = skvt_dbuf(be, k, sizeof(skv_bf16) * kn * LG);
-    skv_bf16 *dv = skvt_dbuf(be, v, sizeof(skv_bf16) * kn * LG);
-    float *dout = skvt_dbuf(be, out, sizeof(float) * qn * L);
+    skv_bf16 *dq = dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = dbuf(be, k, sizeof(skv_bf16) * kn * LG);
+    skv_bf16 *dv = dbuf(be, v, sizeof(skv_bf16) * kn * LG);
+    float *dout = dbuf(be, out, sizeof(float) * qn * L);
     double decode_ms = 0;
     long hits = 0, total = 0;
     for (int step = 0; step < o.steps; step++) {
@@ -243,9 +274,9 @@ int main(int argc, char **argv)
                 if ((st = skvs_step(&seq[lg * B + b], q + lg * qn + b * HD, k + lg * kn + b * Hk * D,
                                     v + lg * kn + b * Hk * D, &needle[lg * B + b])))
                     die("workload step", st, NULL);
-        skvt_dput(be, dq, q, sizeof(skv_bf16) * qn * LG);
-        skvt_dput(be, dk, k, sizeof(skv_bf16) * kn * LG);
-        skvt_dput(be, dv, v, sizeof(skv_bf16) * kn * LG);
+        dput(be, dq, q, sizeof(skv_bf16) * qn * LG);
+        dput(be, dk, k, sizeof(skv_bf16) * kn * LG);
+        dput(be, dv, v, sizeof(skv_bf16) * kn * LG);
         double t0 = now_ms();
         gen_ms += t0 - t_step;
         for (int l = 0; l < L; l++) {
@@ -255,7 +286,7 @@ int main(int argc, char **argv)
         }
         if ((st = skv_cache_sync(cache))) die("skv_cache_sync", st, cache);
         decode_ms += now_ms() - t0;
-        skvt_dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
+        dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
         for (int l = 0; l < L; l++) {
             const int lg = o.share ? 0 : l;
             for (int b = 0; b < B; b++) {
@@ -275,10 +306,10 @@ int main(int argc, char **argv)
         if ((step + 1) % 8 == 0 || step + 1 == o.steps)
             fprintf(stderr, "demo: decode step %d/%d: %.2f ms/step so far\n", step + 1, o.steps, decode_ms / (step + 1));
     }
-    skvt_dfree(be, dq, q);
-    skvt_dfree(be, dk, k);
-    skvt_dfree(be, dv, v);
-    skvt_dfree(be, dout, out);
+    dfree(be, dq, q);
+    dfree(be, dk, k);
+    dfree(be, dv, v);
+    dfree(be, dout, out);
 
     double ref_ms = now_ms(), err = 0, err_max = 0, err_or = 0, err_sel = 0, mass = 0, mass_min = 1, needle_share = 0;
     float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test binary given on the command line, then the link check;
+# Runs every test binary given on the command line, the fuzz replays ($FUZZ_REPLAY),
+# the self-checking examples ($EXAMPLES), then the link check;
 # prints each binary's closing line and, last, the summed
 # "N passed, N failed, N skipped". Exits non-zero on any failure.
 set -u
@@ -28,6 +29,12 @@ for t in "${entries[@]}"; do
   [ "$rc" -ne 0 ] && { echo "FAILED: $t (exit $rc)"; bad=1; [ "$f" -eq 0 ] && total_f=$((total_f + 1)); }
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   echo "   $t: $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+done
+# Examples that check themselves ($EXAMPLES, e.g. build/decode_loop): one pass or one failure
+# each, by exit status.
+for ex in ${EXAMPLES:-}; do
+  echo "== $ex"
+  if "./$ex"; then total_p=$((total_p + 1)); else echo "FAILED: $ex (exit $?)"; total_f=$((total_f + 1)); bad=1; fi
 done
 if [ -n "${SKV_NO_LINK_CHECK:-}" ]; then
   echo "== link-check skipped (SKV_NO_LINK_CHECK)"
