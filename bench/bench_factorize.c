@@ -446,7 +446,7 @@ int bench_factorize_main(int argc, char **argv)
                "<= ref_max_n, cpu and sgesdd only at n <= cpu_max_n, cusolver_gesvd only at n <= gesvd_max_n (0: "
                "every n). cuda: skv_op_factorize on device buffers, wall clock of the synchronous op-level call (warm: "
                "the workspace is reused after the warm-up). cuda_gram_syevd: the same with "
-               "SKV_FACTORIZE=exact (the library's Gram + Xsyevd route). sgesdd: LAPACKE_sgesdd in float; "
+               "the exact route (the library's Gram + Xsyevd route). sgesdd: LAPACKE_sgesdd in float; "
                "cusolver_gesvd: cusolverDnXgesvd in float on the column-major [n, d] matrix, jobu = jobvt = 'S', only "
                "the gesvd call timed; both truncated to rank r (U_r S_r, V_r^T)\",\n"
                " \"rows\": [",
