@@ -12,10 +12,6 @@ CC      ?= gcc
 PREFIX  ?= /usr/local
 BUILD   ?= build
 
-# FMA and AVX2 for the cpu backend when this machine has them (fmaf then is one
-# instruction; results are IEEE either way, so selection stays bit-identical).
-CPU_ARCH ?= $(shell grep -qw fma /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo -mavx2 -mfma)
-
 # A dependency tree extracted from the Debian packages (dpkg -x), for machines
 # where apt-get cannot reach a mirror: make SKV_DEPS=/path/to/tree
 SKV_DEPS ?=
@@ -107,7 +103,7 @@ $(BUILD)/obj/ref/%.o: ref/%.c $(HDRS) | $(DEPS_STAMP)
 
 $(BUILD)/obj/cpu/%.o: cpu/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(CPU_ARCH) -c $< -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -c $< -o $@
 
 $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)

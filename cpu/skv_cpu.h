@@ -4,7 +4,7 @@
  * every op slot with the functions declared here.
  *
  * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
- * to ref (DESIGN.md section 5). They are computed from skv_numerics.h; where a
+ * to ref (DESIGN.md section 5), with or without SIMD. They are computed from skv_numerics.h; where a
  * loop is vectorized, it is vectorized ACROSS independent chains (candidates,
  * tokens, dims), so every lane runs exactly the fmaf/add/div sequence of the
  * shared scalar function, in the same order. Only IEEE-rounded AVX ops are
@@ -25,11 +25,35 @@
 #include "skv_factor.h"
 #include "skv_numerics.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define SKV_CPU_SIMD 1
+/*
+ * Instruction sets. The library is built for baseline x86-64 (no -mavx2 or
+ * -mfma); the AVX2+FMA code is compiled per function (SKV_CPU_AVX2) and runs
+ * only when skv_cpu_simd() says so: the CPU has AVX2 and FMA (cpuid, with
+ * the OS's YMM state) and the environment variable SKV_CPU_SIMD is not "0"
+ * (read once, at the first call). Otherwise, and on other architectures, the
+ * portable code runs: decisions bit for bit the same, factorize by the EXACT
+ * route for every shape and rebuild_keys by OpenBLAS sgemm.
+ * Functions marked SKV_CPU_AVX2 may only be called when skv_cpu_simd() is 1,
+ * and no OpenMP region may hold vector types itself (clang does not give the
+ * outlined region its function's target): region bodies call such functions.
+ */
+#ifndef SKV_CPU_X86
+#if defined(__x86_64__) || defined(__i386__)
+#define SKV_CPU_X86 1
 #else
-#define SKV_CPU_SIMD 0
+#define SKV_CPU_X86 0
 #endif
+#endif
+#if SKV_CPU_X86
+#define SKV_CPU_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+/* 1: the AVX2+FMA functions run; 0: the portable ones. Constant for the process. */
+int skv_cpu_simd(void);
+
+/* Threads of the calling thread's next parallel region: config.n_threads of the
+   cache call in progress on this thread (set_threads), else omp_get_max_threads(). */
+int skv_cpu_threads(void);
 
 #define SKV_CPU_MAX_D 1024 /* lib/ rejects head_dim > 1024 */
 #define SKV_CPU_RB 48      /* rebuild: rows per work item, 8 slivers of 6 */
@@ -40,22 +64,26 @@ static inline int skv_cpu_min(int a, int b) { return a < b ? a : b; }
 /* 64-byte aligned scratch (no 32-byte loads split across cache lines); free(). */
 void *skv_cpu_alloc(size_t bytes);
 
+#if SKV_CPU_X86
 /* ---- GEMM micro-kernels (skv_cpu_gemm.c) ---- */
-void skv_cpu_skern(int k, const float *a, const float *b, float *c, int64_t ldc);
-void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t);
-void skv_cpu_skern_rows(int64_t k, const float *const ar[6], const float *b, float *c);
-void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const double *b, double *t);
+SKV_CPU_AVX2 void skv_cpu_skern(int k, const float *a, const float *b, float *c, int64_t ldc);
+SKV_CPU_AVX2 void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t);
+SKV_CPU_AVX2 void skv_cpu_skern_rows(int64_t k, const float *const ar[6], const float *b, float *c);
+SKV_CPU_AVX2 void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const double *b, double *t);
 
 /* ---- Gram matrices (skv_cpu_gram.c) ---- */
 skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g);
 skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, double *g);
 int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count);
 void skv_cpu_mirror(double *g, int32_t d);
+#endif
 
 /* ---- factorization (skv_cpu_factor.c: the route and the EXACT route; skv_cpu_fast.c: FAST) ---- */
 skv_status skv_cpu_factorize(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
+#if SKV_CPU_X86
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
                                   skv_factor_mode mode);
+#endif
 
 /* ---- RoPE (skv_cpu_rope.c) ---- */
 void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n);
@@ -79,5 +107,10 @@ skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float sca
                                     int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
 skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                   int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
+
+/* skv_ws_alloc bytes of one call of the decode slots for a cache's config (nt: its thread count). */
+size_t skv_cpu_select_ws_bytes(const skv_config *cfg, int32_t cand_max);
+size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt);
+size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt);
 
 #endif /* SKV_CPU_H */

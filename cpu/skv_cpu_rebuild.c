@@ -1,36 +1,59 @@
 /*
- * rebuild_keys: K = U_sel W per KV head, then RoPE.
+ * rebuild_keys: K = U_sel W_h per KV head (M = S*c rows, K = r, N = D), float
+ * accumulation (tolerance-checked, DESIGN.md section 6), then RoPE. The decode
+ * hot spot.
  */
-#include <omp.h>
 #include <cblas.h>
+#include <omp.h>
 
 #include "skv_cpu_simd.h"
 
-/* ---- rebuild keys --------------------------------------------------------------------- */
-
+#if SKV_CPU_X86
 /*
- * The decode hot spot: per KV head, X = U_sel W_h (M = S*c rows, K = r,
- * N = D), float accumulation (tolerance-checked, DESIGN.md section 6), then
- * RoPE. Fused per work item of 48 rows: gather the rows' U (bf16 -> float,
- * packed), the 6x16 kernel against W_h packed once per call, RoPE, store; the
- * float X never leaves the thread's cache.
+ * Rows [m0, m0 + rows) of head h, fused: gather the rows' U (bf16 -> float,
+ * packed as 6-row slivers ap [sliver][k][6]), the 6x16 kernel against W_h
+ * (wb: [sliver][k][16]) into x [rows][Dp], RoPE, store; the float X never
+ * leaves the thread's cache.
  */
-skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
-                                       int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
-                                       const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out,
-                                       skv_ws *ws)
+SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32_t D, int32_t r, int32_t c,
+                                              int32_t S, int64_t h, int64_t m0, int32_t rows, const skv_bf16 *u,
+                                              const float *wb, const int32_t *chunk_ids, const float *cos_tab,
+                                              const float *sin_tab, float *ap, float *x, skv_bf16 *k_out)
 {
-    (void)n;
-    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
-    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D;
-#if SKV_CPU_SIMD
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2, ns = (D + 15) / 16, Dp = ns * 16;
+    int32_t nsl = (rows + 5) / 6;
+    int64_t M = (int64_t)S * c;
+    for (int32_t i = 0; i < nsl * 6; i++) {
+        float *dst = ap + (size_t)(i / 6) * 6 * r + i % 6;
+        if (i < rows) {
+            int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+            const skv_bf16 *ur = u + (size_t)t * r;
+            for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = skv_bf16_to_f32(ur[k]);
+        } else {
+            for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = 0.0f;
+        }
+    }
+    for (int32_t q = 0; q < nsl; q++)
+        for (int32_t js = 0; js < ns; js++)
+            skv_cpu_skern(r, ap + (size_t)q * 6 * r, wb + (size_t)js * r * 16, x + (size_t)q * 6 * Dp + js * 16, Dp);
+    for (int32_t i = 0; i < rows; i++) {
+        int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+        skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                         k_out + ((size_t)h * M + m) * D);
+    }
+}
+
+/* Items of SKV_CPU_RB rows; W packed once per call as 16-column slivers, [h][sliver][k][16]. */
+static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                       int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+{
     enum { RB = SKV_CPU_RB };
     int32_t ns = (D + 15) / 16, Dp = ns * 16;
-    int64_t nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
-    int nt = omp_get_max_threads();
+    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
+    int nt = skv_cpu_threads();
     size_t per_thread = (size_t)RB * r + (size_t)RB * Dp;
-    float *wb = skv_ws_alloc(ws, (size_t)Hk * ns * r * 16 * sizeof *wb); /* [h][sliver][k][16] */
+    float *wb = skv_ws_alloc(ws, (size_t)Hk * ns * r * 16 * sizeof *wb);
     float *buf = skv_ws_alloc(ws, (size_t)nt * per_thread * sizeof *buf);
     if (!wb || !buf) return SKV_ERR_OUT_OF_MEMORY;
 #pragma omp parallel num_threads(nt)
@@ -46,37 +69,29 @@ skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t 
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             int64_t h = it / nrb, m0 = it % nrb * RB;
-            int32_t rows = (int32_t)(M - m0 < RB ? M - m0 : RB), nsl = (rows + 5) / 6;
-            for (int32_t i = 0; i < nsl * 6; i++) { /* ap[sliver][k][6] */
-                float *dst = ap + (size_t)(i / 6) * 6 * r + i % 6;
-                if (i < rows) {
-                    int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
-                    const skv_bf16 *ur = u + (size_t)t * r;
-                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = skv_bf16_to_f32(ur[k]);
-                } else {
-                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = 0.0f;
-                }
-            }
-            for (int32_t q = 0; q < nsl; q++)
-                for (int32_t js = 0; js < ns; js++)
-                    skv_cpu_skern(r, ap + (size_t)q * 6 * r, wb + ((size_t)h * ns + js) * r * 16,
-                                  x + (size_t)q * 6 * Dp + js * 16, Dp);
-            for (int32_t i = 0; i < rows; i++) {
-                int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
-                skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
-                                 k_out + ((size_t)h * M + m) * D);
-            }
+            skv_cpu_rebuild_rows(rope, D, r, c, S, h, m0, (int32_t)(M - m0 < RB ? M - m0 : RB), u,
+                                 wb + (size_t)h * ns * r * 16, chunk_ids, cos_tab, sin_tab, ap, x, k_out);
         }
     }
-#else
-    /* portable build: gather U rows as float, one sgemm per head (W_h in place, ldb = Hk*D), RoPE */
-    int64_t rows = (int64_t)Hk * M;
+    return SKV_OK;
+}
+#endif
+
+/* The portable code: U rows gathered as float, one OpenBLAS sgemm per head (W_h in place,
+   ldb = Hk*D), RoPE. */
+static skv_status skv_cpu_rebuild_blas(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                       int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+{
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, rows = (int64_t)Hk * M;
+    int nt = skv_cpu_threads();
     float *wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *wf);
     float *uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *uf);
     float *x = skv_ws_alloc(ws, (size_t)rows * D * sizeof *x);
     if (!wf || !uf || !x) return SKV_ERR_OUT_OF_MEMORY;
     skv_cpu_to_f32(w, wf, (int64_t)r * width);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
         int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
         skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
@@ -84,13 +99,36 @@ skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t 
     for (int32_t h = 0; h < Hk; h++)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, D, r, 1.0f, uf + (size_t)h * M * r, r,
                     wf + (size_t)h * D, (int)width, 0.0f, x + (size_t)h * M * D, D);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t row = 0; row < rows; row++) {
         int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
         skv_cpu_rope_row(x + (size_t)row * D, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
                          k_out + (size_t)row * D);
     }
-#endif
     return SKV_OK;
 }
 
+skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                skv_bf16 *k_out, skv_ws *ws)
+{
+    (void)n;
+#if SKV_CPU_X86
+    if (skv_cpu_simd())
+        return skv_cpu_rebuild_simd(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+#endif
+    return skv_cpu_rebuild_blas(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+}
+
+/* skv_ws_alloc bytes of one call for a cache's config, nt threads. */
+size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
+{
+    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
+    if (skv_cpu_simd()) {
+        size_t Dp16 = (D + 15) / 16 * 16;
+        return SKV_WS_BYTES(f * (Hk * Dp16 * r + (size_t)nt * SKV_CPU_RB * (r + Dp16)), 2);
+    }
+    size_t M = (size_t)cfg->budget; /* S * c tokens per head */
+    return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
+}

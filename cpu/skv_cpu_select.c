@@ -5,15 +5,13 @@
 
 #include "skv_cpu_simd.h"
 
-/* ---- score and select --------------------------------------------------------------- */
-
+#if SKV_CPU_X86
 /*
  * dot(q_g, L_j) for 8 candidates j (rows L, L+D, ...) and 4 queries qf[4][D]:
  * lanes are candidates, each lane is skv_dot_bf16's fmaf chain over d = 0..D-1
  * from 0, so the values are bit-identical to it. out[g*ld + lane].
  */
-#if SKV_CPU_SIMD
-static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out, int64_t ld)
+SKV_CPU_AVX2 static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out, int64_t ld)
 {
     const skv_bf16 *p[8];
     for (int i = 0; i < 8; i++) p[i] = L + (size_t)i * D;
@@ -42,12 +40,28 @@ static void skv_cpu_dot8x4(const float *qf, int D, const skv_bf16 *L, float *out
     _mm256_storeu_ps(out + 2 * ld, a2);
     _mm256_storeu_ps(out + 3 * ld, a3);
 }
+
+/* sg[g * ld + j] = dot(q_g, L_j) for the candidates [j0, j1) of 4 queries: 8 at a time, then the rest by
+   skv_dot_f32_bf16 (flatten: inlined here, so its fmaf is one instruction, not a libm call). */
+SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_dots_avx2(const float *qg, int D, const skv_bf16 *L,
+                                                                    int32_t j0, int32_t j1, float *sg, int64_t ld)
+{
+    int32_t j = j0;
+    for (; j + 8 <= j1; j += 8) skv_cpu_dot8x4(qg, D, L + (size_t)j * D, sg + j, ld);
+    for (; j < j1; j++)
+        for (int g = 0; g < 4; g++) sg[g * ld + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
+}
+
+/* skv_softmax_inplace with FMA instructions: the same IEEE results, no libm fmaf calls. */
+SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_softmax_fma(float *s, int64_t n)
+{
+    skv_softmax_inplace(s, n);
+}
 #endif
 
-skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
-                                       float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
-                                       const int32_t *candidate_ids, int32_t *sel_idx,
-                                       int32_t *sel_ids, float *amax, skv_ws *ws)
+skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S, float scale,
+                                const skv_bf16 *q, const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                                int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws)
 {
     int32_t G = Hq / Hk, G4 = (G + 3) / 4 * 4; /* queries padded to groups of 4 (zero rows) */
     const int32_t JB = 64;                     /* candidates per work item */
@@ -59,7 +73,9 @@ skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_can
     if (!s || !qf || !a || !scratch) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
     memset(qf, 0, (size_t)Hk * G4 * D * sizeof *qf);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + ((size_t)(i / G) * G4 + i % G) * D, D);
-#pragma omp parallel
+    const int simd = skv_cpu_simd();
+    (void)simd; /* no SIMD code on other architectures */
+#pragma omp parallel num_threads(skv_cpu_threads())
     {
         /* 1. s = dot(q, L) * scale, items = (head, block of candidates, group of 4 queries) */
 #pragma omp for schedule(static)
@@ -69,8 +85,8 @@ skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_can
             const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
             const float *qg = qf + ((size_t)h * G4 + g4 * 4) * D;
             float *sg = s + ((size_t)h * G4 + g4 * 4) * n_cand;
-#if SKV_CPU_SIMD
-            for (; j + 8 <= j1; j += 8) skv_cpu_dot8x4(qg, D, L + (size_t)j * D, sg + j, n_cand);
+#if SKV_CPU_X86
+            if (simd) skv_cpu_dots_avx2(qg, D, L, j0, j1, sg, n_cand), j = j1;
 #endif
             for (; j < j1; j++)
                 for (int g = 0; g < 4; g++) sg[g * n_cand + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
@@ -81,6 +97,12 @@ skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_can
 #pragma omp for schedule(static)
         for (int32_t i = 0; i < Hq; i++) {
             float *si = s + ((size_t)(i / G) * G4 + i % G) * n_cand;
+#if SKV_CPU_X86
+            if (simd) {
+                skv_cpu_softmax_fma(si, n_cand);
+                continue;
+            }
+#endif
             skv_softmax_inplace(si, n_cand);
         }
         /* 3. max over the group, top-S per KV head */
@@ -101,3 +123,11 @@ skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_can
     return SKV_OK;
 }
 
+
+/* skv_ws_alloc bytes of one call with at most cand_max candidates. */
+size_t skv_cpu_select_ws_bytes(const skv_config *cfg, int32_t cand_max)
+{
+    size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim;
+    size_t n = (size_t)cand_max, G4 = (Hq / Hk + 3) / 4 * 4;
+    return SKV_WS_BYTES(sizeof(float) * (Hk * G4 * n + Hk * G4 * D + 2 * Hk * n), 4);
+}
