@@ -149,10 +149,13 @@ bench: $(BUILD)/skv-bench
 demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
-# make check: every test binary, then the install + pkg-config link check;
-# ends with the summed "N passed, N failed, N skipped".
+# make check: every test binary, the fuzz corpus replays, the binaries that run
+# the cpu backend once more with SKV_CPU_SIMD=0 (its portable code: a CPU
+# without AVX2+FMA, or another architecture), then the install + pkg-config
+# link check; ends with the summed "N passed, N failed, N skipped".
+CPU_PORTABLE_BIN := $(filter-out %/test_numerics %/test_cuda,$(TEST_BIN))
 check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
-	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" bash tests/run_all.sh $(TEST_BIN)
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" CPU_PORTABLE="$(CPU_PORTABLE_BIN)" bash tests/run_all.sh $(TEST_BIN)
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.
