@@ -55,6 +55,20 @@ int skv_cpu_simd(void);
    cache call in progress on this thread (set_threads), else omp_get_max_threads(). */
 int skv_cpu_threads(void);
 
+/* skv_cpu_threads(), but no more than items (at least 1): no thread without work. */
+static inline int skv_cpu_team(int64_t items)
+{
+    int nt = skv_cpu_threads();
+    return items < nt ? (items > 1 ? (int)items : 1) : nt;
+}
+
+/* Counts one more of total completions at *cnt; 1 for the caller that completes the last one,
+   which then sees every other completer's writes (acquire-release). */
+static inline int skv_cpu_last(int32_t *cnt, int32_t total)
+{
+    return __atomic_add_fetch(cnt, 1, __ATOMIC_ACQ_REL) == total;
+}
+
 #define SKV_CPU_MAX_D 1024 /* lib/ rejects head_dim > 1024 */
 #define SKV_CPU_RB 48      /* rebuild: rows per work item, 8 slivers of 6 */
 #define SKV_CPU_BT 256     /* attention: tokens per work item */

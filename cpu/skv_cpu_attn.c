@@ -198,6 +198,30 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
     }
 }
 
+/* out of query i = h G + g: the blocks of head h merged in block order. */
+static void skv_cpu_attn_merge(const float *part, size_t item_sz, int64_t nblk, int32_t G, int32_t D, int32_t Dp,
+                               int32_t h, float *out)
+{
+    for (int32_t g = 0; g < G; g++) {
+        float M = -INFINITY, L = 0.0f, *o = out + ((size_t)h * G + g) * D;
+        for (int64_t b = 0; b < nblk; b++) {
+            float mb = part[(size_t)(h * nblk + b) * item_sz + g];
+            M = mb > M ? mb : M;
+        }
+        memset(o, 0, (size_t)D * sizeof *o);
+        for (int64_t b = 0; b < nblk; b++) {
+            const float *p = part + (size_t)(h * nblk + b) * item_sz;
+            float f = expf(p[g] - M);
+            const float *ab = p + 2 * G + (size_t)g * Dp;
+            L += f * p[G + g];
+            for (int32_t d = 0; d < D; d++) o[d] += f * ab[d];
+        }
+        for (int32_t d = 0; d < D; d++) o[d] /= L;
+    }
+}
+
+/* One parallel loop over the (head, block) items, dynamic, no barrier inside: the item that
+   completes a head's last block merges that head. */
 skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                     int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
 {
@@ -208,13 +232,15 @@ skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float sca
     off[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
     int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
     size_t item_sz = (size_t)G * (2 + Dp);
-    int nt = skv_cpu_threads(), simd = skv_cpu_simd();
+    int nt = skv_cpu_team(items), simd = skv_cpu_simd();
     (void)simd; /* no SIMD code on other architectures */
     float *qf = skv_ws_alloc(ws, (size_t)Hq * Dp * sizeof *qf);
     float *part = skv_ws_alloc(ws, (size_t)items * item_sz * sizeof *part);
     float *sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *sc);
-    if (!qf || !part || !sc) return SKV_ERR_OUT_OF_MEMORY;
+    int32_t *done = skv_ws_alloc(ws, (size_t)Hk * sizeof *done);
+    if (!qf || !part || !sc || !done) return SKV_ERR_OUT_OF_MEMORY;
     memset(qf, 0, (size_t)Hq * Dp * sizeof *qf);
+    memset(done, 0, (size_t)Hk * sizeof *done);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
     struct skv_cpu_attn A = {G, D, Dp, scale, qf, spans, off, NULL};
 #pragma omp parallel num_threads(nt)
@@ -224,37 +250,16 @@ skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float sca
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             int64_t h = it / nblk, b = it % nblk, t0 = b * SKV_CPU_BT;
-            Ai.part = part + (size_t)it * item_sz;
             int64_t t1 = t0 + SKV_CPU_BT < T ? t0 + SKV_CPU_BT : T;
+            Ai.part = part + (size_t)it * item_sz;
 #if SKV_CPU_X86
-            if (simd) {
-                skv_cpu_attn_item_avx2(&Ai, (int32_t)h, t0, t1, my_sc);
-                continue;
-            }
+            if (simd) skv_cpu_attn_item_avx2(&Ai, (int32_t)h, t0, t1, my_sc);
+            else
 #endif
-            skv_cpu_attn_item(&Ai, (int32_t)h, t0, t1, my_sc);
-        }
-        /* merge the blocks of each (head, query) in block order */
-#pragma omp for schedule(static)
-        for (int32_t i = 0; i < Hq; i++) {
-            int32_t h = i / G, g = i % G;
-            float M = -INFINITY, L = 0.0f, *o = out + (size_t)i * D;
-            for (int64_t b = 0; b < nblk; b++) {
-                float mb = part[(size_t)(h * nblk + b) * item_sz + g];
-                M = mb > M ? mb : M;
-            }
-            memset(o, 0, (size_t)D * sizeof *o);
-            for (int64_t b = 0; b < nblk; b++) {
-                const float *p = part + (size_t)(h * nblk + b) * item_sz;
-                float f = expf(p[g] - M);
-                const float *ab = p + 2 * G + (size_t)g * Dp;
-                L += f * p[G + g];
-                for (int32_t d = 0; d < D; d++) o[d] += f * ab[d];
-            }
-            for (int32_t d = 0; d < D; d++) o[d] /= L;
+                skv_cpu_attn_item(&Ai, (int32_t)h, t0, t1, my_sc);
+            if (skv_cpu_last(&done[h], (int32_t)nblk)) skv_cpu_attn_merge(part, item_sz, nblk, G, D, Dp, (int32_t)h, out);
         }
     }
-
     return SKV_OK;
 }
 
@@ -273,5 +278,6 @@ size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt)
 {
     size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, G = Hq / Hk;
     size_t Dp = (D + 7) / 8 * 8, items = Hk * (size_t)((max_tokens + SKV_CPU_BT - 1) / SKV_CPU_BT);
-    return SKV_WS_BYTES(sizeof(float) * (Hq * Dp + items * G * (2 + Dp) + (size_t)nt * G * SKV_CPU_BT), 3);
+    return SKV_WS_BYTES(sizeof(float) * (Hq * Dp + items * G * (2 + Dp) + (size_t)nt * G * SKV_CPU_BT) +
+                            sizeof(int32_t) * Hk, 4);
 }

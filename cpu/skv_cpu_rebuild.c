@@ -43,34 +43,39 @@ SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32
     }
 }
 
-/* Items of SKV_CPU_RB rows; W packed once per call as 16-column slivers, [h][sliver][k][16]. */
+/* W_h packed as 16-column slivers, wb [sliver][k][16], zero past D. */
+static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int64_t h, const skv_bf16 *w, float *wb)
+{
+    int32_t Dp = (D + 15) / 16 * 16;
+    for (int32_t k = 0; k < r; k++) {
+        const skv_bf16 *wr = w + (size_t)k * Hk * D + h * D;
+        for (int32_t j = 0; j < Dp; j++) wb[((size_t)(j / 16) * r + k) * 16 + j % 16] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
+    }
+}
+
+/* One parallel loop over items of SKV_CPU_RB rows of one head, dynamic, no barrier inside; each thread
+   packs W_h into its own buffer when its item's head changes. */
 static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     enum { RB = SKV_CPU_RB };
-    int32_t ns = (D + 15) / 16, Dp = ns * 16;
-    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
-    int nt = skv_cpu_threads();
-    size_t per_thread = (size_t)RB * r + (size_t)RB * Dp;
-    float *wb = skv_ws_alloc(ws, (size_t)Hk * ns * r * 16 * sizeof *wb);
+    int32_t Dp = (D + 15) / 16 * 16;
+    int64_t M = (int64_t)S * c, nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
+    int nt = skv_cpu_team(items);
+    size_t per_thread = (size_t)RB * r + (size_t)RB * Dp + (size_t)Dp * r; /* ap, x, wb */
     float *buf = skv_ws_alloc(ws, (size_t)nt * per_thread * sizeof *buf);
-    if (!wb || !buf) return SKV_ERR_OUT_OF_MEMORY;
+    if (!buf) return SKV_ERR_OUT_OF_MEMORY;
 #pragma omp parallel num_threads(nt)
     {
-        float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r;
-#pragma omp for schedule(static)
-        for (int64_t hk = 0; hk < (int64_t)Hk * r; hk++) {
-            int64_t h = hk / r, k = hk % r;
-            const skv_bf16 *wr = w + (size_t)k * width + h * D;
-            for (int32_t j = 0; j < Dp; j++)
-                wb[(((size_t)h * ns + j / 16) * r + k) * 16 + j % 16] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
-        }
-#pragma omp for schedule(static)
+        float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r, *wb = x + (size_t)RB * Dp;
+        int64_t packed = -1; /* the head whose W is in wb */
+#pragma omp for schedule(dynamic, 2)
         for (int64_t it = 0; it < items; it++) {
             int64_t h = it / nrb, m0 = it % nrb * RB;
-            skv_cpu_rebuild_rows(rope, D, r, c, S, h, m0, (int32_t)(M - m0 < RB ? M - m0 : RB), u,
-                                 wb + (size_t)h * ns * r * 16, chunk_ids, cos_tab, sin_tab, ap, x, k_out);
+            if (h != packed) skv_cpu_pack_w(D, Hk, r, h, w, wb), packed = h;
+            skv_cpu_rebuild_rows(rope, D, r, c, S, h, m0, (int32_t)(M - m0 < RB ? M - m0 : RB), u, wb, chunk_ids,
+                                 cos_tab, sin_tab, ap, x, k_out);
         }
     }
     return SKV_OK;
@@ -127,7 +132,7 @@ size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
     size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
     if (skv_cpu_simd()) {
         size_t Dp16 = (D + 15) / 16 * 16;
-        return SKV_WS_BYTES(f * (Hk * Dp16 * r + (size_t)nt * SKV_CPU_RB * (r + Dp16)), 2);
+        return SKV_WS_BYTES(f * (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r), 1);
     }
     size_t M = (size_t)cfg->budget; /* S * c tokens per head */
     return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
