@@ -35,7 +35,8 @@ int skv_cpu_simd(void)
 static __thread int32_t skv_cpu_call_threads;
 
 /* lib/ calls this with config.n_threads when a prefill or decode starts on this thread and with 0
-   when it ends: the count goes to num_threads clauses, the caller's OpenMP state is never touched. */
+   when it ends: the count goes to num_threads clauses and the decode helpers (skv_cpu_run); the
+   caller's OpenMP state is never touched. */
 static void skv_cpu_set_threads(int32_t n) { skv_cpu_call_threads = n > 0 ? n : 0; }
 
 int skv_cpu_threads(void) { return skv_cpu_call_threads > 0 ? skv_cpu_call_threads : omp_get_max_threads(); }

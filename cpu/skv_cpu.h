@@ -1,7 +1,8 @@
 /*
- * skv_cpu.h - private header of the cpu backend (OpenMP + AVX2/FMA, LAPACKE,
- * OpenBLAS). cpu/skv_cpu.c fills the dispatch table from ref's and overrides
- * every op slot with the functions declared here.
+ * skv_cpu.h - private header of the cpu backend (AVX2/FMA chosen at run time,
+ * OpenMP for prefill, its own helper threads for decode, LAPACKE, OpenBLAS).
+ * cpu/skv_cpu.c fills the dispatch table from ref's and overrides every op
+ * slot with the functions declared here.
  *
  * Decisions (landmarks, outliers, candidates, selection) must be bit-identical
  * to ref (DESIGN.md section 5), with or without SIMD. They are computed from skv_numerics.h; where a
@@ -54,6 +55,12 @@ int skv_cpu_simd(void);
 /* Threads of the calling thread's next parallel region: config.n_threads of the
    cache call in progress on this thread (set_threads), else omp_get_max_threads(). */
 int skv_cpu_threads(void);
+
+/* The decode slots' team (skv_cpu_pool.c): fn(ctx, i, t) for every item i in [0, n), on the calling
+   thread (t = 0) and up to nt - 1 helper threads (t = 1 .. nt - 1; per-thread scratch by t), items
+   handed out one at a time in order; returns when every item is done. */
+typedef void (*skv_cpu_item_fn)(void *ctx, int64_t item, int t);
+void skv_cpu_run(int nt, int64_t n, skv_cpu_item_fn fn, void *ctx);
 
 /* skv_cpu_threads(), but no more than items (at least 1): no thread without work. */
 static inline int skv_cpu_team(int64_t items)

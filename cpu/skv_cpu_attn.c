@@ -4,8 +4,6 @@
 #include <math.h>
 #include <string.h>
 
-#include <omp.h>
-
 #include "skv_cpu_simd.h"
 
 /*
@@ -220,8 +218,34 @@ static void skv_cpu_attn_merge(const float *part, size_t item_sz, int64_t nblk, 
     }
 }
 
-/* One parallel loop over the (head, block) items, dynamic, no barrier inside: the item that
-   completes a head's last block merges that head. */
+typedef struct {
+    struct skv_cpu_attn A;
+    int64_t T, nblk;
+    size_t item_sz;
+    int simd;
+    float *part, *sc, *out;
+    int32_t *done;
+} skv_cpu_att;
+
+static void skv_cpu_att_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_att *c = ctx;
+    int32_t G = c->A.G;
+    int64_t h = it / c->nblk, b = it % c->nblk, t0 = b * SKV_CPU_BT, t1 = t0 + SKV_CPU_BT < c->T ? t0 + SKV_CPU_BT : c->T;
+    float *sc = c->sc + (size_t)t * G * SKV_CPU_BT;
+    struct skv_cpu_attn A = c->A;
+    A.part = c->part + (size_t)it * c->item_sz;
+#if SKV_CPU_X86
+    if (c->simd) skv_cpu_attn_item_avx2(&A, (int32_t)h, t0, t1, sc);
+    else
+#endif
+        skv_cpu_attn_item(&A, (int32_t)h, t0, t1, sc);
+    if (skv_cpu_last(&c->done[h], (int32_t)c->nblk))
+        skv_cpu_attn_merge(c->part, c->item_sz, c->nblk, G, A.D, A.Dp, (int32_t)h, c->out);
+}
+
+/* One job of (head, block) items (skv_cpu_run), no barrier inside: the item that completes a head's
+   last block merges that head. */
 skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                     int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
 {
@@ -231,35 +255,19 @@ skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float sca
     for (int32_t s = 0; s < n_spans; s++) off[s + 1] = off[s] + spans[s].n_tokens;
     off[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
     int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
-    size_t item_sz = (size_t)G * (2 + Dp);
-    int nt = skv_cpu_team(items), simd = skv_cpu_simd();
-    (void)simd; /* no SIMD code on other architectures */
+    int nt = skv_cpu_team(items);
+    skv_cpu_att c = {{G, D, Dp, scale, NULL, spans, off, NULL}, T, nblk, (size_t)G * (2 + Dp), skv_cpu_simd(),
+                     NULL, NULL, out, NULL};
     float *qf = skv_ws_alloc(ws, (size_t)Hq * Dp * sizeof *qf);
-    float *part = skv_ws_alloc(ws, (size_t)items * item_sz * sizeof *part);
-    float *sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *sc);
-    int32_t *done = skv_ws_alloc(ws, (size_t)Hk * sizeof *done);
-    if (!qf || !part || !sc || !done) return SKV_ERR_OUT_OF_MEMORY;
+    c.part = skv_ws_alloc(ws, (size_t)items * c.item_sz * sizeof *c.part);
+    c.sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *c.sc);
+    c.done = skv_ws_alloc(ws, (size_t)Hk * sizeof *c.done);
+    if (!qf || !c.part || !c.sc || !c.done) return SKV_ERR_OUT_OF_MEMORY;
     memset(qf, 0, (size_t)Hq * Dp * sizeof *qf);
-    memset(done, 0, (size_t)Hk * sizeof *done);
+    memset(c.done, 0, (size_t)Hk * sizeof *c.done);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
-    struct skv_cpu_attn A = {G, D, Dp, scale, qf, spans, off, NULL};
-#pragma omp parallel num_threads(nt)
-    {
-        float *my_sc = sc + (size_t)omp_get_thread_num() * G * SKV_CPU_BT;
-        struct skv_cpu_attn Ai = A;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t h = it / nblk, b = it % nblk, t0 = b * SKV_CPU_BT;
-            int64_t t1 = t0 + SKV_CPU_BT < T ? t0 + SKV_CPU_BT : T;
-            Ai.part = part + (size_t)it * item_sz;
-#if SKV_CPU_X86
-            if (simd) skv_cpu_attn_item_avx2(&Ai, (int32_t)h, t0, t1, my_sc);
-            else
-#endif
-                skv_cpu_attn_item(&Ai, (int32_t)h, t0, t1, my_sc);
-            if (skv_cpu_last(&done[h], (int32_t)nblk)) skv_cpu_attn_merge(part, item_sz, nblk, G, D, Dp, (int32_t)h, out);
-        }
-    }
+    c.A.qf = qf;
+    skv_cpu_run(nt, items, skv_cpu_att_item, &c);
     return SKV_OK;
 }
 

@@ -4,7 +4,6 @@
  * hot spot.
  */
 #include <cblas.h>
-#include <omp.h>
 
 #include "skv_cpu_simd.h"
 
@@ -53,31 +52,46 @@ static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int64_t h, const sk
     }
 }
 
-/* One parallel loop over items of SKV_CPU_RB rows of one head, dynamic, no barrier inside; each thread
-   packs W_h into its own buffer when its item's head changes. */
+typedef struct {
+    const skv_rope_config *rope;
+    int32_t D, Hk, r, c, S;
+    int64_t M, nrb;
+    const skv_bf16 *u, *w;
+    const int32_t *chunk_ids;
+    const float *cos_tab, *sin_tab;
+    skv_bf16 *k_out;
+    float *buf;        /* per thread: ap, x, wb */
+    size_t per_thread;
+    int64_t *packed;   /* per thread: the head whose W is in its wb, or -1 */
+} skv_cpu_reb;
+
+static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_reb *c = ctx;
+    int32_t Dp = (c->D + 15) / 16 * 16;
+    int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_RB;
+    float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * Dp;
+    if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, h, c->w, wb), c->packed[t] = h;
+    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
+                         c->u, wb, c->chunk_ids, c->cos_tab, c->sin_tab, ap, x, c->k_out);
+}
+
+/* One job of items of SKV_CPU_RB rows of one head (skv_cpu_run); each thread packs W_h into its own
+   buffer when its item's head changes. */
 static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
-    enum { RB = SKV_CPU_RB };
     int32_t Dp = (D + 15) / 16 * 16;
-    int64_t M = (int64_t)S * c, nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
+    int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = (int64_t)Hk * nrb;
     int nt = skv_cpu_team(items);
-    size_t per_thread = (size_t)RB * r + (size_t)RB * Dp + (size_t)Dp * r; /* ap, x, wb */
-    float *buf = skv_ws_alloc(ws, (size_t)nt * per_thread * sizeof *buf);
-    if (!buf) return SKV_ERR_OUT_OF_MEMORY;
-#pragma omp parallel num_threads(nt)
-    {
-        float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r, *wb = x + (size_t)RB * Dp;
-        int64_t packed = -1; /* the head whose W is in wb */
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t h = it / nrb, m0 = it % nrb * RB;
-            if (h != packed) skv_cpu_pack_w(D, Hk, r, h, w, wb), packed = h;
-            skv_cpu_rebuild_rows(rope, D, r, c, S, h, m0, (int32_t)(M - m0 < RB ? M - m0 : RB), u, wb, chunk_ids,
-                                 cos_tab, sin_tab, ap, x, k_out);
-        }
-    }
+    skv_cpu_reb job = {rope, D, Hk, r, c, S, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL,
+                       (size_t)SKV_CPU_RB * r + (size_t)SKV_CPU_RB * Dp + (size_t)Dp * r, NULL};
+    job.buf = skv_ws_alloc(ws, (size_t)nt * job.per_thread * sizeof *job.buf);
+    job.packed = skv_ws_alloc(ws, (size_t)nt * sizeof *job.packed);
+    if (!job.buf || !job.packed) return SKV_ERR_OUT_OF_MEMORY;
+    for (int t = 0; t < nt; t++) job.packed[t] = -1;
+    skv_cpu_run(nt, items, skv_cpu_reb_item, &job);
     return SKV_OK;
 }
 #endif
@@ -132,7 +146,7 @@ size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
     size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
     if (skv_cpu_simd()) {
         size_t Dp16 = (D + 15) / 16 * 16;
-        return SKV_WS_BYTES(f * (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r), 1);
+        return SKV_WS_BYTES(f * (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r) + sizeof(int64_t) * (size_t)nt, 2);
     }
     size_t M = (size_t)cfg->budget; /* S * c tokens per head */
     return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);

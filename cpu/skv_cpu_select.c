@@ -60,8 +60,8 @@ SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_softmax_fma(float *s, 
 #endif
 
 /*
- * One parallel loop, no barrier inside: items are (head, group of 4 queries,
- * block of SKV_CPU_SEL_JB candidates), dynamic. The item that completes the
+ * One job of items (head, group of 4 queries, block of SKV_CPU_SEL_JB
+ * candidates), no barrier inside (skv_cpu_run). The item that completes the
  * last block of a (head, group) row runs that row's softmax; the one that
  * completes the last row of a head takes the group max and the head's top-S.
  * Every value is computed by the same function in the same order whichever
@@ -69,63 +69,79 @@ SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_softmax_fma(float *s, 
  */
 #define SKV_CPU_SEL_JB 64 /* candidates per work item */
 
+typedef struct {
+    int32_t G, G4, NG, D, n_cand, S, nblk, simd;
+    float scale;
+    const skv_bf16 *landmarks;
+    const int32_t *candidate_ids;
+    int32_t *sel_idx, *sel_ids;
+    float *amax, *s, *qf, *a;
+    int32_t *scratch, *done;
+} skv_cpu_sel;
+
+static void skv_cpu_sel_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_sel *c = ctx;
+    const int32_t G = c->G, G4 = c->G4, NG = c->NG, D = c->D, n_cand = c->n_cand, S = c->S, nblk = c->nblk;
+    const int32_t b = (int32_t)(it % nblk), g4 = (int32_t)(it / nblk % NG), h = (int32_t)(it / nblk / NG);
+    const int32_t j0 = b * SKV_CPU_SEL_JB, j1 = skv_cpu_min(j0 + SKV_CPU_SEL_JB, n_cand);
+    const skv_bf16 *L = c->landmarks + (size_t)h * n_cand * D;
+    const float *qg = c->qf + ((size_t)h * G4 + g4 * 4) * D;
+    float *sg = c->s + ((size_t)h * G4 + g4 * 4) * n_cand;
+    int32_t j = j0;
+    (void)t;
+    /* s = dot(q, L) * scale */
+#if SKV_CPU_X86
+    if (c->simd) skv_cpu_dots_avx2(qg, D, L, j0, j1, sg, n_cand), j = j1;
+#endif
+    for (; j < j1; j++)
+        for (int g = 0; g < 4; g++) sg[g * n_cand + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
+    for (int g = 0; g < 4; g++)
+        for (j = j0; j < j1; j++) sg[g * n_cand + j] = SKV_MUL(sg[g * n_cand + j], c->scale);
+    if (!skv_cpu_last(&c->done[(size_t)h * (NG + 1) + g4], nblk)) return;
+    /* the row's last block: softmax of its queries, exactly as ref */
+    for (int g = 0; g < 4 && g4 * 4 + g < G; g++) {
+#if SKV_CPU_X86
+        if (c->simd) {
+            skv_cpu_softmax_fma(sg + (size_t)g * n_cand, n_cand);
+            continue;
+        }
+#endif
+        skv_softmax_inplace(sg + (size_t)g * n_cand, n_cand);
+    }
+    if (!skv_cpu_last(&c->done[(size_t)h * (NG + 1) + NG], NG)) return;
+    /* the head's last row: max over the group, top-S */
+    float *ah = c->a + (size_t)h * n_cand;
+    const float *sh = c->s + (size_t)h * G4 * n_cand;
+    memcpy(ah, sh, (size_t)n_cand * sizeof *ah);
+    for (int32_t g = 1; g < G; g++)
+        for (j = 0; j < n_cand; j++)
+            if (sh[(size_t)g * n_cand + j] > ah[j]) ah[j] = sh[(size_t)g * n_cand + j];
+    if (c->amax) memcpy(c->amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
+    skv_select_head(ah, n_cand, S, c->scratch + (size_t)h * n_cand, c->sel_idx + (size_t)h * S,
+                    c->candidate_ids ? c->candidate_ids + (size_t)h * n_cand : NULL,
+                    c->sel_ids ? c->sel_ids + (size_t)h * S : NULL);
+}
+
 skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S, float scale,
                                 const skv_bf16 *q, const skv_bf16 *landmarks, const int32_t *candidate_ids,
                                 int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws)
 {
-    const int32_t G = Hq / Hk, G4 = (G + 3) / 4 * 4, NG = G4 / 4; /* queries padded to groups of 4 (zero rows) */
-    const int32_t nblk = (n_cand + SKV_CPU_SEL_JB - 1) / SKV_CPU_SEL_JB;
-    const int64_t items = (int64_t)Hk * NG * nblk;
-    float *s = skv_ws_alloc(ws, (size_t)Hk * G4 * n_cand * sizeof *s); /* scores, then probabilities */
-    float *qf = skv_ws_alloc(ws, (size_t)Hk * G4 * D * sizeof *qf);
-    float *a = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *a);
-    int32_t *scratch = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *scratch);
-    int32_t *done = skv_ws_alloc(ws, (size_t)Hk * (NG + 1) * sizeof *done); /* blocks per row, rows per head */
-    if (!s || !qf || !a || !scratch || !done) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
-    memset(qf, 0, (size_t)Hk * G4 * D * sizeof *qf);
-    memset(done, 0, (size_t)Hk * (NG + 1) * sizeof *done);
-    for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + ((size_t)(i / G) * G4 + i % G) * D, D);
-    const int simd = skv_cpu_simd();
-    (void)simd; /* no SIMD code on other architectures */
-#pragma omp parallel for num_threads(skv_cpu_team(items)) schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; it++) {
-        const int32_t b = (int32_t)(it % nblk), g4 = (int32_t)(it / nblk % NG), h = (int32_t)(it / nblk / NG);
-        const int32_t j0 = b * SKV_CPU_SEL_JB, j1 = skv_cpu_min(j0 + SKV_CPU_SEL_JB, n_cand);
-        const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
-        const float *qg = qf + ((size_t)h * G4 + g4 * 4) * D;
-        float *sg = s + ((size_t)h * G4 + g4 * 4) * n_cand;
-        int32_t j = j0;
-        /* s = dot(q, L) * scale */
-#if SKV_CPU_X86
-        if (simd) skv_cpu_dots_avx2(qg, D, L, j0, j1, sg, n_cand), j = j1;
-#endif
-        for (; j < j1; j++)
-            for (int g = 0; g < 4; g++) sg[g * n_cand + j] = skv_dot_f32_bf16(qg + g * D, L + (size_t)j * D, D);
-        for (int g = 0; g < 4; g++)
-            for (j = j0; j < j1; j++) sg[g * n_cand + j] = SKV_MUL(sg[g * n_cand + j], scale);
-        if (!skv_cpu_last(&done[(size_t)h * (NG + 1) + g4], nblk)) continue;
-        /* the row's last block: softmax of its queries, exactly as ref */
-        for (int g = 0; g < 4 && g4 * 4 + g < G; g++) {
-#if SKV_CPU_X86
-            if (simd) {
-                skv_cpu_softmax_fma(sg + (size_t)g * n_cand, n_cand);
-                continue;
-            }
-#endif
-            skv_softmax_inplace(sg + (size_t)g * n_cand, n_cand);
-        }
-        if (!skv_cpu_last(&done[(size_t)h * (NG + 1) + NG], NG)) continue;
-        /* the head's last row: max over the group, top-S */
-        float *ah = a + (size_t)h * n_cand;
-        const float *sh = s + (size_t)h * G4 * n_cand;
-        memcpy(ah, sh, (size_t)n_cand * sizeof *ah);
-        for (int32_t g = 1; g < G; g++)
-            for (int32_t jj = 0; jj < n_cand; jj++)
-                if (sh[(size_t)g * n_cand + jj] > ah[jj]) ah[jj] = sh[(size_t)g * n_cand + jj];
-        if (amax) memcpy(amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
-        skv_select_head(ah, n_cand, S, scratch + (size_t)h * n_cand, sel_idx + (size_t)h * S,
-                        candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL, sel_ids ? sel_ids + (size_t)h * S : NULL);
-    }
+    skv_cpu_sel c = {Hq / Hk, 0, 0, D, n_cand, S, (n_cand + SKV_CPU_SEL_JB - 1) / SKV_CPU_SEL_JB, skv_cpu_simd(),
+                     scale, landmarks, candidate_ids, sel_idx, sel_ids, amax, NULL, NULL, NULL, NULL, NULL};
+    c.G4 = (c.G + 3) / 4 * 4, c.NG = c.G4 / 4; /* queries padded to groups of 4 (zero rows) */
+    const int64_t items = (int64_t)Hk * c.NG * c.nblk;
+    c.s = skv_ws_alloc(ws, (size_t)Hk * c.G4 * n_cand * sizeof *c.s); /* scores, then probabilities */
+    c.qf = skv_ws_alloc(ws, (size_t)Hk * c.G4 * D * sizeof *c.qf);
+    c.a = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *c.a);
+    c.scratch = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *c.scratch);
+    c.done = skv_ws_alloc(ws, (size_t)Hk * (c.NG + 1) * sizeof *c.done); /* blocks per row, rows per head */
+    if (!c.s || !c.qf || !c.a || !c.scratch || !c.done) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
+    memset(c.qf, 0, (size_t)Hk * c.G4 * D * sizeof *c.qf);
+    memset(c.done, 0, (size_t)Hk * (c.NG + 1) * sizeof *c.done);
+    for (int32_t i = 0; i < Hq; i++)
+        skv_cpu_to_f32(q + (size_t)i * D, c.qf + ((size_t)(i / c.G) * c.G4 + i % c.G) * D, D);
+    skv_cpu_run(skv_cpu_team(items), items, skv_cpu_sel_item, &c);
     return SKV_OK;
 }
 
