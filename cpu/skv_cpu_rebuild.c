@@ -3,6 +3,8 @@
  * accumulation (tolerance-checked, DESIGN.md section 6), then RoPE. The decode
  * hot spot.
  */
+#include <string.h>
+
 #include <cblas.h>
 
 #include "skv_cpu_simd.h"
@@ -54,42 +56,59 @@ static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int64_t h, const sk
 
 typedef struct {
     const skv_rope_config *rope;
-    int32_t D, Hk, r, c, S;
+    int32_t D, Hk, r, c, S, Dp;
     int64_t M, nrb;
     const skv_bf16 *u, *w;
     const int32_t *chunk_ids;
     const float *cos_tab, *sin_tab;
     skv_bf16 *k_out;
-    float *buf;        /* per thread: ap, x, wb */
+    float *wb;         /* every head's W, packed: [Hk][Dp * r] */
+    int32_t *ready;    /* [Hk]: 1 once that head's W is in wb */
+    float *buf;        /* per thread: ap, x, a private W */
     size_t per_thread;
-    int64_t *packed;   /* per thread: the head whose W is in its wb, or -1 */
+    int64_t *packed;   /* per thread: the head whose W is in its private buffer, or -1 */
 } skv_cpu_reb;
 
+/*
+ * Items 0 .. Hk-1 pack one head's W each into the shared wb; the others are
+ * SKV_CPU_RB rows of one head. A row item whose head is not packed yet (its
+ * packing item still running, on a thread the scheduler may have
+ * descheduled) packs a private copy rather than wait.
+ */
 static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
 {
     const skv_cpu_reb *c = ctx;
-    int32_t Dp = (c->D + 15) / 16 * 16;
+    size_t wsz = (size_t)c->Dp * c->r;
+    if (it < c->Hk) {
+        skv_cpu_pack_w(c->D, c->Hk, c->r, it, c->w, c->wb + (size_t)it * wsz);
+        __atomic_store_n(&c->ready[it], 1, __ATOMIC_RELEASE);
+        return;
+    }
+    it -= c->Hk;
     int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_RB;
-    float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * Dp;
-    if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, h, c->w, wb), c->packed[t] = h;
+    float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * c->Dp;
+    if (__atomic_load_n(&c->ready[h], __ATOMIC_ACQUIRE)) wb = c->wb + (size_t)h * wsz;
+    else if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, h, c->w, wb), c->packed[t] = h;
     skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
                          c->u, wb, c->chunk_ids, c->cos_tab, c->sin_tab, ap, x, c->k_out);
 }
 
-/* One job of items of SKV_CPU_RB rows of one head (skv_cpu_run); each thread packs W_h into its own
-   buffer when its item's head changes. */
+/* One job (skv_cpu_run): the W packing items, then the row items. */
 static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     int32_t Dp = (D + 15) / 16 * 16;
-    int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = (int64_t)Hk * nrb;
+    int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = Hk + (int64_t)Hk * nrb;
     int nt = skv_cpu_team(items);
-    skv_cpu_reb job = {rope, D, Hk, r, c, S, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL,
+    skv_cpu_reb job = {rope, D, Hk, r, c, S, Dp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
                        (size_t)SKV_CPU_RB * r + (size_t)SKV_CPU_RB * Dp + (size_t)Dp * r, NULL};
+    job.wb = skv_ws_alloc(ws, (size_t)Hk * Dp * r * sizeof *job.wb);
+    job.ready = skv_ws_alloc(ws, (size_t)Hk * sizeof *job.ready);
     job.buf = skv_ws_alloc(ws, (size_t)nt * job.per_thread * sizeof *job.buf);
     job.packed = skv_ws_alloc(ws, (size_t)nt * sizeof *job.packed);
-    if (!job.buf || !job.packed) return SKV_ERR_OUT_OF_MEMORY;
+    if (!job.wb || !job.ready || !job.buf || !job.packed) return SKV_ERR_OUT_OF_MEMORY;
+    memset(job.ready, 0, (size_t)Hk * sizeof *job.ready);
     for (int t = 0; t < nt; t++) job.packed[t] = -1;
     skv_cpu_run(nt, items, skv_cpu_reb_item, &job);
     return SKV_OK;
@@ -146,7 +165,8 @@ size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
     size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
     if (skv_cpu_simd()) {
         size_t Dp16 = (D + 15) / 16 * 16;
-        return SKV_WS_BYTES(f * (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r) + sizeof(int64_t) * (size_t)nt, 2);
+        return SKV_WS_BYTES(f * (Hk * Dp16 * r + (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r)) +
+                                sizeof(int32_t) * Hk + sizeof(int64_t) * (size_t)nt, 4);
     }
     size_t M = (size_t)cfg->budget; /* S * c tokens per head */
     return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
