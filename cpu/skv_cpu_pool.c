@@ -13,11 +13,17 @@
  * itself from the start and never waits for a helper that has not started,
  * only for items in progress. Helpers spin briefly after a job, then sleep:
  * no thread burns a core while there is no work.
+ *
+ * Like OpenMP's thread pool, the team is the process's, not a call's: its
+ * memory is mapped (not malloc'ed: the library's heap calls are the calls'),
+ * and when it cannot be mapped or a helper cannot start, the work runs on
+ * the calling thread alone, with the same results.
  */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
-#include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "skv_cpu.h"
@@ -113,7 +119,7 @@ static void skv_cpu_pool_free(void *v)
     for (int i = 0; i < p->n_helpers; i++) pthread_join(p->th[i], NULL);
     pthread_cond_destroy(&p->wake);
     pthread_mutex_destroy(&p->mu);
-    free(p);
+    munmap(p, sizeof *p);
 }
 
 static pthread_key_t skv_cpu_pool_key;
@@ -130,15 +136,16 @@ static skv_cpu_pool *skv_cpu_pool_get(int want)
     skv_cpu_pool *p = pthread_getspecific(skv_cpu_pool_key);
     if (p && p->pid != getpid()) p = NULL; /* in a fork's child: left alone (its lock may be held), a new one */
     if (!p) {
-        if (!(p = calloc(1, sizeof *p))) return NULL;
+        p = mmap(NULL, sizeof *p, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0); /* zeroed */
+        if (p == MAP_FAILED) return NULL;
         p->pid = getpid();
         if (pthread_mutex_init(&p->mu, NULL)) {
-            free(p);
+            munmap(p, sizeof *p);
             return NULL;
         }
         if (pthread_cond_init(&p->wake, NULL) || pthread_setspecific(skv_cpu_pool_key, p)) {
             pthread_mutex_destroy(&p->mu);
-            free(p);
+            munmap(p, sizeof *p);
             return NULL;
         }
     }
