@@ -18,10 +18,15 @@ static pthread_once_t skv_cpu_simd_once = PTHREAD_ONCE_INIT;
 static void skv_cpu_simd_init(void)
 {
     const char *e = getenv("SKV_CPU_SIMD");
-    if (e && !strcmp(e, "0")) return;
+    int cap = e && !strcmp(e, "0") ? 0 : e && !strcmp(e, "avx2") ? SKV_CPU_LEVEL_AVX2 : SKV_CPU_LEVEL_AVX512;
 #if SKV_CPU_X86
     __builtin_cpu_init();
-    skv_cpu_simd_on = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int level = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
+                : __builtin_cpu_supports("avx512f")                                 ? SKV_CPU_LEVEL_AVX512
+                                                                                    : SKV_CPU_LEVEL_AVX2;
+    skv_cpu_simd_on = level < cap ? level : cap;
+#else
+    (void)cap;
 #endif
 }
 

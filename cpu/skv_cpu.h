@@ -31,7 +31,8 @@
  * -mfma); the AVX2+FMA code is compiled per function (SKV_CPU_AVX2) and runs
  * only when skv_cpu_simd() says so: the CPU has AVX2 and FMA (cpuid, with
  * the OS's YMM state) and the environment variable SKV_CPU_SIMD is not "0"
- * (read once, at the first call). Otherwise, and on other architectures, the
+ * (read once, at the first call). The AVX-512F kernel (SKV_CPU_AVX512) runs
+ * also when the CPU has AVX-512F and SKV_CPU_SIMD is not "avx2". Otherwise, and on other architectures, the
  * portable code runs: decisions bit for bit the same, factorize by the EXACT
  * route for every shape and rebuild_keys by OpenBLAS sgemm.
  * Functions marked SKV_CPU_AVX2 may only be called when skv_cpu_simd() is 1,
@@ -47,9 +48,12 @@
 #endif
 #if SKV_CPU_X86
 #define SKV_CPU_AVX2 __attribute__((target("avx2,fma")))
+#define SKV_CPU_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #endif
 
-/* 1: the AVX2+FMA functions run; 0: the portable ones. Constant for the process. */
+/* The SIMD code that runs, constant for the process: 0 the portable code, SKV_CPU_LEVEL_AVX2 the
+   AVX2+FMA functions, SKV_CPU_LEVEL_AVX512 those and the AVX-512F ones (rebuild_keys' kernel). */
+enum { SKV_CPU_LEVEL_AVX2 = 1, SKV_CPU_LEVEL_AVX512 = 2 };
 int skv_cpu_simd(void);
 
 /* Threads of the calling thread's next parallel region: config.n_threads of the
@@ -91,6 +95,7 @@ SKV_CPU_AVX2 void skv_cpu_skern(int k, const float *a, const float *b, float *c,
 SKV_CPU_AVX2 void skv_cpu_dkern(int64_t k, const double *a, const double *b, double *t);
 SKV_CPU_AVX2 void skv_cpu_skern_rows(int64_t k, const float *const ar[6], const float *b, float *c);
 SKV_CPU_AVX2 void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const double *b, double *t);
+SKV_CPU_AVX512 void skv_cpu_zkern(int k, const float *a, const float *b, float *c, int64_t ldc);
 
 /* ---- Gram matrices (skv_cpu_gram.c) ---- */
 skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g);

@@ -111,4 +111,31 @@ SKV_CPU_AVX2 void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const
     for (int i = 0; i < 12; i++) _mm256_storeu_pd(t + 4 * i, cc[i]);
 }
 
+
+#define SKV_CPU_ZFMA2(ci0, ci1, i)                         \
+    x = _mm512_set1_ps(a[i]);                              \
+    ci0 = _mm512_fmadd_ps(x, b0, ci0);                     \
+    ci1 = _mm512_fmadd_ps(x, b1, ci1)
+
+/* float 6x32 tile (AVX-512F), written to c (row stride ldc): skv_cpu_skern twice as wide, the same
+   fma chain over k per element, so the same values bit for bit. */
+SKV_CPU_AVX512 void skv_cpu_zkern(int k, const float *a, const float *b, float *c, int64_t ldc)
+{
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, x;
+    for (int p = 0; p < k; p++, a += 6, b += 32) {
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+        SKV_CPU_ZFMA2(c00, c01, 0);
+        SKV_CPU_ZFMA2(c10, c11, 1);
+        SKV_CPU_ZFMA2(c20, c21, 2);
+        SKV_CPU_ZFMA2(c30, c31, 3);
+        SKV_CPU_ZFMA2(c40, c41, 4);
+        SKV_CPU_ZFMA2(c50, c51, 5);
+    }
+    __m512 cc[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+    for (int i = 0; i < 6; i++) {
+        _mm512_storeu_ps(c + i * ldc, cc[2 * i]);
+        _mm512_storeu_ps(c + i * ldc + 16, cc[2 * i + 1]);
+    }
+}
 #endif

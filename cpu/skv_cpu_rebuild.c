@@ -12,16 +12,17 @@
 #if SKV_CPU_X86
 /*
  * Rows [m0, m0 + rows) of head h, fused: gather the rows' U (bf16 -> float,
- * packed as 6-row slivers ap [sliver][k][6]), the 6x16 kernel against W_h
- * (wb: [sliver][k][16]) into x [rows][Dp], RoPE, store; the float X never
- * leaves the thread's cache.
+ * packed as 6-row slivers ap [sliver][k][6]), the 6 x nw kernel (nw = 16:
+ * AVX2, 32: AVX-512F; the same values) against W_h (wb: [sliver][k][nw])
+ * into x [rows][Dp], RoPE, store; the float X never leaves the thread's cache.
  */
 SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32_t D, int32_t r, int32_t c,
-                                              int32_t S, int64_t h, int64_t m0, int32_t rows, const skv_bf16 *u,
-                                              const float *wb, const int32_t *chunk_ids, const float *cos_tab,
-                                              const float *sin_tab, float *ap, float *x, skv_bf16 *k_out)
+                                              int32_t S, int32_t nw, int64_t h, int64_t m0, int32_t rows,
+                                              const skv_bf16 *u, const float *wb, const int32_t *chunk_ids,
+                                              const float *cos_tab, const float *sin_tab, float *ap, float *x,
+                                              skv_bf16 *k_out)
 {
-    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2, ns = (D + 15) / 16, Dp = ns * 16;
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2, ns = (D + nw - 1) / nw, Dp = ns * nw;
     int32_t nsl = (rows + 5) / 6;
     int64_t M = (int64_t)S * c;
     for (int32_t i = 0; i < nsl * 6; i++) {
@@ -35,8 +36,12 @@ SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32
         }
     }
     for (int32_t q = 0; q < nsl; q++)
-        for (int32_t js = 0; js < ns; js++)
-            skv_cpu_skern(r, ap + (size_t)q * 6 * r, wb + (size_t)js * r * 16, x + (size_t)q * 6 * Dp + js * 16, Dp);
+        for (int32_t js = 0; js < ns; js++) {
+            const float *a = ap + (size_t)q * 6 * r, *b = wb + (size_t)js * r * nw;
+            float *xt = x + (size_t)q * 6 * Dp + js * nw;
+            if (nw == 32) skv_cpu_zkern(r, a, b, xt, Dp);
+            else skv_cpu_skern(r, a, b, xt, Dp);
+        }
     for (int32_t i = 0; i < rows; i++) {
         int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
         skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
@@ -44,19 +49,25 @@ SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32
     }
 }
 
-/* W_h packed as 16-column slivers, wb [sliver][k][16], zero past D. */
-static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int64_t h, const skv_bf16 *w, float *wb)
+/* W_h packed as nw-column slivers, wb [sliver][k][nw], zero past D. */
+static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int32_t nw, int64_t h, const skv_bf16 *w, float *wb)
 {
-    int32_t Dp = (D + 15) / 16 * 16;
+    int32_t Dp = (D + nw - 1) / nw * nw;
     for (int32_t k = 0; k < r; k++) {
         const skv_bf16 *wr = w + (size_t)k * Hk * D + h * D;
-        for (int32_t j = 0; j < Dp; j++) wb[((size_t)(j / 16) * r + k) * 16 + j % 16] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
+        for (int32_t j = 0; j < Dp; j++) wb[((size_t)(j / nw) * r + k) * nw + j % nw] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
     }
+}
+
+/* Sliver width of rebuild's kernel: 32 (AVX-512F) unless that pads D more than 16 does. */
+static int32_t skv_cpu_rebuild_nw(int32_t D)
+{
+    return skv_cpu_simd() >= SKV_CPU_LEVEL_AVX512 && (D + 31) / 32 * 32 == (D + 15) / 16 * 16 ? 32 : 16;
 }
 
 typedef struct {
     const skv_rope_config *rope;
-    int32_t D, Hk, r, c, S, Dp;
+    int32_t D, Hk, r, c, S, nw, Dp;
     int64_t M, nrb;
     const skv_bf16 *u, *w;
     const int32_t *chunk_ids;
@@ -80,7 +91,7 @@ static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
     const skv_cpu_reb *c = ctx;
     size_t wsz = (size_t)c->Dp * c->r;
     if (it < c->Hk) {
-        skv_cpu_pack_w(c->D, c->Hk, c->r, it, c->w, c->wb + (size_t)it * wsz);
+        skv_cpu_pack_w(c->D, c->Hk, c->r, c->nw, it, c->w, c->wb + (size_t)it * wsz);
         __atomic_store_n(&c->ready[it], 1, __ATOMIC_RELEASE);
         return;
     }
@@ -88,8 +99,8 @@ static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
     int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_RB;
     float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * c->Dp;
     if (__atomic_load_n(&c->ready[h], __ATOMIC_ACQUIRE)) wb = c->wb + (size_t)h * wsz;
-    else if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, h, c->w, wb), c->packed[t] = h;
-    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
+    else if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, c->nw, h, c->w, wb), c->packed[t] = h;
+    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, c->nw, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
                          c->u, wb, c->chunk_ids, c->cos_tab, c->sin_tab, ap, x, c->k_out);
 }
 
@@ -98,10 +109,10 @@ static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, i
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
-    int32_t Dp = (D + 15) / 16 * 16;
+    int32_t nw = skv_cpu_rebuild_nw(D), Dp = (D + nw - 1) / nw * nw;
     int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = Hk + (int64_t)Hk * nrb;
     int nt = skv_cpu_team(items);
-    skv_cpu_reb job = {rope, D, Hk, r, c, S, Dp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
+    skv_cpu_reb job = {rope, D, Hk, r, c, S, nw, Dp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
                        (size_t)SKV_CPU_RB * r + (size_t)SKV_CPU_RB * Dp + (size_t)Dp * r, NULL};
     job.wb = skv_ws_alloc(ws, (size_t)Hk * Dp * r * sizeof *job.wb);
     job.ready = skv_ws_alloc(ws, (size_t)Hk * sizeof *job.ready);
@@ -164,8 +175,8 @@ size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
 {
     size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
     if (skv_cpu_simd()) {
-        size_t Dp16 = (D + 15) / 16 * 16;
-        return SKV_WS_BYTES(f * (Hk * Dp16 * r + (size_t)nt * (SKV_CPU_RB * (r + Dp16) + Dp16 * r)) +
+        size_t Dpw = (D + 31) / 32 * 32; /* the padded width of either kernel */
+        return SKV_WS_BYTES(f * (Hk * Dpw * r + (size_t)nt * (SKV_CPU_RB * (r + Dpw) + Dpw * r)) +
                                 sizeof(int32_t) * Hk + sizeof(int64_t) * (size_t)nt, 4);
     }
     size_t M = (size_t)cfg->budget; /* S * c tokens per head */
