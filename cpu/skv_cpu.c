@@ -92,19 +92,37 @@ static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s
     return SKV_OK;
 }
 
+typedef struct {
+    size_t block; /* values per chunk: c * D */
+    int32_t S, n_store;
+    const skv_bf16 *store;
+    const int32_t *idx;
+    skv_bf16 *v_out;
+} skv_cpu_gather;
+
+#define SKV_CPU_GATHER_ITEM 64 /* chunks per work item */
+
+static void skv_cpu_gather_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_gather *g = ctx;
+    (void)t;
+    for (int64_t hs = it * SKV_CPU_GATHER_ITEM; hs < (it + 1) * SKV_CPU_GATHER_ITEM; hs++)
+        memcpy(g->v_out + hs * g->block, g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->block,
+               g->block * sizeof *g->store);
+}
+
 static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
                                         const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
 {
-    size_t block = (size_t)c * D;
-    /* A decode step copies ~4 MB: one thread does it at memory speed, and on a
-       loaded machine a fork/join can stall for longer than the copy takes. */
-#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) \
-    if ((size_t)Hk * S * block * sizeof *store > ((size_t)8 << 20))
-    for (int64_t hs = 0; hs < (int64_t)Hk * S; hs++)
-        memcpy(v_out + hs * block, store + ((size_t)(hs / S) * n_store + idx[hs]) * block, block * sizeof *store);
+    skv_cpu_gather g = {(size_t)c * D, S, n_store, store, idx, v_out};
+    int64_t n = (int64_t)Hk * S, full = n / SKV_CPU_GATHER_ITEM;
+    /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies in parallel. */
+    if ((size_t)n * g.block * sizeof *store > ((size_t)8 << 20)) skv_cpu_run(skv_cpu_team(full), full, skv_cpu_gather_item, &g);
+    else full = 0;
+    for (int64_t hs = full * SKV_CPU_GATHER_ITEM; hs < n; hs++)
+        memcpy(v_out + hs * g.block, store + ((size_t)(hs / S) * n_store + idx[hs]) * g.block, g.block * sizeof *store);
     return SKV_OK;
 }
-
 
 /*
  * The arena of one decode step (one sequence): the largest of the three slots'

@@ -24,7 +24,6 @@ struct skv_cpu_attn {
     float *part;            /* per item: [G] m, [G] l, [G][Dp] acc */
 };
 
-
 /* The key and value rows of tokens [t0, t0 + nt) of head h, across span boundaries. */
 static void skv_cpu_attn_rows(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int32_t nt, const skv_bf16 **kp,
                               const skv_bf16 **vp)
@@ -52,6 +51,7 @@ SKV_CPU_AVX2 static float skv_cpu_dotq_avx2(const float *q, const skv_bf16 *k, i
     return dot;
 }
 
+/* skv_cpu_attn_item with 8-lane sums: 4 queries per pass share each converted key and value vector. */
 SKV_CPU_AVX2 static void skv_cpu_attn_item_avx2(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1,
                                                 float *sc)
 {

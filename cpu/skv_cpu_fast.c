@@ -381,7 +381,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *     in fp32 (G rounded to float once, X per product, fp32 sums over d), each
  *     orth a shifted Cholesky QR in double (pivots floored at
  *     SKV_FACTOR_PIVOT_FLOOR tr C).
- *     NOTE, two departures from the header, both measured on the bench's
+ *     Two departures from the header, both measured on the bench's
  *     realistic keys (lambda_r / lambda_1 ~ 5e-7, a flat noise floor around r):
  *     - the header's Rayleigh-quotient step X <- G X (X^T G X + s_H I)^-1 with
  *       s_H = 2^-18 tr H on the fp32 Gram damps every direction below s_H in
@@ -397,7 +397,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *       X^T (G + delta I) X = X^T G X + delta I: the same rho.
  *  4. After iteration SKV_FACTOR_CHECK_AT (X orthonormal): Y = G X (kept for the
  *     next step), and in AUTO mode H = X^T G X + delta I + s_H I = R^T R with
- *     the double-Gram Rayleigh shift (as cuda computed it), rho = 1 / (|R|_F^2
+ *     the double-Gram Rayleigh shift (cuda's too), rho = 1 / (|R|_F^2
  *     |R^-1|_F^2) (0 if not finite: pivots floored because the fp32 G left H
  *     indefinite); rho < SKV_FACTOR_TAU or FALLBACK mode: G <- the double Gram
  *     (skv_cpu_gram), G X in double from then on.
@@ -406,7 +406,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  * not depend on the thread count. No BLAS: nothing here starts OpenBLAS threads.
  */
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
-                                         skv_factor_mode mode)
+                                  skv_factor_mode mode)
 {
     skv_status st = SKV_OK;
     skv_cpu_fx f = {d, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, skv_cpu_threads(), NULL};

@@ -111,7 +111,6 @@ SKV_CPU_AVX2 void skv_cpu_dkern_rows(int64_t k, const double *const ar[6], const
     for (int i = 0; i < 12; i++) _mm256_storeu_pd(t + 4 * i, cc[i]);
 }
 
-
 #define SKV_CPU_ZFMA2(ci0, ci1, i)                         \
     x = _mm512_set1_ps(a[i]);                              \
     ci0 = _mm512_fmadd_ps(x, b0, ci0);                     \
