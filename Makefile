@@ -14,10 +14,6 @@ VERSION := $(shell sed -n 's/^\#define SKV_VERSION_\(MAJOR\|MINOR\|PATCH\) *\([0
 PREFIX  ?= /usr/local
 BUILD   ?= build
 
-# FMA and AVX2 for the cpu backend when this machine has them (fmaf then is one
-# instruction; results are IEEE either way, so selection stays bit-identical).
-CPU_ARCH ?= $(shell grep -qw fma /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo -mavx2 -mfma)
-
 # A dependency tree extracted from the Debian packages (dpkg -x), for machines
 # where apt-get cannot reach a mirror: make SKV_DEPS=/path/to/tree
 SKV_DEPS ?=
@@ -122,7 +118,7 @@ $(BUILD)/obj/ref/%.o: ref/%.c $(HDRS) | $(DEPS_STAMP)
 
 $(BUILD)/obj/cpu/%.o: cpu/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(CPU_ARCH) -c $< -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -c $< -o $@
 
 $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
@@ -187,10 +183,14 @@ demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
 # make check: every test binary, the fuzz corpus replays, the examples that check
-# themselves (build/decode_loop: exit status), then the install + pkg-config link
-# check; ends with the summed "N passed, N failed, N skipped".
+# themselves (build/decode_loop: exit status), the binaries that run the cpu
+# backend once more with SKV_CPU_SIMD=0 (its portable code: a CPU without
+# AVX2+FMA, or another architecture), then the install + pkg-config link check;
+# ends with the summed "N passed, N failed, N skipped".
+CPU_PORTABLE_BIN := $(filter-out %/test_numerics %/test_cuda,$(TEST_BIN))
 check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN)
-	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" EXAMPLES="$(BUILD)/decode_loop" bash tests/run_all.sh $(TEST_BIN)
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" EXAMPLES="$(BUILD)/decode_loop" CPU_PORTABLE="$(CPU_PORTABLE_BIN)" \
+	  bash tests/run_all.sh $(TEST_BIN)
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.

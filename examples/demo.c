@@ -183,6 +183,12 @@ static int contains(const int32_t *ids, int n, int32_t x)
     return 0;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
 static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
 
 int main(int argc, char **argv)
@@ -265,7 +271,8 @@ int main(int argc, char **argv)
     skv_bf16 *dq = dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = dbuf(be, k, sizeof(skv_bf16) * kn * LG);
     skv_bf16 *dv = dbuf(be, v, sizeof(skv_bf16) * kn * LG);
     float *dout = dbuf(be, out, sizeof(float) * qn * L);
-    double decode_ms = 0;
+    double decode_ms = 0, *step_ms = malloc(sizeof(double) * o.steps);
+    if (!step_ms) die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
     long hits = 0, total = 0;
     for (int step = 0; step < o.steps; step++) {
         double t_step = now_ms();
@@ -285,7 +292,8 @@ int main(int argc, char **argv)
                 die("skv_decode", st, cache);
         }
         if ((st = skv_cache_sync(cache))) die("skv_cache_sync", st, cache);
-        decode_ms += now_ms() - t0;
+        step_ms[step] = now_ms() - t0;
+        decode_ms += step_ms[step];
         dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
         for (int l = 0; l < L; l++) {
             const int lg = o.share ? 0 : l;
@@ -340,6 +348,8 @@ int main(int argc, char **argv)
     const double d_reb = (dst.decode_rebuild_ms - pst.decode_rebuild_ms) * per;
     const double d_fet = (dst.decode_fetch_ms - pst.decode_fetch_ms) * per;
     const double d_att = (dst.decode_attention_ms - pst.decode_attention_ms) * per;
+    qsort(step_ms, (size_t)o.steps, sizeof *step_ms, cmp_double);
+    const double dec_median = o.steps % 2 ? step_ms[o.steps / 2] : 0.5 * (step_ms[o.steps / 2 - 1] + step_ms[o.steps / 2]);
 
     if (o.json) {
         printf("{\"backend\": \"%s\", \"layers\": %d, \"batch\": %d, \"ctx\": [", skv_backend_name(be), L, B);
@@ -348,7 +358,8 @@ int main(int argc, char **argv)
                "\"outlier_chunks\": %d, \"local_chunks\": %d, \"seed\": %llu,\n",
                o.share, o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
                cfg->n_local_chunks, (unsigned long long)o.seed);
-        printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"e2e_ms\": %.3f,\n", prefill_ms, dec_step, e2e);
+        printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"decode_ms_median\": %.3f, \"e2e_ms\": %.3f,\n",
+               prefill_ms, dec_step, dec_median, e2e);
         printf(" \"device_bytes\": %zu, \"host_bytes\": %zu, \"full_kv_bytes\": %zu,\n", dev_bytes, host_bytes, full_kv);
         printf(" \"accuracy_layers\": %d, \"rel_err_vs_full\": %.6f, \"rel_err_vs_full_max\": %.6f, "
                "\"oracle_rel_err_vs_full\": %.6f, \"selection_exact_keys_rel_err_vs_full\": %.6f, "
@@ -385,8 +396,8 @@ int main(int argc, char **argv)
             printf("          waited %.3f ms per prefill for the previous one's side work (back-to-back prefills here; "
                    "a model's attention between layers hides it)\n",
                    pst.prefill_wait_ms / n_pf);
-        printf("decode    %10.2f ms/step (%d layers, whole batch)   select %.2f, rebuild %.2f, fetch %.2f, "
-               "attention %.2f\n", dec_step, L, d_sel, d_reb, d_fet, d_att);
+        printf("decode    %10.2f ms/step (%d layers, whole batch; median %.2f)   select %.2f, rebuild %.2f, "
+               "fetch %.2f, attention %.2f\n", dec_step, L, dec_median, d_sel, d_reb, d_fet, d_att);
         printf("          %lld heap allocations in %d decode calls (workspace allocated at create)\n",
                (long long)dst.decode_allocations, L * o.steps);
         printf("e2e       %10.1f ms   (prefill + %d decode steps)\n", e2e, o.steps);
@@ -404,7 +415,7 @@ int main(int argc, char **argv)
 
     for (int i = 0; i < LG * B; i++) skvs_seq_free(&seq[i]);
     free(seq), free(q), free(k), free(v), free(out), free(full), free(orac), free(exact), free(sel), free(needle);
-    free(rec_q), free(rec_out), free(rec_sel), free(rec_needle);
+    free(rec_q), free(rec_out), free(rec_sel), free(rec_needle), free(step_ms);
     skvs_workload_free(&wl);
     skv_cache_free(cache);
     return 0;

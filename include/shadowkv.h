@@ -109,7 +109,9 @@ SKV_API const char *skv_last_error(void);
 typedef enum skv_backend {
     SKV_BACKEND_AUTO = 0, /**< cuda if usable, else cpu */
     SKV_BACKEND_REF = 1,  /**< portable single-thread reference: the oracle */
-    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS */
+    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS; AVX2+FMA code chosen at run time by cpuid,
+                               environment SKV_CPU_SIMD=0 forces the portable code (same
+                               decisions; docs/usage.md, "The cpu backend") */
     SKV_BACKEND_CUDA = 3  /**< NVIDIA GPUs */
 } skv_backend;
 
@@ -184,9 +186,11 @@ typedef struct skv_config {
     int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
     int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
     skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND applies only to auto */
-    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default, at most SKV_MAX_THREADS;
+    int32_t n_threads;        /**< cpu backend threads in this cache's prefill and decode calls
+                                   (num_threads clauses: the caller's OpenMP state is not changed);
+                                   0 = the caller's omp_get_max_threads(); at most SKV_MAX_THREADS;
                                    create checks that the process can start that many threads
-                                   (else SKV_ERR_OUT_OF_MEMORY) */
+                                   (else SKV_ERR_OUT_OF_MEMORY). OpenBLAS keeps its own. */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
     int64_t value_device_bytes; /**< device memory the cache may spend on values (see "Value
                                    placement" below); SKV_VALUES_ALL_DEVICE (default) = every

@@ -345,8 +345,8 @@ static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N
     c->stats.n_prefill_calls++;
 }
 
-SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
-                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
+                                  const skv_bf16 *v, const skv_bf16 *k_post)
 {
     static const char fn[] = "skv_prefill";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -389,7 +389,6 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
         return SKV_OK;
     }
-    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
@@ -482,6 +481,16 @@ done:
     return st;
 }
 
+/* config.n_threads holds for the backend slots of this call only, on the calling thread (set_threads). */
+SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
+                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
+    skv_status st = skv_prefill_run(c, layer, seq, n, k_pre, v, k_post);
+    if (c && c->ops->set_threads) c->ops->set_threads(0);
+    return st;
+}
+
 /* ---- decode ---------------------------------------------------------------------------- */
 
 /*
@@ -506,8 +515,8 @@ static void skv_vcache_account(skv_cache *c, size_t i, const int32_t *sel, int32
     }
 }
 
-SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                              const skv_bf16 *v, float *out)
+static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                                 const skv_bf16 *v, float *out)
 {
     static const char fn[] = "skv_decode";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -559,7 +568,6 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
     if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
 
-    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const float scale = skv_resolve_scale(g->attn_scale, D);
     const float *cos_t = SHARED(c, rope_cos, float), *sin_t = SHARED(c, rope_sin, float);
     skv_bf16 *ks = SHARED(c, ws_k, skv_bf16), *vsel = SHARED(c, ws_v, skv_bf16);
@@ -633,6 +641,15 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     c->stats.decode_step_ms += skv_now_ms() - t_call;
     c->stats.n_decode_calls++;
     return SKV_OK;
+}
+
+SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                              const skv_bf16 *v, float *out)
+{
+    if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
+    skv_status st = skv_decode_run(c, layer, q, k, v, out);
+    if (c && c->ops->set_threads) c->ops->set_threads(0);
+    return st;
 }
 
 /* ---- sync -------------------------------------------------------------------------------- */

@@ -129,6 +129,7 @@ static const tcase cases[] = {
     {OP_GATHER, INIT_NORMAL, 0, .hk = 8, .D = 128, .c = 8, .N = 200, .S = 64},
     {OP_GATHER, INIT_TIES, 0, .hk = 2, .D = 64, .c = 4, .N = 50, .S = 50},
     {OP_GATHER, INIT_NORMAL, 0, .hk = 1, .D = 256, .c = 16, .N = 9, .S = 3},
+    {OP_GATHER, INIT_NORMAL, 0, .hk = 4, .D = 128, .c = 16, .N = 700, .S = 650}, /* 10.6 MB: cpu copies in parallel */
     /* attention: float outputs, order of accumulation free. Huge rows (2% of rows at 1e3 x)
        give scores up to ~1e4 whose fp32 rounding (~1e-3 absolute) moves the softmax weights by
        ~1e-3 relative, NMSE up to ~1e-6 when such a row dominates: measured on sparse_attention,

@@ -6,29 +6,35 @@
 set -u
 total_p=0 total_f=0 total_s=0 bad=0
 # Each entry is a test binary, or (from $FUZZ_REPLAY) a fuzz replay binary
-# build/.../replay_<harness>, run over fuzz/corpus/<harness> and fuzz/regressions/<harness>.
+# build/.../replay_<harness>, run over fuzz/corpus/<harness> and fuzz/regressions/<harness>,
+# or (from $CPU_PORTABLE) a test binary run again with SKV_CPU_SIMD=0: the cpu
+# backend's portable code (what a CPU without AVX2+FMA runs), same decisions.
 entries=("$@")
 for r in ${FUZZ_REPLAY:-}; do entries+=("$r"); done
-for t in "${entries[@]}"; do
-  echo "== $t"
+for r in ${CPU_PORTABLE:-}; do entries+=("SKV_CPU_SIMD=0:$r"); done
+for e in "${entries[@]}"; do
+  t=${e#SKV_CPU_SIMD=0:}
+  envs=()
+  [ "$t" != "$e" ] && envs=(SKV_CPU_SIMD=0)
+  echo "== ${envs[*]:+${envs[*]} }$t"
   start=$(date +%s%N)
   log=$(mktemp)
   args=()
   case "$(basename "$t")" in
     replay_*) h=$(basename "$t"); h=${h#replay_}; args=("fuzz/corpus/$h"); [ -d "fuzz/regressions/$h" ] && args+=("fuzz/regressions/$h") ;;
   esac
-  "./$t" "${args[@]}" 2>&1 | tee "$log"
+  env "${envs[@]}" "./$t" "${args[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
   rm -f "$log"
-  if [ -z "$line" ]; then echo "FAILED: $t printed no 'N passed, N failed' line (exit $rc)"; bad=1; total_f=$((total_f + 1)); continue; fi
+  if [ -z "$line" ]; then echo "FAILED: ${envs[*]:+${envs[*]} }$t printed no 'N passed, N failed' line (exit $rc)"; bad=1; total_f=$((total_f + 1)); continue; fi
   p=$(echo "$line" | sed -E 's/^([0-9]+) passed.*/\1/')
   f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
   s=$(echo "$line" | sed -nE 's/.* ([0-9]+) skipped.*/\1/p')
   total_p=$((total_p + p)) total_f=$((total_f + f)) total_s=$((total_s + ${s:-0}))
-  [ "$rc" -ne 0 ] && { echo "FAILED: $t (exit $rc)"; bad=1; [ "$f" -eq 0 ] && total_f=$((total_f + 1)); }
+  [ "$rc" -ne 0 ] && { echo "FAILED: ${envs[*]:+${envs[*]} }$t (exit $rc)"; bad=1; [ "$f" -eq 0 ] && total_f=$((total_f + 1)); }
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
-  echo "   $t: $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
+  echo "   ${envs[*]:+${envs[*]} }$t: $((ms / 1000)).$(printf '%03d' $((ms % 1000))) s"
 done
 # Examples that check themselves ($EXAMPLES, e.g. build/decode_loop): one pass or one failure
 # each, by exit status.
