@@ -68,7 +68,7 @@ static int dcmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static void ddie(const char *what, skv_status st, const skv_cache *cache)
+static void ddie(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "skv-bench decode: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();

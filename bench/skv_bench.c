@@ -51,7 +51,7 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
-static void die(const char *what, skv_status st, const skv_cache *cache)
+static void die(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "skv-bench: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();

@@ -107,7 +107,7 @@ static void fail(const char *what)
 }
 
 /* a status that must be SKV_OK; on failure prints the call and the library's message, exits */
-static void ok(skv_status st, const char *call, const skv_cache *cache)
+static void ok(skv_status st, const char *call, skv_cache *cache)
 {
     if (st == SKV_OK) return;
     fprintf(stderr, "decode_loop: %s: %s\ndecode_loop: %s\n", call, skv_status_string(st),

@@ -66,7 +66,7 @@ static void usage(FILE *f)
             "  --help             this text\n");
 }
 
-static void die(const char *what, skv_status st, const skv_cache *cache)
+static void die(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "demo: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();

@@ -530,7 +530,7 @@ static void oracle_rope(const skv_config *cfg, const float *cos_t, const float *
     }
 }
 
-void skvf_check_decode(const skv_cache *c, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
+void skvf_check_decode(skv_cache *c, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
                        const skv_bf16 *q, const float *out, const char *who)
 {
     static int stats_registered;

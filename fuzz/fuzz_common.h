@@ -131,7 +131,7 @@ void skvf_slot_free(skvf_slot *s);
  * A slot without a factorization skips the output check of its selected keys' sequence.
  * Violations call skvf_fail naming who (e.g. "ref"), the layer, sequence and head.
  */
-void skvf_check_decode(const skv_cache *cache, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
+void skvf_check_decode(skv_cache *cache, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
                        const skv_bf16 *q, const float *out, const char *who);
 
 #ifdef __cplusplus
