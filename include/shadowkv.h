@@ -127,7 +127,8 @@ SKV_API skv_status skv_backend_parse(const char *name, skv_backend *out);
 
 /**
  * Whether a backend can run on this machine: SKV_OK, SKV_ERR_NO_DEVICE
- * (cuda without a usable GPU or not compiled in), or SKV_ERR_INVALID_ARGUMENT.
+ * (cuda without a usable GPU, or its plugin or CUDA libraries missing: the message
+ * says which), or SKV_ERR_INVALID_ARGUMENT.
  * SKV_BACKEND_AUTO is always available.
  */
 SKV_API skv_status skv_backend_available(skv_backend backend);
