@@ -14,10 +14,6 @@ VERSION := $(shell sed -n 's/^\#define SKV_VERSION_\(MAJOR\|MINOR\|PATCH\) *\([0
 PREFIX  ?= /usr/local
 BUILD   ?= build
 
-# FMA and AVX2 for the cpu backend when this machine has them (fmaf then is one
-# instruction; results are IEEE either way, so selection stays bit-identical).
-CPU_ARCH ?= $(shell grep -qw fma /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo -mavx2 -mfma)
-
 # A dependency tree extracted from the Debian packages (dpkg -x), for machines
 # where apt-get cannot reach a mirror: make SKV_DEPS=/path/to/tree
 SKV_DEPS ?=
@@ -73,9 +69,12 @@ PROG_LIBS := $(CUDA_LINK) $(LIBS) $(CUDA_LIBS)
 HDRS     := $(wildcard include/*.h) $(wildcard lib/*.h) $(wildcard ref/*.h) $(wildcard cpu/*.h) \
             $(wildcard cuda/*.h) $(wildcard cuda/*.cuh)
 
+# tests/common: the tests' seeded RNG and checks; examples/synth.[ch]: the demo's synthetic
+# workload, which the tests and the benchmark use too (public API, CBLAS and libc only)
+SYNTH_OBJ  := $(BUILD)/obj/examples/synth.o
 COMMON_SRC := $(wildcard tests/common/*.c)
-COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC))
-COMMON_HDR := $(wildcard tests/common/*.h)
+COMMON_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(COMMON_SRC)) $(SYNTH_OBJ)
+COMMON_HDR := $(wildcard tests/common/*.h) examples/synth.h
 TEST_SRC   := $(wildcard tests/*.c)
 TEST_BIN   := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 
@@ -88,7 +87,7 @@ DEPS_STAMP := $(BUILD)/.deps-ok
 
 .PHONY: all lib demo check bench tests install uninstall clean deps link-check asan-check
 
-all: lib $(BUILD)/demo $(BUILD)/skv-bench $(TEST_BIN)
+all: lib $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(TEST_BIN)
 lib: $(STATIC) $(SHARED) $(PLUGINS)
 
 # ---- system packages (a fresh Debian machine has none of these) -------------
@@ -119,7 +118,7 @@ $(BUILD)/obj/ref/%.o: ref/%.c $(HDRS) | $(DEPS_STAMP)
 
 $(BUILD)/obj/cpu/%.o: cpu/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(CPU_ARCH) -c $< -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -c $< -o $@
 
 $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
@@ -152,19 +151,30 @@ $(BUILD)/obj/tests/common/%.o: tests/common/%.c $(COMMON_HDR) include/shadowkv.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common -c $< -o $@
 
+# examples see the public header only (no -Ilib, no -Itests/common)
+EXCFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -O2 -g -ffp-contract=off -Iinclude $(DEPS_INC) $(WARN) $(CFLAGS)
+
+$(SYNTH_OBJ): examples/synth.c examples/synth.h include/shadowkv.h | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(EXCFLAGS) -c $< -o $@
+
 $(BUILD)/tests/%: tests/%.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS) lib/skv_numerics.h
 	@mkdir -p $(dir $@)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) $(TEST_LDFLAGS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) $(TEST_LDFLAGS) -o $@
 
 # allocation-failure injection: the library's heap calls go through the test's wrappers
 $(BUILD)/tests/test_alloc_fail: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=free,--wrap=posix_memalign
 
-$(BUILD)/demo: examples/demo.c $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Itests/common $< $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+$(BUILD)/demo: examples/demo.c $(SYNTH_OBJ) examples/synth.h include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) -Iexamples $< $(SYNTH_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+
+# a whole prefill + decode loop on shadowkv.h alone (run by make check)
+$(BUILD)/decode_loop: examples/decode_loop.c include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) $< $(STATIC) $(PROG_LIBS) -o $@
 
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
-	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
 
 tests: $(TEST_BIN)
 bench: $(BUILD)/skv-bench
@@ -172,13 +182,19 @@ bench: $(BUILD)/skv-bench
 demo: $(BUILD)/demo
 	./$(BUILD)/demo $(DEMO_ARGS)
 
-# make check: every test binary, the fuzz corpus replays, the Python tests (make pycheck;
-# SKV_PYCHECK=0 leaves them out), then the install + pkg-config link check; ends with the
-# summed "N passed, N failed, N skipped".
+# make check: every test binary, the fuzz corpus replays, the examples that check
+# themselves (build/decode_loop: exit status), the binaries that run the cpu
+# backend once more with SKV_CPU_SIMD=0 (its portable code: a CPU without
+# AVX2+FMA, or another architecture), the Python tests (make pycheck;
+# SKV_PYCHECK=0 leaves them out), then the install + pkg-config link check;
+# ends with the summed "N passed, N failed, N skipped".
+CPU_PORTABLE_BIN := $(filter-out %/test_numerics %/test_cuda,$(TEST_BIN))
 SKV_PYCHECK ?= 1
 PYCHECK := $(filter 1,$(SKV_PYCHECK))
-check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN) $(if $(PYCHECK),$(SHARED) $(PLUGINS))
-	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" MAKE_ENTRIES="$(if $(PYCHECK),pycheck)" bash tests/run_all.sh $(TEST_BIN)
+check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN) \
+       $(if $(PYCHECK),$(SHARED) $(PLUGINS))
+	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" EXAMPLES="$(BUILD)/decode_loop" CPU_PORTABLE="$(CPU_PORTABLE_BIN)" \
+	  MAKE_ENTRIES="$(if $(PYCHECK),pycheck)" bash tests/run_all.sh $(TEST_BIN)
 
 # ---- Python package tests (python/tests, pytest) on ref and cpu -----------------------------
 # They run in a virtual environment at $(VENV), created when missing and reused afterwards:

@@ -8,7 +8,7 @@
  *   --placement  device: every value on the device; host: every value in the
  *                host store behind the device chunk cache
  *   --workload   fresh: a new random query per step and sequence (the
- *                synthetic workload of tests/common/synth.h, one random
+ *                synthetic workload of examples/synth.h, one random
  *                stream per sequence on a shared prompt); drift: each query
  *                mixes the previous one with a fresh one, q_t = a q_{t-1} +
  *                sqrt(1 - a^2) fresh_t (--drift a; 0.92 lands near the 60% adjacent-step overlap
@@ -68,7 +68,7 @@ static int dcmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static void ddie(const char *what, skv_status st, const skv_cache *cache)
+static void ddie(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "skv-bench decode: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();
@@ -308,6 +308,7 @@ int bench_decode_main(int argc, char **argv)
             if (skv_backend_parse(v, &be)) ddie("--backend", SKV_ERR_INVALID_ARGUMENT, NULL);
             i++;
         } else {
+            if (strcmp(a, "--help")) fprintf(stderr, "skv-bench decode: unknown option '%s'\n", a);
             printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
                    "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--json]\n");

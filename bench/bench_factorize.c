@@ -8,7 +8,7 @@
  *                             [--cpu-max-n 65536] [--baselines sgesdd,cusolver_gesvd,cuda_gram_syevd]
  *                             [--no-baseline] [--gesvd-max-n 0] [--json]
  *
- * The keys come from the synthetic workload (tests/common/synth.h), one
+ * The keys come from the synthetic workload (examples/synth.h), one
  * prompt per n, so the spectrum is that of realistic low-rank keys. Each row
  * (route, n) has ms, err = ||A - U W||_F / ||A||_F in double, opt = the best
  * rank-r error (from the eigenvalues of the double Gram matrix,
@@ -383,6 +383,7 @@ int bench_factorize_main(int argc, char **argv)
             i++;
         }
         else {
+            if (strcmp(a, "--help")) fprintf(stderr, "skv-bench factorize: unknown option '%s'\n", a);
             usage();
             return strcmp(a, "--help") ? 2 : 0;
         }
@@ -445,7 +446,7 @@ int bench_factorize_main(int argc, char **argv)
                "<= ref_max_n, cpu and sgesdd only at n <= cpu_max_n, cusolver_gesvd only at n <= gesvd_max_n (0: "
                "every n). cuda: skv_op_factorize on device buffers, wall clock of the synchronous op-level call (warm: "
                "the workspace is reused after the warm-up). cuda_gram_syevd: the same with "
-               "SKV_FACTORIZE=exact (the library's Gram + Xsyevd route). sgesdd: LAPACKE_sgesdd in float; "
+               "the exact route (the library's Gram + Xsyevd route). sgesdd: LAPACKE_sgesdd in float; "
                "cusolver_gesvd: cusolverDnXgesvd in float on the column-major [n, d] matrix, jobu = jobvt = 'S', only "
                "the gesvd call timed; both truncated to rank r (U_r S_r, V_r^T)\",\n"
                " \"rows\": [",

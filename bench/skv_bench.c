@@ -1,7 +1,7 @@
 /*
  * skv_bench.c - backend comparison at one Llama-3-8B layer (Hq 32, Hk 8,
  * D 128, r 160, c 8, budget 2048, O 48, Lc 4), batch 1, on the synthetic
- * workload of tests/common/synth.h:
+ * workload of examples/synth.h:
  *  - skv_prefill of one layer at --ctx tokens (a fresh cache per repetition);
  *  - one skv_decode step of that layer;
  *  - every op-level function (skv_op_*) at the same shape, chained the way
@@ -51,7 +51,7 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
-static void die(const char *what, skv_status st, const skv_cache *cache)
+static void die(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "skv-bench: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();
@@ -202,6 +202,22 @@ static void cpu_model(char *buf, size_t cap)
 int bench_decode_main(int argc, char **argv);
 int bench_factorize_main(int argc, char **argv);
 
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]\n"
+            "       skv-bench decode [options]      per-layer decode step split (skv-bench decode --help)\n"
+            "       skv-bench factorize [options]   the key factorization and its accuracy (skv-bench factorize --help)\n"
+            "Without a subcommand: prefill, one decode step and every op-level function of one Llama-3-8B\n"
+            "layer on each backend of --backends.\n"
+            "  --ctx N           prompt tokens (default 32768)\n"
+            "  --reps N          timed runs per figure, median reported (default 5, at most 200)\n"
+            "  --ref-reps N      runs of ref's prefill and factorization (default 1, at most 200)\n"
+            "  --backends LIST   comma-separated backends (default ref,cpu)\n"
+            "  --json            one JSON object instead of the table\n"
+            "  --help            this text\n");
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "decode")) return bench_decode_main(argc - 1, argv + 1);
@@ -217,9 +233,13 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
         else if (!strcmp(a, "--ref-reps")) ref_reps = atoi(v), i++;
         else if (!strcmp(a, "--backends")) list = v, i++;
-        else {
-            printf("usage: skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]\n");
-            return strcmp(a, "--help") ? 2 : 0;
+        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "skv-bench: unknown %s '%s'\n", a[0] == '-' ? "option" : "subcommand", a);
+            usage(stderr);
+            return 2;
         }
     }
     if (reps < 1 || reps > 200 || ref_reps < 1 || ref_reps > 200 || ctx < 1) {

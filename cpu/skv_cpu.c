@@ -2,6 +2,7 @@
  * cpu backend: the dispatch table, and the slots that only move or check
  * memory (check_finite, gather_values). See skv_cpu.h.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,13 +10,43 @@
 
 #include "skv_cpu.h"
 
-/* ---- infrastructure -------------------------------------------------------------- */
+/* ---- instruction set and threads ---------------------------------------------------------- */
 
-static void skv_cpu_set_threads(int32_t n)
+static int skv_cpu_simd_on;
+static pthread_once_t skv_cpu_simd_once = PTHREAD_ONCE_INIT;
+
+static void skv_cpu_simd_init(void)
 {
-    /* Sets the calling thread's OpenMP default (lib/ calls this at cache create). */
-    if (n > 0) omp_set_num_threads(n);
+    const char *e = getenv("SKV_CPU_SIMD");
+    int cap = e && !strcmp(e, "0") ? 0 : e && !strcmp(e, "avx2") ? SKV_CPU_LEVEL_AVX2 : SKV_CPU_LEVEL_AVX512;
+#if SKV_CPU_X86
+    __builtin_cpu_init();
+    int level = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
+                : __builtin_cpu_supports("avx512f")                                 ? SKV_CPU_LEVEL_AVX512
+                                                                                    : SKV_CPU_LEVEL_AVX2;
+    skv_cpu_simd_on = level < cap ? level : cap;
+#else
+    (void)cap;
+#endif
 }
+
+int skv_cpu_simd(void)
+{
+    pthread_once(&skv_cpu_simd_once, skv_cpu_simd_init);
+    return skv_cpu_simd_on;
+}
+
+/* config.n_threads of the cache call in progress on this thread; 0 outside one. */
+static __thread int32_t skv_cpu_call_threads;
+
+/* lib/ calls this with config.n_threads when a prefill or decode starts on this thread and with 0
+   when it ends: the count goes to num_threads clauses and the decode helpers (skv_cpu_run); the
+   caller's OpenMP state is never touched. */
+static void skv_cpu_set_threads(int32_t n) { skv_cpu_call_threads = n > 0 ? n : 0; }
+
+int skv_cpu_threads(void) { return skv_cpu_call_threads > 0 ? skv_cpu_call_threads : omp_get_max_threads(); }
+
+/* ---- check_finite, gather_values ------------------------------------------------------- */
 
 /* First non-finite index of a contiguous tensor; blocks in parallel, min of the first hits. */
 static skv_status skv_cpu_check_contiguous(const skv_bf16 *x, int64_t n, int64_t *first_bad)
@@ -30,7 +61,7 @@ static skv_status skv_cpu_check_contiguous(const skv_bf16 *x, int64_t n, int64_t
             }
         return SKV_OK;
     }
-#pragma omp parallel for schedule(static) reduction(min : first)
+#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) reduction(min : first)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * B, hi = lo + B < n ? lo + B : n;
         unsigned bad = 0;
@@ -61,43 +92,48 @@ static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s
     return SKV_OK;
 }
 
+typedef struct {
+    size_t block; /* values per chunk: c * D */
+    int32_t S, n_store;
+    const skv_bf16 *store;
+    const int32_t *idx;
+    skv_bf16 *v_out;
+} skv_cpu_gather;
 
-/* ---- gather values --------------------------------------------------------------------- */
+#define SKV_CPU_GATHER_ITEM 64 /* chunks per work item */
+
+static void skv_cpu_gather_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_gather *g = ctx;
+    (void)t;
+    for (int64_t hs = it * SKV_CPU_GATHER_ITEM; hs < (it + 1) * SKV_CPU_GATHER_ITEM; hs++)
+        memcpy(g->v_out + hs * g->block, g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->block,
+               g->block * sizeof *g->store);
+}
 
 static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
                                         const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
 {
-    size_t block = (size_t)c * D;
-    /* A decode step copies ~4 MB: one thread does it at memory speed, and on a
-       loaded machine a fork/join can stall for longer than the copy takes. */
-#pragma omp parallel for schedule(static) if ((size_t)Hk * S * block * sizeof *store > ((size_t)8 << 20))
-    for (int64_t hs = 0; hs < (int64_t)Hk * S; hs++)
-        memcpy(v_out + hs * block, store + ((size_t)(hs / S) * n_store + idx[hs]) * block, block * sizeof *store);
+    skv_cpu_gather g = {(size_t)c * D, S, n_store, store, idx, v_out};
+    int64_t n = (int64_t)Hk * S, full = n / SKV_CPU_GATHER_ITEM;
+    /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies in parallel. */
+    if ((size_t)n * g.block * sizeof *store > ((size_t)8 << 20)) skv_cpu_run(skv_cpu_team(full), full, skv_cpu_gather_item, &g);
+    else full = 0;
+    for (int64_t hs = full * SKV_CPU_GATHER_ITEM; hs < n; hs++)
+        memcpy(v_out + hs * g.block, store + ((size_t)(hs / S) * n_store + idx[hs]) * g.block, g.block * sizeof *store);
     return SKV_OK;
 }
 
-
 /*
  * The arena of one decode step (one sequence): the largest of the three slots'
- * skv_ws_alloc totals above, for the thread count decode will run with.
+ * skv_ws_alloc totals, for the thread count decode will run with.
  * test_contract checks that no decode ever spills past it.
  */
 static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
 {
-    size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim;
-    size_t r = (size_t)cfg->rank, n = (size_t)cand_max, G = Hq / Hk, G4 = (G + 3) / 4 * 4;
-    size_t nt = (size_t)(cfg->n_threads > 0 ? cfg->n_threads : omp_get_max_threads());
-    size_t f = sizeof(float);
-    size_t sel = SKV_WS_BYTES(f * (Hk * G4 * n + Hk * G4 * D + 2 * Hk * n), 4);
-#if SKV_CPU_SIMD
-    size_t Dp16 = (D + 15) / 16 * 16;
-    size_t reb = SKV_WS_BYTES(f * (Hk * Dp16 * r + nt * SKV_CPU_RB * (r + Dp16)), 2);
-#else
-    size_t M = (size_t)cfg->budget; /* S * c tokens per head */
-    size_t reb = SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
-#endif
-    size_t Dp = (D + 7) / 8 * 8, items = Hk * (size_t)((max_attn_tokens + SKV_CPU_BT - 1) / SKV_CPU_BT);
-    size_t att = SKV_WS_BYTES(f * (Hq * Dp + items * G * (2 + Dp) + nt * G * SKV_CPU_BT), 3);
+    int nt = cfg->n_threads > 0 ? cfg->n_threads : omp_get_max_threads();
+    size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, nt);
+    size_t att = skv_cpu_attn_ws_bytes(cfg, max_attn_tokens, nt);
     size_t m = sel > reb ? sel : reb;
     return m > att ? m : att;
 }

@@ -1,14 +1,10 @@
 /*
- * sparse_attention and full_attention.
+ * sparse_attention and full_attention (tolerance-checked, not decisions).
  */
 #include <math.h>
 #include <string.h>
 
-#include <omp.h>
-
 #include "skv_cpu_simd.h"
-
-/* ---- attention ------------------------------------------------------------------------- */
 
 /*
  * Split-K attention (flash-decoding): the tokens of each KV head (spans
@@ -28,29 +24,12 @@ struct skv_cpu_attn {
     float *part;            /* per item: [G] m, [G] l, [G][Dp] acc */
 };
 
-
-/* dot(q, k) for attention scores: float, any order (tolerance-checked). */
-static float skv_cpu_dotq(const float *q, const skv_bf16 *k, int32_t D)
+/* The key and value rows of tokens [t0, t0 + nt) of head h, across span boundaries. */
+static void skv_cpu_attn_rows(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int32_t nt, const skv_bf16 **kp,
+                              const skv_bf16 **vp)
 {
-    float dot = 0.0f;
-    int32_t d = 0;
-#if SKV_CPU_SIMD
-    __m256 a = _mm256_setzero_ps();
-    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), skv_cpu_ld8(k + d), a);
-    dot = skv_cpu_hsum(a);
-#endif
-    for (; d < D; d++) dot += q[d] * skv_bf16_to_f32(k[d]);
-    return dot;
-}
-
-static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1, float *sc)
-{
-    int32_t G = A->G, D = A->D, Dp = A->Dp, nt = (int32_t)(t1 - t0), g = 0;
-    const float *qh = A->qf + (size_t)h * G * Dp;
-    float *m = A->part, *l = m + G, *acc = l + G;
-    const skv_bf16 *kp[SKV_CPU_BT], *vp[SKV_CPU_BT];
     int sp = 0;
-    for (int32_t i = 0; i < nt; i++) { /* token rows of this block, across span boundaries */
+    for (int32_t i = 0; i < nt; i++) {
         int64_t t = t0 + i;
         while (A->off[sp + 1] <= t) sp++;
         const skv_kv_span *s = &A->spans[sp];
@@ -58,8 +37,30 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
         kp[i] = s->k + o;
         vp[i] = s->v + o;
     }
+}
+
+#if SKV_CPU_X86
+/* dot(q, k) for attention scores: float, any order (tolerance-checked). */
+SKV_CPU_AVX2 static float skv_cpu_dotq_avx2(const float *q, const skv_bf16 *k, int32_t D)
+{
+    int32_t d = 0;
+    __m256 a = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), skv_cpu_ld8(k + d), a);
+    float dot = skv_cpu_hsum(a);
+    for (; d < D; d++) dot += q[d] * skv_bf16_to_f32(k[d]);
+    return dot;
+}
+
+/* skv_cpu_attn_item with 8-lane sums: 4 queries per pass share each converted key and value vector. */
+SKV_CPU_AVX2 static void skv_cpu_attn_item_avx2(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1,
+                                                float *sc)
+{
+    int32_t G = A->G, D = A->D, Dp = A->Dp, nt = (int32_t)(t1 - t0), g = 0;
+    const float *qh = A->qf + (size_t)h * G * Dp;
+    float *m = A->part, *l = m + G, *acc = l + G;
+    const skv_bf16 *kp[SKV_CPU_BT], *vp[SKV_CPU_BT];
+    skv_cpu_attn_rows(A, h, t0, nt, kp, vp);
     /* scores: 4 queries per pass share each converted key vector */
-#if SKV_CPU_SIMD
     int32_t D8 = D / 8 * 8;
     for (; g + 4 <= G; g += 4) {
         const float *q0 = qh + (size_t)g * Dp, *q1 = q0 + Dp, *q2 = q1 + Dp, *q3 = q2 + Dp;
@@ -86,16 +87,14 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
             for (int j = 0; j < 4; j++) sc[(size_t)(g + j) * SKV_CPU_BT + i] = s4[j];
         }
     }
-#endif
     for (; g < G; g++)
         for (int32_t i = 0; i < nt; i++)
-            sc[(size_t)g * SKV_CPU_BT + i] = skv_cpu_dotq(qh + (size_t)g * Dp, kp[i], D) * A->scale;
+            sc[(size_t)g * SKV_CPU_BT + i] = skv_cpu_dotq_avx2(qh + (size_t)g * Dp, kp[i], D) * A->scale;
     /* block max and weights */
     for (g = 0; g < G; g++) {
         float *sg = sc + (size_t)g * SKV_CPU_BT, mx = sg[0], sum = 0.0f;
         for (int32_t i = 1; i < nt; i++) mx = sg[i] > mx ? sg[i] : mx;
         int32_t i = 0;
-#if SKV_CPU_SIMD
         __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx);
         for (; i + 8 <= nt; i += 8) {
             __m256 e = skv_cpu_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
@@ -103,7 +102,6 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
             vs = _mm256_add_ps(vs, e);
         }
         sum = skv_cpu_hsum(vs);
-#endif
         for (; i < nt; i++) {
             sg[i] = expf(sg[i] - mx);
             sum += sg[i];
@@ -113,7 +111,6 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
     }
     /* acc_g = sum_t w_gt v_t: dims outer, tokens inner, accumulators in registers */
     g = 0;
-#if SKV_CPU_SIMD
     int32_t d0 = 0;
     for (; g + 4 <= G; g += 4) {
         const float *w0 = sc + (size_t)g * SKV_CPU_BT, *w1 = w0 + SKV_CPU_BT, *w2 = w1 + SKV_CPU_BT,
@@ -154,26 +151,103 @@ static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t
             for (int32_t i = 0; i < nt; i++) a += sc[(size_t)gg * SKV_CPU_BT + i] * skv_bf16_to_f32(vp[i][d]);
             acc[(size_t)gg * Dp + d] = a;
         }
-#endif
     for (; g < G; g++) {
         float *og = acc + (size_t)g * Dp;
         const float *wg = sc + (size_t)g * SKV_CPU_BT;
         memset(og, 0, (size_t)D * sizeof *og);
         for (int32_t i = 0; i < nt; i++) {
             int32_t d = 0;
-#if SKV_CPU_SIMD
             __m256 x = _mm256_broadcast_ss(wg + i);
             for (; d + 8 <= D; d += 8)
                 _mm256_storeu_ps(og + d, _mm256_fmadd_ps(x, skv_cpu_ld8(vp[i] + d), _mm256_loadu_ps(og + d)));
-#endif
             for (; d < D; d++) og[d] += wg[i] * skv_bf16_to_f32(vp[i][d]);
         }
     }
 }
+#endif
 
-skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
-                                           const skv_bf16 *q, int32_t n_spans,
-                                           const skv_kv_span *spans, float *out, skv_ws *ws)
+/* One (head, block) item: block max m, weight sum l and unnormalized acc of the G queries (sc: [G][BT]). */
+static void skv_cpu_attn_item(const struct skv_cpu_attn *A, int32_t h, int64_t t0, int64_t t1, float *sc)
+{
+    int32_t G = A->G, D = A->D, Dp = A->Dp, nt = (int32_t)(t1 - t0);
+    const float *qh = A->qf + (size_t)h * G * Dp;
+    float *m = A->part, *l = m + G, *acc = l + G;
+    const skv_bf16 *kp[SKV_CPU_BT], *vp[SKV_CPU_BT];
+    skv_cpu_attn_rows(A, h, t0, nt, kp, vp);
+    for (int32_t g = 0; g < G; g++) {
+        const float *qg = qh + (size_t)g * Dp;
+        float *sg = sc + (size_t)g * SKV_CPU_BT, mx = -INFINITY, sum = 0.0f;
+        for (int32_t i = 0; i < nt; i++) {
+            float dot = 0.0f;
+            for (int32_t d = 0; d < D; d++) dot += qg[d] * skv_bf16_to_f32(kp[i][d]);
+            sg[i] = dot * A->scale;
+            mx = sg[i] > mx || i == 0 ? sg[i] : mx;
+        }
+        for (int32_t i = 0; i < nt; i++) {
+            sg[i] = expf(sg[i] - mx);
+            sum += sg[i];
+        }
+        m[g] = mx;
+        l[g] = sum;
+        float *og = acc + (size_t)g * Dp;
+        memset(og, 0, (size_t)D * sizeof *og);
+        for (int32_t i = 0; i < nt; i++)
+            for (int32_t d = 0; d < D; d++) og[d] += sg[i] * skv_bf16_to_f32(vp[i][d]);
+    }
+}
+
+/* out of query i = h G + g: the blocks of head h merged in block order. */
+static void skv_cpu_attn_merge(const float *part, size_t item_sz, int64_t nblk, int32_t G, int32_t D, int32_t Dp,
+                               int32_t h, float *out)
+{
+    for (int32_t g = 0; g < G; g++) {
+        float M = -INFINITY, L = 0.0f, *o = out + ((size_t)h * G + g) * D;
+        for (int64_t b = 0; b < nblk; b++) {
+            float mb = part[(size_t)(h * nblk + b) * item_sz + g];
+            M = mb > M ? mb : M;
+        }
+        memset(o, 0, (size_t)D * sizeof *o);
+        for (int64_t b = 0; b < nblk; b++) {
+            const float *p = part + (size_t)(h * nblk + b) * item_sz;
+            float f = expf(p[g] - M);
+            const float *ab = p + 2 * G + (size_t)g * Dp;
+            L += f * p[G + g];
+            for (int32_t d = 0; d < D; d++) o[d] += f * ab[d];
+        }
+        for (int32_t d = 0; d < D; d++) o[d] /= L;
+    }
+}
+
+typedef struct {
+    struct skv_cpu_attn A;
+    int64_t T, nblk;
+    size_t item_sz;
+    int simd;
+    float *part, *sc, *out;
+    int32_t *done;
+} skv_cpu_att;
+
+static void skv_cpu_att_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_att *c = ctx;
+    int32_t G = c->A.G;
+    int64_t h = it / c->nblk, b = it % c->nblk, t0 = b * SKV_CPU_BT, t1 = t0 + SKV_CPU_BT < c->T ? t0 + SKV_CPU_BT : c->T;
+    float *sc = c->sc + (size_t)t * G * SKV_CPU_BT;
+    struct skv_cpu_attn A = c->A;
+    A.part = c->part + (size_t)it * c->item_sz;
+#if SKV_CPU_X86
+    if (c->simd) skv_cpu_attn_item_avx2(&A, (int32_t)h, t0, t1, sc);
+    else
+#endif
+        skv_cpu_attn_item(&A, (int32_t)h, t0, t1, sc);
+    if (skv_cpu_last(&c->done[h], (int32_t)c->nblk))
+        skv_cpu_attn_merge(c->part, c->item_sz, c->nblk, G, A.D, A.Dp, (int32_t)h, c->out);
+}
+
+/* One job of (head, block) items (skv_cpu_run), no barrier inside: the item that completes a head's
+   last block merges that head. */
+skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                    int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
 {
     int32_t G = Hq / Hk, Dp = (D + 7) / 8 * 8;
     int64_t off[SKV_MAX_SPANS + 2];
@@ -181,56 +255,37 @@ skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float sca
     for (int32_t s = 0; s < n_spans; s++) off[s + 1] = off[s] + spans[s].n_tokens;
     off[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
     int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
-    size_t item_sz = (size_t)G * (2 + Dp);
-    int nt = omp_get_max_threads();
+    int nt = skv_cpu_team(items);
+    skv_cpu_att c = {{G, D, Dp, scale, NULL, spans, off, NULL}, T, nblk, (size_t)G * (2 + Dp), skv_cpu_simd(),
+                     NULL, NULL, out, NULL};
     float *qf = skv_ws_alloc(ws, (size_t)Hq * Dp * sizeof *qf);
-    float *part = skv_ws_alloc(ws, (size_t)items * item_sz * sizeof *part);
-    float *sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *sc);
-    if (!qf || !part || !sc) return SKV_ERR_OUT_OF_MEMORY;
+    c.part = skv_ws_alloc(ws, (size_t)items * c.item_sz * sizeof *c.part);
+    c.sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *c.sc);
+    c.done = skv_ws_alloc(ws, (size_t)Hk * sizeof *c.done);
+    if (!qf || !c.part || !c.sc || !c.done) return SKV_ERR_OUT_OF_MEMORY;
     memset(qf, 0, (size_t)Hq * Dp * sizeof *qf);
+    memset(c.done, 0, (size_t)Hk * sizeof *c.done);
     for (int32_t i = 0; i < Hq; i++) skv_cpu_to_f32(q + (size_t)i * D, qf + (size_t)i * Dp, D);
-    struct skv_cpu_attn A = {G, D, Dp, scale, qf, spans, off, NULL};
-#pragma omp parallel num_threads(nt)
-    {
-        float *my_sc = sc + (size_t)omp_get_thread_num() * G * SKV_CPU_BT;
-        struct skv_cpu_attn Ai = A;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t h = it / nblk, b = it % nblk, t0 = b * SKV_CPU_BT;
-            Ai.part = part + (size_t)it * item_sz;
-            skv_cpu_attn_item(&Ai, (int32_t)h, t0, t0 + SKV_CPU_BT < T ? t0 + SKV_CPU_BT : T, my_sc);
-        }
-        /* merge the blocks of each (head, query) in block order */
-#pragma omp for schedule(static)
-        for (int32_t i = 0; i < Hq; i++) {
-            int32_t h = i / G, g = i % G;
-            float M = -INFINITY, L = 0.0f, *o = out + (size_t)i * D;
-            for (int64_t b = 0; b < nblk; b++) {
-                float mb = part[(size_t)(h * nblk + b) * item_sz + g];
-                M = mb > M ? mb : M;
-            }
-            memset(o, 0, (size_t)D * sizeof *o);
-            for (int64_t b = 0; b < nblk; b++) {
-                const float *p = part + (size_t)(h * nblk + b) * item_sz;
-                float f = expf(p[g] - M);
-                const float *ab = p + 2 * G + (size_t)g * Dp;
-                L += f * p[G + g];
-                for (int32_t d = 0; d < D; d++) o[d] += f * ab[d];
-            }
-            for (int32_t d = 0; d < D; d++) o[d] /= L;
-        }
-    }
-
+    c.A.qf = qf;
+    skv_cpu_run(nt, items, skv_cpu_att_item, &c);
     return SKV_OK;
 }
 
-skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
-                                         const skv_bf16 *q, int64_t n_tokens, const skv_bf16 *k,
-                                         const skv_bf16 *v, float *out)
+skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                  int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out)
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
     skv_ws ws = {0}; /* outside the decode path: plain allocations */
     skv_status st = skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out, &ws);
     skv_ws_reset(&ws);
     return st;
+}
+
+/* skv_ws_alloc bytes of one sparse_attention call over at most max_tokens tokens, nt threads. */
+size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt)
+{
+    size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, G = Hq / Hk;
+    size_t Dp = (D + 7) / 8 * 8, items = Hk * (size_t)((max_tokens + SKV_CPU_BT - 1) / SKV_CPU_BT);
+    return SKV_WS_BYTES(sizeof(float) * (Hq * Dp + items * G * (2 + Dp) + (size_t)nt * G * SKV_CPU_BT) +
+                            sizeof(int32_t) * Hk, 4);
 }

@@ -1,6 +1,7 @@
 /*
  * The FAST factorization route (lib/skv_factor.h): fp32 block Gram, subspace
- * iteration with shifted Cholesky QR, fp32 projection. No BLAS.
+ * iteration with shifted Cholesky QR, fp32 projection. No BLAS. AVX2 only
+ * (the portable build factors every shape by the EXACT route).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -10,7 +11,7 @@
 
 #include "skv_cpu_simd.h"
 
-#if SKV_CPU_SIMD
+#if SKV_CPU_X86
 
 /* State of one FAST factorization: X^T is kept as z [r, d] (rows = basis vectors), so every product
    runs over contiguous rows of d. */
@@ -35,7 +36,7 @@ typedef struct {
 static void skv_cpu_fx_apply(skv_cpu_fx *f, int dbl)
 {
     const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, ns = dbl ? (d + 7) / 8 : (d + 15) / 16;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for num_threads(f->nt) schedule(dynamic, 1)
     for (int32_t is = 0; is < ns; is++)
         for (int32_t ig = 0; ig < ng; ig++) {
             int32_t j0 = ig * 6, nj = skv_cpu_min(6, r - j0);
@@ -67,7 +68,7 @@ static void skv_cpu_fx_apply(skv_cpu_fx *f, int dbl)
  * (lib/skv_factor.h: SKV_FACTOR_PIVOT_FLOOR tr C), so it never fails.
  * skv_cpu_trinv: ri <- R^-1 (upper), row by row from the bottom.
  */
-static void skv_cpu_chol(double *c, int32_t r, double floor)
+SKV_CPU_AVX2 static void skv_cpu_chol(double *c, int32_t r, double floor)
 {
     for (int32_t k = 0; k < r; k++) {
         double *ck = c + (size_t)k * r, p = ck[k];
@@ -85,7 +86,7 @@ static void skv_cpu_chol(double *c, int32_t r, double floor)
     }
 }
 
-static void skv_cpu_trinv(const double *c, int32_t r, double *ri)
+SKV_CPU_AVX2 static void skv_cpu_trinv(const double *c, int32_t r, double *ri)
 {
     memset(ri, 0, (size_t)r * r * sizeof *ri);
     for (int32_t i = r - 1; i >= 0; i--) {
@@ -117,7 +118,7 @@ static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, d
 {
     const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, n8 = (r + 7) / 8;
     double *c = f->c, *yp = f->yp;
-#pragma omp parallel
+#pragma omp parallel num_threads(f->nt)
     {
 #pragma omp for schedule(static)
         for (int32_t js = 0; js < n8; js++)
@@ -166,6 +167,74 @@ static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, d
  */
 #define SKV_CPU_SOLVE_W 16
 
+/* Columns [ch W, ch W + W) of the solve, through buf [r][W]. */
+SKV_CPU_AVX2 static void skv_cpu_fx_solve_chunk(skv_cpu_fx *f, double *v, const double *ct, int32_t ch, double *buf)
+{
+    const int32_t d = f->d, r = f->r;
+    int32_t i0 = ch * SKV_CPU_SOLVE_W, w = skv_cpu_min(SKV_CPU_SOLVE_W, d - i0);
+    for (int32_t k = 0; k < r; k++)
+        for (int32_t i = 0; i < SKV_CPU_SOLVE_W; i++)
+            buf[(size_t)k * SKV_CPU_SOLVE_W + i] = i < w ? v[(size_t)k * d + i0 + i] : 0.0;
+    for (int32_t k = 0; k < r; k += 2) {
+        const double *c0 = ct + (size_t)k * r, *c1 = c0 + r;
+        double *b0 = buf + (size_t)k * SKV_CPU_SOLVE_W, *b1 = b0 + SKV_CPU_SOLVE_W;
+        __m256d a0 = _mm256_loadu_pd(b0), a1 = _mm256_loadu_pd(b0 + 4);
+        __m256d a2 = _mm256_loadu_pd(b0 + 8), a3 = _mm256_loadu_pd(b0 + 12);
+        if (k + 1 < r) {
+            __m256d e0 = _mm256_loadu_pd(b1), e1 = _mm256_loadu_pd(b1 + 4);
+            __m256d e2 = _mm256_loadu_pd(b1 + 8), e3 = _mm256_loadu_pd(b1 + 12);
+            for (int32_t m = 0; m < k; m++) {
+                const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
+                __m256d x0 = _mm256_loadu_pd(bm), x1 = _mm256_loadu_pd(bm + 4);
+                __m256d x2 = _mm256_loadu_pd(bm + 8), x3 = _mm256_loadu_pd(bm + 12);
+                __m256d r0 = _mm256_broadcast_sd(c0 + m), r1 = _mm256_broadcast_sd(c1 + m);
+                a0 = _mm256_fnmadd_pd(r0, x0, a0), a1 = _mm256_fnmadd_pd(r0, x1, a1);
+                a2 = _mm256_fnmadd_pd(r0, x2, a2), a3 = _mm256_fnmadd_pd(r0, x3, a3);
+                e0 = _mm256_fnmadd_pd(r1, x0, e0), e1 = _mm256_fnmadd_pd(r1, x1, e1);
+                e2 = _mm256_fnmadd_pd(r1, x2, e2), e3 = _mm256_fnmadd_pd(r1, x3, e3);
+            }
+            __m256d rk = _mm256_broadcast_sd(c0 + k);
+            a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
+            a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
+            __m256d r1 = _mm256_broadcast_sd(c1 + k), rk1 = _mm256_broadcast_sd(c1 + k + 1);
+            e0 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a0, e0), rk1);
+            e1 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a1, e1), rk1);
+            e2 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a2, e2), rk1);
+            e3 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a3, e3), rk1);
+            _mm256_storeu_pd(b1, e0), _mm256_storeu_pd(b1 + 4, e1);
+            _mm256_storeu_pd(b1 + 8, e2), _mm256_storeu_pd(b1 + 12, e3);
+        } else {
+            for (int32_t m = 0; m < k; m++) {
+                const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
+                __m256d r0 = _mm256_broadcast_sd(c0 + m);
+                a0 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm), a0);
+                a1 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 4), a1);
+                a2 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 8), a2);
+                a3 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 12), a3);
+            }
+            __m256d rk = _mm256_broadcast_sd(c0 + k);
+            a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
+            a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
+        }
+        _mm256_storeu_pd(b0, a0), _mm256_storeu_pd(b0 + 4, a1);
+        _mm256_storeu_pd(b0 + 8, a2), _mm256_storeu_pd(b0 + 12, a3);
+    }
+    for (int32_t k = 0; k < r; k++) {
+        const double *bk = buf + (size_t)k * SKV_CPU_SOLVE_W;
+        double *vk = v + (size_t)k * d + i0;
+        float *zk = f->zf + (size_t)k * d + i0;
+        if (w == SKV_CPU_SOLVE_W) {
+            for (int q = 0; q < 4; q++) {
+                __m256d x = _mm256_loadu_pd(bk + 4 * q);
+                _mm256_storeu_pd(vk + 4 * q, x);
+                _mm_storeu_ps(zk + 4 * q, _mm256_cvtpd_ps(x));
+            }
+        } else {
+            for (int32_t i = 0; i < w; i++) vk[i] = bk[i], zk[i] = (float)bk[i];
+        }
+    }
+}
+
 static void skv_cpu_fx_solve(skv_cpu_fx *f, double *v)
 {
     const int32_t d = f->d, r = f->r, nch = (d + SKV_CPU_SOLVE_W - 1) / SKV_CPU_SOLVE_W;
@@ -176,70 +245,7 @@ static void skv_cpu_fx_solve(skv_cpu_fx *f, double *v)
     {
         double *buf = f->sb + (size_t)omp_get_thread_num() * r * SKV_CPU_SOLVE_W;
 #pragma omp for schedule(static)
-        for (int32_t ch = 0; ch < nch; ch++) {
-            int32_t i0 = ch * SKV_CPU_SOLVE_W, w = skv_cpu_min(SKV_CPU_SOLVE_W, d - i0);
-            for (int32_t k = 0; k < r; k++)
-                for (int32_t i = 0; i < SKV_CPU_SOLVE_W; i++)
-                    buf[(size_t)k * SKV_CPU_SOLVE_W + i] = i < w ? v[(size_t)k * d + i0 + i] : 0.0;
-            for (int32_t k = 0; k < r; k += 2) {
-                const double *c0 = ct + (size_t)k * r, *c1 = c0 + r;
-                double *b0 = buf + (size_t)k * SKV_CPU_SOLVE_W, *b1 = b0 + SKV_CPU_SOLVE_W;
-                __m256d a0 = _mm256_loadu_pd(b0), a1 = _mm256_loadu_pd(b0 + 4);
-                __m256d a2 = _mm256_loadu_pd(b0 + 8), a3 = _mm256_loadu_pd(b0 + 12);
-                if (k + 1 < r) {
-                    __m256d e0 = _mm256_loadu_pd(b1), e1 = _mm256_loadu_pd(b1 + 4);
-                    __m256d e2 = _mm256_loadu_pd(b1 + 8), e3 = _mm256_loadu_pd(b1 + 12);
-                    for (int32_t m = 0; m < k; m++) {
-                        const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
-                        __m256d x0 = _mm256_loadu_pd(bm), x1 = _mm256_loadu_pd(bm + 4);
-                        __m256d x2 = _mm256_loadu_pd(bm + 8), x3 = _mm256_loadu_pd(bm + 12);
-                        __m256d r0 = _mm256_broadcast_sd(c0 + m), r1 = _mm256_broadcast_sd(c1 + m);
-                        a0 = _mm256_fnmadd_pd(r0, x0, a0), a1 = _mm256_fnmadd_pd(r0, x1, a1);
-                        a2 = _mm256_fnmadd_pd(r0, x2, a2), a3 = _mm256_fnmadd_pd(r0, x3, a3);
-                        e0 = _mm256_fnmadd_pd(r1, x0, e0), e1 = _mm256_fnmadd_pd(r1, x1, e1);
-                        e2 = _mm256_fnmadd_pd(r1, x2, e2), e3 = _mm256_fnmadd_pd(r1, x3, e3);
-                    }
-                    __m256d rk = _mm256_broadcast_sd(c0 + k);
-                    a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
-                    a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
-                    __m256d r1 = _mm256_broadcast_sd(c1 + k), rk1 = _mm256_broadcast_sd(c1 + k + 1);
-                    e0 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a0, e0), rk1);
-                    e1 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a1, e1), rk1);
-                    e2 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a2, e2), rk1);
-                    e3 = _mm256_div_pd(_mm256_fnmadd_pd(r1, a3, e3), rk1);
-                    _mm256_storeu_pd(b1, e0), _mm256_storeu_pd(b1 + 4, e1);
-                    _mm256_storeu_pd(b1 + 8, e2), _mm256_storeu_pd(b1 + 12, e3);
-                } else {
-                    for (int32_t m = 0; m < k; m++) {
-                        const double *bm = buf + (size_t)m * SKV_CPU_SOLVE_W;
-                        __m256d r0 = _mm256_broadcast_sd(c0 + m);
-                        a0 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm), a0);
-                        a1 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 4), a1);
-                        a2 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 8), a2);
-                        a3 = _mm256_fnmadd_pd(r0, _mm256_loadu_pd(bm + 12), a3);
-                    }
-                    __m256d rk = _mm256_broadcast_sd(c0 + k);
-                    a0 = _mm256_div_pd(a0, rk), a1 = _mm256_div_pd(a1, rk);
-                    a2 = _mm256_div_pd(a2, rk), a3 = _mm256_div_pd(a3, rk);
-                }
-                _mm256_storeu_pd(b0, a0), _mm256_storeu_pd(b0 + 4, a1);
-                _mm256_storeu_pd(b0 + 8, a2), _mm256_storeu_pd(b0 + 12, a3);
-            }
-            for (int32_t k = 0; k < r; k++) {
-                const double *bk = buf + (size_t)k * SKV_CPU_SOLVE_W;
-                double *vk = v + (size_t)k * d + i0;
-                float *zk = f->zf + (size_t)k * d + i0;
-                if (w == SKV_CPU_SOLVE_W) {
-                    for (int q = 0; q < 4; q++) {
-                        __m256d x = _mm256_loadu_pd(bk + 4 * q);
-                        _mm256_storeu_pd(vk + 4 * q, x);
-                        _mm_storeu_ps(zk + 4 * q, _mm256_cvtpd_ps(x));
-                    }
-                } else {
-                    for (int32_t i = 0; i < w; i++) vk[i] = bk[i], zk[i] = (float)bk[i];
-                }
-            }
-        }
+        for (int32_t ch = 0; ch < nch; ch++) skv_cpu_fx_solve_chunk(f, v, ct, ch, buf);
     }
 }
 
@@ -281,7 +287,7 @@ static void skv_cpu_fx_step(skv_cpu_fx *f, int dbl, int reuse, int single)
 static void skv_cpu_fx_pack_g(skv_cpu_fx *f, int dbl)
 {
     const int32_t d = f->d, w = dbl ? 8 : 16, ns = (d + w - 1) / w;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(f->nt) schedule(static)
     for (int32_t p = 0; p < d; p++)
         for (int32_t is = 0; is < ns; is++)
             for (int32_t j = 0; j < w; j++) {
@@ -294,13 +300,46 @@ static void skv_cpu_fx_pack_g(skv_cpu_fx *f, int dbl)
 
 #define SKV_CPU_URB 48 /* projection: rows per work item, 8 slivers of 6 */
 
+/* Rows [t0, t0 + rows) of u = A Q (ab: [SKV_CPU_URB][d] scratch, qb: Q packed as 16-column slivers). */
+SKV_CPU_AVX2 static void skv_cpu_fx_project_rows(int32_t d, int32_t r, const skv_bf16 *a, int64_t t0, int32_t rows,
+                                                 const float *qb, float scale, float unscale, float *ab, float *u)
+{
+    const int32_t n16 = (r + 15) / 16;
+    const __m256 sc = _mm256_set1_ps(scale), us = _mm256_set1_ps(unscale);
+    for (int32_t i = 0; i < rows; i++) {
+        const skv_bf16 *src = a + (size_t)(t0 + i) * d;
+        float *dst = ab + (size_t)i * d;
+        int32_t p = 0;
+        for (; p + 8 <= d; p += 8) _mm256_storeu_ps(dst + p, _mm256_mul_ps(skv_cpu_ld8(src + p), sc));
+        for (; p < d; p++) dst[p] = skv_bf16_to_f32(src[p]) * scale;
+    }
+    for (int32_t js = 0; js < n16; js++) {
+        int32_t j0 = js * 16, nj = skv_cpu_min(16, r - j0);
+        for (int32_t i0 = 0; i0 < rows; i0 += 6) {
+            int32_t ni = skv_cpu_min(6, rows - i0);
+            const float *ar[6];
+            float t[96];
+            for (int i = 0; i < 6; i++) ar[i] = ab + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
+            skv_cpu_skern_rows(d, ar, qb + (size_t)js * d * 16, t);
+            for (int32_t i = 0; i < ni; i++) {
+                float *ur = u + (size_t)(t0 + i0 + i) * r + j0;
+                if (nj == 16) {
+                    _mm256_storeu_ps(ur, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16), us));
+                    _mm256_storeu_ps(ur + 8, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16 + 8), us));
+                } else {
+                    for (int32_t j = 0; j < nj; j++) ur[j] = t[i * 16 + j] * unscale;
+                }
+            }
+        }
+    }
+}
+
 /* u [n, r] = A Q in float: A rows scaled by `scale` (the fp32 Gram's power of two) and the result by
    `unscale`, Q^T = zf [r, d]; parallel over blocks of rows. */
 static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, const float *zf,
-                                     float scale, float unscale, float *u)
+                                     float scale, float unscale, float *u, int nt)
 {
     const int32_t n16 = (r + 15) / 16;
-    const int nt = omp_get_max_threads();
     const int64_t nrb = (n + SKV_CPU_URB - 1) / SKV_CPU_URB;
     float *qb = skv_cpu_alloc((size_t)n16 * d * 16 * sizeof *qb);
     float *abuf = skv_cpu_alloc((size_t)nt * SKV_CPU_URB * d * sizeof *abuf);
@@ -312,7 +351,6 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
 #pragma omp parallel num_threads(nt)
     {
         float *ab = abuf + (size_t)omp_get_thread_num() * SKV_CPU_URB * d;
-        const __m256 sc = _mm256_set1_ps(scale), us = _mm256_set1_ps(unscale);
 #pragma omp for schedule(static)
         for (int32_t js = 0; js < n16; js++)
             for (int32_t jj = 0; jj < 16; jj++) {
@@ -324,32 +362,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
         for (int64_t b = 0; b < nrb; b++) {
             int64_t t0 = b * SKV_CPU_URB;
             int32_t rows = (int32_t)(n - t0 < SKV_CPU_URB ? n - t0 : SKV_CPU_URB);
-            for (int32_t i = 0; i < rows; i++) {
-                const skv_bf16 *src = a + (size_t)(t0 + i) * d;
-                float *dst = ab + (size_t)i * d;
-                int32_t p = 0;
-                for (; p + 8 <= d; p += 8) _mm256_storeu_ps(dst + p, _mm256_mul_ps(skv_cpu_ld8(src + p), sc));
-                for (; p < d; p++) dst[p] = skv_bf16_to_f32(src[p]) * scale;
-            }
-            for (int32_t js = 0; js < n16; js++) {
-                int32_t j0 = js * 16, nj = skv_cpu_min(16, r - j0);
-                for (int32_t i0 = 0; i0 < rows; i0 += 6) {
-                    int32_t ni = skv_cpu_min(6, rows - i0);
-                    const float *ar[6];
-                    float t[96];
-                    for (int i = 0; i < 6; i++) ar[i] = ab + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
-                    skv_cpu_skern_rows(d, ar, qb + (size_t)js * d * 16, t);
-                    for (int32_t i = 0; i < ni; i++) {
-                        float *ur = u + (size_t)(t0 + i0 + i) * r + j0;
-                        if (nj == 16) {
-                            _mm256_storeu_ps(ur, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16), us));
-                            _mm256_storeu_ps(ur + 8, _mm256_mul_ps(_mm256_loadu_ps(t + i * 16 + 8), us));
-                        } else {
-                            for (int32_t j = 0; j < nj; j++) ur[j] = t[i * 16 + j] * unscale;
-                        }
-                    }
-                }
-            }
+            skv_cpu_fx_project_rows(d, r, a, t0, rows, qb, scale, unscale, ab, u);
         }
     }
     free(qb);
@@ -368,7 +381,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *     in fp32 (G rounded to float once, X per product, fp32 sums over d), each
  *     orth a shifted Cholesky QR in double (pivots floored at
  *     SKV_FACTOR_PIVOT_FLOOR tr C).
- *     NOTE, two departures from the header, both measured on the bench's
+ *     Two departures from the header, both measured on the bench's
  *     realistic keys (lambda_r / lambda_1 ~ 5e-7, a flat noise floor around r):
  *     - the header's Rayleigh-quotient step X <- G X (X^T G X + s_H I)^-1 with
  *       s_H = 2^-18 tr H on the fp32 Gram damps every direction below s_H in
@@ -384,7 +397,7 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  *       X^T (G + delta I) X = X^T G X + delta I: the same rho.
  *  4. After iteration SKV_FACTOR_CHECK_AT (X orthonormal): Y = G X (kept for the
  *     next step), and in AUTO mode H = X^T G X + delta I + s_H I = R^T R with
- *     the double-Gram Rayleigh shift (as cuda computed it), rho = 1 / (|R|_F^2
+ *     the double-Gram Rayleigh shift (cuda's too), rho = 1 / (|R|_F^2
  *     |R^-1|_F^2) (0 if not finite: pivots floored because the fp32 G left H
  *     indefinite); rho < SKV_FACTOR_TAU or FALLBACK mode: G <- the double Gram
  *     (skv_cpu_gram), G X in double from then on.
@@ -393,10 +406,10 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
  * not depend on the thread count. No BLAS: nothing here starts OpenBLAS threads.
  */
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
-                                         skv_factorize_route mode)
+                                  skv_factorize_route mode)
 {
     skv_status st = SKV_OK;
-    skv_cpu_fx f = {d, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, omp_get_max_threads(), NULL};
+    skv_cpu_fx f = {d, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, skv_cpu_threads(), NULL};
     const size_t rd = (size_t)r * d;
     f.g = skv_cpu_alloc((size_t)d * d * sizeof *f.g);
     f.gf = skv_cpu_alloc((size_t)((d + 15) / 16) * 16 * d * sizeof *f.gf);
@@ -419,7 +432,7 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
         for (int32_t i = 0; i < d; i++) delta += f.g[(size_t)i * d + i];
         delta *= SKV_FACTOR_GRAM_SHIFT32;
         skv_cpu_fx_pack_g(&f, 0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(f.nt) schedule(static)
         for (int32_t j = 0; j < r; j++) /* z = X_0^T */
             for (int32_t i = 0; i < d; i++) {
                 double x = skv_factor_start(i, j, r);
@@ -467,7 +480,7 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
         skv_cpu_fx_orth(&f, f.z);
         skv_cpu_fx_orth(&f, f.z);
     }
-    if (!st) st = skv_cpu_fx_project(n, d, r, a, f.zf, ldexpf(1.0f, 128 - e), ldexpf(1.0f, e - 128), u);
+    if (!st) st = skv_cpu_fx_project(n, d, r, a, f.zf, ldexpf(1.0f, 128 - e), ldexpf(1.0f, e - 128), u, f.nt);
     if (!st) memcpy(w, f.zf, rd * sizeof *w);
     free(f.g);
     free(f.gf);

@@ -1,7 +1,7 @@
 /*
- * Gram matrices A^T A of a bf16 [n, d] matrix for the factorization: the
- * double Gram (EXACT route and the FAST route's fallback) and the FAST
- * route's fp32 block Gram.
+ * Gram matrices A^T A of a bf16 [n, d] matrix for the factorization (AVX2
+ * callers only): the double Gram (EXACT route and the FAST route's fallback)
+ * and the FAST route's fp32 block Gram.
  */
 #include <stdlib.h>
 
@@ -9,7 +9,7 @@
 
 #include "skv_cpu_simd.h"
 
-#if SKV_CPU_SIMD
+#if SKV_CPU_X86
 /*
  * Slice s of S of the packing (bf16 -> double) of a kc-row block at row t0:
  * 6-column slivers xa [kc][6] (the kernel's "a"; stride kc * 6 + 8, each row
@@ -21,8 +21,8 @@
 #define SKV_CPU_PACK_SLICES 8
 #define SKV_CPU_XA_STRIDE(kc) ((size_t)(kc) * 6 + 8)
 
-static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S, double *xa,
-                              double *xb)
+SKV_CPU_AVX2 static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S,
+                                           double *xa, double *xb)
 {
     const int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
     const skv_bf16 *blk = a + (size_t)t0 * d;
@@ -58,6 +58,23 @@ static void skv_cpu_gram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t 
     }
 }
 
+/* Strip js (8 columns) of the accumulator += this block's tiles touching the upper triangle. */
+SKV_CPU_AVX2 static void skv_cpu_gram_strip(int32_t d, int32_t js, int64_t kc, const double *xa, const double *xb,
+                                            double *gs)
+{
+    int32_t j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+    double *strip = gs + (size_t)js * d * 8;
+    for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) {
+        double t[48];
+        skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 8, t);
+        for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++) {
+            double *gr = strip + (size_t)(i0 + i) * 8;
+            _mm256_storeu_pd(gr, _mm256_add_pd(_mm256_loadu_pd(gr), _mm256_loadu_pd(t + i * 8)));
+            _mm256_storeu_pd(gr + 4, _mm256_add_pd(_mm256_loadu_pd(gr + 4), _mm256_loadu_pd(t + i * 8 + 4)));
+        }
+    }
+}
+
 /*
  * G += A^T A (upper triangle, double, row-major d x d) with the 6x8 kernel,
  * A streamed in blocks of KC rows. Each 8-column strip of G is owned by one
@@ -80,7 +97,7 @@ skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
         free(gs);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel
+#pragma omp parallel num_threads(skv_cpu_threads())
     {
         int64_t kc0 = n < SKV_CPU_KC ? n : SKV_CPU_KC;
 #pragma omp for schedule(static)
@@ -98,17 +115,7 @@ skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
                     skv_cpu_gram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, ya, yb);
                     continue;
                 }
-                int32_t js = nb - 1 - it, j0 = js * 8, nj = skv_cpu_min(8, d - j0);
-                double *strip = gs + (size_t)js * d * 8;
-                for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
-                    double t[48];
-                    skv_cpu_dkern(kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 8, t);
-                    for (int32_t i = 0; i < skv_cpu_min(6, d - i0); i++) {
-                        double *gr = strip + (size_t)(i0 + i) * 8;
-                        _mm256_storeu_pd(gr, _mm256_add_pd(_mm256_loadu_pd(gr), _mm256_loadu_pd(t + i * 8)));
-                        _mm256_storeu_pd(gr + 4, _mm256_add_pd(_mm256_loadu_pd(gr + 4), _mm256_loadu_pd(t + i * 8 + 4)));
-                    }
-                }
+                skv_cpu_gram_strip(d, nb - 1 - it, kc, xa, xb, gs);
             }
         }
         /* g += the accumulator: row i of the strips js >= i / 8 (the upper triangle) */
@@ -125,6 +132,20 @@ skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
     return SKV_OK;
 }
 
+/* max |a| of a[lo, hi) as bf16 bits without the sign */
+SKV_CPU_AVX2 static unsigned skv_cpu_amax_block(const skv_bf16 *a, int64_t lo, int64_t hi)
+{
+    int64_t i = lo;
+    __m256i v = _mm256_setzero_si256(), mask = _mm256_set1_epi16(0x7fff);
+    for (; i + 16 <= hi; i += 16)
+        v = _mm256_max_epu16(v, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(a + i)), mask));
+    uint16_t lanes[16];
+    _mm256_storeu_si256((__m256i *)lanes, v);
+    unsigned m = 0;
+    for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (; i < hi; i++) m = (a[i] & 0x7fffu) > m ? (a[i] & 0x7fffu) : m;
+    return m;
+}
 
 /*
  * The power-of-two scale of the fp32 products: A * 2^(128 - e), e the biased
@@ -137,17 +158,9 @@ int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count)
     const int64_t B = 1 << 16;
     int64_t nb = (count + B - 1) / B;
     unsigned m = 0;
-#pragma omp parallel for schedule(static) reduction(max : m)
+#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) reduction(max : m)
     for (int64_t b = 0; b < nb; b++) {
-        int64_t lo = b * B, hi = lo + B < count ? lo + B : count, i = lo;
-        __m256i v = _mm256_setzero_si256(), mask = _mm256_set1_epi16(0x7fff);
-        for (; i + 16 <= hi; i += 16)
-            v = _mm256_max_epu16(v, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(a + i)), mask));
-        uint16_t lanes[16];
-        _mm256_storeu_si256((__m256i *)lanes, v);
-        unsigned mb = 0;
-        for (int l = 0; l < 16; l++) mb = lanes[l] > mb ? lanes[l] : mb;
-        for (; i < hi; i++) mb = (a[i] & 0x7fffu) > mb ? (a[i] & 0x7fffu) : mb;
+        unsigned mb = skv_cpu_amax_block(a, b * B, b * B + B < count ? b * B + B : count);
         m = mb > m ? mb : m;
     }
     int e = (int)(m >> 7) & 0xff;
@@ -161,8 +174,8 @@ int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count)
  * 16-column slivers xb [kc][16], zero padded past d. The slice is a range of
  * slivers, so every thread writes sequentially and the rows it reads stay in L1.
  */
-static void skv_cpu_fgram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S, float scale,
-                               float *xa, float *xb)
+SKV_CPU_AVX2 static void skv_cpu_fgram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t kc, int s, int S,
+                                            float scale, float *xa, float *xb)
 {
     const int32_t na = (d + 5) / 6, nb = (d + 15) / 16;
     const __m256 sc = _mm256_set1_ps(scale);
@@ -208,6 +221,25 @@ static void skv_cpu_fgram_pack(const skv_bf16 *a, int32_t d, int64_t t0, int64_t
  */
 #define SKV_CPU_FKC 256 /* rows of one fp32 block Gram */
 
+/* Strip js (16 columns) of the double accumulator += this block's fp32 tiles touching the upper triangle. */
+SKV_CPU_AVX2 static void skv_cpu_fgram_strip(int32_t d, int32_t js, int64_t kc, const float *xa, const float *xb,
+                                             double *gs)
+{
+    int32_t j0 = js * 16, nj = skv_cpu_min(16, d - j0);
+    double *strip = gs + (size_t)js * d * 16;
+    for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) {
+        float t[96];
+        int32_t ni = skv_cpu_min(6, d - i0);
+        skv_cpu_skern((int)kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 16, t, 16);
+        for (int32_t i = 0; i < ni; i++) {
+            double *gr = strip + (size_t)(i0 + i) * 16;
+            for (int q = 0; q < 4; q++)
+                _mm256_storeu_pd(gr + 4 * q, _mm256_add_pd(_mm256_loadu_pd(gr + 4 * q),
+                                                           _mm256_cvtps_pd(_mm_loadu_ps(t + i * 16 + 4 * q))));
+        }
+    }
+}
+
 skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, double *g)
 {
     int32_t na = (d + 5) / 6, nb = (d + 15) / 16;
@@ -220,7 +252,7 @@ skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, d
         free(gs);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel
+#pragma omp parallel num_threads(skv_cpu_threads())
     {
         int64_t kc0 = n < SKV_CPU_FKC ? n : SKV_CPU_FKC;
 #pragma omp for schedule(static)
@@ -239,19 +271,7 @@ skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, d
                     skv_cpu_fgram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, scale, ya, yb);
                     continue;
                 }
-                int32_t js = nb - 1 - it, j0 = js * 16, nj = skv_cpu_min(16, d - j0);
-                double *strip = gs + (size_t)js * d * 16;
-                for (int32_t i0 = 0; i0 < j0 + nj; i0 += 6) { /* tiles touching the upper triangle */
-                    float t[96];
-                    int32_t ni = skv_cpu_min(6, d - i0);
-                    skv_cpu_skern((int)kc, xa + (size_t)(i0 / 6) * SKV_CPU_XA_STRIDE(kc), xb + (size_t)js * kc * 16, t, 16);
-                    for (int32_t i = 0; i < ni; i++) {
-                        double *gr = strip + (size_t)(i0 + i) * 16;
-                        for (int q = 0; q < 4; q++)
-                            _mm256_storeu_pd(gr + 4 * q, _mm256_add_pd(_mm256_loadu_pd(gr + 4 * q),
-                                                                       _mm256_cvtps_pd(_mm_loadu_ps(t + i * 16 + 4 * q))));
-                    }
-                }
+                skv_cpu_fgram_strip(d, nb - 1 - it, kc, xa, xb, gs);
             }
         }
         /* g: 16 x 16 blocks (ib <= jb) of the upper triangle and their mirror images */
@@ -275,7 +295,7 @@ skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, d
 /* Upper triangle -> lower (row-major symmetric d x d). */
 void skv_cpu_mirror(double *g, int32_t d)
 {
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(dynamic, 1)
     for (int32_t i0 = 0; i0 < d; i0 += 16) {
         int32_t i1 = skv_cpu_min(i0 + 16, d);
         for (int32_t j = 0; j < i1; j++)

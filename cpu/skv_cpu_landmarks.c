@@ -6,8 +6,7 @@
 
 #include "skv_cpu_simd.h"
 
-/* ---- landmarks and outliers ----------------------------------------------------------- */
-
+#if SKV_CPU_X86
 /*
  * skv_chunk_landmark_score, vectorized across the chunk's tokens: lane i is
  * token i's cos chain (ab, aa, bb: fmaf over d in order, from 0), so each lane
@@ -15,15 +14,14 @@
  * taken in token order with the same NaN rule. The mean is vectorized over d
  * (each d is its own in-order token sum).
  */
-static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, float *mean)
+SKV_CPU_AVX2 static float skv_cpu_chunk_score_avx2(const skv_bf16 *k, int64_t ts, int c, int D, float *mean)
 {
-#if SKV_CPU_SIMD
     int d = 0;
-    __m256 inv_c = _mm256_set1_ps((float)c);
+    __m256 cv = _mm256_set1_ps((float)c);
     for (; d + 8 <= D; d += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int t = 0; t < c; t++) acc = _mm256_add_ps(acc, skv_cpu_ld8(k + t * ts + d));
-        _mm256_storeu_ps(mean + d, _mm256_div_ps(acc, inv_c));
+        _mm256_storeu_ps(mean + d, _mm256_div_ps(acc, cv));
     }
     for (; d < D; d++) {
         float acc = 0.0f;
@@ -64,14 +62,20 @@ static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, fl
         }
     }
     return best;
-#else
-    return skv_chunk_landmark_score(k, ts, c, D, mean);
+}
 #endif
+
+static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, float *mean)
+{
+#if SKV_CPU_X86
+    if (skv_cpu_simd()) return skv_cpu_chunk_score_avx2(k, ts, c, D, mean);
+#endif
+    return skv_chunk_landmark_score(k, ts, c, D, mean);
 }
 
 skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
-                                             const skv_bf16 *k_post, int32_t *outlier_ids,
-                                             int32_t *candidate_ids, skv_bf16 *landmarks)
+                                      const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
+                                      skv_bf16 *landmarks)
 {
     if (N <= 0 || O < 0 || O >= N) return SKV_ERR_INVALID_ARGUMENT;
     size_t nh = (size_t)Hk * N;
@@ -87,7 +91,7 @@ skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t 
         return SKV_ERR_OUT_OF_MEMORY;
     }
     int32_t n_cand = N - O;
-#pragma omp parallel
+#pragma omp parallel num_threads(skv_cpu_threads())
     {
         /* token-major input: chunk j of head h is c rows of stride Hk*D */
 #pragma omp for schedule(static)

@@ -1,82 +1,146 @@
 /*
- * rebuild_keys: K = U_sel W per KV head, then RoPE.
+ * rebuild_keys: K = U_sel W_h per KV head (M = S*c rows, K = r, N = D), float
+ * accumulation (tolerance-checked, DESIGN.md section 6), then RoPE. The decode
+ * hot spot.
  */
-#include <omp.h>
+#include <string.h>
+
 #include <cblas.h>
 
 #include "skv_cpu_simd.h"
 
-/* ---- rebuild keys --------------------------------------------------------------------- */
-
+#if SKV_CPU_X86
 /*
- * The decode hot spot: per KV head, X = U_sel W_h (M = S*c rows, K = r,
- * N = D), float accumulation (tolerance-checked, docs/DESIGN.md section 6), then
- * RoPE. Fused per work item of 48 rows: gather the rows' U (bf16 -> float,
- * packed), the 6x16 kernel against W_h packed once per call, RoPE, store; the
- * float X never leaves the thread's cache.
+ * Rows [m0, m0 + rows) of head h, fused: gather the rows' U (bf16 -> float,
+ * packed as 6-row slivers ap [sliver][k][6]), the 6 x nw kernel (nw = 16:
+ * AVX2, 32: AVX-512F; the same values) against W_h (wb: [sliver][k][nw])
+ * into x [rows][Dp] (float accumulation, tolerance-checked, docs/DESIGN.md section 6), RoPE, store; the float X never leaves the thread's cache.
  */
-skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
-                                       int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
-                                       const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out,
-                                       skv_ws *ws)
+SKV_CPU_AVX2 static void skv_cpu_rebuild_rows(const skv_rope_config *rope, int32_t D, int32_t r, int32_t c,
+                                              int32_t S, int32_t nw, int64_t h, int64_t m0, int32_t rows,
+                                              const skv_bf16 *u, const float *wb, const int32_t *chunk_ids,
+                                              const float *cos_tab, const float *sin_tab, float *ap, float *x,
+                                              skv_bf16 *k_out)
 {
-    (void)n;
-    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
-    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D;
-#if SKV_CPU_SIMD
-    enum { RB = SKV_CPU_RB };
-    int32_t ns = (D + 15) / 16, Dp = ns * 16;
-    int64_t nrb = (M + RB - 1) / RB, items = (int64_t)Hk * nrb;
-    int nt = omp_get_max_threads();
-    size_t per_thread = (size_t)RB * r + (size_t)RB * Dp;
-    float *wb = skv_ws_alloc(ws, (size_t)Hk * ns * r * 16 * sizeof *wb); /* [h][sliver][k][16] */
-    float *buf = skv_ws_alloc(ws, (size_t)nt * per_thread * sizeof *buf);
-    if (!wb || !buf) return SKV_ERR_OUT_OF_MEMORY;
-#pragma omp parallel num_threads(nt)
-    {
-        float *ap = buf + (size_t)omp_get_thread_num() * per_thread, *x = ap + (size_t)RB * r;
-#pragma omp for schedule(static)
-        for (int64_t hk = 0; hk < (int64_t)Hk * r; hk++) {
-            int64_t h = hk / r, k = hk % r;
-            const skv_bf16 *wr = w + (size_t)k * width + h * D;
-            for (int32_t j = 0; j < Dp; j++)
-                wb[(((size_t)h * ns + j / 16) * r + k) * 16 + j % 16] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
-        }
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t h = it / nrb, m0 = it % nrb * RB;
-            int32_t rows = (int32_t)(M - m0 < RB ? M - m0 : RB), nsl = (rows + 5) / 6;
-            for (int32_t i = 0; i < nsl * 6; i++) { /* ap[sliver][k][6] */
-                float *dst = ap + (size_t)(i / 6) * 6 * r + i % 6;
-                if (i < rows) {
-                    int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
-                    const skv_bf16 *ur = u + (size_t)t * r;
-                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = skv_bf16_to_f32(ur[k]);
-                } else {
-                    for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = 0.0f;
-                }
-            }
-            for (int32_t q = 0; q < nsl; q++)
-                for (int32_t js = 0; js < ns; js++)
-                    skv_cpu_skern(r, ap + (size_t)q * 6 * r, wb + ((size_t)h * ns + js) * r * 16,
-                                  x + (size_t)q * 6 * Dp + js * 16, Dp);
-            for (int32_t i = 0; i < rows; i++) {
-                int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
-                skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
-                                 k_out + ((size_t)h * M + m) * D);
-            }
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2, ns = (D + nw - 1) / nw, Dp = ns * nw;
+    int32_t nsl = (rows + 5) / 6;
+    int64_t M = (int64_t)S * c;
+    for (int32_t i = 0; i < nsl * 6; i++) {
+        float *dst = ap + (size_t)(i / 6) * 6 * r + i % 6;
+        if (i < rows) {
+            int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+            const skv_bf16 *ur = u + (size_t)t * r;
+            for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = skv_bf16_to_f32(ur[k]);
+        } else {
+            for (int32_t k = 0; k < r; k++) dst[(size_t)k * 6] = 0.0f;
         }
     }
-#else
-    /* portable build: gather U rows as float, one sgemm per head (W_h in place, ldb = Hk*D), RoPE */
-    int64_t rows = (int64_t)Hk * M;
+    for (int32_t q = 0; q < nsl; q++)
+        for (int32_t js = 0; js < ns; js++) {
+            const float *a = ap + (size_t)q * 6 * r, *b = wb + (size_t)js * r * nw;
+            float *xt = x + (size_t)q * 6 * Dp + js * nw;
+            if (nw == 32) skv_cpu_zkern(r, a, b, xt, Dp);
+            else skv_cpu_skern(r, a, b, xt, Dp);
+        }
+    for (int32_t i = 0; i < rows; i++) {
+        int64_t m = m0 + i, t = (int64_t)chunk_ids[h * S + m / c] * c + m % c;
+        skv_cpu_rope_row(x + (size_t)i * Dp, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                         k_out + ((size_t)h * M + m) * D);
+    }
+}
+
+/* W_h packed as nw-column slivers, wb [sliver][k][nw], zero past D. */
+static void skv_cpu_pack_w(int32_t D, int32_t Hk, int32_t r, int32_t nw, int64_t h, const skv_bf16 *w, float *wb)
+{
+    int32_t Dp = (D + nw - 1) / nw * nw;
+    for (int32_t k = 0; k < r; k++) {
+        const skv_bf16 *wr = w + (size_t)k * Hk * D + h * D;
+        for (int32_t j = 0; j < Dp; j++) wb[((size_t)(j / nw) * r + k) * nw + j % nw] = j < D ? skv_bf16_to_f32(wr[j]) : 0.0f;
+    }
+}
+
+/* Sliver width of rebuild's kernel: 32 (AVX-512F) unless that pads D more than 16 does. */
+static int32_t skv_cpu_rebuild_nw(int32_t D)
+{
+    return skv_cpu_simd() >= SKV_CPU_LEVEL_AVX512 && (D + 31) / 32 * 32 == (D + 15) / 16 * 16 ? 32 : 16;
+}
+
+typedef struct {
+    const skv_rope_config *rope;
+    int32_t D, Hk, r, c, S, nw, Dp;
+    int64_t M, nrb;
+    const skv_bf16 *u, *w;
+    const int32_t *chunk_ids;
+    const float *cos_tab, *sin_tab;
+    skv_bf16 *k_out;
+    float *wb;         /* every head's W, packed: [Hk][Dp * r] */
+    int32_t *ready;    /* [Hk]: 1 once that head's W is in wb */
+    float *buf;        /* per thread: ap, x, a private W */
+    size_t per_thread;
+    int64_t *packed;   /* per thread: the head whose W is in its private buffer, or -1 */
+} skv_cpu_reb;
+
+/*
+ * Items 0 .. Hk-1 pack one head's W each into the shared wb; the others are
+ * SKV_CPU_RB rows of one head. A row item whose head is not packed yet (its
+ * packing item still running, on a thread the scheduler may have
+ * descheduled) packs a private copy rather than wait.
+ */
+static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_reb *c = ctx;
+    size_t wsz = (size_t)c->Dp * c->r;
+    if (it < c->Hk) {
+        skv_cpu_pack_w(c->D, c->Hk, c->r, c->nw, it, c->w, c->wb + (size_t)it * wsz);
+        __atomic_store_n(&c->ready[it], 1, __ATOMIC_RELEASE);
+        return;
+    }
+    it -= c->Hk;
+    int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_RB;
+    float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * c->Dp;
+    if (__atomic_load_n(&c->ready[h], __ATOMIC_ACQUIRE)) wb = c->wb + (size_t)h * wsz;
+    else if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, c->nw, h, c->w, wb), c->packed[t] = h;
+    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, c->nw, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
+                         c->u, wb, c->chunk_ids, c->cos_tab, c->sin_tab, ap, x, c->k_out);
+}
+
+/* One job (skv_cpu_run): the W packing items, then the row items. */
+static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                       int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+{
+    int32_t nw = skv_cpu_rebuild_nw(D), Dp = (D + nw - 1) / nw * nw;
+    int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = Hk + (int64_t)Hk * nrb;
+    int nt = skv_cpu_team(items);
+    skv_cpu_reb job = {rope, D, Hk, r, c, S, nw, Dp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
+                       (size_t)SKV_CPU_RB * r + (size_t)SKV_CPU_RB * Dp + (size_t)Dp * r, NULL};
+    job.wb = skv_ws_alloc(ws, (size_t)Hk * Dp * r * sizeof *job.wb);
+    job.ready = skv_ws_alloc(ws, (size_t)Hk * sizeof *job.ready);
+    job.buf = skv_ws_alloc(ws, (size_t)nt * job.per_thread * sizeof *job.buf);
+    job.packed = skv_ws_alloc(ws, (size_t)nt * sizeof *job.packed);
+    if (!job.wb || !job.ready || !job.buf || !job.packed) return SKV_ERR_OUT_OF_MEMORY;
+    memset(job.ready, 0, (size_t)Hk * sizeof *job.ready);
+    for (int t = 0; t < nt; t++) job.packed[t] = -1;
+    skv_cpu_run(nt, items, skv_cpu_reb_item, &job);
+    return SKV_OK;
+}
+#endif
+
+/* The portable code: U rows gathered as float, one OpenBLAS sgemm per head (W_h in place,
+   ldb = Hk*D), RoPE. */
+static skv_status skv_cpu_rebuild_blas(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                       int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+{
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, rows = (int64_t)Hk * M;
+    int nt = skv_cpu_threads();
     float *wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *wf);
     float *uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *uf);
     float *x = skv_ws_alloc(ws, (size_t)rows * D * sizeof *x);
     if (!wf || !uf || !x) return SKV_ERR_OUT_OF_MEMORY;
     skv_cpu_to_f32(w, wf, (int64_t)r * width);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
         int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
         skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
@@ -84,13 +148,37 @@ skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t 
     for (int32_t h = 0; h < Hk; h++)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, D, r, 1.0f, uf + (size_t)h * M * r, r,
                     wf + (size_t)h * D, (int)width, 0.0f, x + (size_t)h * M * D, D);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t row = 0; row < rows; row++) {
         int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
         skv_cpu_rope_row(x + (size_t)row * D, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
                          k_out + (size_t)row * D);
     }
-#endif
     return SKV_OK;
 }
 
+skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                skv_bf16 *k_out, skv_ws *ws)
+{
+    (void)n;
+#if SKV_CPU_X86
+    if (skv_cpu_simd())
+        return skv_cpu_rebuild_simd(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+#endif
+    return skv_cpu_rebuild_blas(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+}
+
+/* skv_ws_alloc bytes of one call for a cache's config, nt threads. */
+size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
+{
+    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
+    if (skv_cpu_simd()) {
+        size_t Dpw = (D + 31) / 32 * 32; /* the padded width of either kernel */
+        return SKV_WS_BYTES(f * (Hk * Dpw * r + (size_t)nt * (SKV_CPU_RB * (r + Dpw) + Dpw * r)) +
+                                sizeof(int32_t) * Hk + sizeof(int64_t) * (size_t)nt, 4);
+    }
+    size_t M = (size_t)cfg->budget; /* S * c tokens per head */
+    return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
+}

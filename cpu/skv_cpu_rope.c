@@ -1,60 +1,81 @@
 /*
- * RoPE of bf16 rows (the rope slot; rebuild_keys uses skv_cpu_rope_row too).
+ * RoPE of bf16 rows: the rope slot, and the row function rebuild_keys uses.
  */
 #include "skv_cpu_simd.h"
 
-/* bf16 -> float of n contiguous values. */
-void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
+#if SKV_CPU_X86
+SKV_CPU_AVX2 static void skv_cpu_to_f32_avx2(const skv_bf16 *in, float *out, int64_t n)
 {
     int64_t i = 0;
-#if SKV_CPU_SIMD
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, skv_cpu_ld8(in + i));
-#endif
     for (; i < n; i++) out[i] = skv_bf16_to_f32(in[i]);
 }
 
 /*
  * skv_rope_row_f32, vectorized over pairs for the rotate-half layout: the same
  * fmaf/mul per element and the same bf16 rounding, so the output is identical
- * (tests compare rope bit for bit against ref). Interleaved pairs and the
- * rotary tail go through the shared scalar function.
+ * (tests compare rope bit for bit against ref). Interleaved pairs and short
+ * rotary halves go through the shared scalar function (flatten: inlined, so
+ * its fmaf is one instruction).
  */
-void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float *cs,
-                             const float *sn, skv_bf16 *out)
+SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_rope_row_avx2(const float *x, int D, int R,
+                                                                       int interleaved, const float *cs,
+                                                                       const float *sn, skv_bf16 *out)
 {
-#if SKV_CPU_SIMD
     int h2 = R / 2;
-    if (!interleaved && h2 >= 8) {
-        int i = 0;
-        for (; i + 8 <= h2; i += 8) {
-            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h2);
-            __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
-            __m256 nbs = _mm256_xor_ps(_mm256_mul_ps(b, s), _mm256_set1_ps(-0.0f)); /* -(y*s) */
-            skv_cpu_st8(out + i, _mm256_fmadd_ps(a, c, nbs));
-            skv_cpu_st8(out + i + h2, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
-        }
-        for (; i < h2; i++) {
-            float xo, yo;
-            skv_rope_rotate(x[i], x[i + h2], cs[i], sn[i], &xo, &yo);
-            out[i] = skv_f32_to_bf16(xo);
-            out[i + h2] = skv_f32_to_bf16(yo);
-        }
-        for (int d = R; d < D; d++) out[d] = skv_f32_to_bf16(x[d]);
+    if (interleaved || h2 < 8) {
+        skv_rope_row_f32(x, D, R, interleaved, cs, sn, out);
+        return;
+    }
+    int i = 0;
+    for (; i + 8 <= h2; i += 8) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h2);
+        __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(sn + i);
+        __m256 nbs = _mm256_xor_ps(_mm256_mul_ps(b, s), _mm256_set1_ps(-0.0f)); /* -(y*s) */
+        skv_cpu_st8(out + i, _mm256_fmadd_ps(a, c, nbs));
+        skv_cpu_st8(out + i + h2, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+    }
+    for (; i < h2; i++) {
+        float xo, yo;
+        skv_rope_rotate(x[i], x[i + h2], cs[i], sn[i], &xo, &yo);
+        out[i] = skv_f32_to_bf16(xo);
+        out[i + h2] = skv_f32_to_bf16(yo);
+    }
+    for (int d = R; d < D; d++) out[d] = skv_f32_to_bf16(x[d]);
+}
+#endif
+
+/* bf16 -> float of n contiguous values. */
+void skv_cpu_to_f32(const skv_bf16 *in, float *out, int64_t n)
+{
+#if SKV_CPU_X86
+    if (skv_cpu_simd()) {
+        skv_cpu_to_f32_avx2(in, out, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = skv_bf16_to_f32(in[i]);
+}
+
+/* One row x [D] (float) rotated with the tables' row cs, sn [R/2], rounded to bf16 once. */
+void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float *cs, const float *sn,
+                      skv_bf16 *out)
+{
+#if SKV_CPU_X86
+    if (skv_cpu_simd()) {
+        skv_cpu_rope_row_avx2(x, D, R, interleaved, cs, sn, out);
         return;
     }
 #endif
     skv_rope_row_f32(x, D, R, interleaved, cs, sn, out);
 }
 
-/* ---- RoPE --------------------------------------------------------------------------- */
-
-skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H,
-                               int64_t pos0, const float *cos_tab, const float *sin_tab,
-                               const skv_bf16 *in, skv_bf16 *out)
+skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H, int64_t pos0,
+                        const float *cos_tab, const float *sin_tab, const skv_bf16 *in, skv_bf16 *out)
 {
     int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
     int64_t rows = n_tokens * H;
-#pragma omp parallel for schedule(static) if (rows > 64)
+#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) if (rows > 64)
     for (int64_t row = 0; row < rows; row++) {
         float x[SKV_CPU_MAX_D]; /* row converted first: in == out is allowed */
         int64_t t = row / H;
@@ -64,4 +85,3 @@ skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens
     }
     return SKV_OK;
 }
-

@@ -1,24 +1,25 @@
 /*
  * skv_cpu_simd.h - AVX2 helpers of the cpu backend (bf16 loads and stores,
- * transposes, horizontal sums, the attention exp), private.
+ * transposes, horizontal sums, the attention exp), private. For SKV_CPU_AVX2
+ * functions only.
  */
 #ifndef SKV_CPU_SIMD_H
 #define SKV_CPU_SIMD_H
 
 #include "skv_cpu.h"
 
-#if SKV_CPU_SIMD
+#if SKV_CPU_X86
 #include <immintrin.h>
 
 /* 8 bf16 -> 8 float, exact (bf16 is the upper half of a float). */
-static inline __m256 skv_cpu_ld8(const skv_bf16 *p)
+static inline SKV_CPU_AVX2 __m256 skv_cpu_ld8(const skv_bf16 *p)
 {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* 8 float -> 8 bf16 with skv_f32_to_bf16's rounding and NaN rule, bit for bit. */
-static inline void skv_cpu_st8(skv_bf16 *p, __m256 x)
+static inline SKV_CPU_AVX2 void skv_cpu_st8(skv_bf16 *p, __m256 x)
 {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -32,7 +33,7 @@ static inline void skv_cpu_st8(skv_bf16 *p, __m256 x)
 }
 
 /* In-register 8x8 transpose: r[i] lane j  ->  r[j] lane i. */
-static inline void skv_cpu_transpose8(__m256 r[8])
+static inline SKV_CPU_AVX2 void skv_cpu_transpose8(__m256 r[8])
 {
     __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -53,14 +54,14 @@ static inline void skv_cpu_transpose8(__m256 r[8])
 }
 
 /* Column d of 8 bf16 rows (row i at p[i]) as one vector, lane i = row i. */
-static inline __m256 skv_cpu_col8(const skv_bf16 *const p[8], int d)
+static inline SKV_CPU_AVX2 __m256 skv_cpu_col8(const skv_bf16 *const p[8], int d)
 {
     return _mm256_setr_ps(skv_bf16_to_f32(p[0][d]), skv_bf16_to_f32(p[1][d]), skv_bf16_to_f32(p[2][d]),
                           skv_bf16_to_f32(p[3][d]), skv_bf16_to_f32(p[4][d]), skv_bf16_to_f32(p[5][d]),
                           skv_bf16_to_f32(p[6][d]), skv_bf16_to_f32(p[7][d]));
 }
 
-static inline float skv_cpu_hsum(__m256 v)
+static inline SKV_CPU_AVX2 float skv_cpu_hsum(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -71,7 +72,7 @@ static inline float skv_cpu_hsum(__m256 v)
 
 /* exp for attention weights (x <= 0; tolerance-checked, not a decision): skv_expf's
    Cody-Waite + Cephes polynomial, 8 lanes, clamped so that 2^k stays normal. */
-static inline __m256 skv_cpu_exp8(__m256 x)
+static inline SKV_CPU_AVX2 __m256 skv_cpu_exp8(__m256 x)
 {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -90,11 +91,11 @@ static inline __m256 skv_cpu_exp8(__m256 x)
 }
 
 /* The 4 horizontal sums of a, b, c, d as one vector. */
-static inline __m128 skv_cpu_hsum4(__m256 a, __m256 b, __m256 c, __m256 d)
+static inline SKV_CPU_AVX2 __m128 skv_cpu_hsum4(__m256 a, __m256 b, __m256 c, __m256 d)
 {
     __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
 }
 
-#endif /* SKV_CPU_SIMD */
+#endif /* SKV_CPU_X86 */
 #endif /* SKV_CPU_SIMD_H */

@@ -7,9 +7,15 @@
  *                        decode selection (scores, softmax, top-k, the chunk
  *                        cache's plan), built with --fmad=false and the shared
  *                        numerics of lib/skv_numerics.h
- *   skv_cuda_attn.cu     the fused key rebuild + attention, the combine and
- *                        append, the value fetch, input checks, small copies
- *   skv_cuda_factor.cu   the rank-r factorization
+ *   skv_cuda_attn.cu     the fused key rebuild + attention (step 4), the pass
+ *                        for chunks fetched late, the op-level rebuild and
+ *                        span attention
+ *   skv_cuda_combine.cu  the combine of the partials and the append (step 5)
+ *   skv_cuda_copy.cu     the fetch of missed chunks, the op-level gather, the
+ *                        prefill's value offload, f32 -> bf16
+ *   skv_cuda_check.cu    input checks: non-finite values, out-of-range ids
+ *   skv_cuda_factor.cu   the rank-r factorization (skv_cuda_chol.cuh: its r x r
+ *                        Cholesky and solve)
  *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init): these
  *                        files build libshadowkv-cuda.so.0, which the library
  *                        opens at run time (lib/skv_cuda_loader.c)
@@ -34,7 +40,7 @@
  *              G <= 8, r % 16 == 0, rotate-half RoPE) runs a kernel that keeps
  *              W_h in shared memory and every product in mma fragments
  *   5 combine  the partials of each query head in item order -> out; the new
- *              token is appended, the selection published
+ *              token is appended, and the sequence marked as having a selection
  * Host-placed slots add, on a side stream, the fetch of the missed chunks into
  * the chunk cache (it runs while step 4 attends everything else) and a short
  * pass that adds the missed chunks' P V once they arrived. Steps 2-5 use
@@ -201,7 +207,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
                                  skv_cuda_score_node *graph, int *launches);
 
-/* ---- attention path (skv_cuda_attn.cu) ---------------------------------------------------- */
+/* ---- attention (skv_cuda_attn.cu) -------------------------------------------------------- */
 
 /*
  * Step 4 of a decode: the partials of every item (q, k_new, v_new from ws->io). Host slots
@@ -211,19 +217,9 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const skv_cuda_dws *ws, int pdl);
 
-/* The missed chunks of host slots into their chunk-cache entries (side stream, after step 3). */
-cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                           const skv_cuda_dws *ws);
-
 /* Adds the missed chunks' P V to the partials (after skv_cuda_fetch). */
 cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                    const skv_cuda_dws *ws);
-
-/* Step 5: out [B, Hq, D] from the partials. Decode (seqs != NULL): out, k, v from ws->io; the
-   new token's k, v go to the generated region and the selection is published (unless
-   step_bad), and the per-step accumulators are reset. Op-level (seqs NULL): out as given. */
-cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
-                             float *out, int pdl);
 
 /* Op-level attention of q [Hq, D] over caller spans (device pointers), B = 1. part_acc and
    part_ml as skv_cuda_dws for skv_cuda_span_items(1, Hq, Hk, D, total tokens). */
@@ -236,9 +232,34 @@ cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int
 cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                              const int32_t *chunk_ids, skv_bf16 *k_out);
 
+/* ---- combine (skv_cuda_combine.cu) ------------------------------------------------------- */
+
+/* Step 5: out [B, Hq, D] from the partials. Decode (seqs != NULL): out, k, v from ws->io; the
+   new token's k, v go to the generated region and has_sel is set (unless step_bad), and the
+   per-step accumulators are reset. Op-level (seqs NULL): out as given. */
+cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
+                             float *out, int pdl);
+
+/* ---- copies and conversion (skv_cuda_copy.cu) -------------------------------------------- */
+
+/* The missed chunks of host slots into their chunk-cache entries (side stream, after step 3). */
+cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                           const skv_cuda_dws *ws);
+
 /* Op-level: v_out [Hk, S*c, D]: chunk s of head h = store[h][idx[h][s]] (c*D values). */
 cudaError_t skv_cuda_gather(cudaStream_t st, int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
                             const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+
+/* Prefill: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
+   src [n, Hk, D] (token-major). dst may be mapped pinned host memory. At most max_blocks
+   blocks (<= 0: as many as the work needs, up to 65535). */
+cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
+                                   const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks);
+
+/* y[i] = skv_f32_to_bf16(x[i]). */
+cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
+
+/* ---- input checks (skv_cuda_check.cu) ---------------------------------------------------- */
 
 /* *first_bad = min(*first_bad, logical index of the first non-finite element) of a strided
    [n_a, n_b, len] bf16 tensor: element (i, j, l) at x[i*s_a + j*s_b + l], logical index
@@ -250,16 +271,7 @@ cudaError_t skv_cuda_find_nonfinite(cudaStream_t st, const skv_bf16 *x, int64_t 
 cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_t n, int64_t lo, int64_t hi,
                                        unsigned long long *first_bad);
 
-/* y[i] = skv_f32_to_bf16(x[i]). */
-cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
-
-/* Prefill: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
-   src [n, Hk, D] (token-major). dst may be mapped pinned host memory. At most max_blocks
-   blocks (<= 0: as many as the work needs, up to 65535). */
-cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
-                                   const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks);
-
-/* ---- factorization (skv_cuda_factor.cu) --------------------------------------------------- */
+/* ---- factorization (skv_cuda_factor.cu) -------------------------------------------------- */
 
 typedef struct skv_cuda_factor skv_cuda_factor;
 

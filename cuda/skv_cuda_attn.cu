@@ -1,10 +1,9 @@
 /*
- * skv_cuda_attn.cu - the attention path of the cuda backend (skv_cuda.h lists
- * the steps of a decode): the fused key rebuild + attention over work items,
- * the pass that adds the P V of chunks fetched late, the combine of the
- * partials with the per-step append, the fetch of missed chunks into the
- * chunk cache, the op-level rebuild / gather / span attention, input checks
- * and small copies.
+ * skv_cuda_attn.cu - the attention of the cuda backend (skv_cuda.h lists the
+ * steps of a decode): the fused key rebuild + attention over work items (step
+ * 4), the pass that adds the P V of chunks fetched late, and the op-level key
+ * rebuild and span attention. The combine of the partials is in
+ * skv_cuda_combine.cu.
  *
  * Nothing here is on the exact-selection path (docs/DESIGN.md section 5): tensor
  * cores and any summation order are allowed, within the tolerances of
@@ -569,7 +568,7 @@ struct AttState {
  * pbuf_row + g * pb_stride + t.
  */
 template <int GC>
-__device__ void att_tile(const AttLayout &L, int D, float scale_log2, const uint16_t *Ks, const uint16_t *Vs,
+__device__ void att_tile(const AttLayout &L, float scale_log2, const uint16_t *Ks, const uint16_t *Vs,
                          const float *q_s, float *spart, float *p_s, float *alpha_s, const int32_t *miss_s, int nvalid,
                          AttState<GC> &st, float *pbuf_row, int64_t pb_stride)
 {
@@ -797,7 +796,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
         cp_async_wait_all();
         __syncthreads();
         float *pb = a.pbuf && host ? a.pbuf + head0 * SC + t0 : nullptr;
-        att_tile<GC>(L, D, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, pb, SC);
+        att_tile<GC>(L, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, pb, SC);
         att_finish<GC>(L, D, st, red, ml_s, acc_out, acc_stride, ml_out, ml_stride);
     } else {
         /* a range of the resident spans */
@@ -816,7 +815,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
             cp_async_wait_all();
             __syncthreads();
             const int nvalid = (int)(t1 - tile0 < TT ? t1 - tile0 : TT);
-            att_tile<GC>(L, D, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, nullptr, 0);
+            att_tile<GC>(L, a.scale_log2, Ks, Vs, q_s, spart, p_s, alpha_s, miss_s, nvalid, st, nullptr, 0);
             __syncthreads(); /* Ks/Vs are refilled by the next tile */
         }
         att_finish<GC>(L, D, st, red, ml_s, acc_out, acc_stride, ml_out, ml_stride);
@@ -973,7 +972,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
 }
 
 /* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
-   they were if-converted into predicated loads that every copy issued. */
+   they are if-converted into predicated loads that every copy issues. */
 __device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
 {
     for (int p = half; p < n; p += 2) {
@@ -1352,200 +1351,6 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
     }
 }
 
-/* ---- combine and append ---------------------------------------------------------------------- */
-
-constexpr int kCoNT = 128;
-constexpr int kCoSU = 8; /* items per warp in flight */
-constexpr int kCoDU = 4; /* dims per lane and pass */
-
-struct CombineArgs {
-    int32_t Hq, Hk, D, S, gen_cap, n_items;
-    const float *part_acc;
-    const float2 *part_ml;
-    float *out;
-    /* decode */
-    skv_cuda_seq *seqs;
-    const skv_cuda_io *io;            /* out, k_new, v_new */
-    const int32_t *sel_idx, *sel_ids;
-    unsigned *macc;
-    int32_t *step_bad;
-    unsigned *cnt_done;
-};
-
-/*
- * grid (Hq [+ 1], B). Block (qh, b): out = sum_i w_i acc_i / sum_i w_i l_i with
- * w_i = 2^(m_i - max m) (empty items weigh nothing), items in order; the max-score
- * accumulator of (b, qh) is reset for the next step. Block (Hq, b) (decode): unless the step
- * was bad, appends k_new/v_new at generated row n_gen, publishes the selection, then
- * n_gen++, has_sel = 1. The last block to finish resets step_bad.
- */
-__global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
-{
-    float2 *ml_s = reinterpret_cast<float2 *>(skv_attn_smem);       /* [n_items] */
-    float *w_s = reinterpret_cast<float *>(ml_s + a.n_items);       /* [n_items] */
-    pdl_wait();
-    const int tid = threadIdx.x, b = blockIdx.y;
-    if ((int)blockIdx.x < a.Hq) {
-        const int64_t bh = (int64_t)b * a.Hq + blockIdx.x;
-        const float2 *ml = a.part_ml + bh * a.n_items;
-        for (int s = tid; s < a.n_items; s += kCoNT) ml_s[s] = ml[s];
-        __syncthreads();
-        /* every thread derives the same max and sum from shared memory, in item order: the same
-           bits whichever items ran first */
-        float m = -INFINITY;
-        for (int s = 0; s < a.n_items; s++) m = fmaxf(m, ml_s[s].x);
-        for (int s = tid; s < a.n_items; s += kCoNT) w_s[s] = ml_s[s].x == -INFINITY ? 0.0f : exp2f(ml_s[s].x - m);
-        __syncthreads();
-        float l = 0.0f;
-        for (int s = 0; s < a.n_items; s++) l = fmaf(w_s[s], ml_s[s].y, l);
-        const float inv = 1.0f / l;
-        /* warp w adds the items w, w + 4, ... (kCoSU items' loads in flight, kCoDU dims per lane),
-           then the four warps' sums are added in warp order: the same bits whatever ran first */
-        const float *acc = a.part_acc + bh * a.n_items * a.D;
-        float *red = w_s + a.n_items; /* [kCoNT / 32][D] */
-        const int warp = tid >> 5, lane = tid & 31;
-        constexpr int NW = kCoNT / 32;
-        for (int d0 = 0; d0 < a.D; d0 += 32 * kCoDU) {
-            float v[kCoDU];
-#pragma unroll
-            for (int u = 0; u < kCoDU; u++) v[u] = 0.0f;
-            for (int s0 = warp; s0 < a.n_items; s0 += NW * kCoSU) {
-                float x[kCoSU][kCoDU];
-#pragma unroll
-                for (int i = 0; i < kCoSU; i++)
-#pragma unroll
-                    for (int u = 0; u < kCoDU; u++) {
-                        const int s = s0 + NW * i, d = d0 + lane + 32 * u;
-                        x[i][u] = s < a.n_items && d < a.D ? acc[(int64_t)s * a.D + d] : 0.0f;
-                    }
-#pragma unroll
-                for (int i = 0; i < kCoSU; i++) {
-                    const int s = s0 + NW * i;
-                    if (s < a.n_items)
-#pragma unroll
-                        for (int u = 0; u < kCoDU; u++) v[u] = fmaf(w_s[s], x[i][u], v[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kCoDU; u++) {
-                const int d = d0 + lane + 32 * u;
-                if (d < a.D) red[warp * a.D + d] = v[u];
-            }
-        }
-        __syncthreads();
-        for (int d = tid; d < a.D; d += kCoNT) {
-            float v = red[d];
-#pragma unroll
-            for (int w = 1; w < NW; w++) v += red[w * a.D + d];
-            (a.io ? a.io->out : a.out)[bh * a.D + d] = v * inv;
-        }
-        if (a.macc && tid == 0) a.macc[bh] = 0;
-    } else if (*a.step_bad == 0) {
-        skv_cuda_seq *sq = a.seqs + b;
-        const int32_t n_gen = sq->n_gen; /* read by all threads before thread 0 advances it */
-        if (n_gen < a.gen_cap) {         /* lib rejects a full region before the step */
-            /* k, v of the new token to generated row n_gen (the selection was published by the
-               select step); 16-byte pieces when every row is aligned */
-            const int64_t HD = (int64_t)a.Hk * a.D;
-            const uint16_t *kn = (const uint16_t *)a.io->k + b * HD, *vn = (const uint16_t *)a.io->v + b * HD;
-            uint16_t *gk = (uint16_t *)sq->gen_k, *gv = (uint16_t *)sq->gen_v;
-            if (a.D % 8 == 0 && ((((uintptr_t)kn | (uintptr_t)vn | (uintptr_t)gk | (uintptr_t)gv)) & 15) == 0) {
-                const int64_t pr = a.D / 8;
-                for (int64_t i = tid; i < HD / 8; i += kCoNT) {
-                    const int64_t hh = i / pr, e = i - hh * pr, dst = (hh * a.gen_cap + n_gen) * pr + e;
-                    const uint4 x = reinterpret_cast<const uint4 *>(kn)[i], y = reinterpret_cast<const uint4 *>(vn)[i];
-                    reinterpret_cast<uint4 *>(gk)[dst] = x;
-                    reinterpret_cast<uint4 *>(gv)[dst] = y;
-                }
-            } else {
-                for (int64_t i = tid; i < HD; i += kCoNT) {
-                    const int64_t hh = i / a.D, d = i - hh * a.D, dst = (hh * a.gen_cap + n_gen) * a.D + d;
-                    gk[dst] = kn[i];
-                    gv[dst] = vn[i];
-                }
-            }
-            __syncthreads(); /* all copies are done before the sequence says they exist */
-            if (tid == 0) {
-                sq->n_gen = n_gen + 1;
-                sq->has_sel = 1;
-            }
-        }
-    }
-    if (a.step_bad) {
-        __shared__ int last;
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) last = atomicAdd(a.cnt_done, 1u) == gridDim.x * gridDim.y - 1;
-        __syncthreads();
-        if (last && tid == 0) {
-            *a.step_bad = 0;
-            *a.cnt_done = 0;
-        }
-    }
-}
-
-/* ---- the fetch of missed chunks ---------------------------------------------------------- */
-
-constexpr int kGatherNT = 256;
-constexpr int kGatherUnroll = 8;
-
-/* grid (X, Hk, B): the missed chunks of host slot (b, h), listed by the select step, from the
-   host store (mapped pinned memory, read over PCIe) into their chunk-cache entries. All
-   kGatherUnroll 16-byte reads of a thread are in flight together. */
-template <class T>
-__global__ void __launch_bounds__(kGatherNT) fetch_kernel(const skv_cuda_shape sh, const skv_cuda_seq *seqs,
-                                                          const int32_t *sel_idx, const int32_t *vsrc,
-                                                          const int32_t *mlist, const int32_t *mcount)
-{
-    const int64_t nu = (int64_t)sh.c * sh.D * 2 / (int64_t)sizeof(T); /* units per chunk */
-    const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
-    for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
-        for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
-            const skv_cuda_seq &sq = seqs[b];
-            if (!sq.vc_data) continue;
-            const int64_t bh = (int64_t)b * sh.Hk + h;
-            const int64_t total = (int64_t)mcount[bh] * nu;
-            const T *src = reinterpret_cast<const T *>(sq.vstore);
-            T *dst = reinterpret_cast<T *>(sq.vc_data);
-            for (int64_t base = (int64_t)blockIdx.x * per_block + threadIdx.x; base < total;
-                 base += (int64_t)gridDim.x * per_block) {
-                const T *from[kGatherUnroll];
-                T *to[kGatherUnroll];
-#pragma unroll
-                for (int k = 0; k < kGatherUnroll; k++) {
-                    const int64_t g = base + (int64_t)k * kGatherNT;
-                    from[k] = nullptr;
-                    if (g < total) {
-                        const int64_t r = g / nu, e = g - r * nu;
-                        const int32_t s = mlist[bh * sh.S + r];
-                        const int32_t m = sel_idx[bh * sh.S + s], ent = vsrc[bh * sh.S + s] & 0x7fffffff;
-                        from[k] = src + ((int64_t)h * sq.n_cand + m) * nu + e;
-                        to[k] = dst + ((int64_t)h * sh.vc_chunks + ent) * nu + e;
-                    }
-                }
-                T v[kGatherUnroll];
-#pragma unroll
-                for (int k = 0; k < kGatherUnroll; k++)
-                    if (from[k]) v[k] = *from[k];
-#pragma unroll
-                for (int k = 0; k < kGatherUnroll; k++)
-                    if (from[k]) *to[k] = v[k];
-            }
-        }
-}
-
-/* Op-level gather: v_out [Hk, S, cD] chunk (h, s) = store [Hk, n_store, cD] chunk (h, idx[h][s]). */
-template <class T>
-__global__ void __launch_bounds__(kGatherNT) gather_kernel(int32_t Hk, int32_t S, int64_t nu, int32_t n_store,
-                                                           const T *store, const int32_t *idx, T *v_out)
-{
-    const int64_t total = (int64_t)Hk * S * nu;
-    for (int64_t g = (int64_t)blockIdx.x * kGatherNT + threadIdx.x; g < total; g += (int64_t)gridDim.x * kGatherNT) {
-        const int64_t q = g / nu, e = g - q * nu, h = q / S;
-        v_out[g] = store[(h * n_store + idx[q]) * nu + e];
-    }
-}
-
 /* Op-level rebuild: k_out [Hk, S*c, D], one tile of TT rows per block. */
 template <int DT>
 __global__ void __launch_bounds__(kAtNT) rebuild_kernel(const skv_cuda_shape sh, const skv_cuda_seq *seqs,
@@ -1567,113 +1372,6 @@ __global__ void __launch_bounds__(kAtNT) rebuild_kernel(const skv_cuda_shape sh,
     rebuild_tile<DT>(work, L, sh, seqs[0].u, seqs[0].w, h, tok_s, x_s);
     const int nrows = (int)(SC - t0 < TT ? SC - t0 : TT);
     rope_rows(x_s, L.ldx, tok_s, nrows, D, sh, k_out + ((int64_t)h * SC + t0) * D, D, false);
-}
-
-/* Prefill offload: dst [Hk, m, c, D] chunk (h, i) = rows ids[h*m + i]*c + j of head h of
-   src [n, Hk, D]. Du units (16 bytes or one bf16) per row. dst may be mapped host memory. */
-template <class T>
-__global__ void __launch_bounds__(kGatherNT) gather_chunks_kernel(const T *src, int32_t Hk, int64_t Du, int32_t c,
-                                                                  const int32_t *ids, int32_t m, T *dst,
-                                                                  int64_t total)
-{
-    const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
-    for (int64_t base = (int64_t)blockIdx.x * per_block + threadIdx.x; base < total;
-         base += (int64_t)gridDim.x * per_block) {
-        int64_t off[kGatherUnroll];
-#pragma unroll
-        for (int k = 0; k < kGatherUnroll; k++) {
-            const int64_t g = base + (int64_t)k * kGatherNT;
-            off[k] = -1;
-            if (g < total) {
-                const int64_t row = g / Du, e = g - row * Du; /* row = (h*m + i)*c + j */
-                const int64_t hm = row / c, j = row - hm * c, hh = hm / m;
-                off[k] = (((int64_t)ids[hm] * c + j) * Hk + hh) * Du + e;
-            }
-        }
-        T v[kGatherUnroll];
-#pragma unroll
-        for (int k = 0; k < kGatherUnroll; k++)
-            if (off[k] >= 0) v[k] = src[off[k]];
-#pragma unroll
-        for (int k = 0; k < kGatherUnroll; k++)
-            if (off[k] >= 0) dst[base + (int64_t)k * kGatherNT] = v[k];
-    }
-}
-
-/* ---- input checks, conversion ------------------------------------------------------------ */
-
-constexpr int kSmallNT = 256;
-constexpr int64_t kMaxGrid = 4096;
-
-/* First non-finite element of a strided [n_a, n_b, len] tensor, VEC elements per load
-   (8: len, s_a, s_b multiples of 8 and x 16-byte aligned). Each thread's units increase,
-   so its first hit is its minimum. */
-template <int VEC>
-__global__ void __launch_bounds__(kSmallNT) find_nonfinite_kernel(const skv_bf16 *x, int64_t n_a, int64_t s_a,
-                                                                  int64_t n_b, int64_t s_b, int64_t len,
-                                                                  unsigned long long *first_bad)
-{
-    const int64_t lu = len / VEC, total = n_a * n_b * lu;
-    unsigned long long first = ~0ull;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = u / lu, l0 = (u - row * lu) * VEC;
-        const int64_t i = row / n_b, j = row - i * n_b;
-        const skv_bf16 *p = x + i * s_a + j * s_b + l0;
-        skv_bf16 e[VEC];
-        if (VEC == 8) {
-            const uint4 w = *reinterpret_cast<const uint4 *>(p);
-            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int t = 0; t < VEC; t++) e[t] = (skv_bf16)(ws[t / 2] >> (16 * (t & 1)));
-        } else {
-#pragma unroll
-            for (int t = 0; t < VEC; t++) e[t] = p[t];
-        }
-        int bad = -1;
-#pragma unroll
-        for (int t = VEC - 1; t >= 0; t--)
-            if (!skv_bf16_isfinite(e[t])) bad = t;
-        if (bad >= 0) {
-            first = (unsigned long long)(row * len + l0 + bad);
-            break;
-        }
-    }
-    first = warp_min_u64(first);
-    if ((threadIdx.x & 31) == 0 && first != ~0ull) atomicMin(first_bad, first);
-}
-
-__global__ void __launch_bounds__(kSmallNT) find_out_of_range_kernel(const int32_t *x, int64_t n, int64_t lo,
-                                                                     int64_t hi, unsigned long long *first_bad)
-{
-    unsigned long long first = ~0ull;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t v = x[i];
-        if (v < lo || v >= hi) {
-            first = (unsigned long long)i;
-            break;
-        }
-    }
-    first = warp_min_u64(first);
-    if ((threadIdx.x & 31) == 0 && first != ~0ull) atomicMin(first_bad, first);
-}
-
-/* VEC = 4: x 16-byte and y 8-byte aligned; the n % 4 tail is done element-wise. */
-template <int VEC>
-__global__ void __launch_bounds__(kSmallNT) f32_to_bf16_kernel(const float *x, skv_bf16 *y, int64_t n)
-{
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x, gtid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t nv = n / VEC;
-    for (int64_t i = gtid; i < nv; i += stride) {
-        if (VEC == 4) {
-            const float4 f = reinterpret_cast<const float4 *>(x)[i];
-            const uint32_t a = skv_f32_to_bf16(f.x) | ((uint32_t)skv_f32_to_bf16(f.y) << 16);
-            const uint32_t b = skv_f32_to_bf16(f.z) | ((uint32_t)skv_f32_to_bf16(f.w) << 16);
-            reinterpret_cast<uint2 *>(y)[i] = make_uint2(a, b);
-        } else {
-            y[i] = skv_f32_to_bf16(x[i]);
-        }
-    }
-    if (gtid < n - nv * VEC) y[nv * VEC + gtid] = skv_f32_to_bf16(x[nv * VEC + gtid]);
 }
 
 } /* namespace */
@@ -1810,49 +1508,6 @@ cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, co
     return launch_attend(st, a, sh->B, ws->it.n_sel, true, 0);
 }
 
-cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                           const skv_cuda_dws *ws)
-{
-    if (sh->B <= 0 || sh->Hk <= 0) return cudaSuccess;
-    /* PCIe needs only ~100 KB in flight: about 128 CTAs of 32 KB in flight in all, the rest of
-       the GPU attends the hits and the resident spans meanwhile */
-    const int64_t pairs = (int64_t)sh->B * sh->Hk;
-    const unsigned x = (unsigned)(128 / pairs > 1 ? 128 / pairs : 1);
-    const dim3 grid(x, (unsigned)(sh->Hk < 65535 ? sh->Hk : 65535), (unsigned)(sh->B < 65535 ? sh->B : 65535));
-    if (((int64_t)sh->c * sh->D) % 8 == 0)
-        return launch(fetch_kernel<uint4>, grid, dim3(kGatherNT), 0, st, false, *sh, seqs, (const int32_t *)ws->sel_idx,
-                      (const int32_t *)ws->vsrc, (const int32_t *)ws->mlist, (const int32_t *)ws->mcount);
-    return launch(fetch_kernel<uint16_t>, grid, dim3(kGatherNT), 0, st, false, *sh, seqs, (const int32_t *)ws->sel_idx,
-                  (const int32_t *)ws->vsrc, (const int32_t *)ws->mlist, (const int32_t *)ws->mcount);
-}
-
-cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
-                             float *out, int pdl)
-{
-    const int append = seqs != NULL;
-    if (sh->B <= 0 || sh->Hq <= 0) return cudaSuccess;
-    CombineArgs a;
-    memset(&a, 0, sizeof a);
-    a.Hq = sh->Hq, a.Hk = sh->Hk, a.D = sh->D, a.S = sh->S, a.gen_cap = sh->gen_cap, a.n_items = ws->it.n_items;
-    a.part_acc = ws->part_acc;
-    a.part_ml = ws->part_ml;
-    a.out = out;
-    if (append) {
-        a.seqs = seqs;
-        a.io = ws->io;
-        a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids;
-        a.macc = ws->macc;
-        a.step_bad = ws->step_bad;
-        a.cnt_done = ws->cnt_done;
-    }
-    const size_t smem = (size_t)a.n_items * (sizeof(float2) + sizeof(float)) + (size_t)(kCoNT / 32) * a.D * sizeof(float);
-    cudaError_t e = allow_smem(combine_kernel, smem);
-    if (e != cudaSuccess) return e;
-    if (sh->Hq + (append ? 1 : 0) > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
-    return launch(combine_kernel, dim3((unsigned)(sh->Hq + (append ? 1 : 0)), (unsigned)sh->B), dim3(kCoNT), smem, st,
-                  pdl != 0, a);
-}
-
 cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
                                     const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans, float *out,
                                     const skv_cuda_dws *ws)
@@ -1896,70 +1551,4 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
     case 256: return launch_rebuild<256>(st, sh, seqs, chunk_ids, k_out);
     default: return launch_rebuild<0>(st, sh, seqs, chunk_ids, k_out);
     }
-}
-
-cudaError_t skv_cuda_gather(cudaStream_t st, int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                            const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
-{
-    const int64_t cD = (int64_t)c * D;
-    if (Hk <= 0 || S <= 0 || cD <= 0) return cudaSuccess;
-    if (cD % 8 == 0 && (((uintptr_t)store | (uintptr_t)v_out) & 15) == 0) {
-        const int64_t nu = cD / 8;
-        gather_kernel<uint4><<<grid_for((int64_t)Hk * S * nu, kGatherNT, 65535), kGatherNT, 0, st>>>(
-            Hk, S, nu, n_store, reinterpret_cast<const uint4 *>(store), idx, reinterpret_cast<uint4 *>(v_out));
-    } else {
-        gather_kernel<uint16_t><<<grid_for((int64_t)Hk * S * cD, kGatherNT, 65535), kGatherNT, 0, st>>>(
-            Hk, S, cD, n_store, store, idx, v_out);
-    }
-    return cudaGetLastError();
-}
-
-cudaError_t skv_cuda_find_nonfinite(cudaStream_t st, const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b,
-                                    int64_t s_b, int64_t len, unsigned long long *first_bad)
-{
-    if (n_a <= 0 || n_b <= 0 || len <= 0) return cudaSuccess;
-    const bool vec = len % 8 == 0 && s_a % 8 == 0 && s_b % 8 == 0 && ((uintptr_t)x & 15) == 0;
-    const int64_t units = n_a * n_b * (vec ? len / 8 : len);
-    const unsigned grid = grid_for(units, kSmallNT, kMaxGrid);
-    if (vec)
-        find_nonfinite_kernel<8><<<grid, kSmallNT, 0, st>>>(x, n_a, s_a, n_b, s_b, len, first_bad);
-    else
-        find_nonfinite_kernel<1><<<grid, kSmallNT, 0, st>>>(x, n_a, s_a, n_b, s_b, len, first_bad);
-    return cudaGetLastError();
-}
-
-cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_t n, int64_t lo, int64_t hi,
-                                       unsigned long long *first_bad)
-{
-    if (n <= 0) return cudaSuccess;
-    find_out_of_range_kernel<<<grid_for(n, kSmallNT, kMaxGrid), kSmallNT, 0, st>>>(x, n, lo, hi, first_bad);
-    return cudaGetLastError();
-}
-
-cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n)
-{
-    if (n <= 0) return cudaSuccess;
-    if ((((uintptr_t)x & 15) | ((uintptr_t)y & 7)) == 0)
-        f32_to_bf16_kernel<4><<<grid_for(n / 4 + 1, kSmallNT, kMaxGrid), kSmallNT, 0, st>>>(x, y, n);
-    else
-        f32_to_bf16_kernel<1><<<grid_for(n, kSmallNT, kMaxGrid), kSmallNT, 0, st>>>(x, y, n);
-    return cudaGetLastError();
-}
-
-cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
-                                   const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks)
-{
-    const int64_t rows = (int64_t)Hk * m * c;
-    if (rows <= 0 || D <= 0) return cudaSuccess;
-    const int64_t per_block = (int64_t)kGatherNT * kGatherUnroll;
-    const int64_t cap = max_blocks > 0 && max_blocks < 65535 ? max_blocks : 65535;
-    if (D % 8 == 0 && (((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
-        const int64_t Du = D / 8;
-        gather_chunks_kernel<uint4><<<grid_for(rows * Du, per_block, cap), kGatherNT, 0, st>>>(
-            reinterpret_cast<const uint4 *>(src), Hk, Du, c, ids, m, reinterpret_cast<uint4 *>(dst), rows * Du);
-    } else {
-        gather_chunks_kernel<uint16_t><<<grid_for(rows * D, per_block, cap), kGatherNT, 0, st>>>(
-            src, Hk, D, c, ids, m, dst, rows * D);
-    }
-    return cudaGetLastError();
 }

@@ -503,7 +503,7 @@ typedef struct skv_cuda_cache {
     cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
     int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
-    char *dev, *host, *host_dev; /* arenas; host_dev: device alias of the pinned host arena */
+    char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
     skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
@@ -648,7 +648,6 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
-    k->host = host;
     skv_status st = SKV_OK;
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;

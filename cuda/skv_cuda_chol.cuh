@@ -2,7 +2,7 @@
  * skv_cuda_chol.cuh - the r x r steps of the cuda factorization's FAST route (lib/skv_factor.h)
  * on the fp64 tensor cores: the shifted, floored Cholesky of C = Y^T Y (one thread block) and
  * the solve Y R^-1 = Y L^-T (a warp per 8 rows). Included by cuda/skv_cuda_factor.cu and by
- * the timing probe tests/gpu/chol_probe.cu.
+ * the timing probe tests/gpu/probes/chol_probe.cu.
  *
  * Both work on 8 x 8 tiles, p <= SKV_FACTOR_FAST_MAX_R padded to nt = ceil(p / 8) tiles:
  * the lower triangle of L in tiles (I, J), I >= J, tile t = I (I + 1) / 2 + J, row-major
@@ -19,6 +19,7 @@
 
 #include <limits.h>
 
+#include "skv_cuda_common.cuh"
 #include "skv_factor.h"
 
 #define SKV_CF_MAXT ((SKV_FACTOR_FAST_MAX_R + 7) / 8)
@@ -131,7 +132,6 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
  * on the tensor cores; warp 0 updates the next diagonal tile first and factors and inverts
  * it (skv_cf_chol8) while the others finish the trailing update. Two barriers per step.
  */
-template <int SKIP = 0> /* timing probe only: 1 skips the diagonal factorizations, 2 the trailing updates */
 static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     skv_cf_chol(double *__restrict__ c, int32_t p, int32_t d, int check, int scaled, const double *__restrict__ g,
                 double *__restrict__ lt, int *__restrict__ info)
@@ -153,7 +153,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
         dsc[j] = dj;
         tc += cjj * dj * dj;
     }
-    for (int o = 16; o > 0; o >>= 1) tc += __shfl_xor_sync(0xffffffffu, tc, o);
+    tc = warp_sum(tc);
     if (lane == 0) red[warp] = tc;
     __syncthreads();
     tc = 0.0;
@@ -161,7 +161,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     __syncthreads();
     if (check) {
         for (int32_t i = tid; i < d; i += NT) tg += g[(size_t)i * d + i];
-        for (int o = 16; o > 0; o >>= 1) tg += __shfl_xor_sync(0xffffffffu, tg, o);
+        tg = warp_sum(tg);
         if (lane == 0) red[warp] = tg;
         __syncthreads();
         tg = 0.0;
@@ -217,7 +217,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     __syncthreads();
 
     const int r = lane >> 2, q2 = 2 * (lane & 3);
-    if (warp == 0 && !(SKIP & 1)) {
+    if (warp == 0) {
         const int bad = skv_cf_chol8(tl, dinv, flr, lane);
         if (bad && lane == 0) first_bad = bad;
     }
@@ -242,16 +242,14 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
                 double *aqq = tl + (size_t)skv_cf_tile(Q, Q) * 64;
                 const double *lqp = tl + (size_t)skv_cf_tile(Q, P) * 64;
                 double d0 = aqq[skv_cf_at(r, q2)], d1 = aqq[skv_cf_at(r, q2 + 1)];
-                if (!(SKIP & 2)) skv_cf_mma_xzt(d0, d1, lqp, lqp, lane, -1.0);
+                skv_cf_mma_xzt(d0, d1, lqp, lqp, lane, -1.0);
                 aqq[skv_cf_at(r, q2)] = d0;
                 aqq[skv_cf_at(r, q2 + 1)] = d1;
                 __syncwarp();
-                if (!(SKIP & 1)) {
-                    const int bad = skv_cf_chol8(aqq, dinv + (size_t)Q * 64, flr, lane);
-                    if (bad && lane == 0 && first_bad == INT_MAX) first_bad = Q * 8 + bad;
-                }
+                const int bad = skv_cf_chol8(aqq, dinv + (size_t)Q * 64, flr, lane);
+                if (bad && lane == 0 && first_bad == INT_MAX) first_bad = Q * 8 + bad;
             }
-        } else if (!(SKIP & 2)) {
+        } else {
             /* flattened order of the trailing tiles, column by column; index 0 is (P+1, P+1) */
             int J = P + 1, I = J + warp; /* index warp = 1 + (warp - 1) */
             while (J < nt && I >= nt) I += J + 1 - nt, J++;
@@ -281,7 +279,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
             const int j = tile_j[t] * 8 + ((e & 7) ^ (((e & 63) >> 2) & 4)); /* skv_cf_at inverted */
             if (i < p && j < p) f += tl[e] * tl[e];
         }
-        for (int o = 16; o > 0; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
+        f = warp_sum(f);
         if (lane == 0) red[warp] = f;
         __syncthreads();
         if (tid == 0) {
@@ -369,8 +367,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
         if (j < nt) {
             /* X_j = T_j Z_jj^T */
             const double *z = dinv + (size_t)j * 64;
-            double u0 = __shfl_sync(0xffffffffu, t0[j], src0), u1 = __shfl_sync(0xffffffffu, t1[j], src0);
-            double w0 = __shfl_sync(0xffffffffu, t0[j], src1), w1 = __shfl_sync(0xffffffffu, t1[j], src1);
+            double u0 = __shfl_sync(kFullMask, t0[j], src0), u1 = __shfl_sync(kFullMask, t1[j], src0);
+            double w0 = __shfl_sync(kFullMask, t0[j], src1), w1 = __shfl_sync(kFullMask, t1[j], src1);
             double x0 = 0.0, x1 = 0.0;
             skv_cf_dmma(x0, x1, slot ? u1 : u0, z[skv_cf_at(r, kk)]);
             skv_cf_dmma(x0, x1, slot ? w1 : w0, z[skv_cf_at(r, kk + 4)]);
@@ -378,8 +376,8 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
             if (row < m && c0 < p) v[row + c0 * ld] = x0, ss = fma(x0, x0, ss);
             if (row < m && c0 + 1 < p) v[row + (c0 + 1) * ld] = x1, ss = fma(x1, x1, ss);
             /* -X_j as the A operand; T_k -= X_j L_kj^T */
-            u0 = __shfl_sync(0xffffffffu, x0, src0), u1 = __shfl_sync(0xffffffffu, x1, src0);
-            w0 = __shfl_sync(0xffffffffu, x0, src1), w1 = __shfl_sync(0xffffffffu, x1, src1);
+            u0 = __shfl_sync(kFullMask, x0, src0), u1 = __shfl_sync(kFullMask, x1, src0);
+            w0 = __shfl_sync(kFullMask, x0, src1), w1 = __shfl_sync(kFullMask, x1, src1);
             const double b0 = -(slot ? u1 : u0), b1 = -(slot ? w1 : w0);
 #pragma unroll
             for (int k = j + 1; k < SKV_CF_MAXT; k++)
@@ -391,7 +389,7 @@ static __global__ void __launch_bounds__(32 * SKV_CF_SOLVE_WARPS)
         }
     }
     if (sq) {
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        ss = warp_sum(ss);
         if (lane == 0) sq[row0 >> 3] = ss;
     }
 }

@@ -1,7 +1,7 @@
 /*
  * skv_cuda_common.cuh - small device and launch helpers shared by the cuda
- * files (skv_cuda_select.cu, skv_cuda_attn.cu, skv_cuda_factor.cu). Header-only; everything is
- * in an anonymous namespace, so each file has its own copy.
+ * files (the .cu files of cuda/ and skv_cuda_chol.cuh). Header-only; everything is in an
+ * anonymous namespace, so each file has its own copy.
  */
 #ifndef SKV_CUDA_COMMON_CUH
 #define SKV_CUDA_COMMON_CUH
@@ -25,6 +25,16 @@ inline unsigned grid_for(int64_t units, int64_t per_block, int64_t cap)
     if (g > cap) g = cap;
     return (unsigned)g;
 }
+
+/* Grid dimensions y and z are limited to 65535: kernels that put heads or
+   sequences there loop over them with this stride. */
+constexpr int32_t kMaxGridYZ = 65535;
+
+inline unsigned clamp_yz(int32_t n) { return (unsigned)(n < kMaxGridYZ ? n : kMaxGridYZ); }
+
+/* Block size and grid cap of the small grid-stride kernels (input checks, conversions). */
+constexpr int kSmallNT = 256;
+constexpr int64_t kSmallMaxGrid = 4096;
 
 /* Kernels whose static plus dynamic shared memory passes 48 KiB must say so first (a function
    attribute: no allocation, no synchronization). The attribute is set once the dynamic part
@@ -88,6 +98,12 @@ __device__ __forceinline__ float warp_max(float x)
 }
 
 __device__ __forceinline__ float warp_sum(float x)
+{
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+    return x;
+}
+
+__device__ __forceinline__ double warp_sum(double x)
 {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
     return x;

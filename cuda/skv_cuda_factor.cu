@@ -274,11 +274,7 @@ static skv_status skv_cf_solver(cusolverStatus_t e, const char *what, char *msg,
 #define SKV_CF_THREADS 256
 #define SKV_CF_MAX_BLOCKS 8192
 
-static unsigned skv_cf_blocks(int64_t count)
-{
-    int64_t b = (count + SKV_CF_THREADS - 1) / SKV_CF_THREADS;
-    return (unsigned)(b < SKV_CF_MAX_BLOCKS ? b : SKV_CF_MAX_BLOCKS);
-}
+static unsigned skv_cf_blocks(int64_t count) { return grid_for(count, SKV_CF_THREADS, SKV_CF_MAX_BLOCKS); }
 
 /* y[i] = (float)x[i] (exact). */
 static __global__ void skv_cf_bf16_to_f32(const skv_bf16 *__restrict__ x, float *__restrict__ y, int64_t count)
@@ -350,7 +346,7 @@ static __global__ void __launch_bounds__(32) skv_cf_check(const double *__restri
                                                           skv_cf_state *state)
 {
     double b = (int)threadIdx.x < nsq ? sq[threadIdx.x] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    b = warp_sum(b);
     if (threadIdx.x == 0) {
         double rho = 1.0 / (*fro2 * b);
         int fb = mode == SKV_FACTORIZE_FALLBACK || (mode == SKV_FACTORIZE_AUTO && !(rho >= SKV_FACTOR_TAU));
@@ -561,7 +557,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if ((s = skv_cf_alloc((void **)&f->c, sz.c_bytes, "Cholesky block", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->lt, sz.lt_bytes, "Cholesky factor", msg, cap)) != SKV_OK) goto fail;
         /* both kernels keep the tiled factor in shared memory (~115 KiB at r = 160) */
-        cudaError_t e = cudaFuncSetAttribute(skv_cf_chol<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaError_t e = cudaFuncSetAttribute(skv_cf_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)skv_cf_chol_smem(r));
         if (e == cudaSuccess)
             e = cudaFuncSetAttribute(skv_cf_solve_lt, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -730,8 +726,8 @@ static skv_status skv_cf_exact(skv_cuda_factor *f, int64_t n, const skv_bf16 *a,
 /* f->lt <- L (tiled) with c + s I = L L^T, the shift as skv_cf_chol documents (check: H's). */
 static skv_status skv_cf_factor(skv_cuda_factor *f, int check, int scaled, int *info, char *msg, size_t cap)
 {
-    skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(f->r), f->st>>>(f->c, f->r, f->d, check, scaled, f->gd,
-                                                                              f->lt, info);
+    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(f->r), f->st>>>(f->c, f->r, f->d, check, scaled, f->gd,
+                                                                           f->lt, info);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "Cholesky kernel");
     return SKV_OK;
 }

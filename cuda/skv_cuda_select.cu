@@ -27,14 +27,8 @@
 
 namespace {
 
-/* Grid dimensions y and z are limited to 65535: kernels that put heads or
-   sequences there loop over them with this stride. */
-constexpr int32_t kMaxGridYZ = 65535;
-
 /* Cap on 1D grids of grid-stride kernels (each block then loops). */
 constexpr int64_t kMaxGridX = 1 << 20;
-
-unsigned clamp_yz(int32_t n) { return (unsigned)(n < kMaxGridYZ ? n : kMaxGridYZ); }
 
 unsigned grid_for(int64_t items, int64_t per_block) { return grid_for(items, per_block, kMaxGridX); }
 
@@ -329,7 +323,7 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
             const int32_t rows = min(kScRows, n - j0);
             unsigned char *tile = sc_smem + stage * score_tile_bytes(D);
             /* thread tid copies piece k = tid % NC of rows tid / NC, + RPP, ...: addresses by
-               increments (the per-piece index arithmetic was a fifth of the kernel's instructions) */
+               increments (index arithmetic per piece would be a fifth of the kernel's instructions) */
             constexpr int RPP = kScNT / NC;
             const int k = tid % NC;
             const uint16_t *src = a.seqs[b].landmarks + ((int64_t)h * n + j0 + tid / NC) * D + k * 8;

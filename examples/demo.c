@@ -1,6 +1,6 @@
 /*
  * demo.c - the project's main job: ShadowKV decoding of a batch of long
- * prompts on a synthetic Llama-shaped workload (tests/common/synth.h), with
+ * prompts on a synthetic Llama-shaped workload (examples/synth.h), with
  * end-to-end timings, the library's phase split, memory, and accuracy against
  * dense attention and a per-token oracle.
  *
@@ -27,8 +27,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "shadowkv.h"
 #include "synth.h"
-#include "testutil.h"
 
 #define MAX_BATCH 64
 
@@ -66,7 +66,7 @@ static void usage(FILE *f)
             "  --help             this text\n");
 }
 
-static void die(const char *what, skv_status st, const skv_cache *cache)
+static void die(const char *what, skv_status st, skv_cache *cache)
 {
     fprintf(stderr, "demo: %s failed: %s\n", what, skv_status_string(st));
     const char *msg = cache ? skv_cache_last_error(cache) : skv_last_error();
@@ -145,11 +145,48 @@ static void parse(int argc, char **argv, opts *o)
     if (o->share && o->acc_layers > 1) o->acc_layers = 1; /* the other layers see the same data */
 }
 
+/*
+ * Tensors in the memory the cache's backend takes: for cuda a zeroed device buffer, for
+ * ref/cpu the host array itself (no copy). dput/dget copy only when the two differ; dfree
+ * frees only a device buffer. A failure ends the demo (exit 1).
+ */
+static void *dbuf(skv_backend be, void *host, size_t bytes)
+{
+    if (be != SKV_BACKEND_CUDA) return host;
+    void *d = NULL;
+    skv_status st = skv_buffer_alloc(be, bytes ? bytes : 1, &d);
+    if (st) die("skv_buffer_alloc", st, NULL);
+    return d;
+}
+
+static void dput(skv_backend be, void *dev, const void *host, size_t bytes)
+{
+    skv_status st = dev == host || !bytes ? SKV_OK : skv_buffer_copy(be, dev, host, bytes);
+    if (st) die("skv_buffer_copy to the device", st, NULL);
+}
+
+static void dget(skv_backend be, void *host, const void *dev, size_t bytes)
+{
+    skv_status st = dev == host || !bytes ? SKV_OK : skv_buffer_copy(be, host, dev, bytes);
+    if (st) die("skv_buffer_copy to the host", st, NULL);
+}
+
+static void dfree(skv_backend be, void *dev, void *host)
+{
+    if (dev != host) skv_buffer_free(be, dev);
+}
+
 static int contains(const int32_t *ids, int n, int32_t x)
 {
     for (int i = 0; i < n; i++)
         if (ids[i] == x) return 1;
     return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
 }
 
 static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
@@ -191,9 +228,9 @@ int main(int argc, char **argv)
                                         o.seed * 1000003u + (uint64_t)(lg * B + b))))
                 die("workload generation", st, NULL);
             size_t pb = (size_t)o.ctx[b] * row * sizeof(skv_bf16);
-            skv_bf16 *dk = skvt_dbuf(be, s->k_pre, pb), *dv = skvt_dbuf(be, s->v, pb);
-            skvt_dput(be, dk, s->k_pre, pb);
-            skvt_dput(be, dv, s->v, pb);
+            skv_bf16 *dk = dbuf(be, s->k_pre, pb), *dv = dbuf(be, s->v, pb);
+            dput(be, dk, s->k_pre, pb);
+            dput(be, dv, s->v, pb);
             gen_ms += now_ms() - t_gen;
             for (int l = o.share ? 0 : lg; l < (o.share ? L : lg + 1); l++) {
                 double t0 = now_ms();
@@ -204,8 +241,8 @@ int main(int argc, char **argv)
                         (long long)o.ctx[b], dt);
             }
             t_gen = now_ms();
-            skvt_dfree(be, dk, s->k_pre);
-            skvt_dfree(be, dv, s->v);
+            dfree(be, dk, s->k_pre);
+            dfree(be, dv, s->v);
             if ((st = skvs_seq_attach(s, cache, lg, b))) die("outlier read-back", st, cache);
             if ((st = skvs_seq_release(s))) die("workload", st, NULL);
         }
@@ -231,10 +268,11 @@ int main(int argc, char **argv)
     int32_t *rec_sel = malloc(sizeof(int32_t) * Hk * S * n_rec + 1), *rec_needle = malloc(sizeof(int32_t) * n_rec + 1);
     if (!q || !k || !v || !rec_q || !out || !rec_out || !sel || !needle || !rec_sel || !rec_needle)
         die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
-    skv_bf16 *dq = skvt_dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = skvt_dbuf(be, k, sizeof(skv_bf16) * kn * LG);
-    skv_bf16 *dv = skvt_dbuf(be, v, sizeof(skv_bf16) * kn * LG);
-    float *dout = skvt_dbuf(be, out, sizeof(float) * qn * L);
-    double decode_ms = 0;
+    skv_bf16 *dq = dbuf(be, q, sizeof(skv_bf16) * qn * LG), *dk = dbuf(be, k, sizeof(skv_bf16) * kn * LG);
+    skv_bf16 *dv = dbuf(be, v, sizeof(skv_bf16) * kn * LG);
+    float *dout = dbuf(be, out, sizeof(float) * qn * L);
+    double decode_ms = 0, *step_ms = malloc(sizeof(double) * o.steps);
+    if (!step_ms) die("allocation", SKV_ERR_OUT_OF_MEMORY, NULL);
     long hits = 0, total = 0;
     for (int step = 0; step < o.steps; step++) {
         double t_step = now_ms();
@@ -243,9 +281,9 @@ int main(int argc, char **argv)
                 if ((st = skvs_step(&seq[lg * B + b], q + lg * qn + b * HD, k + lg * kn + b * Hk * D,
                                     v + lg * kn + b * Hk * D, &needle[lg * B + b])))
                     die("workload step", st, NULL);
-        skvt_dput(be, dq, q, sizeof(skv_bf16) * qn * LG);
-        skvt_dput(be, dk, k, sizeof(skv_bf16) * kn * LG);
-        skvt_dput(be, dv, v, sizeof(skv_bf16) * kn * LG);
+        dput(be, dq, q, sizeof(skv_bf16) * qn * LG);
+        dput(be, dk, k, sizeof(skv_bf16) * kn * LG);
+        dput(be, dv, v, sizeof(skv_bf16) * kn * LG);
         double t0 = now_ms();
         gen_ms += t0 - t_step;
         for (int l = 0; l < L; l++) {
@@ -254,8 +292,9 @@ int main(int argc, char **argv)
                 die("skv_decode", st, cache);
         }
         if ((st = skv_cache_sync(cache))) die("skv_cache_sync", st, cache);
-        decode_ms += now_ms() - t0;
-        skvt_dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
+        step_ms[step] = now_ms() - t0;
+        decode_ms += step_ms[step];
+        dget(be, out, dout, sizeof(float) * qn * (size_t)o.acc_layers);
         for (int l = 0; l < L; l++) {
             const int lg = o.share ? 0 : l;
             for (int b = 0; b < B; b++) {
@@ -275,10 +314,10 @@ int main(int argc, char **argv)
         if ((step + 1) % 8 == 0 || step + 1 == o.steps)
             fprintf(stderr, "demo: decode step %d/%d: %.2f ms/step so far\n", step + 1, o.steps, decode_ms / (step + 1));
     }
-    skvt_dfree(be, dq, q);
-    skvt_dfree(be, dk, k);
-    skvt_dfree(be, dv, v);
-    skvt_dfree(be, dout, out);
+    dfree(be, dq, q);
+    dfree(be, dk, k);
+    dfree(be, dv, v);
+    dfree(be, dout, out);
 
     double ref_ms = now_ms(), err = 0, err_max = 0, err_or = 0, err_sel = 0, mass = 0, mass_min = 1, needle_share = 0;
     float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
@@ -309,6 +348,8 @@ int main(int argc, char **argv)
     const double d_reb = (dst.decode_rebuild_ms - pst.decode_rebuild_ms) * per;
     const double d_fet = (dst.decode_fetch_ms - pst.decode_fetch_ms) * per;
     const double d_att = (dst.decode_attention_ms - pst.decode_attention_ms) * per;
+    qsort(step_ms, (size_t)o.steps, sizeof *step_ms, cmp_double);
+    const double dec_median = o.steps % 2 ? step_ms[o.steps / 2] : 0.5 * (step_ms[o.steps / 2 - 1] + step_ms[o.steps / 2]);
 
     if (o.json) {
         printf("{\"backend\": \"%s\", \"layers\": %d, \"batch\": %d, \"ctx\": [", skv_backend_name(be), L, B);
@@ -317,7 +358,8 @@ int main(int argc, char **argv)
                "\"outlier_chunks\": %d, \"local_chunks\": %d, \"seed\": %llu,\n",
                o.share, o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
                cfg->n_local_chunks, (unsigned long long)o.seed);
-        printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"e2e_ms\": %.3f,\n", prefill_ms, dec_step, e2e);
+        printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"decode_ms_median\": %.3f, \"e2e_ms\": %.3f,\n",
+               prefill_ms, dec_step, dec_median, e2e);
         printf(" \"device_bytes\": %zu, \"host_bytes\": %zu, \"full_kv_bytes\": %zu,\n", dev_bytes, host_bytes, full_kv);
         printf(" \"accuracy_layers\": %d, \"rel_err_vs_full\": %.6f, \"rel_err_vs_full_max\": %.6f, "
                "\"oracle_rel_err_vs_full\": %.6f, \"selection_exact_keys_rel_err_vs_full\": %.6f, "
@@ -354,8 +396,8 @@ int main(int argc, char **argv)
             printf("          waited %.3f ms per prefill for the previous one's side work (back-to-back prefills here; "
                    "a model's attention between layers hides it)\n",
                    pst.prefill_wait_ms / n_pf);
-        printf("decode    %10.2f ms/step (%d layers, whole batch)   select %.2f, rebuild %.2f, fetch %.2f, "
-               "attention %.2f\n", dec_step, L, d_sel, d_reb, d_fet, d_att);
+        printf("decode    %10.2f ms/step (%d layers, whole batch; median %.2f)   select %.2f, rebuild %.2f, "
+               "fetch %.2f, attention %.2f\n", dec_step, L, dec_median, d_sel, d_reb, d_fet, d_att);
         printf("          %lld heap allocations in %d decode calls (workspace allocated at create)\n",
                (long long)dst.decode_allocations, L * o.steps);
         printf("e2e       %10.1f ms   (prefill + %d decode steps)\n", e2e, o.steps);
@@ -373,7 +415,7 @@ int main(int argc, char **argv)
 
     for (int i = 0; i < LG * B; i++) skvs_seq_free(&seq[i]);
     free(seq), free(q), free(k), free(v), free(out), free(full), free(orac), free(exact), free(sel), free(needle);
-    free(rec_q), free(rec_out), free(rec_sel), free(rec_needle);
+    free(rec_q), free(rec_out), free(rec_sel), free(rec_needle), free(step_ms);
     skvs_workload_free(&wl);
     skv_cache_free(cache);
     return 0;

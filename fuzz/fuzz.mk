@@ -1,6 +1,6 @@
 # fuzz/fuzz.mk - libFuzzer harnesses and their replay drivers (included by the
 # top Makefile, which defines BUILD, CC, ALLCFLAGS, OMPFLAGS, LIBS, STATIC, HDRS,
-# DEPS_INC, DEPS_LIB, CPU_ARCH).
+# DEPS_INC, DEPS_LIB).
 #
 #   $(BUILD)/fuzz/replay_<h>   gcc build of harness <h> + fuzz/replay.c: runs the corpus
 #                              without libFuzzer (make check; also `make fuzz-replay`)
@@ -78,7 +78,7 @@ $(FUZZ_STAMP): | $(DEPS_STAMP)
 
 $(FUZZ_BUILD)/obj/cpu/%.o: cpu/%.c $(HDRS) | $(FUZZ_STAMP)
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_CFLAGS) $(CPU_ARCH) -fsanitize=fuzzer-no-link -c $< -o $@
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
 
 $(FUZZ_BUILD)/obj/%.o: %.c $(HDRS) | $(FUZZ_STAMP)
 	@mkdir -p $(dir $@)

@@ -165,6 +165,12 @@ void skvf_fill_bf16(skvf_data *d, skv_bf16 *x, size_t n, int allow_bad)
     }
 }
 
+void skvf_clamp_magnitude(skv_bf16 *x, size_t n)
+{
+    for (size_t i = 0; x && i < n; i++)
+        if ((x[i] & 0x7F80) != 0x7F80 && (x[i] & 0x7FFF) > 0x4F80) x[i] = (skv_bf16)((x[i] & 0x8000) | 0x4F80);
+}
+
 skv_backend skvf_backend(skvf_data *d) { return skvf_bool(d) ? SKV_BACKEND_CPU : SKV_BACKEND_REF; }
 
 /* ---- invariants ---------------------------------------------------------------------- */
@@ -411,4 +417,335 @@ skv_cache *skvf_small_cache(skvf_data *d, skv_config *cfg)
     skvf_check_status(st, "skv_cache_create");
     if (st != SKV_OK) skvf_fail("skv_cache_create of a small valid config: %s", skv_last_error());
     return cache;
+}
+
+/* ---- decode oracle ---------------------------------------------------------------------- */
+
+static void *ocalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) skvf_fail("decode oracle: out of memory");
+    return p;
+}
+
+static skv_bf16 *odup(const skv_bf16 *x, size_t n)
+{
+    if (!x) return NULL;
+    skv_bf16 *y = ocalloc(n, sizeof *y);
+    memcpy(y, x, n * sizeof *y);
+    return y;
+}
+
+void skvf_slot_free(skvf_slot *s)
+{
+    free(s->k_pre);
+    free(s->v);
+    free(s->k_post);
+    free(s->u);
+    free(s->w);
+    free(s->gen_k);
+    free(s->gen_v);
+    memset(s, 0, sizeof *s);
+}
+
+void skvf_slot_prefilled(skvf_slot *s, const skv_config *cfg, skv_backend be, int64_t n, const skv_bf16 *k_pre,
+                         const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    skvf_slot_free(s);
+    const size_t P = (size_t)cfg->n_kv_heads * (size_t)cfg->head_dim, e = (size_t)n * P, r = (size_t)cfg->rank;
+    s->n = n;
+    s->k_pre = odup(k_pre, e);
+    s->v = odup(v, e);
+    s->k_post = odup(k_post, e);
+    s->cap = cfg->gen_capacity;
+    s->gen_k = ocalloc((size_t)s->cap * P, sizeof(skv_bf16));
+    s->gen_v = ocalloc((size_t)s->cap * P, sizeof(skv_bf16));
+    /* the cache's factorization: the same backend slot on the same input (deterministic) */
+    float *uf = ocalloc((size_t)n * r, sizeof(float)), *wf = ocalloc(r * P, sizeof(float));
+    if (skv_op_factorize(be, n, (int32_t)P, (int32_t)r, k_pre, uf, wf) == SKV_OK) {
+        s->u = ocalloc((size_t)n * r, sizeof(skv_bf16));
+        s->w = ocalloc(r * P, sizeof(skv_bf16));
+        for (size_t i = 0; i < (size_t)n * r; i++) s->u[i] = skv_bf16_from_float(uf[i]);
+        for (size_t i = 0; i < r * P; i++) s->w[i] = skv_bf16_from_float(wf[i]);
+    }
+    free(uf);
+    free(wf);
+}
+
+void skvf_slot_append(skvf_slot *s, const skv_config *cfg, const skv_bf16 *k, const skv_bf16 *v)
+{
+    const size_t P = (size_t)cfg->n_kv_heads * (size_t)cfg->head_dim;
+    if (!s->n) skvf_fail("decode oracle: append to a slot that was not prefilled");
+    if (s->n_gen >= s->cap) skvf_fail("decode oracle: more than gen_capacity = %d tokens appended", s->cap);
+    memcpy(s->gen_k + (size_t)s->n_gen * P, k, P * sizeof *k);
+    memcpy(s->gen_v + (size_t)s->n_gen * P, v, P * sizeof *v);
+    s->n_gen++;
+}
+
+#define OU 0x1p-24 /* float unit roundoff */
+
+/* SKVF_ORACLE_STATS=1: at exit, how often the oracle checked and how close it came to its bound. */
+static struct {
+    long selections, outputs, skipped_vacuous, skipped_nofactor;
+    double worst_ratio, sum_rel_bound;
+} ostats;
+
+static void oracle_stats_print(void)
+{
+    fprintf(stderr,
+            "decode oracle: %ld selections checked, %ld outputs checked (%ld skipped: score bound > 10; %ld: no "
+            "factorization), largest error/bound %.3g, mean bound/|ref| %.3g\n",
+            ostats.selections, ostats.outputs, ostats.skipped_vacuous, ostats.skipped_nofactor, ostats.worst_ratio,
+            ostats.outputs ? ostats.sum_rel_bound / (double)ostats.outputs : 0.0);
+}
+
+/* One attended token of one KV head: key (double) with its bound on |library key - key|
+   per element, and the value row. */
+typedef struct otok {
+    double *key, *err;
+    const skv_bf16 *v;
+} otok;
+
+/*
+ * RoPE of pre[0..D) at position pos in double with the library's tables; ferr[e] is the
+ * float error already in pre[e] (0 for exact inputs). Writes key and the bound on the
+ * library's bf16 result: its float rotation error, then one bf16 rounding (2^-8 relative).
+ */
+static void oracle_rope(const skv_config *cfg, const float *cos_t, const float *sin_t, int64_t pos, const double *pre,
+                        const double *ferr, int exact_pre, double *key, double *err)
+{
+    const int32_t D = cfg->head_dim, R = cfg->rope.rotary_dim ? cfg->rope.rotary_dim : D, R2 = R / 2;
+    for (int32_t e = R; e < D; e++) {
+        key[e] = pre[e];
+        err[e] = exact_pre ? 0.0 : 1.01 * ferr[e] + 0x1p-8 * fabs(pre[e]) + 1e-39;
+    }
+    for (int32_t i = 0; i < R2; i++) {
+        const int32_t a = cfg->rope.interleaved ? 2 * i : i, b = cfg->rope.interleaved ? 2 * i + 1 : i + R2;
+        const double c = cos_t[pos * R2 + i], s = sin_t[pos * R2 + i];
+        key[a] = pre[a] * c - pre[b] * s;
+        key[b] = pre[b] * c + pre[a] * s;
+        const double f = ferr[a] + ferr[b] + 4 * OU * (fabs(pre[a]) + fabs(pre[b]));
+        err[a] = 1.01 * f + 0x1p-8 * fabs(key[a]) + 1e-39;
+        err[b] = 1.01 * f + 0x1p-8 * fabs(key[b]) + 1e-39;
+    }
+}
+
+void skvf_check_decode(skv_cache *c, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
+                       const skv_bf16 *q, const float *out, const char *who)
+{
+    static int stats_registered;
+    if (!stats_registered && getenv("SKVF_ORACLE_STATS")) atexit(oracle_stats_print);
+    stats_registered = 1;
+    const int32_t B = cfg->batch_size, Hq = cfg->n_q_heads, Hk = cfg->n_kv_heads, D = cfg->head_dim;
+    const int32_t G = Hq / Hk, cs = cfg->chunk_size, r = cfg->rank;
+    const size_t P = (size_t)Hk * D;
+    const double sc = cfg->attn_scale > 0.0f ? (double)cfg->attn_scale : (double)(1.0f / sqrtf((float)D));
+    const int64_t npos = cfg->max_prompt_len + cfg->gen_capacity, nmax = cfg->max_prompt_len / cs + 1;
+    const int64_t tmax = cfg->max_prompt_len + cfg->gen_capacity;
+    const size_t tl = skv_rope_table_len(&cfg->rope, D, npos);
+    float *cos_t = ocalloc(tl, sizeof(float)), *sin_t = ocalloc(tl, sizeof(float));
+    if (skv_rope_table_build(&cfg->rope, D, npos, cos_t, sin_t) != SKV_OK)
+        skvf_fail("decode oracle: skv_rope_table_build: %s", skv_last_error());
+    int32_t *oid = ocalloc((size_t)nmax, sizeof(int32_t)), *cid = ocalloc((size_t)nmax, sizeof(int32_t));
+    int32_t *sid = ocalloc((size_t)nmax, sizeof(int32_t)), *mark = ocalloc((size_t)nmax, sizeof(int32_t));
+    skv_bf16 *lm = ocalloc((size_t)nmax * D, sizeof(skv_bf16));
+    double *a = ocalloc((size_t)nmax, sizeof(double)), *sg = ocalloc((size_t)nmax, sizeof(double));
+    double *keys = ocalloc((size_t)tmax * D, sizeof(double)), *errs = ocalloc((size_t)tmax * D, sizeof(double));
+    double *pre = ocalloc((size_t)D, sizeof(double)), *ferr = ocalloc((size_t)D, sizeof(double));
+    double *st = ocalloc((size_t)tmax, sizeof(double)), *dt = ocalloc((size_t)tmax, sizeof(double));
+    double *wt = ocalloc((size_t)tmax, sizeof(double)), *o = ocalloc((size_t)D, sizeof(double));
+    otok *tok = ocalloc((size_t)tmax, sizeof(otok));
+
+    for (int32_t b = 0; b < B; b++) {
+        const skvf_slot *sl = &slots[b];
+        skv_seq_info in;
+        if (skv_cache_seq_info(c, layer, b, &in) != SKV_OK)
+            skvf_fail("%s decode oracle: seq_info(%d, %d): %s", who, layer, b, skv_last_error());
+        const int32_t N = in.n_chunks, O = in.n_outliers, nc = in.n_candidates, S = in.n_selected;
+        if (!in.prefilled || !in.has_selection || in.n != sl->n || in.n_generated != sl->n_gen ||
+            (int64_t)N * cs + in.n_local != in.n || O + nc != N || S < 1 || S > nc || N > nmax)
+            skvf_fail("%s decode oracle: seq_info(%d, %d) after a step: prefilled %d selection %d n %lld (harness "
+                      "%lld) generated %d (harness %d) N %d local %d O %d candidates %d S %d",
+                      who, layer, b, in.prefilled, in.has_selection, (long long)in.n, (long long)sl->n,
+                      in.n_generated, sl->n_gen, N, in.n_local, O, nc, S);
+        for (int32_t h = 0; h < Hk; h++) {
+            if (skv_cache_outliers(c, layer, b, h, oid) != SKV_OK || skv_cache_candidates(c, layer, b, h, cid) != SKV_OK ||
+                skv_cache_selected(c, layer, b, h, sid) != SKV_OK || skv_cache_landmarks(c, layer, b, h, lm) != SKV_OK)
+                skvf_fail("%s decode oracle: introspection of (%d, %d, %d): %s", who, layer, b, h, skv_last_error());
+            /* outliers and candidates partition the N chunks; selected are candidates (mark: cand index + 1) */
+            memset(mark, 0, (size_t)N * sizeof *mark);
+            for (int32_t i = 0; i < O; i++) {
+                if (oid[i] < 0 || oid[i] >= N || (i && oid[i] <= oid[i - 1]))
+                    skvf_fail("%s decode oracle: (%d, %d, %d) outlier ids not increasing in [0, %d)", who, layer, b, h, N);
+                mark[oid[i]] = -1;
+            }
+            for (int32_t j = 0; j < nc; j++) {
+                if (cid[j] < 0 || cid[j] >= N || (j && cid[j] <= cid[j - 1]) || mark[cid[j]])
+                    skvf_fail("%s decode oracle: (%d, %d, %d) candidate %d: not increasing in [0, %d) or an outlier",
+                              who, layer, b, h, cid[j], N);
+                mark[cid[j]] = j + 1;
+            }
+            for (int32_t i = 0; i < S; i++)
+                if (sid[i] < 0 || sid[i] >= N || mark[sid[i]] <= 0 || (i && sid[i] <= sid[i - 1]))
+                    skvf_fail("%s decode oracle: (%d, %d, %d) selected chunk %d is not an increasing candidate", who,
+                              layer, b, h, sid[i]);
+            const skv_bf16 *qh = q + ((size_t)b * Hq + (size_t)h * G) * D;
+
+            /* the selection: the top S of a_j = max_g softmax_j(sc q_g . L_j), within the
+               float rounding of the library's scores (fmaf chain of D terms), skv_expf and sums */
+            double ds = 0.0;
+            int finite = 1;
+            for (int32_t j = 0; j < nc; j++) a[j] = 0.0;
+            for (int32_t g = 0; g < G; g++) {
+                const skv_bf16 *qg = qh + (size_t)g * D;
+                double mx = -INFINITY, z = 0.0;
+                for (int32_t j = 0; j < nc; j++) {
+                    double dot = 0.0, mag = 0.0;
+                    for (int32_t e = 0; e < D; e++) {
+                        const double x = skv_bf16_to_float(qg[e]), y = skv_bf16_to_float(lm[(size_t)j * D + e]);
+                        dot += x * y;
+                        mag += fabs(x * y);
+                    }
+                    sg[j] = sc * dot;
+                    ds = fmax(ds, sc * mag * (D + 2) * OU + fabs(sg[j]) * 2 * OU);
+                    mx = fmax(mx, sg[j]);
+                }
+                for (int32_t j = 0; j < nc; j++) z += (sg[j] = exp(sg[j] - mx));
+                for (int32_t j = 0; j < nc; j++) a[j] = fmax(a[j], sg[j] / z);
+                finite &= isfinite(mx) && isfinite(z);
+            }
+            ostats.selections += finite && S < nc;
+            if (finite && S < nc) {
+                const double eta = 4 * ds + (nc + 32) * 2 * OU;
+                double min_sel = INFINITY, max_uns = -INFINITY;
+                int32_t j_sel = -1, j_uns = -1;
+                for (int32_t i = 0; i < S; i++) {
+                    const int32_t j = mark[sid[i]] - 1;
+                    if (a[j] < min_sel) min_sel = a[j], j_sel = j;
+                    mark[sid[i]] = -2; /* selected */
+                }
+                for (int32_t j = 0; j < nc; j++)
+                    if (mark[cid[j]] != -2 && a[j] > max_uns) max_uns = a[j], j_uns = j;
+                if (min_sel * (1 + eta) + 1e-37 < max_uns * (1 - eta))
+                    skvf_fail("%s decode oracle: layer %d seq %d head %d: the selection is not the top S = %d of %d: "
+                              "selected chunk %d has a = %.9g < unselected chunk %d with a = %.9g (relative "
+                              "tolerance %.3g)",
+                              who, layer, b, h, S, nc, cid[j_sel], min_sel, cid[j_uns], max_uns, eta);
+            }
+
+            /* the output: double attention over the tokens the cache reports it used */
+            if (!sl->u) {
+                ostats.skipped_nofactor += G;
+                continue;
+            }
+            int64_t T = 0;
+            for (int part = 0; part < 4; part++) {
+                /* 0 outlier chunks, 1 local window, 2 selected chunks (rebuilt keys), 3 generated */
+                int64_t lo = 0, hi = 0;
+                if (part == 1) lo = (int64_t)N * cs, hi = sl->n;
+                if (part == 3) lo = 0, hi = sl->n_gen;
+                const int32_t n_chunks = part == 0 ? O : part == 2 ? S : 1;
+                for (int32_t k = 0; k < n_chunks; k++) {
+                    if (part == 0 || part == 2) {
+                        lo = (int64_t)(part == 0 ? oid[k] : sid[k]) * cs;
+                        hi = lo + cs;
+                    }
+                    for (int64_t t = lo; t < hi; t++, T++) {
+                        otok *x = &tok[T];
+                        x->key = keys + (size_t)T * D;
+                        x->err = errs + (size_t)T * D;
+                        if (part == 3) {
+                            const skv_bf16 *kr = sl->gen_k + (size_t)t * P + (size_t)h * D;
+                            for (int32_t e = 0; e < D; e++) x->key[e] = skv_bf16_to_float(kr[e]), x->err[e] = 0.0;
+                            x->v = sl->gen_v + (size_t)t * P + (size_t)h * D;
+                            continue;
+                        }
+                        x->v = sl->v + (size_t)t * P + (size_t)h * D;
+                        if (part != 2 && sl->k_post) { /* given post-RoPE keys are stored as they are */
+                            const skv_bf16 *kr = sl->k_post + (size_t)t * P + (size_t)h * D;
+                            for (int32_t e = 0; e < D; e++) x->key[e] = skv_bf16_to_float(kr[e]), x->err[e] = 0.0;
+                        } else if (part != 2) { /* prefill roped k_pre (float rotation, bf16) */
+                            const skv_bf16 *kr = sl->k_pre + (size_t)t * P + (size_t)h * D;
+                            for (int32_t e = 0; e < D; e++) pre[e] = skv_bf16_to_float(kr[e]), ferr[e] = 0.0;
+                            oracle_rope(cfg, cos_t, sin_t, t, pre, ferr, 1, x->key, x->err);
+                        } else { /* rebuilt: U[t] W_h (float sum of r terms), RoPE, bf16 */
+                            for (int32_t e = 0; e < D; e++) {
+                                double acc = 0.0, mag = 0.0;
+                                for (int32_t k2 = 0; k2 < r; k2++) {
+                                    const double uu = skv_bf16_to_float(sl->u[(size_t)t * r + k2]);
+                                    const double ww = skv_bf16_to_float(sl->w[(size_t)k2 * P + (size_t)h * D + e]);
+                                    acc += uu * ww;
+                                    mag += fabs(uu * ww);
+                                }
+                                pre[e] = acc;
+                                ferr[e] = (r + 2) * OU * mag;
+                            }
+                            oracle_rope(cfg, cos_t, sin_t, t, pre, ferr, 0, x->key, x->err);
+                        }
+                    }
+                }
+            }
+            for (int32_t g = 0; g < G; g++) {
+                const skv_bf16 *qg = qh + (size_t)g * D;
+                const float *og = out + ((size_t)b * Hq + (size_t)h * G + g) * D;
+                double mx = -INFINITY, dmax = 0.0, z = 0.0;
+                for (int64_t t = 0; t < T; t++) {
+                    double dot = 0.0, dq = 0.0, mag = 0.0;
+                    for (int32_t e = 0; e < D; e++) {
+                        const double x = skv_bf16_to_float(qg[e]);
+                        dot += x * tok[t].key[e];
+                        dq += fabs(x) * tok[t].err[e];
+                        mag += fabs(x) * (fabs(tok[t].key[e]) + tok[t].err[e]);
+                    }
+                    st[t] = sc * dot;
+                    /* score bound: the keys' bound, the float dot product and scaling, the exp */
+                    dt[t] = sc * dq + sc * mag * (D + 4) * OU + fabs(st[t]) * 2 * OU + 1e-6;
+                    mx = fmax(mx, st[t]);
+                    dmax = fmax(dmax, dt[t]);
+                }
+                if (!isfinite(mx) || dmax > 10.0) { /* the bound would say nothing */
+                    ostats.skipped_vacuous++;
+                    continue;
+                }
+                for (int64_t t = 0; t < T; t++) z += (wt[t] = exp(st[t] - mx));
+                for (int32_t e = 0; e < D; e++) o[e] = 0.0;
+                for (int64_t t = 0; t < T; t++) {
+                    wt[t] /= z;
+                    for (int32_t e = 0; e < D; e++) o[e] += wt[t] * skv_bf16_to_float(tok[t].v[e]);
+                }
+                /* |w'_t / w_t - 1| <= e^(dt_t + dmax) - 1, and sum_t (w'_t - w_t) (v_t - o) is the change */
+                double spread = 0.0, vmag = 0.0, err2 = 0.0, ref2 = 0.0;
+                int fin = 1;
+                for (int64_t t = 0; t < T; t++) {
+                    double dv = 0.0, vv = 0.0;
+                    for (int32_t e = 0; e < D; e++) {
+                        const double x = skv_bf16_to_float(tok[t].v[e]);
+                        dv += (x - o[e]) * (x - o[e]);
+                        vv += x * x;
+                    }
+                    spread += wt[t] * expm1(dt[t] + dmax) * sqrt(dv);
+                    vmag += wt[t] * sqrt(vv);
+                }
+                for (int32_t e = 0; e < D; e++) {
+                    fin &= isfinite(og[e]) != 0;
+                    err2 += ((double)og[e] - o[e]) * ((double)og[e] - o[e]);
+                    ref2 += o[e] * o[e];
+                }
+                const double bound = spread + ((double)(T + D + 64) * 2 * OU + 1e-6) * vmag + 1e-30;
+                if (fin && isfinite(bound)) {
+                    ostats.outputs++;
+                    ostats.worst_ratio = fmax(ostats.worst_ratio, sqrt(err2) / bound);
+                    ostats.sum_rel_bound += ref2 > 0 ? fmin(bound / sqrt(ref2), 1e3) : 0.0;
+                }
+                if (fin && isfinite(bound) && sqrt(err2) > bound)
+                    skvf_fail("%s decode oracle: layer %d seq %d query head %d: |out - attention over the cache's "
+                              "%lld tokens (%d outlier chunks, %d local, %d selected chunks, %d generated)| = %.6g > "
+                              "bound %.6g (|ref| %.6g, max score bound %.3g)",
+                              who, layer, b, h * G + g, (long long)T, O, (int)(sl->n - (int64_t)N * cs), S, sl->n_gen,
+                              sqrt(err2), bound, sqrt(ref2), dmax);
+            }
+        }
+    }
+    free(cos_t), free(sin_t), free(oid), free(cid), free(sid), free(mark), free(lm), free(a), free(sg);
+    free(keys), free(errs), free(pre), free(ferr), free(st), free(dt), free(wt), free(o), free(tok);
 }

@@ -48,6 +48,9 @@ float skvf_float(skvf_data *d);
 /* n bf16 values: a pattern (normal-ish, constant, ramps, copies of earlier rows for ties)
    with, when allow_bad, occasional NaN/Inf planted. Deterministic from the input. */
 void skvf_fill_bf16(skvf_data *d, skv_bf16 *x, size_t n, int allow_bad);
+/* Elements beyond SKV_MAX_INPUT_MAGNITUDE (2^32) become +-2^32, NaN and Inf stay: for
+   harnesses whose subject is not the magnitude check (prefill data of fuzz_decode/fuzz_diff). */
+void skvf_clamp_magnitude(skv_bf16 *x, size_t n);
 /* A backend to test against: ref or cpu (never cuda: the harnesses pass host memory). */
 skv_backend skvf_backend(skvf_data *d);
 
@@ -88,6 +91,48 @@ skv_cache *skvf_small_cache(skvf_data *d, skv_config *cfg);
 
 /* Shortest prompt a config accepts: (O + S + Lc) * c tokens. */
 int64_t skvf_min_prompt(const skv_config *cfg);
+
+/* ---- decode oracle ---------------------------------------------------------------------- */
+
+/*
+ * What a harness keeps of one (layer, seq) so that decode steps can be checked against an
+ * oracle independent of the library's decode path: copies of the prompt, the rank-r
+ * factorization the cache's backend computes for it (skv_op_factorize on the same backend,
+ * deterministic, rounded to bf16 as the cache stores it: a rank-r factorization is not
+ * unique, so the oracle takes the cache's), and the generated tokens appended so far.
+ */
+typedef struct skvf_slot {
+    int64_t n;                     /* prompt length; 0 = not prefilled */
+    skv_bf16 *k_pre, *v, *k_post;  /* [n, Hk, D]; k_post NULL when prefill ropes itself */
+    skv_bf16 *u, *w;               /* [n, r], [r, Hk*D] bf16; NULL when the factorization failed */
+    int32_t n_gen, cap;
+    skv_bf16 *gen_k, *gen_v;       /* [cap, Hk, D] */
+} skvf_slot;
+
+/* After a successful skv_prefill of (cfg's cache on backend be): records the prompt. */
+void skvf_slot_prefilled(skvf_slot *s, const skv_config *cfg, skv_backend be, int64_t n, const skv_bf16 *k_pre,
+                         const skv_bf16 *v, const skv_bf16 *k_post);
+/* After a successful step: appends sequence b's new k, v ([Hk, D] each). */
+void skvf_slot_append(skvf_slot *s, const skv_config *cfg, const skv_bf16 *k, const skv_bf16 *v);
+void skvf_slot_free(skvf_slot *s);
+
+/*
+ * After a successful skv_decode(cache, layer, q, k, v, out) whose k, v the slots already
+ * hold (skvf_slot_append): for every sequence b (slots[b] is (layer, b)) and KV head,
+ *  - the outliers and candidates partition the N context chunks, and the selected chunks
+ *    are the top S candidates of a_j = max over the GQA group of the softmax over the
+ *    candidates of scale q . landmark_j (recomputed in double from q and the landmarks the
+ *    cache reports, within the float rounding of the library's computation);
+ *  - out equals, within a bound derived from the rounding the library is allowed (bf16
+ *    rebuilt and roped keys, float scores, exp and sums), a double-precision attention of
+ *    q over the tokens the cache reports it used: its outlier chunks, its local window,
+ *    its selected chunks (keys rebuilt from slots[b].u, .w and RoPE'd in double, values
+ *    from the prompt) and the generated tokens including this step's.
+ * A slot without a factorization skips the output check of its selected keys' sequence.
+ * Violations call skvf_fail naming who (e.g. "ref"), the layer, sequence and head.
+ */
+void skvf_check_decode(skv_cache *cache, const skv_config *cfg, int32_t layer, const skvf_slot *slots,
+                       const skv_bf16 *q, const float *out, const char *who);
 
 #ifdef __cplusplus
 }

@@ -6,13 +6,20 @@
  * carved (layer, seq, head) and NULL outputs in between.
  *
  * Asserts: every status is defined; a step with exactly one thing wrong
- * returns that thing's status, a step with nothing wrong succeeds; after any
- * error skvf_fingerprint is unchanged (nothing appended, previous selection
- * kept); after a success n_generated advanced on that layer only, every
- * selected chunk is a candidate (increasing), and the output is finite when
- * every input (prompt and step) had magnitude <= 1e4. Introspection returns
- * the status its arguments call for, never writes past the size seq_info
- * gives, and changes nothing.
+ * returns that thing's status (a layer a step ahead of another is
+ * INVALID_ARGUMENT; a value beyond SKV_MAX_INPUT_MAGNITUDE is NONFINITE), a
+ * step with nothing wrong succeeds; after any error skvf_fingerprint is
+ * unchanged (nothing appended, previous selection kept); after a success
+ * n_generated advanced on that layer only, every selected chunk is a
+ * candidate (increasing), the output is finite when every input (prompt and
+ * step) had magnitude <= 1e4, and skvf_check_decode's oracle holds: the
+ * selection is the top S of the scores recomputed from q and the landmarks,
+ * and the output is a double-precision attention over the tokens the cache
+ * reports it used. Introspection returns the status its arguments call for,
+ * never writes past the size seq_info gives, and changes nothing.
+ *
+ * Layers: mostly the next layer in step (the one with the fewest generated
+ * tokens), sometimes any layer or a carved bad index.
  */
 #include <limits.h>
 #include <math.h>
@@ -23,9 +30,10 @@
 
 #define TAME 1e4f
 
-enum { R_NULL, R_RANGE, R_NOTPRE, R_CAP, R_NONFINITE, R_COUNT };
+enum { R_NULL, R_RANGE, R_NOTPRE, R_CAP, R_AHEAD, R_NONFINITE, R_COUNT };
 static const skv_status reason_status[R_COUNT] = {SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT,
-                                                  SKV_ERR_NOT_PREFILLED, SKV_ERR_CAPACITY, SKV_ERR_NONFINITE};
+                                                  SKV_ERR_NOT_PREFILLED, SKV_ERR_CAPACITY,
+                                                  SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE};
 
 static int32_t carve_index(skvf_data *d, int32_t count)
 {
@@ -36,10 +44,11 @@ static int32_t carve_index(skvf_data *d, int32_t count)
     return (int32_t)skvf_pick(d, bad, 6);
 }
 
+/* Every element finite and within SKV_MAX_INPUT_MAGNITUDE (2^32, bf16 0x4F80). */
 static int all_finite(const skv_bf16 *x, size_t n)
 {
     for (size_t i = 0; x && i < n; i++)
-        if ((x[i] & 0x7F80) == 0x7F80) return 0;
+        if ((x[i] & 0x7FFF) > 0x4F80) return 0;
     return 1;
 }
 
@@ -142,6 +151,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int64_t row = (int64_t)cfg.n_kv_heads * cfg.head_dim;
     const int64_t minp = skvf_min_prompt(&cfg), maxp = cfg.max_prompt_len;
     unsigned char done[2][2] = {{0, 0}, {0, 0}};
+    skvf_slot slots[2][2];
+    memset(slots, 0, sizeof slots);
     int n_done = 0, tame = 1;
     /* sometimes one slot stays empty: every decode must then be NOT_PREFILLED */
     const int skip = skvf_u8(&d) < 24 ? (int)skvf_range(&d, 0, L * B - 1) : -1;
@@ -154,14 +165,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!kp || !vv) skvf_fail("out of memory");
             skvf_fill_bf16(&d, kp, e, 0);
             skvf_fill_bf16(&d, vv, e, 0);
+            skvf_clamp_magnitude(kp, e); /* valid prompts: the decode steps are the subject here */
+            skvf_clamp_magnitude(vv, e);
             if (skvf_bool(&d)) {
                 ko = malloc(e * sizeof *ko);
                 if (!ko) skvf_fail("out of memory");
                 skvf_fill_bf16(&d, ko, e, 0);
+                skvf_clamp_magnitude(ko, e);
             }
             const int t = all_tame(kp, e) && all_tame(vv, e) && all_tame(ko, ko ? e : 0);
             st = skv_prefill(cache, l, b, n, kp, vv, ko);
             skvf_check_status(st, "skv_prefill");
+            if (st == SKV_OK) skvf_slot_prefilled(&slots[l][b], &cfg, cfg.backend, n, kp, vv, ko);
             free(kp);
             free(vv);
             free(ko);
@@ -179,7 +194,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int n_steps = (int)skvf_range(&d, 1, 2 * (cfg.gen_capacity + 1) * L);
     for (int step = 0; step < n_steps && d.n > 0; step++) {
         if (skvf_u8(&d) < 64) introspect(&d, cache, &cfg, done);
-        const int32_t l = skvf_u8(&d) < 32 ? carve_index(&d, L) : (int32_t)skvf_range(&d, 0, L - 1);
+        int32_t next = 0; /* the layer in step: the first with the fewest generated tokens */
+        for (int32_t ll = 1; ll < L; ll++)
+            if (gen[ll] < gen[next]) next = ll;
+        const uint8_t how = skvf_u8(&d);
+        const int32_t l = how < 32 ? carve_index(&d, L) : how < 64 ? (int32_t)skvf_range(&d, 0, L - 1) : next;
         const int nq = skvf_u8(&d) < 8, nk = skvf_u8(&d) < 8, nv = skvf_u8(&d) < 8, no = skvf_u8(&d) < 8;
         const int allow_bad = skvf_u8(&d) < 40;
         skvf_fill_bf16(&d, q, eq, allow_bad);
@@ -191,6 +210,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         why[R_RANGE] = !in_range;
         why[R_NOTPRE] = !complete;
         why[R_CAP] = in_range && gen[l] >= cfg.gen_capacity;
+        why[R_AHEAD] = in_range && gen[l] > gen[next];
         why[R_NONFINITE] = (!nq && !all_finite(q, eq)) || (!nk && !all_finite(k, ek)) || (!nv && !all_finite(v, ek));
         int n_why = 0, one = -1;
         for (int r = 0; r < R_COUNT; r++)
@@ -207,6 +227,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (st == SKV_OK) {
             if (n_why) skvf_fail("skv_decode(layer %d) succeeded although argument class %d is bad", l, one);
             gen[l]++;
+            for (int32_t b = 0; b < B; b++)
+                skvf_slot_append(&slots[l][b], &cfg, k + (size_t)b * row, v + (size_t)b * row);
+            skvf_check_decode(cache, &cfg, l, slots[l], q, out, skv_backend_name(cfg.backend));
             for (int32_t ll = 0; ll < L; ll++)
                 for (int32_t b = 0; b < B; b++) {
                     skv_seq_info in;
@@ -252,5 +275,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     skvf_guarded_free(v, "v");
     skvf_guarded_free(out, "out");
     skv_cache_free(cache);
+    for (int32_t l = 0; l < 2; l++)
+        for (int32_t b = 0; b < 2; b++) skvf_slot_free(&slots[l][b]);
     return 0;
 }

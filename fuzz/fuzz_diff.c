@@ -8,12 +8,16 @@
  *    candidates, bf16 landmarks after prefill; selected chunks after every
  *    step) bitwise equal for every (layer, seq, kv head) (the exact-selection
  *    contract); decode outputs finite on both or on neither. Their values are
- *    not compared here: each backend factorizes with its own summation order,
- *    so U and W differ by rounding (by much more where the spectrum is nearly
- *    degenerate at rank r, which random data often is), their bf16 roundings
- *    differ, and a sharp softmax can amplify that. (A fuzz run found 3e-3 on
- *    noise data; the output accuracy of each backend is test_accuracy's and
- *    test_e2e's.)
+ *    not compared with each other: each backend factorizes with its own
+ *    summation order, so U and W differ by rounding (by much more where the
+ *    spectrum is nearly degenerate at rank r, which random data often is),
+ *    their bf16 roundings differ, and a sharp softmax can amplify that. (A fuzz
+ *    run found 3e-3 on noise data.) Instead each backend's step goes through
+ *    the oracle of skvf_check_decode: its selection is the top S of the scores
+ *    recomputed from q and its landmarks, and its output a double-precision
+ *    attention over the tokens it reports it used (with its own
+ *    factorization's rebuilt keys). Decode steps mostly follow the layers in
+ *    step (a layer ahead of another is refused by both alike).
  *  - Op level: skv_op_landmarks_outliers and skv_op_score_select on carved
  *    shapes and data (ties, NaN/Inf, bad sizes): statuses equal, outputs
  *    bitwise equal on success and untouched on error. skv_op_sparse_attention
@@ -257,6 +261,8 @@ static void diff_cache(skvf_data *d)
     const int64_t row = (int64_t)cfg.n_kv_heads * cfg.head_dim;
     const int64_t minp = skvf_min_prompt(&cfg), maxp = cfg.max_prompt_len;
     int complete = 1;
+    skvf_slot slots[2][2][2]; /* [backend][layer][seq] */
+    memset(slots, 0, sizeof slots);
     for (int32_t l = 0; l < L; l++)
         for (int32_t b = 0; b < B; b++) {
             const int64_t n = skvf_range(d, minp, maxp);
@@ -266,14 +272,19 @@ static void diff_cache(skvf_data *d)
             if (noise) fill_noise(skvf_u32(d), kp, e);
             else skvf_fill_bf16(d, kp, e, 0);
             skvf_fill_bf16(d, vv, e, 0);
+            skvf_clamp_magnitude(kp, e); /* valid prompts (fuzz_prefill covers the magnitude check) */
+            skvf_clamp_magnitude(vv, e);
             if (skvf_u8(d) < 64) {
                 ko = xmalloc(e * sizeof *ko);
                 skvf_fill_bf16(d, ko, e, 0);
+                skvf_clamp_magnitude(ko, e);
             }
             skv_status st[2];
             for (int i = 0; i < 2; i++) {
                 st[i] = skv_prefill(c[i], l, b, n, kp, vv, ko);
                 skvf_check_status(st[i], "skv_prefill");
+                if (st[i] == SKV_OK)
+                    skvf_slot_prefilled(&slots[i][l][b], &cfg, i ? SKV_BACKEND_CPU : SKV_BACKEND_REF, n, kp, vv, ko);
             }
             free(kp);
             free(vv);
@@ -289,8 +300,12 @@ static void diff_cache(skvf_data *d)
         skv_bf16 *q = xmalloc(eq * sizeof *q), *k = xmalloc(ek * sizeof *k), *v = xmalloc(ek * sizeof *v);
         float *out[2] = {xmalloc(eq * sizeof(float)), xmalloc(eq * sizeof(float))};
         const int n_steps = (int)skvf_range(d, 0, cfg.gen_capacity * L + 1);
+        int32_t gen[2] = {0, 0};
         for (int step = 0; step < n_steps; step++) {
-            const int32_t l = (int32_t)skvf_range(d, 0, L - 1);
+            int32_t next = 0; /* the layer in step */
+            for (int32_t ll = 1; ll < L; ll++)
+                if (gen[ll] < gen[next]) next = ll;
+            const int32_t l = skvf_u8(d) < 32 ? (int32_t)skvf_range(d, 0, L - 1) : next;
             const int bad = skvf_u8(d) < 24;
             skvf_fill_bf16(d, q, eq, bad);
             skvf_fill_bf16(d, k, ek, bad);
@@ -302,7 +317,13 @@ static void diff_cache(skvf_data *d)
             }
             if (st[0] != st[1]) skvf_fail("skv_decode(layer %d) step %d: ref status %d, cpu %d", l, step, (int)st[0], (int)st[1]);
             if (st[0] != SKV_OK) continue;
+            gen[l]++;
             same_decisions(c, &cfg, 1, l);
+            for (int i = 0; i < 2; i++) {
+                for (int32_t b = 0; b < B; b++)
+                    skvf_slot_append(&slots[i][l][b], &cfg, k + (size_t)b * row, v + (size_t)b * row);
+                skvf_check_decode(c[i], &cfg, l, slots[i][l], q, out[i], i ? "cpu" : "ref");
+            }
             const size_t per = (size_t)cfg.n_q_heads * cfg.head_dim;
             for (int32_t b = 0; b < B; b++) {
                 const float *a = out[0] + b * per, *x = out[1] + b * per;
@@ -322,6 +343,9 @@ static void diff_cache(skvf_data *d)
     }
     skv_cache_free(c[0]);
     skv_cache_free(c[1]);
+    for (int i = 0; i < 2; i++)
+        for (int32_t l = 0; l < 2; l++)
+            for (int32_t b = 0; b < 2; b++) skvf_slot_free(&slots[i][l][b]);
 }
 
 /* skv_op_sparse_attention on identical spans, ref vs cpu: within ATTN_REL_TOL. */

@@ -1,7 +1,8 @@
 /*
  * fuzz_prefill.c - skv_prefill on a small valid cache (skvf_small_config):
  * a carved sequence of calls with layer/seq in or out of range, n anywhere
- * around [min prompt, max_prompt_len], NULL tensors, NaN/Inf planted, k_post
+ * around [min prompt, max_prompt_len] (and negative), NULL tensors, NaN/Inf
+ * and finite values beyond SKV_MAX_INPUT_MAGNITUDE planted or carved, k_post
  * given or NULL, and prefills of slots already prefilled.
  *
  * Asserts per call: the status is defined and documented; a call with exactly
@@ -46,10 +47,12 @@ static int64_t carve_n(skvf_data *d, const skv_config *cfg)
     return (int64_t)skvf_u64(d);
 }
 
+/* Every element finite and within SKV_MAX_INPUT_MAGNITUDE (2^32, bf16 0x4F80): what the
+   NONFINITE check accepts. */
 static int all_finite(const skv_bf16 *x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
-        if ((x[i] & 0x7F80) == 0x7F80) return 0;
+        if ((x[i] & 0x7FFF) > 0x4F80) return 0;
     return 1;
 }
 
@@ -116,8 +119,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         int why[R_COUNT] = {0};
         const int in_range = l >= 0 && l < L && b >= 0 && b < B;
         why[R_NULL] = null_k || null_v;
-        why[R_RANGE] = !in_range;
-        why[R_SHORT] = n < minp;
+        why[R_RANGE] = !in_range || n < 0; /* a negative length is an invalid argument, not a short prompt */
+        why[R_SHORT] = n >= 0 && n < minp;
         why[R_LONG] = n > maxp;
         why[R_TWICE] = in_range && done[l][b];
         why[R_NONFINITE] = n >= 1 && n <= maxp &&
@@ -175,6 +178,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 skv_bf16 *kp = skvf_guarded_alloc(e * sizeof *kp), *vv = skvf_guarded_alloc(e * sizeof *vv);
                 skvf_fill_bf16(&d, kp, e, 0);
                 skvf_fill_bf16(&d, vv, e, 0);
+                skvf_clamp_magnitude(kp, e);
+                skvf_clamp_magnitude(vv, e);
                 st = skv_prefill(cache, l, b, n, kp, vv, NULL);
                 skvf_check_status(st, "skv_prefill (completion)");
                 if (st != SKV_OK && !(st == SKV_ERR_NUMERICAL && (max_abs(kp, e) > 1e4f || max_abs(vv, e) > 1e4f)))

@@ -84,7 +84,7 @@ typedef enum skv_status {
     SKV_ERR_NOT_PREFILLED = 7,     /**< decode before every layer of every sequence was prefilled */
     SKV_ERR_ALREADY_PREFILLED = 8, /**< prefill of a (layer, sequence) twice */
     SKV_ERR_CAPACITY = 9,          /**< generated-token capacity exhausted */
-    SKV_ERR_NONFINITE = 10,        /**< NaN or Inf in an input tensor */
+    SKV_ERR_NONFINITE = 10,        /**< NaN, Inf or |x| > SKV_MAX_INPUT_MAGNITUDE in an input tensor */
     SKV_ERR_OUT_OF_MEMORY = 11,    /**< an allocation failed */
     SKV_ERR_UNSUPPORTED = 12,      /**< the backend does not implement this */
     SKV_ERR_NO_DEVICE = 13,        /**< the backend has no usable device */
@@ -109,7 +109,9 @@ SKV_API const char *skv_last_error(void);
 typedef enum skv_backend {
     SKV_BACKEND_AUTO = 0, /**< cuda if usable, else cpu */
     SKV_BACKEND_REF = 1,  /**< portable single-thread reference: the oracle */
-    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS */
+    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS; AVX2+FMA code chosen at run time by cpuid,
+                               environment SKV_CPU_SIMD=0 forces the portable code (same
+                               decisions; docs/usage.md, "The cpu backend") */
     SKV_BACKEND_CUDA = 3  /**< NVIDIA GPUs */
 } skv_backend;
 
@@ -125,7 +127,8 @@ SKV_API skv_status skv_backend_parse(const char *name, skv_backend *out);
 
 /**
  * Whether a backend can run on this machine: SKV_OK, SKV_ERR_NO_DEVICE
- * (cuda without a usable GPU or not compiled in), or SKV_ERR_INVALID_ARGUMENT.
+ * (cuda without a usable GPU, or its plugin or CUDA libraries missing: the message
+ * says which), or SKV_ERR_INVALID_ARGUMENT.
  * SKV_BACKEND_AUTO is always available.
  */
 SKV_API skv_status skv_backend_available(skv_backend backend);
@@ -184,7 +187,11 @@ typedef struct skv_config {
     int64_t max_prompt_len;   /**< longest prompt any sequence may have; default 32768 */
     int32_t gen_capacity;     /**< generated tokens per sequence and layer; default 1024 */
     skv_backend backend;      /**< default SKV_BACKEND_AUTO; env SKV_BACKEND applies only to auto */
-    int32_t n_threads;        /**< cpu backend threads; 0 = OpenMP default */
+    int32_t n_threads;        /**< cpu backend threads in this cache's prefill and decode calls
+                                   (num_threads clauses: the caller's OpenMP state is not changed);
+                                   0 = the caller's omp_get_max_threads(); at most SKV_MAX_THREADS;
+                                   create checks that the process can start that many threads
+                                   (else SKV_ERR_OUT_OF_MEMORY). OpenBLAS keeps its own. */
     void *cuda_stream;        /**< cuda backend: a cudaStream_t, NULL = default stream */
     int64_t value_device_bytes; /**< device memory the cache may spend on values (see "Value
                                    placement" below); SKV_VALUES_ALL_DEVICE (default) = every
@@ -209,6 +216,9 @@ typedef struct skv_config {
  * hit and miss counts are kept the same way).
  */
 #define SKV_VALUES_ALL_DEVICE ((int64_t)-1)
+
+/** Largest config.n_threads. */
+#define SKV_MAX_THREADS 1024
 
 /**
  * Fills the first struct_size bytes of *cfg with the defaults (a Llama-3-8B shape,
@@ -291,7 +301,8 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out);
 /** Frees a cache. NULL is accepted and ignored. */
 SKV_API void skv_cache_free(skv_cache *cache);
 
-/** The backend the cache runs on (never SKV_BACKEND_AUTO). */
+/** The backend the cache runs on (never SKV_BACKEND_AUTO). A NULL cache gives
+    (skv_backend)-1, no backend (skv_backend_name says "invalid"). */
 SKV_API skv_backend skv_cache_backend(const skv_cache *cache);
 
 /** The cache's configuration, as validated (backend resolved). */
@@ -299,6 +310,16 @@ SKV_API const skv_config *skv_cache_config(const skv_cache *cache);
 
 /** Message of the last failing call on this cache, or "". */
 SKV_API const char *skv_cache_last_error(const skv_cache *cache);
+
+/**
+ * Largest magnitude accepted in the bf16 tensors of skv_prefill and skv_decode:
+ * every element must satisfy |x| <= 2^32. Larger finite values (bf16 reaches
+ * 3.4e38) would overflow float scores, landmark norms or attention sums; they
+ * are refused like NaN and Inf, with SKV_ERR_NONFINITE and a message naming the
+ * element and its value, before anything is stored. ref and cpu check it;
+ * cuda checks NaN/Inf on the device but not yet this magnitude.
+ */
+#define SKV_MAX_INPUT_MAGNITUDE 4294967296.0f
 
 /**
  * Prefill of one layer of one sequence with a prompt of n tokens at
@@ -310,9 +331,10 @@ SKV_API const char *skv_cache_last_error(const skv_cache *cache);
  * landmarks, the outlier chunks, the local window (kept exact) and moves the
  * candidate chunks' values to the host store.
  * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT (layer/seq out of
- * range), SKV_ERR_PROMPT_TOO_SHORT (floor(n/c) - Lc < O + S),
- * SKV_ERR_PROMPT_TOO_LONG, SKV_ERR_ALREADY_PREFILLED, SKV_ERR_NONFINITE,
- * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NUMERICAL. On error nothing is stored.
+ * range, n < 0), SKV_ERR_PROMPT_TOO_SHORT (floor(n/c) - Lc < O + S),
+ * SKV_ERR_PROMPT_TOO_LONG, SKV_ERR_ALREADY_PREFILLED, SKV_ERR_NONFINITE
+ * (NaN, Inf or beyond SKV_MAX_INPUT_MAGNITUDE), SKV_ERR_OUT_OF_MEMORY,
+ * SKV_ERR_NUMERICAL. On error nothing is stored.
  */
 SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int64_t n,
                        const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post);
@@ -327,9 +349,13 @@ SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int
  * Appends k, v to each sequence's generated region of this layer, selects S
  * chunks per KV head, rebuilds their keys, fetches their values and attends
  * over outliers, local window, selected and generated tokens.
- * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NOT_PREFILLED,
- * SKV_ERR_CAPACITY, SKV_ERR_NONFINITE. On error nothing is appended and the
- * previous selection is kept.
+ * The layers stay in step: a layer takes its step of token t + 1 only after
+ * every layer took its step of token t (a model runs each token through all
+ * layers before the next one; in what order within a token is free).
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT (layer out of range,
+ * or a step ahead of another layer), SKV_ERR_NOT_PREFILLED, SKV_ERR_CAPACITY,
+ * SKV_ERR_NONFINITE (NaN, Inf or beyond SKV_MAX_INPUT_MAGNITUDE). On error
+ * nothing is appended and the previous selection is kept.
  * cuda: returns once the step is enqueued on the cache's stream; out is
  * written when the stream reaches it. The first step of each layer captures
  * the layer's step into a CUDA graph (once); later steps replay it with the

@@ -107,7 +107,10 @@ struct skv_backend_ops {
        the first bad index in *first_bad and its value in *value. */
     skv_status (*check_range)(const int32_t *x, int64_t n, int64_t lo, int64_t hi, int64_t *first_bad,
                               int32_t *value);
-    /* Thread count hint from config.n_threads (0 = default). Optional. */
+    /* lib/ calls set_threads(config.n_threads) on the calling thread when a
+       prefill or decode starts and set_threads(0) when it ends: the slots in
+       between run with that many threads (0 = the default). Must not change
+       the caller's threading state (OpenMP ICVs, BLAS). Optional. */
     void (*set_threads)(int32_t n_threads);
     /* Frees what op-level calls keep between calls (cuda: the factorization
        workspace); skv_op_release. Optional. */

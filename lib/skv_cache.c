@@ -7,6 +7,7 @@
  * arguments and the cache state before it changes anything, and publishes its
  * results last, so a failing call leaves the cache as it was.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -129,6 +130,63 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
     return SKV_OK;
 }
 
+/* ---- thread probe ------------------------------------------------------------------------ */
+
+/* n_threads - 1 threads alive at once (what an OpenMP region of n_threads adds to the caller),
+   then released and joined. */
+typedef struct skv_probe {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int go;
+} skv_probe;
+
+static void *skv_probe_wait(void *arg)
+{
+    skv_probe *p = arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->go) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/*
+ * Whether this process can start the n_threads - 1 worker threads that n_threads asks of an
+ * OpenMP backend. libgomp ends the process when it cannot create a thread; probing here turns
+ * that into a status from create. (A probe, not a guarantee: the resources may change later.)
+ */
+static skv_status skv_probe_threads(int32_t n_threads)
+{
+    if (n_threads <= 1) return SKV_OK;
+    pthread_t *t = malloc((size_t)(n_threads - 1) * sizeof *t);
+    if (!t) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of memory probing n_threads");
+    skv_probe p;
+    p.go = 0;
+    if (pthread_mutex_init(&p.mu, NULL)) {
+        free(t);
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_mutex_init failed");
+    }
+    if (pthread_cond_init(&p.cv, NULL)) {
+        pthread_mutex_destroy(&p.mu);
+        free(t);
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_cond_init failed");
+    }
+    int32_t started = 0, err = 0;
+    while (started < n_threads - 1 && !(err = pthread_create(&t[started], NULL, skv_probe_wait, &p))) started++;
+    pthread_mutex_lock(&p.mu);
+    p.go = 1;
+    pthread_cond_broadcast(&p.cv);
+    pthread_mutex_unlock(&p.mu);
+    for (int32_t i = 0; i < started; i++) pthread_join(t[i], NULL);
+    pthread_cond_destroy(&p.cv);
+    pthread_mutex_destroy(&p.mu);
+    free(t);
+    if (!err) return SKV_OK;
+    return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY,
+                    "skv_cache_create: n_threads = %d: this process could start only %d of the %d worker threads "
+                    "it needs (pthread_create: %s); lower n_threads (0 = the OpenMP default)",
+                    n_threads, started, n_threads - 1, strerror(err));
+}
+
 SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
 {
     if (out) *out = NULL;
@@ -140,6 +198,7 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     size_t ws_bytes;
     skv_status st = skv_cache_plan(cfg, 1, &c, &lay, &ops, &ws_bytes);
     if (st) return st;
+    if (ops->set_threads && c.n_threads > 1 && (st = skv_probe_threads(c.n_threads))) return st;
 
     skv_cache *k = calloc(1, sizeof *k);
     if (!k) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of host memory");
@@ -200,7 +259,7 @@ SKV_API void skv_cache_free(skv_cache *cache)
 
 SKV_API skv_backend skv_cache_backend(const skv_cache *cache)
 {
-    return cache ? cache->cfg.backend : SKV_BACKEND_AUTO;
+    return cache ? cache->cfg.backend : (skv_backend)-1; /* no backend; never AUTO (shadowkv.h) */
 }
 
 SKV_API const skv_config *skv_cache_config(const skv_cache *cache) { return cache ? &cache->cfg : NULL; }
@@ -220,14 +279,42 @@ static skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, i
     return SKV_OK;
 }
 
-/* NaN/Inf check of a [tokens, heads, D] tensor; the message names the element. */
+/*
+ * First element of x[0..n) (host memory) with |x| > SKV_MAX_INPUT_MAGNITUDE, NaN and Inf
+ * included (their magnitude bits are above it), or -1. One pass: |x| > lim iff the 16-bit
+ * sum (x & 0x7fff) + (0x7fff - lim) has bit 15 set, ORed over whole blocks of 4096 (a fixed
+ * trip count, which gcc -O2 vectorizes); a block that fires, and the tail, are searched.
+ */
+static int64_t skv_first_bad(const skv_bf16 *x, int64_t n)
+{
+    const unsigned lim = skv_f32_to_bf16(SKV_MAX_INPUT_MAGNITUDE) & 0x7fffu; /* 0x4f80: exact, a power of two */
+    const uint16_t add = (uint16_t)(0x7fffu - lim);
+    int64_t lo = 0;
+    for (; lo + 4096 <= n; lo += 4096) {
+        const skv_bf16 *b = x + lo;
+        uint16_t bad = 0;
+        for (int i = 0; i < 4096; i++) bad |= (uint16_t)((b[i] & 0x7fffu) + add);
+        if (bad & 0x8000u) break;
+    }
+    for (int64_t i = lo; i < n; i++)
+        if ((unsigned)(x[i] & 0x7fffu) > lim) return i;
+    return -1;
+}
+
+/* NaN/Inf and magnitude check of a [tokens, heads, D] host tensor (ref, cpu); the message
+   names the first bad element and, for a finite one, its value. */
 static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *what, const skv_bf16 *x,
                                    int64_t tokens, int32_t heads)
 {
-    int64_t bad = -1, D = c->cfg.head_dim;
-    if (c->ops->check_finite(x, 1, 0, 1, 0, tokens * heads * D, &bad) == SKV_OK) return SKV_OK;
-    return skv_fail(c->err, SKV_ERR_NONFINITE, "%s: %s[%lld][%lld][%lld] is NaN or Inf", fn, what,
-                    (long long)(bad / (heads * D)), (long long)(bad / D % heads), (long long)(bad % D));
+    const int64_t D = c->cfg.head_dim, bad = skv_first_bad(x, tokens * heads * D);
+    if (bad < 0) return SKV_OK;
+    const long long t = (long long)(bad / (heads * D)), h = (long long)(bad / D % heads), d = (long long)(bad % D);
+    if (!skv_bf16_isfinite(x[bad]))
+        return skv_fail(c->err, SKV_ERR_NONFINITE, "%s: %s[%lld][%lld][%lld] is NaN or Inf", fn, what, t, h, d);
+    return skv_fail(c->err, SKV_ERR_NONFINITE,
+                    "%s: %s[%lld][%lld][%lld] = %g is beyond the accepted magnitude SKV_MAX_INPUT_MAGNITUDE = 2^32 "
+                    "(larger values overflow float arithmetic)",
+                    fn, what, t, h, d, (double)skv_bf16_to_f32(x[bad]));
 }
 
 static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what, skv_status st)
@@ -258,8 +345,8 @@ static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N
     c->stats.n_prefill_calls++;
 }
 
-SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
-                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
+                                  const skv_bf16 *v, const skv_bf16 *k_post)
 {
     static const char fn[] = "skv_prefill";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -276,14 +363,18 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     if (n > g->max_prompt_len)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_LONG, "%s: n = %lld > max_prompt_len = %lld", fn,
                         (long long)n, (long long)g->max_prompt_len);
+    if (n < 0)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: a prompt length must be >= 0", fn,
+                        (long long)n);
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
     const int32_t S = c->lay.S, r = g->rank;
-    int64_t N = n >= 1 ? n / cs - g->n_local_chunks : -1; /* n may be anything, even INT64_MIN */
-    if (n < 1 || N < (int64_t)O + S)
+    const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
+    if (N < (int64_t)O + S)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
-                        "%s: n = %lld gives N = floor(n/c) - Lc = %lld context chunks, need O + S = %d "
-                        "(at least %lld tokens)",
-                        fn, (long long)n, (long long)N, O + S, (long long)(O + S + g->n_local_chunks) * cs);
+                        "%s: n = %lld tokens are %lld whole chunks of c = %d; after the Lc = %d local chunks "
+                        "that leaves %lld context chunks, need O + S = %d (at least %lld tokens)",
+                        fn, (long long)n, (long long)(n / cs), cs, g->n_local_chunks, (long long)(N > 0 ? N : 0),
+                        O + S, (long long)(O + S + g->n_local_chunks) * cs);
     if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
         if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
@@ -298,7 +389,6 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
         return SKV_OK;
     }
-    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
@@ -391,6 +481,16 @@ done:
     return st;
 }
 
+/* config.n_threads holds for the backend slots of this call only, on the calling thread (set_threads). */
+SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
+                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
+    skv_status st = skv_prefill_run(c, layer, seq, n, k_pre, v, k_post);
+    if (c && c->ops->set_threads) c->ops->set_threads(0);
+    return st;
+}
+
 /* ---- decode ---------------------------------------------------------------------------- */
 
 /*
@@ -415,8 +515,8 @@ static void skv_vcache_account(skv_cache *c, size_t i, const int32_t *sel, int32
     }
 }
 
-SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                              const skv_bf16 *v, float *out)
+static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                                 const skv_bf16 *v, float *out)
 {
     static const char fn[] = "skv_decode";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -441,6 +541,16 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
             return skv_fail(c->err, SKV_ERR_CAPACITY,
                             "%s: sequence %d, layer %d already holds gen_capacity = %d generated tokens", fn,
                             b, layer, cap);
+    /* the layers stay in step: a layer may take step t + 1 only once every layer took step t
+       (all sequences of a layer step together, so sequence 0 speaks for the batch) */
+    for (int32_t l = 0; l < g->n_layers; l++) {
+        const int32_t mine = c->slots[SLOT_INDEX(c, layer, 0)].n_gen, other = c->slots[SLOT_INDEX(c, l, 0)].n_gen;
+        if (other < mine)
+            return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT,
+                            "%s: layer = %d is a step ahead: it has taken %d decode steps and layer %d only %d; "
+                            "every layer takes a token's step before any layer takes the next one",
+                            fn, layer, mine, l, other);
+    }
     if (ops->cache_decode) {
         /* NaN/Inf in q, k, v is found on the device and reported by skv_cache_sync */
         st = ops->cache_decode(c->bctx, layer, q, k, v, out, c->err, sizeof c->err);
@@ -458,7 +568,6 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
     if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
 
-    if (ops->set_threads && g->n_threads > 0) ops->set_threads(g->n_threads); /* the calling thread's */
     const float scale = skv_resolve_scale(g->attn_scale, D);
     const float *cos_t = SHARED(c, rope_cos, float), *sin_t = SHARED(c, rope_sin, float);
     skv_bf16 *ks = SHARED(c, ws_k, skv_bf16), *vsel = SHARED(c, ws_v, skv_bf16);
@@ -532,6 +641,15 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     c->stats.decode_step_ms += skv_now_ms() - t_call;
     c->stats.n_decode_calls++;
     return SKV_OK;
+}
+
+SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                              const skv_bf16 *v, float *out)
+{
+    if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
+    skv_status st = skv_decode_run(c, layer, q, k, v, out);
+    if (c && c->ops->set_threads) c->ops->set_threads(0);
+    return st;
 }
 
 /* ---- sync -------------------------------------------------------------------------------- */

@@ -163,9 +163,9 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if ((int)cfg->backend < SKV_BACKEND_AUTO || (int)cfg->backend > SKV_BACKEND_CUDA)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "backend = %d: not a skv_backend value",
                         (int)cfg->backend);
-    if (cfg->n_threads < 0)
-        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_threads = %d: must be >= 0 (0 = default)",
-                        cfg->n_threads);
+    if (cfg->n_threads < 0 || cfg->n_threads > SKV_MAX_THREADS)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "n_threads = %d: must be in [0, %d] (0 = default)",
+                        cfg->n_threads, SKV_MAX_THREADS);
     if (cfg->value_device_bytes < SKV_VALUES_ALL_DEVICE)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "value_device_bytes = %lld: must be >= 0, or SKV_VALUES_ALL_DEVICE (-1)",

@@ -60,7 +60,7 @@ static void *skv_cuda_open(char *why, size_t cap)
     void *h = dlopen(SKV_CUDA_PLUGIN_SONAME, RTLD_NOW | RTLD_LOCAL);
     if (h) return h;
     const char *e = dlerror();
-    snprintf(why, cap, "the cuda backend (%s) could not be loaded: %s", SKV_CUDA_PLUGIN_SONAME,
+    snprintf(why, cap, "the CUDA backend (%s) could not be loaded: %s", SKV_CUDA_PLUGIN_SONAME,
              first[0] ? first : (e ? e : "not found"));
     return NULL;
 }

@@ -21,7 +21,7 @@ static const char *const skv_status_names[SKV_STATUS_COUNT] = {
     "SKV_ERR_NOT_PREFILLED: a layer of a sequence is not prefilled",
     "SKV_ERR_ALREADY_PREFILLED: this layer of this sequence is already prefilled",
     "SKV_ERR_CAPACITY: generated-token capacity exhausted",
-    "SKV_ERR_NONFINITE: NaN or Inf in an input",
+    "SKV_ERR_NONFINITE: NaN, Inf or a magnitude above 2^32 in an input",
     "SKV_ERR_OUT_OF_MEMORY: allocation failed",
     "SKV_ERR_UNSUPPORTED: not implemented by this backend",
     "SKV_ERR_NO_DEVICE: no usable device for this backend",

@@ -70,6 +70,7 @@ enum { F_INPLACE = 1, F_MINIMAL = 2, F_STRIDED = 4, F_PERF = 8, F_NOREF = 16 };
 typedef struct tcase {
     int op, init;
     double tol; /* NMSE tolerance of the float outputs; decisions are always bitwise */
+    double tol_cuda; /* when larger than tol: cuda's tolerance (see the attention cases) */
     int64_t n, pos0;
     int32_t d, r, hq, hk, D, c, N, O, S, R, inter, llama3, flags;
     float scale;
@@ -128,20 +129,23 @@ static const tcase cases[] = {
     {OP_GATHER, INIT_NORMAL, 0, .hk = 8, .D = 128, .c = 8, .N = 200, .S = 64},
     {OP_GATHER, INIT_TIES, 0, .hk = 2, .D = 64, .c = 4, .N = 50, .S = 50},
     {OP_GATHER, INIT_NORMAL, 0, .hk = 1, .D = 256, .c = 16, .N = 9, .S = 3},
+    {OP_GATHER, INIT_NORMAL, 0, .hk = 4, .D = 128, .c = 16, .N = 700, .S = 650}, /* 10.6 MB: cpu copies in parallel */
     /* attention: float outputs, order of accumulation free. Huge rows (2% of rows at 1e3 x)
        give scores up to ~1e4 whose fp32 rounding (~1e-3 absolute) moves the softmax weights by
        ~1e-3 relative, NMSE up to ~1e-6 when such a row dominates: measured on sparse_attention,
-       cpu <= 3.3e-10 over seeds 2001..2040, cuda 1.74e-9 on seed 175092220619 (a wrong result
-       is O(1e-2) or worse) */
+       cpu <= 3.3e-10 over seeds 2001..2040 (5e-18 on the fixed default seed), cuda 1.74e-9 on
+       the clock-drawn seed 175092220619 (a wrong result is O(1e-2) or worse). The huge cases
+       keep the documented 1e-9 on ref/cpu; cuda gets the rounding bound 1e-6 (tol_cuda) until
+       a GPU run shows the fixed default seed within 1e-9 there. */
     {OP_SPARSE, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 4, .n = 512, .scale = 0.08838834764f},
     {OP_SPARSE, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 64, .S = 16, .n = 300, .scale = 0.125f, .flags = F_STRIDED},
-    {OP_SPARSE, INIT_HUGE, 1e-6, .hq = 16, .hk = 4, .D = 256, .S = 3, .n = 1000, .scale = 0.0625f},
+    {OP_SPARSE, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 256, .S = 3, .n = 1000, .scale = 0.0625f, .tol_cuda = 1e-6},
     {OP_SPARSE, INIT_TINY, 1e-9, .hq = 8, .hk = 8, .D = 128, .S = 2, .n = 64, .scale = 0.05f, .flags = F_STRIDED},
     {OP_SPARSE, INIT_TIES, 1e-9, .hq = 32, .hk = 8, .D = 128, .S = 5, .n = 700, .scale = 0.08838834764f},
     {OP_FULL, INIT_NORMAL, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 4096, .scale = 0.08838834764f},
     {OP_FULL, INIT_NORMAL, 1e-9, .hq = 8, .hk = 8, .D = 64, .n = 1, .scale = 0.125f},
     {OP_FULL, INIT_NEEDLE, 1e-9, .hq = 8, .hk = 1, .D = 256, .n = 3000, .scale = 0.0625f},
-    {OP_FULL, INIT_HUGE, 1e-6, .hq = 16, .hk = 4, .D = 128, .n = 1500, .scale = 0.08838834764f},
+    {OP_FULL, INIT_HUGE, 1e-9, .hq = 16, .hk = 4, .D = 128, .n = 1500, .scale = 0.08838834764f, .tol_cuda = 1e-6},
     {OP_FULL, INIT_LOWRANK, 1e-9, .hq = 32, .hk = 8, .D = 128, .n = 8192, .scale = 0.08838834764f},
     /* ---- perf only (--perf): Llama-3-8B shapes, Hq 32, Hk 8, D 128, r 160, c 8, S 256, O 48.
        Inputs of these come from a cheaper normal (perf_fill). One ref call, one
@@ -1153,7 +1157,8 @@ int main(int argc, char **argv)
                     /* against a stand-in oracle the message says which */
                     size_t l = 0;
                     if (strcmp(oracle, "ref")) l = (size_t)snprintf(msg, sizeof msg, "no ref (perf case); vs %s: ", oracle);
-                    ok = compare(tc, tol, &p, &r, msg + l, sizeof msg - l);
+                    const double tol_be = be == SKV_BACKEND_CUDA && tc->tol_cuda > tc->tol ? tol / tc->tol * tc->tol_cuda : tol;
+                    ok = compare(tc, tol_be, &p, &r, msg + l, sizeof msg - l);
                     compared = 1;
                 } else if (ok) {
                     snprintf(msg, sizeof msg, "canaries ok; no ref (perf case)");

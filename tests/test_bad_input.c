@@ -18,17 +18,25 @@
  *    (outputs untouched) and skv_cache_create (*out = NULL): zero/negative
  *    sizes, Hq % Hk, odd/huge head_dim, budget % c, rank too large (both
  *    bounds), max_prompt_len too small / too large, gen_capacity too large,
- *    negative O/Lc/n_threads, rope (theta, rotary_dim, interleaved,
- *    llama3_scaling and its factors), attn_scale, backend enum, size overflow,
- *    an unallocatable (beyond the address space) cache -> OUT_OF_MEMORY.
+ *    negative O/Lc/n_threads, n_threads above SKV_MAX_THREADS, rope (theta,
+ *    rotary_dim, interleaved, llama3_scaling and its factors), attn_scale,
+ *    backend enum, size overflow, an unallocatable (beyond the address space)
+ *    cache -> OUT_OF_MEMORY; a cpu cache whose threads cannot be started (a
+ *    child under RLIMIT_AS) -> OUT_OF_MEMORY naming n_threads.
  *  - backends: SKV_BACKEND=bogus/cuda/auto/ref/"" (read for cfg.backend = auto only; an
  *    explicit backend wins), cfg.backend = cuda/auto,
  *    skv_backend_parse / skv_backend_available.
  *  - NULL pointers of every cache entry point and every skv_op_*.
- *  - out-of-range layer/seq/kv_head; prompt too short/long, n = 0, n < 0.
+ *  - out-of-range layer/seq/kv_head; prompt too short/long (the message's
+ *    chunk counts, n = 0 included), n < 0 (INVALID_ARGUMENT).
  *  - decode before prefill (nothing; all but one slot), prefill twice,
- *    generated-token capacity, NaN/Inf (both signs) in every input tensor,
- *    introspection before prefill / before decode.
+ *    generated-token capacity, a layer decoded a step ahead of another,
+ *    NaN/Inf (both signs) and finite values beyond SKV_MAX_INPUT_MAGNITUDE in
+ *    every input tensor, introspection before prefill / before decode.
+ *  - limits: inputs at exactly +-SKV_MAX_INPUT_MAGNITUDE give finite
+ *    landmarks and outputs; the layers may take a token's step in any order.
+ *  - skv_cache_backend(NULL) names no backend; skv-bench --help lists its
+ *    subcommands, an unknown option or subcommand says so.
  *  - op-level bad sizes, bad indices, NaN inputs, outputs untouched.
  *  - skv_status_string.
  */
@@ -37,7 +45,10 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -65,6 +76,11 @@ static char lbl[512]; /* label of the current case */
 static const skv_bf16 BF_NAN = 0x7FC0, BF_PINF = 0x7F80, BF_NINF = 0xFF80;
 static const skv_bf16 bad_vals[4] = {0x7FC0, 0xFFC1, 0x7F80, 0xFF80};
 static const char *const bad_names[4] = {"NaN", "-NaN", "+Inf", "-Inf"};
+/* finite bf16 values beyond SKV_MAX_INPUT_MAGNITUDE = 2^32 (0x4F80): the next one up, its
+   negative, ~3e37 (the keys that used to give all-NaN output), the largest finite */
+#define N_HUGE 4
+static const skv_bf16 huge_vals[N_HUGE] = {0x4F81, 0xCF81, 0x7DB4, 0xFF7F};
+static const char *const huge_names[N_HUGE] = {"2^32 (1 + 2^-7)", "-2^32 (1 + 2^-7)", "3e37", "-3.39e38"};
 
 /* ---- message checks ------------------------------------------------------------ */
 
@@ -446,6 +462,15 @@ static void test_config(skv_backend be)
     CFGCASE(c_.n_local_chunks = -1, IC, "n_local_chunks", "-1");
     CFGCASE(c_.n_local_chunks = INT32_MIN, IC, "n_local_chunks", "-2147483648");
     CFGCASE(c_.n_threads = -1, IC, "n_threads", "-1");
+    CFGCASE(c_.n_threads = SKV_MAX_THREADS + 1, IC, "n_threads", i64s(SKV_MAX_THREADS + 1));
+    CFGCASE(c_.n_threads = 4096, IC, "n_threads", "4096");
+    CFGCASE(c_.n_threads = INT32_MAX, IC, "n_threads", "2147483647");
+    {
+        skv_config c = base;
+        c.n_threads = SKV_MAX_THREADS;
+        LBL("n_threads = SKV_MAX_THREADS = %d validates [%s]", SKV_MAX_THREADS, skv_backend_name(be));
+        check_ok(skv_config_validate(&c), lbl);
+    }
 
     /* shape rules */
     CFGCASE(c_.n_q_heads = 7, IC, "n_q_heads", "7");
@@ -717,7 +742,11 @@ static void test_backends(void)
 
     /* functions on a NULL cache that do not return a status */
     skv_cache_free(NULL);
-    SKVT_CHECK(skv_cache_backend(NULL) == SKV_BACKEND_AUTO, "skv_cache_backend(NULL)");
+    /* the doc: never SKV_BACKEND_AUTO; a NULL cache names no backend */
+    SKVT_CHECK(skv_cache_backend(NULL) != SKV_BACKEND_AUTO && skv_cache_backend(NULL) == (skv_backend)-1 &&
+                   strcmp(skv_backend_name(skv_cache_backend(NULL)), "invalid") == 0,
+               "skv_cache_backend(NULL) = %d (\"%s\"), want (skv_backend)-1, \"invalid\"", (int)skv_cache_backend(NULL),
+               skv_backend_name(skv_cache_backend(NULL)));
     SKVT_CHECK(skv_cache_config(NULL) == NULL, "skv_cache_config(NULL)");
     SKVT_CHECK(skv_cache_last_error(NULL) != NULL, "skv_cache_last_error(NULL) is NULL");
     LBL("skv_rope_table_len(NULL, ...)");
@@ -781,11 +810,25 @@ static void bad_prefills(skv_cache *A, skv_cache *B, const fixture *fx, int l, i
         AFTER_PREFILL();
     }
 
-    static const int64_t short_n[] = {MINP - 1, MINP - CH, CH, 1, 0, -1, -CH, -(int64_t)MINP, INT64_MIN};
+    /* too short: the message gives the chunk counts of that n (for n = 0 there are 0 chunks, not -1) */
+    static const int64_t short_n[] = {MINP - 1, MINP - CH, NLOC * CH + CH, NLOC * CH, CH, CH - 1, 1, 0};
     for (size_t i = 0; i < sizeof short_n / sizeof short_n[0]; i++) {
-        LBL("[%s] prefill n = %lld (too short)", bn, (long long)short_n[i]);
-        expect_err(skv_prefill(A, l, b, short_n[i], kp, vv, ko), SKV_ERR_PROMPT_TOO_SHORT, A, "n",
-                   i64s(short_n[i]));
+        const int64_t sn = short_n[i], whole = sn / CH, context = whole - NLOC > 0 ? whole - NLOC : 0;
+        LBL("[%s] prefill n = %lld (too short)", bn, (long long)sn);
+        expect_err(skv_prefill(A, l, b, sn, kp, vv, ko), SKV_ERR_PROMPT_TOO_SHORT, A, "n", i64s(sn));
+        char counts[160];
+        snprintf(counts, sizeof counts, "n = %lld tokens are %lld whole chunks", (long long)sn, (long long)whole);
+        expect_substr("PROMPT_TOO_SHORT", counts);
+        snprintf(counts, sizeof counts, "leaves %lld context chunks, need O + S = %d", (long long)context,
+                 NOUT + SEL);
+        expect_substr("PROMPT_TOO_SHORT", counts);
+        AFTER_PREFILL();
+    }
+    /* a negative length is not a short prompt: INVALID_ARGUMENT naming n */
+    static const int64_t neg_n[] = {-1, -CH, -(int64_t)MINP, INT64_MIN + 1, INT64_MIN};
+    for (size_t i = 0; i < sizeof neg_n / sizeof neg_n[0]; i++) {
+        LBL("[%s] prefill n = %lld (negative)", bn, (long long)neg_n[i]);
+        expect_err(skv_prefill(A, l, b, neg_n[i], kp, vv, ko), SKV_ERR_INVALID_ARGUMENT, A, "n", i64s(neg_n[i]));
         AFTER_PREFILL();
     }
     static const int64_t long_n[] = {MAXP + 1, MAXP + CH, (int64_t)1 << 40, INT64_MAX};
@@ -815,6 +858,29 @@ static void bad_prefills(skv_cache *A, skv_cache *B, const fixture *fx, int l, i
                 snprintf(where, sizeof where, "%s[%zu][%zu][%zu]", tn[tensor], pos / (HK * HD), pos / HD % HK,
                          pos % HD);
                 expect_substr("NONFINITE", where);
+                free(bad);
+                AFTER_PREFILL();
+            }
+    /* finite values beyond SKV_MAX_INPUT_MAGNITUDE (2^32) in each tensor: refused like NaN/Inf,
+       the message names the element and the limit; the slot stays empty */
+    for (int tensor = 0; tensor < 3; tensor++)
+        for (int kind = 0; kind < N_HUGE; kind++)
+            for (int which = 0; which < 3; which++) {
+                static const char *const tn[3] = {"k_pre", "v", "k_post"};
+                size_t pos = pick_pos(which, e);
+                const skv_bf16 *src = tensor == 0 ? kp : tensor == 1 ? vv : kpost_any;
+                skv_bf16 *bad = dup_bf16(src, e);
+                bad[pos] = huge_vals[kind];
+                const skv_bf16 *a0 = tensor == 0 ? bad : kp, *a1 = tensor == 1 ? bad : vv;
+                const skv_bf16 *a2 = tensor == 2 ? bad : (which == 2 ? NULL : kpost_any);
+                LBL("[%s] prefill layer %d seq %d: %s at %s[%zu] (k_post %s)", bn, l, b, huge_names[kind], tn[tensor],
+                    pos, a2 ? "given" : "NULL");
+                expect_err(skv_prefill(A, l, b, n, a0, a1, a2), SKV_ERR_NONFINITE, A, tn[tensor],
+                           "SKV_MAX_INPUT_MAGNITUDE");
+                char where[96];
+                snprintf(where, sizeof where, "%s[%zu][%zu][%zu] = ", tn[tensor], pos / (HK * HD), pos / HD % HK,
+                         pos % HD);
+                expect_substr("NONFINITE (magnitude)", where);
                 free(bad);
                 AFTER_PREFILL();
             }
@@ -952,6 +1018,25 @@ static void bad_decodes(skv_cache *A, skv_cache *B, const fixture *fx, int step,
                     free(bad);
                     same_state(A, B);
                 }
+        /* finite values beyond SKV_MAX_INPUT_MAGNITUDE in q, k, v */
+        for (int tensor = 0; tensor < 3; tensor++)
+            for (int kind = 0; kind < N_HUGE; kind++) {
+                static const char *const tn[3] = {"q", "k", "v"};
+                const int heads = tensor == 0 ? HQ : HK;
+                const size_t e = (size_t)NB * heads * HD;
+                size_t pos = pick_pos(full_sweep ? kind % 3 : 2, e);
+                skv_bf16 *bad = dup_bf16(tensor == 0 ? q : tensor == 1 ? k : v, e);
+                bad[pos] = huge_vals[kind];
+                LBL("[%s] decode step %d layer %d: %s at %s[%zu]", bn, step, l, huge_names[kind], tn[tensor], pos);
+                expect_err(skv_decode(A, l, tensor == 0 ? bad : q, tensor == 1 ? bad : k, tensor == 2 ? bad : v, out),
+                           SKV_ERR_NONFINITE, A, tn[tensor], "SKV_MAX_INPUT_MAGNITUDE");
+                char where[96];
+                snprintf(where, sizeof where, "%s[%zu][%zu][%zu] = ", tn[tensor], pos / ((size_t)heads * HD),
+                         pos / HD % (size_t)heads, pos % HD);
+                expect_substr("NONFINITE (magnitude)", where);
+                free(bad);
+                same_state(A, B);
+            }
     }
     static const int32_t bad_layers[] = {-1, NL, NL + 7, INT32_MAX, INT32_MIN};
     for (size_t i = 0; i < sizeof bad_layers / sizeof bad_layers[0]; i++) {
@@ -1101,6 +1186,20 @@ static void test_cache_states(skv_backend be)
         for (int l = 0; l < NL; l++) {
             decode_layer_both(A, B, &fx, step, l);
             same_state(A, B);
+            /* the layers stay in step: layer l again before the later layers took this step is
+               an error, however often it is tried, and changes nothing */
+            for (int again = 0; again < 2 && l + 1 < NL && step + 1 < GCAP; again++) {
+                float *out = malloc(sizeof outA);
+                if (!out) abort();
+                LBL("[%s] decode layer %d a step ahead of layer %d (step %d, try %d)", bn, l, l + 1, step, again + 1);
+                expect_err(skv_decode(A, l, fx.dq[step + 1][l], fx.dk[step + 1][l], fx.dv[step + 1][l], out),
+                           SKV_ERR_INVALID_ARGUMENT, A, "layer", i64s(l));
+                char ahead[96];
+                snprintf(ahead, sizeof ahead, "taken %d decode steps and layer %d only %d", step + 1, l + 1, step);
+                expect_substr("INVALID_ARGUMENT (layer ahead)", ahead);
+                free(out);
+                same_state(A, B);
+            }
             if (step == 0 && l + 1 < NL) {
                 int32_t ids[SEL];
                 LBL("[%s] skv_cache_selected on layer %d after decoding layer %d only", bn, l + 1, l);
@@ -1155,6 +1254,197 @@ static void test_cache_states(skv_backend be)
     skv_cache_free(A);
     skv_cache_free(B);
     fixture_free(&fx);
+}
+
+/* ---- accepted limits: magnitude 2^32, layers in step --------------------------------------- */
+
+/* x with about 1 element in 64 set to +-2^32 (SKV_MAX_INPUT_MAGNITUDE, accepted). */
+static skv_bf16 *at_limit(size_t n)
+{
+    skv_bf16 *x = rand_bf16(n, 1.0);
+    for (size_t i = 0; i < n; i++)
+        if (skvt_rng_range(&rng, 0, 63) == 0) x[i] = skvt_rng_range(&rng, 0, 1) ? 0x4F80 : 0xCF80;
+    return x;
+}
+
+static int bf16_all_finite(const skv_bf16 *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if ((x[i] & 0x7F80) == 0x7F80) return 0;
+    return 1;
+}
+
+/*
+ * Inputs with elements at exactly +-SKV_MAX_INPUT_MAGNITUDE are accepted and give finite
+ * landmarks and outputs (the bound leaves float arithmetic far from overflow: scores
+ * <= D 2^64); and the layers may take a token's step in any order, but none may run ahead.
+ */
+static void test_limits(skv_backend be)
+{
+    const char *bn = bname(be);
+    skv_config cfg = base_config(be);
+    skv_cache *c = NULL;
+    LBL("[%s] limits: create", bn);
+    check_ok(skv_cache_create(&cfg, &c), lbl);
+    if (!c) return;
+    SKVT_CHECK(skv_bf16_to_float(0x4F80) == SKV_MAX_INPUT_MAGNITUDE, "0x4F80 is not SKV_MAX_INPUT_MAGNITUDE");
+    for (int l = 0; l < NL; l++)
+        for (int b = 0; b < NB; b++) {
+            const int64_t n = skvt_rng_range(&rng, MINP, MAXP);
+            const size_t e = (size_t)n * HK * HD;
+            skv_bf16 *k = at_limit(e), *v = at_limit(e);
+            LBL("[%s] prefill layer %d seq %d with elements at +-2^32 (n = %lld)", bn, l, b, (long long)n);
+            skv_status st = skv_prefill(c, l, b, n, k, v, NULL);
+            SKVT_CHECK_STATUS(st, SKV_OK, lbl);
+            if (st) printf("  %s\n", skv_cache_last_error(c));
+            free(k);
+            free(v);
+            for (int h = 0; h < HK && !st; h++) {
+                skv_bf16 lm[MAXCAND * HD];
+                skv_seq_info in;
+                check_ok(skv_cache_seq_info(c, l, b, &in), lbl);
+                check_ok(skv_cache_landmarks(c, l, b, h, lm), lbl);
+                SKVT_CHECK(bf16_all_finite(lm, (size_t)in.n_candidates * HD), "%s: head %d: a landmark is not finite",
+                           lbl, h);
+            }
+        }
+    /* token 0: layer 1 before layer 0 (allowed); token 1: layer 1 twice (the second is a step
+       ahead of layer 0), then layer 0; token 2: layer 0 twice (the second is ahead of layer 1),
+       then layer 1 */
+    static const int order[][2] = {{1, SKV_OK}, {0, SKV_OK}, {1, SKV_OK}, {1, SKV_ERR_INVALID_ARGUMENT},
+                                   {0, SKV_OK}, {0, SKV_OK}, {0, SKV_ERR_INVALID_ARGUMENT}, {1, SKV_OK}};
+    float *out = malloc(sizeof outA);
+    if (!out) abort();
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        const int l = order[i][0];
+        skv_bf16 *q = at_limit((size_t)NB * HQ * HD), *k = at_limit((size_t)NB * HK * HD), *v = at_limit((size_t)NB * HK * HD);
+        int32_t gen_before[NL];
+        for (int ll = 0; ll < NL; ll++) {
+            skv_seq_info in;
+            check_ok(skv_cache_seq_info(c, ll, 0, &in), "seq_info");
+            gen_before[ll] = in.n_generated;
+        }
+        LBL("[%s] limits: decode #%zu of layer %d (generated: layer 0 %d, layer 1 %d), inputs at +-2^32", bn, i, l,
+            gen_before[0], gen_before[1]);
+        const skv_status st = skv_decode(c, l, q, k, v, out);
+        if (order[i][1] == SKV_OK) {
+            SKVT_CHECK_STATUS(st, SKV_OK, lbl);
+            int fin = 1;
+            for (size_t j = 0; j < sizeof outA / sizeof outA[0]; j++) fin &= isfinite(out[j]) != 0;
+            SKVT_CHECK(st || fin, "%s: non-finite output", lbl);
+        } else {
+            expect_err(st, (skv_status)order[i][1], c, "layer", i64s(l));
+        }
+        skv_seq_info in;
+        check_ok(skv_cache_seq_info(c, l, 0, &in), "seq_info");
+        SKVT_CHECK(in.n_generated == gen_before[l] + (order[i][1] == SKV_OK),
+                   "%s: layer %d has %d generated tokens, want %d", lbl, l, in.n_generated,
+                   gen_before[l] + (order[i][1] == SKV_OK));
+        free(q), free(k), free(v);
+    }
+    free(out);
+    skv_cache_free(c);
+}
+
+/* ---- n_threads: a failed thread creation is a status ------------------------------------------ */
+
+#if defined(__SANITIZE_ADDRESS__)
+#define SKVT_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SKVT_ASAN 1
+#endif
+#endif
+
+/*
+ * A cpu cache whose n_threads the process cannot start: in a child whose address space is
+ * capped (RLIMIT_AS) so that thread stacks cannot be mapped, skv_cache_create must return
+ * SKV_ERR_OUT_OF_MEMORY naming n_threads (libgomp would end the process instead), and
+ * n_threads = SKV_MAX_THREADS in this process either works or is that same status.
+ */
+static void test_thread_limit(void)
+{
+    skv_config cfg = base_config(SKV_BACKEND_CPU);
+    cfg.n_threads = SKV_MAX_THREADS;
+    skv_cache *c = NULL;
+    LBL("[cpu] create with n_threads = SKV_MAX_THREADS = %d", SKV_MAX_THREADS);
+    skv_status st = skv_cache_create(&cfg, &c);
+    SKVT_CHECK(st == SKV_OK || st == SKV_ERR_OUT_OF_MEMORY, "%s: got %s", lbl, skv_status_string(st));
+    if (st) expect_err(st, SKV_ERR_OUT_OF_MEMORY, NULL, "n_threads", i64s(SKV_MAX_THREADS));
+    skv_cache_free(c);
+#ifdef SKVT_ASAN
+    skvt_skip("n_threads beyond what the process can start: RLIMIT_AS does not mix with AddressSanitizer");
+#else
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* the child: cap the address space near its current size, then ask for 512 threads
+           (511 stacks of 8 MiB or more cannot fit in 64 MiB) */
+        long pages = 0;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (!f || fscanf(f, "%ld", &pages) != 1) _exit(3);
+        fclose(f);
+        struct rlimit rl;
+        rl.rlim_cur = rl.rlim_max = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + ((rlim_t)64 << 20);
+        if (setrlimit(RLIMIT_AS, &rl)) _exit(4);
+        skv_config cc = base_config(SKV_BACKEND_CPU);
+        cc.n_threads = 512;
+        skv_cache *k = NULL;
+        skv_status s2 = skv_cache_create(&cc, &k);
+        const char *m = skv_last_error();
+        _exit(s2 == SKV_ERR_OUT_OF_MEMORY && k == NULL && strstr(m, "n_threads = 512") ? 0 : s2 == SKV_OK ? 5 : 6);
+    }
+    int wst = 0;
+    LBL("[cpu] create with n_threads = 512 in a child capped by RLIMIT_AS");
+    SKVT_CHECK(pid > 0 && waitpid(pid, &wst, 0) == pid, "%s: fork/waitpid failed", lbl);
+    SKVT_CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0,
+               "%s: the child %s %d (0: SKV_ERR_OUT_OF_MEMORY naming n_threads; 5: create succeeded; 6: another "
+               "status; 3, 4: no limit set)",
+               lbl, WIFEXITED(wst) ? "exited with" : "died of signal", WIFEXITED(wst) ? WEXITSTATUS(wst) : WTERMSIG(wst));
+#endif
+}
+
+/* ---- skv-bench command line ------------------------------------------------------------------- */
+
+/* Runs cmd (stdout and stderr together) into buf; returns the exit status or -1. */
+static int run_cmd(const char *cmd, char *buf, size_t cap)
+{
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(buf, 1, cap - 1, p);
+    buf[n] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* skv-bench --help lists its subcommands; an unknown option or subcommand says so (exit 2). */
+static void test_bench_cli(const char *argv0)
+{
+    char bench[1024], cmd[1200], out[8192];
+    const char *slash = strrchr(argv0, '/');
+    /* build/tests/test_bad_input -> build/skv-bench */
+    snprintf(bench, sizeof bench, "%.*s/../skv-bench", slash ? (int)(slash - argv0) : 1, slash ? argv0 : ".");
+    if (access(bench, X_OK) != 0) {
+        skvt_skip("skv-bench not built next to the tests (make build/skv-bench)");
+        return;
+    }
+    snprintf(cmd, sizeof cmd, "'%s' --help 2>&1", bench);
+    int rc = run_cmd(cmd, out, sizeof out);
+    LBL("skv-bench --help");
+    SKVT_CHECK(rc == 0, "%s: exit %d", lbl, rc);
+    SKVT_CHECK(strstr(out, "skv-bench decode") && strstr(out, "skv-bench factorize"),
+               "%s does not list the subcommands decode and factorize:\n%s", lbl, out);
+    static const char *const bad[][2] = {{"--bogus", "unknown option '--bogus'"},
+                                         {"bogus", "unknown subcommand 'bogus'"},
+                                         {"decode --bogus", "unknown option '--bogus'"},
+                                         {"factorize --bogus", "unknown option '--bogus'"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(cmd, sizeof cmd, "'%s' %s 2>&1", bench, bad[i][0]);
+        rc = run_cmd(cmd, out, sizeof out);
+        LBL("skv-bench %s", bad[i][0]);
+        SKVT_CHECK(rc == 2 && strstr(out, bad[i][1]) && strstr(out, "usage:"),
+                   "%s: exit %d (want 2), output lacks \"%s\" or the usage:\n%s", lbl, rc, bad[i][1], out);
+    }
 }
 
 /* ---- op-level API ------------------------------------------------------------------- */
@@ -1628,8 +1918,9 @@ static void test_ops(skv_backend be)
     }
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    (void)argc;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     uint64_t seed = skvt_base_seed("test_bad_input");
@@ -1640,12 +1931,15 @@ int main(void)
     unsetenv("SKV_BACKEND");
 
     test_status_strings();
+    test_thread_limit(); /* forks: before this process has started OpenMP threads */
     test_backends();
+    test_bench_cli(argv[0]);
     static const skv_backend bes[2] = {SKV_BACKEND_REF, SKV_BACKEND_CPU};
     for (int i = 0; i < 2; i++) {
         test_config(bes[i]);
         test_ops(bes[i]);
         for (int round = 0; round < 2; round++) test_cache_states(bes[i]);
+        test_limits(bes[i]);
     }
     free(snA.p);
     free(snB.p);

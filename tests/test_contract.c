@@ -10,10 +10,14 @@
  * asc), recomputed here with a plain sort.
  *
  *   build/tests/test_contract [n_configs]      SKV_SEED=... to replay
+ *
+ * Progress: a line on stderr every 10 configurations or 10 s, whichever
+ * comes first ("test_contract: 40/100 configurations, 40 compared, 12.3 s").
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "skv_numerics.h"
 #include "testutil.h"
@@ -146,7 +150,9 @@ static void check_topk_rule(skvt_rng *r)
     free(order);
 }
 
-/* Runs one case on one backend; returns the caches' decisions in a flat byte log. */
+/* Runs one case on one backend; returns the caches' decisions in a flat byte log. Every
+   introspection call must succeed: a failing one fails the case (two backends whose
+   introspection fails alike would otherwise compare two equally short logs). */
 typedef struct {
     unsigned char *buf;
     size_t len, cap;
@@ -194,6 +200,8 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
     float *dout = skvt_dbuf(be, out, qn * 4);
     int32_t *ids = malloc((size_t)c.max_prompt_len * 4);
     skv_bf16 *lm = malloc((size_t)c.max_prompt_len / c.chunk_size * c.head_dim * 2);
+    char intro_err[320] = "";
+    size_t want_len = 0; /* bytes the log must hold: what the introspection sizes say */
     for (int s = 0; s < cc->steps && ok; s++)
         for (int l = 0; l < c.n_layers && ok; l++) {
             skvt_fill_bf16_normal(&r, q, qn, s == 0 ? 0.5 : 4.0);
@@ -212,19 +220,53 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
             skvt_dget(be, out, dout, qn * 4);
             memcpy(outs[s * c.n_layers + l], out, qn * 4);
             for (int b = 0; b < c.batch_size && ok; b++)
-                for (int h = 0; h < c.n_kv_heads; h++) {
+                for (int h = 0; h < c.n_kv_heads && ok; h++) {
                     skv_seq_info info;
-                    skv_cache_seq_info(cache, l, b, &info);
-                    if (skv_cache_selected(cache, l, b, h, ids) == SKV_OK) blob_put(log, ids, (size_t)info.n_selected * 4);
-                    if (s == 0) {
-                        if (info.n_outliers && skv_cache_outliers(cache, l, b, h, ids) == SKV_OK)
-                            blob_put(log, ids, (size_t)info.n_outliers * 4);
-                        if (skv_cache_candidates(cache, l, b, h, ids) == SKV_OK) blob_put(log, ids, (size_t)info.n_candidates * 4);
-                        if (skv_cache_landmarks(cache, l, b, h, lm) == SKV_OK)
-                            blob_put(log, lm, (size_t)info.n_candidates * c.head_dim * 2);
+                    const char *call = "skv_cache_seq_info";
+                    st = skv_cache_seq_info(cache, l, b, &info);
+                    if (!st && (!info.prefilled || !info.has_selection || info.n_selected != c.budget / c.chunk_size ||
+                                info.n_outliers != c.n_outlier_chunks || info.n_candidates < info.n_selected ||
+                                info.n_generated != s + 1)) {
+                        snprintf(intro_err, sizeof intro_err,
+                                 "seq_info(%d, %d) after step %d: prefilled %d has_selection %d S %d O %d candidates %d "
+                                 "generated %d",
+                                 l, b, s, info.prefilled, info.has_selection, info.n_selected, info.n_outliers,
+                                 info.n_candidates, info.n_generated);
+                        ok = 0;
+                        break;
+                    }
+                    if (!st) {
+                        call = "skv_cache_selected";
+                        st = skv_cache_selected(cache, l, b, h, ids);
+                        if (!st) blob_put(log, ids, (size_t)info.n_selected * 4);
+                        want_len += (size_t)info.n_selected * 4;
+                    }
+                    if (!st && s == 0) {
+                        call = "skv_cache_outliers";
+                        st = skv_cache_outliers(cache, l, b, h, ids);
+                        if (!st) blob_put(log, ids, (size_t)info.n_outliers * 4);
+                        if (!st) {
+                            call = "skv_cache_candidates";
+                            st = skv_cache_candidates(cache, l, b, h, ids);
+                            if (!st) blob_put(log, ids, (size_t)info.n_candidates * 4);
+                        }
+                        if (!st) {
+                            call = "skv_cache_landmarks";
+                            st = skv_cache_landmarks(cache, l, b, h, lm);
+                            if (!st) blob_put(log, lm, (size_t)info.n_candidates * c.head_dim * 2);
+                        }
+                        want_len += (size_t)info.n_outliers * 4 + (size_t)info.n_candidates * (4 + c.head_dim * 2);
+                    }
+                    if (st) {
+                        snprintf(intro_err, sizeof intro_err, "%s(layer %d, seq %d, head %d) after step %d: %s (%s)",
+                                 call, l, b, h, s, skv_status_string(st), skv_cache_last_error(cache));
+                        ok = 0;
                     }
                 }
         }
+    if (*intro_err) SKVT_CHECK(0, "%s: introspection failed: %s", skv_backend_name(be), intro_err);
+    else if (ok) SKVT_CHECK(log->len == want_len && want_len > 0, "%s: decision log holds %zu bytes, the sizes say %zu",
+                            skv_backend_name(be), log->len, want_len);
     /* the workspace sized at create covers every decode step: no heap allocation */
     skv_stats stats;
     skv_cache_stats(cache, &stats);
@@ -265,9 +307,18 @@ static void check_no_ftz(void)
 #endif
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = skvt_base_seed("test_contract");
+    const double t_start = now_s();
+    double t_last = t_start;
     int n_configs = argc > 1 ? atoi(argv[1]) : 100;
     skvt_rng r;
     skvt_rng_seed(&r, seed);
@@ -327,6 +378,12 @@ int main(int argc, char **argv)
         for (int s = 0; s < n_out; s++) {
             free(ref_out[s]);
             free(oth_out[s]);
+        }
+        const double t = now_s();
+        if ((i + 1) % 10 == 0 || t - t_last >= 10.0 || i + 1 == n_configs) {
+            fprintf(stderr, "test_contract: %d/%d configurations, %d compared, %.1f s\n", i + 1, n_configs, compared,
+                    t - t_start);
+            t_last = t;
         }
     }
     check_no_ftz();

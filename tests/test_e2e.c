@@ -13,14 +13,25 @@
  *                 1.25 e_oracle + 0.01 (the per-token oracle's error; chunks
  *                 are coarser than tokens: seen up to 1.25 e_oracle + 0.004);
  *      overall:   e_sparse <= 1.25 e_oracle + 0.03 (seen up to + 0.018). The
- *                 slack is the key rebuild: rank-r keys drop the synthetic
- *                 keys' 1% isotropic noise, which moves outputs by 0.5-3%
- *                 (its own check: sparse output vs e_sel's output <= 0.08;
- *                 the largest per-run value over seeds 1001..1030 was 0.018 to
- *                 0.032, and seed 176171812859 gave 0.0502 on ref, whose
- *                 factorization is the exact rank-r SVD, so the tail is the
- *                 workload's, not a backend's; a broken rebuild moves it by O(1)).
+ *                 slack is mostly the key rebuild: rank-r keys drop the
+ *                 synthetic keys' 1% isotropic noise, which moves outputs by
+ *                 0.5-3%. Its own check, "own-selection error": the library's
+ *                 output against attention with exact keys and exact values
+ *                 over the library's own selection, <= 0.05. It measures
+ *                 everything after the selection at once (the rebuilt keys,
+ *                 the gathered values, the stored outlier/local/generated
+ *                 tokens, the attention arithmetic), so its messages name
+ *                 all of them rather than one (a planted gather_values bug
+ *                 once failed a message that blamed the key rebuild). The
+ *                 largest per-run value over seeds 1001..1030 was 0.018 to
+ *                 0.032, 0.023 on the fixed default seed; the clock-drawn
+ *                 seed 176171812859 gave 0.0502 on ref, whose factorization is
+ *                 the exact rank-r SVD, so that tail is the workload's, not a
+ *                 backend's (SKV_SEED=random can meet it); a broken rebuild
+ *                 or gather moves it by O(1).
  * Typical values: e_oracle ~0.06, e_sel ~0.064, e_sparse ~0.066.
+ * A failure's message names the step, layer, sequence and backend, and what
+ * was compared with what.
  * SKV_VERBOSE=1 prints one line per measurement.
  */
 #include <stdlib.h>
@@ -193,7 +204,7 @@ int main(void)
 
     float *full = malloc(sizeof(float) * HD), *orac = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
     double sum_err[NBE] = {0}, sum_or = 0, sum_sel = 0, sum_needle = 0, sum_sink = 0;
-    double min_mass = 1, max_rebuild = 0, max_xbe = 0;
+    double min_mass = 1, max_own = 0, max_xbe = 0;
     for (int r = 0; r < NREC; r++) {
         const int b = r % BATCH, l = r / BATCH % LAYERS, s = r / BATCH / LAYERS;
         skvs_ref_stats rs;
@@ -215,25 +226,33 @@ int main(void)
                    s, l, b, rs.topk_mass, rs.needle_mass, rs.sink_mass, e_or, e_sel);
         for (int i = 0; i < nbe; i++) {
             const float *o = rec_out[i] + r * HD;
-            double e = skvs_rel_err(o, full, HD), rebuild = skvs_rel_err(o, exact, HD);
+            /* own: output vs exact keys and values over the library's own selection */
+            double e = skvs_rel_err(o, full, HD), own = skvs_rel_err(o, exact, HD);
             sum_err[i] += e;
-            max_rebuild = dmax(max_rebuild, rebuild);
+            max_own = dmax(max_own, own);
             if (verbose) printf(" %s %.4f", skv_backend_name(be[i]), e);
-            SKVT_CHECK(e <= 1.25 * e_or + 0.03, "%s step %d layer %d seq %d: rel err %.4f > 1.25 x oracle %.4f + 0.03",
+            SKVT_CHECK(e <= 1.25 * e_or + 0.03,
+                       "%s step %d layer %d seq %d: output vs dense attention rel err %.4f > 1.25 x the per-token "
+                       "oracle's %.4f + 0.03",
                        skv_backend_name(be[i]), s, l, b, e, e_or);
-            SKVT_CHECK(rebuild <= 0.08, "%s step %d layer %d seq %d: rebuilt keys move the output by %.4f > 0.08",
-                       skv_backend_name(be[i]), s, l, b, rebuild);
+            SKVT_CHECK(own <= 0.05,
+                       "%s step %d layer %d seq %d: output vs attention with exact keys and values over the library's "
+                       "own selection: rel err %.4f > 0.05 (selection excluded; rebuilt keys, gathered values, stored "
+                       "outlier/local/generated tokens or the attention itself)",
+                       skv_backend_name(be[i]), s, l, b, own);
             if (i) {
                 /* each backend has its own factorization route (ref: double Gram + dsyevr; cpu:
                    subspace iteration; cuda: fp32 block Grams + Xsyevd), all within the bound of
                    docs/DESIGN.md section 6 but not equal: a backend's output may differ from ref's by
-                   up to both outputs' rebuilt-key errors (each measured against the same
-                   selection with exact keys), plus attention rounding */
+                   up to both outputs' own-selection errors (each measured against the same
+                   selection with exact keys and values), plus attention rounding */
                 double x = skvs_rel_err(o, rec_out[0] + r * HD, HD);
-                double lim = 2e-3 + rebuild + skvs_rel_err(rec_out[0] + r * HD, exact, HD);
+                double own_ref = skvs_rel_err(rec_out[0] + r * HD, exact, HD), lim = 2e-3 + own + own_ref;
                 max_xbe = dmax(max_xbe, x);
-                SKVT_CHECK(x <= lim, "step %d layer %d seq %d: %s output vs ref rel err %.3g > %.3g", s, l, b,
-                           skv_backend_name(be[i]), x, lim);
+                SKVT_CHECK(x <= lim,
+                           "step %d layer %d seq %d: %s output vs ref's output rel err %.3g > %.3g (2e-3 + both "
+                           "outputs' own-selection errors, %s %.3g and ref %.3g)",
+                           s, l, b, skv_backend_name(be[i]), x, lim, skv_backend_name(be[i]), own, own_ref);
             }
         }
         if (verbose) printf("\n");
@@ -246,8 +265,9 @@ int main(void)
     for (int i = 0; i < nbe; i++)
         printf("%-4s prefill %7.1f ms, decode %7.2f ms/step, mean rel err vs full %.4f\n", skv_backend_name(be[i]),
                prefill_ms[i], decode_ms[i] / STEPS, sum_err[i] / n_meas);
-    printf("mean rel err vs full: oracle %.4f, library selection with exact keys %.4f; max rebuild effect %.4f\n",
-           sum_or / n_meas, sum_sel / n_meas, max_rebuild);
+    printf("mean rel err vs full: oracle %.4f, library selection with exact keys %.4f; max own-selection error "
+           "(output vs exact keys and values on its selection) %.4f\n",
+           sum_or / n_meas, sum_sel / n_meas, max_own);
     printf("attention: min top-budget mass %.4f, mean share of needle chunk %.3f, of sinks %.3f\n", min_mass,
            sum_needle / n_meas, sum_sink / n_meas);
     printf("needle misses %d, selection mismatches %d, max cross-backend output rel err %.3g\n", needle_miss,

@@ -9,7 +9,14 @@
  * the same work run alone on the main thread. Meanwhile the workers provoke
  * their own distinct errors and check that their thread-local message is not
  * clobbered by the others'.
+ *
+ * config.n_threads changes nothing of the caller: after a prefill and decodes
+ * with n_threads = 1 and 3, the calling thread's omp_get_max_threads(),
+ * omp_get_dynamic() and OpenBLAS's thread count are what they were, and the
+ * results are bitwise those of n_threads = 0.
  */
+#include <cblas.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +30,7 @@ typedef struct {
     skv_backend be;
     uint64_t seed;
     int id;
+    int n_threads;       /* config.n_threads */
     float *out;          /* [STEPS * L * B * Hq * D] */
     int32_t *sel;        /* [STEPS * L * B * Hk * S] */
     int error_msg_ok;
@@ -64,6 +72,7 @@ static void *run(void *arg)
 {
     job *j = arg;
     skv_config c = small_config(j->be);
+    c.n_threads = j->n_threads;
     skv_cache *cache = NULL;
     j->status = skv_cache_create(&c, &cache);
     if (j->status) return NULL;
@@ -124,6 +133,35 @@ static void *run(void *arg)
     return NULL;
 }
 
+static void test_caller_state(uint64_t seed)
+{
+    const int nt0 = omp_get_max_threads(), dyn0 = omp_get_dynamic(), blas0 = openblas_get_num_threads();
+    skv_config c = small_config(SKV_BACKEND_CPU);
+    job base, j;
+    memset(&base, 0, sizeof base);
+    base.be = SKV_BACKEND_CPU, base.seed = seed, base.id = 7;
+    base.out = malloc(out_len(&c) * 4), base.sel = malloc(sel_len(&c) * 4);
+    base.op_sel = malloc((size_t)OP_HK * OP_S * 4), base.op_amax = malloc((size_t)OP_HK * OP_N * 4);
+    j = base;
+    j.out = malloc(out_len(&c) * 4), j.sel = malloc(sel_len(&c) * 4);
+    run(&base);
+    SKVT_CHECK_STATUS(base.status, SKV_OK, "cpu run with n_threads = 0");
+    static const int nts[] = {1, 3};
+    for (int k = 0; k < 2; k++) {
+        j.n_threads = nts[k];
+        run(&j);
+        SKVT_CHECK_STATUS(j.status, SKV_OK, nts[k] == 1 ? "cpu run with n_threads = 1" : "cpu run with n_threads = 3");
+        SKVT_CHECK(omp_get_max_threads() == nt0, "n_threads = %d: the caller's omp_get_max_threads() went from %d to %d",
+                   nts[k], nt0, omp_get_max_threads());
+        SKVT_CHECK(omp_get_dynamic() == dyn0, "n_threads = %d: the caller's omp_get_dynamic() changed", nts[k]);
+        SKVT_CHECK(openblas_get_num_threads() == blas0, "n_threads = %d: OpenBLAS's thread count went from %d to %d",
+                   nts[k], blas0, openblas_get_num_threads());
+        SKVT_CHECK(memcmp(base.out, j.out, out_len(&c) * 4) == 0 && memcmp(base.sel, j.sel, sel_len(&c) * 4) == 0,
+                   "n_threads = %d: outputs or selections differ from n_threads = 0", nts[k]);
+    }
+    free(base.out), free(base.sel), free(base.op_sel), free(base.op_amax), free(j.out), free(j.sel);
+}
+
 int main(void)
 {
     uint64_t seed = skvt_base_seed("test_threads");
@@ -146,6 +184,7 @@ int main(void)
         seq[i].sel = malloc(sel_len(&c) * 4);
         seq[i].op_sel = malloc((size_t)OP_HK * OP_S * 4), seq[i].op_amax = malloc((size_t)OP_HK * OP_N * 4);
     }
+    test_caller_state(skvt_rng_u64(&r));
     /* the same work, alone on this thread */
     for (int i = 0; i < N_WORKERS; i++) run(&seq[i]);
     /* and all at once */

@@ -1,8 +1,10 @@
 #include "testutil.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 skvt_counts skvt_counts_g;
@@ -53,16 +55,27 @@ int64_t skvt_rng_range(skvt_rng *r, int64_t lo, int64_t hi)
 uint64_t skvt_base_seed(const char *test_name)
 {
     const char *e = getenv("SKV_SEED");
-    uint64_t seed;
-    if (e && *e) {
-        seed = strtoull(e, NULL, 10);
-    } else {
+    uint64_t seed = SKVT_DEFAULT_SEED;
+    const char *how = "the fixed default; SKV_SEED=random draws a fresh one";
+    if (e && !strcmp(e, "random")) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         seed = ((uint64_t)ts.tv_sec * 1000003ull) ^ (uint64_t)ts.tv_nsec;
         seed %= 1000000000000ull;
+        how = "drawn because SKV_SEED=random";
+    } else if (e && *e) {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long v = strtoull(e, &end, 10);
+        if (errno || *end || *e == '-' || *e == '+') {
+            /* a typo must not silently run the default: one failed check, then the default */
+            skvt_check_(0, __FILE__, __LINE__, "SKV_SEED=\"%s\": expected a decimal number or \"random\"", e);
+        } else {
+            seed = (uint64_t)v;
+            how = "from SKV_SEED";
+        }
     }
-    printf("%s: seed %llu (replay with SKV_SEED=%llu)\n", test_name, (unsigned long long)seed,
+    printf("%s: seed %llu (%s; replay with SKV_SEED=%llu)\n", test_name, (unsigned long long)seed, how,
            (unsigned long long)seed);
     fflush(stdout);
     return seed;

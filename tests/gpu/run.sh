@@ -42,16 +42,16 @@ esac
 if [ "$MODE" = pack ]; then
   set -e
   DEPS=$PWD/.deps
-  make -j"$(nproc)" SKV_DEPS=$DEPS lib build/obj/tests/common/synth.o build/obj/tests/common/testutil.o >/dev/null
+  make -j"$(nproc)" SKV_DEPS=$DEPS lib build/obj/examples/synth.o build/obj/tests/common/testutil.o >/dev/null
   rm -rf build/dev && mkdir -p build/dev
   strip -o build/dev/libshadowkv.so.0 build/libshadowkv.so
   strip -o build/dev/libshadowkv-cuda.so.0 build/libshadowkv-cuda.so.0 # opened at run time, from $ORIGIN
   L=$DEPS/usr/lib/x86_64-linux-gnu
   CFL="-std=c99 -D_POSIX_C_SOURCE=200809L -O2 -fopenmp -DSKV_HAVE_CUDA -Iinclude -Ilib -I$DEPS/usr/include
-       -I$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread -I/usr/local/cuda/include -Itests/common"
+       -I$DEPS/usr/include/x86_64-linux-gnu/openblas-pthread -I/usr/local/cuda/include -Itests/common -Iexamples"
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
-  COMMON="build/obj/tests/common/synth.o build/obj/tests/common/testutil.o"
+  COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
   for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   du -sh build/dev

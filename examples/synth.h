@@ -1,6 +1,7 @@
 /*
- * synth.h - a synthetic Llama-shaped decode workload, shared by the demo, the
- * end-to-end test and the benchmark. Deterministic from a seed.
+ * synth.h - a synthetic Llama-shaped decode workload, the demo's; the
+ * end-to-end test, the placement test and the benchmark use it too.
+ * Deterministic from a seed. Needs shadowkv.h, CBLAS and the C library only.
  *
  * One skvs_seq is one layer of one sequence: a prompt of n tokens and up to
  * max_steps decode steps. Its keys mimic what ShadowKV relies on in real

@@ -1,13 +1,81 @@
-/* synth.c - the synthetic workload of synth.h. */
+/*
+ * synth.c - the synthetic workload of synth.h. Uses the public API
+ * (shadowkv.h), CBLAS and the C library only; its random numbers are the
+ * test suite's xoshiro256** stream (tests/common/testutil.c), copied here so
+ * that a seed gives the same workload as before it moved out of tests/.
+ */
 #include "synth.h"
-#include "testutil.h"
 
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "skv_numerics.h" /* the library's own bf16 conversions, inline */
+/* ---- random numbers: xoshiro256** seeded by splitmix64 ------------------------------------ */
+
+typedef struct syn_rng { uint64_t s[4]; } syn_rng;
+
+static uint64_t syn_splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void syn_rng_seed(syn_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++) r->s[i] = syn_splitmix64(&seed);
+}
+
+static uint64_t syn_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t syn_rng_u64(syn_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t result = syn_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = syn_rotl(s[3], 45);
+    return result;
+}
+
+static double syn_rng_uniform(syn_rng *r) { return (double)(syn_rng_u64(r) >> 11) * 0x1.0p-53; } /* [0, 1) */
+
+static double syn_rng_normal(syn_rng *r) /* N(0, 1), Box-Muller */
+{
+    double u1 = syn_rng_uniform(r), u2 = syn_rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+static int64_t syn_rng_range(syn_rng *r, int64_t lo, int64_t hi) /* [lo, hi] */
+{
+    if (hi <= lo) return lo;
+    return lo + (int64_t)(syn_rng_u64(r) % (uint64_t)(hi - lo + 1));
+}
+
+/* ---- bf16, inline (the same rounding as skv_bf16_from_float: to nearest even) -------------- */
+
+static inline float syn_bf16_to_f32(skv_bf16 h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline skv_bf16 syn_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (skv_bf16)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (skv_bf16)(u >> 16);
+}
 
 #define SYN_SAMPLE 512      /* ordinary tokens kept to calibrate the queries */
 #define SYN_NOISE 0.01f     /* isotropic key noise (elements have RMS ~1) */
@@ -18,9 +86,9 @@
 #define SYN_SINK_NORM 8.0f  /* sink norm, in units of an ordinary key's */
 
 /* Approximately N(0,1) from one draw: Irwin-Hall sum of four 16-bit uniforms. */
-static float fast_normal(skvt_rng *r)
+static float fast_normal(syn_rng *r)
 {
-    uint64_t x = skvt_rng_u64(r);
+    uint64_t x = syn_rng_u64(r);
     float s = 0.0f;
     for (int i = 0; i < 4; i++, x >>= 16) s += (float)(x & 0xffff) * (1.0f / 65536.0f);
     return (s - 2.0f) * 1.7320508f;
@@ -64,7 +132,7 @@ static double dotf(const float *a, const float *b, int n)
 static double dotbf(const float *a, const skv_bf16 *b, int n)
 {
     double s = 0;
-    for (int i = 0; i < n; i++) s += (double)a[i] * skv_bf16_to_f32(b[i]);
+    for (int i = 0; i < n; i++) s += (double)a[i] * syn_bf16_to_f32(b[i]);
     return s;
 }
 
@@ -95,7 +163,7 @@ void skvs_workload_free(skvs_workload *w)
 }
 
 /* Orthonormal rows whose energy fades on fast-rotating RoPE pairs, like real keys. */
-static void make_basis(const skvs_workload *w, skvt_rng *r, int n_dirs, float *basis)
+static void make_basis(const skvs_workload *w, syn_rng *r, int n_dirs, float *basis)
 {
     const skv_config *cfg = &w->cfg;
     int D = cfg->head_dim, P = cfg->n_kv_heads * D, half = rotary_dim(cfg) / 2;
@@ -109,7 +177,7 @@ static void make_basis(const skvs_workload *w, skvt_rng *r, int n_dirs, float *b
     }
     for (int k = 0; k < n_dirs; k++) {
         double *gk = g + (size_t)k * P;
-        for (int e = 0; e < P; e++) gk[e] = skvt_rng_normal(r) * damp[e % D];
+        for (int e = 0; e < P; e++) gk[e] = syn_rng_normal(r) * damp[e % D];
         for (int j = 0; j < k; j++) { /* modified Gram-Schmidt */
             const double *gj = g + (size_t)j * P;
             double pr = 0;
@@ -129,10 +197,10 @@ static void make_basis(const skvs_workload *w, skvt_rng *r, int n_dirs, float *b
 }
 
 /* A distinct chunk id in [1, N) not yet taken. */
-static int32_t pick_chunk(skvt_rng *r, int32_t N, unsigned char *kind, unsigned char mark)
+static int32_t pick_chunk(syn_rng *r, int32_t N, unsigned char *kind, unsigned char mark)
 {
     for (;;) {
-        int32_t j = (int32_t)skvt_rng_range(r, 1, N - 1);
+        int32_t j = (int32_t)syn_rng_range(r, 1, N - 1);
         if (!kind[j]) {
             kind[j] = mark;
             return j;
@@ -160,8 +228,8 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
     if (D > 1024) return SKV_ERR_INVALID_ARGUMENT; /* fixed-size head buffers */
     if (n + max_steps > w->max_pos || max_steps < 0) return SKV_ERR_INVALID_ARGUMENT;
 
-    skvt_rng r;
-    skvt_rng_seed(&r, seed);
+    syn_rng r;
+    syn_rng_seed(&r, seed);
     s->m_bg = P / 4 < 40 ? P / 4 : 40;
     s->m_nd = P / 8 < 24 ? P / 8 : 24;
     s->n_dirs = 1 + s->m_bg + s->m_nd + 1;
@@ -215,7 +283,7 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
             float *cf = coef + i * s->n_dirs;
             if (j != chunk_of_z) { /* AR(1) walk of chunk latents, stationary N(0, 1) */
                 for (int k = 0; k < m_bg; k++)
-                    z[k] = j ? SYN_AR * z[k] + SYN_AR_INNOV * (float)skvt_rng_normal(&r) : (float)skvt_rng_normal(&r);
+                    z[k] = j ? SYN_AR * z[k] + SYN_AR_INNOV * (float)syn_rng_normal(&r) : (float)syn_rng_normal(&r);
                 chunk_of_z = j;
             }
             cf[0] = s->a_mu;
@@ -227,7 +295,7 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, P, s->n_dirs, 1.0f, coef,
                     s->n_dirs, s->basis, P, 0.0f, kf, P);
         skv_bf16 *dst = s->k_pre + t0 * P;
-        for (int64_t e = 0; e < nb * P; e++) dst[e] = skv_f32_to_bf16(kf[e] + SYN_NOISE * fast_normal(&r));
+        for (int64_t e = 0; e < nb * P; e++) dst[e] = syn_f32_to_bf16(kf[e] + SYN_NOISE * fast_normal(&r));
     }
     memcpy(s->z_last, z, sizeof(float) * (size_t)m_bg);
 
@@ -237,7 +305,7 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
         int64_t j = s->needle_chunk[i], pc = j * c + c / 2;
         memset(x, 0, sizeof(float) * (size_t)P);
         for (int k = 0; k < s->m_nd; k++) {
-            float a = a_nd * (float)skvt_rng_normal(&r);
+            float a = a_nd * (float)syn_rng_normal(&r);
             const float *b = s->basis + (size_t)(nd0 + k) * P;
             for (int e = 0; e < P; e++) x[e] += a * b[e];
         }
@@ -245,19 +313,19 @@ skv_status skvs_seq_generate(skvs_seq *s, const skvs_workload *w, int64_t n, int
             rotate(w, x + h * D, pc, 0, u + h * D);
             for (int64_t t = j * c; t < (j + 1) * c; t++) {
                 rotate(w, u + h * D, t, 1, tmp);
-                for (int d = 0; d < D; d++) s->k_pre[(t * Hk + h) * D + d] = skv_f32_to_bf16(tmp[d]);
+                for (int d = 0; d < D; d++) s->k_pre[(t * Hk + h) * D + d] = syn_f32_to_bf16(tmp[d]);
             }
         }
     }
 
-    for (size_t e = 0; e < (size_t)n * P; e++) s->v[e] = skv_f32_to_bf16(fast_normal(&r));
+    for (size_t e = 0; e < (size_t)n * P; e++) s->v[e] = syn_f32_to_bf16(fast_normal(&r));
     skv_status st = skv_op_rope(w->backend, &cfg->rope, D, n, Hk, 0, w->cos_tab, w->sin_tab, s->k_pre, s->k_post);
 
     for (int t = 0; t < s->n_sinks; t++)
-        for (int e = 0; e < P; e++) s->sink_k[e] += skv_bf16_to_f32(s->k_post[(size_t)t * P + e]) / (float)s->n_sinks;
+        for (int e = 0; e < P; e++) s->sink_k[e] += syn_bf16_to_f32(s->k_post[(size_t)t * P + e]) / (float)s->n_sinks;
     for (int i = 0; i < SYN_SAMPLE; i++) {
         int64_t t;
-        do t = skvt_rng_range(&r, s->n_sinks, n - 1);
+        do t = syn_rng_range(&r, s->n_sinks, n - 1);
         while (kind[t / c] == CH_NEEDLE);
         memcpy(s->sample_k + (size_t)i * P, s->k_post + t * P, sizeof(skv_bf16) * (size_t)P);
     }
@@ -280,8 +348,8 @@ skv_status skvs_seq_release(skvs_seq *s)
             st = SKV_ERR_OUT_OF_MEMORY;
         } else {
             for (size_t e = 0; e < (size_t)s->n * P; e++) {
-                s->ref_k[e] = skv_bf16_to_f32(s->k_post[e]);
-                s->ref_v[e] = skv_bf16_to_f32(s->v[e]);
+                s->ref_k[e] = syn_bf16_to_f32(s->k_post[e]);
+                s->ref_v[e] = syn_bf16_to_f32(s->v[e]);
             }
         }
     }
@@ -350,14 +418,14 @@ static skv_status step_tokens(skvs_seq *s, int32_t step, uint64_t stream, int ap
     const int G = Hq / Hk, c = cfg->chunk_size, m = s->n_sample, m_bg = s->m_bg;
     const int64_t pos = s->n + step;
     const double sc = w->scale;
-    skvt_rng r;
-    skvt_rng_seed(&r, s->seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(step + 1)) ^ (0xd1b54a32d192ed03ull * stream));
+    syn_rng r;
+    syn_rng_seed(&r, s->seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(step + 1)) ^ (0xd1b54a32d192ed03ull * stream));
 
     /* the new token: an ordinary key near the last prompt chunk's latent */
     float *row = malloc(sizeof(float) * (size_t)P), *xq = malloc(sizeof(float) * (size_t)P);
     const int nn = s->n_needles;
     double *a = malloc(sizeof(double) * (3 * (size_t)m + 3 * (size_t)nn));
-    skv_bf16 *kpre = malloc(sizeof(skv_bf16) * (size_t)P);
+    skv_bf16 *kpre = calloc((size_t)P, sizeof(skv_bf16)); /* calloc: gcc cannot see every element is set */
     if (!row || !xq || !a || !kpre) {
         free(row), free(xq), free(a), free(kpre);
         return SKV_ERR_OUT_OF_MEMORY;
@@ -370,14 +438,14 @@ static skv_status step_tokens(skvs_seq *s, int32_t step, uint64_t stream, int ap
         float cf = s->sigma[j] * (SYN_AR * s->z_last[j] + SYN_AR_INNOV * fast_normal(&r));
         for (int e = 0; e < P; e++) row[e] += cf * s->basis[(size_t)(1 + j) * P + e];
     }
-    for (int e = 0; e < P; e++) kpre[e] = skv_f32_to_bf16(row[e] + SYN_NOISE * fast_normal(&r));
+    for (int e = 0; e < P; e++) kpre[e] = syn_f32_to_bf16(row[e] + SYN_NOISE * fast_normal(&r));
     skv_status st = skv_op_rope(w->backend, &cfg->rope, D, 1, Hk, pos, w->cos_tab, w->sin_tab, kpre, k);
-    for (int e = 0; e < P; e++) v[e] = skv_f32_to_bf16(fast_normal(&r));
+    for (int e = 0; e < P; e++) v[e] = syn_f32_to_bf16(fast_normal(&r));
     if (st) goto done;
     if (append && s->ref_k)
         for (int e = 0; e < P; e++) {
-            s->ref_k[(size_t)pos * P + e] = skv_bf16_to_f32(k[e]);
-            s->ref_v[(size_t)pos * P + e] = skv_bf16_to_f32(v[e]);
+            s->ref_k[(size_t)pos * P + e] = syn_bf16_to_f32(k[e]);
+            s->ref_v[(size_t)pos * P + e] = syn_bf16_to_f32(v[e]);
         }
 
     const int ni = step % s->n_needles;
@@ -396,12 +464,12 @@ static skv_status step_tokens(skvs_seq *s, int32_t step, uint64_t stream, int ap
             o_s[o] = sc * dotf(sk, s->needle_u + (size_t)o * P + h * D, D);
         }
         for (int g = h * G; g < (h + 1) * G; g++) {
-            const double f_n = 0.25 + 0.35 * skvt_rng_uniform(&r), f_s = 0.05 + 0.15 * skvt_rng_uniform(&r);
-            const double f_b = 1.0 - f_n - f_s, sig = 2.5 + 0.7 * skvt_rng_uniform(&r);
+            const double f_n = 0.25 + 0.35 * syn_rng_uniform(&r), f_s = 0.05 + 0.15 * syn_rng_uniform(&r);
+            const double f_b = 1.0 - f_n - f_s, sig = 2.5 + 0.7 * syn_rng_uniform(&r);
             /* background direction: a random latent, roped at the query position */
             memset(xq, 0, sizeof(float) * (size_t)D);
             for (int j = 0; j < m_bg; j++) {
-                float cf = s->sigma[j] * (float)skvt_rng_normal(&r);
+                float cf = s->sigma[j] * (float)syn_rng_normal(&r);
                 const float *b = s->basis + (size_t)(1 + j) * P + h * D;
                 for (int d = 0; d < D; d++) xq[d] += cf * b[d];
             }
@@ -426,7 +494,7 @@ static skv_status step_tokens(skvs_seq *s, int32_t step, uint64_t stream, int ap
                 alpha = (l_s - gamma * sq - beta * su) / ss; /* < 0 cancels what the rest gives the sinks */
             }
             for (int d = 0; d < D; d++)
-                q[(size_t)g * D + d] = skv_f32_to_bf16((float)(gamma * qn[d] + beta * u[d] + alpha * sk[d]));
+                q[(size_t)g * D + d] = syn_f32_to_bf16((float)(gamma * qn[d] + beta * u[d] + alpha * sk[d]));
         }
     }
 done:
@@ -501,7 +569,7 @@ skv_status skvs_reference(const skvs_seq *s, int32_t n_gen, const skv_bf16 *q, i
     for (int h = 0; h < Hk && !ret; h++) {
         const float *kh = s->ref_k + h * D, *vh = s->ref_v + h * D; /* [T, D], row stride P */
         /* softmax probabilities p[g][t] of the G query heads of KV head h */
-        for (int e = 0; e < G * D; e++) qf[e] = skv_bf16_to_f32(q[(size_t)h * G * D + e]);
+        for (int e = 0; e < G * D; e++) qf[e] = syn_bf16_to_f32(q[(size_t)h * G * D + e]);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, G, (int)T, D, s->w->scale, qf, D, kh, P, 0.0f, sf,
                     (int)T);
         for (int g = 0; g < G; g++) {

@@ -1,12 +1,16 @@
 /*
  * chol_probe.cu - timing probe for the r x r steps of the cuda factorization's FAST route
  * (one shifted Cholesky of C = Y^T Y, p = 160, and the solve Y R^-1 for Y [1024, 160]).
- * Standalone: nvcc -O3 -gencode=arch=compute_90,code=sm_90 tests/gpu/chol_probe.cu -lcublas
- * Variants of the one-block right-looking tile Cholesky (tile shape, with or without the
- * trailing update, the pivot's reciprocal square root from libdevice or from a float seed
- * plus Newton steps) and of the warp-per-row solve, each timed with CUDA events over 200
- * back-to-back launches after warm-up (median of 5 such batches), and checked against a
- * host Cholesky where the variant does the whole work. Prints one line per variant.
+ * Standalone, from the repository root (README.md in this directory):
+ *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
+ *     tests/gpu/probes/chol_probe.cu -lcublas -o build/chol_probe
+ * It times the library's kernels (cuda/skv_cuda_chol.cuh), the library's Cholesky with parts
+ * switched off (chol_skip.cuh, the probe's own copy), and superseded variants of the one-block
+ * right-looking tile Cholesky (tile shape, with or without the trailing update, the pivot's
+ * reciprocal square root from libdevice or from a float seed plus Newton steps) and of the
+ * warp-per-row solve, each with CUDA events over 200 back-to-back launches after warm-up
+ * (median of 5 such batches), checked against a host Cholesky where the variant does the
+ * whole work. Prints one line per variant.
  */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -17,7 +21,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "skv_cuda_chol.cuh"
+#include "chol_skip.cuh" /* and skv_cuda_chol.cuh */
 
 #define CK(x)                                                                                 \
     do {                                                                                      \
@@ -420,11 +424,11 @@ int main()
     /* the library's kernels (check = 0 applies skv_factor_shift, ~1e-10 relative here) */
     double *dlt;
     CK(cudaMalloc(&dlt, SKV_CF_LT_DOUBLES(SKV_CF_MAXT) * 8 + 8 + 8 * P));
-    CK(cudaFuncSetAttribute(skv_cf_chol<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
+    CK(cudaFuncSetAttribute(skv_cf_chol, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
     CK(cudaFuncSetAttribute(skv_cf_solve_lt, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_solve_smem(P)));
-    us = time_us([&] { skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc, P, D, 0, 0, dc, dlt, dinfo); }, 1);
+    us = time_us([&] { skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc, P, D, 0, 0, dc, dlt, dinfo); }, 1);
     CK(cudaMemcpy(dc, c.data(), c.size() * 8, cudaMemcpyHostToDevice));
-    skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc, P, D, 0, 0, dc, dlt, dinfo);
+    skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc, P, D, 0, 0, dc, dlt, dinfo);
     CK(cudaDeviceSynchronize());
     {
         int inf = -1;
@@ -439,16 +443,16 @@ int main()
         CK(cudaMemcpy(dc2, c.data(), c.size() * 8, cudaMemcpyHostToDevice));
         double *dlt2;
         CK(cudaMalloc(&dlt2, SKV_CF_LT_DOUBLES(SKV_CF_MAXT) * 8 + 8 + 8 * P));
-        us = time_us([&] { skv_cf_chol<0><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
+        us = time_us([&] { skv_cf_chol<<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
         printf("%-44s %8.2f us\n", "library chol, back to back", us);
-        CK(cudaFuncSetAttribute(skv_cf_chol<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
-        CK(cudaFuncSetAttribute(skv_cf_chol<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
-        CK(cudaFuncSetAttribute(skv_cf_chol<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
-        us = time_us([&] { skv_cf_chol<1><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
+        CK(cudaFuncSetAttribute(probe_chol_skip<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
+        CK(cudaFuncSetAttribute(probe_chol_skip<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
+        CK(cudaFuncSetAttribute(probe_chol_skip<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv_cf_chol_smem(P)));
+        us = time_us([&] { probe_chol_skip<1><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
         printf("%-44s %8.2f us\n", "library chol without the diagonal blocks", us);
-        us = time_us([&] { skv_cf_chol<2><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
+        us = time_us([&] { probe_chol_skip<2><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
         printf("%-44s %8.2f us\n", "library chol without the trailing updates", us);
-        us = time_us([&] { skv_cf_chol<3><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
+        us = time_us([&] { probe_chol_skip<3><<<1, SKV_CF_CHOL_THREADS, skv_cf_chol_smem(P)>>>(dc2, P, D, 0, 0, dc2, dlt2, dinfo); });
         printf("%-44s %8.2f us\n", "library chol without either", us);
         /* residual against the library's own L (R = L^T) */
         std::vector<double> lc = l_of(dlt), rl((size_t)P * P);
