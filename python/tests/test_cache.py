@@ -269,8 +269,16 @@ def test_prompt_length_and_capacity_errors(backend, device, gen):
         wl.decode(cache, 0, 0, device)
     assert e.value.status_name == "SKV_ERR_NOT_PREFILLED"
     cache.prefill(1, 0, wl.k_pre[1, 0].to(device), wl.v[1, 0].to(device))
-    wl.decode(cache, 0, 0, device)
-    wl.decode(cache, 1, 0, device)
+    for step in range(2):  # every layer takes a token's step before any layer takes the next
+        for layer in range(2):
+            wl.decode(cache, step, layer, device)
     with pytest.raises(ShadowKVError) as e:
         wl.decode(cache, 2, 0, device)
     assert e.value.status_name == "SKV_ERR_CAPACITY"
+    with pytest.raises(ShadowKVError) as e:  # layer 0 two steps ahead of layer 1: refused as well
+        cache2 = shadowkv.Cache(cfg)
+        for layer in range(2):
+            cache2.prefill(layer, 0, wl.k_pre[layer, 0].to(device), wl.v[layer, 0].to(device))
+        wl.decode(cache2, 0, 0, device)
+        wl.decode(cache2, 1, 0, device)
+    assert e.value.status_name == "SKV_ERR_INVALID_ARGUMENT" and "step ahead" in e.value.message
