@@ -248,7 +248,8 @@ SKV_API skv_status skv_config_validate(const skv_config *cfg);
  * device_bytes: the device-resident part (factors, landmarks, outliers,
  * local window, generated tokens, RoPE tables, the value stores of the slots
  * placed on the device and the chunk caches of the others, decode workspace;
- * the workspace depends on the backend, resolved as skv_cache_create does);
+ * the workspace depends on the backend, resolved as skv_cache_create does; for
+ * cuda it is counted only when the cuda plugin can be loaded here);
  * host_bytes: the value stores of the slots placed on the host (see "Value
  * placement"; 0 by default). With ref/cpu both live in host memory; the split
  * is what a cuda cache would place on each side.
