@@ -9,32 +9,46 @@
 #include <omp.h>
 
 #include "skv_cpu.h"
+#include "skv_internal.h"
 
 /* ---- instruction set and threads ---------------------------------------------------------- */
 
-static int skv_cpu_simd_on;
+static int skv_cpu_simd_hw;   /* what the CPU has */
+static int skv_cpu_simd_env;  /* the cap SKV_CPU_SIMD sets (used while no explicit choice is made) */
+static int skv_cpu_simd_set = -1; /* skv_cpu_set_simd's cap; -1: none (atomic accesses) */
 static pthread_once_t skv_cpu_simd_once = PTHREAD_ONCE_INIT;
 
 static void skv_cpu_simd_init(void)
 {
     const char *e = getenv("SKV_CPU_SIMD");
-    int cap = e && !strcmp(e, "0") ? 0 : e && !strcmp(e, "avx2") ? SKV_CPU_LEVEL_AVX2 : SKV_CPU_LEVEL_AVX512;
+    skv_cpu_simd_env = e && !strcmp(e, "0") ? 0 : e && !strcmp(e, "avx2") ? SKV_CPU_LEVEL_AVX2 : SKV_CPU_LEVEL_AVX512;
 #if SKV_CPU_X86
     __builtin_cpu_init();
-    int level = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
-                : __builtin_cpu_supports("avx512f")                                 ? SKV_CPU_LEVEL_AVX512
-                                                                                    : SKV_CPU_LEVEL_AVX2;
-    skv_cpu_simd_on = level < cap ? level : cap;
-#else
-    (void)cap;
+    skv_cpu_simd_hw = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
+                      : __builtin_cpu_supports("avx512f")                                 ? SKV_CPU_LEVEL_AVX512
+                                                                                          : SKV_CPU_LEVEL_AVX2;
 #endif
 }
 
 int skv_cpu_simd(void)
 {
     pthread_once(&skv_cpu_simd_once, skv_cpu_simd_init);
-    return skv_cpu_simd_on;
+    int set = __atomic_load_n(&skv_cpu_simd_set, __ATOMIC_RELAXED);
+    int cap = set >= 0 ? set : skv_cpu_simd_env; /* an explicit choice wins over the environment */
+    return skv_cpu_simd_hw < cap ? skv_cpu_simd_hw : cap;
 }
+
+SKV_API skv_status skv_cpu_set_simd(int32_t level)
+{
+    if (level < -1 || level > SKV_CPU_LEVEL_AVX512)
+        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
+                        "skv_cpu_set_simd: level = %d: expected -1 (default), 0, 1 (AVX2+FMA) or 2 (AVX-512)",
+                        (int)level);
+    __atomic_store_n(&skv_cpu_simd_set, level, __ATOMIC_RELAXED);
+    return SKV_OK;
+}
+
+SKV_API int32_t skv_cpu_simd_level(void) { return skv_cpu_simd(); }
 
 /* config.n_threads of the cache call in progress on this thread; 0 outside one. */
 static __thread int32_t skv_cpu_call_threads;

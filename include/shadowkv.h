@@ -109,11 +109,25 @@ SKV_API const char *skv_last_error(void);
 typedef enum skv_backend {
     SKV_BACKEND_AUTO = 0, /**< cuda if usable, else cpu */
     SKV_BACKEND_REF = 1,  /**< portable single-thread reference: the oracle */
-    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS; AVX2+FMA code chosen at run time by cpuid,
-                               environment SKV_CPU_SIMD=0 forces the portable code (same
-                               decisions; docs/usage.md, "The cpu backend") */
+    SKV_BACKEND_CPU = 2,  /**< OpenMP + OpenBLAS; AVX2+FMA / AVX-512 code chosen at run time
+                               by cpuid; skv_cpu_set_simd (or, without it, the environment
+                               SKV_CPU_SIMD=0|avx2) caps it (same decisions; docs/usage.md,
+                               "The cpu backend") */
     SKV_BACKEND_CUDA = 3  /**< NVIDIA GPUs */
 } skv_backend;
+
+/**
+ * Caps the SIMD code the cpu backend runs, for the whole process: 0 the portable
+ * code, 1 AVX2+FMA, 2 AVX-512 as well (never more than the CPU has), -1 back to
+ * the default (what the CPU has, capped by the environment variable SKV_CPU_SIMD=0
+ * or avx2 when set). An explicit level here wins over the environment. Every level
+ * makes the same decisions bit for bit; outputs stay within the documented
+ * tolerances. Applies to cpu calls that start afterwards. SKV_ERR_INVALID_ARGUMENT
+ * for another level.
+ */
+SKV_API skv_status skv_cpu_set_simd(int32_t level);
+/** The SIMD level cpu calls run now (0, 1 or 2, as skv_cpu_set_simd). */
+SKV_API int32_t skv_cpu_simd_level(void);
 
 /** Static name of a backend: "auto", "ref", "cpu", "cuda", or "invalid". */
 SKV_API const char *skv_backend_name(skv_backend backend);

@@ -134,6 +134,41 @@ int main(void)
         free(v);
     }
 
+    /* the cpu SIMD level: an explicit choice wins over SKV_CPU_SIMD, and every level makes the
+       same selections bit for bit */
+    {
+        const int32_t dflt = skv_cpu_simd_level();
+        SKVT_CHECK_STATUS(skv_cpu_set_simd(3), SKV_ERR_INVALID_ARGUMENT, "skv_cpu_set_simd(3)");
+        SKVT_CHECK(skv_cpu_simd_level() == dflt, "a refused level changed the SIMD level");
+        SKVT_CHECK_STATUS(skv_cpu_set_simd(0), SKV_OK, "skv_cpu_set_simd(0)");
+        SKVT_CHECK(skv_cpu_simd_level() == 0, "level after skv_cpu_set_simd(0): %d", (int)skv_cpu_simd_level());
+        enum { HQ = 8, HK = 2, DD = 64, NC = 700, SS = 40 };
+        skvt_rng rng;
+        skvt_rng_seed(&rng, skvt_base_seed("test_abi simd"));
+        skv_bf16 *q = malloc(sizeof *q * HQ * DD), *lm = malloc(sizeof *lm * HK * NC * DD);
+        int32_t *sel[2] = {malloc(sizeof(int32_t) * HK * SS), malloc(sizeof(int32_t) * HK * SS)};
+        float *amax[2] = {malloc(sizeof(float) * HK * NC), malloc(sizeof(float) * HK * NC)};
+        skvt_fill_bf16_normal(&rng, q, HQ * DD, 1.0);
+        skvt_fill_bf16_normal(&rng, lm, (size_t)HK * NC * DD, 1.0);
+        for (int pass = 0; pass < 2; pass++) {
+            if (pass) {
+                SKVT_CHECK_STATUS(skv_cpu_set_simd(2), SKV_OK, "skv_cpu_set_simd(2)");
+                SKVT_CHECK(skv_cpu_simd_level() >= dflt, "explicit level 2 gives %d, below the default %d",
+                           (int)skv_cpu_simd_level(), (int)dflt);
+            }
+            SKVT_CHECK_STATUS(skv_op_score_select(SKV_BACKEND_CPU, HQ, HK, DD, NC, SS, 0.0f, q, lm, NULL, sel[pass],
+                                                  NULL, amax[pass]),
+                              SKV_OK, "score_select(cpu)");
+        }
+        printf("cpu SIMD: default level %d, explicit 2 gives %d\n", (int)dflt, (int)skv_cpu_simd_level());
+        SKVT_CHECK(!memcmp(sel[0], sel[1], sizeof(int32_t) * HK * SS) && !memcmp(amax[0], amax[1], sizeof(float) * HK * NC),
+                   "selections differ between the portable code and the SIMD code");
+        SKVT_CHECK_STATUS(skv_cpu_set_simd(-1), SKV_OK, "skv_cpu_set_simd(-1)");
+        SKVT_CHECK(skv_cpu_simd_level() == dflt, "level after skv_cpu_set_simd(-1): %d, default %d",
+                   (int)skv_cpu_simd_level(), (int)dflt);
+        free(q), free(lm), free(sel[0]), free(sel[1]), free(amax[0]), free(amax[1]);
+    }
+
     /* the cuda table exists on every build: usable, or unusable with a reason */
     skv_status a = skv_backend_available(SKV_BACKEND_CUDA);
     SKVT_CHECK(a == SKV_OK || a == SKV_ERR_NO_DEVICE, "skv_backend_available(cuda) = %d", (int)a);

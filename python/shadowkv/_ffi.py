@@ -144,6 +144,8 @@ _SIGNATURES = {
     "skv_backend_name": (c_char_p, [c_int]),
     "skv_backend_parse": (c_int, [c_char_p, POINTER(c_int)]),
     "skv_backend_available": (c_int, [c_int]),
+    "skv_cpu_set_simd": (c_int, [c_int32]),
+    "skv_cpu_simd_level": (c_int32, []),
     "skv_config_init": (c_int, [POINTER(Config), c_size_t]),
     "skv_config_validate": (c_int, [POINTER(Config)]),
     "skv_cache_memory": (c_int, [POINTER(Config), POINTER(c_size_t), POINTER(c_size_t)]),
