@@ -261,6 +261,7 @@ static skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, in
 {
     char msg[SKV_ERRMSG_CAP];
     skv_status st = SKV_OK;
+    if (route == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
     if (pthread_mutex_trylock(&skv_cuda_fop_lock) == 0) {
         if (skv_cuda_fop && (skv_cuda_fop_d != d || skv_cuda_fop_r != r || skv_cuda_fop_n < n)) {
             skv_cuda_factor_destroy(skv_cuda_fop);
@@ -638,6 +639,10 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
                                       char *host, char *msg, size_t cap)
 {
     *bctx = NULL;
+    if (cfg->reproducible) { /* not yet implemented */
+        snprintf(msg, cap, "reproducible = 1 is not implemented by the cuda backend yet");
+        return SKV_ERR_UNSUPPORTED;
+    }
     skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
     if (!k) {
         snprintf(msg, cap, "out of host memory");

@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define SKV_VERSION_MAJOR 0
-#define SKV_VERSION_MINOR 1
+#define SKV_VERSION_MINOR 2
 #define SKV_VERSION_PATCH 0
 /** The header's version as one number: major * 10000 + minor * 100 + patch. */
 #define SKV_VERSION_NUMBER (SKV_VERSION_MAJOR * 10000 + SKV_VERSION_MINOR * 100 + SKV_VERSION_PATCH)
@@ -174,7 +174,10 @@ typedef enum skv_factorize_route {
                                      with its built-in fallback to the double Gram (default) */
     SKV_FACTORIZE_FAST = 1,     /**< the fast route, never falling back (tests, debugging) */
     SKV_FACTORIZE_FALLBACK = 2, /**< always the double-precision Gram route */
-    SKV_FACTORIZE_EXACT = 3     /**< the blocked exact route whatever the shape */
+    SKV_FACTORIZE_EXACT = 3,    /**< the blocked exact route whatever the shape */
+    SKV_FACTORIZE_CANONICAL = 4 /**< the canonical route of the reproducible mode: one fixed
+                                     sequence of IEEE operations, so U and W are bitwise equal
+                                     on ref, cpu and cuda (docs/DESIGN.md section 10) */
 } skv_factorize_route;
 
 /**
@@ -214,6 +217,12 @@ typedef struct skv_config {
                                    host-placed (layer, sequence); 0 = min(4 S, N_max - O);
                                    otherwise in [S, N_max - O] */
     skv_factorize_route factorize; /**< the prefill's factorization route; default AUTO */
+    int32_t reproducible;     /**< 1: the reproducible mode: every output bit of prefill and
+                                   decode is equal on ref, cpu and cuda (the canonical
+                                   factorization, key rebuild and attention of docs/DESIGN.md
+                                   section 10; factorize must then be AUTO or CANONICAL and
+                                   reads back as CANONICAL); 0 (default): the fastest routes,
+                                   equal decisions, outputs within the documented tolerances */
 } skv_config;
 
 /**
@@ -612,6 +621,19 @@ SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_confi
                                const float *sin_tab, skv_bf16 *k_out);
 
 /**
+ * skv_op_rebuild_keys by the canonical rule of the reproducible mode
+ * (docs/DESIGN.md section 10): U rows and W_h columns rounded to 13-bit fixed
+ * point against their largest element, their products summed exactly, the sum
+ * rounded once to float, then RoPE as above. k_out is bitwise equal on every
+ * backend. Same arguments and errors as skv_op_rebuild_keys.
+ */
+SKV_API skv_status skv_op_rebuild_keys_canonical(skv_backend backend, const skv_rope_config *rope,
+                                                 int32_t head_dim, int32_t n_kv_heads, int32_t rank,
+                                                 int32_t chunk, int32_t n_select, int64_t n, const skv_bf16 *u,
+                                                 const skv_bf16 *w, const int32_t *chunk_ids,
+                                                 const float *cos_tab, const float *sin_tab, skv_bf16 *k_out);
+
+/**
  * Gathers value chunks from a store.
  *  store [Hk, n_store, c, D] bf16, idx [Hk, S] (0 <= idx < n_store),
  *  v_out [Hk, S*c, D].
@@ -640,6 +662,18 @@ typedef struct skv_kv_span {
 SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
                                    int32_t head_dim, float scale, const skv_bf16 *q,
                                    int32_t n_spans, const skv_kv_span *spans, float *out);
+
+/**
+ * skv_op_sparse_attention by the canonical rule of the reproducible mode
+ * (docs/DESIGN.md section 10): the tokens in span order, scores by the fmaf dot
+ * of the selection, skv_expf weights, and the softmax sum and every output
+ * dimension's P.V sum as the 256-lane canonical sum. out is bitwise equal on
+ * every backend. Same arguments and errors as skv_op_sparse_attention.
+ */
+SKV_API skv_status skv_op_sparse_attention_canonical(skv_backend backend, int32_t n_q_heads,
+                                                     int32_t n_kv_heads, int32_t head_dim, float scale,
+                                                     const skv_bf16 *q, int32_t n_spans,
+                                                     const skv_kv_span *spans, float *out);
 
 /**
  * Dense attention of q [Hq, D] over n_tokens keys/values [n_tokens, Hk, D]

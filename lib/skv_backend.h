@@ -123,7 +123,8 @@ struct skv_backend_ops {
     size_t (*decode_ws_bytes)(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens);
 
     /* --- ops (one public skv_op_* per slot; see shadowkv.h) ----------------- */
-    /* route: the caller's choice (ref has one route and ignores it) */
+    /* route: the caller's choice (ref has one route for all but CANONICAL, which every
+       backend implements as docs/DESIGN.md section 10 defines it, bit for bit) */
     skv_status (*factorize)(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                             float *w);
     skv_status (*rope)(const skv_rope_config *rope, int32_t head_dim, int64_t n_tokens,
@@ -147,6 +148,17 @@ struct skv_backend_ops {
     skv_status (*sparse_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                    float scale, const skv_bf16 *q, int32_t n_spans,
                                    const skv_kv_span *spans, float *out, skv_ws *ws);
+    /* The canonical rules of the reproducible mode (docs/DESIGN.md section 10): same
+       arguments as rebuild_keys and sparse_attention, outputs bitwise equal on every
+       backend. A cache with config.reproducible runs its decode through these (or, with
+       cache-level slots, through the backend's own canonical kernels). */
+    skv_status (*rebuild_keys_canonical)(const skv_rope_config *rope, int32_t head_dim, int32_t n_kv_heads,
+                                         int32_t rank, int32_t chunk, int32_t n_select, int64_t n,
+                                         const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                         const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
+    skv_status (*sparse_attention_canonical)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim, float scale,
+                                             const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
+                                             float *out, skv_ws *ws);
     skv_status (*full_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                  float scale, const skv_bf16 *q, int64_t n_tokens,
                                  const skv_bf16 *k, const skv_bf16 *v, float *out);
@@ -195,7 +207,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 1
+#define SKV_PLUGIN_ABI 2
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 

@@ -76,6 +76,7 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
                         "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
     st = skv_layout_compute(NULL, c, lay);
     if (st) return st;
+    if (c->reproducible) c->factorize = SKV_FACTORIZE_CANONICAL; /* validated: AUTO or CANONICAL */
     if (probe || c->backend == SKV_BACKEND_AUTO) {
         st = skv_backend_resolve(NULL, c->backend, &c->backend, ops);
         if (st) return st;
@@ -199,6 +200,11 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     skv_status st = skv_cache_plan(cfg, 1, &c, &lay, &ops, &ws_bytes);
     if (st) return st;
     if (ops->set_threads && c.n_threads > 1 && (st = skv_probe_threads(c.n_threads))) return st;
+    if (c.reproducible && !ops->cache_decode && (!ops->rebuild_keys_canonical || !ops->sparse_attention_canonical))
+        return skv_fail(NULL, SKV_ERR_UNSUPPORTED,
+                        "skv_cache_create: backend %s has no canonical rebuild and attention: "
+                        "reproducible = 1 is not available on it",
+                        ops->name);
 
     skv_cache *k = calloc(1, sizeof *k);
     if (!k) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of host memory");
@@ -584,8 +590,9 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
         if (st) return skv_slot_failed(c, fn, "score_select", st);
         t_sel += skv_now_ms() - t;
         t = skv_now_ms();
-        st = ops->rebuild_keys(&g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16),
-                               DEV(c, layer, b, w, skv_bf16), sids, cos_t, sin_t, ks, &c->ws);
+        st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
+            &g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16), sids,
+            cos_t, sin_t, ks, &c->ws);
         c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
         t_reb += skv_now_ms() - t;
@@ -605,7 +612,8 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
             spans[i].k = sk[i], spans[i].v = sv[i];
             spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
         }
-        st = ops->sparse_attention(Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, out + (size_t)b * Hq * D, &c->ws);
+        st = (g->reproducible ? ops->sparse_attention_canonical : ops->sparse_attention)(
+            Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, out + (size_t)b * Hq * D, &c->ws);
         c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
         t_att += skv_now_ms() - t;

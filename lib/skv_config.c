@@ -39,6 +39,7 @@ static skv_config skv_defaults(void)
     c.value_device_bytes = SKV_VALUES_ALL_DEVICE;
     c.value_cache_chunks = 0;
     c.factorize = SKV_FACTORIZE_AUTO;
+    c.reproducible = 0;
     return c;
 }
 
@@ -51,8 +52,8 @@ SKV_API const char *skv_version_string(void)
     return SKV_STR(SKV_VERSION_MAJOR) "." SKV_STR(SKV_VERSION_MINOR) "." SKV_STR(SKV_VERSION_PATCH);
 }
 
-/* A size some published skv_config had: today only the first layout's. */
-static int skv_config_size_ok(size_t size) { return size >= SKV_CONFIG_MIN_SIZE && size <= sizeof(skv_config); }
+/* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible. */
+static int skv_config_size_ok(size_t size) { return size == SKV_CONFIG_MIN_SIZE || size == sizeof(skv_config); }
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
 {
@@ -170,8 +171,15 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "value_device_bytes = %lld: must be >= 0, or SKV_VALUES_ALL_DEVICE (-1)",
                         (long long)cfg->value_device_bytes);
-    if ((int)cfg->factorize < SKV_FACTORIZE_AUTO || (int)cfg->factorize > SKV_FACTORIZE_EXACT)
+    if ((int)cfg->factorize < SKV_FACTORIZE_AUTO || (int)cfg->factorize > SKV_FACTORIZE_CANONICAL)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "factorize = %d: not a skv_factorize_route value",
+                        (int)cfg->factorize);
+    if (cfg->reproducible != 0 && cfg->reproducible != 1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "reproducible = %d: must be 0 or 1", cfg->reproducible);
+    if (cfg->reproducible && cfg->factorize != SKV_FACTORIZE_AUTO && cfg->factorize != SKV_FACTORIZE_CANONICAL)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "factorize = %d with reproducible = 1: the reproducible mode takes the canonical "
+                        "route; leave factorize AUTO (or CANONICAL)",
                         (int)cfg->factorize);
     if (cfg->value_cache_chunks < 0)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "value_cache_chunks = %d: must be >= 0 (0 = default)",

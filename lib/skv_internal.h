@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include "skv_backend.h"
@@ -80,7 +81,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
  * The structs of the public API that grow by appending fields. The smallest size
  * each ever had (its first published layout) is the least a caller may pass.
  */
-#define SKV_CONFIG_MIN_SIZE sizeof(skv_config)
+#define SKV_CONFIG_MIN_SIZE offsetof(skv_config, reproducible) /* 0.1.0 ended at factorize */
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
 #define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
 #define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)

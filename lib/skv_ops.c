@@ -74,7 +74,7 @@ SKV_API skv_status skv_op_factorize_route(skv_backend backend, skv_factorize_rou
                                           int32_t r, const skv_bf16 *a, float *u, float *w)
 {
     static const char fn[] = "skv_op_factorize";
-    if ((int)route < SKV_FACTORIZE_AUTO || (int)route > SKV_FACTORIZE_EXACT)
+    if ((int)route < SKV_FACTORIZE_AUTO || (int)route > SKV_FACTORIZE_CANONICAL)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: route = %d: not a skv_factorize_route value", fn,
                         (int)route);
     SKV_NONNULL(fn, a);
@@ -178,13 +178,12 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
     return skv_slot_result(fn, ops, st);
 }
 
-SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_config *rope,
-                                       int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk,
-                                       int32_t n_select, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                       const int32_t *chunk_ids, const float *cos_tab,
-                                       const float *sin_tab, skv_bf16 *k_out)
+/* skv_op_rebuild_keys and skv_op_rebuild_keys_canonical: the same checks, then one of two slots. */
+static skv_status skv_rebuild_op(const char *fn, int canonical, skv_backend backend, const skv_rope_config *rope,
+                                 int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk, int32_t n_select,
+                                 int64_t n, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
+                                 const float *cos_tab, const float *sin_tab, skv_bf16 *k_out)
 {
-    static const char fn[] = "skv_op_rebuild_keys";
     skv_status st = skv_rope_args(fn, rope, head_dim);
     if (st) return st;
     SKV_NONNULL(fn, u);
@@ -198,7 +197,18 @@ SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_confi
     SKV_RANGE(fn, n_select, 1, INT32_MAX / 4096);
     SKV_RANGE(fn, n, chunk, (int64_t)1 << 31);
     SKV_RANGE(fn, rank, 1, (int64_t)n_kv_heads * head_dim);
-    SKV_GET_SLOT(fn, rebuild_keys);
+    const struct skv_backend_ops *ops;
+    {
+        skv_backend got;
+        st = skv_backend_resolve(NULL, backend, &got, &ops);
+        if (st) return st;
+    }
+    skv_status (*slot)(const skv_rope_config *, int32_t, int32_t, int32_t, int32_t, int32_t, int64_t,
+                       const skv_bf16 *, const skv_bf16 *, const int32_t *, const float *, const float *, skv_bf16 *,
+                       skv_ws *) = canonical ? ops->rebuild_keys_canonical : ops->rebuild_keys;
+    if (!slot)
+        return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", fn, ops->name,
+                        canonical ? "rebuild_keys_canonical" : "rebuild_keys");
     int64_t bad_i;
     int32_t bad_v;
     /* chunk j holds tokens j*c .. j*c + c-1, all below n: 0 <= j < floor(n/c) */
@@ -208,10 +218,29 @@ SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_confi
     SKV_FINITE(fn, u, n * rank);
     SKV_FINITE(fn, w, (int64_t)rank * n_kv_heads * head_dim);
     skv_ws ws = {0};
-    st = ops->rebuild_keys(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids, cos_tab,
-                           sin_tab, k_out, &ws);
+    st = slot(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids, cos_tab, sin_tab, k_out, &ws);
     skv_ws_reset(&ws);
     return skv_slot_result(fn, ops, st);
+}
+
+SKV_API skv_status skv_op_rebuild_keys(skv_backend backend, const skv_rope_config *rope,
+                                       int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk,
+                                       int32_t n_select, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                       const int32_t *chunk_ids, const float *cos_tab,
+                                       const float *sin_tab, skv_bf16 *k_out)
+{
+    return skv_rebuild_op("skv_op_rebuild_keys", 0, backend, rope, head_dim, n_kv_heads, rank, chunk, n_select, n,
+                          u, w, chunk_ids, cos_tab, sin_tab, k_out);
+}
+
+SKV_API skv_status skv_op_rebuild_keys_canonical(skv_backend backend, const skv_rope_config *rope,
+                                                 int32_t head_dim, int32_t n_kv_heads, int32_t rank, int32_t chunk,
+                                                 int32_t n_select, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                                 const int32_t *chunk_ids, const float *cos_tab,
+                                                 const float *sin_tab, skv_bf16 *k_out)
+{
+    return skv_rebuild_op("skv_op_rebuild_keys_canonical", 1, backend, rope, head_dim, n_kv_heads, rank, chunk,
+                          n_select, n, u, w, chunk_ids, cos_tab, sin_tab, k_out);
 }
 
 SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads, int32_t head_dim,
@@ -252,11 +281,11 @@ static skv_status skv_attn_args(const char *fn, int32_t n_q_heads, int32_t n_kv_
     return SKV_OK;
 }
 
-SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
-                                           int32_t head_dim, float scale, const skv_bf16 *q,
-                                           int32_t n_spans, const skv_kv_span *spans, float *out)
+/* skv_op_sparse_attention and skv_op_sparse_attention_canonical: the same checks, then one of two slots. */
+static skv_status skv_sparse_op(const char *fn, int canonical, skv_backend backend, int32_t n_q_heads,
+                                int32_t n_kv_heads, int32_t head_dim, float scale, const skv_bf16 *q, int32_t n_spans,
+                                const skv_kv_span *spans, float *out)
 {
-    static const char fn[] = "skv_op_sparse_attention";
     skv_status st = skv_attn_args(fn, n_q_heads, n_kv_heads, head_dim, scale, q, out);
     if (st) return st;
     SKV_NONNULL(fn, spans);
@@ -276,7 +305,17 @@ SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_head
     }
     if (total < 1)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: the spans hold no token", fn);
-    SKV_GET_SLOT(fn, sparse_attention);
+    const struct skv_backend_ops *ops;
+    {
+        skv_backend got;
+        st = skv_backend_resolve(NULL, backend, &got, &ops);
+        if (st) return st;
+    }
+    skv_status (*slot)(int32_t, int32_t, int32_t, float, const skv_bf16 *, int32_t, const skv_kv_span *, float *,
+                       skv_ws *) = canonical ? ops->sparse_attention_canonical : ops->sparse_attention;
+    if (!slot)
+        return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", fn, ops->name,
+                        canonical ? "sparse_attention_canonical" : "sparse_attention");
     SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
     for (int32_t i = 0; i < n_spans; i++) {
         const skv_kv_span *s = &spans[i];
@@ -290,10 +329,25 @@ SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_head
                                 (int)(bad / head_dim / s->n_tokens));
     }
     skv_ws ws = {0};
-    st = ops->sparse_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans,
-                               spans, out, &ws);
+    st = slot(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans, spans, out, &ws);
     skv_ws_reset(&ws);
     return skv_slot_result(fn, ops, st);
+}
+
+SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                           int32_t head_dim, float scale, const skv_bf16 *q,
+                                           int32_t n_spans, const skv_kv_span *spans, float *out)
+{
+    return skv_sparse_op("skv_op_sparse_attention", 0, backend, n_q_heads, n_kv_heads, head_dim, scale, q, n_spans,
+                         spans, out);
+}
+
+SKV_API skv_status skv_op_sparse_attention_canonical(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                                     int32_t head_dim, float scale, const skv_bf16 *q,
+                                                     int32_t n_spans, const skv_kv_span *spans, float *out)
+{
+    return skv_sparse_op("skv_op_sparse_attention_canonical", 1, backend, n_q_heads, n_kv_heads, head_dim, scale,
+                         q, n_spans, spans, out);
 }
 
 SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,

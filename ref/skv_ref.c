@@ -78,6 +78,7 @@ static skv_status skv_ref_check_range(const int32_t *x, int64_t n, int64_t lo, i
 static skv_status skv_ref_factorize(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                                     float *w)
 {
+    if (route == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
     double *g = malloc((size_t)d * d * sizeof *g);
     double *row = malloc((size_t)d * sizeof *row);
     double *evals = malloc((size_t)d * sizeof *evals);

@@ -8,6 +8,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "testutil.h"
@@ -45,7 +46,32 @@ int main(void)
     SKVT_CHECK(c.factorize == SKV_FACTORIZE_AUTO, "default factorize = %d", (int)c.factorize);
     c = small_config();
     SKVT_CHECK_STATUS(skv_config_validate(&c), SKV_OK, "validate(small)");
-    const size_t bad_sizes[] = {0, 1, sizeof c - 1, sizeof c + 8, (size_t)-1};
+    /* a caller built against 0.1 passes the size of its skv_config, which ended at factorize:
+       accepted, and the field it does not know (reproducible) takes its default */
+    {
+        const size_t old_size = offsetof(skv_config, reproducible);
+        unsigned char raw[sizeof(skv_config) + 16];
+        memset(raw, 0xA5, sizeof raw);
+        SKVT_CHECK_STATUS(skv_config_init((skv_config *)raw, old_size), SKV_OK, "skv_config_init(0.1 size)");
+        int untouched = 1;
+        for (size_t j = old_size; j < sizeof raw; j++) untouched &= raw[j] == 0xA5;
+        SKVT_CHECK(untouched, "skv_config_init(0.1 size) wrote past the caller's %zu bytes", old_size);
+        skv_config b = small_config();
+        b.struct_size = old_size;
+        b.reproducible = 77; /* past the caller's struct: never read */
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.1 size, garbage past it)");
+        b.struct_size = sizeof b;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_ERR_INVALID_CONFIG, "validate(reproducible = 77)");
+        SKVT_CHECK(strstr(skv_last_error(), "reproducible") != NULL, "message names reproducible: %s",
+                   skv_last_error());
+        b.reproducible = 1;
+        b.factorize = SKV_FACTORIZE_FAST;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_ERR_INVALID_CONFIG, "validate(reproducible with FAST)");
+        b.factorize = SKV_FACTORIZE_CANONICAL;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(reproducible with CANONICAL)");
+    }
+    const size_t bad_sizes[] = {0, 1, offsetof(skv_config, reproducible) - 1, sizeof c - 1, sizeof c + 8,
+                                (size_t)-1};
     for (size_t i = 0; i < sizeof bad_sizes / sizeof bad_sizes[0]; i++) {
         skv_config b = small_config();
         b.struct_size = bad_sizes[i];
@@ -111,8 +137,8 @@ int main(void)
         skv_bf16 a8[64];
         float u8[16], w8[16];
         for (int i = 0; i < 64; i++) a8[i] = skv_bf16_from_float((float)((i * 37) % 11) - 5.0f);
-        SKVT_CHECK_STATUS(skv_op_factorize_route(SKV_BACKEND_CPU, (skv_factorize_route)4, 8, 8, 2, a8, u8, w8),
-                          SKV_ERR_INVALID_ARGUMENT, "skv_op_factorize_route(route 4)");
+        SKVT_CHECK_STATUS(skv_op_factorize_route(SKV_BACKEND_CPU, (skv_factorize_route)5, 8, 8, 2, a8, u8, w8),
+                          SKV_ERR_INVALID_ARGUMENT, "skv_op_factorize_route(route 5)");
         skvt_rng rng;
         uint64_t seed = skvt_base_seed("test_abi");
         skvt_rng_seed(&rng, seed);

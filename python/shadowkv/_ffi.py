@@ -27,11 +27,11 @@ BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
 BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
 
 # skv_factorize_route
-ROUTES = {"auto": 0, "fast": 1, "fallback": 2, "exact": 3}
+ROUTES = {"auto": 0, "fast": 1, "fallback": 2, "exact": 3, "canonical": 4}
 
 # SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
 # major number must agree (its minor number may be newer: structs only grow at the end)
-HEADER_VERSION = 100
+HEADER_VERSION = 200
 
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16
@@ -73,6 +73,7 @@ class Config(Structure):
         ("value_device_bytes", c_int64),
         ("value_cache_chunks", c_int32),
         ("factorize", c_int),
+        ("reproducible", c_int32),
     ]
 
 

@@ -111,7 +111,7 @@ def test_every_function_bound():
 
 def test_version_and_names():
     L = shadowkv.lib()
-    assert shadowkv.version() == "0.1.0"
+    assert shadowkv.version() == "0.2.0"
     assert L.skv_version_number() == _ffi.HEADER_VERSION
     for code, name in _ffi.STATUS_NAMES.items():
         assert L.skv_status_string(code).decode().startswith(name), code

@@ -36,7 +36,7 @@ def test_import_without_torch():
                        env=dict(os.environ, PYTHONPATH=PYDIR), cwd=REPO)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "0.1.0" and lines[2] == "True True"
+    assert lines[0] == "0.2.0" and lines[2] == "True True"
     assert lines[3].startswith("ImportError: shadowkv: this call takes torch tensors")
     assert lines[4].startswith("SKV_ERR_NO_DEVICE")
 
@@ -59,4 +59,4 @@ def test_pip_install_carries_the_library(tmp_path):
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "0.1.0" and lines[1] == str(pkg / "libshadowkv.so.0")
+    assert lines[0] == "0.2.0" and lines[1] == str(pkg / "libshadowkv.so.0")
