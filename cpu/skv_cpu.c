@@ -149,6 +149,10 @@ static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, i
     size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, nt);
     size_t att = skv_cpu_attn_ws_bytes(cfg, max_attn_tokens, nt);
     size_t m = sel > reb ? sel : reb;
+    if (cfg->reproducible) {
+        size_t canon = skv_cpu_canon_ws_bytes(cfg, max_attn_tokens, nt);
+        if (canon > m) m = canon;
+    }
     return m > att ? m : att;
 }
 
@@ -168,6 +172,8 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops)
     ops->rebuild_keys = skv_cpu_rebuild_keys;
     ops->gather_values = skv_cpu_gather_values;
     ops->sparse_attention = skv_cpu_sparse_attention;
+    ops->rebuild_keys_canonical = skv_cpu_rebuild_keys_canonical;
+    ops->sparse_attention_canonical = skv_cpu_sparse_attention_canonical;
     ops->full_attention = skv_cpu_full_attention;
 }
 

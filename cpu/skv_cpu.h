@@ -136,6 +136,14 @@ skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale
                                   int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
 
 /* skv_ws_alloc bytes of one call of the decode slots for a cache's config (nt: its thread count). */
+/* The reproducible mode's canonical rebuild and attention (skv_cpu_canon.c). */
+skv_status skv_cpu_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                                          int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                          const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                          skv_bf16 *k_out, skv_ws *ws);
+skv_status skv_cpu_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                              int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+size_t skv_cpu_canon_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt);
 size_t skv_cpu_select_ws_bytes(const skv_config *cfg, int32_t cand_max);
 size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt);
 size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt);

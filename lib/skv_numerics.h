@@ -270,4 +270,112 @@ SKV_HD float skv_select_key(float a) { return a != a ? -1.0f : a; }
 /* Ordering key for outliers: lower score is more outlying; NaN is most outlying. */
 SKV_HD float skv_outlier_key(float s) { return s != s ? -3.0f : s; }
 
+/* ---- the reproducible mode: canonical key rebuild (docs/DESIGN.md 10.2) ---- */
+
+/*
+ * ex() of the largest magnitude of a bf16 row or column, from the largest of
+ * its elements' (bits & 0x7fff) (finite inputs, so that order is the order of
+ * magnitudes): floor(log2) of a normal value, -126 for a subnormal one, and
+ * -126 for an all-zero row (any value would do: every element is then 0).
+ */
+SKV_HD int skv_canon_ex(uint16_t maxabs_bits)
+{
+    const int E = (maxabs_bits >> 7) & 0xff;
+    return E ? E - 127 : -126;
+}
+
+/*
+ * The 13-bit fixed point of one bf16 element h against the exponent e = ex of
+ * its row's (or column's) largest magnitude: rne(h * 2^(12 - e)), computed in
+ * integers (exact, so every backend gets the same value). |result| < 2^13.
+ * h = m 2^(E - 134) with the 8-bit significand m (E = 1 for a subnormal), so
+ * h 2^(12 - e) = m 2^(E - 122 - e) with E - 122 - e <= 5.
+ */
+SKV_HD int32_t skv_canon_fix(uint16_t h, int e)
+{
+    int E = (h >> 7) & 0xff;
+    int32_t m = h & 0x7f, x;
+    if (E) m |= 0x80;
+    else E = 1;
+    const int sh = E - 122 - e;
+    if (sh >= 0) {
+        x = m << sh;
+    } else if (sh <= -9) { /* m 2^sh < 2^(8 + sh) <= 1/2: rounds to 0 (a tie only if m = 256) */
+        x = 0;
+    } else {
+        const int k = -sh;
+        const int32_t rem = m & ((1 << k) - 1), half = 1 << (k - 1);
+        x = m >> k;
+        if (rem > half || (rem == half && (x & 1))) x++;
+    }
+    return (h & 0x8000u) ? -x : x;
+}
+
+/*
+ * The pre-RoPE key from the exact integer sum P = sum_q xu_q xw_q (|P| < 2^53)
+ * and e = eu + ew - 24: (float)(P 2^e), one rounding (round to nearest even,
+ * to a subnormal or to inf where the value lies there). P 2^e is exact in
+ * double for the e that occur (-276 <= e <= 230).
+ */
+SKV_HD float skv_canon_key(int64_t P, int e)
+{
+    uint64_t bits = (uint64_t)(e + 1023) << 52;
+    double s;
+    memcpy(&s, &bits, sizeof s);
+#if defined(__CUDA_ARCH__)
+    return __double2float_rn(__dmul_rn((double)P, s));
+#else
+    return (float)((double)P * s);
+#endif
+}
+
+/* ---- the reproducible mode: canonical attention (docs/DESIGN.md 10.3) ---- */
+
+/* One span of one KV head: token j's key at k + j * token_stride, its value at v + j * token_stride. */
+typedef struct skv_canon_span {
+    const uint16_t *k, *v;
+    int64_t n_tokens, token_stride;
+} skv_canon_span;
+
+/*
+ * The canonical attention of one query head q[0..D) over the tokens of n_spans
+ * spans in order (T >= 1 in all), DESIGN 10.3 as code:
+ *   s_j = SKV_MUL(skv_dot_bf16(q, k_j, D), scale); M = max s_j (a scan from s_0,
+ *   a strictly greater value replaces M); e_j = skv_expf(SKV_SUB(s_j, M));
+ *   Z = skv_canonical_sum(e); N_d = the same 256 lanes with the lane update
+ *   P = SKV_FMA(e_j, v_jd, P), the same tree; out_d = SKV_DIV(N_d, Z).
+ * lanes: scratch of SKV_CANON_LANES * (D + 1) floats. s_j is computed twice
+ * (for M, then for e_j), the same bits both times. (A backend's M may come from
+ * any reduction order: the inputs are finite, so M's value is unique up to the
+ * sign of a zero, and e_j = skv_expf(+-0) = 1 either way.)
+ */
+SKV_HD void skv_canonical_attend(const uint16_t *q, int D, float scale, int n_spans, const skv_canon_span *sp,
+                                 float *lanes, float *out)
+{
+    float M = 0.0f;
+    int64_t j = 0;
+    for (int i = 0; i < n_spans; i++)
+        for (int64_t t = 0; t < sp[i].n_tokens; t++, j++) {
+            const float s = SKV_MUL(skv_dot_bf16(q, sp[i].k + t * sp[i].token_stride, D), scale);
+            if (j == 0 || s > M) M = s;
+        }
+    float *Zl = lanes, *N = lanes + SKV_CANON_LANES; /* N[l * D + d] */
+    for (int64_t i = 0; i < (int64_t)SKV_CANON_LANES * (D + 1); i++) lanes[i] = 0.0f;
+    j = 0;
+    for (int i = 0; i < n_spans; i++)
+        for (int64_t t = 0; t < sp[i].n_tokens; t++, j++) {
+            const int64_t off = t * sp[i].token_stride;
+            const float e = skv_expf(SKV_SUB(SKV_MUL(skv_dot_bf16(q, sp[i].k + off, D), scale), M));
+            const int l = (int)(j & (SKV_CANON_LANES - 1));
+            Zl[l] = SKV_ADD(Zl[l], e);
+            for (int d = 0; d < D; d++) N[l * D + d] = SKV_FMA(e, skv_bf16_to_f32(sp[i].v[off + d]), N[l * D + d]);
+        }
+    for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
+        for (int k = 0; k < w; k++) {
+            Zl[k] = SKV_ADD(Zl[k], Zl[k + w]);
+            for (int d = 0; d < D; d++) N[k * D + d] = SKV_ADD(N[k * D + d], N[(k + w) * D + d]);
+        }
+    for (int d = 0; d < D; d++) out[d] = SKV_DIV(N[d], Zl[0]);
+}
+
 #endif /* SKV_NUMERICS_H */

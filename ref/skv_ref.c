@@ -211,12 +211,29 @@ static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
     return SKV_OK;
 }
 
-/* score_select's three arrays; rebuild and attention use the stack. */
+/* Arena bytes of the canonical rebuild (xw [r][D], ew [D], xu [r] int32, x [D] float) and of
+   the canonical attention (lanes [256 (D + 1)] float, spans [SKV_MAX_SPANS]). */
+static size_t skv_ref_canon_rebuild_bytes(int32_t D, int32_t r)
+{
+    return SKV_WS_BYTES(sizeof(int32_t) * ((size_t)r * D + D + r) + sizeof(float) * D, 4);
+}
+static size_t skv_ref_canon_attn_bytes(int32_t D)
+{
+    return SKV_WS_BYTES(sizeof(float) * SKV_CANON_LANES * ((size_t)D + 1) + sizeof(skv_canon_span) * SKV_MAX_SPANS, 2);
+}
+
+/* The largest of score_select's three arrays and, in the reproducible mode, of the canonical
+   rebuild's and attention's scratch; the other slots use the stack. */
 static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
 {
-    (void)cfg;
     (void)max_attn_tokens;
-    return SKV_WS_BYTES((size_t)3 * cand_max * sizeof(float), 3);
+    size_t m = SKV_WS_BYTES((size_t)3 * cand_max * sizeof(float), 3);
+    if (cfg->reproducible) {
+        size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, cfg->rank), b = skv_ref_canon_attn_bytes(cfg->head_dim);
+        if (a > m) m = a;
+        if (b > m) m = b;
+    }
+    return m;
 }
 
 /* ---- rebuild keys ------------------------------------------------------------- */
@@ -246,6 +263,54 @@ static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, i
                 skv_rope_row_f32(x, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
                                  k_out + (((size_t)h * S + s) * c + i) * D);
             }
+    return SKV_OK;
+}
+
+/*
+ * The canonical rebuild (docs/DESIGN.md 10.2) as written: per head, the fixed point of W_h's
+ * columns; per token, the fixed point of its U row, the exact int64 sums, one rounding to
+ * float (skv_canon_key), RoPE and bf16 (skv_rope_row_f32).
+ */
+static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
+                                                 int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
+                                                 const skv_bf16 *w, const int32_t *chunk_ids, const float *cos_tab,
+                                                 const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+{
+    (void)n;
+    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
+    size_t width = (size_t)Hk * D;
+    int32_t *xw = skv_ws_alloc(ws, (size_t)r * D * sizeof *xw), *ew = skv_ws_alloc(ws, (size_t)D * sizeof *ew);
+    int32_t *xu = skv_ws_alloc(ws, (size_t)r * sizeof *xu);
+    float *x = skv_ws_alloc(ws, (size_t)D * sizeof *x);
+    if (!xw || !ew || !xu || !x) return SKV_ERR_OUT_OF_MEMORY;
+    for (int32_t h = 0; h < Hk; h++) {
+        for (int32_t d = 0; d < D; d++) {
+            uint16_t mx = 0;
+            for (int32_t q = 0; q < r; q++) {
+                uint16_t a = w[(size_t)q * width + (size_t)h * D + d] & 0x7fffu;
+                if (a > mx) mx = a;
+            }
+            ew[d] = skv_canon_ex(mx);
+            for (int32_t q = 0; q < r; q++) xw[(size_t)q * D + d] = skv_canon_fix(w[(size_t)q * width + (size_t)h * D + d], ew[d]);
+        }
+        for (int32_t s = 0; s < S; s++)
+            for (int32_t i = 0; i < c; i++) {
+                int64_t t = (int64_t)chunk_ids[(size_t)h * S + s] * c + i;
+                const skv_bf16 *ur = u + (size_t)t * r;
+                uint16_t mx = 0;
+                for (int32_t q = 0; q < r; q++)
+                    if ((ur[q] & 0x7fffu) > mx) mx = ur[q] & 0x7fffu;
+                const int eu = skv_canon_ex(mx);
+                for (int32_t q = 0; q < r; q++) xu[q] = skv_canon_fix(ur[q], eu);
+                for (int32_t d = 0; d < D; d++) {
+                    int64_t P = 0;
+                    for (int32_t q = 0; q < r; q++) P += (int64_t)xu[q] * xw[(size_t)q * D + d];
+                    x[d] = skv_canon_key(P, eu + ew[d] - 24);
+                }
+                skv_rope_row_f32(x, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
+                                 k_out + (((size_t)h * S + s) * c + i) * D);
+            }
+    }
     return SKV_OK;
 }
 
@@ -314,6 +379,28 @@ static skv_status skv_ref_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, fl
     return SKV_OK;
 }
 
+/* The canonical attention (docs/DESIGN.md 10.3): skv_canonical_attend per query head. */
+static skv_status skv_ref_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                                     const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
+                                                     float *out, skv_ws *ws)
+{
+    int32_t G = Hq / Hk;
+    float *lanes = skv_ws_alloc(ws, sizeof(float) * SKV_CANON_LANES * ((size_t)D + 1));
+    skv_canon_span *cs = skv_ws_alloc(ws, sizeof *cs * SKV_MAX_SPANS);
+    if (!lanes || !cs) return SKV_ERR_OUT_OF_MEMORY;
+    for (int32_t i = 0; i < Hq; i++) {
+        const int64_t h = i / G;
+        for (int32_t sp = 0; sp < n_spans; sp++) {
+            cs[sp].n_tokens = spans[sp].n_tokens;
+            cs[sp].token_stride = spans[sp].token_stride;
+            cs[sp].k = spans[sp].n_tokens ? spans[sp].k + h * spans[sp].head_stride : NULL;
+            cs[sp].v = spans[sp].n_tokens ? spans[sp].v + h * spans[sp].head_stride : NULL;
+        }
+        skv_canonical_attend(q + (size_t)i * D, D, scale, n_spans, cs, lanes, out + (size_t)i * D);
+    }
+    return SKV_OK;
+}
+
 static skv_status skv_ref_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                          const skv_bf16 *q, int64_t n_tokens, const skv_bf16 *k,
                                          const skv_bf16 *v, float *out)
@@ -339,6 +426,8 @@ const struct skv_backend_ops skv_ref_ops = {
     .rebuild_keys = skv_ref_rebuild_keys,
     .gather_values = skv_ref_gather_values,
     .sparse_attention = skv_ref_sparse_attention,
+    .rebuild_keys_canonical = skv_ref_rebuild_keys_canonical,
+    .sparse_attention_canonical = skv_ref_sparse_attention_canonical,
     .full_attention = skv_ref_full_attention,
     /* cache-level slots NULL: lib/ runs the op slots per sequence */
 };
