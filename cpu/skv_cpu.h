@@ -136,7 +136,7 @@ skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale
                                   int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
 
 /* skv_ws_alloc bytes of one call of the decode slots for a cache's config (nt: its thread count). */
-/* The reproducible mode's canonical rebuild and attention (skv_cpu_canon.c). */
+/* The reproducible mode's canonical rebuild and attention (skv_cpu_decode_canon.c). */
 skv_status skv_cpu_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                           int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
                                           const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
