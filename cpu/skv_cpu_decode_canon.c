@@ -7,7 +7,7 @@
  *    their sums by double FMA (AVX2: 4 rows x 16 dims of accumulators): every
  *    product is an integer below 2^26 and every partial sum one below r 2^26 <
  *    2^53, so each FMA is exact and the order does not matter; then
- *    skv_canon_key, RoPE (skv_cpu_rope_row, skv_rope_row_f32's bits) and bf16.
+ *    skv_canon_rebuild_key, RoPE (skv_cpu_rope_row, skv_rope_row_f32's bits) and bf16.
  *    Without SIMD: int64 sums.
  *  - attention: one work item per query head; the scores 8 tokens at a time
  *    (lane = token, each lane the fmaf chain over d of skv_dot_bf16), M by the
@@ -63,8 +63,8 @@ static void skv_cpu_canon_pack(void *ctx, int64_t h, int t)
         uint16_t mx = 0;
         for (int32_t q = 0; q < r; q++)
             if ((col[(size_t)q * width] & 0x7fffu) > mx) mx = col[(size_t)q * width] & 0x7fffu;
-        ew[d] = skv_canon_ex(mx);
-        for (int32_t q = 0; q < r; q++) wd[(size_t)q * Dp + d] = (double)skv_canon_fix(col[(size_t)q * width], ew[d]);
+        ew[d] = skv_canon_rebuild_ex(mx);
+        for (int32_t q = 0; q < r; q++) wd[(size_t)q * Dp + d] = (double)skv_canon_rebuild_fix(col[(size_t)q * width], ew[d]);
     }
 }
 
@@ -124,8 +124,8 @@ static void skv_cpu_canon_rows(void *ctx, int64_t it, int t)
         uint16_t mx = 0;
         for (int32_t q = 0; q < r; q++)
             if ((ur[q] & 0x7fffu) > mx) mx = ur[q] & 0x7fffu;
-        eu[i] = skv_canon_ex(mx);
-        for (int32_t q = 0; q < r; q++) xr[q] = (double)skv_canon_fix(ur[q], eu[i]);
+        eu[i] = skv_canon_rebuild_ex(mx);
+        for (int32_t q = 0; q < r; q++) xr[q] = (double)skv_canon_rebuild_fix(ur[q], eu[i]);
     }
     const double *wd = c->wd + (size_t)h * r * Dp;
     const int32_t *ew = c->ew + (size_t)h * Dp;
@@ -141,7 +141,7 @@ static void skv_cpu_canon_rows(void *ctx, int64_t it, int t)
             }
     for (int32_t i = 0; i < rows; i++) {
         const int64_t m = m0 + i, tk = (int64_t)c->chunk_ids[h * c->S + m / c->c] * c->c + m % c->c;
-        for (int32_t d = 0; d < D; d++) x[d] = skv_canon_key((int64_t)P[(size_t)i * Dp + d], eu[i] + ew[d] - 24);
+        for (int32_t d = 0; d < D; d++) x[d] = skv_canon_rebuild_key((int64_t)P[(size_t)i * Dp + d], eu[i] + ew[d] - 24);
         skv_cpu_rope_row(x, D, R, c->rope->interleaved, c->cos_tab + tk * h2, c->sin_tab + tk * h2,
                          c->k_out + ((size_t)h * c->M + m) * D);
     }

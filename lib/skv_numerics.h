@@ -278,7 +278,7 @@ SKV_HD float skv_outlier_key(float s) { return s != s ? -3.0f : s; }
  * magnitudes): floor(log2) of a normal value, -126 for a subnormal one, and
  * -126 for an all-zero row (any value would do: every element is then 0).
  */
-SKV_HD int skv_canon_ex(uint16_t maxabs_bits)
+SKV_HD int skv_canon_rebuild_ex(uint16_t maxabs_bits)
 {
     const int E = (maxabs_bits >> 7) & 0xff;
     return E ? E - 127 : -126;
@@ -291,7 +291,7 @@ SKV_HD int skv_canon_ex(uint16_t maxabs_bits)
  * h = m 2^(E - 134) with the 8-bit significand m (E = 1 for a subnormal), so
  * h 2^(12 - e) = m 2^(E - 122 - e) with E - 122 - e <= 5.
  */
-SKV_HD int32_t skv_canon_fix(uint16_t h, int e)
+SKV_HD int32_t skv_canon_rebuild_fix(uint16_t h, int e)
 {
     int E = (h >> 7) & 0xff;
     int32_t m = h & 0x7f, x;
@@ -317,7 +317,7 @@ SKV_HD int32_t skv_canon_fix(uint16_t h, int e)
  * to a subnormal or to inf where the value lies there). P 2^e is exact in
  * double for the e that occur (-276 <= e <= 230).
  */
-SKV_HD float skv_canon_key(int64_t P, int e)
+SKV_HD float skv_canon_rebuild_key(int64_t P, int e)
 {
     uint64_t bits = (uint64_t)(e + 1023) << 52;
     double s;

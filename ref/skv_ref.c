@@ -269,7 +269,7 @@ static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, i
 /*
  * The canonical rebuild (docs/DESIGN.md 10.2) as written: per head, the fixed point of W_h's
  * columns; per token, the fixed point of its U row, the exact int64 sums, one rounding to
- * float (skv_canon_key), RoPE and bf16 (skv_rope_row_f32).
+ * float (skv_canon_rebuild_key), RoPE and bf16 (skv_rope_row_f32).
  */
 static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                                  int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
@@ -290,8 +290,8 @@ static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, in
                 uint16_t a = w[(size_t)q * width + (size_t)h * D + d] & 0x7fffu;
                 if (a > mx) mx = a;
             }
-            ew[d] = skv_canon_ex(mx);
-            for (int32_t q = 0; q < r; q++) xw[(size_t)q * D + d] = skv_canon_fix(w[(size_t)q * width + (size_t)h * D + d], ew[d]);
+            ew[d] = skv_canon_rebuild_ex(mx);
+            for (int32_t q = 0; q < r; q++) xw[(size_t)q * D + d] = skv_canon_rebuild_fix(w[(size_t)q * width + (size_t)h * D + d], ew[d]);
         }
         for (int32_t s = 0; s < S; s++)
             for (int32_t i = 0; i < c; i++) {
@@ -300,12 +300,12 @@ static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, in
                 uint16_t mx = 0;
                 for (int32_t q = 0; q < r; q++)
                     if ((ur[q] & 0x7fffu) > mx) mx = ur[q] & 0x7fffu;
-                const int eu = skv_canon_ex(mx);
-                for (int32_t q = 0; q < r; q++) xu[q] = skv_canon_fix(ur[q], eu);
+                const int eu = skv_canon_rebuild_ex(mx);
+                for (int32_t q = 0; q < r; q++) xu[q] = skv_canon_rebuild_fix(ur[q], eu);
                 for (int32_t d = 0; d < D; d++) {
                     int64_t P = 0;
                     for (int32_t q = 0; q < r; q++) P += (int64_t)xu[q] * xw[(size_t)q * D + d];
-                    x[d] = skv_canon_key(P, eu + ew[d] - 24);
+                    x[d] = skv_canon_rebuild_key(P, eu + ew[d] - 24);
                 }
                 skv_rope_row_f32(x, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
                                  k_out + (((size_t)h * S + s) * c + i) * D);

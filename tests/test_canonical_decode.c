@@ -394,7 +394,7 @@ static void header_attend_case(skvt_rng *r)
     free(q), free(k), free(v), free(lanes);
 }
 
-/* skv_canon_fix against the rule (rne in long double) for every finite bf16 and several exponents. */
+/* skv_canon_rebuild_fix against the rule (rne in long double) for every finite bf16 and several exponents. */
 static void fix_exhaustive(void)
 {
     long bad = 0;
@@ -403,10 +403,10 @@ static void fix_exhaustive(void)
         float x = skv_bf16_to_f32((uint16_t)h);
         int ex = x == 0 ? 0 : ex_of(fabsl((long double)x));
         for (int e = ex; e <= ex + 20 && e <= 127; e += 1) {
-            if (skv_canon_fix((uint16_t)h, e) != fix_of(x, 12 - e)) bad++;
+            if (skv_canon_rebuild_fix((uint16_t)h, e) != fix_of(x, 12 - e)) bad++;
         }
     }
-    SKVT_CHECK(bad == 0, "skv_canon_fix differs from rne(x 2^(12-e)) in %ld cases", bad);
+    SKVT_CHECK(bad == 0, "skv_canon_rebuild_fix differs from rne(x 2^(12-e)) in %ld cases", bad);
 }
 
 /* ---- cache level ----------------------------------------------------------------------------- */
