@@ -128,6 +128,10 @@ $(BUILD)/obj/cuda/skv_cuda_select.o: cuda/skv_cuda_select.cu $(HDRS) | $(DEPS_ST
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(NVCC_EXACT) -c $< -o $@
 
+$(BUILD)/obj/cuda/skv_cuda_canon.o: cuda/skv_cuda_canon.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_EXACT) -c $< -o $@
+
 $(BUILD)/obj/cuda/%.o: cuda/%.cu $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@

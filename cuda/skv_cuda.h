@@ -163,6 +163,10 @@ typedef struct skv_cuda_dws {
     unsigned long long *vc_counts; /* [2] chunk-cache hits, misses (cumulative) */
     skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
+    /* reproducible mode only (NULL otherwise) */
+    skv_bf16 *canon_k;           /* [B, Hk, S*c, D] the canonically rebuilt keys of the selection */
+    float *canon_e;              /* [B, Hq, canon_tmax] scores, then weights, of the canonical attention */
+    int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
 } skv_cuda_dws;
 
 /* Items of a decode attention for this shape and config (host). */
@@ -232,6 +236,26 @@ cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int
 cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                              const int32_t *chunk_ids, skv_bf16 *k_out);
 
+/* ---- the reproducible mode (skv_cuda_canon.cu, --fmad=false) ------------------------------ */
+
+/* k_out [B, Hk, S*c, D]: the canonical rebuild (docs/DESIGN.md 10.2) of the chunks chunk_ids
+   [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (wmma int8)
+   where the shape's shared memory fits, exact int64 sums otherwise. */
+cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                   const int32_t *chunk_ids, skv_bf16 *k_out);
+
+/* The canonical attention (docs/DESIGN.md 10.3) of a decode step: q, k_new, v_new and out from
+   ws->io, the selected keys from ws->canon_k (skv_cuda_canon_rebuild), their values from the
+   store or, for a host slot, from the chunk cache (so it must run after skv_cuda_fetch). */
+cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                         const skv_cuda_dws *ws);
+
+/* Op level: the canonical attention of q [Hq, D] over caller spans (device pointers). e: scratch
+   of Hq * T floats, T the spans' total token count. */
+cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                          const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans, float *out,
+                                          float *e, int64_t T);
+
 /* ---- combine (skv_cuda_combine.cu) ------------------------------------------------------- */
 
 /* Step 5: out [B, Hq, D] from the partials. Decode (seqs != NULL): out, k, v from ws->io; the
@@ -239,6 +263,10 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
    per-step accumulators are reset. Op-level (seqs NULL): out as given. */
 cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs, const skv_cuda_dws *ws,
                              float *out, int pdl);
+/* Step 5 without the output (the reproducible mode's attention wrote it): the append, has_sel
+   and the reset of the per-step accumulators, as skv_cuda_combine at decode. */
+cudaError_t skv_cuda_combine_append(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs,
+                                    const skv_cuda_dws *ws);
 
 /* ---- copies and conversion (skv_cuda_copy.cu) -------------------------------------------- */
 

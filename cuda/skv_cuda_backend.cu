@@ -314,7 +314,7 @@ static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_
  * skv_cuda_dws_clear.
  */
 static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host)
+                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
 {
     size_t off = 0;
     const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
@@ -346,11 +346,17 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(mlist, int32_t, bk * S);
         SKV_REGION(pbuf, float, bq * S * c);
     }
+    if (canon_tmax > 0) { /* the reproducible mode: rebuilt keys, and the attention's weights */
+        SKV_REGION(canon_k, skv_bf16, bk * S * c * D);
+        SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
+    }
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
         ws->it = it;
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
+        ws->canon_tmax = canon_tmax;
+        if (canon_tmax <= 0) ws->canon_k = NULL, ws->canon_e = NULL;
     }
     return off;
 }
@@ -383,11 +389,11 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     skv_cuda_items it = {1, 0, 0, 0};
     skv_cuda_dws dws;
     memset(&dws, 0, sizeof dws);
-    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
     char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
-    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */
@@ -421,6 +427,45 @@ static skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, in
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!d) return skv_cuda_op_oom(&op, "rebuild_keys", sizeof h);
     return skv_cuda_op_end(&op, skv_cuda_rebuild(0, &sh, d, chunk_ids, k_out), "rebuild_keys");
+}
+
+/* Op level: the canonical rebuild (B = 1, chunk_ids [Hk, S]). */
+static skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
+                                                int32_t c, int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                                skv_bf16 *k_out, skv_ws *ws)
+{
+    (void)ws;
+    skv_cuda_op op = {{0}, 0};
+    skv_cuda_seq h;
+    memset(&h, 0, sizeof h);
+    h.u = u;
+    h.w = w;
+    h.n = n;
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S, sh.r = r;
+    sh.rotary_dim = skv_rotary_dim(rope, D), sh.interleaved = rope->interleaved;
+    sh.cos_tab = cos_tab, sh.sin_tab = sin_tab;
+    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
+    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", sizeof h);
+    return skv_cuda_op_end(&op, skv_cuda_canon_rebuild(0, &sh, d, chunk_ids, k_out), "rebuild_keys_canonical");
+}
+
+/* Op level: the canonical attention (scratch: the Hq x T weights). */
+static skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                                         const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
+                                                         float *out, skv_ws *ws)
+{
+    (void)ws;
+    skv_cuda_op op = {{0}, 0};
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_spans; i++) total += spans[i].n_tokens;
+    const size_t bytes = (size_t)Hq * (size_t)total * sizeof(float);
+    float *e = (float *)skv_cuda_op_alloc(&op, bytes);
+    if (!e) return skv_cuda_op_oom(&op, "sparse_attention_canonical", bytes);
+    return skv_cuda_op_end(&op, skv_cuda_canon_span_attention(0, Hq, Hk, D, scale, q, n_spans, spans, out, e, total),
+                           "sparse_attention_canonical");
 }
 
 static skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
@@ -466,13 +511,15 @@ static skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, 
 /* Steps whose phases are timed: one in this many (the phase events sit between kernels that
    otherwise overlap their launch with the previous kernel's tail). */
 #define SKV_CUDA_PHASE_EVERY 16
-enum { SKV_EV_START, SKV_EV_SELECTED, SKV_EV_FETCHED, SKV_EV_END, SKV_CUDA_EV };
+/* SKV_EV_REBUILT: after the canonical rebuild (reproducible mode), so that its time is decode_rebuild_ms */
+enum { SKV_EV_START, SKV_EV_SELECTED, SKV_EV_FETCHED, SKV_EV_REBUILT, SKV_EV_END, SKV_CUDA_EV };
 
 typedef struct {
     cudaEvent_t e[SKV_CUDA_EV];
     int used;   /* start and end recorded */
     int phases; /* selected (and fetched, host layers) recorded too */
     int fetch;
+    int rebuilt; /* SKV_EV_REBUILT recorded too (reproducible mode) */
 } skv_cuda_evset;
 
 /* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end) with wa..wb
@@ -533,7 +580,7 @@ typedef struct skv_cuda_cache {
     skv_cuda_evset ring[SKV_CUDA_RING];
     int ring_head;
     skv_stats pending;
-    double phase_select_ms, phase_fetch_ms, phase_attention_ms; /* over the phase-timed steps */
+    double phase_select_ms, phase_fetch_ms, phase_attention_ms, phase_rebuild_ms; /* over the phase-timed steps */
     int64_t n_timed, n_phased, n_phased_fetch;
     /* all cudaMalloc'ed blocks, freed at close */
     void *blocks[24];
@@ -564,6 +611,14 @@ static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *l
                                                             c->gen_capacity));
 }
 
+/* Row length of the canonical attention's weights: the most tokens a query head attends to in a
+   step of the reproducible mode; 0 (no such regions) in the default mode. */
+static int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay)
+{
+    if (!c->reproducible) return 0;
+    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+}
+
 static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
 {
     skv_cuda_sizes z;
@@ -572,7 +627,8 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
     int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
-                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots);
+                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
+                                skv_cuda_canon_tmax(c, lay));
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
@@ -639,10 +695,6 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
                                       char *host, char *msg, size_t cap)
 {
     *bctx = NULL;
-    if (cfg->reproducible) { /* not yet implemented */
-        snprintf(msg, cap, "reproducible = 1 is not implemented by the cuda backend yet");
-        return SKV_ERR_UNSUPPORTED;
-    }
     skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
     if (!k) {
         snprintf(msg, cap, "out of host memory");
@@ -701,7 +753,8 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         goto fail;
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
-                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host);
+                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
+                        skv_cuda_canon_tmax(cfg, lay));
     if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
@@ -943,14 +996,19 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
     k->n_timed++;
     if (s->phases) {
         k->phase_select_ms += skv_cuda_elapsed(s->e[SKV_EV_START], s->e[SKV_EV_SELECTED]);
-        k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_END]);
+        if (s->rebuilt) {
+            k->phase_rebuild_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_REBUILT]);
+            k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_REBUILT], s->e[SKV_EV_END]);
+        } else {
+            k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_END]);
+        }
         k->n_phased++;
         if (s->fetch) {
             k->phase_fetch_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_FETCHED]);
             k->n_phased_fetch++;
         }
     }
-    s->used = s->phases = s->fetch = 0;
+    s->used = s->phases = s->fetch = s->rebuilt = 0;
 }
 
 /*
@@ -966,6 +1024,26 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
     skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
     CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches));
     if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+    if (k->cfg.reproducible) {
+        /* the canonical rebuild of the selected keys into the workspace, then the canonical
+           attention over the five spans; a host layer's missed chunks are fetched first (the
+           attention reads every selected value from the chunk cache), beside the rebuild */
+        if (k->layer_host[layer]) {
+            CK(cudaEventRecord(k->fork_ev, st));
+            CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+            CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+            if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
+            CK(cudaEventRecord(k->join_ev, k->side));
+            *launches += 1;
+        }
+        CK(skv_cuda_canon_rebuild(st, sh, seqs, k->ws.sel_ids, k->ws.canon_k));
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
+        if (k->layer_host[layer]) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
+        CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
+        *launches += 3;
+        return SKV_OK;
+    }
     if (k->layer_host[layer]) {
         /* the missed chunks come over PCIe on the side stream while everything else is attended */
         CK(cudaEventRecord(k->fork_ev, st));
@@ -1069,6 +1147,7 @@ static skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf1
         ev->used = 1;
         ev->phases = phases;
         ev->fetch = phases && k->layer_host[layer];
+        ev->rebuilt = phases && k->cfg.reproducible;
         k->ring_head = (k->ring_head + 1) % SKV_CUDA_RING;
     }
     k->launches += launches;
@@ -1092,9 +1171,10 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
         const double f = (double)k->n_timed / (double)k->n_phased;
         k->pending.decode_select_ms += k->phase_select_ms * f;
         k->pending.decode_attention_ms += k->phase_attention_ms * f;
+        k->pending.decode_rebuild_ms += k->phase_rebuild_ms * f;
     }
     if (k->n_phased_fetch) k->pending.decode_fetch_ms += k->phase_fetch_ms * (double)k->n_timed / (double)k->n_phased;
-    k->phase_select_ms = k->phase_attention_ms = k->phase_fetch_ms = 0;
+    k->phase_select_ms = k->phase_attention_ms = k->phase_fetch_ms = k->phase_rebuild_ms = 0;
     k->n_timed = k->n_phased = k->n_phased_fetch = 0;
     stats->prefill_rope_ms += k->pending.prefill_rope_ms;
     stats->prefill_landmarks_ms += k->pending.prefill_landmarks_ms;
@@ -1105,6 +1185,7 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     stats->decode_select_ms += k->pending.decode_select_ms;
     stats->decode_fetch_ms += k->pending.decode_fetch_ms;
     stats->decode_attention_ms += k->pending.decode_attention_ms;
+    stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
     stats->decode_step_ms += k->pending.decode_step_ms;
     stats->decode_launches += k->launches;
     k->launches = 0;
@@ -1169,6 +1250,8 @@ void skv_cuda_fill_ops(struct skv_backend_ops *ops)
     ops->rebuild_keys = skv_cuda_rebuild_op;
     ops->gather_values = skv_cuda_gather_op;
     ops->sparse_attention = skv_cuda_sparse_attention_op;
+    ops->rebuild_keys_canonical = skv_cuda_rebuild_canonical_op;
+    ops->sparse_attention_canonical = skv_cuda_sparse_attention_canonical_op;
     ops->full_attention = skv_cuda_full_attention_op;
     ops->cache_bytes = skv_cuda_cache_bytes;
     ops->cache_open = skv_cuda_cache_open;

@@ -38,6 +38,7 @@ struct CombineArgs {
     unsigned *macc;
     int32_t *step_bad;
     unsigned *cnt_done;
+    int skip_out; /* 1: the output was written elsewhere (reproducible mode); only the resets and the append */
 };
 
 /*
@@ -54,7 +55,9 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
     float *w_s = reinterpret_cast<float *>(ml_s + a.n_items);       /* [n_items] */
     pdl_wait();
     const int tid = threadIdx.x, b = blockIdx.y;
-    if ((int)blockIdx.x < a.Hq) {
+    if ((int)blockIdx.x < a.Hq && a.skip_out) {
+        if (a.macc && tid == 0) a.macc[(int64_t)b * a.Hq + blockIdx.x] = 0;
+    } else if ((int)blockIdx.x < a.Hq) {
         const int64_t bh = (int64_t)b * a.Hq + blockIdx.x;
         const float2 *ml = a.part_ml + bh * a.n_items;
         for (int s = tid; s < a.n_items; s += kCoNT) ml_s[s] = ml[s];
@@ -179,4 +182,21 @@ cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda
     if (sh->Hq + (append ? 1 : 0) > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
     return launch(combine_kernel, dim3((unsigned)(sh->Hq + (append ? 1 : 0)), (unsigned)sh->B), dim3(kCoNT), smem, st,
                   pdl != 0, a);
+}
+
+cudaError_t skv_cuda_combine_append(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda_seq *seqs,
+                                    const skv_cuda_dws *ws)
+{
+    if (sh->B <= 0 || sh->Hq <= 0) return cudaSuccess;
+    CombineArgs a;
+    memset(&a, 0, sizeof a);
+    a.Hq = sh->Hq, a.Hk = sh->Hk, a.D = sh->D, a.gen_cap = sh->gen_cap, a.n_items = 0;
+    a.seqs = seqs;
+    a.io = ws->io;
+    a.macc = ws->macc;
+    a.step_bad = ws->step_bad;
+    a.cnt_done = ws->cnt_done;
+    a.skip_out = 1;
+    if (sh->Hq + 1 > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
+    return launch(combine_kernel, dim3((unsigned)(sh->Hq + 1), (unsigned)sh->B), dim3(kCoNT), 0, st, false, a);
 }
