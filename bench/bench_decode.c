@@ -17,7 +17,12 @@
  *   build/skv-bench decode [--backend cuda] [--ctx ...] [--batch ...]
  *       [--placement device,host] [--workload fresh,drift] [--steps 30]
  *       [--warmup 5] [--drift 0.92] [--big-batch 1] [--hbm-gbs 4200]
- *       [--pcie-gbs 55] [--json]
+ *       [--pcie-gbs 55] [--reproducible] [--json]
+ *
+ * --reproducible runs every (ctx, batch, placement) twice, in the default mode
+ * and with config.reproducible = 1 (the canonical rebuild and attention,
+ * docs/DESIGN.md section 10), one cache each, and prints both rows (column
+ * mode) and, per pair, the ratio of the reproducible step to the default one.
  *
  * Each (ctx, batch, placement) gets one cache, prefilled for every sequence
  * from one generated prompt (each sequence has its own factorization, store
@@ -92,9 +97,9 @@ static const char *const wl_name[N_WL] = {"fresh", "drift"};
 
 typedef struct {
     int64_t ctx;
-    int B, placement, workload;
+    int B, placement, workload, reproducible;
     double step_ms, step_min_ms, floor_ms, hbm_mb, pcie_mb, hit_rate, overlap, kernels_per_step;
-    double select_ms, fetch_ms, attention_ms, prefill_ms;
+    double select_ms, fetch_ms, rebuild_ms, attention_ms, prefill_ms;
     int64_t device_bytes, host_bytes;
     long needle_hits, needle_total;
 } drow;
@@ -118,9 +123,10 @@ static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t
 }
 
 static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, int64_t ctx, int B, int placement,
-                      const dopts *o, const int *want_wl, drow *rows, int *n_rows)
+                      int reproducible, const dopts *o, const int *want_wl, drow *rows, int *n_rows)
 {
     skv_config cfg = wl->cfg;
+    cfg.reproducible = reproducible;
     const int per_wl = o->warmup + o->steps;
     cfg.batch_size = B;
     cfg.gen_capacity = N_WL * per_wl;
@@ -132,8 +138,8 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
     if (placement == PL_HOST) cfg.value_device_bytes = (int64_t)(mi.host_value_slots + mi.device_value_slots) *
                                                        (int64_t)mi.value_cache_bytes;
     if ((st = skv_cache_memory_info(&cfg, &mi))) ddie("skv_cache_memory_info", st, NULL);
-    fprintf(stderr, "skv-bench decode: ctx %lld batch %d %s: %.2f GB device, %.2f GB host\n", (long long)ctx, B,
-            pl_name[placement], mi.device_bytes / 1e9, mi.host_bytes / 1e9);
+    fprintf(stderr, "skv-bench decode: ctx %lld batch %d %s%s: %.2f GB device, %.2f GB host\n", (long long)ctx, B,
+            pl_name[placement], reproducible ? " reproducible" : "", mi.device_bytes / 1e9, mi.host_bytes / 1e9);
     skv_cache *cache = NULL;
     double t0 = dnow_ms();
     if ((st = skv_cache_create(&cfg, &cache))) ddie("skv_cache_create", st, NULL);
@@ -178,7 +184,7 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         }
         drow *row = &rows[(*n_rows)++];
         memset(row, 0, sizeof *row);
-        row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w;
+        row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w, row->reproducible = reproducible;
         row->device_bytes = (int64_t)mi.device_bytes, row->host_bytes = (int64_t)mi.host_bytes;
         row->prefill_ms = pf[B / 2 < 4096 ? B / 2 : 4095];
         skv_stats s0, s1;
@@ -258,14 +264,16 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         row->select_ms = (s1.decode_select_ms - s0.decode_select_ms) / o->steps;
         row->fetch_ms = (s1.decode_fetch_ms - s0.decode_fetch_ms) / o->steps;
         row->attention_ms = (s1.decode_attention_ms - s0.decode_attention_ms) / o->steps;
+        row->rebuild_ms = (s1.decode_rebuild_ms - s0.decode_rebuild_ms) / o->steps;
         traffic_of(row, &cfg, info.n_candidates, info.n_local, step - o->steps / 2.0, misses);
         const double f_hbm = row->hbm_mb * 1e6 / (o->hbm_gbs * 1e9) * 1e3,
                      f_pcie = row->pcie_mb * 1e6 / (o->pcie_gbs * 1e9) * 1e3;
         row->floor_ms = f_hbm > f_pcie ? f_hbm : f_pcie;
         fprintf(stderr,
-                "skv-bench decode: %s ctx %lld batch %d %s %s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
+                "skv-bench decode: %s ctx %lld batch %d %s %s%s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
                 "hit rate %.2f, %.1f kernels/step\n",
-                skv_backend_name(be), (long long)ctx, B, pl_name[placement], wl_name[w], row->step_ms, row->floor_ms,
+                skv_backend_name(be), (long long)ctx, B, pl_name[placement], wl_name[w],
+                reproducible ? " reproducible" : "", row->step_ms, row->floor_ms,
                 row->step_ms / row->floor_ms, row->overlap, row->hit_rate, row->kernels_per_step);
     }
 #ifdef SKV_HAVE_CUDA
@@ -282,13 +290,14 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
 int bench_decode_main(int argc, char **argv)
 {
     int64_t ctxs[MAXV] = {32768, 131072, 1048576}, batches[MAXV] = {1, 8, 32};
-    int n_ctx = 3, n_b = 3, json = 0, big_batch = 1;
+    int n_ctx = 3, n_b = 3, json = 0, big_batch = 1, both_modes = 0;
     int want_pl[N_PL] = {1, 1}, want_wl[N_WL] = {1, 1};
     dopts o = {30, 5, 0.92, 4200, 55};
     skv_backend be = SKV_BACKEND_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--reproducible")) both_modes = 1;
         else if (!strcmp(a, "--ctx")) n_ctx = parse_list(v, ctxs), i++;
         else if (!strcmp(a, "--batch")) n_b = parse_list(v, batches), i++;
         else if (!strcmp(a, "--steps")) o.steps = atoi(v), i++;
@@ -311,7 +320,8 @@ int bench_decode_main(int argc, char **argv)
             if (strcmp(a, "--help")) fprintf(stderr, "skv-bench decode: unknown option '%s'\n", a);
             printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
-                   "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--json]\n");
+                   "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--reproducible] [--json]\n"
+                   "  --reproducible  also run each cache with config.reproducible = 1 and print both modes\n");
             return strcmp(a, "--help") ? 2 : 0;
         }
     }
@@ -329,7 +339,7 @@ int bench_decode_main(int argc, char **argv)
     be = skv_cache_backend(c);
     skv_cache_free(c);
 
-    drow rows[MAXV * MAXV * N_PL * N_WL];
+    drow rows[MAXV * MAXV * N_PL * N_WL * 2];
     int n = 0;
     const int total = N_WL * (o.warmup + o.steps);
     for (int i = 0; i < n_ctx; i++) {
@@ -347,7 +357,8 @@ int bench_decode_main(int argc, char **argv)
         for (int j = 0; j < n_b; j++) {
             if (ctx > 131072 && batches[j] > big_batch) continue;
             for (int p = 0; p < N_PL; p++)
-                if (want_pl[p]) run_cache(be, &wl, &seq, ctx, (int)batches[j], p, &o, want_wl, rows, &n);
+                for (int m = 0; m <= both_modes; m++)
+                    if (want_pl[p]) run_cache(be, &wl, &seq, ctx, (int)batches[j], p, m, &o, want_wl, rows, &n);
         }
         skvs_seq_free(&seq);
         skvs_workload_free(&wl);
@@ -365,25 +376,36 @@ int bench_decode_main(int argc, char **argv)
                skv_backend_name(be), o.steps, o.warmup, o.drift, o.hbm_gbs, o.pcie_gbs);
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
-            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"placement\": \"%s\", \"workload\": \"%s\", \"step_ms\": %.4f, "
+            printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"placement\": \"%s\", \"workload\": \"%s\", "
+                   "\"mode\": \"%s\", \"step_ms\": %.4f, "
                    "\"step_min_ms\": %.4f, \"floor_ms\": %.4f, \"step_over_floor\": %.3f, \"hbm_mb\": %.2f, "
                    "\"pcie_mb\": %.2f, \"hit_rate\": %.4f, \"overlap\": %.4f, \"kernels_per_step\": %.2f, "
-                   "\"select_ms\": %.4f, \"fetch_ms\": %.4f, \"attention_ms\": %.4f, \"prefill_ms_per_sequence\": "
+                   "\"select_ms\": %.4f, \"fetch_ms\": %.4f, \"rebuild_ms\": %.4f, \"attention_ms\": %.4f, "
+                   "\"prefill_ms_per_sequence\": "
                    "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld}",
-                   i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->step_ms,
+                   i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload],
+                   r->reproducible ? "reproducible" : "default", r->step_ms,
                    r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
-                   r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->attention_ms, r->prefill_ms,
+                   r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->rebuild_ms, r->attention_ms, r->prefill_ms,
                    (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total);
         }
         printf("]}\n");
     } else {
-        printf("%-6s %8s %6s %-7s %-6s %10s %10s %8s %8s %8s %8s\n", "backend", "ctx", "batch", "place", "load",
-               "step_ms", "floor_ms", "x_floor", "overlap", "hit", "kernels");
+        printf("%-6s %8s %6s %-7s %-6s %-5s %10s %10s %8s %8s %8s %8s %9s\n", "backend", "ctx", "batch", "place",
+               "load", "mode", "step_ms", "floor_ms", "x_floor", "overlap", "hit", "kernels", "x_default");
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
-            printf("%-6s %8lld %6d %-7s %-6s %10.4f %10.4f %8.2f %8.2f %8.2f %8.1f\n", skv_backend_name(be),
-                   (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->step_ms, r->floor_ms,
-                   r->step_ms / r->floor_ms, r->overlap, r->hit_rate, r->kernels_per_step);
+            /* the default-mode row of the same (ctx, batch, placement, workload), if any */
+            const drow *d = NULL;
+            for (int j = 0; j < n && r->reproducible; j++)
+                if (!rows[j].reproducible && rows[j].ctx == r->ctx && rows[j].B == r->B &&
+                    rows[j].placement == r->placement && rows[j].workload == r->workload)
+                    d = &rows[j];
+            printf("%-6s %8lld %6d %-7s %-6s %-5s %10.4f %10.4f %8.2f %8.2f %8.2f %8.1f", skv_backend_name(be),
+                   (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->reproducible ? "repro" : "dflt",
+                   r->step_ms, r->floor_ms, r->step_ms / r->floor_ms, r->overlap, r->hit_rate, r->kernels_per_step);
+            if (d) printf(" %9.3f\n", r->step_ms / d->step_ms);
+            else printf(" %9s\n", "-");
         }
     }
     return 0;
