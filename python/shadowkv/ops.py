@@ -23,7 +23,8 @@ from . import _backend_id, _check, _device_for, _ffi, _ndim, _resolve_backend, _
 from ._ffi import RopeConfig
 
 __all__ = ["rope_config", "rope_tables", "factorize", "rope", "landmarks_outliers", "score_select",
-           "rebuild_keys", "gather_values", "sparse_attention", "full_attention", "release"]
+           "rebuild_keys", "rebuild_keys_canonical", "gather_values", "sparse_attention",
+           "sparse_attention_canonical", "full_attention", "release"]
 
 
 def _prepare(backend: Any):
@@ -184,6 +185,19 @@ def rebuild_keys(u, w, chunk_ids, chunk: int, cos, sin, head_dim: int, rope_cfg:
                  backend: str = "ref"):
     """Post-RoPE keys of the chunks chunk_ids [Hk, S] (int32) from U [n, r] and W [r, Hk*D] (bfloat16),
     token t of chunk j at position t = j*c + i: k_out [Hk, S*c, D] bfloat16. Tables cover n positions."""
+    return _rebuild(u, w, chunk_ids, chunk, cos, sin, head_dim, rope_cfg, backend, "skv_op_rebuild_keys")
+
+
+def rebuild_keys_canonical(u, w, chunk_ids, chunk: int, cos, sin, head_dim: int,
+                           rope_cfg: Optional[RopeConfig] = None, backend: str = "ref"):
+    """rebuild_keys by the canonical rule of the reproducible mode (docs/DESIGN.md 10.2): U rows and
+    W_h columns in 13-bit fixed point, exact sums, one rounding to float, RoPE. Bitwise equal on every
+    backend. Same arguments and result as rebuild_keys."""
+    return _rebuild(u, w, chunk_ids, chunk, cos, sin, head_dim, rope_cfg, backend, "skv_op_rebuild_keys_canonical")
+
+
+def _rebuild(u, w, chunk_ids, chunk, cos, sin, head_dim, rope_cfg, backend, fn):
+    """rebuild_keys and rebuild_keys_canonical: the same checks, then the C function fn."""
     torch = _torch()
     bid, dev = _prepare(backend)
     rc = rope_cfg if rope_cfg is not None else rope_config()
@@ -198,8 +212,8 @@ def rebuild_keys(u, w, chunk_ids, chunk: int, cos, sin, head_dim: int, rope_cfg:
     if chunk <= 0:
         raise ValueError(f"chunk: {chunk}, must be > 0")
     out = _empty((Hk, S * chunk, head_dim), torch.bfloat16, dev)
-    _check(lib().skv_op_rebuild_keys(bid, ctypes.byref(rc), head_dim, Hk, r, chunk, S, n, pu, pw, pi, pc, ps,
-                                     out.data_ptr()), "skv_op_rebuild_keys")
+    _check(getattr(lib(), fn)(bid, ctypes.byref(rc), head_dim, Hk, r, chunk, S, n, pu, pw, pi, pc, ps,
+                              out.data_ptr()), fn)
     return out
 
 
@@ -225,6 +239,19 @@ def sparse_attention(q, spans: Sequence[tuple], n_kv_heads: int, scale: float = 
     Each span is (k, v) with k, v [Hk, n_tokens, D] bfloat16 (head-major), or (k, v, "token-major")
     with k, v [n_tokens, Hk, D]. At most 16 spans, at least one token in total. scale 0 = 1/sqrt(D).
     """
+    return _sparse(q, spans, n_kv_heads, scale, backend, "skv_op_sparse_attention")
+
+
+def sparse_attention_canonical(q, spans: Sequence[tuple], n_kv_heads: int, scale: float = 0.0,
+                               backend: str = "ref"):
+    """sparse_attention by the canonical rule of the reproducible mode (docs/DESIGN.md 10.3): the tokens
+    in span order, fmaf-chain scores, skv_expf weights, 256-lane canonical sums. Bitwise equal on every
+    backend. Same arguments and result as sparse_attention."""
+    return _sparse(q, spans, n_kv_heads, scale, backend, "skv_op_sparse_attention_canonical")
+
+
+def _sparse(q, spans, n_kv_heads, scale, backend, fn):
+    """sparse_attention and sparse_attention_canonical: the same checks, then the C function fn."""
     torch = _torch()
     bid, dev = _prepare(backend)
     _ndim(q, "q", 2, "[Hq, D]")
@@ -251,8 +278,7 @@ def sparse_attention(q, spans: Sequence[tuple], n_kv_heads: int, scale: float = 
         arr[i].n_tokens, arr[i].head_stride, arr[i].token_stride = n_t, hs, ts
     pq = _tensor(q, "q", (Hq, D), torch.bfloat16, dev)
     out = _empty((Hq, D), torch.float32, dev)
-    _check(lib().skv_op_sparse_attention(bid, Hq, n_kv_heads, D, scale, pq, len(spans), arr, out.data_ptr()),
-           "skv_op_sparse_attention")
+    _check(getattr(lib(), fn)(bid, Hq, n_kv_heads, D, scale, pq, len(spans), arr, out.data_ptr()), fn)
     return out
 
 
