@@ -461,9 +461,11 @@ SKV_API skv_status skv_cache_landmarks(skv_cache *cache, int32_t layer, int32_t 
  * the phases are measured on one step in 16 (launched directly, with events
  * between its kernels; the others replay the layer's CUDA graph) and scaled
  * to all timed steps; the key rebuild is fused into the attention, so
- * decode_rebuild_ms stays 0 and decode_attention_ms holds both; decode_fetch_ms
- * is the transfer of missed chunks of host-placed values, beside the
- * attention.
+ * decode_rebuild_ms stays 0 and decode_attention_ms holds both, except in the
+ * reproducible mode, where the canonical rebuild is its own kernel and
+ * decode_rebuild_ms times it; decode_fetch_ms is the transfer of missed
+ * chunks of host-placed values, beside the attention (in the reproducible
+ * mode, beside the rebuild; the attention waits for it).
  */
 typedef struct skv_stats {
     double prefill_factorize_ms;

@@ -22,6 +22,11 @@
  *    canon_tree), the group max and top-S (select_kernel, selz_kernel).
  * (cpu's attention exp, skv_cpu_exp8, follows skv_expf's method but is not on
  * the decision path: it is held to tolerances, not to these bits.)
+ * The reproducible mode's rules (docs/DESIGN.md 10.2, 10.3) are here too:
+ * skv_canon_rebuild_ex/fix/key (the canonical key rebuild's fixed point and
+ * rounding) and skv_canonical_attend (the canonical attention); ref calls them,
+ * cpu (cpu/skv_cpu_decode_canon.c) and cuda (cuda/skv_cuda_canon.cu) run the
+ * same operations in other schedules, pinned by tests/test_canonical_decode.c.
  * Pinned by tests/test_numerics.c (these functions against independent
  * versions), tests/backend_ops.c (cpu and cuda ops vs ref, decisions and amax
  * bitwise) and tests/test_contract.c (cache-level decisions vs ref, bitwise).
