@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
     float *Zf = Zl + kAtParts * kAtLanes;                      /* [G] */
     float *red = Zf + G;                                       /* [parts][8] */
     float *Pp = red + kAtParts * 8;                            /* [parts][256][kAtDC] */
-    CSpan *sp = (CSpan *)(Pp + (size_t)kAtParts * kAtLanes * kAtDC);
+    CSpan *sp = (CSpan *)align_up((size_t)(Pp + (size_t)kAtParts * kAtLanes * kAtDC), 16);
     __shared__ int n_spans_s;
     __shared__ float Ms[kAtParts];
     if (tid == 0) n_spans_s = at_spans(a, b, h, sp);
