@@ -261,7 +261,6 @@ static skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, in
 {
     char msg[SKV_ERRMSG_CAP];
     skv_status st = SKV_OK;
-    if (route == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
     if (pthread_mutex_trylock(&skv_cuda_fop_lock) == 0) {
         if (skv_cuda_fop && (skv_cuda_fop_d != d || skv_cuda_fop_r != r || skv_cuda_fop_n < n)) {
             skv_cuda_factor_destroy(skv_cuda_fop);
