@@ -52,7 +52,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
+  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   du -sh build/dev
   exit 0
@@ -88,7 +88,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads"
+TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -133,6 +133,7 @@ case "$MODE" in
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     run_test test_contract $TBIN/test_contract 20
     run_test test_e2e $TBIN/test_e2e
+    run_test test_canonical_factor $TBIN/test_canonical_factor
     python_cuda ;;
   decode)
     run_test test_cuda $TBIN/test_cuda
@@ -147,6 +148,7 @@ case "$MODE" in
     run_test test_numerics $TBIN/test_numerics
     run_test test_bad_input $TBIN/test_bad_input
     run_test test_threads $TBIN/test_threads
+    run_test test_canonical_factor $TBIN/test_canonical_factor
     python_cuda
     memcheck test_cuda
     memcheck test_placement ;;
