@@ -82,6 +82,11 @@ static __global__ void skv_cc_start(double *__restrict__ x, int32_t d, int32_t r
 /* ---- step 3 ----------------------------------------------------------------------------- */
 
 #define SKV_CC_KT 16 /* k per shared-memory stage of the chain kernel */
+/* 1: the exact Gram by DGEMM (the full S) instead of DSYRK (its upper triangle); both exact,
+   the same bits: a build-time choice for timing only. */
+#ifndef SKV_CC_GRAM_GEMM
+#define SKV_CC_GRAM_GEMM 0
+#endif
 
 /*
  * C [M, N] (row major, ldc) with C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j), acc),
@@ -103,7 +108,8 @@ static __global__ void __launch_bounds__(256)
         for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
     for (int32_t k0 = 0; k0 < K; k0 += SKV_CC_KT) {
         for (int idx = tid; idx < SKV_CC_KT * 16 * TM; idx += 256) {
-            int kk = idx / (16 * TM), ii = idx % (16 * TM);
+            /* consecutive threads along A's contiguous index (coalesced loads) */
+            int kk = sak == 1 ? idx % SKV_CC_KT : idx / (16 * TM), ii = sak == 1 ? idx / SKV_CC_KT : idx % (16 * TM);
             int32_t gi = i0 + ii, gk = k0 + kk;
             as[kk][ii] = gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
         }
@@ -149,7 +155,9 @@ static size_t skv_cc_chol_smem(int32_t p)
 /*
  * One pass's small part, one thread block: C [p, p] (full, row major) from Y^T Y; eq: D into
  * dsc, C <- C (D_i D_j); trace, s, floor; L [p, p] (row major, lower) = chol(C + s I), right-
- * looking over k in the packed triangle (shared memory, or global scratch lp for large p).
+ * looking over k in the packed triangle (shared memory, or global scratch lp for large p);
+ * written out transposed, l[j p + i] = L_ij, so the solve's lanes read L_jk (j across lanes)
+ * contiguously.
  */
 static __global__ void __launch_bounds__(SKV_CC_CHOL_THREADS)
     skv_cc_chol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
@@ -195,20 +203,18 @@ static __global__ void __launch_bounds__(SKV_CC_CHOL_THREADS)
             t[ij] = __ddiv_rn(t[ij], ljj);
         }
         __syncthreads();
-        /* update k = j of the trailing triangle: (i, q), j < q <= i */
-        const int32_t w = p - j - 1;
-        for (int64_t k = tid; k < (int64_t)w * w; k += nt) {
-            int32_t ii = (int32_t)(k / w), qq = (int32_t)(k % w);
-            if (qq > ii) continue;
-            int32_t i = j + 1 + ii, q = j + 1 + qq;
-            int64_t iq = (int64_t)i * (i + 1) / 2 + q;
-            t[iq] = __fma_rn(-t[(int64_t)i * (i + 1) / 2 + j], t[(int64_t)q * (q + 1) / 2 + j], t[iq]);
+        /* update k = j of the trailing triangle: (i, q), j < q <= i; a warp per row i, lanes over q */
+        for (int32_t i = j + 1 + tid / 32; i < p; i += nt / 32) {
+            const int64_t ib = (int64_t)i * (i + 1) / 2;
+            const double lij = -t[ib + j];
+            for (int32_t q = j + 1 + (tid & 31); q <= i; q += 32)
+                t[ib + q] = __fma_rn(lij, t[(int64_t)q * (q + 1) / 2 + j], t[ib + q]);
         }
         __syncthreads();
     }
-    for (int64_t k = tid; k < (int64_t)p * p; k += nt) {
+    for (int64_t k = tid; k < (int64_t)p * p; k += nt) { /* l[j p + i] = L_ij: L^T, row major */
         int32_t i = (int32_t)(k / p), j = (int32_t)(k % p);
-        l[k] = j <= i ? t[(int64_t)i * (i + 1) / 2 + j] : 0.0;
+        l[(int64_t)j * p + i] = j <= i ? t[(int64_t)i * (i + 1) / 2 + j] : 0.0;
     }
 }
 
@@ -240,11 +246,12 @@ static __global__ void __launch_bounds__(128)
         for (int q = 0; q < Q; q++)
             if (q == qk) mine = acc[q];
         double xk = __ddiv_rn(__shfl_sync(0xffffffffu, mine, owner), l[(int64_t)k * p + k]);
+        const double *lk = l + (int64_t)k * p; /* lk[j] = L_jk */
         if (lane == owner) x[t * p + k] = xk;
 #pragma unroll
         for (int q = 0; q < Q; q++) {
             int32_t j = lane + 32 * q;
-            if (j > k && j < p) acc[q] = __fma_rn(-xk, l[(int64_t)j * p + k], acc[q]);
+            if (j > k && j < p) acc[q] = __fma_rn(-xk, lk[j], acc[q]);
         }
     }
 }
@@ -340,9 +347,15 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
         skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDgemm (canonical exact Gram)");
+#else
         SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
                                       t0 ? &one : &zero, g, d),
                           "cublasDsyrk (canonical exact Gram)");
+#endif
     }
     skv_cc_gscale<<<skv_cf_blocks((int64_t)d * d), SKV_CF_THREADS, 0, f->st>>>(g, d, f->cc_e, F);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Gram scale kernel");
