@@ -14,7 +14,12 @@
  *            exp-to-bf16-floor, clustered) and the spike matrix; for exactly
  *            low-rank inputs err <= 1e-4 ||A||;
  *  repeat    a second cpu call gives the same bits (no state, no thread
- *            dependence).
+ *            dependence);
+ *  portable  the cpu backend with its SIMD kernels off (skv_cpu_set_simd(0):
+ *            the header's reference loops) equals ref too;
+ *  cache     a cache with factorize = SKV_FACTORIZE_CANONICAL (reproducible =
+ *            0: the canonical decode slots are not this test's) prefills on
+ *            ref, cpu (and cuda) and keeps the route.
  *
  * Seeds: skvt_base_seed (SKV_SEED), printed; every case draws from it.
  */
@@ -328,6 +333,62 @@ done:
     free(w1);
 }
 
+/* The cpu backend with SIMD off: the portable code runs the reference loops. */
+static void run_portable(int kind, int n, int d, int r)
+{
+    skv_bf16 *a = make_input(kind, n, d, r);
+    float *u0 = xmalloc(sizeof(float) * (size_t)n * r), *w0 = xmalloc(sizeof(float) * (size_t)r * d);
+    float *u1 = xmalloc(sizeof(float) * (size_t)n * r), *w1 = xmalloc(sizeof(float) * (size_t)r * d);
+    double t;
+    char what[160];
+    snprintf(what, sizeof what, "cpu without SIMD %s n=%d d=%d r=%d", kind_names[kind], n, d, r);
+    int32_t level = skv_cpu_simd_level();
+    if (SKVT_CHECK_STATUS(run_backend(SKV_BACKEND_REF, a, n, d, r, u0, w0, &t), SKV_OK, "ref canonical factorize") &&
+        SKVT_CHECK_STATUS(skv_cpu_set_simd(0), SKV_OK, "skv_cpu_set_simd(0)")) {
+        if (SKVT_CHECK_STATUS(run_backend(SKV_BACKEND_CPU, a, n, d, r, u1, w1, &t), SKV_OK, what))
+            compare(what, u0, w0, u1, w1, n, d, r);
+        SKVT_CHECK_STATUS(skv_cpu_set_simd(level), SKV_OK, "skv_cpu_set_simd(restore)");
+        printf("%-48s compared\n", what);
+    }
+    free(a);
+    free(u0);
+    free(w0);
+    free(u1);
+    free(w1);
+}
+
+/* A cache whose prefill takes the canonical route, on backend be. */
+static void run_cache(skv_backend be)
+{
+    skv_config c = skv_config_default();
+    c.n_layers = 1, c.n_q_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.rank = 8, c.budget = 32;
+    c.n_outlier_chunks = 2, c.n_local_chunks = 1, c.max_prompt_len = 256, c.gen_capacity = 4;
+    c.backend = be;
+    c.factorize = SKV_FACTORIZE_CANONICAL;
+    const int64_t n = 200;
+    const size_t row = (size_t)c.n_kv_heads * c.head_dim, bytes = sizeof(skv_bf16) * n * row;
+    skv_bf16 *k = xmalloc(bytes), *v = xmalloc(bytes);
+    skvt_lowrank_prompt(&rng, row, n, k, v);
+    void *dk = skvt_dbuf(be, k, bytes), *dv = skvt_dbuf(be, v, bytes);
+    skvt_dput(be, dk, k, bytes);
+    skvt_dput(be, dv, v, bytes);
+    skv_cache *cache = NULL;
+    char what[96];
+    snprintf(what, sizeof what, "%s cache, factorize = CANONICAL", skv_backend_name(be));
+    if (SKVT_CHECK_STATUS(skv_cache_create(&c, &cache), SKV_OK, what)) {
+        skv_status st = skv_prefill(cache, 0, 0, n, dk, dv, NULL);
+        if (st == SKV_OK) st = skv_cache_sync(cache);
+        if (!SKVT_CHECK_STATUS(st, SKV_OK, what)) printf("  %s: %s\n", what, skv_last_error());
+        SKVT_CHECK(skv_cache_config(cache)->factorize == SKV_FACTORIZE_CANONICAL, "%s: the route is kept", what);
+        skv_cache_free(cache);
+        printf("%-48s prefilled\n", what);
+    }
+    skvt_dfree(be, dk, k);
+    skvt_dfree(be, dv, v);
+    free(k);
+    free(v);
+}
+
 int main(void)
 {
     uint64_t seed = skvt_base_seed("test_canonical_factor");
@@ -352,5 +413,12 @@ int main(void)
     run_case(K_EXP, 4096, 512, 160, 1);
     run_case(K_CLUSTER, 3072, 1024, 128, 1);
     run_case(K_SPIKE, 2048, 1024, 160, 1);
+    /* the cpu's portable code; caches */
+    run_portable(K_LOWRANK, 700, 96, 20);
+    run_portable(K_NORMAL, 300, 180, 170);
+    run_cache(SKV_BACKEND_REF);
+    run_cache(SKV_BACKEND_CPU);
+    if (have_cuda) run_cache(SKV_BACKEND_CUDA);
+    else skvt_skip("cuda cache: not available");
     return skvt_finish();
 }
