@@ -1,5 +1,6 @@
 /*
- * factorize: the route of lib/skv_factor.h, and the EXACT route (double Gram,
+ * factorize: the route of lib/skv_factor.h, the canonical route
+ * (skv_cpu_canon.c), and the EXACT route (double Gram,
  * LAPACK dsyevr, U = A V_r in double). OpenBLAS and LAPACK run from the
  * calling thread, never inside an OpenMP region (a pthreads OpenBLAS would
  * nest its own pool under ours), with OpenBLAS's own thread count.

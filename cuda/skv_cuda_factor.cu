@@ -44,6 +44,11 @@
  * float; n < d: U = the top eigenvectors, W = U^T A. This route synchronizes
  * with the host inside Xsyevd.
  *
+ * CANONICAL (the reproducible mode's route, lib/skv_factor_canon.h): in
+ * skv_cuda_canon.cuh, bit for bit ref's; no host synchronization. Its buffers
+ * (cc_*, below the FAST ones in the struct) are allocated at create for every
+ * shape, its token blocks of fixed-point A and T live in scratch.
+ *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
  * column-major U^T [r, n] (ld r), W is column-major W^T = V_r [d, r] (ld d).
