@@ -60,6 +60,9 @@
  *    where its float is 0 whatever the rounding, so U_tj is T_tj 2^(f_j-Gb)
  *    rounded once.
  *
+ * Host code assumes IEEE gradual underflow (no flush-to-zero or
+ * denormals-are-zero mode set by the caller), as the rest of the project does.
+ *
  * Schedule cost at d = 1024, r = 160: 10 products G X (d^2 r each), 2*3 + 7 +
  * 2 = 15 Cholesky QR passes (each Y^T Y and a solve, d r^2, and an r x r
  * Cholesky).
