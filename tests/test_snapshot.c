@@ -7,8 +7,8 @@
  *    the same and on the other backends; the loaded cache reports the same shapes, outliers,
  *    candidates, landmarks and selections, saves back to the very same bytes, and decoding
  *    further steps with identical inputs on the original and the loaded cache selects the
- *    same chunks (bitwise) with outputs within 1e-5 relative (bitwise on the same ref/cpu
- *    backend). Also a cache saved before any decode, and host-placed values on either side
+ *    same chunks (bitwise) with outputs within 1e-5 relative between ref and cpu (bitwise on
+ *    the same ref/cpu backend; 4e-3 between cuda and ref/cpu, whose decode kernels differ). Also a cache saved before any decode, and host-placed values on either side
  *    (a small value_device_bytes). With cuda available, cuda -> ref/cpu and cpu -> cuda;
  *    otherwise those are counted skips.
  *  - The reproducible mode (config.reproducible = 1): outputs after a load are bitwise
@@ -280,6 +280,7 @@ static void compare_decode(skv_cache *a, skv_cache *b, const skv_config *g, int 
                 }
         }
 done:
+    printf("  %s: decode after the load, largest relative difference %.3g\n", lbl, worst);
     SKVT_CHECK(sel_bad == 0, "%s: %d (layer, seq, head) selections differ after the load", lbl, sel_bad);
     if (tol == 0)
         SKVT_CHECK(bitwise_bad == 0, "%s: %d decode outputs differ bitwise (largest relative error %.3g)", lbl,
@@ -708,12 +709,18 @@ int main(void)
     roundtrip(&c, R, R, 0, 0, 0, 1, 0.0, g_seed + 6);   /* loaded with host values */
     roundtrip(&c, C, C, 1, 2, 1, 0, 0.0, g_seed + 7);   /* saved from host values */
     roundtrip(&c, C, R, 0, 2, 1, 1, 1e-5, g_seed + 8);  /* host values on both sides */
-    /* cuda: skips without a device */
-    roundtrip(&c, G, C, 1, 3, 0, 0, 1e-5, g_seed + 11);
-    roundtrip(&c, G, R, 0, 3, 0, 1, 1e-5, g_seed + 12);
-    roundtrip(&c, C, G, 0, 3, 0, 0, 1e-5, g_seed + 13);
-    roundtrip(&c, R, G, 1, 0, 0, 1, 1e-5, g_seed + 14);
+    /* cuda (skips without a device). Across cuda and ref/cpu the state is shared but the decode
+       kernels differ: cuda fuses the key rebuild into the attention, so a rebuilt key may round to
+       the neighbouring bf16 (rebuilt keys: NMSE <= 1e-6 against ref, docs/DESIGN.md section 6);
+       the bound is the backend-vs-backend attention bound of section 6, 4e-3. cuda -> cuda: 1e-5
+       (placement alone moves outputs by at most 1e-6 there) */
+    const double xb = 4e-3;
+    roundtrip(&c, G, C, 1, 3, 0, 0, xb, g_seed + 11);
+    roundtrip(&c, G, R, 0, 3, 0, 1, xb, g_seed + 12);
+    roundtrip(&c, C, G, 0, 3, 0, 0, xb, g_seed + 13);
+    roundtrip(&c, R, G, 1, 0, 0, 1, xb, g_seed + 14);
     roundtrip(&c, G, G, 0, 2, 1, 1, 1e-5, g_seed + 15);
+    roundtrip(&c, G, G, 1, 3, 0, 0, 1e-5, g_seed + 16);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
     rmdir(g_dir);
