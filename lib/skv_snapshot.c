@@ -80,25 +80,31 @@ static uint32_t snap_crc(uint32_t crc, const void *data, size_t n)
 
 /* ---- little-endian fields ------------------------------------------------------------------ */
 
+/* v as 4 little-endian bytes at p. */
 static void put_u32(unsigned char *p, uint32_t v)
 {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
+/* v as 8 little-endian bytes at p. */
 static void put_u64(unsigned char *p, uint64_t v)
 {
     for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
+/* The little-endian u32 at p. */
 static uint32_t get_u32(const unsigned char *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
+/* The little-endian u64 at p. */
 static uint64_t get_u64(const unsigned char *p) { return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32; }
+/* A float's IEEE bit pattern. */
 static uint32_t f32_bits(float f)
 {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
+/* The float of an IEEE bit pattern. */
 static float bits_f32(uint32_t u)
 {
     float f;
@@ -214,6 +220,7 @@ static void snap_field_fmt(char *buf, size_t cap, const snap_field *f, uint64_t 
         snprintf(buf, cap, "%lld", (long long)(int64_t)v);
 }
 
+/* skv_config's enum fields are read and written as int32 (snap_field_get/set). */
 typedef char snap_enum_is_4_bytes[(sizeof(skv_factorize_route) == 4 && sizeof(int32_t) == 4) ? 1 : -1];
 
 /* The config a cache holds for *c's model fields: reproducible turns factorize AUTO into CANONICAL. */
@@ -435,7 +442,8 @@ static skv_status out_tensor(snap_out *o, const skv_cache_parts *p, size_t i, co
     return SKV_OK;
 }
 
-/* The snapshot's size for the cache's config and states; 0 on overflow (message set). */
+/* The snapshot's size for the cache's config and states into *size; SKV_ERR_SIZE_OVERFLOW if it
+   does not fit a size_t. Reads no tensor. */
 static skv_status snap_size(const skv_cache_parts *p, size_t *size)
 {
     size_t total = SNAP_PREAMBLE + SNAP_SEC_HEAD + SNAP_CONF_BYTES + SNAP_SEC_CRC, b;
