@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -291,16 +292,19 @@ class Stepper:
                     tokens_equal=(self.tok == t_e).float().mean().item())
 
     def close(self):
+        """Drops the graphs (their pool) and the attention closures (they hold the caches and,
+        through the stepper, a reference cycle)."""
         self.graphs = None
+        self.attend = self.kv_write = None
 
 
 def sync():
-    if torch.cuda.is_available():
+    if BACKEND == "cuda":
         torch.cuda.synchronize()
 
 
 def sdpa_flash():
-    if not torch.cuda.is_available():
+    if BACKEND != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
@@ -311,7 +315,7 @@ def time_steps(fn, steps, warmup):
     for _ in range(warmup):
         fn()
     sync()
-    if not torch.cuda.is_available():
+    if BACKEND != "cuda":
         t = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -412,7 +416,8 @@ def skv_stepper(model, cache, B, dev, n):
 
 
 def empty_cache():
-    if torch.cuda.is_available():
+    gc.collect()
+    if BACKEND == "cuda":
         torch.cuda.empty_cache()
 
 
@@ -459,7 +464,8 @@ def skv_run(model, ctx, steps, warmup, batch, host_limit, dev, graphs):
         free = 1 << 50
     B, cfg, m = skv_largest(ctx, n_decode_tokens(steps, warmup), host_limit, batch, free)
     log(f"skv: batch {B}, device {m['device_bytes'] / GIB:.1f} GiB, host {m['host_bytes'] / GIB:.1f} GiB, "
-        f"{m['device_value_slots']} slots with device values, {m['host_value_slots']} on the host")
+        f"{m['device_value_slots']} slots with device values, {m['host_value_slots']} on the host"
+        + (f" ({(free + 8 * GIB) / GIB:.1f} GiB free)" if dev.type == "cuda" else ""))
     t0 = time.time()
     cache = shadowkv.Cache(cfg)
     log(f"skv: cache created in {time.time() - t0:.1f} s")
