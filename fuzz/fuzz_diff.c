@@ -18,11 +18,15 @@
  *    attention over the tokens it reports it used (with its own
  *    factorization's rebuilt keys). Decode steps mostly follow the layers in
  *    step (a layer ahead of another is refused by both alike).
+ *    Inputs whose selector byte is 4 (mod 5) run the caches in the reproducible
+ *    mode (config.reproducible = 1), where the decode outputs must be bitwise
+ *    equal as well (docs/DESIGN.md section 10).
  *  - Op level: skv_op_landmarks_outliers and skv_op_score_select on carved
  *    shapes and data (ties, NaN/Inf, bad sizes): statuses equal, outputs
  *    bitwise equal on success and untouched on error. skv_op_sparse_attention
  *    on identical spans: outputs within relative L2 4e-3 (each backend is
- *    within 2e-3 of the double-precision result, docs/DESIGN.md section 6).
+ *    within 2e-3 of the double-precision result, docs/DESIGN.md section 6);
+ *    skv_op_sparse_attention_canonical on the same spans: bitwise equal.
  * A failing status additionally satisfies skvf_check_status.
  */
 #include <math.h>
@@ -246,9 +250,10 @@ static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int aft
     for (int i = 0; i < 2; i++) free(ids[i]), free(lm[i]);
 }
 
-static void diff_cache(skvf_data *d)
+static void diff_cache(skvf_data *d, int reproducible)
 {
     skv_config cfg = skvf_small_config(d);
+    cfg.reproducible = reproducible;
     skv_cache *c[2] = {NULL, NULL};
     for (int i = 0; i < 2; i++) {
         skv_config ci = cfg;
@@ -325,6 +330,13 @@ static void diff_cache(skvf_data *d)
                 skvf_check_decode(c[i], &cfg, l, slots[i][l], q, out[i], i ? "cpu" : "ref");
             }
             const size_t per = (size_t)cfg.n_q_heads * cfg.head_dim;
+            /* the reproducible mode: every output bit equal (docs/DESIGN.md section 10) */
+            if (reproducible && memcmp(out[0], out[1], (size_t)B * per * sizeof(float)) != 0) {
+                size_t i = 0;
+                while (memcmp(out[0] + i, out[1] + i, sizeof(float)) == 0) i++;
+                skvf_fail("reproducible decode layer %d step %d: output [%zu] ref %a cpu %a (bitwise differ)", l, step,
+                          i, (double)out[0][i], (double)out[1][i]);
+            }
             for (int32_t b = 0; b < B; b++) {
                 const float *a = out[0] + b * per, *x = out[1] + b * per;
                 int fa = 1, fx = 1;
@@ -390,6 +402,18 @@ static void diff_attention(skvf_data *d)
             skvf_fail("skv_op_sparse_attention head %d (Hq %d Hk %d D %d T %lld): relative L2 %.3g between ref and cpu "
                       "> %g", h, Hq, Hk, D, (long long)T, den > 0 ? sqrt(num / den) : sqrt(num), ATTN_REL_TOL);
     }
+    /* the canonical attention of the reproducible mode: bitwise equal, always */
+    for (int i = 0; i < 2; i++) {
+        memset(out[i], 0xAB, eq * 4);
+        st[i] = skv_op_sparse_attention_canonical(i ? SKV_BACKEND_CPU : SKV_BACKEND_REF, Hq, Hk, D, scale, q, 1, &span,
+                                                  out[i]);
+        skvf_check_status(st[i], "skv_op_sparse_attention_canonical");
+    }
+    if (st[0] != st[1])
+        skvf_fail("skv_op_sparse_attention_canonical: ref status %d, cpu %d", (int)st[0], (int)st[1]);
+    if (st[0] == SKV_OK && memcmp(out[0], out[1], eq * 4) != 0)
+        skvf_fail("skv_op_sparse_attention_canonical (Hq %d Hk %d D %d T %lld): ref and cpu differ (bitwise)", Hq, Hk, D,
+                  (long long)T);
     free(q), free(k), free(v), free(out[0]), free(out[1]);
 }
 
@@ -401,7 +425,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case 0: diff_landmarks_outliers(&d); break;
     case 1: diff_score_select(&d); break;
     case 2: diff_attention(&d); break;
-    default: diff_cache(&d); break;
+    case 3: diff_cache(&d, 0); break;
+    default: diff_cache(&d, 1); break; /* the reproducible mode */
     }
     return 0;
 }
