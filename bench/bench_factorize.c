@@ -17,7 +17,9 @@
  *
  * Routes:
  *   ref, cpu, cuda     skv_op_factorize_route on that backend with the route
- *                      of --route (default auto). ms: the median of --reps calls
+ *                      of --route (default auto; --route canonical: auto, and
+ *                      next to it a row <backend>_canonical with the route
+ *                      SKV_FACTORIZE_CANONICAL, timed the same way). ms: the median of --reps calls
  *                      after one warm-up; ref: one call. ref only at
  *                      n <= --ref-max-n (default 16384: plain double Gram +
  *                      dsyevr, seconds per call), cpu only at n <= --cpu-max-n
@@ -192,8 +194,10 @@ static void print_row(const frow *x, int json, int first)
 }
 
 /* --route: the library routes' choice */
-static const char *const route_names[] = {"auto", "fast", "fallback", "exact"};
+static const char *const route_names[] = {"auto", "fast", "fallback", "exact", "canonical"};
 static skv_factorize_route route_main = SKV_FACTORIZE_AUTO;
+/* --route canonical: every backend's default (auto) row, then its "<backend>_canonical" row */
+static int canon_rows;
 
 /*
  * One library route: skv_op_factorize(be) on a, u, w (device buffers for
@@ -208,7 +212,7 @@ static double time_route(skv_backend be, const char *mode, int64_t n, int32_t d,
     if (k > 65) k = 65;
     for (int i = 0; i < k; i++) {
         skv_factorize_route route = route_main;
-        for (int m = 0; mode && m < 4; m++)
+        for (int m = 0; mode && m < 5; m++)
             if (!strcmp(mode, route_names[m])) route = (skv_factorize_route)m;
         double t0 = fnow_ms();
         skv_status st = skv_op_factorize_route(be, route, n, d, r, a, u, w);
@@ -341,7 +345,9 @@ static void usage(void)
     printf("usage: skv-bench factorize [--backends ref,cpu,cuda] [--n 16384,65536,131072,524288,1048576]\n"
            "                           [--rank 160] [--width 1024] [--reps 3] [--ref-max-n 16384] [--cpu-max-n 65536]\n"
            "                           [--baselines sgesdd,cusolver_gesvd,cuda_gram_syevd] [--no-baseline]\n"
-           "                           [--gesvd-max-n 0] [--route auto|fast|fallback|exact] [--json]\n"
+           "                           [--gesvd-max-n 0] [--route auto|fast|fallback|exact|canonical] [--json]\n"
+           "  --route canonical: each backend's default (auto) route and, next to it, its canonical route\n"
+           "  (SKV_FACTORIZE_CANONICAL, the reproducible mode's; rows <backend>_canonical).\n"
            "  ref runs only at n <= --ref-max-n, cpu and sgesdd only at n <= --cpu-max-n, cusolver_gesvd only at\n"
            "  n <= --gesvd-max-n (0: every n); backends that are not available here are skipped; cusolver_gesvd\n"
            "  needs a CUDA build and the cuda backend.\n");
@@ -374,10 +380,11 @@ int bench_factorize_main(int argc, char **argv)
         else if (!strcmp(a, "--backends")) list = v, i++;
         else if (!strcmp(a, "--route")) {
             int found = 0;
-            for (int m = 0; m < 4; m++)
+            for (int m = 0; m < 5; m++)
                 if (!strcmp(v, route_names[m])) route_main = (skv_factorize_route)m, found = 1;
+            if (route_main == SKV_FACTORIZE_CANONICAL) route_main = SKV_FACTORIZE_AUTO, canon_rows = 1;
             if (!found) {
-                fprintf(stderr, "skv-bench factorize: --route %s: expected auto, fast, fallback or exact\n", v);
+                fprintf(stderr, "skv-bench factorize: --route %s: expected auto, fast, fallback, exact or canonical\n", v);
                 return 2;
             }
             i++;
@@ -439,7 +446,7 @@ int bench_factorize_main(int argc, char **argv)
                " \"skv_factorize\": \"",
                r, d, reps);
         json_str(route_names[route_main]);
-        printf("\", \"ref_max_n\": %lld, \"cpu_max_n\": %lld, \"gesvd_max_n\": %lld,\n"
+        printf("\", \"canonical_rows\": %s, \"ref_max_n\": %lld, \"cpu_max_n\": %lld, \"gesvd_max_n\": %lld,\n"
                " \"note\": \"ms: median of reps calls after a warm-up (ref: one call; cusolver_gesvd: one timed call at "
                "n >= %d); err = ||A-UW||_F/||A||_F in double; opt: best rank-r error from the double Gram's "
                "eigenvalues; excess = err/opt - 1; a row with error did not run (ms, err, excess null). ref only at n "
@@ -450,7 +457,7 @@ int bench_factorize_main(int argc, char **argv)
                "cusolver_gesvd: cusolverDnXgesvd in float on the column-major [n, d] matrix, jobu = jobvt = 'S', only "
                "the gesvd call timed; both truncated to rank r (U_r S_r, V_r^T)\",\n"
                " \"rows\": [",
-               (long long)ref_max_n, (long long)cpu_max_n, (long long)gesvd_max_n, LARGE_N);
+               canon_rows ? "true" : "false", (long long)ref_max_n, (long long)cpu_max_n, (long long)gesvd_max_n, LARGE_N);
     } else {
         printf("%-16s %9s %12s %12s %12s %10s\n", "route", "n", "ms", "err", "opt", "excess");
     }
@@ -495,6 +502,14 @@ int bench_factorize_main(int argc, char **argv)
                 double ms = time_route(be, NULL, n, d, r, a, u, w, be == SKV_BACKEND_REF ? 1 : reps + 1, msg, sizeof msg);
                 if (ms < 0) add_row(bn, n, 0, 0, opt, msg);
                 else add_row(bn, n, ms, rel_err(n, d, r, a, u, w), opt, NULL);
+                if (canon_rows) {
+                    char cn[32];
+                    snprintf(cn, sizeof cn, "%s_canonical", bn);
+                    ms = time_route(be, "canonical", n, d, r, a, u, w, be == SKV_BACKEND_REF ? 1 : reps + 1, msg,
+                                    sizeof msg);
+                    if (ms < 0) add_row(cn, n, 0, 0, opt, msg);
+                    else add_row(cn, n, ms, rel_err(n, d, r, a, u, w), opt, NULL);
+                }
                 continue;
             }
             /* cuda: A, U, W on the device; the cuda row, then the Gram + Xsyevd route on the same buffers */
@@ -505,11 +520,14 @@ int bench_factorize_main(int argc, char **argv)
                 (st = skv_buffer_alloc(be, w_bytes, &dw)) || (st = skv_buffer_copy(be, da, a, a_bytes))) {
                 snprintf(msg, sizeof msg, "device buffers: %s (%s)", skv_status_string(st), skv_last_error());
                 add_row("cuda", n, 0, 0, opt, msg);
+                if (canon_rows) add_row("cuda_canonical", n, 0, 0, opt, msg);
                 if (bl_syevd) add_row("cuda_gram_syevd", n, 0, 0, opt, msg);
             } else {
-                for (int pass = 0; pass < 1 + bl_syevd; pass++) {
-                    const char *what = pass ? "cuda_gram_syevd" : "cuda";
-                    double ms = time_route(be, pass ? "exact" : NULL, n, d, r, da, du, dw, reps + 1, msg, sizeof msg);
+                for (int pass = 0; pass < 3; pass++) { /* default, canonical, the exact route */
+                    if ((pass == 1 && !canon_rows) || (pass == 2 && !bl_syevd)) continue;
+                    const char *what = pass == 2 ? "cuda_gram_syevd" : pass ? "cuda_canonical" : "cuda";
+                    double ms = time_route(be, pass == 2 ? "exact" : pass ? "canonical" : NULL, n, d, r, da, du, dw,
+                                           reps + 1, msg, sizeof msg);
                     if (ms >= 0 && ((st = skv_buffer_copy(be, u, du, u_bytes)) || (st = skv_buffer_copy(be, w, dw, w_bytes)))) {
                         snprintf(msg, sizeof msg, "copying U, W back: %s (%s)", skv_status_string(st), skv_last_error());
                         ms = -1.0;

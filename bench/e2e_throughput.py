@@ -16,13 +16,61 @@ decode tokens/s is measured over --steps steps after --warmup (CUDA events, medi
 (flash attention, layer by layer) plus --e2e-tokens decode tokens, for both, with the
 factorization's share of skv's prefill.
 
-    python3 bench/e2e_throughput.py --json out.json [--ctx 131072] [--steps 32] [--e2e]
+How a decode step is driven (--graphs, the same for both caches):
+
+  A step is L + 1 segments with the L attention calls between them (class Stepper). Segment 0 is
+  the embedding and layer 0's pre-attention part; segment i (1..L-1) is layer i-1's
+  post-attention part and layer i's pre-attention part; segment L is layer L-1's post-attention
+  part, the final norm, the LM head and the argmax into the token buffer. Pre-attention:
+  RMSNorm, the QKV projection, RoPE of q and k at the step's position, q/k/v written into static
+  buffers (dense also writes k and v into its static cache's slot for the position, an
+  index_copy_ with the position as a device tensor). Post-attention: the O projection from the
+  static attention output, the residual, RMSNorm, the MLP, the residual, into the static
+  hidden-state buffer. Cutting post(l) and pre(l+1) into one segment gives the same cut points as
+  separate per-layer pre and post graphs (the attention calls), with half the graph launches.
+
+  piecewise (default): each segment is a torch CUDA graph (torch.cuda.graph, one memory pool
+  shared by the L + 1 graphs, replayed in capture order); the attention runs eagerly between the
+  replays on the same stream (torch's current stream, which is the skv cache's stream):
+    skv    Cache.decode(l, q, k, v, out) on the static buffers: one library call that enqueues
+           the layer's step (the library's own per-layer CUDA graph, one launch) with no host
+           sync. It cannot go into the torch graphs: a captured skv_decode is one step whose
+           graph must be launched exactly once (shadowkv.h), and the library keeps per-step
+           state on the host. The library captures its per-layer graph on the first skv_decode
+           of each layer: the eager steps (warm-up and the eager timing below) run before any
+           torch capture, and skv_decode is never called while a torch capture is active.
+    dense  F.scaled_dot_product_attention over the cache's first n + 1 positions and a copy
+           into the static output (two ops). The kv length grows each step, so the flash call
+           is not captured: capturing it at a fixed maximum length needs a mask (no flash
+           kernel, and attention over the whole capacity), and a graph per length is one
+           capture per step. Eager attention is also what skv gets, so the comparison is fair.
+  The position is a device tensor (filled before the replays, one tiny kernel per step); RoPE
+  reads its cos/sin rows with a device-side gather, and the dense cache's slot is an index_copy_
+  at that tensor, so the graphs stay valid at every step. Before capturing, the segments are
+  run once eagerly on the capture stream (cuBLAS workspaces, lazy initialization); nothing in a
+  segment syncs with the host or allocates outside the graphs' pool.
+  Every run first times --steps eager steps (the same segments, called eagerly), then captures
+  and times --steps graph steps: each run records step_ms_eager and step_ms_graphs (and the
+  JSON's graphs_compare the two for dense and the largest skv batch), measured in one run; the
+  headline numbers (step_ms, tok_s, ratio) are the graph steps'. dense also checks the graph
+  step against the eager step from the same state (graph_check). The capture time is recorded
+  (graph_capture_s) and not counted in the e2e decode time: a server captures once per batch size.
+  none: every segment eagerly (the previous benchmark's ~40 torch ops per layer, launch-bound
+  from Python on skv).
+
+  Each run takes 2 * (steps + warmup) decode tokens whatever the mode (skv's gen_capacity and
+  dense's cache length are sized for that), so the memory accounting is the same in both modes.
+
+    python3 bench/e2e_throughput.py --json out.json [--ctx 131072] [--steps 32] [--e2e] [--graphs none]
+    python3 bench/e2e_throughput.py --smoke        # 2 layers, 8k context, batch 2 and 1, seconds
+    python3 bench/e2e_throughput.py --smoke --cpu  # the same on the CPU (cpu backend, tiny widths, no graphs)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
-import math
 import os
 import sys
 import time
@@ -36,6 +84,7 @@ import shadowkv  # noqa: E402
 L, HID, MLP, HQ, HK, D, VOCAB = 32, 4096, 14336, 32, 8, 128, 128256
 THETA = 500000.0
 GIB = 1 << 30
+BACKEND = "cuda"  # "cpu" with --cpu
 
 
 def log(*a):
@@ -43,7 +92,7 @@ def log(*a):
 
 
 class Model:
-    """Llama-3-8B-shaped decoder with random weights (bf16, on the GPU)."""
+    """Llama-3-8B-shaped decoder with random weights (bf16, on the GPU; L layers, see main)."""
 
     def __init__(self, dev):
         g = torch.Generator(device=dev).manual_seed(1)
@@ -102,18 +151,6 @@ class Model:
         q, k, v = h.split([HQ * D, HK * D, HK * D], -1)
         return q, k, v
 
-    def decode_step(self, tokens, pos, attend):
-        """tokens [B], pos [B] (the new token's position); attend(l, q [B,Hq,D], k, v [B,Hk,D]) -> [B,Hq,D]."""
-        B = tokens.shape[0]
-        x = self.embed[tokens]
-        for l, p in enumerate(self.layers):
-            h = (self.rms(x, p["n1"]) @ p["wqkv"].T).view(B, HQ + 2 * HK, D)
-            qk = self.rope_tab(h[:, : HQ + HK], pos)  # q and k roped together
-            a = attend(l, qk[:, :HQ].contiguous(), qk[:, HQ:].contiguous(), h[:, HQ + HK:].contiguous())
-            x = x + a.reshape(B, HQ * D).to(torch.bfloat16) @ p["wo"].T
-            x = self.mlp(p, x)
-        return (self.rms(x, self.norm) @ self.head.T).argmax(-1)
-
     def prefill(self, tokens, on_layer):
         """The model's own prefill of one sequence (flash causal attention, layer by layer);
         on_layer(l, k_pre, k_post, v) sees each layer's keys ([T, Hk, D] bf16) and values."""
@@ -134,6 +171,7 @@ class Model:
         return (self.rms(x[-1:], self.norm) @ self.head.T).argmax(-1)
 
 
+
 def gen_kv(T, dev, g):
     """Keys of low rank plus noise (as real pre-RoPE keys are), random values: [T, Hk, D] bf16."""
     basis = torch.randn(48, HK * D, device=dev, generator=g)
@@ -142,11 +180,149 @@ def gen_kv(T, dev, g):
     return k.to(torch.bfloat16).view(T, HK, D), v.to(torch.bfloat16).view(T, HK, D)
 
 
+
+class Stepper:
+    """Decode steps of `model` for a batch of B on static buffers, as L + 1 segments with the
+    attention between them (see the module's docstring): eagerly, or as replays of the segments'
+    CUDA graphs once capture() ran.
+
+    attend(l, n) reads q [B, Hq, D], k, v [B, Hk, D] (bf16) and writes a [B, Hq, D] (attn_dtype)
+    for layer l, the new token at position n; it runs eagerly between the segments. kv_write(l),
+    if given, runs inside layer l's pre-attention segment after q, k and v are written (dense:
+    the cache's slot at the position tensor). tok holds the tokens of the step (input) and, after
+    the step, the next ones; n is the position of the next step's token (host side; the segments
+    read the device tensor pos, filled from n at the start of each step)."""
+
+    def __init__(self, model, B, dev, attn_dtype, attend, kv_write=None, n=0):
+        self.model, self.B, self.dev = model, B, dev
+        self.attend, self.kv_write, self.n = attend, kv_write, n
+        bf = torch.bfloat16
+        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.x = torch.zeros(B, HID, dtype=bf, device=dev)
+        self.q = torch.zeros(B, HQ, D, dtype=bf, device=dev)
+        self.k = torch.zeros(B, HK, D, dtype=bf, device=dev)
+        self.v = torch.zeros(B, HK, D, dtype=bf, device=dev)
+        self.a = torch.zeros(B, HQ, D, dtype=attn_dtype, device=dev)
+        self.graphs = None
+        self.capture_s = 0.0
+
+    def _pre(self, l):
+        m, p, B = self.model, self.model.layers[l], self.B
+        h = (m.rms(self.x, p["n1"]) @ p["wqkv"].T).view(B, HQ + 2 * HK, D)
+        qk = m.rope_tab(h[:, : HQ + HK], self.pos)  # q and k roped together
+        self.q.copy_(qk[:, :HQ])
+        self.k.copy_(qk[:, HQ:])
+        self.v.copy_(h[:, HQ + HK:])
+        if self.kv_write is not None:
+            self.kv_write(l)
+
+    def _post(self, l):
+        m, p, B = self.model, self.model.layers[l], self.B
+        x = self.x + self.a.reshape(B, HQ * D).to(torch.bfloat16) @ p["wo"].T
+        self.x.copy_(m.mlp(p, x))
+
+    def segment(self, i):
+        """Segment i of the step (0..L): no host sync, no Python-side state."""
+        m = self.model
+        if i == 0:
+            self.x.copy_(m.embed[self.tok])
+        else:
+            self._post(i - 1)
+        if i < L:
+            self._pre(i)
+        else:
+            self.tok.copy_((m.rms(self.x, m.norm) @ m.head.T).argmax(-1))
+
+    def step(self, graphs=False, advance=True):
+        """One decode step (enqueued on the current stream; no host sync)."""
+        self.pos.fill_(self.n)
+        for i in range(L + 1):
+            if graphs:
+                self.graphs[i].replay()
+            else:
+                self.segment(i)
+            if i < L:
+                self.attend(i, self.n)
+        if advance:
+            self.n += 1
+
+    def capture(self):
+        """Captures the L + 1 segments (one memory pool). Call after at least one eager step (the
+        skv cache captures its own per-layer graphs on its first decode of each layer), never with
+        attention work outstanding that the segments' warm-up could disturb: the warm-up below
+        runs every segment once (no attention) with the position of the next step, whose real
+        step then rewrites everything it wrote; tok is restored."""
+        t0 = time.time()
+        cur = torch.cuda.current_stream()
+        tok0 = self.tok.clone()
+        self.pos.fill_(self.n)
+        s = torch.cuda.Stream()
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):  # warm-up on the capture stream: cuBLAS handle and workspace, lazy init
+            for i in range(L + 1):
+                self.segment(i)
+        cur.wait_stream(s)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        gs = []
+        for i in range(L + 1):
+            g = torch.cuda.CUDAGraph()
+            # thread_local: a CUDA call of another thread (none is expected) does not break the capture
+            with torch.cuda.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
+                self.segment(i)
+            gs.append(g)
+        self.tok.copy_(tok0)
+        torch.cuda.synchronize()
+        self.graphs = gs
+        self.capture_s = time.time() - t0
+        return self.capture_s
+
+    def check(self):
+        """The graph step against the eager step from the same state, at the same position (dense
+        only: its step rewrites the same cache slot with the same values, where an skv step appends).
+        Returns the largest difference of the final hidden state and the share of equal tokens."""
+        tok0 = self.tok.clone()
+        self.step(False, advance=False)
+        t_e, x_e = self.tok.clone(), self.x.float()
+        self.tok.copy_(tok0)
+        self.step(True, advance=False)
+        d = (self.x.float() - x_e).abs().max().item()
+        return dict(max_abs_diff=d, max_abs=x_e.abs().max().item(),
+                    tokens_equal=(self.tok == t_e).float().mean().item())
+
+    def close(self):
+        """Drops the graphs (their pool) and the attention closures (they hold the caches and,
+        through the stepper, a reference cycle)."""
+        self.graphs = None
+        self.attend = self.kv_write = None
+
+
+def sync():
+    if BACKEND == "cuda":
+        torch.cuda.synchronize()
+
+
+def sdpa_flash():
+    if BACKEND != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
 def time_steps(fn, steps, warmup):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    """Median ms of `steps` calls of fn after `warmup` (CUDA events; the wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
+    if BACKEND != "cuda":
+        t = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1000.0)
+        return sorted(t)[len(t) // 2]
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for a, b in ev:
         a.record()
         fn()
@@ -156,12 +332,43 @@ def time_steps(fn, steps, warmup):
     return t[len(t) // 2]
 
 
-def dense_run(model, ctx, steps, warmup, batch, dev):
-    per_seq = 2 * L * HK * (ctx + steps + warmup + 1) * D * 2
-    free = torch.cuda.mem_get_info()[0]
-    B = batch or max(1, int((free - 6 * GIB) // per_seq))
+def time_modes(st, steps, warmup, graphs, before_graphs=None, check=False):
+    """Times eager steps, then (graphs) captures and times graph steps. Returns the result fields."""
+    ms_eager = time_steps(lambda: st.step(False), steps, warmup)
+    log(f"  eager steps: {ms_eager:.2f} ms/step (batch {st.B})")
+    r = dict(graphs="piecewise" if graphs else "none", step_ms_eager=ms_eager, step_ms_graphs=None,
+             graph_capture_s=None, graph_speedup=None)
+    if not graphs:
+        r["step_ms"] = ms_eager
+        return r
+    if before_graphs is not None:
+        before_graphs()
+    r["graph_capture_s"] = st.capture()
+    log(f"  captured {L + 1} segment graphs in {st.capture_s:.2f} s")
+    if check:
+        r["graph_check"] = st.check()
+        log(f"  graph step against eager step: {r['graph_check']}")
+    ms = time_steps(lambda: st.step(True), steps, warmup)
+    log(f"  graph steps: {ms:.2f} ms/step ({ms_eager / ms:.2f}x the eager step)")
+    r.update(step_ms=ms, step_ms_graphs=ms, graph_speedup=ms_eager / ms)
+    return r
+
+
+def n_decode_tokens(steps, warmup):
+    """Decode tokens a run may take: the eager timing and the graph timing (the same in both modes)."""
+    return 2 * (steps + warmup) + 2
+
+
+def dense_run(model, ctx, steps, warmup, batch, dev, graphs):
+    n_gen = n_decode_tokens(steps, warmup)
+    per_seq = 2 * L * HK * (ctx + n_gen) * D * 2
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        B = batch or max(1, int((free - 6 * GIB) // per_seq))
+    else:
+        free, B = 0, batch or 1
     log(f"dense: batch {B} ({per_seq / GIB:.2f} GiB of KV per sequence, {free / GIB:.1f} GiB free)")
-    T = ctx + steps + warmup + 1
+    T = ctx + n_gen
     K = [torch.empty(B, HK, T, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
     V = [torch.empty(B, HK, T, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
     g = torch.Generator(device=dev).manual_seed(2)
@@ -170,34 +377,53 @@ def dense_run(model, ctx, steps, warmup, batch, dev):
             k, v = gen_kv(ctx, dev, g)
             K[l][b, :, :ctx] = model.rope(k, torch.arange(ctx, device=dev)).transpose(0, 1)
             V[l][b, :, :ctx] = v.transpose(0, 1)
-    state = dict(n=ctx)
-
-    def attend(l, q, k, v):
-        n = state["n"]
-        K[l][:, :, n] = k
-        V[l][:, :, n] = v
-        o = F.scaled_dot_product_attention(q[:, :, None], K[l][:, :, : n + 1], V[l][:, :, : n + 1], enable_gqa=True)
-        return o[:, :, 0]
-
-    tokens = torch.zeros(B, dtype=torch.long, device=dev)
-
-    def step():
-        pos = torch.full((B,), state["n"], device=dev)
-        tokens.copy_(model.decode_step(tokens, pos, attend))
-        state["n"] += 1
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        ms = time_steps(step, steps, warmup)
-    res = dict(batch=B, step_ms=ms, tok_s=B * 1000.0 / ms, device_bytes=int(B * per_seq))
-    del K, V
-    torch.cuda.empty_cache()
+    st = dense_stepper(model, B, dev, K, V, ctx)
+    with sdpa_flash():
+        res = time_modes(st, steps, warmup, graphs, check=True)
+    res.update(batch=B, tok_s=B * 1000.0 / res["step_ms"], device_bytes=int(B * per_seq))
+    st.close()
+    del K, V, st
+    empty_cache()
     return res
+
+
+def dense_stepper(model, B, dev, K, V, n):
+    """A Stepper on the static cache K, V [B, Hk, T, D] per layer, the first token at position n."""
+    st = Stepper(model, B, dev, torch.bfloat16, None, n=n)
+    pos1 = st.pos[:1]
+
+    def kv_write(l):  # inside the pre-attention segment: the slot of the position tensor
+        K[l].index_copy_(2, pos1, st.k[:, :, None])
+        V[l].index_copy_(2, pos1, st.v[:, :, None])
+
+    def attend(l, n):  # eager: the kv length n + 1 changes every step
+        o = F.scaled_dot_product_attention(st.q[:, :, None], K[l][:, :, : n + 1], V[l][:, :, : n + 1],
+                                           enable_gqa=True)
+        st.a.copy_(o[:, :, 0])
+
+    st.attend, st.kv_write = attend, kv_write
+    return st
+
+
+def skv_stepper(model, cache, B, dev, n):
+    st = Stepper(model, B, dev, torch.float32, None, n=n)
+
+    def attend(l, n):  # eager: one library call, enqueued on the cache's stream (torch's current one)
+        cache.decode(l, st.q, st.k, st.v, st.a)
+
+    st.attend = attend
+    return st
+
+
+def empty_cache():
+    gc.collect()
+    if BACKEND == "cuda":
+        torch.cuda.empty_cache()
 
 
 def skv_config(B, ctx, gen, budget_bytes):
     return shadowkv.config(n_layers=L, n_q_heads=HQ, n_kv_heads=HK, head_dim=D, batch_size=B, max_prompt_len=ctx,
-                           gen_capacity=gen, backend="cuda", value_device_bytes=budget_bytes,
+                           gen_capacity=gen, backend=BACKEND, value_device_bytes=budget_bytes,
                            rope=dict(theta=THETA))
 
 
@@ -229,11 +455,17 @@ def skv_largest(ctx, gen, host_limit, batch, free):
     return best
 
 
-def skv_run(model, ctx, steps, warmup, batch, host_limit, dev):
-    free = torch.cuda.mem_get_info()[0] - 8 * GIB  # the decode step's activations and torch's pool
-    B, cfg, m = skv_largest(ctx, steps + warmup + 2, host_limit, batch, free)
+
+
+def skv_run(model, ctx, steps, warmup, batch, host_limit, dev, graphs):
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info()[0] - 8 * GIB  # the decode step's activations and torch's pool
+    else:
+        free = 1 << 50
+    B, cfg, m = skv_largest(ctx, n_decode_tokens(steps, warmup), host_limit, batch, free)
     log(f"skv: batch {B}, device {m['device_bytes'] / GIB:.1f} GiB, host {m['host_bytes'] / GIB:.1f} GiB, "
-        f"{m['device_value_slots']} slots with device values, {m['host_value_slots']} on the host")
+        f"{m['device_value_slots']} slots with device values, {m['host_value_slots']} on the host"
+        + (f" ({(free + 8 * GIB) / GIB:.1f} GiB free)" if dev.type == "cuda" else ""))
     t0 = time.time()
     cache = shadowkv.Cache(cfg)
     log(f"skv: cache created in {time.time() - t0:.1f} s")
@@ -243,43 +475,47 @@ def skv_run(model, ctx, steps, warmup, batch, host_limit, dev):
         for b in range(B):
             k, v = gen_kv(ctx, dev, g)
             cache.prefill(l, b, k, v)
-        if l % 8 == 7:
+        if l % 8 == 7 or l == L - 1:
             log(f"skv: prefilled {l + 1}/{L} layers ({time.time() - t0:.1f} s)")
     cache.sync()
     st = cache.stats()
-    state = dict(n=ctx)
-    outs = [torch.empty(B, HQ, D, device=dev, dtype=torch.float32) for _ in range(L)]
-
-    def attend(l, q, k, v):
-        return cache.decode(l, q, k, v, outs[l])
-
-    tokens = torch.zeros(B, dtype=torch.long, device=dev)
-
-    def step():
-        pos = torch.full((B,), state["n"], device=dev)
-        tokens.copy_(model.decode_step(tokens, pos, attend))
-        state["n"] += 1
-
+    if cache.stream is not None:
+        assert cache.stream.cuda_stream == torch.cuda.current_stream().cuda_stream
+    stp = skv_stepper(model, cache, B, dev, ctx)
     cache.reset_stats()
-    ms = time_steps(step, steps, warmup)
-    cache.sync()
+
+    def before_graphs():
+        # the eager steps ran every layer's first skv_decode (the library's own per-layer capture);
+        # wait for the library's work, then the stats cover the graph steps alone
+        cache.sync()
+        cache.reset_stats()
+
+    r = time_modes(stp, steps, warmup, graphs, before_graphs=before_graphs)
+    cache.sync()  # also raises a deferred error of a decode step (e.g. SKV_ERR_NONFINITE)
     st2 = cache.stats()
-    res = dict(batch=B, step_ms=ms, tok_s=B * 1000.0 / ms, device_bytes=m["device_bytes"],
+    res = dict(batch=B, step_ms=r["step_ms"], tok_s=B * 1000.0 / r["step_ms"], device_bytes=m["device_bytes"],
                host_bytes=m["host_bytes"], device_value_slots=m["device_value_slots"],
                host_value_slots=m["host_value_slots"], prefill_factorize_ms_per_call=st["prefill_factorize_ms"]
                / max(1, st["n_prefill_calls"]), value_cache_hits=st2["value_cache_hits"],
                value_cache_misses=st2["value_cache_misses"],
                kernels_per_layer_step=st2["decode_launches"] / max(1, st2["n_decode_calls"]))
+    res.update({k: v for k, v in r.items() if k != "step_ms"})
+    stp.close()
     cache.close()
-    torch.cuda.empty_cache()
+    del stp, cache
+    empty_cache()
     return res
 
 
-def e2e_one(model, ctx, n_tok, dev, use_skv):
-    """One sequence: the model's prefill of ctx tokens, then n_tok decode tokens (wall clock, synchronized)."""
+def e2e_one(model, ctx, n_tok, dev, use_skv, graphs):
+    """One sequence: the model's prefill of ctx tokens, then n_tok decode tokens (wall clock, synchronized).
+    With graphs the first decode token runs eagerly (the skv cache captures its per-layer graphs on
+    it), then the segments are captured (graph_capture_s, not counted in decode_s) and the other
+    tokens replay them."""
     g = torch.Generator(device=dev).manual_seed(3)
     prompt = torch.randint(0, VOCAB, (ctx,), device=dev, generator=g)
-    torch.cuda.synchronize()
+    sync()
+    cache = K = V = None
     if use_skv:
         cfg = skv_config(1, ctx, n_tok + 2, shadowkv._ffi.VALUES_ALL_DEVICE)
         cache = shadowkv.Cache(cfg)
@@ -287,13 +523,10 @@ def e2e_one(model, ctx, n_tok, dev, use_skv):
         tok = model.prefill(prompt, lambda l, kp, kr, v: cache.prefill(l, 0, kp.contiguous(), v.contiguous(),
                                                                        kr.contiguous()))
         cache.sync()
-        torch.cuda.synchronize()
+        sync()
         t_pre = time.time() - t0
         fac = cache.stats()["prefill_factorize_ms"] / 1000.0
-        outs = [torch.empty(1, HQ, D, device=dev, dtype=torch.float32) for _ in range(L)]
-
-        def attend(l, q, k, v):
-            return cache.decode(l, q, k, v, outs[l])
+        st = skv_stepper(model, cache, 1, dev, ctx)
     else:
         T = ctx + n_tok + 1
         K = [torch.empty(1, HK, T, D, device=dev, dtype=torch.bfloat16) for _ in range(L)]
@@ -305,36 +538,35 @@ def e2e_one(model, ctx, n_tok, dev, use_skv):
 
         t0 = time.time()
         tok = model.prefill(prompt, keep)
-        torch.cuda.synchronize()
+        sync()
         t_pre, fac = time.time() - t0, 0.0
-        st = dict(n=ctx)
-
-        def attend(l, q, k, v):
-            n = st["n"]
-            K[l][:, :, n] = k
-            V[l][:, :, n] = v
-            return F.scaled_dot_product_attention(q[:, :, None], K[l][:, :, : n + 1], V[l][:, :, : n + 1],
-                                                  enable_gqa=True)[:, :, 0]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+        st = dense_stepper(model, 1, dev, K, V, ctx)
+    st.tok.copy_(tok)
     t1 = time.time()
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with sdpa_flash():
         for i in range(n_tok):
-            pos = torch.full((1,), ctx + i, device=dev)
-            if not use_skv:
-                st["n"] = ctx + i
-            tok = model.decode_step(tok, pos, attend)
-    torch.cuda.synchronize()
-    t_dec = time.time() - t1
-    if use_skv:
+            if i == 1 and graphs:
+                if cache is not None:
+                    cache.sync()
+                st.capture()
+            st.step(graphs and i > 0)
+    sync()
+    t_dec = time.time() - t1 - st.capture_s
+    cap = st.capture_s if graphs else None
+    st.close()
+    if cache is not None:
         cache.close()
-    torch.cuda.empty_cache()
+    del st, cache, K, V
+    empty_cache()
     # fac: the factorization's device time as the cache's events see it; on cuda it runs on a side
     # stream beside the model's own prefill kernels, so it is not a share of the wall clock (compare
     # the prefill walls of the two runs for what the factorization adds)
-    return dict(prefill_s=t_pre, decode_s=t_dec, total_s=t_pre + t_dec, factorize_event_s=fac)
+    return dict(prefill_s=t_pre, decode_s=t_dec, total_s=t_pre + t_dec, factorize_event_s=fac,
+                graphs="piecewise" if graphs else "none", graph_capture_s=cap)
 
 
 def main():
+    global L, HID, MLP, VOCAB, BACKEND
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--steps", type=int, default=32)
@@ -345,35 +577,71 @@ def main():
     ap.add_argument("--host-gib", type=float, default=0, help="host memory the skv cache may pin (0: 80%% of RAM)")
     ap.add_argument("--e2e", action="store_true", help="also one sequence's prefill + decode, both")
     ap.add_argument("--e2e-tokens", type=int, default=256)
+    ap.add_argument("--graphs", choices=["none", "piecewise"], default="piecewise",
+                    help="how decode steps are driven (module docstring): piecewise CUDA graphs between the "
+                    "eager attention calls (the eager step is timed too), or every op eagerly")
+    ap.add_argument("--layers", type=int, default=L, help="decoder layers (the model has 32; fewer for a quick check)")
+    ap.add_argument("--smoke", action="store_true", help="a quick check of the whole script: 2 layers, 8k context "
+                    "(4k with --cpu), 4 steps, dense batch 2, skv batches 2 and 1, --e2e with 8 tokens")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (the cpu backend; tiny widths, no graphs, "
+                    "no --e2e unless asked): checks the script's logic where no GPU is")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    dev = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    if a.smoke:
+        a.layers, a.steps, a.warmup, a.dense_batch, a.skv_batch = 2, 4, 2, 2, "2,1"
+        a.ctx, a.e2e_tokens, a.host_gib = (2560 if a.cpu else 8192), 8, a.host_gib or 4
+        a.e2e = a.e2e or not a.cpu
+    L = a.layers
+    if a.cpu:
+        dev = torch.device("cpu")
+        BACKEND = "cpu"
+        HID, MLP, VOCAB = 256, 512, 1000  # the attention shapes stay Llama-3-8B's
+        if a.graphs != "none":
+            log("--cpu: no CUDA graphs, --graphs none")
+            a.graphs = "none"
+        name = "cpu"
+    else:
+        dev = torch.device("cuda")
+        name = torch.cuda.get_device_name()
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    graphs = a.graphs == "piecewise"
     host_limit = int(a.host_gib * GIB) if a.host_gib else int(0.8 * os.sysconf("SC_PAGE_SIZE") *
                                                                 os.sysconf("SC_PHYS_PAGES"))
-    log(f"{torch.cuda.get_device_name()}, shadowkv {shadowkv.version()}, ctx {a.ctx}, host limit "
-        f"{host_limit / GIB:.0f} GiB")
+    log(f"{name}, torch {torch.__version__}, shadowkv {shadowkv.version()}, ctx {a.ctx}, {L} layers, host limit "
+        f"{host_limit / GIB:.0f} GiB, graphs {a.graphs}")
     model = Model(dev)
-    model.tables(a.ctx + max(a.steps + a.warmup, a.e2e_tokens) + 8)
-    torch.cuda.synchronize()
-    log(f"model: {torch.cuda.memory_allocated() / GIB:.1f} GiB of weights")
-    out = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), ctx=a.ctx, steps=a.steps,
-               model="Llama-3-8B shapes, random bf16 weights, plain torch module")
-    d = dense_run(model, a.ctx, a.steps, a.warmup, a.dense_batch, dev)
+    model.tables(a.ctx + max(n_decode_tokens(a.steps, a.warmup), a.e2e_tokens) + 8)
+    sync()
+    if dev.type == "cuda":
+        log(f"model: {torch.cuda.memory_allocated() / GIB:.1f} GiB of weights")
+    out = dict(gpu=name, date=time.strftime("%Y-%m-%d"), ctx=a.ctx, steps=a.steps, layers=L, graphs=a.graphs,
+               model=f"Llama-3-8B shapes{'' if L == 32 and not a.cpu else ' (reduced)'}, random bf16 weights, "
+               "plain torch module")
+    d = dense_run(model, a.ctx, a.steps, a.warmup, a.dense_batch, dev, graphs)
     log(f"dense: {d}")
     runs = []
     for b in [int(x) for x in a.skv_batch.split(",")]:
-        runs.append(skv_run(model, a.ctx, a.steps, a.warmup, b, host_limit, dev))
+        runs.append(skv_run(model, a.ctx, a.steps, a.warmup, b, host_limit, dev, graphs))
         log(f"skv: {runs[-1]}")
     s = max(runs, key=lambda r: r["batch"])  # the largest batch
     best = max(runs, key=lambda r: r["tok_s"])
     out.update(dense_batch=d["batch"], skv_batch=s["batch"], dense_tok_s=d["tok_s"], skv_tok_s=s["tok_s"],
                ratio=s["tok_s"] / d["tok_s"], batch_ratio=s["batch"] / d["batch"], dense=d, skv=s, skv_runs=runs,
                best_skv_batch=best["batch"], best_skv_tok_s=best["tok_s"], best_ratio=best["tok_s"] / d["tok_s"])
+    # the two modes of one run: eager and graph step times of dense and of the largest skv batch
+    out["graphs_compare"] = {
+        "dense": dict(batch=d["batch"], step_ms_eager=d["step_ms_eager"], step_ms_graphs=d["step_ms_graphs"]),
+        "skv": dict(batch=s["batch"], step_ms_eager=s["step_ms_eager"], step_ms_graphs=s["step_ms_graphs"]),
+        "ratio_eager": (s["batch"] / s["step_ms_eager"]) / (d["batch"] / d["step_ms_eager"]),
+        "ratio_graphs": ((s["batch"] / s["step_ms_graphs"]) / (d["batch"] / d["step_ms_graphs"])
+                         if graphs else None)}
+    log(f"skv {s['tok_s']:.0f} tok/s (batch {s['batch']}), dense {d['tok_s']:.0f} tok/s (batch {d['batch']}): "
+        f"{out['ratio']:.2f}x; best skv {best['tok_s']:.0f} tok/s (batch {best['batch']}): {out['best_ratio']:.2f}x; "
+        f"eager steps {out['graphs_compare']['ratio_eager']:.2f}x")
     if a.e2e:
-        out["e2e_dense"] = e2e_one(model, a.ctx, a.e2e_tokens, dev, False)
+        out["e2e_dense"] = e2e_one(model, a.ctx, a.e2e_tokens, dev, False, graphs)
         log(f"e2e dense: {out['e2e_dense']}")
-        out["e2e_skv"] = e2e_one(model, a.ctx, a.e2e_tokens, dev, True)
+        out["e2e_skv"] = e2e_one(model, a.ctx, a.e2e_tokens, dev, True, graphs)
         log(f"e2e skv: {out['e2e_skv']}")
         out["e2e_prefill_added_s"] = out["e2e_skv"]["prefill_s"] - out["e2e_dense"]["prefill_s"]
         out["e2e_ratio"] = out["e2e_dense"]["total_s"] / out["e2e_skv"]["total_s"]
@@ -382,6 +650,12 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             f.write(js + "\n")
+    if a.smoke:
+        c = d.get("graph_check")
+        if c is not None and not (c["max_abs_diff"] <= 1e-2 * max(1.0, c["max_abs"]) and c["tokens_equal"] == 1.0):
+            log(f"smoke: the graph step differs from the eager step: {c}")
+            sys.exit(1)
+        log("smoke: done")
 
 
 if __name__ == "__main__":

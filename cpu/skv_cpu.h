@@ -108,6 +108,8 @@ void skv_cpu_mirror(double *g, int32_t d);
 skv_status skv_cpu_factorize(skv_factorize_route mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                              float *w);
 #if SKV_CPU_X86
+/* The canonical route (skv_cpu_canon.c, lib/skv_factor_canon.h): bit for bit ref's. */
+skv_status skv_cpu_factorize_canonical(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w);
 skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w,
                                   skv_factorize_route mode);
 #endif

@@ -1,5 +1,6 @@
 /*
- * factorize: the route of lib/skv_factor.h, and the EXACT route (double Gram,
+ * factorize: the route of lib/skv_factor.h, the canonical route
+ * (skv_cpu_canon.c), and the EXACT route (double Gram,
  * LAPACK dsyevr, U = A V_r in double). OpenBLAS and LAPACK run from the
  * calling thread, never inside an OpenMP region (a pthreads OpenBLAS would
  * nest its own pool under ours), with OpenBLAS's own thread count.
@@ -176,7 +177,7 @@ static skv_status skv_cpu_factorize_exact(int64_t n, int32_t d, int32_t r, const
 skv_status skv_cpu_factorize(skv_factorize_route mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                              float *w)
 {
-    if (mode == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
+    if (mode == SKV_FACTORIZE_CANONICAL) return skv_cpu_factorize_canonical(n, d, r, a, u, w);
 #if SKV_CPU_X86
     if (skv_cpu_simd() && skv_factor_route_for(n, d, r, mode) == SKV_ROUTE_FAST)
         return skv_cpu_factorize_fast(n, d, r, a, u, w, mode);

@@ -261,7 +261,6 @@ static skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, in
 {
     char msg[SKV_ERRMSG_CAP];
     skv_status st = SKV_OK;
-    if (route == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
     if (pthread_mutex_trylock(&skv_cuda_fop_lock) == 0) {
         if (skv_cuda_fop && (skv_cuda_fop_d != d || skv_cuda_fop_r != r || skv_cuda_fop_n < n)) {
             skv_cuda_factor_destroy(skv_cuda_fop);
@@ -1228,6 +1227,35 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
     return SKV_ERR_NONFINITE;
 }
 
+/*
+ * After skv_cache_load wrote a snapshot into the arenas of this fresh cache (lib/'s copy2d:
+ * synchronous copies on the legacy stream): the descriptors take each slot's shape and step
+ * state (n, n_cand, n_local, n_gen, has_sel: what the decode kernels read and advance on the
+ * device), the chunk caches of host-placed slots are emptied (index entries -1, as prefill
+ * leaves them), and the host copies follow. Nothing has been enqueued on the cache yet (no
+ * prefill, no decode, no graph); returns when the device holds the new state.
+ */
+static skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    const size_t n = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+    CK(cudaStreamSynchronize(k->st));
+    for (size_t i = 0; i < n; i++) {
+        skv_cuda_seq *hs = &k->h_seqs[i];
+        const skv_seq_state *s = &states[i];
+        hs->n = s->prefilled ? s->n : 0;
+        hs->n_cand = s->prefilled ? s->n_cand : 0;
+        hs->n_local = s->prefilled ? s->n_local : 0;
+        hs->n_gen = s->prefilled ? s->n_gen : 0;
+        hs->has_sel = s->prefilled ? s->has_selection : 0;
+        if (hs->vc_data) CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, k->lay.vc_meta_bytes, k->st));
+    }
+    CK(cudaMemcpyAsync(k->d_seqs, k->h_seqs, n * sizeof *k->h_seqs, cudaMemcpyHostToDevice, k->st));
+    CK(cudaStreamSynchronize(k->st));
+    CK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /* ---- registration --------------------------------------------------------------------------- */
 
 void skv_cuda_fill_ops(struct skv_backend_ops *ops)
@@ -1259,4 +1287,5 @@ void skv_cuda_fill_ops(struct skv_backend_ops *ops)
     ops->cache_prefill = skv_cuda_cache_prefill;
     ops->cache_decode = skv_cuda_cache_decode;
     ops->cache_sync = skv_cuda_cache_sync;
+    ops->cache_set_states = skv_cuda_cache_set_states;
 }

@@ -44,6 +44,11 @@
  * float; n < d: U = the top eigenvectors, W = U^T A. This route synchronizes
  * with the host inside Xsyevd.
  *
+ * CANONICAL (the reproducible mode's route, lib/skv_factor_canon.h): in
+ * skv_cuda_canon.cuh, bit for bit ref's; no host synchronization. Its buffers
+ * (cc_*, below the FAST ones in the struct) are allocated at create for every
+ * shape, its token blocks of fixed-point A and T live in scratch.
+ *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
  * column-major U^T [r, n] (ld r), W is column-major W^T = V_r [d, r] (ld d).
@@ -140,12 +145,22 @@ struct skv_cuda_factor {
     size_t solver_ws_bytes;
     void *solver_host; /* host, NULL if cuSOLVER wants none */
     size_t solver_host_bytes;
+    /* the canonical route (skv_cuda_canon.cuh): G (gd itself when m_max = d), the iterate (x, y
+       themselves when the FAST workspace exists), C, L, the packed Cholesky scratch above
+       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; token blocks of
+       canon_rows rows in scratch (fixed-point A, then T) */
+    double *cc_g, *cc_x, *cc_y, *cc_c, *cc_l, *cc_lp, *cc_dsc;
+    int32_t *cc_e, *cc_f;
+    unsigned *cc_colmax;
+    int cc_own_g, cc_own_xy;
+    int64_t canon_rows;
 };
 
 /* ---- sizes ---------------------------------------------------------------------- */
 
 typedef struct skv_cf_sizes {
-    int64_t m_max, proj_rows, gram_batch;
+    int64_t m_max, proj_rows, gram_batch, canon_rows;
+    size_t canon_bytes; /* the canonical route's buffers beyond those it shares */
     int fast_ok;
     size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, lt_bytes, qs_bytes, total;
 } skv_cf_sizes;
@@ -186,6 +201,22 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         s->lt_bytes = (SKV_CF_LT_DOUBLES((r + 7) / 8) + 1 + (size_t)r + (size_t)(r + 7) / 8) * sizeof(double);
         if (!skv_mul_size(dr, SKV_CF_QTERMS * sizeof(skv_bf16), &s->qs_bytes)) return 0;
     }
+    { /* the canonical route: token blocks of canon_rows rows, [rows, d] + [rows, r] doubles, in scratch */
+        int64_t cr = ((int64_t)1 << 23) / ((int64_t)d + r);
+        if (cr < 1) cr = 1;
+        if (cr > n_max) cr = n_max;
+        s->canon_rows = cr;
+        size_t need;
+        if (!skv_mul_size((size_t)cr, ((size_t)d + r) * sizeof(double), &need)) return 0;
+        if (need > s->scratch_bytes) s->scratch_bytes = need;
+        size_t rr = (size_t)r * r * sizeof(double), cb = 2 * rr + (size_t)r * sizeof(double) +
+                                                          (size_t)d * (sizeof(int32_t) + sizeof(unsigned)) +
+                                                          (size_t)r * sizeof(int32_t);
+        if (r > 160) cb += rr; /* the packed Cholesky scratch (SKV_CC_CHOL_SMEM_R) */
+        if (s->m_max < d) cb += (size_t)d * d * sizeof(double);
+        if (!s->fast_ok) cb += 2 * (size_t)d * r * sizeof(double);
+        s->canon_bytes = cb;
+    }
     if (!skv_mul_size(mm, sizeof(double), &s->gd_bytes)) return 0;
     if (!skv_mul_size((size_t)s->m_max, sizeof(double), &s->evals_bytes)) return 0;
     t = s->gd_bytes;
@@ -195,6 +226,7 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
     if (!skv_add_size(t, s->c_bytes + s->lt_bytes + s->qs_bytes, &t)) return 0;
     if (!skv_add_size(t, SKV_CF_NINFO * sizeof(int) + sizeof(skv_cf_state), &t)) return 0;
     if (!skv_add_size(t, SKV_CF_BLAS_WS, &t)) return 0;
+    if (!skv_add_size(t, s->canon_bytes, &t)) return 0;
     s->total = t;
     return 1;
 }
@@ -446,12 +478,26 @@ static __global__ void skv_cf_infos(const int *__restrict__ info, int n_info, un
     }
 }
 
+#include "skv_cuda_canon.cuh"
+
 /* ---- create / destroy ------------------------------------------------------------------ */
 
 extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
 {
     if (!f) return;
     /* cudaFree synchronizes with outstanding work on the device. Errors are ignored: nothing to report to. */
+    if (f->cc_own_g) cudaFree(f->cc_g);
+    if (f->cc_own_xy) {
+        cudaFree(f->cc_x);
+        cudaFree(f->cc_y);
+    }
+    cudaFree(f->cc_c);
+    cudaFree(f->cc_l);
+    cudaFree(f->cc_lp);
+    cudaFree(f->cc_dsc);
+    cudaFree(f->cc_e);
+    cudaFree(f->cc_f);
+    cudaFree(f->cc_colmax);
     cudaFree(f->solver_ws);
     cudaFree(f->blas_ws);
     cudaFree(f->state);
@@ -521,6 +567,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->r = r;
     f->fast_ok = sz.fast_ok;
     f->scratch_bytes = sz.scratch_bytes;
+    f->canon_rows = sz.canon_rows;
 
     skv_status s = SKV_OK;
     size_t dev_bytes = 0, host_bytes = 0;
@@ -564,6 +611,35 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
                                      (int)skv_cf_solve_smem(r));
         if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (Cholesky shared memory)", msg, cap)) != SKV_OK) goto fail;
         if ((s = skv_cf_alloc((void **)&f->qs, sz.qs_bytes, "bf16 split of Q", msg, cap)) != SKV_OK) goto fail;
+    }
+    /* the canonical route's buffers */
+    if (f->m_max == d) f->cc_g = f->gd;
+    else {
+        f->cc_own_g = 1;
+        if ((s = skv_cf_alloc((void **)&f->cc_g, (size_t)d * d * sizeof(double), "canonical Gram", msg, cap)) != SKV_OK)
+            goto fail;
+    }
+    if (f->fast_ok) f->cc_x = f->x, f->cc_y = f->y;
+    else {
+        f->cc_own_xy = 1;
+        if ((s = skv_cf_alloc((void **)&f->cc_x, (size_t)d * r * sizeof(double), "canonical iterate", msg, cap)) != SKV_OK ||
+            (s = skv_cf_alloc((void **)&f->cc_y, (size_t)d * r * sizeof(double), "canonical iterate", msg, cap)) != SKV_OK)
+            goto fail;
+    }
+    if ((s = skv_cf_alloc((void **)&f->cc_c, (size_t)r * r * sizeof(double), "canonical Y^T Y", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_l, (size_t)r * r * sizeof(double), "canonical Cholesky factor", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_lp, r > SKV_CC_CHOL_SMEM_R ? (size_t)r * r * sizeof(double) : 8,
+                          "canonical Cholesky scratch", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_dsc, (size_t)r * sizeof(double), "canonical scales D", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_e, (size_t)d * sizeof(int32_t), "canonical column scales", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_f, (size_t)r * sizeof(int32_t), "canonical Q scales", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_colmax, (size_t)d * sizeof(unsigned), "canonical column maxima", msg, cap)) !=
+            SKV_OK)
+        goto fail;
+    {
+        cudaError_t e = cudaFuncSetAttribute(skv_cc_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)skv_cc_chol_smem(r < SKV_CC_CHOL_SMEM_R ? r : SKV_CC_CHOL_SMEM_R));
+        if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical Cholesky shared memory)", msg, cap)) != SKV_OK) goto fail;
     }
     {
         skv_cf_state init;
@@ -848,6 +924,12 @@ extern "C" skv_status skv_cuda_factorize(skv_cuda_factor *f, skv_factorize_route
                                "1 <= n <= %lld (workspace n_max; supported maximum %lld)",
                      (long long)n, (long long)d, (long long)r, (long long)f->n_max, (long long)SKV_CUDA_FACTOR_MAX_N);
         return SKV_ERR_INVALID_ARGUMENT;
+    }
+    if (mode == SKV_FACTORIZE_CANONICAL) { /* no solver infos: the floored Cholesky cannot fail */
+        skv_status s = skv_cf_canonical(f, n, a, u, w, msg, cap);
+        if (s != SKV_OK || !sync) return s;
+        SKV_CF_CHECK_CUDA(cudaStreamSynchronize(f->st), "cudaStreamSynchronize");
+        return SKV_OK;
     }
     int fast = f->fast_ok && skv_factor_route_for(n, (int32_t)d, (int32_t)r, mode) == SKV_ROUTE_FAST;
     int n_info = fast ? SKV_CF_NINFO - 1 : 1; /* the check's own Cholesky is not a failure */

@@ -27,6 +27,15 @@ $(BUILD)/fuzz/replay_%: fuzz/%.c $(FUZZ_DEPS_SRC) $(STATIC)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Ifuzz $< fuzz/fuzz_common.c fuzz/replay.c $(STATIC) $(LIBS) -o $@
 
+# The seed corpus of fuzz_load: small valid snapshots and mutations (fuzz/gen_load_seeds.c).
+.PHONY: fuzz-load-seeds
+$(BUILD)/fuzz/gen_load_seeds: fuzz/gen_load_seeds.c $(STATIC)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $< $(STATIC) $(LIBS) -o $@
+fuzz-load-seeds: $(BUILD)/fuzz/gen_load_seeds
+	@mkdir -p fuzz/corpus/fuzz_load
+	$(BUILD)/fuzz/gen_load_seeds fuzz/corpus/fuzz_load
+
 # Runs every replay driver on its corpus (what make check does); ends with the sums.
 fuzz-replay: $(FUZZ_REPLAY_BIN)
 	@pass=0; fail=0; \

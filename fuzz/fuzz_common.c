@@ -462,7 +462,8 @@ void skvf_slot_prefilled(skvf_slot *s, const skv_config *cfg, skv_backend be, in
     s->gen_v = ocalloc((size_t)s->cap * P, sizeof(skv_bf16));
     /* the cache's factorization: the same backend slot on the same input (deterministic) */
     float *uf = ocalloc((size_t)n * r, sizeof(float)), *wf = ocalloc(r * P, sizeof(float));
-    if (skv_op_factorize(be, n, (int32_t)P, (int32_t)r, k_pre, uf, wf) == SKV_OK) {
+    const skv_factorize_route route = cfg->reproducible ? SKV_FACTORIZE_CANONICAL : cfg->factorize;
+    if (skv_op_factorize_route(be, route, n, (int32_t)P, (int32_t)r, k_pre, uf, wf) == SKV_OK) {
         s->u = ocalloc((size_t)n * r, sizeof(skv_bf16));
         s->w = ocalloc(r * P, sizeof(skv_bf16));
         for (size_t i = 0; i < (size_t)n * r; i++) s->u[i] = skv_bf16_from_float(uf[i]);
@@ -669,16 +670,29 @@ void skvf_check_decode(skv_cache *c, const skv_config *cfg, int32_t layer, const
                             for (int32_t e = 0; e < D; e++) pre[e] = skv_bf16_to_float(kr[e]), ferr[e] = 0.0;
                             oracle_rope(cfg, cos_t, sin_t, t, pre, ferr, 1, x->key, x->err);
                         } else { /* rebuilt: U[t] W_h (float sum of r terms), RoPE, bf16 */
+                            double mu = 0.0, su = 0.0; /* the reproducible mode's fixed point: below */
+                            for (int32_t k2 = 0; k2 < r; k2++) {
+                                const double uu = fabs((double)skv_bf16_to_float(sl->u[(size_t)t * r + k2]));
+                                mu = fmax(mu, uu);
+                                su += uu;
+                            }
                             for (int32_t e = 0; e < D; e++) {
-                                double acc = 0.0, mag = 0.0;
+                                double acc = 0.0, mag = 0.0, mw = 0.0, sw = 0.0;
                                 for (int32_t k2 = 0; k2 < r; k2++) {
                                     const double uu = skv_bf16_to_float(sl->u[(size_t)t * r + k2]);
                                     const double ww = skv_bf16_to_float(sl->w[(size_t)k2 * P + (size_t)h * D + e]);
                                     acc += uu * ww;
                                     mag += fabs(uu * ww);
+                                    mw = fmax(mw, fabs(ww));
+                                    sw += fabs(ww);
                                 }
                                 pre[e] = acc;
                                 ferr[e] = (r + 2) * OU * mag;
+                                /* the canonical rebuild (docs/DESIGN.md 10.2) rounds every u and w to
+                                   2^-13 of its row's or column's largest, sums exactly, rounds once */
+                                if (cfg->reproducible)
+                                    ferr[e] = 1.01 * (0x1p-13 * (mu * sw + mw * su) + r * 0x1p-26 * mu * mw) +
+                                              2 * OU * fabs(acc);
                             }
                             oracle_rope(cfg, cos_t, sin_t, t, pre, ferr, 0, x->key, x->err);
                         }

@@ -18,11 +18,16 @@
  *    attention over the tokens it reports it used (with its own
  *    factorization's rebuilt keys). Decode steps mostly follow the layers in
  *    step (a layer ahead of another is refused by both alike).
+ *    Inputs whose selector byte is 4 (mod 5) run the caches in the reproducible
+ *    mode (config.reproducible = 1), where the decode outputs must be bitwise
+ *    equal as well (docs/DESIGN.md section 10); where cuda runs, a third cache
+ *    on cuda is held to ref's statuses, decisions and output bits too.
  *  - Op level: skv_op_landmarks_outliers and skv_op_score_select on carved
  *    shapes and data (ties, NaN/Inf, bad sizes): statuses equal, outputs
  *    bitwise equal on success and untouched on error. skv_op_sparse_attention
  *    on identical spans: outputs within relative L2 4e-3 (each backend is
- *    within 2e-3 of the double-precision result, docs/DESIGN.md section 6).
+ *    within 2e-3 of the double-precision result, docs/DESIGN.md section 6);
+ *    skv_op_sparse_attention_canonical on the same spans: bitwise equal.
  * A failing status additionally satisfies skvf_check_status.
  */
 #include <math.h>
@@ -198,7 +203,8 @@ static void fill_noise(uint64_t seed, skv_bf16 *x, size_t n)
     }
 }
 
-static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int after_step, int32_t only_layer)
+static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int after_step, int32_t only_layer,
+                           const char *other)
 {
     int64_t max_chunks = cfg->max_prompt_len / cfg->chunk_size + 1;
     int32_t *ids[2];
@@ -213,7 +219,7 @@ static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int aft
             skv_seq_info in[2];
             skv_status s0 = skv_cache_seq_info(c[0], l, b, &in[0]), s1 = skv_cache_seq_info(c[1], l, b, &in[1]);
             if (s0 || s1 || memcmp(&in[0], &in[1], sizeof in[0]) != 0)
-                skvf_fail("seq_info(%d, %d): ref and cpu differ", l, b);
+                skvf_fail("seq_info(%d, %d): ref and %s differ", l, b, other);
             if (!in[0].prefilled) continue;
             for (int32_t h = 0; h < cfg->n_kv_heads; h++) {
                 const int kinds = after_step ? 1 : 3;
@@ -228,17 +234,17 @@ static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int aft
                         else st[i] = skv_cache_landmarks(c[i], l, b, h, lm[i]);
                     }
                     if (st[0] != SKV_OK || st[1] != SKV_OK)
-                        skvf_fail("introspection kind %d of (%d, %d, %d): status ref %d cpu %d", kind, l, b, h,
-                                  (int)st[0], (int)st[1]);
+                        skvf_fail("introspection kind %d of (%d, %d, %d): status ref %d %s %d", kind, l, b, h,
+                                  (int)st[0], other, (int)st[1]);
                     if (after_step) bytes = (size_t)in[0].n_selected * sizeof(int32_t);
                     else if (kind == 0) bytes = (size_t)in[0].n_outliers * sizeof(int32_t);
                     else if (kind == 1) bytes = (size_t)in[0].n_candidates * sizeof(int32_t);
                     else bytes = (size_t)in[0].n_candidates * cfg->head_dim * sizeof(skv_bf16);
                     const void *a = kind == 2 ? (const void *)lm[0] : ids[0], *bb = kind == 2 ? (const void *)lm[1] : ids[1];
                     if (memcmp(a, bb, bytes) != 0)
-                        skvf_fail("%s of (layer %d, seq %d, head %d): ref and cpu differ (bitwise)",
+                        skvf_fail("%s of (layer %d, seq %d, head %d): ref and %s differ (bitwise)",
                                   after_step ? "selected chunks" : kind == 0 ? "outliers" : kind == 1 ? "candidates" : "landmarks",
-                                  l, b, h);
+                                  l, b, h, other);
                 }
             }
         }
@@ -246,9 +252,58 @@ static void same_decisions(skv_cache *const c[2], const skv_config *cfg, int aft
     for (int i = 0; i < 2; i++) free(ids[i]), free(lm[i]);
 }
 
-static void diff_cache(skvf_data *d)
+/* ---- the cuda leg of the reproducible mode (when a GPU is there) ------------------------- */
+
+/* Whether cuda runs here (asked once). */
+static int cuda_here(void)
+{
+    static int known = -1;
+    if (known < 0) known = skv_backend_available(SKV_BACKEND_CUDA) == SKV_OK;
+    return known;
+}
+
+/* A device copy of a host tensor (NULL for NULL). */
+static void *to_device(const void *h, size_t bytes)
+{
+    if (!h) return NULL;
+    void *p = NULL;
+    if (skv_buffer_alloc(SKV_BACKEND_CUDA, bytes ? bytes : 1, &p) != SKV_OK ||
+        skv_buffer_copy(SKV_BACKEND_CUDA, p, h, bytes) != SKV_OK)
+        skvf_fail("cuda leg: device copy of %zu bytes: %s", bytes, skv_last_error());
+    return p;
+}
+
+/* skv_prefill on cuda from host tensors; the status as the synchronous backends give it. */
+static skv_status cuda_prefill(skv_cache *c, int32_t l, int32_t b, int64_t n, size_t e, const skv_bf16 *kp,
+                               const skv_bf16 *vv, const skv_bf16 *ko)
+{
+    void *dk = to_device(kp, e * 2), *dv = to_device(vv, e * 2), *dko = to_device(ko, e * 2);
+    skv_status st = skv_prefill(c, l, b, n, dk, dv, dko);
+    skv_buffer_free(SKV_BACKEND_CUDA, dk), skv_buffer_free(SKV_BACKEND_CUDA, dv), skv_buffer_free(SKV_BACKEND_CUDA, dko);
+    return st;
+}
+
+/* skv_decode on cuda from host tensors into host out; a deferred NaN/Inf is read at the sync. */
+static skv_status cuda_decode(skv_cache *c, int32_t l, size_t eq, size_t ek, const skv_bf16 *q, const skv_bf16 *k,
+                              const skv_bf16 *v, float *out)
+{
+    void *dq = to_device(q, eq * 2), *dk = to_device(k, ek * 2), *dv = to_device(v, ek * 2), *dout = NULL;
+    if (skv_buffer_alloc(SKV_BACKEND_CUDA, eq * sizeof(float), &dout) != SKV_OK)
+        skvf_fail("cuda leg: out buffer: %s", skv_last_error());
+    skv_status st = skv_decode(c, l, dq, dk, dv, dout);
+    skv_status ss = skv_cache_sync(c);
+    if (st == SKV_OK) st = ss;
+    if (st == SKV_OK && skv_buffer_copy(SKV_BACKEND_CUDA, out, dout, eq * sizeof(float)) != SKV_OK)
+        skvf_fail("cuda leg: out copy: %s", skv_last_error());
+    skv_buffer_free(SKV_BACKEND_CUDA, dq), skv_buffer_free(SKV_BACKEND_CUDA, dk), skv_buffer_free(SKV_BACKEND_CUDA, dv);
+    skv_buffer_free(SKV_BACKEND_CUDA, dout);
+    return st;
+}
+
+static void diff_cache(skvf_data *d, int reproducible)
 {
     skv_config cfg = skvf_small_config(d);
+    cfg.reproducible = reproducible;
     skv_cache *c[2] = {NULL, NULL};
     for (int i = 0; i < 2; i++) {
         skv_config ci = cfg;
@@ -256,6 +311,14 @@ static void diff_cache(skvf_data *d)
         skv_status st = skv_cache_create(&ci, &c[i]);
         skvf_check_status(st, "skv_cache_create");
         if (st != SKV_OK) skvf_fail("skv_cache_create(%s) of a small valid config: %s", i ? "cpu" : "ref", skv_last_error());
+    }
+    /* reproducible mode on a machine with a GPU: a third cache on cuda, held to ref bit for bit */
+    skv_cache *cu = NULL;
+    if (reproducible && cuda_here()) {
+        skv_config ci = cfg;
+        ci.backend = SKV_BACKEND_CUDA;
+        if (skv_cache_create(&ci, &cu) != SKV_OK)
+            skvf_fail("skv_cache_create(cuda) of a small valid reproducible config: %s", skv_last_error());
     }
     const int32_t L = cfg.n_layers, B = cfg.batch_size;
     const int64_t row = (int64_t)cfg.n_kv_heads * cfg.head_dim;
@@ -286,6 +349,12 @@ static void diff_cache(skvf_data *d)
                 if (st[i] == SKV_OK)
                     skvf_slot_prefilled(&slots[i][l][b], &cfg, i ? SKV_BACKEND_CPU : SKV_BACKEND_REF, n, kp, vv, ko);
             }
+            if (cu) {
+                const skv_status sc = cuda_prefill(cu, l, b, n, e, kp, vv, ko);
+                if (sc != st[0])
+                    skvf_fail("skv_prefill(%d, %d, n %lld): ref status %d, cuda %d (%s)", l, b, (long long)n, (int)st[0],
+                              (int)sc, skv_last_error());
+            }
             free(kp);
             free(vv);
             free(ko);
@@ -293,12 +362,16 @@ static void diff_cache(skvf_data *d)
                                           (int)st[0], (int)st[1]);
             if (st[0] != SKV_OK) complete = 0;
         }
-    same_decisions(c, &cfg, 0, -1);
+    same_decisions(c, &cfg, 0, -1, "cpu");
+    if (cu) {
+        skv_cache *rc[2] = {c[0], cu};
+        same_decisions(rc, &cfg, 0, -1, "cuda");
+    }
 
     if (complete) {
         const size_t eq = (size_t)B * cfg.n_q_heads * cfg.head_dim, ek = (size_t)B * row;
         skv_bf16 *q = xmalloc(eq * sizeof *q), *k = xmalloc(ek * sizeof *k), *v = xmalloc(ek * sizeof *v);
-        float *out[2] = {xmalloc(eq * sizeof(float)), xmalloc(eq * sizeof(float))};
+        float *out[3] = {xmalloc(eq * sizeof(float)), xmalloc(eq * sizeof(float)), xmalloc(eq * sizeof(float))};
         const int n_steps = (int)skvf_range(d, 0, cfg.gen_capacity * L + 1);
         int32_t gen[2] = {0, 0};
         for (int step = 0; step < n_steps; step++) {
@@ -316,15 +389,38 @@ static void diff_cache(skvf_data *d)
                 skvf_check_status(st[i], "skv_decode");
             }
             if (st[0] != st[1]) skvf_fail("skv_decode(layer %d) step %d: ref status %d, cpu %d", l, step, (int)st[0], (int)st[1]);
+            if (cu) {
+                const skv_status sc = cuda_decode(cu, l, eq, ek, q, k, v, out[2]);
+                if (sc != st[0])
+                    skvf_fail("skv_decode(layer %d) step %d: ref status %d, cuda %d (%s)", l, step, (int)st[0], (int)sc,
+                              skv_last_error());
+                if (sc == SKV_OK && memcmp(out[0], out[2], eq * sizeof(float)) != 0) {
+                    size_t i = 0;
+                    while (memcmp(out[0] + i, out[2] + i, sizeof(float)) == 0) i++;
+                    skvf_fail("reproducible decode layer %d step %d: output [%zu] ref %a cuda %a (bitwise differ)", l,
+                              step, i, (double)out[0][i], (double)out[2][i]);
+                }
+                if (sc == SKV_OK) {
+                    skv_cache *rc[2] = {c[0], cu};
+                    same_decisions(rc, &cfg, 1, l, "cuda");
+                }
+            }
             if (st[0] != SKV_OK) continue;
             gen[l]++;
-            same_decisions(c, &cfg, 1, l);
+            same_decisions(c, &cfg, 1, l, "cpu");
             for (int i = 0; i < 2; i++) {
                 for (int32_t b = 0; b < B; b++)
                     skvf_slot_append(&slots[i][l][b], &cfg, k + (size_t)b * row, v + (size_t)b * row);
                 skvf_check_decode(c[i], &cfg, l, slots[i][l], q, out[i], i ? "cpu" : "ref");
             }
             const size_t per = (size_t)cfg.n_q_heads * cfg.head_dim;
+            /* the reproducible mode: every output bit equal (docs/DESIGN.md section 10) */
+            if (reproducible && memcmp(out[0], out[1], (size_t)B * per * sizeof(float)) != 0) {
+                size_t i = 0;
+                while (memcmp(out[0] + i, out[1] + i, sizeof(float)) == 0) i++;
+                skvf_fail("reproducible decode layer %d step %d: output [%zu] ref %a cpu %a (bitwise differ)", l, step,
+                          i, (double)out[0][i], (double)out[1][i]);
+            }
             for (int32_t b = 0; b < B; b++) {
                 const float *a = out[0] + b * per, *x = out[1] + b * per;
                 int fa = 1, fx = 1;
@@ -340,7 +436,9 @@ static void diff_cache(skvf_data *d)
         free(v);
         free(out[0]);
         free(out[1]);
+        free(out[2]);
     }
+    skv_cache_free(cu);
     skv_cache_free(c[0]);
     skv_cache_free(c[1]);
     for (int i = 0; i < 2; i++)
@@ -390,6 +488,18 @@ static void diff_attention(skvf_data *d)
             skvf_fail("skv_op_sparse_attention head %d (Hq %d Hk %d D %d T %lld): relative L2 %.3g between ref and cpu "
                       "> %g", h, Hq, Hk, D, (long long)T, den > 0 ? sqrt(num / den) : sqrt(num), ATTN_REL_TOL);
     }
+    /* the canonical attention of the reproducible mode: bitwise equal, always */
+    for (int i = 0; i < 2; i++) {
+        memset(out[i], 0xAB, eq * 4);
+        st[i] = skv_op_sparse_attention_canonical(i ? SKV_BACKEND_CPU : SKV_BACKEND_REF, Hq, Hk, D, scale, q, 1, &span,
+                                                  out[i]);
+        skvf_check_status(st[i], "skv_op_sparse_attention_canonical");
+    }
+    if (st[0] != st[1])
+        skvf_fail("skv_op_sparse_attention_canonical: ref status %d, cpu %d", (int)st[0], (int)st[1]);
+    if (st[0] == SKV_OK && memcmp(out[0], out[1], eq * 4) != 0)
+        skvf_fail("skv_op_sparse_attention_canonical (Hq %d Hk %d D %d T %lld): ref and cpu differ (bitwise)", Hq, Hk, D,
+                  (long long)T);
     free(q), free(k), free(v), free(out[0]), free(out[1]);
 }
 
@@ -401,7 +511,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case 0: diff_landmarks_outliers(&d); break;
     case 1: diff_score_select(&d); break;
     case 2: diff_attention(&d); break;
-    default: diff_cache(&d); break;
+    case 3: diff_cache(&d, 0); break;
+    default: diff_cache(&d, 1); break; /* the reproducible mode */
     }
     return 0;
 }

@@ -90,11 +90,16 @@ typedef enum skv_status {
     SKV_ERR_NO_DEVICE = 13,        /**< the backend has no usable device */
     SKV_ERR_NUMERICAL = 14,        /**< a numerical routine failed (LAPACK info != 0) */
     SKV_ERR_NO_SELECTION = 15,     /**< introspection of a selection before any decode step */
-    SKV_ERR_DEVICE = 16            /**< a device runtime call failed (the message names it) */
+    SKV_ERR_DEVICE = 16,           /**< a device runtime call failed (the message names it) */
+    SKV_ERR_FORMAT = 17,           /**< the snapshot is truncated, corrupted, of another format
+                                        version, or not a snapshot (the message names the section,
+                                        field and byte offset) */
+    SKV_ERR_IO = 18                /**< opening, reading, writing or renaming a file failed (the
+                                        message names the file and has strerror's text) */
 } skv_status;
 
 /** Number of status codes (one past the largest). */
-#define SKV_STATUS_COUNT 17
+#define SKV_STATUS_COUNT 19
 
 /** Static, never-NULL English name of a status ("SKV_ERR_CAPACITY: ..."). */
 SKV_API const char *skv_status_string(skv_status status);
@@ -514,6 +519,67 @@ static inline skv_status skv_cache_stats(skv_cache *cache, skv_stats *stats)
 
 /** Zeroes the cache's phase timings. */
 SKV_API skv_status skv_cache_stats_reset(skv_cache *cache);
+
+/* ------------------------------------------------------------------------ */
+/* Snapshots: a cache written to a file or a buffer, restored on any backend */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Writes a snapshot of the cache to the file at path: its model config and, for every
+ * (layer, sequence), its state and the used part of every tensor (factors, landmarks,
+ * candidate and outlier ids, outlier chunks, local window, generated tokens, the last
+ * selection, the value store); docs/DESIGN.md section 11 gives the format. The snapshot
+ * is portable (fixed-width little-endian fields, CRC32C checksums) and the same whatever
+ * the backend or value placement of the cache that wrote it; it holds no runtime field
+ * (backend, threads, stream, placement), no stats and no chunk-cache contents.
+ * The file is written atomically: a temporary file beside it (path + ".tmp-<pid>-<n>",
+ * mode 0666 less the umask) is written, flushed to disk and renamed onto path; a failing
+ * save removes it and leaves path as it was.
+ * cuda: synchronizes first as skv_cache_sync does; a deferred error of an earlier step is
+ * returned and nothing is written.
+ * The cache is not changed (its stats may take the phase times a synchronization adds).
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_IO (the message names the file and the failing
+ * call, with strerror's text), SKV_ERR_OUT_OF_MEMORY, SKV_ERR_DEVICE, a deferred error.
+ */
+SKV_API skv_status skv_cache_save(skv_cache *cache, const char *path);
+
+/**
+ * skv_cache_save into memory. *size receives the snapshot's size in bytes, always (when
+ * size is non-NULL and the cache is usable). buf NULL: a size query, SKV_OK and nothing
+ * written. cap < *size: SKV_ERR_INVALID_ARGUMENT, nothing written. Otherwise the first
+ * *size bytes of buf hold the snapshot. The size depends only on the config and the
+ * states (prompt lengths, generated tokens), so a query and the save that follows agree.
+ * Errors as skv_cache_save, SKV_ERR_IO aside.
+ */
+SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap, size_t *size);
+
+/**
+ * Creates a cache from the snapshot file at path, in the state the saved cache had:
+ * decode continues where it stopped, with the same selections, and outputs within the
+ * tolerances of the backends involved (bitwise equal with config.reproducible = 1).
+ * cfg NULL: the snapshot's config with backend SKV_BACKEND_AUTO (SKV_BACKEND applies)
+ * and the default runtime fields (n_threads, cuda_stream, value_device_bytes,
+ * value_cache_chunks as skv_config_default gives them). cfg non-NULL: its runtime fields
+ * (backend, n_threads, cuda_stream, value_device_bytes, value_cache_chunks) are used,
+ * and every model field (n_layers, n_q_heads, n_kv_heads, head_dim, rank, chunk_size,
+ * budget, n_outlier_chunks, n_local_chunks, rope.*, attn_scale, batch_size,
+ * max_prompt_len, gen_capacity, factorize, reproducible) must equal the snapshot's
+ * (compared as create would hold them: factorize AUTO with reproducible = 1 is
+ * CANONICAL; floats bit for bit), else SKV_ERR_INVALID_CONFIG naming the first field that
+ * differs and both values. Stats start at zero; the chunk caches of host-placed slots
+ * start empty (their hit and miss counts restart; no decision or output depends on them).
+ * The whole snapshot is checked (sizes, checksums, every id in range) before the cache is
+ * created, and again as it is copied in; no length field is trusted before it was
+ * checked against the bytes present.
+ * Returns SKV_OK and *out, or an error with *out set to NULL (nothing created, nothing
+ * leaked): SKV_ERR_NULL_POINTER, SKV_ERR_IO, SKV_ERR_FORMAT (the message names the
+ * section, field and byte offset), SKV_ERR_INVALID_CONFIG, and the errors of
+ * skv_cache_create.
+ */
+SKV_API skv_status skv_cache_load(const char *path, const skv_config *cfg, skv_cache **out);
+
+/** skv_cache_load from the size bytes at buf (not kept after the call). */
+SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv_config *cfg, skv_cache **out);
 
 /* ------------------------------------------------------------------------ */
 /* Op-level API: one function per dispatch slot, explicit backend.          */

@@ -186,6 +186,12 @@ struct skv_backend_ops {
        and reports a deferred error (then refreshes n_gen/has_selection of every
        state from the device, since the failed step changed nothing there). */
     skv_status (*cache_sync)(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
+    /* After skv_cache_load wrote a snapshot's tensors into the arenas of a fresh cache (the
+       cache's own copy2d; nothing else has run on it): makes the backend's per-slot state
+       agree with states[0 .. L*B) (prompt shape, n_gen, has_selection), empties the chunk
+       caches of host-placed slots, and returns once that is done. Optional (NULL: lib/
+       keeps all state itself and empties the chunk caches in host memory). */
+    skv_status (*cache_set_states)(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
 };
 
 /* The registered tables. */

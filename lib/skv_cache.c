@@ -796,3 +796,18 @@ SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
     if (st) return st;
     return SKV_OK;
 }
+
+/* ---- snapshots ---------------------------------------------------------------------------- */
+
+/* What lib/skv_snapshot.c needs of a cache (skv_internal.h). */
+void skv_cache_parts_get(skv_cache *c, skv_cache_parts *p)
+{
+    p->cfg = &c->cfg;
+    p->lay = &c->lay;
+    p->ops = c->ops;
+    p->dev = c->dev;
+    p->host = c->host;
+    p->slots = c->slots;
+    p->bctx = c->bctx;
+    p->err = c->err;
+}

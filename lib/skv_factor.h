@@ -63,7 +63,9 @@
  * The route choice (skv_factorize_route, shadowkv.h: skv_config.factorize, or the
  * argument of skv_op_factorize_route):
  *   AUTO (default) | FAST (never fall back) | FALLBACK (always the double
- *   Gram) | EXACT (the EXACT route whatever the shape).
+ *   Gram) | EXACT (the EXACT route whatever the shape) | CANONICAL (the
+ *   reproducible mode's route, bit for bit the same on every backend:
+ *   lib/skv_factor_canon.h, every shape).
  */
 #ifndef SKV_FACTOR_H
 #define SKV_FACTOR_H

@@ -99,6 +99,21 @@ static inline void skv_copy_sized(void *dst, size_t dst_size, const void *src, s
     if (dst_size > src_size) memset((char *)dst + src_size, 0, dst_size - src_size);
 }
 
+/*
+ * The parts of a cache that lib/skv_snapshot.c reads and writes (struct skv_cache is
+ * private to lib/skv_cache.c): pointers into the cache, valid while it lives.
+ */
+typedef struct skv_cache_parts {
+    const skv_config *cfg;
+    const skv_layout *lay;
+    const struct skv_backend_ops *ops;
+    char *dev, *host;       /* the device and host arenas */
+    skv_seq_state *slots;   /* [n_layers * batch_size], slot i = layer * batch_size + seq */
+    void *bctx;             /* the backend's cache state (cache-level slots), or NULL */
+    char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
+} skv_cache_parts;
+void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
+
 #ifdef __cplusplus
 }
 #endif

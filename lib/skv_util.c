@@ -28,6 +28,8 @@ static const char *const skv_status_names[SKV_STATUS_COUNT] = {
     "SKV_ERR_NUMERICAL: a numerical routine failed",
     "SKV_ERR_NO_SELECTION: no decode step has run yet",
     "SKV_ERR_DEVICE: a device runtime call failed",
+    "SKV_ERR_FORMAT: the snapshot is truncated, corrupted, of another format version, or not a snapshot",
+    "SKV_ERR_IO: opening, reading, writing or renaming a file failed",
 };
 
 SKV_API const char *skv_status_string(skv_status status)

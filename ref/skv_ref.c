@@ -10,6 +10,7 @@
 #include <lapacke.h>
 
 #include "skv_backend.h"
+#include "skv_factor_canon.h"
 #include "skv_numerics.h"
 
 /* ---- infrastructure ----------------------------------------------------------- */
@@ -71,6 +72,70 @@ static skv_status skv_ref_check_range(const int32_t *x, int64_t n, int64_t lo, i
 /* ---- factorize: Gram matrix in double + LAPACK eigensolver -------------------- */
 
 /*
+ * The canonical route (lib/skv_factor_canon.h, docs/DESIGN.md 10.1) as written:
+ * fixed point, the exact Gram by plain loops, the reference subspace iteration,
+ * U exactly.
+ */
+static skv_status skv_ref_factorize_canonical(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
+                                              float *w)
+{
+    int32_t F = skv_canon_frac_bits(n), Gb = skv_canon_u_bits(n, d);
+    int32_t *e = malloc((size_t)d * sizeof *e), *f = malloc((size_t)r * sizeof *f);
+    double *s = calloc((size_t)d * d, sizeof *s), *xrow = malloc((size_t)d * sizeof *xrow);
+    double *q = malloc((size_t)d * r * sizeof *q), *y = malloc((size_t)d * r * sizeof *y);
+    double *ws = malloc(((size_t)2 * r * r + r) * sizeof *ws);
+    skv_status st = SKV_OK;
+    if (!e || !f || !s || !xrow || !q || !y || !ws) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    /* 1. column scales */
+    for (int32_t i = 0; i < d; i++) {
+        uint16_t mx = 0;
+        for (int64_t t = 0; t < n; t++) {
+            uint16_t m = (uint16_t)(a[t * d + i] & 0x7fff);
+            mx = m > mx ? m : mx;
+        }
+        e[i] = skv_canon_ex_bf16(mx);
+    }
+    /* 2. S = X^T X (upper triangle; exact in any order), then G = S scaled, both triangles */
+    for (int64_t t = 0; t < n; t++) {
+        for (int32_t i = 0; i < d; i++) xrow[i] = skv_canon_fix(a[t * d + i], F, e[i]);
+        for (int32_t i = 0; i < d; i++)
+            for (int32_t j = i; j < d; j++) s[(size_t)i * d + j] += xrow[i] * xrow[j];
+    }
+    for (int32_t i = 0; i < d; i++)
+        for (int32_t j = i; j < d; j++) {
+            double g = s[(size_t)i * d + j] * skv_canon_pow2(e[i] + e[j] - 2 * F);
+            s[(size_t)i * d + j] = g;
+            s[(size_t)j * d + i] = g;
+        }
+    /* 3. Q */
+    skv_canon_ref_subspace(d, r, s, q, y, ws);
+    /* 4. W = Q^T; U = X Y exactly, scaled once */
+    for (int32_t j = 0; j < r; j++)
+        for (int32_t i = 0; i < d; i++) w[(size_t)j * d + i] = (float)q[(size_t)i * r + j];
+    skv_canon_ref_qfix(d, r, q, e, F, Gb, y, f);
+    for (int64_t t = 0; t < n; t++) {
+        for (int32_t i = 0; i < d; i++) xrow[i] = skv_canon_fix(a[t * d + i], F, e[i]);
+        for (int32_t j = 0; j < r; j++) {
+            double acc = 0.0;
+            for (int32_t i = 0; i < d; i++) acc += xrow[i] * y[(size_t)i * r + j];
+            u[t * r + j] = (float)skv_canon_scale(acc, f[j] - Gb);
+        }
+    }
+done:
+    free(e);
+    free(f);
+    free(s);
+    free(xrow);
+    free(q);
+    free(y);
+    free(ws);
+    return st;
+}
+
+/*
  * A = K viewed as [n, d]. G = A^T A (double). Its top-r eigenvectors V_r are
  * the top right singular vectors of A; W = V_r^T, U = A V_r. Exact arithmetic
  * would give the best rank-r approximation; double keeps it there.
@@ -78,7 +143,7 @@ static skv_status skv_ref_check_range(const int32_t *x, int64_t n, int64_t lo, i
 static skv_status skv_ref_factorize(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                                     float *w)
 {
-    if (route == SKV_FACTORIZE_CANONICAL) return SKV_ERR_UNSUPPORTED; /* not yet implemented */
+    if (route == SKV_FACTORIZE_CANONICAL) return skv_ref_factorize_canonical(n, d, r, a, u, w);
     double *g = malloc((size_t)d * d * sizeof *g);
     double *row = malloc((size_t)d * sizeof *row);
     double *evals = malloc((size_t)d * sizeof *evals);

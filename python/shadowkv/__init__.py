@@ -24,12 +24,14 @@ tensor is involved: version(), backend_available(), config() and memory() work w
 from __future__ import annotations
 
 import ctypes
+import os
+import struct
 from typing import Any, Optional, Sequence
 
 from . import _ffi
 from ._ffi import Config, RopeConfig
 
-__all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "backend_available", "version",
+__all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "snapshot_config", "backend_available", "version",
            "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE"]
 
 VALUES_ALL_DEVICE = _ffi.VALUES_ALL_DEVICE
@@ -189,6 +191,48 @@ def memory(cfg: Config) -> dict:
     return {name: getattr(info, name) for name, _ in info._fields_}
 
 
+# The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian.
+_SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("head_dim", "i"), ("rank", "i"),
+                ("chunk_size", "i"), ("budget", "i"), ("n_outlier_chunks", "i"), ("n_local_chunks", "i"),
+                ("rope.theta", "f"), ("rope.rotary_dim", "i"), ("rope.interleaved", "i"),
+                ("rope.llama3_scaling", "i"), ("rope.scaling_factor", "f"), ("rope.low_freq_factor", "f"),
+                ("rope.high_freq_factor", "f"), ("rope.original_max_position", "i"), ("attn_scale", "f"),
+                ("batch_size", "i"), ("max_prompt_len", "q"), ("gen_capacity", "i"), ("factorize", "i"),
+                ("reproducible", "i")]
+_SNAP_CONF = "<" + "".join(t for _, t in _SNAP_FIELDS)
+
+
+def _read_snapshot_config(path: Any) -> Optional[Config]:
+    """The config a snapshot file holds, or None when its header cannot be read as version 1."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(32 + struct.calcsize(_SNAP_CONF))
+    except OSError:
+        return None
+    if len(head) < 32 + struct.calcsize(_SNAP_CONF) or head[:8] != b"SKVSNAP\0":
+        return None
+    if struct.unpack_from("<II", head, 8) != (1, 0) or head[16:20] != b"CONF":
+        return None
+    c = config()
+    for (name, _), v in zip(_SNAP_FIELDS, struct.unpack_from(_SNAP_CONF, head, 32)):
+        if name.startswith("rope."):
+            setattr(c.rope, name[5:], v)
+        else:
+            setattr(c, name, v)
+    c.backend = _ffi.BACKENDS["auto"]
+    return c
+
+
+def snapshot_config(path: Any) -> Config:
+    """The config stored in a snapshot file (its model fields; the runtime fields at their
+    defaults, backend auto): what Cache.load(path) creates the cache from. Raises ValueError
+    when the file does not start with a version 1 snapshot header (Cache.load then says why)."""
+    c = _read_snapshot_config(path)
+    if c is None:
+        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 shadowkv snapshot header")
+    return c
+
+
 def _torch():
     try:
         import torch  # imported lazily: the package loads without torch for version queries
@@ -257,6 +301,13 @@ class Cache:
             cfg = config(**fields)
         elif fields:
             raise TypeError("pass either a Config or fields, not both")
+        c = self._runtime_config(cfg, stream)
+        h = ctypes.c_void_p()
+        _check(self._lib.skv_cache_create(ctypes.byref(c), ctypes.byref(h)), "skv_cache_create")
+        self._adopt(h)
+
+    def _runtime_config(self, cfg: Config, stream: Any) -> Config:
+        """A copy of cfg with struct_size set and, for a cuda cache, the torch stream it will run on."""
         _check_config(cfg)
         c = Config()
         ctypes.pointer(c)[0] = cfg
@@ -273,8 +324,10 @@ class Cache:
                 self._stream = s
         elif stream is not None:
             raise ValueError("stream: only a cuda cache takes a stream")
-        h = ctypes.c_void_p()
-        _check(self._lib.skv_cache_create(ctypes.byref(c), ctypes.byref(h)), "skv_cache_create")
+        return c
+
+    def _adopt(self, h: ctypes.c_void_p) -> None:
+        """Takes ownership of a created (or loaded) skv_cache handle and reads its shape."""
         self._handle = h
         self.config = Config()
         ctypes.pointer(self.config)[0] = self._lib.skv_cache_config(h).contents
@@ -291,6 +344,47 @@ class Cache:
         self.n_q_heads, self.n_kv_heads, self.head_dim = c.n_q_heads, c.n_kv_heads, c.head_dim
         self.chunk_size, self.n_outliers = c.chunk_size, c.n_outlier_chunks
         self.n_selected = c.budget // c.chunk_size
+
+    # -- snapshots --------------------------------------------------------------------
+    def save(self, path: Any) -> None:
+        """Writes a snapshot of the cache to path (skv_cache_save; docs/DESIGN.md section 11).
+
+        The file is written atomically (a temporary file beside it, then a rename) and can be
+        loaded on any backend with Cache.load. On cuda the cache's work is waited for first,
+        and a deferred error of an earlier decode step raises instead of writing.
+        """
+        _check(self._lib.skv_cache_save(self._h(), os.fsencode(os.fspath(path))), "skv_cache_save", self._handle)
+
+    @classmethod
+    def load(cls, path: Any, config: Optional[Config] = None, backend: Optional[str] = None,
+             stream: Any = None) -> "Cache":
+        """A cache restored from a snapshot file (skv_cache_load), in the state it was saved in.
+
+        config: None takes the snapshot's own config (snapshot_config(path)); a Config gives the
+        runtime fields (backend, n_threads, value_device_bytes, value_cache_chunks) and must
+        agree with the snapshot on every model field (else ShadowKVError SKV_ERR_INVALID_CONFIG
+        naming the field). backend ("ref", "cpu", "cuda", "auto") overrides the config's.
+        A corrupted, truncated or foreign file raises ShadowKVError (SKV_ERR_FORMAT) with the
+        library's message naming the section and byte offset; an unreadable one SKV_ERR_IO.
+        """
+        self = cls.__new__(cls)
+        self._handle = None
+        self._lib = lib()
+        self._stream = None
+        p = os.fsencode(os.fspath(path))
+        cfg = config if config is not None else _read_snapshot_config(path)
+        h = ctypes.c_void_p()
+        if cfg is None:  # no readable header: the library reports why
+            _check(self._lib.skv_cache_load(p, None, ctypes.byref(h)), "skv_cache_load")
+        else:
+            c = Config()
+            ctypes.pointer(c)[0] = cfg
+            if backend is not None:
+                c.backend = _backend_id(backend)
+            c = self._runtime_config(c, stream)
+            _check(self._lib.skv_cache_load(p, ctypes.byref(c), ctypes.byref(h)), "skv_cache_load")
+        self._adopt(h)
+        return self
 
     # -- life cycle -------------------------------------------------------------------
     def close(self) -> None:

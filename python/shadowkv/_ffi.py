@@ -19,7 +19,7 @@ STATUS_NAMES = {
     4: "SKV_ERR_SIZE_OVERFLOW", 5: "SKV_ERR_PROMPT_TOO_SHORT", 6: "SKV_ERR_PROMPT_TOO_LONG",
     7: "SKV_ERR_NOT_PREFILLED", 8: "SKV_ERR_ALREADY_PREFILLED", 9: "SKV_ERR_CAPACITY", 10: "SKV_ERR_NONFINITE",
     11: "SKV_ERR_OUT_OF_MEMORY", 12: "SKV_ERR_UNSUPPORTED", 13: "SKV_ERR_NO_DEVICE", 14: "SKV_ERR_NUMERICAL",
-    15: "SKV_ERR_NO_SELECTION", 16: "SKV_ERR_DEVICE",
+    15: "SKV_ERR_NO_SELECTION", 16: "SKV_ERR_DEVICE", 17: "SKV_ERR_FORMAT", 18: "SKV_ERR_IO",
 }
 
 # skv_backend
@@ -166,6 +166,10 @@ _SIGNATURES = {
     "skv_cache_landmarks": (c_int, [c_void_p, c_int32, c_int32, c_int32, _P]),
     "skv_cache_stats_sized": (c_int, [c_void_p, POINTER(Stats), c_size_t]),
     "skv_cache_stats_reset": (c_int, [c_void_p]),
+    "skv_cache_save": (c_int, [c_void_p, c_char_p]),
+    "skv_cache_save_buffer": (c_int, [c_void_p, c_void_p, c_size_t, POINTER(c_size_t)]),
+    "skv_cache_load": (c_int, [c_char_p, POINTER(Config), POINTER(c_void_p)]),
+    "skv_cache_load_buffer": (c_int, [c_void_p, c_size_t, POINTER(Config), POINTER(c_void_p)]),
     "skv_rope_table_len": (c_size_t, [POINTER(RopeConfig), c_int32, c_int64]),
     "skv_rope_table_build": (c_int, [POINTER(RopeConfig), c_int32, c_int64, _P, _P]),
     "skv_op_factorize": (c_int, [c_int, c_int64, c_int32, c_int32, _P, _P, _P]),

@@ -3,7 +3,8 @@
 #
 #   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
 #
-#   quick     build; the GPU tests with short settings (the Python tests on cuda too:
+#   quick     build; the GPU tests with short settings (test_snapshot's cuda round trips among
+#             them; the Python tests on cuda too:
 #             tests/gpu/test_python_cuda.py); a short decode benchmark (and
 #             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
 #             of the kernels NCU_HOT names)
@@ -17,7 +18,7 @@
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
-#             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e) into
+#             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
 #             libshadowkv-cuda.so.0 it opens from its directory) that
 #             the tests and skv-bench link to (small enough to carry to the device
@@ -52,7 +53,8 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
+  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot \
+    test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   du -sh build/dev
   exit 0
@@ -88,8 +90,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads
-  test_canonical_decode"
+TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -135,6 +136,8 @@ case "$MODE" in
     run_test test_contract $TBIN/test_contract 20
     run_test test_canonical_decode $TBIN/test_canonical_decode
     run_test test_e2e $TBIN/test_e2e
+    run_test test_canonical_factor $TBIN/test_canonical_factor
+    run_test test_snapshot $TBIN/test_snapshot
     python_cuda ;;
   decode)
     run_test test_cuda $TBIN/test_cuda
@@ -150,6 +153,8 @@ case "$MODE" in
     run_test test_numerics $TBIN/test_numerics
     run_test test_bad_input $TBIN/test_bad_input
     run_test test_threads $TBIN/test_threads
+    run_test test_canonical_factor $TBIN/test_canonical_factor
+    run_test test_snapshot $TBIN/test_snapshot
     python_cuda
     memcheck test_cuda
     memcheck test_placement ;;

@@ -1,0 +1,284 @@
+/*
+ * skv_cpu_canon.c - the canonical factorization (route SKV_FACTORIZE_CANONICAL,
+ * lib/skv_factor_canon.h, docs/DESIGN.md 10.1) on the cpu, bit for bit ref's:
+ *   - the exact products (S = X^T X and T = X Y) by OpenBLAS dsyrk/dgemm over
+ *     token blocks of the fixed-point A (every partial sum is an exact
+ *     integer, so OpenBLAS's order does not matter), called from this thread;
+ *   - the ordered chains (G X, Y^T Y, the solve) by AVX2 kernels that put
+ *     independent outputs in SIMD lanes and threads, each output still one
+ *     chain of fmas in order of k (vfmadd is the same single rounding as
+ *     fma()); the r x r Cholesky by the header's element rule, compiled with
+ *     hardware fma. Without AVX2+FMA the header's reference loops run.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <omp.h>
+
+#include "skv_cpu.h"
+#include "skv_factor_canon.h"
+
+#if SKV_CPU_X86
+#include <immintrin.h>
+
+/* Y [d, p] = G X (lib/skv_factor_canon.h's skv_canon_ref_gx): 4 rows x 8 columns per tile, lanes
+   across columns j, the chain over k in order. */
+SKV_CPU_AVX2 static void skv_cc_gx(int32_t d, int32_t p, const double *g, const double *x, double *y)
+{
+    int32_t nj = (p + 7) / 8, ni = (d + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(skv_cpu_team((int64_t)ni * nj))
+    for (int64_t it = 0; it < (int64_t)ni * nj; it++) {
+        int32_t i0 = (int32_t)(it / nj) * 4, j0 = (int32_t)(it % nj) * 8;
+        int32_t rows = d - i0 < 4 ? d - i0 : 4;
+        if (j0 + 8 <= p) {
+            __m256d a[4][2];
+            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_pd();
+            const double *g0 = g + (size_t)(i0 + (rows > 0 ? 0 : 0)) * d;
+            const double *g1 = g + (size_t)(i0 + (rows > 1 ? 1 : 0)) * d;
+            const double *g2 = g + (size_t)(i0 + (rows > 2 ? 2 : 0)) * d;
+            const double *g3 = g + (size_t)(i0 + (rows > 3 ? 3 : 0)) * d;
+            for (int32_t k = 0; k < d; k++) {
+                const double *xk = x + (size_t)k * p + j0;
+                __m256d x0 = _mm256_loadu_pd(xk), x1 = _mm256_loadu_pd(xk + 4);
+                __m256d b0 = _mm256_broadcast_sd(g0 + k), b1 = _mm256_broadcast_sd(g1 + k);
+                __m256d b2 = _mm256_broadcast_sd(g2 + k), b3 = _mm256_broadcast_sd(g3 + k);
+                a[0][0] = _mm256_fmadd_pd(b0, x0, a[0][0]);
+                a[0][1] = _mm256_fmadd_pd(b0, x1, a[0][1]);
+                a[1][0] = _mm256_fmadd_pd(b1, x0, a[1][0]);
+                a[1][1] = _mm256_fmadd_pd(b1, x1, a[1][1]);
+                a[2][0] = _mm256_fmadd_pd(b2, x0, a[2][0]);
+                a[2][1] = _mm256_fmadd_pd(b2, x1, a[2][1]);
+                a[3][0] = _mm256_fmadd_pd(b3, x0, a[3][0]);
+                a[3][1] = _mm256_fmadd_pd(b3, x1, a[3][1]);
+            }
+            for (int i = 0; i < rows; i++) {
+                _mm256_storeu_pd(y + (size_t)(i0 + i) * p + j0, a[i][0]);
+                _mm256_storeu_pd(y + (size_t)(i0 + i) * p + j0 + 4, a[i][1]);
+            }
+        } else
+            for (int i = 0; i < rows; i++)
+                for (int32_t j = j0; j < p; j++) {
+                    double acc = 0.0;
+                    for (int32_t k = 0; k < d; k++) acc = fma(g[(size_t)(i0 + i) * d + k], x[(size_t)k * p + j], acc);
+                    y[(size_t)(i0 + i) * p + j] = acc;
+                }
+    }
+}
+
+/* C [p, p] = Y^T Y for Y [m, p] (skv_canon_ref_cross): tiles of 4 x 8 on and above the diagonal,
+   lanes across j, the chain over t in order; the lower part mirrored (fma(a, b, c) =
+   fma(b, a, c)). */
+SKV_CPU_AVX2 static void skv_cc_cross(int32_t m, int32_t p, const double *y, double *c)
+{
+    int32_t nj = (p + 7) / 8, ni = (p + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(skv_cpu_team((int64_t)ni * nj))
+    for (int64_t it = 0; it < (int64_t)ni * nj; it++) {
+        int32_t i0 = (int32_t)(it / nj) * 4, j0 = (int32_t)(it % nj) * 8;
+        int32_t rows = p - i0 < 4 ? p - i0 : 4;
+        if (j0 + 8 <= i0) continue; /* strictly below the diagonal */
+        if (j0 + 8 <= p) {
+            __m256d a[4][2];
+            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_pd();
+            int32_t c1 = i0 + (rows > 1 ? 1 : 0), c2 = i0 + (rows > 2 ? 2 : 0), c3 = i0 + (rows > 3 ? 3 : 0);
+            for (int32_t t = 0; t < m; t++) {
+                const double *yt = y + (size_t)t * p;
+                __m256d x0 = _mm256_loadu_pd(yt + j0), x1 = _mm256_loadu_pd(yt + j0 + 4);
+                __m256d b0 = _mm256_broadcast_sd(yt + i0), b1 = _mm256_broadcast_sd(yt + c1);
+                __m256d b2 = _mm256_broadcast_sd(yt + c2), b3 = _mm256_broadcast_sd(yt + c3);
+                a[0][0] = _mm256_fmadd_pd(b0, x0, a[0][0]);
+                a[0][1] = _mm256_fmadd_pd(b0, x1, a[0][1]);
+                a[1][0] = _mm256_fmadd_pd(b1, x0, a[1][0]);
+                a[1][1] = _mm256_fmadd_pd(b1, x1, a[1][1]);
+                a[2][0] = _mm256_fmadd_pd(b2, x0, a[2][0]);
+                a[2][1] = _mm256_fmadd_pd(b2, x1, a[2][1]);
+                a[3][0] = _mm256_fmadd_pd(b3, x0, a[3][0]);
+                a[3][1] = _mm256_fmadd_pd(b3, x1, a[3][1]);
+            }
+            for (int i = 0; i < rows; i++) {
+                _mm256_storeu_pd(c + (size_t)(i0 + i) * p + j0, a[i][0]);
+                _mm256_storeu_pd(c + (size_t)(i0 + i) * p + j0 + 4, a[i][1]);
+            }
+        } else
+            for (int i = 0; i < rows; i++)
+                for (int32_t j = j0; j < p; j++) {
+                    double acc = 0.0;
+                    for (int32_t t = 0; t < m; t++) acc = fma(y[(size_t)t * p + i0 + i], y[(size_t)t * p + j], acc);
+                    c[(size_t)(i0 + i) * p + j] = acc;
+                }
+    }
+    for (int32_t i = 0; i < p; i++) /* each tile wrote C_ij for all its j >= j0; i > j there is mirrored over */
+        for (int32_t j = i + 1; j < p; j++) c[(size_t)j * p + i] = c[(size_t)i * p + j];
+}
+
+/* skv_canon_ref_chol with hardware fma (the same element rule). */
+SKV_CPU_AVX2 static void skv_cc_chol(int32_t p, const double *c, double s, double fl, double *l)
+{
+    for (int32_t j = 0; j < p; j++) {
+        const double *lj = l + (size_t)j * p;
+        double acc = c[(size_t)j * p + j] + s;
+        for (int32_t k = 0; k < j; k++) acc = fma(-lj[k], lj[k], acc);
+        double ljj = skv_canon_pivot(acc, fl);
+        l[(size_t)j * p + j] = ljj;
+        for (int32_t i = j + 1; i < p; i++) {
+            const double *li = l + (size_t)i * p;
+            acc = c[(size_t)i * p + j];
+            for (int32_t k = 0; k < j; k++) acc = fma(-li[k], lj[k], acc);
+            l[(size_t)i * p + j] = acc / ljj;
+        }
+    }
+}
+
+/* X = Y L^-T (skv_canon_ref_solve, x may alias y): 8 rows at a time, lanes across rows, each
+   element's chain over k in order. buf: per thread [p][8]. */
+SKV_CPU_AVX2 static void skv_cc_solve(int32_t m, int32_t p, const double *l, const double *y, double *x,
+                                      double *buf)
+{
+    int64_t nb = (m + 7) / 8;
+    int nt = skv_cpu_team(nb);
+#pragma omp parallel num_threads(nt)
+    {
+        double *b = buf + (size_t)omp_get_thread_num() * p * 8;
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            int32_t t0 = (int32_t)blk * 8, rows = m - t0 < 8 ? m - t0 : 8;
+            for (int32_t j = 0; j < p; j++)
+                for (int i = 0; i < 8; i++) b[(size_t)j * 8 + i] = i < rows ? y[(size_t)(t0 + i) * p + j] : 0.0;
+            for (int32_t j = 0; j < p; j++) {
+                const double *lj = l + (size_t)j * p;
+                __m256d a0 = _mm256_loadu_pd(b + (size_t)j * 8), a1 = _mm256_loadu_pd(b + (size_t)j * 8 + 4);
+                for (int32_t k = 0; k < j; k++) {
+                    __m256d nl = _mm256_broadcast_sd(lj + k);
+                    a0 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8), nl, a0);
+                    a1 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8 + 4), nl, a1);
+                }
+                __m256d dj = _mm256_broadcast_sd(lj + j);
+                _mm256_storeu_pd(b + (size_t)j * 8, _mm256_div_pd(a0, dj));
+                _mm256_storeu_pd(b + (size_t)j * 8 + 4, _mm256_div_pd(a1, dj));
+            }
+            for (int i = 0; i < rows; i++)
+                for (int32_t j = 0; j < p; j++) x[(size_t)(t0 + i) * p + j] = b[(size_t)j * 8 + i];
+        }
+    }
+}
+
+/* One pass (skv_canon_ref_pass) with the kernels above. ws: 2 p^2 + p doubles; buf: threads x
+   8 p doubles. */
+SKV_CPU_AVX2 static void skv_cc_pass(int32_t m, int32_t p, double *y, double *x, int eq, double *ws, double *buf)
+{
+    double *c = ws, *l = ws + (size_t)p * p, *dsc = l + (size_t)p * p, s, fl;
+    skv_cc_cross(m, p, y, c);
+    if (eq) skv_canon_ref_equilibrate(m, p, c, y, dsc);
+    skv_canon_ref_shift(m, p, c, &s, &fl);
+    skv_cc_chol(p, c, s, fl, l);
+    skv_cc_solve(m, p, l, y, x, buf);
+}
+
+/* skv_canon_ref_subspace with the kernels above. */
+SKV_CPU_AVX2 static void skv_cc_subspace(int32_t d, int32_t r, const double *g, double *q, double *y, double *ws,
+                                         double *buf)
+{
+    for (int32_t i = 0; i < d; i++)
+        for (int32_t j = 0; j < r; j++) q[(size_t)i * r + j] = skv_factor_start(i, j, r);
+    for (int it = 0; it < SKV_CANON_ITERS; it++) {
+        skv_cc_gx(d, r, g, q, y);
+        if (it < SKV_CANON_TWO_PASS_ITERS) {
+            skv_cc_pass(d, r, y, y, 0, ws, buf);
+            skv_cc_pass(d, r, y, q, 0, ws, buf);
+        } else
+            skv_cc_pass(d, r, y, q, 1, ws, buf);
+    }
+    skv_cc_pass(d, r, q, q, 0, ws, buf);
+    skv_cc_pass(d, r, q, q, 0, ws, buf);
+}
+#endif
+
+/* Rows [t0, t0 + rows) of the fixed-point A into blk [rows, d] (threads over rows). */
+static void skv_cc_fix_rows(const skv_bf16 *a, int64_t t0, int64_t rows, int32_t d, const int32_t *e, int32_t F,
+                            double *blk)
+{
+#pragma omp parallel for schedule(static) num_threads(skv_cpu_team(rows / 64 + 1))
+    for (int64_t t = 0; t < rows; t++)
+        for (int32_t i = 0; i < d; i++)
+            blk[(size_t)t * d + i] = skv_canon_fix(a[(size_t)(t0 + t) * d + i], F, e[i]);
+}
+
+/* The canonical route: bitwise equal to ref's skv_ref_factorize_canonical. */
+skv_status skv_cpu_factorize_canonical(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, float *w)
+{
+    int32_t F = skv_canon_frac_bits(n), Gb = skv_canon_u_bits(n, d);
+    int nt = skv_cpu_threads();
+    int64_t nb = ((int64_t)1 << 20) / d;
+    if (nb < 64) nb = 64;
+    if (nb > n) nb = n;
+    int32_t *e = malloc((size_t)d * sizeof *e), *f = malloc((size_t)r * sizeof *f);
+    uint16_t *mxt = calloc((size_t)nt * d, sizeof *mxt);
+    double *g = calloc((size_t)d * d, sizeof *g), *blk = malloc((size_t)nb * d * sizeof *blk);
+    double *q = malloc((size_t)d * r * sizeof *q), *y = malloc((size_t)d * r * sizeof *y);
+    double *ws = malloc(((size_t)2 * r * r + r) * sizeof *ws), *tb = malloc((size_t)nb * r * sizeof *tb);
+    double *buf = skv_cpu_alloc((size_t)nt * 8 * r * sizeof *buf);
+    skv_status st = SKV_OK;
+    if (!e || !f || !mxt || !g || !blk || !q || !y || !ws || !tb || !buf) {
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    /* 1. column scales: per-thread maxima of the magnitude bits (max: any order) */
+#pragma omp parallel num_threads(nt)
+    {
+        uint16_t *mx = mxt + (size_t)omp_get_thread_num() * d;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; t++)
+            for (int32_t i = 0; i < d; i++) {
+                uint16_t v = (uint16_t)(a[(size_t)t * d + i] & 0x7fff);
+                mx[i] = v > mx[i] ? v : mx[i];
+            }
+    }
+    for (int32_t i = 0; i < d; i++) {
+        uint16_t mx = 0;
+        for (int th = 0; th < nt; th++) mx = mxt[(size_t)th * d + i] > mx ? mxt[(size_t)th * d + i] : mx;
+        e[i] = skv_canon_ex_bf16(mx);
+    }
+    /* 2. S = X^T X by token blocks (exact), G = S scaled */
+    for (int64_t t = 0; t < n; t += nb) {
+        int64_t rows = n - t < nb ? n - t : nb;
+        skv_cc_fix_rows(a, t, rows, d, e, F, blk);
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, (int)rows, 1.0, blk, d, 1.0, g, d);
+    }
+    for (int32_t i = 0; i < d; i++)
+        for (int32_t j = i; j < d; j++) {
+            double v = g[(size_t)i * d + j] * skv_canon_pow2(e[i] + e[j] - 2 * F);
+            g[(size_t)i * d + j] = v;
+            g[(size_t)j * d + i] = v;
+        }
+    /* 3. Q */
+#if SKV_CPU_X86
+    if (skv_cpu_simd()) skv_cc_subspace(d, r, g, q, y, ws, buf);
+    else
+#endif
+        skv_canon_ref_subspace(d, r, g, q, y, ws);
+    /* 4. W = Q^T; U = X Y exactly (dgemm by token blocks), scaled once */
+    for (int32_t j = 0; j < r; j++)
+        for (int32_t i = 0; i < d; i++) w[(size_t)j * d + i] = (float)q[(size_t)i * r + j];
+    skv_canon_ref_qfix(d, r, q, e, F, Gb, y, f);
+    for (int64_t t = 0; t < n; t += nb) {
+        int64_t rows = n - t < nb ? n - t : nb;
+        skv_cc_fix_rows(a, t, rows, d, e, F, blk);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, r, d, 1.0, blk, d, y, r, 0.0, tb, r);
+        for (int64_t k = 0; k < rows; k++)
+            for (int32_t j = 0; j < r; j++)
+                u[(size_t)(t + k) * r + j] = (float)skv_canon_scale(tb[(size_t)k * r + j], f[j] - Gb);
+    }
+done:
+    free(e);
+    free(f);
+    free(mxt);
+    free(g);
+    free(blk);
+    free(q);
+    free(y);
+    free(ws);
+    free(tb);
+    free(buf);
+    return st;
+}

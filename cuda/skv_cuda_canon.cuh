@@ -1,0 +1,398 @@
+/*
+ * skv_cuda_canon.cuh - the canonical factorization (route SKV_FACTORIZE_CANONICAL,
+ * lib/skv_factor_canon.h, docs/DESIGN.md 10.1) on the cuda backend, bit for bit
+ * ref's. Included by skv_cuda_factor.cu (it uses the factor's workspace and
+ * its check macros). Everything runs on the factor's stream, no host
+ * synchronization, no allocation:
+ *   1. column scales: atomicMax of the bf16 magnitude bits per column (any order),
+ *      e_i on the device;
+ *   2. per token block (f->canon_rows rows): the fixed-point block in double
+ *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
+ *      partial sum an integer below 2^53); G = S scaled, both triangles;
+ *   3. the subspace iteration with the project's own fixed-order kernels: G X and
+ *      Y^T Y by a register-tiled chain kernel (each output one __fma_rn chain in
+ *      order of k), the equilibration, trace, shift, floor and Cholesky in one
+ *      thread block (right-looking: each element's updates arrive in order of k,
+ *      the same bits as the reference's left-looking loop), the solve X = Y L^-T
+ *      one warp per row (right-looking over k, lanes across j);
+ *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
+ *      block, T = X Y by cuBLAS DGEMM (exact), U = (float) (T 2^(f_j - Gb)).
+ * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
+ * IEEE fp64 (fma) products: exact here.
+ */
+#ifndef SKV_CUDA_CANON_CUH
+#define SKV_CUDA_CANON_CUH
+
+#include "skv_factor_canon.h"
+
+/* ---- step 1 and 2 -------------------------------------------------------------------- */
+
+/* colmax[i] = max over rows of a's magnitude bits in column i (colmax zeroed before). */
+static __global__ void skv_cc_colmax(const skv_bf16 *__restrict__ a, int64_t n, int32_t d, unsigned *__restrict__ colmax)
+{
+    /* a block walks row chunks of one column range: threads over columns, rows strided over blocks */
+    for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x) {
+        unsigned mx = 0;
+        for (int64_t t = blockIdx.y; t < n; t += gridDim.y) {
+            unsigned v = a[t * d + i] & 0x7fffu;
+            mx = v > mx ? v : mx;
+        }
+        atomicMax(colmax + i, mx);
+    }
+}
+
+/* e[i] = ex of column i's max magnitude. */
+static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_t d, int32_t *__restrict__ e)
+{
+    for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x)
+        e[i] = skv_canon_ex_bf16((uint16_t)colmax[i]);
+}
+
+/* blk [rows, d] (row major) = the fixed-point rows of a. */
+static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, const int32_t *__restrict__ e,
+                                  int32_t F, double *__restrict__ blk)
+{
+    int64_t count = rows * d;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
+        blk[k] = skv_canon_fix(a[k], F, e[k % d]);
+}
+
+/* g [d, d]: the cuBLAS upper triangle (column major: row i <= column j at g[i + j d]) of S, into G,
+   both triangles (G is symmetric: row- and column-major alike). */
+static __global__ void skv_cc_gscale(double *__restrict__ g, int32_t d, const int32_t *__restrict__ e, int32_t F)
+{
+    int64_t count = (int64_t)d * d;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x) {
+        int32_t i = (int32_t)(k % d), j = (int32_t)(k / d);
+        if (i > j) continue;
+        double v = __dmul_rn(g[k], skv_canon_pow2(e[i] + e[j] - 2 * F));
+        g[k] = v;
+        g[(int64_t)i * d + j] = v;
+    }
+}
+
+/* X_0 [d, r] row major. */
+static __global__ void skv_cc_start(double *__restrict__ x, int32_t d, int32_t r)
+{
+    int64_t count = (int64_t)d * r;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
+        x[k] = skv_factor_start(k / r, k % r, r);
+}
+
+/* ---- step 3 ----------------------------------------------------------------------------- */
+
+#define SKV_CC_KT 16 /* k per shared-memory stage of the chain kernel */
+/* 1: the exact Gram by DGEMM (the full S) instead of DSYRK (its upper triangle); both exact,
+   the same bits: a build-time choice for timing only. */
+#ifndef SKV_CC_GRAM_GEMM
+#define SKV_CC_GRAM_GEMM 0
+#endif
+
+/*
+ * C [M, N] (row major, ldc) with C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j), acc),
+ * A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]. 16 x 16 threads, TM x TN outputs each
+ * (a tile of 16 TM x 16 TN); k staged through shared memory, every output's chain in order.
+ */
+template <int TM, int TN>
+static __global__ void __launch_bounds__(256)
+    skv_cc_chain(int32_t M, int32_t N, int32_t K, const double *__restrict__ a, int64_t sai, int64_t sak,
+                 const double *__restrict__ b, int64_t sbk, int64_t sbj, double *__restrict__ c, int64_t ldc)
+{
+    __shared__ double as[SKV_CC_KT][16 * TM + 1], bs[SKV_CC_KT][16 * TN + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
+    const int32_t i0 = blockIdx.y * 16 * TM, j0 = blockIdx.x * 16 * TN;
+    double acc[TM][TN];
+#pragma unroll
+    for (int p = 0; p < TM; p++)
+#pragma unroll
+        for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
+    for (int32_t k0 = 0; k0 < K; k0 += SKV_CC_KT) {
+        for (int idx = tid; idx < SKV_CC_KT * 16 * TM; idx += 256) {
+            /* consecutive threads along A's contiguous index (coalesced loads) */
+            int kk = sak == 1 ? idx % SKV_CC_KT : idx / (16 * TM), ii = sak == 1 ? idx / SKV_CC_KT : idx % (16 * TM);
+            int32_t gi = i0 + ii, gk = k0 + kk;
+            as[kk][ii] = gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
+        }
+        for (int idx = tid; idx < SKV_CC_KT * 16 * TN; idx += 256) {
+            int kk = idx / (16 * TN), jj = idx % (16 * TN);
+            int32_t gj = j0 + jj, gk = k0 + kk;
+            bs[kk][jj] = gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
+        }
+        __syncthreads();
+        int kn = K - k0 < SKV_CC_KT ? K - k0 : SKV_CC_KT; /* no padded terms: a chain sees exactly K fmas */
+        for (int kk = 0; kk < kn; kk++) {
+            double av[TM], bv[TN];
+#pragma unroll
+            for (int p = 0; p < TM; p++) av[p] = as[kk][ty + 16 * p];
+#pragma unroll
+            for (int q = 0; q < TN; q++) bv[q] = bs[kk][tx + 16 * q];
+#pragma unroll
+            for (int p = 0; p < TM; p++)
+#pragma unroll
+                for (int q = 0; q < TN; q++) acc[p][q] = __fma_rn(av[p], bv[q], acc[p][q]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int p = 0; p < TM; p++)
+#pragma unroll
+        for (int q = 0; q < TN; q++) {
+            int32_t i = i0 + ty + 16 * p, j = j0 + tx + 16 * q;
+            if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
+        }
+}
+
+#define SKV_CC_CHOL_THREADS 1024
+/* The Cholesky keeps the packed lower triangle in shared memory up to this rank (~103 KiB at
+   160), in global memory (l itself) above. */
+#define SKV_CC_CHOL_SMEM_R 160
+
+static size_t skv_cc_chol_smem(int32_t p)
+{
+    return p <= SKV_CC_CHOL_SMEM_R ? (size_t)p * (p + 1) / 2 * sizeof(double) : 0;
+}
+
+/*
+ * One pass's small part, one thread block: C [p, p] (full, row major) from Y^T Y; eq: D into
+ * dsc, C <- C (D_i D_j); trace, s, floor; L [p, p] (row major, lower) = chol(C + s I), right-
+ * looking over k in the packed triangle (shared memory, or global scratch lp for large p);
+ * written out transposed, l[j p + i] = L_ij, so the solve's lanes read L_jk (j across lanes)
+ * contiguously.
+ */
+static __global__ void __launch_bounds__(SKV_CC_CHOL_THREADS)
+    skv_cc_chol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
+                double *__restrict__ l, double *__restrict__ lp)
+{
+    extern __shared__ double sm[];
+    __shared__ double sh_fl, sh_s;
+    double *t = p <= SKV_CC_CHOL_SMEM_R ? sm : lp;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    if (eq)
+        for (int j = tid; j < p; j += nt) dsc[j] = skv_canon_dscale(c[(int64_t)j * p + j]);
+    __syncthreads();
+    /* packed lower triangle: (i, j), j <= i, at i (i + 1) / 2 + j */
+    for (int64_t k = tid; k < (int64_t)p * p; k += nt) {
+        int32_t i = (int32_t)(k / p), j = (int32_t)(k % p);
+        if (j > i) continue;
+        double v = c[k];
+        if (eq) v = __dmul_rn(v, __dmul_rn(dsc[i], dsc[j]));
+        t[(int64_t)i * (i + 1) / 2 + j] = v;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double tr = 0.0;
+        for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, t[(int64_t)j * (j + 1) / 2 + j]);
+        double s = skv_canon_shift(m, p, tr);
+        sh_s = s;
+        sh_fl = skv_canon_floor(p, tr, s);
+    }
+    __syncthreads();
+    const double s = sh_s, fl = sh_fl;
+    for (int32_t j = tid; j < p; j += nt) t[(int64_t)j * (j + 1) / 2 + j] = __dadd_rn(t[(int64_t)j * (j + 1) / 2 + j], s);
+    __syncthreads();
+    for (int32_t j = 0; j < p; j++) {
+        /* column j: every element has seen its updates k < j */
+        if (tid == 0) {
+            int64_t jj = (int64_t)j * (j + 1) / 2 + j;
+            t[jj] = skv_canon_pivot(t[jj], fl);
+        }
+        __syncthreads();
+        const double ljj = t[(int64_t)j * (j + 1) / 2 + j];
+        for (int32_t i = j + 1 + tid; i < p; i += nt) {
+            int64_t ij = (int64_t)i * (i + 1) / 2 + j;
+            t[ij] = __ddiv_rn(t[ij], ljj);
+        }
+        __syncthreads();
+        /* update k = j of the trailing triangle: (i, q), j < q <= i; a warp per row i, lanes over q */
+        for (int32_t i = j + 1 + tid / 32; i < p; i += nt / 32) {
+            const int64_t ib = (int64_t)i * (i + 1) / 2;
+            const double lij = -t[ib + j];
+            for (int32_t q = j + 1 + (tid & 31); q <= i; q += 32)
+                t[ib + q] = __fma_rn(lij, t[(int64_t)q * (q + 1) / 2 + j], t[ib + q]);
+        }
+        __syncthreads();
+    }
+    for (int64_t k = tid; k < (int64_t)p * p; k += nt) { /* l[j p + i] = L_ij: L^T, row major */
+        int32_t i = (int32_t)(k / p), j = (int32_t)(k % p);
+        l[(int64_t)j * p + i] = j <= i ? t[(int64_t)i * (i + 1) / 2 + j] : 0.0;
+    }
+}
+
+/*
+ * X [m, p] = Y L^-T (x may alias y); eq: Y's columns scaled by dsc first. One warp per row t,
+ * right-looking over k: lane owns j = lane + 32 q; x_tk = acc_k / L_kk is broadcast, then every
+ * acc_j (j > k) gets fma(-x_tk, L_jk, acc_j): each element's chain in order of k.
+ */
+#define SKV_CC_SOLVE_MAXQ 32 /* p <= 32 * this */
+template <int Q>
+static __global__ void __launch_bounds__(128)
+    skv_cc_solve(int32_t m, int32_t p, const double *y, const double *__restrict__ l, int eq,
+                 const double *__restrict__ dsc, double *x)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t t = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (t >= m) return;
+    double acc[Q];
+#pragma unroll
+    for (int q = 0; q < Q; q++) {
+        int32_t j = lane + 32 * q;
+        double v = j < p ? y[t * p + j] : 0.0;
+        acc[q] = eq && j < p ? __dmul_rn(v, dsc[j]) : v;
+    }
+    for (int32_t k = 0; k < p; k++) {
+        const int owner = k & 31, qk = k >> 5;
+        double mine = 0.0;
+#pragma unroll
+        for (int q = 0; q < Q; q++)
+            if (q == qk) mine = acc[q];
+        double xk = __ddiv_rn(__shfl_sync(0xffffffffu, mine, owner), l[(int64_t)k * p + k]);
+        const double *lk = l + (int64_t)k * p; /* lk[j] = L_jk */
+        if (lane == owner) x[t * p + k] = xk;
+#pragma unroll
+        for (int q = 0; q < Q; q++) {
+            int32_t j = lane + 32 * q;
+            if (j > k && j < p) acc[q] = __fma_rn(-xk, lk[j], acc[q]);
+        }
+    }
+}
+
+/* ---- step 4 ----------------------------------------------------------------------------- */
+
+/* w [r, d] = (float) Q^T; f[j] = ex(max_i |Q_ij 2^(e_i - F)|); yq [d, r] = rne(Q' 2^(Gb - f_j)). One
+   block per column j. */
+static __global__ void __launch_bounds__(256)
+    skv_cc_qfix(const double *__restrict__ q, int32_t d, int32_t r, const int32_t *__restrict__ e, int32_t F,
+                int32_t Gb, float *__restrict__ w, int32_t *__restrict__ f, double *__restrict__ yq)
+{
+    __shared__ double red[256];
+    const int32_t j = blockIdx.x;
+    double mx = 0.0;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        double qij = q[(int64_t)i * r + j];
+        w[(int64_t)j * d + i] = (float)qij;
+        double v = fabs(__dmul_rn(qij, skv_canon_pow2(e[i] - F)));
+        mx = v > mx ? v : mx;
+    }
+    red[threadIdx.x] = mx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) { /* max: any order */
+        if ((int)threadIdx.x < s) red[threadIdx.x] = red[threadIdx.x + s] > red[threadIdx.x] ? red[threadIdx.x + s] : red[threadIdx.x];
+        __syncthreads();
+    }
+    const int32_t fj = skv_canon_ex_f64(red[0]);
+    if (threadIdx.x == 0) f[j] = fj;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+        yq[(int64_t)i * r + j] = rint(skv_canon_scale(__dmul_rn(q[(int64_t)i * r + j], skv_canon_pow2(e[i] - F)), Gb - fj));
+}
+
+/* u rows [0, rows) (row major [rows, r]) = (float) (T 2^(f_j - Gb)). */
+static __global__ void skv_cc_uscale(const double *__restrict__ tb, int64_t rows, int32_t r, const int32_t *__restrict__ f,
+                                     int32_t Gb, float *__restrict__ u)
+{
+    int64_t count = rows * r;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
+        u[k] = (float)skv_canon_scale(tb[k], f[k % r] - Gb);
+}
+
+/* ---- the driver ------------------------------------------------------------------------- */
+
+/* One pass on Y [m, p] (device, row major) into X (may alias Y). */
+static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *y, double *x, int eq, char *msg,
+                              size_t cap)
+{
+    dim3 th(16, 16), gr((p + 15) / 16, (p + 15) / 16);
+    skv_cc_chain<1, 1><<<gr, th, 0, f->st>>>(p, p, m, y, 1, p, y, p, 1, f->cc_c, p);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
+    skv_cc_chol<<<1, SKV_CC_CHOL_THREADS, skv_cc_chol_smem(p), f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l,
+                                                                         f->cc_lp);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Cholesky kernel");
+    unsigned blocks = (unsigned)((m + 3) / 4);
+    int qn = (p + 31) / 32;
+#define SKV_CC_SOLVE_CASE(Q)                                                                                 \
+    case Q: skv_cc_solve<Q><<<blocks, 128, 0, f->st>>>(m, p, y, f->cc_l, eq, f->cc_dsc, x); break;
+    switch (qn) {
+        SKV_CC_SOLVE_CASE(1) SKV_CC_SOLVE_CASE(2) SKV_CC_SOLVE_CASE(3) SKV_CC_SOLVE_CASE(4) SKV_CC_SOLVE_CASE(5)
+        SKV_CC_SOLVE_CASE(6) SKV_CC_SOLVE_CASE(7) SKV_CC_SOLVE_CASE(8)
+    default:
+        if (qn <= 16) skv_cc_solve<16><<<blocks, 128, 0, f->st>>>(m, p, y, f->cc_l, eq, f->cc_dsc, x);
+        else skv_cc_solve<SKV_CC_SOLVE_MAXQ><<<blocks, 128, 0, f->st>>>(m, p, y, f->cc_l, eq, f->cc_dsc, x);
+    }
+#undef SKV_CC_SOLVE_CASE
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical solve kernel");
+    return SKV_OK;
+}
+
+/* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). */
+static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
+                                   size_t cap)
+{
+    const int32_t d = f->d, r = f->r, F = skv_canon_frac_bits(n), Gb = skv_canon_u_bits(n, d);
+    if (r > 32 * SKV_CC_SOLVE_MAXQ) {
+        if (msg && cap) snprintf(msg, cap, "cuda factorize: canonical route: r = %d > %d", (int)r, 32 * SKV_CC_SOLVE_MAXQ);
+        return SKV_ERR_UNSUPPORTED;
+    }
+    const double one = 1.0, zero = 0.0;
+    double *g = f->cc_g, *blk = (double *)f->scratch, *tb = blk + (size_t)f->canon_rows * d;
+    /* 1 */
+    SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->cc_colmax, 0, (size_t)d * sizeof(unsigned), f->st), "cudaMemsetAsync (column max)");
+    {
+        dim3 gr((unsigned)((d + 255) / 256), (unsigned)(n < 256 ? n : 256));
+        skv_cc_colmax<<<gr, 256, 0, f->st>>>(a, n, d, f->cc_colmax);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical column max kernel");
+        skv_cc_scales<<<(d + 255) / 256, 256, 0, f->st>>>(f->cc_colmax, d, f->cc_e);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical scales kernel");
+    }
+    /* 2 */
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDgemm (canonical exact Gram)");
+#else
+        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDsyrk (canonical exact Gram)");
+#endif
+    }
+    skv_cc_gscale<<<skv_cf_blocks((int64_t)d * d), SKV_CF_THREADS, 0, f->st>>>(g, d, f->cc_e, F);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Gram scale kernel");
+    /* 3 */
+    double *x = f->cc_x, *y = f->cc_y;
+    skv_cc_start<<<skv_cf_blocks((int64_t)d * r), SKV_CF_THREADS, 0, f->st>>>(x, d, r);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical start kernel");
+    for (int it = 0; it < SKV_CANON_ITERS; it++) {
+        dim3 th(16, 16), gr((r + 31) / 32, (d + 31) / 32);
+        skv_cc_chain<2, 2><<<gr, th, 0, f->st>>>(d, r, d, g, d, 1, x, r, 1, y, r);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
+        skv_status s;
+        if (it < SKV_CANON_TWO_PASS_ITERS) {
+            if ((s = skv_cc_pass(f, d, r, y, y, 0, msg, cap)) != SKV_OK) return s;
+            if ((s = skv_cc_pass(f, d, r, y, x, 0, msg, cap)) != SKV_OK) return s;
+        } else if ((s = skv_cc_pass(f, d, r, y, x, 1, msg, cap)) != SKV_OK)
+            return s;
+    }
+    {
+        skv_status s;
+        if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
+        if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
+    }
+    /* 4: y <- the fixed-point Q (row major [d, r] = column major [r, d], ld r) */
+    skv_cc_qfix<<<r, 256, 0, f->st>>>(x, d, r, f->cc_e, F, Gb, w, f->cc_f, y);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+        /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, blk, d, &zero, tb, r),
+                          "cublasDgemm (canonical exact U)");
+        skv_cc_uscale<<<skv_cf_blocks(rows * r), SKV_CF_THREADS, 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
+    }
+    return SKV_OK;
+}
+
+#endif

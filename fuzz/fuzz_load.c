@@ -1,0 +1,163 @@
+/*
+ * fuzz_load.c - skv_cache_load_buffer on arbitrary bytes (docs/DESIGN.md section 11).
+ *
+ * Input: one mode byte, then the snapshot bytes. Mode bit 0: recompute every section's
+ * CRC32C and the END section's file checksum before loading (so a mutated snapshot gets
+ * past the checksums to the size, state, id and config checks behind them); bit 1: pass
+ * cfg = NULL when no cuda device is usable (the snapshot's own config; auto then picks
+ * cpu), else an explicit cfg carrying the model fields as the input's CONF section spells
+ * them; bit 2: backend cpu instead of ref for the explicit cfg. The seeds in
+ * fuzz/corpus/fuzz_load are small valid snapshots (fuzz/gen_load_seeds.c) and mutations.
+ *
+ * Asserts: the status is defined with a message; a failure is SKV_ERR_FORMAT,
+ * SKV_ERR_INVALID_CONFIG (an explicit cfg that does not match), SKV_ERR_SIZE_OVERFLOW,
+ * SKV_ERR_OUT_OF_MEMORY or SKV_ERR_UNSUPPORTED (create's refusal), and leaves *out NULL; a config that does not validate is never
+ * loaded; a success gives a usable cache: it saves back to exactly the loaded bytes, every
+ * introspection call answers, and, when every slot is prefilled and the next step has
+ * room, one decode step of the layer that is behind succeeds. Configs needing more than
+ * 64 MB are not loaded (the loader would rightly create them).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "fuzz_common.h"
+
+#define LOAD_LIMIT ((size_t)64 << 20)
+
+/* Bitwise CRC32C (Castagnoli), as the format specifies it. */
+static uint32_t crc32c(const uint8_t *p, size_t n)
+{
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    }
+    return ~c;
+}
+static uint32_t rd32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint64_t rd64(const uint8_t *p) { return rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static void wr32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
+}
+
+/* Recomputes the checksums of every whole section (the last one taken as END). */
+static void fix_checksums(uint8_t *s, size_t size)
+{
+    size_t starts[4096];
+    int n = 0;
+    for (size_t at = 16; at + 16 <= size && n < 4096;) {
+        const uint64_t len = rd64(s + at + 8);
+        if (len > size - at - 16 || size - at - 16 - len < 4) break;
+        starts[n++] = at;
+        at += 16 + (size_t)len + 4;
+    }
+    for (int i = 0; i < n; i++) {
+        const size_t at = starts[i], len = (size_t)rd64(s + at + 8);
+        if (i == n - 1 && len >= 12) wr32(s + at + 16 + 8, crc32c(s, at));
+        wr32(s + at + 16 + len, crc32c(s + at, 16 + len));
+    }
+}
+
+/* The config the input's CONF section spells (the defaults where it is cut short). */
+static skv_config conf_of(const uint8_t *s, size_t size, skv_backend be)
+{
+    skv_config c = skv_config_default();
+    c.backend = be;
+    if (size < 32 + 96) return c;
+    const uint8_t *p = s + 32;
+    int32_t *i32[] = {&c.n_layers, &c.n_q_heads, &c.n_kv_heads, &c.head_dim, &c.rank, &c.chunk_size, &c.budget,
+                      &c.n_outlier_chunks, &c.n_local_chunks};
+    for (int i = 0; i < 9; i++) *i32[i] = (int32_t)rd32(p + 4 * i);
+    uint32_t u;
+    u = rd32(p + 36), memcpy(&c.rope.theta, &u, 4);
+    c.rope.rotary_dim = (int32_t)rd32(p + 40);
+    c.rope.interleaved = (int32_t)rd32(p + 44);
+    c.rope.llama3_scaling = (int32_t)rd32(p + 48);
+    u = rd32(p + 52), memcpy(&c.rope.scaling_factor, &u, 4);
+    u = rd32(p + 56), memcpy(&c.rope.low_freq_factor, &u, 4);
+    u = rd32(p + 60), memcpy(&c.rope.high_freq_factor, &u, 4);
+    c.rope.original_max_position = (int32_t)rd32(p + 64);
+    u = rd32(p + 68), memcpy(&c.attn_scale, &u, 4);
+    c.batch_size = (int32_t)rd32(p + 72);
+    c.max_prompt_len = (int64_t)rd64(p + 76);
+    c.gen_capacity = (int32_t)rd32(p + 84);
+    c.factorize = (skv_factorize_route)(int32_t)rd32(p + 88);
+    c.reproducible = (int32_t)rd32(p + 92);
+    return c;
+}
+
+/* A loaded cache is usable: it saves back to the loaded bytes, introspection answers, and the
+   next decode step runs where the cache allows one. */
+static void check_usable(skv_cache *cache, const uint8_t *snap, size_t size)
+{
+    size_t need = 0;
+    skv_status st = skv_cache_save_buffer(cache, NULL, 0, &need);
+    skvf_check_status(st, "skv_cache_save_buffer(query)");
+    if (st != SKV_OK || need != size)
+        skvf_fail("loaded cache: snapshot size %zu (status %d), the input was %zu bytes", need, (int)st, size);
+    uint8_t *again = malloc(size);
+    if (!again) skvf_fail("out of memory");
+    st = skv_cache_save_buffer(cache, again, size, &need);
+    if (st != SKV_OK || memcmp(again, snap, size) != 0)
+        skvf_fail("loaded cache: its snapshot is not the loaded bytes (status %d)", (int)st);
+    free(again);
+    (void)skvf_fingerprint(cache); /* every introspection call answers */
+    const skv_config *g = skv_cache_config(cache);
+    int32_t layer = 0, lo = g->gen_capacity, all = 1;
+    for (int32_t l = 0; l < g->n_layers; l++)
+        for (int32_t b = 0; b < g->batch_size; b++) {
+            skv_seq_info in;
+            skv_cache_seq_info(cache, l, b, &in);
+            all &= in.prefilled;
+            if (b == 0 && in.n_generated < lo) lo = in.n_generated, layer = l;
+        }
+    if (!all || lo >= g->gen_capacity) return;
+    const size_t qn = (size_t)g->batch_size * g->n_q_heads * g->head_dim;
+    const size_t kn = (size_t)g->batch_size * g->n_kv_heads * g->head_dim;
+    skv_bf16 *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
+    float *out = malloc(qn * sizeof *out);
+    if (!q || !k || !v || !out) skvf_fail("out of memory");
+    for (size_t i = 0; i < qn; i++) q[i] = skv_bf16_from_float((float)((int)(i % 7) - 3) * 0.25f);
+    for (size_t i = 0; i < kn; i++) k[i] = v[i] = skv_bf16_from_float((float)((int)(i % 5) - 2) * 0.5f);
+    st = skv_decode(cache, layer, q, k, v, out);
+    skvf_check_status(st, "skv_decode after load");
+    if (st != SKV_OK) skvf_fail("decode of layer %d after a load failed: %s", layer, skv_cache_last_error(cache));
+    free(q), free(k), free(v), free(out);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1) return 0;
+    const uint8_t mode = data[0];
+    const size_t n = size - 1;
+    uint8_t *s = malloc(n ? n : 1); /* exactly n bytes: ASan sees reads past the end */
+    if (!s) return 0;
+    if (n) memcpy(s, data + 1, n);
+    if (mode & 1) fix_checksums(s, n);
+    const skv_backend be = mode & 4 ? SKV_BACKEND_CPU : SKV_BACKEND_REF;
+    skv_config cfg = conf_of(s, n, be);
+    const int use_null = (mode & 2) && skv_backend_available(SKV_BACKEND_CUDA) != SKV_OK;
+    size_t dev = 0, host = 0;
+    const int has_conf = n >= 32 + 96, valid = has_conf && skv_cache_memory(&cfg, &dev, &host) == SKV_OK;
+    if (valid && dev + host > LOAD_LIMIT) { /* a legitimately large cache: not this harness's subject */
+        free(s);
+        return 0;
+    }
+    skv_cache *out = (skv_cache *)&cfg; /* must come back NULL on failure */
+    skv_status st = skv_cache_load_buffer(s, n, use_null ? NULL : &cfg, &out);
+    skvf_check_status(st, "skv_cache_load_buffer");
+    if (st != SKV_OK) {
+        if (out != NULL) skvf_fail("load failed with %d but *out is not NULL", (int)st);
+        if (st != SKV_ERR_FORMAT && st != SKV_ERR_INVALID_CONFIG && st != SKV_ERR_SIZE_OVERFLOW &&
+            st != SKV_ERR_OUT_OF_MEMORY && st != SKV_ERR_UNSUPPORTED /* create: e.g. reproducible = 1 */)
+            skvf_fail("load failed with an undocumented status %s: %s", skv_status_string(st), skv_last_error());
+    } else {
+        if (!out) skvf_fail("load succeeded with *out NULL");
+        if (!valid) skvf_fail("a snapshot whose config does not validate was loaded");
+        check_usable(out, s, n);
+        skv_cache_free(out);
+    }
+    free(s);
+    return 0;
+}
