@@ -165,8 +165,10 @@ typedef struct skv_cuda_dws {
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
     skv_bf16 *canon_k;           /* [B, Hk, S*c, D] the canonically rebuilt keys of the selection */
-    float *canon_e;              /* [B, Hq, canon_tmax] scores, then weights, of the canonical attention */
+    float *canon_e;              /* [B, canon_split, Hq, canon_tmax] scores, then weights, of the canonical attention */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
+    int32_t canon_split;         /* blocks per (KV head, sequence) of the canonical attention (skv_cuda_canon_split) */
+    void *canon_wq;              /* skv_cuda_canon_wq_bytes: W in fixed point, prepared each step */
 } skv_cuda_dws;
 
 /* Items of a decode attention for this shape and config (host). */
@@ -242,7 +244,12 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
    [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (wmma int8)
    where the shape's shared memory fits, exact int64 sums otherwise. */
 cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                   const int32_t *chunk_ids, skv_bf16 *k_out);
+                                   const int32_t *chunk_ids, skv_bf16 *k_out, void *wq);
+/* Bytes of the rebuild's scratch wq (W_h in fixed point for every (sequence, KV head)). NULL wq: the
+   exact int64 kernel instead of the tensor cores. */
+size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r);
+/* Blocks per (KV head, sequence) of the decode's canonical attention for this shape. */
+int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D);
 
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step: q, k_new, v_new and out from
    ws->io, the selected keys from ws->canon_k (skv_cuda_canon_rebuild), their values from the

@@ -313,7 +313,8 @@ static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_
  * skv_cuda_dws_clear.
  */
 static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
+                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax,
+                                  int32_t r)
 {
     size_t off = 0;
     const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
@@ -345,9 +346,11 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(mlist, int32_t, bk * S);
         SKV_REGION(pbuf, float, bq * S * c);
     }
-    if (canon_tmax > 0) { /* the reproducible mode: rebuilt keys, and the attention's weights */
+    const int32_t split = canon_tmax > 0 ? skv_cuda_canon_split(Hk, B, Hq / Hk, D) : 0;
+    if (canon_tmax > 0) { /* the reproducible mode: rebuilt keys, W in fixed point, the attention's weights */
         SKV_REGION(canon_k, skv_bf16, bk * S * c * D);
-        SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
+        SKV_REGION(canon_wq, char, skv_cuda_canon_wq_bytes(B, Hk, D, r));
+        SKV_REGION(canon_e, float, bq * (size_t)split * (size_t)canon_tmax);
     }
 #undef SKV_REGION
     if (base) {
@@ -355,7 +358,8 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         ws->it = it;
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
-        if (canon_tmax <= 0) ws->canon_k = NULL, ws->canon_e = NULL;
+        ws->canon_split = split;
+        if (canon_tmax <= 0) ws->canon_k = NULL, ws->canon_e = NULL, ws->canon_wq = NULL;
     }
     return off;
 }
@@ -388,11 +392,11 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     skv_cuda_items it = {1, 0, 0, 0};
     skv_cuda_dws dws;
     memset(&dws, 0, sizeof dws);
-    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, 0);
     char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
-    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, 0);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */
@@ -448,7 +452,10 @@ static skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int
     sh.cos_tab = cos_tab, sh.sin_tab = sin_tab;
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!d) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", sizeof h);
-    return skv_cuda_op_end(&op, skv_cuda_canon_rebuild(0, &sh, d, chunk_ids, k_out), "rebuild_keys_canonical");
+    const size_t wb = skv_cuda_canon_wq_bytes(1, Hk, D, r);
+    void *wq = skv_cuda_op_alloc(&op, wb);
+    if (!wq) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", wb);
+    return skv_cuda_op_end(&op, skv_cuda_canon_rebuild(0, &sh, d, chunk_ids, k_out, wq), "rebuild_keys_canonical");
 }
 
 /* Op level: the canonical attention (scratch: the Hq x T weights). */
@@ -627,7 +634,7 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
                                 c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
-                                skv_cuda_canon_tmax(c, lay));
+                                skv_cuda_canon_tmax(c, lay), c->rank);
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
@@ -753,7 +760,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
                         cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
-                        skv_cuda_canon_tmax(cfg, lay));
+                        skv_cuda_canon_tmax(cfg, lay), cfg->rank);
     if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
@@ -1035,12 +1042,12 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
             CK(cudaEventRecord(k->join_ev, k->side));
             *launches += 1;
         }
-        CK(skv_cuda_canon_rebuild(st, sh, seqs, k->ws.sel_ids, k->ws.canon_k));
+        CK(skv_cuda_canon_rebuild(st, sh, seqs, k->ws.sel_ids, k->ws.canon_k, k->ws.canon_wq));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         if (k->layer_host[layer]) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
         CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
         CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
-        *launches += 3;
+        *launches += 4;
         return SKV_OK;
     }
     if (k->layer_host[layer]) {

@@ -52,6 +52,8 @@ constexpr size_t kRbSmemMax = 200 * 1024;
 struct RebuildArgs {
     int32_t Hk, D, Dp, r, Kp, c, S, R, interleaved;
     int64_t M;                 /* S c tokens per (sequence, KV head) */
+    signed char *wq;           /* [B, Hk] x (hi, lo) [Kp/16][Dp][16]: W_h in fixed point (canon_wprep_kernel) */
+    int *wex;                  /* [B, Hk, Dp] the columns' exponents */
     const skv_cuda_seq *seqs;  /* [B]: u, w */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
     const float *cos_tab, *sin_tab;
@@ -104,29 +106,66 @@ __device__ void rb_rope_row(const RebuildArgs &a, const float *x, int64_t t, uin
     }
 }
 
+/* grid (Hk, B), 256 threads: W_h of every (sequence, KV head) in fixed point, split into int8 halves,
+   in the layout the tensor-core rebuild loads (once per step instead of once per token tile). */
+__global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
+{
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+    const uint16_t *w = (const uint16_t *)a.seqs[b].w;
+    int *ew = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
+    __shared__ int ew_s[1024 + 16];
+    const int64_t width = (int64_t)a.Hk * a.D;
+    /* column maxima: threads t, t + Dp, ... of column d take every (nthr)-th row, then combine */
+    const int per = kRbNT / a.Dp > 0 ? kRbNT / a.Dp : 1;
+    __shared__ unsigned mx_s[kRbNT];
+    for (int d0 = 0; d0 < a.Dp; d0 += kRbNT / per) {
+        const int d = d0 + tid % (kRbNT / per), part = tid / (kRbNT / per);
+        unsigned mx = 0;
+        if (d < a.D && part < per) {
+#pragma unroll 8
+            for (int q = part; q < a.r; q += per)
+                mx = max(mx, (unsigned)(w[(int64_t)q * width + (int64_t)h * a.D + d] & 0x7fffu));
+        }
+        mx_s[tid] = mx;
+        __syncthreads();
+        if (part == 0 && d < a.Dp) {
+            unsigned m = mx_s[tid];
+            for (int p = 1; p < per; p++) m = max(m, mx_s[tid + p * (kRbNT / per)]);
+            ew_s[d] = skv_canon_rebuild_ex((uint16_t)m);
+            ew[d] = ew_s[d];
+        }
+        __syncthreads();
+    }
+    signed char *Wh = a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp, *Wl = Wh + (size_t)a.Kp * a.Dp;
+    for (int idx = tid; idx < a.Kp * a.Dp; idx += kRbNT) {
+        const int q = idx / a.Dp, d = idx - q * a.Dp;
+        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width + (int64_t)h * a.D + d], ew_s[d]) : 0;
+        const size_t o = ((size_t)(q >> 4) * a.Dp + d) * 16 + (q & 15);
+        split13(x, Wh + o, Wl + o);
+    }
+}
+
 /* grid (tiles, Hk, B), 256 threads. */
 __global__ void __launch_bounds__(kRbNT) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
     using namespace nvcuda;
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int64_t m0 = (int64_t)blockIdx.x * kRbTok;
-    const skv_cuda_seq &sq = a.seqs[b];
-    const uint16_t *w = (const uint16_t *)sq.w, *u = (const uint16_t *)sq.u;
+    const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     signed char *Wh = (signed char *)skv_canon_smem, *Wl = Wh + (size_t)a.Kp * a.Dp;
     signed char *Uh = Wl + (size_t)a.Kp * a.Dp, *Ul = Uh + (size_t)a.Kp * kRbTok;
     int *ew = (int *)(Ul + (size_t)a.Kp * kRbTok), *eu = ew + a.Dp;
     int *tiles = eu + kRbTok;                                      /* [8 warps][3][256] */
     float *xs = (float *)(tiles + 3 * 256 * (kRbNT / 32));         /* [128][Dp] */
-    rb_col_exps(a, w, h, ew);
-    __syncthreads();
-    /* W_h in fixed point, col-major 16 x 16 blocks: element (q, d) at [(q/16) Dp + d] 16 + q%16 */
-    const int64_t width = (int64_t)a.Hk * a.D;
-    for (int idx = tid; idx < a.Kp * a.Dp; idx += kRbNT) {
-        const int q = idx / a.Dp, d = idx - q * a.Dp;
-        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width + (int64_t)h * a.D + d], ew[d]) : 0;
-        const size_t o = ((size_t)(q >> 4) * a.Dp + d) * 16 + (q & 15);
-        split13(x, Wh + o, Wl + o);
+    /* W_h in fixed point from canon_wprep_kernel (col-major 16 x 16 blocks: element (q, d) at
+       [(q/16) Dp + d] 16 + q%16, hi then lo), 16 bytes at a time */
+    {
+        const uint4 *src = reinterpret_cast<const uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
+        uint4 *dst = reinterpret_cast<uint4 *>(Wh);
+        for (int i = tid; i < 2 * a.Kp * a.Dp / 16; i += kRbNT) dst[i] = src[i];
+        const int *ex = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
+        for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
     }
     /* the tile's U rows, a warp per row: [(q/16) 128 + row] 16 + q%16 */
     for (int row = warp; row < kRbTok; row += kRbNT / 32) {
@@ -330,6 +369,7 @@ __device__ __forceinline__ void at_tree(float *P, int ncol, int lane)
 __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs a)
 {
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, part = tid / kAtLanes, lane = tid % kAtLanes;
+    const int zs = blockIdx.z, nz = gridDim.z; /* this block's share of the P V units; its own weights */
     const int G = a.G, D = a.D;
     float *qs = (float *)skv_canon_smem;                       /* [G][D] */
     float *Zl = qs + (size_t)G * D;                            /* [parts][256] */
@@ -345,7 +385,8 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
     for (int i = tid; i < G * D; i += kAtNT) qs[i] = skv_bf16_to_f32(qg[i]);
     __syncthreads();
     const int ns = n_spans_s;
-    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    const int64_t bq0 = ((int64_t)b * nz + zs) * a.Hq + (int64_t)h * G; /* row of e */
+    const int64_t bo0 = (int64_t)b * a.Hq + (int64_t)h * G;              /* row of out */
     /* scores, max, weights and Z: part p takes the query heads g = g0 + p */
     for (int g0 = 0; g0 < G; g0 += kAtParts) {
         const int g = g0 + part;
@@ -406,7 +447,7 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
     /* P V: units (4 query heads, 16 dims), part p takes units u0 + p */
     const int ng = (G + kAtGC - 1) / kAtGC, nd = (D + kAtDC - 1) / kAtDC, U = ng * nd;
     float *P = Pp + (size_t)part * kAtLanes * kAtDC;
-    for (int u0 = 0; u0 < U; u0 += kAtParts) {
+    for (int u0 = zs * kAtParts; u0 < U; u0 += kAtParts * nz) {
         const int un = u0 + part;
         const bool act = un < U;
         const int gq = act ? un / nd * kAtGC : 0, d0 = act ? un % nd * kAtDC : 0;
@@ -447,7 +488,7 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
             at_tree(P, kAtDC, lane);
             if (act && x < gn && lane < kAtDC && d0 + lane < D) {
                 float *out = a.seqs ? a.io->out : a.out;
-                out[(bq0 + gq + x) * D + d0 + lane] = SKV_DIV(P[lane], Zf[gq + x]);
+                out[(bo0 + gq + x) * D + d0 + lane] = SKV_DIV(P[lane], Zf[gq + x]);
             }
             __syncthreads(); /* P is rewritten by the next head */
         }
@@ -465,8 +506,10 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const size_t smem = rb_smem(a.Kp, a.Dp);
-    if (smem <= kRbSmemMax) {
+    if (smem <= kRbSmemMax && a.wq && a.Dp <= 1024) {
         cudaError_t e = allow_smem(canon_rebuild_tc_kernel, smem);
+        if (e != cudaSuccess) return e;
+        e = launch(canon_wprep_kernel, dim3((unsigned)a.Hk, (unsigned)B), dim3(kRbNT), 0, st, false, a);
         if (e != cudaSuccess) return e;
         return launch(canon_rebuild_tc_kernel, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
                       dim3(kRbNT), smem, st, false, a);
@@ -489,22 +532,45 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
     return a;
 }
 
-cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B)
+/* Blocks per (KV head, sequence): the P V units split over up to kAtSplit blocks (each computes the
+   weights itself) while (KV heads x sequences) alone would leave most multiprocessors idle. */
+constexpr int kAtSplit = 4;
+int at_split(int32_t Hk, int32_t B, int32_t G, int32_t D)
+{
+    const int units = ((G + kAtGC - 1) / kAtGC) * ((D + kAtDC - 1) / kAtDC);
+    int z = 1;
+    while (z < kAtSplit && (int64_t)Hk * B * z * 2 <= num_sms() && units >= 2 * z * kAtParts) z *= 2;
+    return z;
+}
+
+cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int nz)
 {
     if (a.Hk > 65535 || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const size_t smem = at_smem(a.G, a.D, a.n_spans);
     if (smem > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
     cudaError_t e = allow_smem(canon_attend_kernel, smem);
     if (e != cudaSuccess) return e;
-    return launch(canon_attend_kernel, dim3((unsigned)a.Hk, (unsigned)B), dim3(kAtNT), smem, st, false, a);
+    return launch(canon_attend_kernel, dim3((unsigned)a.Hk, (unsigned)B, (unsigned)nz), dim3(kAtNT), smem, st, false,
+                  a);
 }
 
 } /* namespace */
 
-cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                   const int32_t *chunk_ids, skv_bf16 *k_out)
+size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r)
 {
-    return launch_rebuild(st, rebuild_args(sh, seqs, chunk_ids, k_out), sh->B);
+    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 15) / 16 * 16;
+    return align_up((size_t)B * Hk * 2 * Kp * Dp, 256) + (size_t)B * Hk * Dp * sizeof(int);
+}
+
+cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                   const int32_t *chunk_ids, skv_bf16 *k_out, void *wq)
+{
+    RebuildArgs a = rebuild_args(sh, seqs, chunk_ids, k_out);
+    if (wq) {
+        a.wq = (signed char *)wq;
+        a.wex = (int *)((char *)wq + align_up((size_t)sh->B * sh->Hk * 2 * a.Kp * a.Dp, 256));
+    }
+    return launch_rebuild(st, a, sh->B);
 }
 
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
@@ -518,7 +584,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
-    return launch_attend(st, a, sh->B);
+    return launch_attend(st, a, sh->B, ws->canon_split);
 }
 
 cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
@@ -531,5 +597,7 @@ cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t H
     a.Hq = Hq, a.Hk = Hk, a.G = Hq / Hk, a.D = D, a.scale = scale, a.Tmax = T, a.e = e;
     a.q = (const uint16_t *)q, a.out = out, a.n_spans = n_spans;
     for (int i = 0; i < n_spans; i++) a.spans[i] = spans[i];
-    return launch_attend(st, a, 1);
+    return launch_attend(st, a, 1, 1);
 }
+
+int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D) { return at_split(Hk, B, G, D); }
