@@ -106,40 +106,37 @@ __device__ void rb_rope_row(const RebuildArgs &a, const float *x, int64_t t, uin
     }
 }
 
-/* grid (Hk, B), 256 threads: W_h of every (sequence, KV head) in fixed point, split into int8 halves,
-   in the layout the tensor-core rebuild loads (once per step instead of once per token tile). */
+/* grid (Dp / 16, Hk, B), 256 threads: 16 columns of W_h of one (sequence, KV head) in fixed point,
+   split into int8 halves, in the layout the tensor-core rebuild loads (once per step instead of once
+   per token tile). Thread t owns column d0 + t % 16 and the rows q = t / 16 + 16 k. */
 __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
 {
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-    const uint16_t *w = (const uint16_t *)a.seqs[b].w;
-    int *ew = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
-    __shared__ int ew_s[1024 + 16];
+    static_assert(kRbNT == 256, "16 columns x 16 row groups");
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, col = tid & 15, rg = tid >> 4;
+    const int d = blockIdx.x * 16 + col;
+    const uint16_t *w = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D + d;
     const int64_t width = (int64_t)a.Hk * a.D;
-    /* column maxima: threads t, t + Dp, ... of column d take every (nthr)-th row, then combine */
-    const int per = kRbNT / a.Dp > 0 ? kRbNT / a.Dp : 1;
-    __shared__ unsigned mx_s[kRbNT];
-    for (int d0 = 0; d0 < a.Dp; d0 += kRbNT / per) {
-        const int d = d0 + tid % (kRbNT / per), part = tid / (kRbNT / per);
-        unsigned mx = 0;
-        if (d < a.D && part < per) {
-#pragma unroll 8
-            for (int q = part; q < a.r; q += per)
-                mx = max(mx, (unsigned)(w[(int64_t)q * width + (int64_t)h * a.D + d] & 0x7fffu));
-        }
-        mx_s[tid] = mx;
-        __syncthreads();
-        if (part == 0 && d < a.Dp) {
-            unsigned m = mx_s[tid];
-            for (int p = 1; p < per; p++) m = max(m, mx_s[tid + p * (kRbNT / per)]);
-            ew_s[d] = skv_canon_rebuild_ex((uint16_t)m);
-            ew[d] = ew_s[d];
-        }
-        __syncthreads();
+    __shared__ unsigned mx_s[256];
+    __shared__ int e_s[16];
+    unsigned mx = 0;
+    if (d < a.D) {
+#pragma unroll 4
+        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w[(int64_t)q * width] & 0x7fffu));
     }
+    mx_s[tid] = mx;
+    __syncthreads();
+    if (tid < 16) {
+        unsigned m = mx_s[tid];
+        for (int g = 1; g < 16; g++) m = max(m, mx_s[tid + 16 * g]);
+        e_s[tid] = skv_canon_rebuild_ex((uint16_t)m);
+        a.wex[((int64_t)b * a.Hk + h) * a.Dp + blockIdx.x * 16 + tid] = e_s[tid];
+    }
+    __syncthreads();
+    const int e = e_s[col];
     signed char *Wh = a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp, *Wl = Wh + (size_t)a.Kp * a.Dp;
-    for (int idx = tid; idx < a.Kp * a.Dp; idx += kRbNT) {
-        const int q = idx / a.Dp, d = idx - q * a.Dp;
-        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width + (int64_t)h * a.D + d], ew_s[d]) : 0;
+#pragma unroll 4
+    for (int q = rg; q < a.Kp; q += 16) {
+        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width], e) : 0;
         const size_t o = ((size_t)(q >> 4) * a.Dp + d) * 16 + (q & 15);
         split13(x, Wh + o, Wl + o);
     }
@@ -506,10 +503,11 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const size_t smem = rb_smem(a.Kp, a.Dp);
-    if (smem <= kRbSmemMax && a.wq && a.Dp <= 1024) {
+    if (smem <= kRbSmemMax && a.wq) {
         cudaError_t e = allow_smem(canon_rebuild_tc_kernel, smem);
         if (e != cudaSuccess) return e;
-        e = launch(canon_wprep_kernel, dim3((unsigned)a.Hk, (unsigned)B), dim3(kRbNT), 0, st, false, a);
+        e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT), 0, st,
+                   false, a);
         if (e != cudaSuccess) return e;
         return launch(canon_rebuild_tc_kernel, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
                       dim3(kRbNT), smem, st, false, a);
