@@ -392,26 +392,43 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
         float mx = -INFINITY;
         if (act) {
             const float *q = qs + (size_t)g * D;
+            /* two tokens per pass (j and j + 256: two independent chains, both rows' loads in flight) */
             int si = 0;
             int64_t base = 0;
-            for (int64_t j = lane;; j += kAtLanes) {
+            for (int64_t j = lane;; j += 2 * kAtLanes) {
                 while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
                 if (si >= ns) break;
-                const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
-                float acc = 0.0f;
-                if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
+                const uint16_t *k0 = sp[si].k + (j - base) * sp[si].ts, *k1 = nullptr;
+                int si1 = si;
+                int64_t base1 = base;
+                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
+                if (si1 < ns) k1 = sp[si1].k + (j + kAtLanes - base1) * sp[si1].ts;
+                float acc0 = 0.0f, acc1 = 0.0f;
+                const bool v0 = (D & 7) == 0 && ((uintptr_t)k0 & 15) == 0;
+                if (v0 && k1 && ((uintptr_t)k1 & 15) == 0) {
                     for (int d = 0; d < D; d += 8) {
-                        float f[8];
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k + d), f);
+                        float f0[8], f1[8];
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k0 + d), f0);
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k1 + d), f1);
 #pragma unroll
-                        for (int x = 0; x < 8; x++) acc = SKV_FMA(q[d + x], f[x], acc);
+                        for (int x = 0; x < 8; x++) {
+                            acc0 = SKV_FMA(q[d + x], f0[x], acc0);
+                            acc1 = SKV_FMA(q[d + x], f1[x], acc1);
+                        }
                     }
                 } else {
-                    for (int d = 0; d < D; d++) acc = SKV_FMA(q[d], skv_bf16_to_f32(k[d]), acc);
+                    for (int d = 0; d < D; d++) acc0 = SKV_FMA(q[d], skv_bf16_to_f32(k0[d]), acc0);
+                    if (k1)
+                        for (int d = 0; d < D; d++) acc1 = SKV_FMA(q[d], skv_bf16_to_f32(k1[d]), acc1);
                 }
-                const float s = SKV_MUL(acc, a.scale);
-                eg[j] = s;
-                mx = fmaxf(mx, s);
+                const float s0 = SKV_MUL(acc0, a.scale);
+                eg[j] = s0;
+                mx = fmaxf(mx, s0);
+                if (!k1) break;
+                const float s1 = SKV_MUL(acc1, a.scale);
+                eg[j + kAtLanes] = s1;
+                mx = fmaxf(mx, s1);
+                si = si1, base = base1;
             }
         }
         /* the max of the part's 256 lanes (finite scores: the order of fmaxf does not matter, see
@@ -455,27 +472,48 @@ __global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs
 #pragma unroll
             for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
         if (act) {
+            /* two tokens per pass (j, then j + 256: the lane's order), both rows' loads in flight */
             int si = 0;
             int64_t base = 0;
-            for (int64_t j = lane;; j += kAtLanes) {
+            for (int64_t j = lane;; j += 2 * kAtLanes) {
                 while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
                 if (si >= ns) break;
-                const uint16_t *v = at_vrow(a, sp[si], b, h, j - base) + d0;
-                float ev[kAtGC];
+                int si1 = si;
+                int64_t base1 = base;
+                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
+                const bool two = si1 < ns;
+                float f[2][kAtDC], ev[2][kAtGC];
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++) ev[x] = x < gn ? a.e[(bq0 + gq + x) * a.Tmax + j] : 0.0f;
-                float f[kAtDC];
-                if (d0 + kAtDC <= D && ((uintptr_t)v & 15) == 0) {
-                    bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v), f);
-                    bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8), f + 8);
-                } else {
+                for (int t = 0; t < 2; t++) {
+                    const int64_t jt = j + t * kAtLanes;
+                    if (t == 1 && !two) {
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) f[y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                        for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
+#pragma unroll
+                        for (int x = 0; x < kAtGC; x++) ev[t][x] = 0.0f;
+                        continue;
+                    }
+                    const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
+#pragma unroll
+                    for (int x = 0; x < kAtGC; x++) ev[t][x] = x < gn ? a.e[(bq0 + gq + x) * a.Tmax + jt] : 0.0f;
+                    if (d0 + kAtDC <= D && ((uintptr_t)v & 15) == 0) {
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v), f[t]);
+                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8), f[t] + 8);
+                    } else {
+#pragma unroll
+                        for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                    }
                 }
 #pragma unroll
                 for (int x = 0; x < kAtGC; x++)
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[x], f[y], acc[x][y]);
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[0][x], f[0][y], acc[x][y]);
+                if (!two) break;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++)
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[1][x], f[1][y], acc[x][y]);
+                si = si1, base = base1;
             }
         }
 #pragma unroll
