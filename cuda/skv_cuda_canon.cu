@@ -5,8 +5,9 @@
  * float operation is an SKV_* macro of lib/skv_numerics.h (an explicitly rounded
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
- *  - rebuild (canon_rebuild_tc_kernel): one block per (tile of 128 selected
- *    tokens, KV head, sequence). W_h's columns and the tile's U rows are put in
+ *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel): W_h's columns
+ *    in fixed point once per step; then one block per (tile of 128 selected
+ *    tokens, KV head, sequence). W_h's columns and the tile's U rows are in
  *    13-bit fixed point (skv_canon_rebuild_ex/fix), each integer split as 128 hi
  *    + lo with hi in [-64, 64], lo in [-64, 63], and the exact sum
  *    P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw is taken on int8 tensor
@@ -15,8 +16,10 @@
  *    skv_rope_pair_index) and bf16 into k_out [B, Hk, S c, D]. Shapes whose
  *    shared memory would not fit take canon_rebuild_scalar_kernel (int64 sums,
  *    the same values).
- *  - attention (canon_attend_kernel): one block of 2 x 256 threads per (KV head,
- *    sequence): thread (part p, lane l) owns canonical lane l. Scores: lane l
+ *  - attention (canon_attend_kernel): blocks of 2 x 256 threads per (KV head,
+ *    sequence), 1 to 4 of them sharing out the P V units (each computes the
+ *    weights itself, into its own rows of the workspace): thread (part p, lane
+ *    l) owns canonical lane l. Scores: lane l
  *    computes s_j for its tokens j = l, l + 256, ... (each the fmaf chain of
  *    skv_dot_bf16) for the query heads g = p, p + 2, ... of the group; M by a
  *    block max; e_j = skv_expf(s_j - M) stored in the workspace; Z by the lane
