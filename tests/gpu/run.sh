@@ -17,6 +17,11 @@
 #   prefill   build; the factorization benchmark (16k..1M, with the GPU baselines) and
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
+#   repro     build; the reproducible mode on cuda: the canonical-route tests (factorization,
+#             rebuild and attention, snapshots, test_contract's reproducible configurations, the
+#             fuzz_diff corpus with its cuda leg), then its cost against the default mode in one
+#             run: the factorization at 16k/64k/128k (factorize_repro.json) and the decode step
+#             at 128k x 8 and 32k x 1 (decode_repro.json)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -37,8 +42,8 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize|pack) ;;
-  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|pack)"; exit 2 ;;
+  quick|decode|full|prefill|sanitize|repro|pack) ;;
+  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|pack)"; exit 2 ;;
 esac
 if [ "$MODE" = pack ]; then
   set -e
@@ -56,6 +61,7 @@ if [ "$MODE" = pack ]; then
   for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
+  cc $CFL -Ifuzz fuzz/replay.c fuzz/fuzz_diff.c fuzz/fuzz_common.c $LNK -o build/dev/replay_fuzz_diff
   du -sh build/dev
   exit 0
 fi
@@ -158,6 +164,14 @@ case "$MODE" in
     python_cuda
     memcheck test_cuda
     memcheck test_placement ;;
+  repro)
+    run_test test_canonical_factor $TBIN/test_canonical_factor
+    run_test test_canonical_decode $TBIN/test_canonical_decode
+    run_test test_snapshot $TBIN/test_snapshot
+    run_test test_contract $TBIN/test_contract 40
+    run_test backend_ops_cuda $TBIN/backend_ops -b cuda
+    [ -x $TBIN/replay_fuzz_diff ] || make $MAKEVARS $TBIN/replay_fuzz_diff >/dev/null 2>&1
+    run_test replay_fuzz_diff $TBIN/replay_fuzz_diff fuzz/corpus/fuzz_diff $(ls -d fuzz/regressions/fuzz_diff 2>/dev/null) ;;
   sanitize)
     memcheck test_cuda
     memcheck test_placement
@@ -238,6 +252,14 @@ if [ "$MODE" = prefill ]; then
     echo ', "batch8_32k": '; timeout 200 $BIN/demo --backend cuda --layers 32 --ctx 32768,32768,32768,32768,32768,32768,32768,32768 --steps 32 --share-layers --json;
     echo ', "one_64k": '; timeout 200 $BIN/demo --backend cuda --layers 32 --ctx 65536 --steps 32 --share-layers --json;
     echo '}'; } > "$OUT/demo.json"
+fi
+if [ "$MODE" = repro ]; then
+  stamp "factorization, default and canonical routes in one run (16k, 64k, 128k)"
+  timeout 300 $BIN/skv-bench factorize --backends cuda --route canonical --n 16384,65536,131072 --no-baseline \
+    --reps 5 --json > "$OUT/factorize_repro.json"
+  stamp "decode step, default and reproducible mode in one run"
+  timeout 300 $BIN/skv-bench decode --backend cuda --ctx 131072,32768 --batch 8,1 --placement device \
+    --workload fresh --steps 20 --warmup 5 --reproducible --json > "$OUT/decode_repro.json"
 fi
 sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 stamp "done"
