@@ -21,7 +21,7 @@
 #             rebuild and attention, snapshots, test_contract's reproducible configurations, the
 #             fuzz_diff corpus with its cuda leg), then its cost against the default mode in one
 #             run: the factorization at 16k/64k/128k (factorize_repro.json) and the decode step
-#             at 128k x 8 and 32k x 1 (decode_repro.json)
+#             at 128k x 8 and 32k x 1 (decode_repro.json); REPRO_PY=1 adds the Python tests on cuda
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -171,7 +171,8 @@ case "$MODE" in
     run_test test_contract $TBIN/test_contract 40
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     [ -x $TBIN/replay_fuzz_diff ] || make $MAKEVARS $TBIN/replay_fuzz_diff >/dev/null 2>&1
-    run_test replay_fuzz_diff $TBIN/replay_fuzz_diff fuzz/corpus/fuzz_diff $(ls -d fuzz/regressions/fuzz_diff 2>/dev/null) ;;
+    run_test replay_fuzz_diff $TBIN/replay_fuzz_diff fuzz/corpus/fuzz_diff $(ls -d fuzz/regressions/fuzz_diff 2>/dev/null)
+    [ -n "${REPRO_PY:-}" ] && python_cuda ;;
   sanitize)
     memcheck test_cuda
     memcheck test_placement

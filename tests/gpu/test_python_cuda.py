@@ -1,7 +1,7 @@
 """The GPU half of the Python tests (run by tests/gpu/run.sh on the H200; every test skips
 without a usable CUDA device):
 
-- every backend-parametrized test of python/tests (test_cache, test_ops, test_hf: the cache
+- every backend-parametrized test of python/tests (test_cache, test_ops, test_canonical_ops, test_hf: the cache
   against float64 attention over its reported tokens and bitwise against ref, each op, the
   transformers cache against DynamicCache) on the cuda backend, with CUDA tensors;
 - the binding adds no synchronization: a decode step of every layer is captured into a CUDA
@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 from conftest import *  # noqa: E402,F401,F403  (the fixtures: seed, gen, device)
 from test_cache import *  # noqa: E402,F401,F403
 from test_ops import *  # noqa: E402,F401,F403
+from test_canonical_ops import *  # noqa: E402,F401,F403
 
 if importlib.util.find_spec("transformers") is not None:
     from test_hf import *  # noqa: E402,F401,F403
