@@ -322,17 +322,20 @@ static __global__ void __launch_bounds__(TY *TX)
  * thread (w, lane) owns the elements (i, q) = (w + 16 a, lane + 32 b), q <= i < p, each one
  * double acc in a register (slots with a < 2 b are never in the lower triangle and are not
  * kept). Right-looking, two barriers per column step k:
- *   phase 1: thread i (i < p) reads col[k] (the final chain value of (k, k)) and col[i] (that
- *     of (i, k)), L_kk = skv_canon_pivot(col[k], fl) (every thread the same operations on the
- *     same value: the same bits), L_ik = col[i] / L_kk (i > k), into lk[i] and l[k p + i];
+ *   phase 1: thread i (i < p) reads L_kk (sh_ljj) and col[i] (the final chain value of (i, k)),
+ *     L_ik = col[i] / L_kk (i > k), into lk[i] and l[k p + i];
  *   phase 2: every owned (i, q) with k < q <= i gets acc = fma(-L_ik, L_qk, acc) (from lk);
- *     the owners of column k + 1 then store their (now final) accs into col.
+ *     the owners of column k + 1 then store their (now final) accs into col, and the owner of
+ *     (k + 1, k + 1) its pivot L_k+1,k+1 = skv_canon_pivot(acc, fl) into sh_ljj (the sqrt off
+ *     phase 1's path; L_00 likewise before step 0).
  * Why the bits are the reference's (skv_canon_ref_chol): element (i, q) starts as C_iq (scaled
  * as the reference scales it when eq, + s on the diagonal), gets exactly one fma(-L_ik, L_qk,
  * acc) in each step k = 0, 1, .., q - 1, in that order (phase 2 of step k needs q > k), and no
- * other operation; after step q - 1 it is final and goes through col to phase 1 of step q, which
- * applies the reference's pivot (diagonal) or division (below) once. L_ik is read only after
- * phase 1 of step k wrote it (barrier), col only after phase 2 wrote it (barrier).
+ * other operation; after step q - 1 it is final: the diagonal gets the reference's pivot once
+ * (its owner, right then), an element below goes through col to phase 1 of step q and the
+ * reference's division by L_qq once. L_ik is read only after phase 1 of step k wrote it
+ * (barrier), col and sh_ljj only after phase 2 (or the prologue) wrote them (barrier), and each
+ * is rewritten only after the barrier that follows its reads.
  */
 #define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
 #define SKV_CC_FCHOL_THREADS 512
@@ -343,7 +346,7 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
 {
     constexpr int NW = SKV_CC_FCHOL_THREADS / 32, A = 32 * S / NW;
     __shared__ double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S];
-    __shared__ double sh_s, sh_fl;
+    __shared__ double sh_s, sh_fl, sh_ljj;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     if (eq)
         for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
@@ -387,13 +390,14 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
             if (NW * a + NW - 1 < 32 * b) continue;
             const int32_t i = w + NW * a, q = lane + 32 * b;
             if (q == i && i < p) acc[a][b] = __dadd_rn(acc[a][b], s); /* C_jj + s */
-            if (q == 0 && i < p) col[i] = acc[a][b];                  /* column 0: final already */
+            if (q == 0 && i < p) col[i] = acc[a][b];                         /* column 0: final already */
+            if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_00 */
         }
     __syncthreads();
     for (int32_t k = 0; k < p; k++) {
         /* phase 1: column k of L */
         if (tid < p) {
-            const double ljj = skv_canon_pivot(col[k], fl);
+            const double ljj = sh_ljj;
             double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
             lk[tid] = v;
             l[(int64_t)k * p + tid] = v; /* l[k p + i] = L_ik (0 for i < k) */
@@ -412,7 +416,10 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
                 const int32_t q = lane + 32 * b;
                 if (q > k && q <= i) {
                     acc[a][b] = __fma_rn(lik, lk[q], acc[a][b]);
-                    if (q == kn) col[i] = acc[a][b];
+                    if (q == kn) {
+                        col[i] = acc[a][b];
+                        if (i == kn) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_k+1,k+1 */
+                    }
                 }
             }
         }

@@ -111,7 +111,7 @@ template <int S>
 static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
 {
     constexpr int NT = 512, NW = NT / 32, A = 32 * S / NW;
-    double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S];
+    double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S], sh_ljj = NAN;
     for (int i = 0; i < 32 * S; i++) col[i] = lk[i] = ds[i] = dg[i] = NAN;
     std::vector<double> acc((size_t)NT * A * S);
     auto AC = [&](int tid, int a, int b) -> double & { return acc[((size_t)tid * A + a) * S + b]; };
@@ -150,12 +150,13 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
                 const int32_t i = w + NW * a, q = lane + 32 * b;
                 if (q == i && i < p) AC(tid, a, b) = __dadd_rn(AC(tid, a, b), s);
                 if (q == 0 && i < p) col[i] = AC(tid, a, b);
+                if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl); /* L_00 */
             }
     }
     for (int32_t k = 0; k < p; k++) {
         for (int tid = 0; tid < NT; tid++)
             if (tid < p) {
-                const double ljj = skv_canon_pivot(col[k], fl);
+                const double ljj = sh_ljj;
                 double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
                 lk[tid] = v;
                 l[(int64_t)k * p + tid] = v;
@@ -172,7 +173,10 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
                     const int32_t q = lane + 32 * b;
                     if (q > k && q <= i) {
                         AC(tid, a, b) = __fma_rn(lik, lk[q], AC(tid, a, b));
-                        if (q == kn) col[i] = AC(tid, a, b);
+                        if (q == kn) {
+                            col[i] = AC(tid, a, b);
+                            if (i == kn) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl); /* L_k+1,k+1 */
+                        }
                     }
                 }
             }
