@@ -10,11 +10,15 @@
  *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
  *      partial sum an integer below 2^53); G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
- *      Y^T Y by a register-tiled chain kernel (each output one __fma_rn chain in
- *      order of k), the equilibration, trace, shift, floor and Cholesky in one
- *      thread block (right-looking: each element's updates arrive in order of k,
- *      the same bits as the reference's left-looking loop), the solve X = Y L^-T
- *      one warp per row (right-looking over k, lanes across j);
+ *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
+ *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
+ *      equilibration, trace, shift, floor and Cholesky in one thread block
+ *      (skv_cc_fchol: the triangle in registers, right-looking, two barriers per
+ *      column: each element's updates arrive in order of k, the same bits as the
+ *      reference's left-looking loop), the solve X = Y L^-T one warp per row with
+ *      L in shared memory (skv_cc_fsolve: right-looking over k, lanes across j);
+ *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
+ *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
  *      block, T = X Y by cuBLAS DGEMM (exact), U = (float) (T 2^(f_j - Gb)).
  * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
@@ -450,12 +454,14 @@ static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
                   const double *__restrict__ dsc, double *x)
 {
     extern __shared__ double ls[];
-    for (int64_t e = threadIdx.x; e < (int64_t)p * p; e += blockDim.x) {
-        int32_t k = (int32_t)(e / p), j = (int32_t)(e % p);
-        if (j >= k) ls[(int64_t)k * p - (int64_t)k * (k - 1) / 2 + (j - k)] = l[e];
+    const int lane = threadIdx.x & 31;
+    /* a warp per column k (no integer division: p <= 160, 32-bit offsets), lanes over j >= k */
+    for (int32_t k = threadIdx.x / 32; k < p; k += SKV_CC_FSOLVE_WARPS) {
+        double *dst = ls + (k * p - k * (k - 1) / 2 - k); /* dst[j] = L_jk */
+        const double *src = l + (int64_t)k * p;          /* src[j] = L_jk */
+        for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31;
     const int64_t t = (int64_t)blockIdx.x * SKV_CC_FSOLVE_WARPS + threadIdx.x / 32;
     if (t >= m) return; /* after the only barrier */
     double acc[Q];

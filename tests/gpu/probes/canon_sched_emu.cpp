@@ -190,10 +190,13 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *l, i
 {
     const int WARPS = 8;
     std::vector<double> ls((size_t)p * (p + 1) / 2, NAN);
-    for (int64_t e = 0; e < (int64_t)p * p; e++) {
-        int32_t k = (int32_t)(e / p), j = (int32_t)(e % p);
-        if (j >= k) ls[(int64_t)k * p - (int64_t)k * (k - 1) / 2 + (j - k)] = l[e];
-    }
+    for (int wi = 0; wi < WARPS; wi++)
+        for (int lane = 0; lane < 32; lane++)
+            for (int32_t k = wi; k < p; k += WARPS) {
+                double *dst = ls.data() + (k * p - k * (k - 1) / 2 - k);
+                const double *src = l + (int64_t)k * p;
+                for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
+            }
     int blocks = (m + WARPS - 1) / WARPS;
     for (int blk = 0; blk < blocks; blk++)
         for (int wi = 0; wi < WARPS; wi++) {
