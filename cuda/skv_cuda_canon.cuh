@@ -323,9 +323,10 @@ static __global__ void __launch_bounds__(TY *TX)
 /*
  * skv_cc_fchol: skv_cc_chol's job (same inputs and outputs: dsc when eq, l[j p + i] = L_ij, 0
  * above the diagonal) for p <= 32 S, S <= SKV_CC_FCHOL_MAXS, in registers. 512 threads, 16 warps;
- * thread (w, lane) owns the elements (i, q) = (w + 16 a, lane + 32 b), q <= i < p, each one
- * double acc in a register (slots with a < 2 b are never in the lower triangle and are not
- * kept). Right-looking, two barriers per column step k:
+ * thread (w, lane) owns the elements (i, q) = (2 w + (a & 1) + 32 (a >> 1), lane + 32 b), a < 2 S,
+ * b < S, q <= i < p (a warp's rows in pairs 2 w, 2 w + 1, so one 16-byte broadcast load gives
+ * two rows' L_ik), each one double acc in a register (slots with a >> 1 < b lie above the
+ * diagonal and are not kept). Right-looking, two barriers per column step k:
  *   phase 1: thread i (i < p) reads L_kk (sh_ljj) and col[i] (the final chain value of (i, k)),
  *     L_ik = col[i] / L_kk (i > k), into lk[i] and l[k p + i];
  *   phase 2: every owned (i, q) with k < q <= i gets acc = fma(-L_ik, L_qk, acc) (from lk);
@@ -343,13 +344,16 @@ static __global__ void __launch_bounds__(TY *TX)
  */
 #define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
 #define SKV_CC_FCHOL_THREADS 512
+#define SKV_CC_FCHOL_ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
 template <int S>
 static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
     skv_cc_fchol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
                  double *__restrict__ l)
 {
-    constexpr int NW = SKV_CC_FCHOL_THREADS / 32, A = 32 * S / NW;
-    __shared__ double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S];
+    static_assert(SKV_CC_FCHOL_THREADS == 512, "16 warps: rows 2 w, 2 w + 1 (+ 32 h) cover 32 rows");
+    constexpr int A = 2 * S;
+    __shared__ __align__(16) double lk[32 * S];
+    __shared__ double col[32 * S], ds[32 * S], dg[32 * S];
     __shared__ double sh_s, sh_fl, sh_ljj;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     if (eq)
@@ -370,8 +374,8 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
 #pragma unroll
         for (int b = 0; b < S; b++) {
             acc[a][b] = 0.0;
-            if (NW * a + NW - 1 < 32 * b) continue; /* never lower */
-            const int32_t i = w + NW * a, q = lane + 32 * b;
+            if ((a >> 1) < b) continue; /* never lower */
+            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
             if (q <= i && i < p) {
                 double v = c[(int64_t)i * p + q];
                 acc[a][b] = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
@@ -391,9 +395,9 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
     for (int a = 0; a < A; a++)
 #pragma unroll
         for (int b = 0; b < S; b++) {
-            if (NW * a + NW - 1 < 32 * b) continue;
-            const int32_t i = w + NW * a, q = lane + 32 * b;
-            if (q == i && i < p) acc[a][b] = __dadd_rn(acc[a][b], s); /* C_jj + s */
+            if ((a >> 1) < b) continue;
+            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
+            if (q == i && i < p) acc[a][b] = __dadd_rn(acc[a][b], s);     /* C_jj + s */
             if (q == 0 && i < p) col[i] = acc[a][b];                         /* column 0: final already */
             if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_00 */
         }
@@ -409,24 +413,37 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
         __syncthreads();
         /* phase 2: step k of the trailing triangle */
         const int32_t kn = k + 1;
+        double lq[S]; /* L_qk of the thread's columns (those wholly <= k are not used) */
 #pragma unroll
-        for (int a = 0; a < A; a++) {
-            const int32_t i = w + NW * a;
-            if (i <= k || i >= p) continue;
-            const double lik = -lk[i];
+        for (int b = 0; b < S; b++) lq[b] = 32 * b + 31 > k ? lk[lane + 32 * b] : 0.0;
+        double dpiv = 0.0;
+        bool piv = false;
 #pragma unroll
-            for (int b = 0; b < S; b++) {
-                if (NW * a + NW - 1 < 32 * b) continue;
-                const int32_t q = lane + 32 * b;
-                if (q > k && q <= i) {
-                    acc[a][b] = __fma_rn(lik, lk[q], acc[a][b]);
-                    if (q == kn) {
-                        col[i] = acc[a][b];
-                        if (i == kn) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_k+1,k+1 */
+        for (int h = 0; h < S; h++) {
+            const int32_t i0 = 2 * w + 32 * h; /* rows i0, i0 + 1: slots a = 2 h, 2 h + 1 */
+            if (i0 + 1 <= k || i0 >= p) continue; /* warp-uniform */
+            const double2 li = *reinterpret_cast<const double2 *>(lk + i0); /* i0 even: 16-byte aligned */
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int a = 2 * h + e;
+                const int32_t i = i0 + e;
+                if (i <= k || i >= p) continue;
+                const double lik = -(e ? li.y : li.x);
+#pragma unroll
+                for (int b = 0; b < S; b++) {
+                    if ((a >> 1) < b) continue;
+                    const int32_t q = lane + 32 * b;
+                    if (q > k && q <= i) {
+                        acc[a][b] = __fma_rn(lik, lq[b], acc[a][b]);
+                        if (q == kn) {
+                            col[i] = acc[a][b];
+                            if (i == kn) dpiv = acc[a][b], piv = true;
+                        }
                     }
                 }
             }
         }
+        if (piv) sh_ljj = skv_canon_pivot(dpiv, fl); /* L_k+1,k+1, by the owner of (k + 1, k + 1) */
         __syncthreads();
     }
 }

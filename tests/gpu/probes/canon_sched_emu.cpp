@@ -107,14 +107,28 @@ static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t s
 }
 
 /* ---- skv_cc_fchol<S> (512 threads) ---- */
+#define ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
 template <int S>
 static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
 {
-    constexpr int NT = 512, NW = NT / 32, A = 32 * S / NW;
+    constexpr int NT = 512, A = 2 * S;
     double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S], sh_ljj = NAN;
     for (int i = 0; i < 32 * S; i++) col[i] = lk[i] = ds[i] = dg[i] = NAN;
     std::vector<double> acc((size_t)NT * A * S);
     auto AC = [&](int tid, int a, int b) -> double & { return acc[((size_t)tid * A + a) * S + b]; };
+    /* every row-column pair owned exactly once (slots kept: (a >> 1) >= b) */
+    {
+        std::vector<int> own((size_t)32 * S * 32 * S, 0);
+        for (int tid = 0; tid < NT; tid++)
+            for (int a = 0; a < A; a++)
+                for (int b = 0; b < S; b++) {
+                    int i = ROW(tid >> 5, a), q = (tid & 31) + 32 * b;
+                    if (q <= i && (a >> 1) < b) printf("FAIL: a dropped slot holds (%d, %d)\n", i, q), exit(1);
+                    own[(size_t)i * 32 * S + q]++;
+                }
+        for (size_t e = 0; e < own.size(); e++)
+            if (own[e] != 1) printf("FAIL: element %zu owned %d times\n", e, own[e]), exit(1);
+    }
     if (eq)
         for (int tid = 0; tid < NT; tid++)
             for (int j = tid; j < p; j += NT) {
@@ -131,8 +145,8 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
         for (int a = 0; a < A; a++)
             for (int b = 0; b < S; b++) {
                 AC(tid, a, b) = NAN; /* the kernel: 0.0; a slot outside the triangle must never be used */
-                if (NW * a + NW - 1 < 32 * b) continue;
-                const int32_t i = w + NW * a, q = lane + 32 * b;
+                if ((a >> 1) < b) continue;
+                const int32_t i = ROW(w, a), q = lane + 32 * b;
                 if (q <= i && i < p) {
                     double v = c[(int64_t)i * p + q];
                     AC(tid, a, b) = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
@@ -146,11 +160,11 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
         const int lane = tid & 31, w = tid >> 5;
         for (int a = 0; a < A; a++)
             for (int b = 0; b < S; b++) {
-                if (NW * a + NW - 1 < 32 * b) continue;
-                const int32_t i = w + NW * a, q = lane + 32 * b;
+                if ((a >> 1) < b) continue;
+                const int32_t i = ROW(w, a), q = lane + 32 * b;
                 if (q == i && i < p) AC(tid, a, b) = __dadd_rn(AC(tid, a, b), s);
                 if (q == 0 && i < p) col[i] = AC(tid, a, b);
-                if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl); /* L_00 */
+                if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl);
             }
     }
     for (int32_t k = 0; k < p; k++) {
@@ -162,25 +176,41 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
                 l[(int64_t)k * p + tid] = v;
             }
         const int32_t kn = k + 1;
+        double newpiv = NAN;
+        int npiv = 0;
         for (int tid = 0; tid < NT; tid++) {
             const int lane = tid & 31, w = tid >> 5;
-            for (int a = 0; a < A; a++) {
-                const int32_t i = w + NW * a;
-                if (i <= k || i >= p) continue;
-                const double lik = -lk[i];
-                for (int b = 0; b < S; b++) {
-                    if (NW * a + NW - 1 < 32 * b) continue;
-                    const int32_t q = lane + 32 * b;
-                    if (q > k && q <= i) {
-                        AC(tid, a, b) = __fma_rn(lik, lk[q], AC(tid, a, b));
-                        if (q == kn) {
-                            col[i] = AC(tid, a, b);
-                            if (i == kn) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl); /* L_k+1,k+1 */
+            double lq[S];
+            for (int b = 0; b < S; b++) lq[b] = 32 * b + 31 > k ? lk[lane + 32 * b] : NAN;
+            double dpiv = 0.0;
+            bool piv = false;
+            for (int h = 0; h < S; h++) {
+                const int32_t i0 = 2 * w + 32 * h;
+                if (i0 + 1 <= k || i0 >= p) continue;
+                const double li[2] = {lk[i0], lk[i0 + 1]};
+                for (int e = 0; e < 2; e++) {
+                    const int a = 2 * h + e;
+                    const int32_t i = i0 + e;
+                    if (i != ROW(w, a)) printf("FAIL: row map\n"), exit(1);
+                    if (i <= k || i >= p) continue;
+                    const double lik = -li[e];
+                    for (int b = 0; b < S; b++) {
+                        if ((a >> 1) < b) continue;
+                        const int32_t q = lane + 32 * b;
+                        if (q > k && q <= i) {
+                            AC(tid, a, b) = __fma_rn(lik, lq[b], AC(tid, a, b));
+                            if (q == kn) {
+                                col[i] = AC(tid, a, b);
+                                if (i == kn) dpiv = AC(tid, a, b), piv = true;
+                            }
                         }
                     }
                 }
             }
+            if (piv) newpiv = skv_canon_pivot(dpiv, fl), npiv++;
         }
+        if (kn < p && npiv != 1) printf("FAIL: %d pivot owners at step %d\n", npiv, k), exit(1);
+        if (npiv) sh_ljj = newpiv; /* written after every read of this step (the barrier) */
     }
 }
 
