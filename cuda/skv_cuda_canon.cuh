@@ -209,11 +209,13 @@ static __global__ void __launch_bounds__(128)
 
 /*
  * skv_cc_gemm: C [M, N] (row major, ldc), C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j),
- * acc) from acc = 0, A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]: the chain kernel's
- * products (skv_cc_chain), faster. TY x TX threads; thread (ty, tx) owns the TM x TN outputs
- * (i0 + ty + TY p, j0 + tx + TX q) in registers (a block tile of TY TM x TX TN). k goes through
+ * acc) from acc = 0, A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]: the products of the
+ * former chain kernel, faster. TY x TX threads; thread (ty, tx) owns TM x TN outputs in
+ * registers (a block tile of TY TM x TX TN). k goes through
  * shared memory in stages of KT, double buffered: the next stage's global loads are in registers
- * while the current stage is multiplied, one barrier per stage. Why the bits are the reference's:
+ * while the current stage is multiplied, one barrier per stage. A thread's rows and columns come
+ * in adjacent pairs (row 2 ty + (p & 1) + 2 TY (p >> 1), column 2 tx + (q & 1) + 2 TX (q >> 1);
+ * TM, TN even), so each operand pair is one 16-byte shared-memory load. Why the bits are the reference's:
  * each output lives in one register of one thread from acc = 0 to its store; the thread visits
  * the stages in order and, in a stage, kk = 0..KT-1 in order (terms with k0 + kk >= K skipped, no
  * padded term), one __fma_rn(A(i, k), B(k, j), acc) per k: exactly the chain of
@@ -229,7 +231,10 @@ static __global__ void __launch_bounds__(TY *TX)
 {
     constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
     constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT; /* stage loads per thread */
-    __shared__ double as[2][KT][BM + 1], bs[2][KT][BN + 1];
+    static_assert(TM % 2 == 0 && TN % 2 == 0, "outputs in pairs");
+    /* rows of BM + 2 (even: every pair 16-byte aligned) */
+    __shared__ __align__(16) double as[2][KT][BM + 2];
+    __shared__ __align__(16) double bs[2][KT][BN + 2];
     if (lower && blockIdx.x > blockIdx.y) return; /* whole block: before any barrier */
     const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
     const int32_t i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
@@ -284,9 +289,17 @@ static __global__ void __launch_bounds__(TY *TX)
             if (kk < kn) { /* k = st KT + kk, in order */
                 double av[TM], bv[TN];
 #pragma unroll
-                for (int p = 0; p < TM; p++) av[p] = as[buf][kk][ty + TY * p];
+                for (int h = 0; h < TM / 2; h++) { /* rows 2 ty + 2 TY h + 0, 1 */
+                    const double2 v = *reinterpret_cast<const double2 *>(&as[buf][kk][2 * ty + 2 * TY * h]);
+                    av[2 * h] = v.x;
+                    av[2 * h + 1] = v.y;
+                }
 #pragma unroll
-                for (int q = 0; q < TN; q++) bv[q] = bs[buf][kk][tx + TX * q];
+                for (int h = 0; h < TN / 2; h++) { /* columns 2 tx + 2 TX h + 0, 1 */
+                    const double2 v = *reinterpret_cast<const double2 *>(&bs[buf][kk][2 * tx + 2 * TX * h]);
+                    bv[2 * h] = v.x;
+                    bv[2 * h + 1] = v.y;
+                }
 #pragma unroll
                 for (int p = 0; p < TM; p++)
 #pragma unroll
@@ -301,7 +314,7 @@ static __global__ void __launch_bounds__(TY *TX)
     for (int p = 0; p < TM; p++)
 #pragma unroll
         for (int q = 0; q < TN; q++) {
-            int32_t i = i0 + ty + TY * p, j = j0 + tx + TX * q;
+            int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
             if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
         }
 }

@@ -38,15 +38,15 @@ static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t s
     constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
     constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT;
     int gx = (N + BN - 1) / BN, gy = (M + BM - 1) / BM;
-    static double as[2][KT][BM + 1], bs[2][KT][BN + 1];
+    static double as[2][KT][BM + 2], bs[2][KT][BN + 2];
     for (int by = 0; by < gy; by++)
         for (int bx = 0; bx < gx; bx++) {
             if (lower && bx > by) continue;
             const int32_t i0 = by * BM, j0 = bx * BN;
             std::vector<double> acc((size_t)NT * TM * TN, 0.0), ra((size_t)NT * LA), rb((size_t)NT * LB);
             for (int kk = 0; kk < KT; kk++) { /* poison: unwritten smem must never be read into a result */
-                for (int ii = 0; ii <= BM; ii++) as[0][kk][ii] = as[1][kk][ii] = NAN;
-                for (int jj = 0; jj <= BN; jj++) bs[0][kk][jj] = bs[1][kk][jj] = NAN;
+                for (int ii = 0; ii < BM + 2; ii++) as[0][kk][ii] = as[1][kk][ii] = NAN;
+                for (int jj = 0; jj < BN + 2; jj++) bs[0][kk][jj] = bs[1][kk][jj] = NAN;
             }
             auto load = [&](int tid, int32_t k0) {
                 for (int e = 0; e < LA; e++) {
@@ -84,12 +84,26 @@ static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t s
                     if (st + 1 < nst) load(tid, (st + 1) * KT);
                     const int32_t kn = K - st * KT;
                     for (int kk = 0; kk < KT; kk++)
-                        if (kk < kn)
+                        if (kk < kn) {
+                            double av[TM], bv[TN];
+                            for (int h = 0; h < TM / 2; h++) {
+                                const double *v = &as[buf][kk][2 * ty + 2 * TY * h];
+                                if ((v - &as[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
+                                av[2 * h] = v[0];
+                                av[2 * h + 1] = v[1];
+                            }
+                            for (int h = 0; h < TN / 2; h++) {
+                                const double *v = &bs[buf][kk][2 * tx + 2 * TX * h];
+                                if ((v - &bs[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
+                                bv[2 * h] = v[0];
+                                bv[2 * h + 1] = v[1];
+                            }
                             for (int p = 0; p < TM; p++)
                                 for (int q = 0; q < TN; q++) {
                                     double &r = acc[((size_t)tid * TM + p) * TN + q];
-                                    r = __fma_rn(as[buf][kk][ty + TY * p], bs[buf][kk][tx + TX * q], r);
+                                    r = __fma_rn(av[p], bv[q], r);
                                 }
+                        }
                 }
                 /* the barrier: every thread's fmas of stage st before anyone's store into buf ^ 1 */
                 for (int tid = 0; tid < NT; tid++)
@@ -99,7 +113,7 @@ static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t s
                 const int tx = tid % TX, ty = tid / TX;
                 for (int p = 0; p < TM; p++)
                     for (int q = 0; q < TN; q++) {
-                        int32_t i = i0 + ty + TY * p, j = j0 + tx + TX * q;
+                        int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
                         if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[((size_t)tid * TM + p) * TN + q];
                     }
             }
