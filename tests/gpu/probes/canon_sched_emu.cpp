@@ -305,7 +305,7 @@ int main(int argc, char **argv)
 {
     std::mt19937_64 rng(argc > 1 ? strtoull(argv[1], 0, 10) : 1);
     std::normal_distribution<double> nd;
-    int fails = 0, cases = 0;
+    int fails = 0, cases = 0, floored = 0;
     const int ps[] = {1, 2, 7, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 159, 160};
     const int ms[] = {160, 257, 1024};
     for (int m : ms)
@@ -367,6 +367,35 @@ int main(int argc, char **argv)
                     }
                 }
         }
+    /* the Cholesky alone on symmetric indefinite C with a positive diagonal (pivots floored) */
+    for (int p : ps)
+        for (int eq = 0; eq <= 1; eq++) {
+            const int m = 1024;
+            std::vector<double> c((size_t)p * p), cr, l((size_t)p * p), lr((size_t)p * p, 0.0), dsc(p), dr(p);
+            for (int i = 0; i < p; i++)
+                for (int j = 0; j <= i; j++)
+                    c[(size_t)i * p + j] = c[(size_t)j * p + i] = i == j ? std::fabs(nd(rng)) : nd(rng); /* tr > 0 */
+            cr = c;
+            if (eq) skv_canon_ref_equilibrate(0, p, cr.data(), nullptr, dr.data());
+            double s, fl;
+            skv_canon_ref_shift(m, p, cr.data(), &s, &fl);
+            skv_canon_ref_chol(p, cr.data(), s, fl, lr.data());
+            int nfl = 0;
+            for (int j = 0; j < p; j++) nfl += lr[(size_t)j * p + j] == std::sqrt(fl);
+            fchol((p + 31) / 32, m, p, c.data(), eq, dsc.data(), l.data());
+            int ok = !eq || same(dsc.data(), dr.data(), p);
+            for (int i = 0; i < p; i++)
+                for (int j = 0; j < p; j++) {
+                    double want = j <= i ? lr[(size_t)i * p + j] : 0.0;
+                    if (memcmp(&l[(size_t)j * p + i], &want, 8)) ok = 0;
+                }
+            cases++;
+            floored += nfl;
+            if (!ok) {
+                fails++;
+                printf("FAIL indefinite p %d eq %d (floored %d)\n", p, eq, nfl);
+            }
+        }
     /* G X: d x d times d x r, several shapes (tile edges) */
     const int gd[][2] = {{64, 32}, {100, 33}, {257, 160}, {1024, 160}, {1024, 1}, {70, 70}};
     for (auto &sh : gd) {
@@ -382,6 +411,6 @@ int main(int argc, char **argv)
             printf("FAIL G X d %d r %d\n", d, r);
         }
     }
-    printf("%d cases, %d failures\n", cases, fails);
+    printf("%d cases, %d failures (%d floored pivots in the indefinite cases)\n", cases, fails, floored);
     return fails != 0;
 }
