@@ -426,9 +426,15 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
         __syncthreads();
         /* phase 2: step k of the trailing triangle */
         const int32_t kn = k + 1;
-        double lq[S]; /* L_qk of the thread's columns (those wholly <= k are not used) */
+        double lq[S];       /* L_qk of the thread's columns (those wholly <= k are not used) */
+        bool act[S], nxt[S]; /* column q = lane + 32 b: q > k (updated), q == k + 1 (final after) */
 #pragma unroll
-        for (int b = 0; b < S; b++) lq[b] = 32 * b + 31 > k ? lk[lane + 32 * b] : 0.0;
+        for (int b = 0; b < S; b++) {
+            const int32_t q = lane + 32 * b;
+            lq[b] = 32 * b + 31 > k ? lk[q] : 0.0;
+            act[b] = q > k;
+            nxt[b] = q == kn;
+        }
         double dpiv = 0.0;
         bool piv = false;
 #pragma unroll
@@ -440,17 +446,19 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
             for (int e = 0; e < 2; e++) {
                 const int a = 2 * h + e;
                 const int32_t i = i0 + e;
-                if (i <= k || i >= p) continue;
+                if (i <= k || i >= p) continue; /* warp-uniform */
                 const double lik = -(e ? li.y : li.x);
 #pragma unroll
                 for (int b = 0; b < S; b++) {
-                    if ((a >> 1) < b) continue;
-                    const int32_t q = lane + 32 * b;
-                    if (q > k && q <= i) {
+                    if (h < b) continue; /* above the diagonal: not kept */
+                    /* h > b: every column of the slot is left of every row (q <= i); h == b, the
+                       diagonal block: q <= i per lane */
+                    const bool low = h > b || lane + 32 * b <= i;
+                    if (act[b] && low) {
                         acc[a][b] = __fma_rn(lik, lq[b], acc[a][b]);
-                        if (q == kn) {
+                        if (nxt[b]) {
                             col[i] = acc[a][b];
-                            if (i == kn) dpiv = acc[a][b], piv = true;
+                            if (h == b && i == kn) dpiv = acc[a][b], piv = true;
                         }
                     }
                 }

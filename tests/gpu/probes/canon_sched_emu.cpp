@@ -195,7 +195,13 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
         for (int tid = 0; tid < NT; tid++) {
             const int lane = tid & 31, w = tid >> 5;
             double lq[S];
-            for (int b = 0; b < S; b++) lq[b] = 32 * b + 31 > k ? lk[lane + 32 * b] : NAN;
+            bool act[S], nxt[S];
+            for (int b = 0; b < S; b++) {
+                const int32_t q = lane + 32 * b;
+                lq[b] = 32 * b + 31 > k ? lk[q] : NAN;
+                act[b] = q > k;
+                nxt[b] = q == kn;
+            }
             double dpiv = 0.0;
             bool piv = false;
             for (int h = 0; h < S; h++) {
@@ -209,13 +215,14 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
                     if (i <= k || i >= p) continue;
                     const double lik = -li[e];
                     for (int b = 0; b < S; b++) {
-                        if ((a >> 1) < b) continue;
-                        const int32_t q = lane + 32 * b;
-                        if (q > k && q <= i) {
+                        if (h < b) continue;
+                        const bool low = h > b || lane + 32 * b <= i;
+                        if (low != (lane + 32 * b <= i)) printf("FAIL: slot shape\n"), exit(1);
+                        if (act[b] && low) {
                             AC(tid, a, b) = __fma_rn(lik, lq[b], AC(tid, a, b));
-                            if (q == kn) {
+                            if (nxt[b]) {
                                 col[i] = AC(tid, a, b);
-                                if (i == kn) dpiv = AC(tid, a, b), piv = true;
+                                if (h == b && i == kn) dpiv = AC(tid, a, b), piv = true;
                             }
                         }
                     }
