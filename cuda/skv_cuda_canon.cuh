@@ -10,11 +10,15 @@
  *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
  *      partial sum an integer below 2^53); G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
- *      Y^T Y by a register-tiled chain kernel (each output one __fma_rn chain in
- *      order of k), the equilibration, trace, shift, floor and Cholesky in one
- *      thread block (right-looking: each element's updates arrive in order of k,
- *      the same bits as the reference's left-looking loop), the solve X = Y L^-T
- *      one warp per row (right-looking over k, lanes across j);
+ *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
+ *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
+ *      equilibration, trace, shift, floor and Cholesky in one thread block
+ *      (skv_cc_fchol: the triangle in registers, right-looking, two barriers per
+ *      column: each element's updates arrive in order of k, the same bits as the
+ *      reference's left-looking loop), the solve X = Y L^-T one warp per row with
+ *      L in shared memory (skv_cc_fsolve: right-looking over k, lanes across j);
+ *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
+ *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
  *      block, T = X Y by cuBLAS DGEMM (exact), U = (float) (T 2^(f_j - Gb)).
  * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
@@ -81,66 +85,11 @@ static __global__ void skv_cc_start(double *__restrict__ x, int32_t d, int32_t r
 
 /* ---- step 3 ----------------------------------------------------------------------------- */
 
-#define SKV_CC_KT 16 /* k per shared-memory stage of the chain kernel */
 /* 1: the exact Gram by DGEMM (the full S) instead of DSYRK (its upper triangle); both exact,
    the same bits: a build-time choice for timing only. */
 #ifndef SKV_CC_GRAM_GEMM
 #define SKV_CC_GRAM_GEMM 0
 #endif
-
-/*
- * C [M, N] (row major, ldc) with C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j), acc),
- * A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]. 16 x 16 threads, TM x TN outputs each
- * (a tile of 16 TM x 16 TN); k staged through shared memory, every output's chain in order.
- */
-template <int TM, int TN>
-static __global__ void __launch_bounds__(256)
-    skv_cc_chain(int32_t M, int32_t N, int32_t K, const double *__restrict__ a, int64_t sai, int64_t sak,
-                 const double *__restrict__ b, int64_t sbk, int64_t sbj, double *__restrict__ c, int64_t ldc)
-{
-    __shared__ double as[SKV_CC_KT][16 * TM + 1], bs[SKV_CC_KT][16 * TN + 1];
-    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
-    const int32_t i0 = blockIdx.y * 16 * TM, j0 = blockIdx.x * 16 * TN;
-    double acc[TM][TN];
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
-    for (int32_t k0 = 0; k0 < K; k0 += SKV_CC_KT) {
-        for (int idx = tid; idx < SKV_CC_KT * 16 * TM; idx += 256) {
-            /* consecutive threads along A's contiguous index (coalesced loads) */
-            int kk = sak == 1 ? idx % SKV_CC_KT : idx / (16 * TM), ii = sak == 1 ? idx / SKV_CC_KT : idx % (16 * TM);
-            int32_t gi = i0 + ii, gk = k0 + kk;
-            as[kk][ii] = gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
-        }
-        for (int idx = tid; idx < SKV_CC_KT * 16 * TN; idx += 256) {
-            int kk = idx / (16 * TN), jj = idx % (16 * TN);
-            int32_t gj = j0 + jj, gk = k0 + kk;
-            bs[kk][jj] = gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
-        }
-        __syncthreads();
-        int kn = K - k0 < SKV_CC_KT ? K - k0 : SKV_CC_KT; /* no padded terms: a chain sees exactly K fmas */
-        for (int kk = 0; kk < kn; kk++) {
-            double av[TM], bv[TN];
-#pragma unroll
-            for (int p = 0; p < TM; p++) av[p] = as[kk][ty + 16 * p];
-#pragma unroll
-            for (int q = 0; q < TN; q++) bv[q] = bs[kk][tx + 16 * q];
-#pragma unroll
-            for (int p = 0; p < TM; p++)
-#pragma unroll
-                for (int q = 0; q < TN; q++) acc[p][q] = __fma_rn(av[p], bv[q], acc[p][q]);
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) {
-            int32_t i = i0 + ty + 16 * p, j = j0 + tx + 16 * q;
-            if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
-        }
-}
 
 #define SKV_CC_CHOL_THREADS 1024
 /* The Cholesky keeps the packed lower triangle in shared memory up to this rank (~103 KiB at
@@ -256,6 +205,333 @@ static __global__ void __launch_bounds__(128)
     }
 }
 
+/* ---- step 3, the fast schedules (same per-element operation sequences) ------------------ */
+
+/*
+ * skv_cc_gemm: C [M, N] (row major, ldc), C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j),
+ * acc) from acc = 0, A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]: the products of the
+ * former chain kernel, faster. TY x TX threads; thread (ty, tx) owns TM x TN outputs in
+ * registers (a block tile of TY TM x TX TN). k goes through
+ * shared memory in stages of KT, double buffered: the next stage's global loads are in registers
+ * while the current stage is multiplied, one barrier per stage. A thread's rows and columns come
+ * in adjacent pairs (row 2 ty + (p & 1) + 2 TY (p >> 1), column 2 tx + (q & 1) + 2 TX (q >> 1);
+ * TM, TN even), so each operand pair is one 16-byte shared-memory load. Why the bits are the reference's:
+ * each output lives in one register of one thread from acc = 0 to its store; the thread visits
+ * the stages in order and, in a stage, kk = 0..KT-1 in order (terms with k0 + kk >= K skipped, no
+ * padded term), one __fma_rn(A(i, k), B(k, j), acc) per k: exactly the chain of
+ * skv_canon_ref_gx / skv_canon_ref_cross (fma(a, b, c) = fma(b, a, c) bitwise, so Y^T Y's
+ * C(i, j) = C(j, i) whichever operand comes first). lower != 0 (M = N, square tiles): the tiles
+ * strictly above the diagonal are skipped; the consumers (the Cholesky kernels) read C(i, j) for
+ * j <= i only, and the diagonal tiles are computed whole.
+ */
+template <int TM, int TN, int TY, int TX, int KT>
+static __global__ void __launch_bounds__(TY *TX)
+    skv_cc_gemm(int32_t M, int32_t N, int32_t K, const double *__restrict__ a, int64_t sai, int64_t sak,
+                const double *__restrict__ b, int64_t sbk, int64_t sbj, double *__restrict__ c, int64_t ldc, int lower)
+{
+    constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
+    constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT; /* stage loads per thread */
+    static_assert(TM % 2 == 0 && TN % 2 == 0, "outputs in pairs");
+    /* rows of BM + 2 (even: every pair 16-byte aligned) */
+    __shared__ __align__(16) double as[2][KT][BM + 2];
+    __shared__ __align__(16) double bs[2][KT][BN + 2];
+    if (lower && blockIdx.x > blockIdx.y) return; /* whole block: before any barrier */
+    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
+    const int32_t i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    double acc[TM][TN], ra[LA], rb[LB];
+#pragma unroll
+    for (int p = 0; p < TM; p++)
+#pragma unroll
+        for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
+    /* stage loads: consecutive threads along the operand's contiguous index (coalesced) */
+    auto load = [&](int32_t k0) {
+#pragma unroll
+        for (int e = 0; e < LA; e++) {
+            int idx = tid + NT * e;
+            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
+            int32_t gi = i0 + ii, gk = k0 + kk;
+            ra[e] = idx < KT * BM && gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
+        }
+#pragma unroll
+        for (int e = 0; e < LB; e++) {
+            int idx = tid + NT * e;
+            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
+            int32_t gj = j0 + jj, gk = k0 + kk;
+            rb[e] = idx < KT * BN && gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
+        }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int e = 0; e < LA; e++) {
+            int idx = tid + NT * e;
+            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
+            if (idx < KT * BM) as[buf][kk][ii] = ra[e];
+        }
+#pragma unroll
+        for (int e = 0; e < LB; e++) {
+            int idx = tid + NT * e;
+            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
+            if (idx < KT * BN) bs[buf][kk][jj] = rb[e];
+        }
+    };
+    const int32_t nst = (K + KT - 1) / KT;
+    if (nst > 0) {
+        load(0);
+        store(0);
+    }
+    __syncthreads();
+    for (int32_t st = 0; st < nst; st++) {
+        const int buf = st & 1;
+        if (st + 1 < nst) load((st + 1) * KT); /* in flight during this stage's fmas */
+        const int32_t kn = K - st * KT;     /* >= KT except in the last stage */
+#pragma unroll
+        for (int kk = 0; kk < KT; kk++) {
+            if (kk < kn) { /* k = st KT + kk, in order */
+                double av[TM], bv[TN];
+#pragma unroll
+                for (int h = 0; h < TM / 2; h++) { /* rows 2 ty + 2 TY h + 0, 1 */
+                    const double2 v = *reinterpret_cast<const double2 *>(&as[buf][kk][2 * ty + 2 * TY * h]);
+                    av[2 * h] = v.x;
+                    av[2 * h + 1] = v.y;
+                }
+#pragma unroll
+                for (int h = 0; h < TN / 2; h++) { /* columns 2 tx + 2 TX h + 0, 1 */
+                    const double2 v = *reinterpret_cast<const double2 *>(&bs[buf][kk][2 * tx + 2 * TX * h]);
+                    bv[2 * h] = v.x;
+                    bv[2 * h + 1] = v.y;
+                }
+#pragma unroll
+                for (int p = 0; p < TM; p++)
+#pragma unroll
+                    for (int q = 0; q < TN; q++) acc[p][q] = __fma_rn(av[p], bv[q], acc[p][q]);
+            }
+        }
+        /* buf ^ 1 was last read in stage st - 1, which ended with the barrier below */
+        if (st + 1 < nst) store(buf ^ 1);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int p = 0; p < TM; p++)
+#pragma unroll
+        for (int q = 0; q < TN; q++) {
+            int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
+            if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
+        }
+}
+
+/* G X: 64 x 32 tiles of 128 threads (4 x 4 outputs each): 80 blocks at d = 1024, r = 160. */
+#define SKV_CC_GX_TM 4
+#define SKV_CC_GX_TN 4
+#define SKV_CC_GX_TY 16
+#define SKV_CC_GX_TX 8
+#define SKV_CC_GX_KT 16
+/* Y^T Y: 16 x 16 tiles of 64 threads (2 x 2 outputs each; the lower triangle's 55 tiles at
+   p = 160): every chain is 1024 long, so the time is its latency; few outputs per SM. */
+#define SKV_CC_YY_TM 2
+#define SKV_CC_YY_TN 2
+#define SKV_CC_YY_TY 8
+#define SKV_CC_YY_TX 8
+#define SKV_CC_YY_KT 32
+
+/*
+ * skv_cc_fchol: skv_cc_chol's job (same inputs and outputs: dsc when eq, l[j p + i] = L_ij, 0
+ * above the diagonal) for p <= 32 S, S <= SKV_CC_FCHOL_MAXS, in registers. 512 threads, 16 warps;
+ * thread (w, lane) owns the elements (i, q) = (2 w + (a & 1) + 32 (a >> 1), lane + 32 b), a < 2 S,
+ * b < S, q <= i < p (a warp's rows in pairs 2 w, 2 w + 1, so one 16-byte broadcast load gives
+ * two rows' L_ik), each one double acc in a register (slots with a >> 1 < b lie above the
+ * diagonal and are not kept). Right-looking, two barriers per column step k:
+ *   phase 1: thread i (i < p) reads L_kk (sh_ljj) and col[i] (the final chain value of (i, k)),
+ *     L_ik = col[i] / L_kk (i > k), into lk[i] and l[k p + i];
+ *   phase 2: every owned (i, q) with k < q <= i gets acc = fma(-L_ik, L_qk, acc) (from lk);
+ *     the owners of column k + 1 then store their (now final) accs into col, and the owner of
+ *     (k + 1, k + 1) its pivot L_k+1,k+1 = skv_canon_pivot(acc, fl) into sh_ljj (the sqrt off
+ *     phase 1's path; L_00 likewise before step 0).
+ * Why the bits are the reference's (skv_canon_ref_chol): element (i, q) starts as C_iq (scaled
+ * as the reference scales it when eq, + s on the diagonal), gets exactly one fma(-L_ik, L_qk,
+ * acc) in each step k = 0, 1, .., q - 1, in that order (phase 2 of step k needs q > k), and no
+ * other operation; after step q - 1 it is final: the diagonal gets the reference's pivot once
+ * (its owner, right then), an element below goes through col to phase 1 of step q and the
+ * reference's division by L_qq once. L_ik is read only after phase 1 of step k wrote it
+ * (barrier), col and sh_ljj only after phase 2 (or the prologue) wrote them (barrier), and each
+ * is rewritten only after the barrier that follows its reads.
+ */
+#define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
+#define SKV_CC_FCHOL_THREADS 512
+#define SKV_CC_FCHOL_ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
+template <int S>
+static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
+    skv_cc_fchol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
+                 double *__restrict__ l)
+{
+    static_assert(SKV_CC_FCHOL_THREADS == 512, "16 warps: rows 2 w, 2 w + 1 (+ 32 h) cover 32 rows");
+    constexpr int A = 2 * S;
+    __shared__ __align__(16) double lk[32 * S];
+    __shared__ double col[32 * S], ds[32 * S], dg[32 * S];
+    __shared__ double sh_s, sh_fl, sh_ljj;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    if (eq)
+        for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
+            double v = skv_canon_dscale(c[(int64_t)j * p + j]);
+            ds[j] = v;
+            dsc[j] = v;
+        }
+    __syncthreads();
+    /* the diagonal for the trace: C_jj, scaled as the reference scales it */
+    for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
+        double v = c[(int64_t)j * p + j];
+        dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
+    }
+    double acc[A][S];
+#pragma unroll
+    for (int a = 0; a < A; a++)
+#pragma unroll
+        for (int b = 0; b < S; b++) {
+            acc[a][b] = 0.0;
+            if ((a >> 1) < b) continue; /* never lower */
+            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
+            if (q <= i && i < p) {
+                double v = c[(int64_t)i * p + q];
+                acc[a][b] = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
+            }
+        }
+    __syncthreads();
+    if (tid == 0) { /* tr = ((C_00 + C_11) + C_22) + ..., in order */
+        double tr = 0.0;
+        for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, dg[j]);
+        double s = skv_canon_shift(m, p, tr);
+        sh_s = s;
+        sh_fl = skv_canon_floor(p, tr, s);
+    }
+    __syncthreads();
+    const double s = sh_s, fl = sh_fl;
+#pragma unroll
+    for (int a = 0; a < A; a++)
+#pragma unroll
+        for (int b = 0; b < S; b++) {
+            if ((a >> 1) < b) continue;
+            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
+            if (q == i && i < p) acc[a][b] = __dadd_rn(acc[a][b], s);     /* C_jj + s */
+            if (q == 0 && i < p) col[i] = acc[a][b];                         /* column 0: final already */
+            if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_00 */
+        }
+    __syncthreads();
+    for (int32_t k = 0; k < p; k++) {
+        /* phase 1: column k of L */
+        if (tid < p) {
+            const double ljj = sh_ljj;
+            double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
+            lk[tid] = v;
+            l[(int64_t)k * p + tid] = v; /* l[k p + i] = L_ik (0 for i < k) */
+        }
+        __syncthreads();
+        /* phase 2: step k of the trailing triangle */
+        const int32_t kn = k + 1;
+        double lq[S];       /* L_qk of the thread's columns (those wholly <= k are not used) */
+        bool act[S], nxt[S]; /* column q = lane + 32 b: q > k (updated), q == k + 1 (final after) */
+#pragma unroll
+        for (int b = 0; b < S; b++) {
+            const int32_t q = lane + 32 * b;
+            lq[b] = 32 * b + 31 > k ? lk[q] : 0.0;
+            act[b] = q > k;
+            nxt[b] = q == kn;
+        }
+        double dpiv = 0.0;
+        bool piv = false;
+#pragma unroll
+        for (int h = 0; h < S; h++) {
+            const int32_t i0 = 2 * w + 32 * h; /* rows i0, i0 + 1: slots a = 2 h, 2 h + 1 */
+            if (i0 + 1 <= k || i0 >= p) continue; /* warp-uniform */
+            const double2 li = *reinterpret_cast<const double2 *>(lk + i0); /* i0 even: 16-byte aligned */
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int a = 2 * h + e;
+                const int32_t i = i0 + e;
+                if (i <= k || i >= p) continue; /* warp-uniform */
+                const double lik = -(e ? li.y : li.x);
+#pragma unroll
+                for (int b = 0; b < S; b++) {
+                    if (h < b) continue; /* above the diagonal: not kept */
+                    /* h > b: every column of the slot is left of every row (q <= i); h == b, the
+                       diagonal block: q <= i per lane */
+                    const bool low = h > b || lane + 32 * b <= i;
+                    if (act[b] && low) {
+                        acc[a][b] = __fma_rn(lik, lq[b], acc[a][b]);
+                        if (nxt[b]) {
+                            col[i] = acc[a][b];
+                            if (h == b && i == kn) dpiv = acc[a][b], piv = true;
+                        }
+                    }
+                }
+            }
+        }
+        if (piv) sh_ljj = skv_canon_pivot(dpiv, fl); /* L_k+1,k+1, by the owner of (k + 1, k + 1) */
+        __syncthreads();
+    }
+}
+
+/*
+ * skv_cc_fsolve: skv_cc_solve's job (X [m, p] = Y L^-T, x may alias y; eq: Y's columns times
+ * dsc first) for p <= 32 Q, with L's lower triangle in shared memory (packed by columns:
+ * L_jk, j >= k, at k p - k (k - 1) / 2 + j - k; p (p + 1) / 2 doubles, loaded once per block
+ * from l[k p + j] = L_jk) instead of global loads on the critical path. One warp per row t
+ * (SKV_CC_FSOLVE_WARPS rows per block), lane owns j = lane + 32 q, right-looking over k: acc_k's
+ * owner broadcasts it by a shuffle, every lane computes x_tk = acc_k / L_kk itself (the same
+ * division of the same operands: the same bits, no second shuffle), the owner keeps x_tk in
+ * acc's slot, every acc_j (j > k) gets fma(-x_tk, L_jk, acc_j); the row is stored at the end.
+ * Why the bits are the reference's (skv_canon_ref_solve): acc_j starts as Y_tj (times D_j when
+ * eq, as the reference scales Y), gets exactly one fma(-x_tk, L_jk, acc) per k = 0..j-1 in that
+ * order, and at step j the reference's division. The row's loads precede its stores in the same
+ * warp, and no other warp touches the row, so x may alias y.
+ */
+#define SKV_CC_FSOLVE_MAXQ 5 /* p <= 160 */
+#define SKV_CC_FSOLVE_WARPS 8
+static size_t skv_cc_fsolve_smem(int32_t p) { return (size_t)p * (p + 1) / 2 * sizeof(double); }
+template <int Q>
+static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
+    skv_cc_fsolve(int32_t m, int32_t p, const double *y, const double *__restrict__ l, int eq,
+                  const double *__restrict__ dsc, double *x)
+{
+    extern __shared__ double ls[];
+    const int lane = threadIdx.x & 31;
+    /* a warp per column k (no integer division: p <= 160, 32-bit offsets), lanes over j >= k */
+    for (int32_t k = threadIdx.x / 32; k < p; k += SKV_CC_FSOLVE_WARPS) {
+        double *dst = ls + (k * p - k * (k - 1) / 2 - k); /* dst[j] = L_jk */
+        const double *src = l + (int64_t)k * p;          /* src[j] = L_jk */
+        for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
+    }
+    __syncthreads();
+    const int64_t t = (int64_t)blockIdx.x * SKV_CC_FSOLVE_WARPS + threadIdx.x / 32;
+    if (t >= m) return; /* after the only barrier */
+    double acc[Q];
+#pragma unroll
+    for (int q = 0; q < Q; q++) {
+        int32_t j = lane + 32 * q;
+        double v = j < p ? y[t * p + j] : 0.0;
+        acc[q] = eq && j < p ? __dmul_rn(v, dsc[j]) : v;
+    }
+    const double *lc = ls; /* lc[j] = L_jk for j >= k: column k's start minus k */
+    for (int32_t k = 0; k < p; k++) {
+        const int owner = k & 31, qk = k >> 5;
+        double mine = 0.0;
+#pragma unroll
+        for (int q = 0; q < Q; q++)
+            if (q == qk) mine = acc[q];
+        const double xk = __ddiv_rn(__shfl_sync(0xffffffffu, mine, owner), lc[k]);
+#pragma unroll
+        for (int q = 0; q < Q; q++) {
+            int32_t j = lane + 32 * q;
+            if (j == k) acc[q] = xk;
+            else if (j > k && j < p) acc[q] = __fma_rn(-xk, lc[j], acc[q]);
+        }
+        lc += p - k - 1; /* column k + 1 starts p - k entries later, at index k + 1 */
+    }
+#pragma unroll
+    for (int q = 0; q < Q; q++) {
+        int32_t j = lane + 32 * q;
+        if (j < p) x[t * p + j] = acc[q];
+    }
+}
+
 /* ---- step 4 ----------------------------------------------------------------------------- */
 
 /* w [r, d] = (float) Q^T; f[j] = ex(max_i |Q_ij 2^(e_i - F)|); yq [d, r] = rne(Q' 2^(Gb - f_j)). One
@@ -300,14 +576,43 @@ static __global__ void skv_cc_uscale(const double *__restrict__ tb, int64_t rows
 static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *y, double *x, int eq, char *msg,
                               size_t cap)
 {
-    dim3 th(16, 16), gr((p + 15) / 16, (p + 15) / 16);
-    skv_cc_chain<1, 1><<<gr, th, 0, f->st>>>(p, p, m, y, 1, p, y, p, 1, f->cc_c, p);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
-    skv_cc_chol<<<1, SKV_CC_CHOL_THREADS, skv_cc_chol_smem(p), f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l,
-                                                                         f->cc_lp);
-    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Cholesky kernel");
-    unsigned blocks = (unsigned)((m + 3) / 4);
+    { /* C = Y^T Y, its lower triangle's tiles */
+        constexpr int bm = SKV_CC_YY_TY * SKV_CC_YY_TM;
+        dim3 gr((p + bm - 1) / bm, (p + bm - 1) / bm);
+        skv_cc_gemm<SKV_CC_YY_TM, SKV_CC_YY_TN, SKV_CC_YY_TY, SKV_CC_YY_TX, SKV_CC_YY_KT>
+            <<<gr, SKV_CC_YY_TY * SKV_CC_YY_TX, 0, f->st>>>(p, p, m, y, 1, p, y, p, 1, f->cc_c, p, 1);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
+    }
     int qn = (p + 31) / 32;
+    if (qn <= SKV_CC_FCHOL_MAXS) {
+#define SKV_CC_FCHOL_CASE(S)                                                                                  \
+    case S:                                                                                                   \
+        skv_cc_fchol<S><<<1, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l);       \
+        break;
+        switch (qn) {
+            SKV_CC_FCHOL_CASE(1) SKV_CC_FCHOL_CASE(2) SKV_CC_FCHOL_CASE(3) SKV_CC_FCHOL_CASE(4) SKV_CC_FCHOL_CASE(5)
+        }
+#undef SKV_CC_FCHOL_CASE
+    } else
+        skv_cc_chol<<<1, SKV_CC_CHOL_THREADS, skv_cc_chol_smem(p), f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l,
+                                                                             f->cc_lp);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Cholesky kernel");
+    if (qn <= SKV_CC_FSOLVE_MAXQ) {
+        unsigned fblocks = (unsigned)((m + SKV_CC_FSOLVE_WARPS - 1) / SKV_CC_FSOLVE_WARPS);
+        size_t sm = skv_cc_fsolve_smem(p);
+#define SKV_CC_FSOLVE_CASE(Q)                                                                                 \
+    case Q:                                                                                                   \
+        skv_cc_fsolve<Q><<<fblocks, 32 * SKV_CC_FSOLVE_WARPS, sm, f->st>>>(m, p, y, f->cc_l, eq, f->cc_dsc, x); \
+        break;
+        switch (qn) {
+            SKV_CC_FSOLVE_CASE(1) SKV_CC_FSOLVE_CASE(2) SKV_CC_FSOLVE_CASE(3) SKV_CC_FSOLVE_CASE(4)
+            SKV_CC_FSOLVE_CASE(5)
+        }
+#undef SKV_CC_FSOLVE_CASE
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical solve kernel");
+        return SKV_OK;
+    }
+    unsigned blocks = (unsigned)((m + 3) / 4);
 #define SKV_CC_SOLVE_CASE(Q)                                                                                 \
     case Q: skv_cc_solve<Q><<<blocks, 128, 0, f->st>>>(m, p, y, f->cc_l, eq, f->cc_dsc, x); break;
     switch (qn) {
@@ -364,8 +669,10 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     skv_cc_start<<<skv_cf_blocks((int64_t)d * r), SKV_CF_THREADS, 0, f->st>>>(x, d, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical start kernel");
     for (int it = 0; it < SKV_CANON_ITERS; it++) {
-        dim3 th(16, 16), gr((r + 31) / 32, (d + 31) / 32);
-        skv_cc_chain<2, 2><<<gr, th, 0, f->st>>>(d, r, d, g, d, 1, x, r, 1, y, r);
+        constexpr int bm = SKV_CC_GX_TY * SKV_CC_GX_TM, bn = SKV_CC_GX_TX * SKV_CC_GX_TN;
+        dim3 gr((r + bn - 1) / bn, (d + bm - 1) / bm);
+        skv_cc_gemm<SKV_CC_GX_TM, SKV_CC_GX_TN, SKV_CC_GX_TY, SKV_CC_GX_TX, SKV_CC_GX_KT>
+            <<<gr, SKV_CC_GX_TY * SKV_CC_GX_TX, 0, f->st>>>(d, r, d, g, d, 1, x, r, 1, y, r, 0);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
         skv_status s;
         if (it < SKV_CANON_TWO_PASS_ITERS) {

@@ -640,6 +640,15 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         cudaError_t e = cudaFuncSetAttribute(skv_cc_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)skv_cc_chol_smem(r < SKV_CC_CHOL_SMEM_R ? r : SKV_CC_CHOL_SMEM_R));
         if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical Cholesky shared memory)", msg, cap)) != SKV_OK) goto fail;
+        /* the fast solve keeps L's packed lower triangle in shared memory (~101 KiB at r = 160); the
+           limit is per function, shared by every factor: its largest size whatever this r */
+        int fs = (int)skv_cc_fsolve_smem(32 * SKV_CC_FSOLVE_MAXQ);
+        e = cudaFuncSetAttribute(skv_cc_fsolve<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+        if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical solve shared memory)", msg, cap)) != SKV_OK) goto fail;
     }
     {
         skv_cf_state init;

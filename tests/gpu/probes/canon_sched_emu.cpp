@@ -1,0 +1,423 @@
+/*
+ * canon_sched_emu.cpp - a host emulation of the fast canonical-route kernels' schedules
+ * (cuda/skv_cuda_canon.cuh: skv_cc_gemm, skv_cc_fchol, skv_cc_fsolve), thread by thread and
+ * phase by phase with the kernels' own index arithmetic, compared bit for bit with the
+ * reference functions of lib/skv_factor_canon.h on random inputs. It checks the schedules'
+ * logic (ownership, step order, packing, staging), not the device's arithmetic (the device's
+ * __fma_rn/__ddiv_rn/__dsqrt_rn are the IEEE operations the host's fma, / and sqrt are).
+ * No GPU needed:
+ *
+ *     g++ -std=c++17 -O2 -ffp-contract=off -Iinclude -Ilib tests/gpu/probes/canon_sched_emu.cpp \
+ *       -o build/canon_sched_emu -lm && build/canon_sched_emu
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+extern "C" {
+#include "skv_factor_canon.h"
+}
+
+#define __fma_rn(a, b, c) fma((a), (b), (c))
+#define __ddiv_rn(a, b) ((a) / (b))
+#define __dmul_rn(a, b) ((a) * (b))
+#define __dadd_rn(a, b) ((a) + (b))
+
+static int same(const double *a, const double *b, size_t n)
+{
+    return memcmp(a, b, n * sizeof(double)) == 0;
+}
+
+/* ---- skv_cc_gemm<TM, TN, TY, TX, KT>: one block at a time, threads in sequence per phase ---- */
+template <int TM, int TN, int TY, int TX, int KT>
+static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t sai, int64_t sak, const double *b,
+                     int64_t sbk, int64_t sbj, double *c, int64_t ldc, int lower)
+{
+    constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
+    constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT;
+    int gx = (N + BN - 1) / BN, gy = (M + BM - 1) / BM;
+    static double as[2][KT][BM + 2], bs[2][KT][BN + 2];
+    for (int by = 0; by < gy; by++)
+        for (int bx = 0; bx < gx; bx++) {
+            if (lower && bx > by) continue;
+            const int32_t i0 = by * BM, j0 = bx * BN;
+            std::vector<double> acc((size_t)NT * TM * TN, 0.0), ra((size_t)NT * LA), rb((size_t)NT * LB);
+            for (int kk = 0; kk < KT; kk++) { /* poison: unwritten smem must never be read into a result */
+                for (int ii = 0; ii < BM + 2; ii++) as[0][kk][ii] = as[1][kk][ii] = NAN;
+                for (int jj = 0; jj < BN + 2; jj++) bs[0][kk][jj] = bs[1][kk][jj] = NAN;
+            }
+            auto load = [&](int tid, int32_t k0) {
+                for (int e = 0; e < LA; e++) {
+                    int idx = tid + NT * e;
+                    int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
+                    int32_t gi = i0 + ii, gk = k0 + kk;
+                    ra[(size_t)tid * LA + e] = idx < KT * BM && gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
+                }
+                for (int e = 0; e < LB; e++) {
+                    int idx = tid + NT * e;
+                    int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
+                    int32_t gj = j0 + jj, gk = k0 + kk;
+                    rb[(size_t)tid * LB + e] = idx < KT * BN && gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
+                }
+            };
+            auto store = [&](int tid, int buf) {
+                for (int e = 0; e < LA; e++) {
+                    int idx = tid + NT * e;
+                    int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
+                    if (idx < KT * BM) as[buf][kk][ii] = ra[(size_t)tid * LA + e];
+                }
+                for (int e = 0; e < LB; e++) {
+                    int idx = tid + NT * e;
+                    int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
+                    if (idx < KT * BN) bs[buf][kk][jj] = rb[(size_t)tid * LB + e];
+                }
+            };
+            const int32_t nst = (K + KT - 1) / KT;
+            if (nst > 0)
+                for (int tid = 0; tid < NT; tid++) load(tid, 0), store(tid, 0);
+            for (int32_t st = 0; st < nst; st++) {
+                const int buf = st & 1;
+                for (int tid = 0; tid < NT; tid++) {
+                    const int tx = tid % TX, ty = tid / TX;
+                    if (st + 1 < nst) load(tid, (st + 1) * KT);
+                    const int32_t kn = K - st * KT;
+                    for (int kk = 0; kk < KT; kk++)
+                        if (kk < kn) {
+                            double av[TM], bv[TN];
+                            for (int h = 0; h < TM / 2; h++) {
+                                const double *v = &as[buf][kk][2 * ty + 2 * TY * h];
+                                if ((v - &as[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
+                                av[2 * h] = v[0];
+                                av[2 * h + 1] = v[1];
+                            }
+                            for (int h = 0; h < TN / 2; h++) {
+                                const double *v = &bs[buf][kk][2 * tx + 2 * TX * h];
+                                if ((v - &bs[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
+                                bv[2 * h] = v[0];
+                                bv[2 * h + 1] = v[1];
+                            }
+                            for (int p = 0; p < TM; p++)
+                                for (int q = 0; q < TN; q++) {
+                                    double &r = acc[((size_t)tid * TM + p) * TN + q];
+                                    r = __fma_rn(av[p], bv[q], r);
+                                }
+                        }
+                }
+                /* the barrier: every thread's fmas of stage st before anyone's store into buf ^ 1 */
+                for (int tid = 0; tid < NT; tid++)
+                    if (st + 1 < nst) store(tid, buf ^ 1);
+            }
+            for (int tid = 0; tid < NT; tid++) {
+                const int tx = tid % TX, ty = tid / TX;
+                for (int p = 0; p < TM; p++)
+                    for (int q = 0; q < TN; q++) {
+                        int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
+                        if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[((size_t)tid * TM + p) * TN + q];
+                    }
+            }
+        }
+}
+
+/* ---- skv_cc_fchol<S> (512 threads) ---- */
+#define ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
+template <int S>
+static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
+{
+    constexpr int NT = 512, A = 2 * S;
+    double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S], sh_ljj = NAN;
+    for (int i = 0; i < 32 * S; i++) col[i] = lk[i] = ds[i] = dg[i] = NAN;
+    std::vector<double> acc((size_t)NT * A * S);
+    auto AC = [&](int tid, int a, int b) -> double & { return acc[((size_t)tid * A + a) * S + b]; };
+    /* every row-column pair owned exactly once (slots kept: (a >> 1) >= b) */
+    {
+        std::vector<int> own((size_t)32 * S * 32 * S, 0);
+        for (int tid = 0; tid < NT; tid++)
+            for (int a = 0; a < A; a++)
+                for (int b = 0; b < S; b++) {
+                    int i = ROW(tid >> 5, a), q = (tid & 31) + 32 * b;
+                    if (q <= i && (a >> 1) < b) printf("FAIL: a dropped slot holds (%d, %d)\n", i, q), exit(1);
+                    own[(size_t)i * 32 * S + q]++;
+                }
+        for (size_t e = 0; e < own.size(); e++)
+            if (own[e] != 1) printf("FAIL: element %zu owned %d times\n", e, own[e]), exit(1);
+    }
+    if (eq)
+        for (int tid = 0; tid < NT; tid++)
+            for (int j = tid; j < p; j += NT) {
+                double v = skv_canon_dscale(c[(int64_t)j * p + j]);
+                ds[j] = v;
+                dsc[j] = v;
+            }
+    for (int tid = 0; tid < NT; tid++) {
+        const int lane = tid & 31, w = tid >> 5;
+        for (int j = tid; j < p; j += NT) {
+            double v = c[(int64_t)j * p + j];
+            dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
+        }
+        for (int a = 0; a < A; a++)
+            for (int b = 0; b < S; b++) {
+                AC(tid, a, b) = NAN; /* the kernel: 0.0; a slot outside the triangle must never be used */
+                if ((a >> 1) < b) continue;
+                const int32_t i = ROW(w, a), q = lane + 32 * b;
+                if (q <= i && i < p) {
+                    double v = c[(int64_t)i * p + q];
+                    AC(tid, a, b) = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
+                }
+            }
+    }
+    double tr = 0.0;
+    for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, dg[j]);
+    const double s = skv_canon_shift(m, p, tr), fl = skv_canon_floor(p, tr, s);
+    for (int tid = 0; tid < NT; tid++) {
+        const int lane = tid & 31, w = tid >> 5;
+        for (int a = 0; a < A; a++)
+            for (int b = 0; b < S; b++) {
+                if ((a >> 1) < b) continue;
+                const int32_t i = ROW(w, a), q = lane + 32 * b;
+                if (q == i && i < p) AC(tid, a, b) = __dadd_rn(AC(tid, a, b), s);
+                if (q == 0 && i < p) col[i] = AC(tid, a, b);
+                if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl);
+            }
+    }
+    for (int32_t k = 0; k < p; k++) {
+        for (int tid = 0; tid < NT; tid++)
+            if (tid < p) {
+                const double ljj = sh_ljj;
+                double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
+                lk[tid] = v;
+                l[(int64_t)k * p + tid] = v;
+            }
+        const int32_t kn = k + 1;
+        double newpiv = NAN;
+        int npiv = 0;
+        for (int tid = 0; tid < NT; tid++) {
+            const int lane = tid & 31, w = tid >> 5;
+            double lq[S];
+            bool act[S], nxt[S];
+            for (int b = 0; b < S; b++) {
+                const int32_t q = lane + 32 * b;
+                lq[b] = 32 * b + 31 > k ? lk[q] : NAN;
+                act[b] = q > k;
+                nxt[b] = q == kn;
+            }
+            double dpiv = 0.0;
+            bool piv = false;
+            for (int h = 0; h < S; h++) {
+                const int32_t i0 = 2 * w + 32 * h;
+                if (i0 + 1 <= k || i0 >= p) continue;
+                const double li[2] = {lk[i0], lk[i0 + 1]};
+                for (int e = 0; e < 2; e++) {
+                    const int a = 2 * h + e;
+                    const int32_t i = i0 + e;
+                    if (i != ROW(w, a)) printf("FAIL: row map\n"), exit(1);
+                    if (i <= k || i >= p) continue;
+                    const double lik = -li[e];
+                    for (int b = 0; b < S; b++) {
+                        if (h < b) continue;
+                        const bool low = h > b || lane + 32 * b <= i;
+                        if (low != (lane + 32 * b <= i)) printf("FAIL: slot shape\n"), exit(1);
+                        if (act[b] && low) {
+                            AC(tid, a, b) = __fma_rn(lik, lq[b], AC(tid, a, b));
+                            if (nxt[b]) {
+                                col[i] = AC(tid, a, b);
+                                if (h == b && i == kn) dpiv = AC(tid, a, b), piv = true;
+                            }
+                        }
+                    }
+                }
+            }
+            if (piv) newpiv = skv_canon_pivot(dpiv, fl), npiv++;
+        }
+        if (kn < p && npiv != 1) printf("FAIL: %d pivot owners at step %d\n", npiv, k), exit(1);
+        if (npiv) sh_ljj = newpiv; /* written after every read of this step (the barrier) */
+    }
+}
+
+/* ---- skv_cc_fsolve<Q> (8 warps a block) ---- */
+template <int Q>
+static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *l, int eq, const double *dsc, double *x)
+{
+    const int WARPS = 8;
+    std::vector<double> ls((size_t)p * (p + 1) / 2, NAN);
+    for (int wi = 0; wi < WARPS; wi++)
+        for (int lane = 0; lane < 32; lane++)
+            for (int32_t k = wi; k < p; k += WARPS) {
+                double *dst = ls.data() + (k * p - k * (k - 1) / 2 - k);
+                const double *src = l + (int64_t)k * p;
+                for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
+            }
+    int blocks = (m + WARPS - 1) / WARPS;
+    for (int blk = 0; blk < blocks; blk++)
+        for (int wi = 0; wi < WARPS; wi++) {
+            const int64_t t = (int64_t)blk * WARPS + wi;
+            if (t >= m) continue;
+            double acc[32][Q];
+            for (int lane = 0; lane < 32; lane++)
+                for (int q = 0; q < Q; q++) {
+                    int32_t j = lane + 32 * q;
+                    double v = j < p ? y[t * p + j] : 0.0;
+                    acc[lane][q] = eq && j < p ? __dmul_rn(v, dsc[j]) : v;
+                }
+            const double *lc = ls.data();
+            for (int32_t k = 0; k < p; k++) {
+                const int owner = k & 31, qk = k >> 5;
+                double mine[32];
+                for (int lane = 0; lane < 32; lane++) {
+                    mine[lane] = 0.0;
+                    for (int q = 0; q < Q; q++)
+                        if (q == qk) mine[lane] = acc[lane][q];
+                }
+                for (int lane = 0; lane < 32; lane++) {
+                    const double xk = __ddiv_rn(mine[owner], lc[k]);
+                    for (int q = 0; q < Q; q++) {
+                        int32_t j = lane + 32 * q;
+                        if (j == k) acc[lane][q] = xk;
+                        else if (j > k && j < p) acc[lane][q] = __fma_rn(-xk, lc[j], acc[lane][q]);
+                    }
+                }
+                lc += p - k - 1;
+            }
+            for (int lane = 0; lane < 32; lane++)
+                for (int q = 0; q < Q; q++) {
+                    int32_t j = lane + 32 * q;
+                    if (j < p) x[t * p + j] = acc[lane][q];
+                }
+        }
+}
+
+static void fchol(int S, int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
+{
+    switch (S) {
+    case 1: emu_fchol<1>(m, p, c, eq, dsc, l); break;
+    case 2: emu_fchol<2>(m, p, c, eq, dsc, l); break;
+    case 3: emu_fchol<3>(m, p, c, eq, dsc, l); break;
+    case 4: emu_fchol<4>(m, p, c, eq, dsc, l); break;
+    case 5: emu_fchol<5>(m, p, c, eq, dsc, l); break;
+    }
+}
+static void fsolve(int Q, int32_t m, int32_t p, const double *y, const double *l, int eq, const double *dsc, double *x)
+{
+    switch (Q) {
+    case 1: emu_fsolve<1>(m, p, y, l, eq, dsc, x); break;
+    case 2: emu_fsolve<2>(m, p, y, l, eq, dsc, x); break;
+    case 3: emu_fsolve<3>(m, p, y, l, eq, dsc, x); break;
+    case 4: emu_fsolve<4>(m, p, y, l, eq, dsc, x); break;
+    case 5: emu_fsolve<5>(m, p, y, l, eq, dsc, x); break;
+    }
+}
+
+int main(int argc, char **argv)
+{
+    std::mt19937_64 rng(argc > 1 ? strtoull(argv[1], 0, 10) : 1);
+    std::normal_distribution<double> nd;
+    int fails = 0, cases = 0, floored = 0;
+    const int ps[] = {1, 2, 7, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 159, 160};
+    const int ms[] = {160, 257, 1024};
+    for (int m : ms)
+        for (int p : ps) {
+            if (p > m) continue;
+            for (int eq = 0; eq <= 1; eq++)
+                for (int kind = 0; kind < 2; kind++) {
+                    /* kind 0: Y random (well conditioned); 1: Y of rank ~p/3 plus tiny noise (floored pivots) */
+                    std::vector<double> y((size_t)m * p), c((size_t)p * p), cr((size_t)p * p), l((size_t)p * p),
+                        lr((size_t)p * p, 0.0), dsc(p), x((size_t)m * p), xr((size_t)m * p), yr;
+                    if (kind == 0)
+                        for (auto &v : y) v = nd(rng) * std::ldexp(1.0, (int)(rng() % 9) - 4);
+                    else {
+                        int rk = p / 3 + 1;
+                        std::vector<double> u((size_t)m * rk), vv((size_t)rk * p);
+                        for (auto &v : u) v = nd(rng);
+                        for (auto &v : vv) v = nd(rng);
+                        for (int t = 0; t < m; t++)
+                            for (int j = 0; j < p; j++) {
+                                double s = 1e-13 * nd(rng);
+                                for (int q = 0; q < rk; q++) s += u[(size_t)t * rk + q] * vv[(size_t)q * p + j];
+                                y[(size_t)t * p + j] = s;
+                            }
+                    }
+                    yr = y;
+                    /* reference pass, step by step */
+                    skv_canon_ref_cross(m, p, yr.data(), cr.data());
+                    /* fast Y^T Y: the lower tiles only; compare j <= i */
+                    std::fill(c.begin(), c.end(), NAN);
+                    emu_gemm<2, 2, 8, 8, 32>(p, p, m, y.data(), 1, p, y.data(), p, 1, c.data(), p, 1);
+                    int ok = 1;
+                    for (int i = 0; i < p; i++)
+                        for (int j = 0; j <= i; j++)
+                            if (memcmp(&c[(size_t)i * p + j], &cr[(size_t)i * p + j], 8)) ok = 0;
+                    std::vector<double> dr(p);
+                    if (eq) skv_canon_ref_equilibrate(m, p, cr.data(), yr.data(), dr.data());
+                    double s, fl;
+                    skv_canon_ref_shift(m, p, cr.data(), &s, &fl);
+                    skv_canon_ref_chol(p, cr.data(), s, fl, lr.data());
+                    skv_canon_ref_solve(m, p, lr.data(), yr.data(), xr.data());
+                    /* fast chol from the fast C (upper part poisoned), then the fast solve */
+                    fchol((p + 31) / 32, m, p, c.data(), eq, dsc.data(), l.data());
+                    for (int i = 0; i < p; i++)
+                        for (int j = 0; j < p; j++) {
+                            double want = j <= i ? lr[(size_t)i * p + j] : 0.0; /* l[j p + i] = L_ij */
+                            if (memcmp(&l[(size_t)j * p + i], &want, 8)) ok = 0;
+                        }
+                    if (eq && !same(dsc.data(), dr.data(), p)) ok = 0;
+                    fsolve((p + 31) / 32, m, p, y.data(), l.data(), eq, dsc.data(), x.data());
+                    if (!same(x.data(), xr.data(), (size_t)m * p)) ok = 0;
+                    /* x aliasing y */
+                    std::vector<double> y2 = y;
+                    fsolve((p + 31) / 32, m, p, y2.data(), l.data(), eq, dsc.data(), y2.data());
+                    if (!same(y2.data(), xr.data(), (size_t)m * p)) ok = 0;
+                    cases++;
+                    if (!ok) {
+                        fails++;
+                        printf("FAIL m %d p %d eq %d kind %d\n", m, p, eq, kind);
+                    }
+                }
+        }
+    /* the Cholesky alone on symmetric indefinite C with a positive diagonal (pivots floored) */
+    for (int p : ps)
+        for (int eq = 0; eq <= 1; eq++) {
+            const int m = 1024;
+            std::vector<double> c((size_t)p * p), cr, l((size_t)p * p), lr((size_t)p * p, 0.0), dsc(p), dr(p);
+            for (int i = 0; i < p; i++)
+                for (int j = 0; j <= i; j++)
+                    c[(size_t)i * p + j] = c[(size_t)j * p + i] = i == j ? std::fabs(nd(rng)) : nd(rng); /* tr > 0 */
+            cr = c;
+            if (eq) skv_canon_ref_equilibrate(0, p, cr.data(), nullptr, dr.data());
+            double s, fl;
+            skv_canon_ref_shift(m, p, cr.data(), &s, &fl);
+            skv_canon_ref_chol(p, cr.data(), s, fl, lr.data());
+            int nfl = 0;
+            for (int j = 0; j < p; j++) nfl += lr[(size_t)j * p + j] == std::sqrt(fl);
+            fchol((p + 31) / 32, m, p, c.data(), eq, dsc.data(), l.data());
+            int ok = !eq || same(dsc.data(), dr.data(), p);
+            for (int i = 0; i < p; i++)
+                for (int j = 0; j < p; j++) {
+                    double want = j <= i ? lr[(size_t)i * p + j] : 0.0;
+                    if (memcmp(&l[(size_t)j * p + i], &want, 8)) ok = 0;
+                }
+            cases++;
+            floored += nfl;
+            if (!ok) {
+                fails++;
+                printf("FAIL indefinite p %d eq %d (floored %d)\n", p, eq, nfl);
+            }
+        }
+    /* G X: d x d times d x r, several shapes (tile edges) */
+    const int gd[][2] = {{64, 32}, {100, 33}, {257, 160}, {1024, 160}, {1024, 1}, {70, 70}};
+    for (auto &sh : gd) {
+        int d = sh[0], r = sh[1];
+        std::vector<double> g((size_t)d * d), xx((size_t)d * r), yy((size_t)d * r, NAN), yr((size_t)d * r);
+        for (auto &v : g) v = nd(rng);
+        for (auto &v : xx) v = nd(rng);
+        skv_canon_ref_gx(d, r, g.data(), xx.data(), yr.data());
+        emu_gemm<4, 4, 16, 8, 16>(d, r, d, g.data(), d, 1, xx.data(), r, 1, yy.data(), r, 0);
+        cases++;
+        if (!same(yy.data(), yr.data(), yy.size())) {
+            fails++;
+            printf("FAIL G X d %d r %d\n", d, r);
+        }
+    }
+    printf("%d cases, %d failures (%d floored pivots in the indefinite cases)\n", cases, fails, floored);
+    return fails != 0;
+}
