@@ -6,9 +6,13 @@
  * synchronization, no allocation:
  *   1. column scales: atomicMax of the bf16 magnitude bits per column (any order),
  *      e_i on the device;
- *   2. per token block (f->canon_rows rows): the fixed-point block in double
- *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
- *      partial sum an integer below 2^53); G = S scaled, both triangles;
+ *   2. the exact S = X^T X on int8 tensor cores (skv_cuda_canon_i8.h: X split into
+ *      s <= 4 signed 7-bit digits per token block, s int8 GEMMs into int32 products,
+ *      a combine kernel into S in double, all exact); with SKV_CC_GRAM_DSYRK=1 (or
+ *      where the int8 plan does not fit the scratch) per token block (f->canon_rows
+ *      rows) the fixed-point block in double (skv_canon_fix), then cuBLAS DSYRK
+ *      accumulating S (beta = 1: exact, every partial sum an integer below 2^53);
+ *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
  *      Y^T Y by a register-tiled chain kernel (each output one __fma_rn chain in
  *      order of k), the equilibration, trace, shift, floor and Cholesky in one
@@ -24,6 +28,7 @@
 #define SKV_CUDA_CANON_CUH
 
 #include "skv_factor_canon.h"
+#include "skv_cuda_canon_i8.h"
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -55,6 +60,97 @@ static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, 
     int64_t count = rows * d;
     for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
         blk[k] = skv_canon_fix(a[k], F, e[k % d]);
+}
+
+/* The int8 digit planes of a token block (skv_cuda_canon_i8.h): rows [0, rows) of a (row major
+   [rows, d]), plane k at out + k plane_bytes, column i of plane k at i ld (ld = the plan's rows).
+   A block of 256 threads per tile of 128 rows x 64 columns: coalesced bf16 reads along the row,
+   the packed digits transposed through shared memory, 4-byte writes along the column. Rows
+   [rows, the tile's end) and columns [d, d4) get zeros. */
+#define SKV_CC_SL_T 128
+#define SKV_CC_SL_I 64
+static __global__ void __launch_bounds__(256)
+    skv_cc_slice(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t d4, const int32_t *__restrict__ e,
+                 int32_t F, int s, int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
+{
+    __shared__ uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T + 1];
+    const int tid = threadIdx.x;
+    const int64_t t0 = (int64_t)blockIdx.y * SKV_CC_SL_T;
+    const int32_t i0 = blockIdx.x * SKV_CC_SL_I;
+    for (int idx = tid; idx < SKV_CC_SL_T * SKV_CC_SL_I; idx += 256) {
+        int tt = idx / SKV_CC_SL_I, ii = idx % SKV_CC_SL_I;
+        int64_t t = t0 + tt;
+        int32_t i = i0 + ii;
+        uint32_t p = 0;
+        if (t < rows && i < d) p = skv_cc_i8_pack((int32_t)skv_canon_fix(a[t * d + i], F, e[i]), s);
+        sm[ii][tt] = p;
+    }
+    __syncthreads();
+    for (int k = 0; k < s; k++) {
+        int8_t *pk = out + (size_t)k * plane_bytes;
+        for (int idx = tid; idx < SKV_CC_SL_I * (SKV_CC_SL_T / 4); idx += 256) {
+            int ii = idx / (SKV_CC_SL_T / 4), q = idx % (SKV_CC_SL_T / 4);
+            int32_t i = i0 + ii;
+            if (i >= d4) continue;
+            const int sh = 8 * k;
+            char4 v;
+            v.x = (signed char)(sm[ii][4 * q + 0] >> sh);
+            v.y = (signed char)(sm[ii][4 * q + 1] >> sh);
+            v.z = (signed char)(sm[ii][4 * q + 2] >> sh);
+            v.w = (signed char)(sm[ii][4 * q + 3] >> sh);
+            *(char4 *)(pk + (int64_t)i * ld + t0 + 4 * q) = v;
+        }
+    }
+}
+
+/* g [d, d] (column major, upper triangle i <= j at g[i + j d]) = (first ? 0 : g) + S_chunk from the
+   int32 products (skv_cuda_canon_i8.h): S_ij = sum_(a<=b) 2^(7(a+b)) (P_ab[i][j] + (a < b) P_ab[j][i])
+   in int64, exact, then one exact double (addition). 32 x 8 threads per 32 x 32 tile of the upper
+   triangle; P_ab[j][i] through shared memory (coalesced both ways). */
+#define SKV_CC_CB 32
+static __global__ void __launch_bounds__(256)
+    skv_cc_combine(const int32_t *__restrict__ acc, skv_cc_i8_plan p, int32_t d, int first, double *__restrict__ g)
+{
+    __shared__ int32_t tt[SKV_CC_CB][SKV_CC_CB + 1];
+    const int32_t I0 = blockIdx.y * SKV_CC_CB, J0 = blockIdx.x * SKV_CC_CB;
+    if (I0 > J0) return; /* whole block: no __syncthreads skipped by part of it */
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int32_t d4 = p.d4;
+    long long sum[SKV_CC_CB / 8];
+#pragma unroll
+    for (int q = 0; q < SKV_CC_CB / 8; q++) sum[q] = 0;
+    for (int b = 0; b < p.s; b++) {
+        const int64_t ldb = (int64_t)(b + 1) * d4;
+        for (int a_ = 0; a_ <= b; a_++) {
+            const int32_t *pab = acc + p.acc_off[b] + (int64_t)a_ * d4; /* P_ab[i][j] = pab[i + j ldb] */
+            const long long w = 1LL << (7 * (a_ + b));
+            if (a_ < b) {
+                __syncthreads();
+#pragma unroll
+                for (int q = 0; q < SKV_CC_CB / 8; q++) { /* tt[i][j] = P_ab[j][i], j = J0 + tx along memory */
+                    int32_t i = I0 + ty + 8 * q, j = J0 + tx;
+                    tt[ty + 8 * q][tx] = i < d4 && j < d4 ? pab[j + (int64_t)i * ldb] : 0;
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int q = 0; q < SKV_CC_CB / 8; q++) { /* thread (tx, ty): i = I0 + tx, j = J0 + ty + 8 q */
+                int32_t i = I0 + tx, j = J0 + ty + 8 * q;
+                long long v = i < d4 && j < d4 ? (long long)pab[i + (int64_t)j * ldb] : 0;
+                if (a_ < b) v += tt[tx][ty + 8 * q];
+                sum[q] += v * w;
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < SKV_CC_CB / 8; q++) {
+        int32_t i = I0 + tx, j = J0 + ty + 8 * q;
+        if (i < d && j < d && i <= j) {
+            double v = (double)sum[q]; /* |S_chunk| <= 2^53: exact */
+            int64_t k = i + (int64_t)j * d;
+            g[k] = first ? v : __dadd_rn(g[k], v);
+        }
+    }
 }
 
 /* g [d, d]: the cuBLAS upper triangle (column major: row i <= column j at g[i + j d]) of S, into G,
@@ -322,6 +418,77 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     return SKV_OK;
 }
 
+/* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
+   f->canon_rows rows in blk: S's upper triangle into g (column major). */
+static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                                  char *msg, size_t cap)
+{
+    const int32_t d = f->d;
+    const double one = 1.0, zero = 0.0;
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDgemm (canonical exact Gram)");
+#else
+        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDsyrk (canonical exact Gram)");
+#endif
+    }
+    return SKV_OK;
+}
+
+/* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
+   cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
+   SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
+   p.rows rows: the digit planes (one kernel), s int8 GEMMs [X_0 .. X_b]^T X_b into the int32
+   products (beta = 1 within a chunk of p.chunk_rows rows); per chunk: the combine into g. */
+static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                              char *msg, size_t cap)
+{
+#if SKV_CC_GRAM_DSYRK
+    return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+#else
+    const int32_t d = f->d;
+    skv_cc_i8_plan p;
+    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, f->scratch_bytes, &p))
+        return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+    int32_t *acc = (int32_t *)f->scratch;
+    int8_t *planes = (int8_t *)f->scratch + p.planes_off;
+    const int32_t one = 1, zero = 0;
+    const int64_t ld = p.rows;
+    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
+        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
+        const int64_t kp = (rows + 15) / 16 * 16; /* the GEMMs' k: zero rows past the block's end */
+        {
+            dim3 gr((unsigned)((p.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
+            skv_cc_slice<<<gr, 256, 0, f->st>>>(a + (size_t)t0 * d, rows, d, p.d4, f->cc_e, F, p.s, ld, p.plane_bytes,
+                                                planes);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
+        }
+        const int chunk_first = t0 % p.chunk_rows == 0;
+        for (int b = 0; b < p.s; b++) {
+            /* column major: C [(b+1) d4, d4] = A^T B, A = the planes 0..b ([kp, (b+1) d4], ld), B = plane b */
+            SKV_CF_CHECK_BLAS(cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, planes,
+                                           CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
+                                           chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
+                                           CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT),
+                              "cublasGemmEx (canonical exact Gram, int8 digits)");
+        }
+        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) {
+            dim3 th(SKV_CC_CB, 8), gr((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
+            skv_cc_combine<<<gr, th, 0, f->st>>>(acc, p, d, t0 < p.chunk_rows, g);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 Gram combine kernel");
+        }
+    }
+    return SKV_OK;
+#endif
+}
+
 /* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). */
 static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
                                    size_t cap)
@@ -343,19 +510,9 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical scales kernel");
     }
     /* 2 */
-    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
-        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
-#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDgemm (canonical exact Gram)");
-#else
-        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDsyrk (canonical exact Gram)");
-#endif
+    {
+        skv_status s;
+        if ((s = skv_cc_gram(f, n, a, F, g, blk, msg, cap)) != SKV_OK) return s;
     }
     skv_cc_gscale<<<skv_cf_blocks((int64_t)d * d), SKV_CF_THREADS, 0, f->st>>>(g, d, f->cc_e, F);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Gram scale kernel");
