@@ -1,8 +1,9 @@
 /*
  * canon_i8_emul.c - a host emulation of the cuda canonical route's int8 exact Gram
  * (cuda/skv_cuda_canon_i8.h, the kernels skv_cc_slice / skv_cc_combine and the int8 GEMMs of
- * skv_cc_gram in cuda/skv_cuda_canon.cuh), step for step in plain C: the same plan, the same
- * digit planes (layout, zero padding), each GEMM as int64 sums checked to stay in int32 (every
+ * skv_cc_gram in cuda/skv_cuda_canon.cuh), step for step in plain C: the same plan, the two
+ * kernels transcribed as launched (grid, threads, shared-memory phases; the digit planes'
+ * layout and zero padding, the char4 stores checked aligned and inside the plane), each GEMM as int64 sums checked to stay in int32 (every
  * partial sum too: the products of one entry are summed in row order and each running value
  * is checked), beta = 1 within a chunk, the int64 combine into double. Compared bit for bit with
  * the plain double S = X^T X (the rule's step 2) and an int64 S. No GPU needed:
@@ -76,7 +77,8 @@ static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t by
         return;
     }
     if (chunk_rows_override) p.chunk_rows = chunk_rows_override / p.rows * p.rows;
-    unsigned char *scratch = calloc(bytes, 1);
+    unsigned char *scratch = malloc(bytes); /* stale bytes, as the device scratch holds */
+    memset(scratch, 0xa5, bytes);
     int32_t *acc = (int32_t *)scratch;
     int8_t *planes = (int8_t *)(scratch + p.planes_off);
     const int64_t ld = p.rows;
@@ -84,12 +86,36 @@ static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t by
     for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
         const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows, kp = (rows + 15) / 16 * 16;
         (*nblocks)++;
-        /* skv_cc_slice: tiles of 128 rows x 64 columns, every row of a touched tile written */
-        int64_t tend = (rows + 127) / 128 * 128;
-        for (int64_t t = 0; t < tend; t++)
-            for (int32_t i = 0; i < p.d4; i++) {
-                uint32_t pk = t < rows && i < d ? skv_cc_i8_pack(x[(t0 + t) * d + i], p.s) : 0;
-                for (int k = 0; k < p.s; k++) planes[(size_t)k * p.plane_bytes + (size_t)i * ld + t] = digit(pk, k);
+        /* skv_cc_slice as launched: grid (ceil(d4 / 64), ceil(rows / 128)), 256 threads, its two phases */
+        for (unsigned by = 0; by < (unsigned)((rows + 127) / 128); by++)
+            for (unsigned bx = 0; bx < (unsigned)((p.d4 + 63) / 64); bx++) {
+                static uint32_t sm[64][129];
+                const int64_t tt0 = (int64_t)by * 128;
+                const int32_t i0 = (int32_t)bx * 64;
+                for (int tid = 0; tid < 256; tid++)
+                    for (int idx = tid; idx < 128 * 64; idx += 256) {
+                        int tt = idx / 64, ii = idx % 64;
+                        int64_t t = tt0 + tt;
+                        int32_t i = i0 + ii;
+                        uint32_t pk = 0;
+                        if (t < rows && i < d) pk = skv_cc_i8_pack(x[(t0 + t) * d + i], p.s);
+                        sm[ii][tt] = pk;
+                    }
+                for (int tid = 0; tid < 256; tid++)
+                    for (int k = 0; k < p.s; k++) {
+                        int8_t *pk = planes + (size_t)k * p.plane_bytes;
+                        for (int idx = tid; idx < 64 * 32; idx += 256) {
+                            int ii = idx / 32, q = idx % 32;
+                            int32_t i = i0 + ii;
+                            if (i >= p.d4) continue;
+                            int8_t *dst = pk + (int64_t)i * ld + tt0 + 4 * q;
+                            if ((uintptr_t)dst % 4 || tt0 + 4 * q + 4 > ld) {
+                                printf("slice: misaligned or out-of-plane char4 store\n");
+                                failures++;
+                            }
+                            for (int c = 0; c < 4; c++) dst[c] = (int8_t)(sm[ii][4 * q + c] >> (8 * k));
+                        }
+                    }
             }
         const int chunk_first = t0 % p.chunk_rows == 0;
         for (int b = 0; b < p.s; b++) { /* cublasGemmEx T, N: C [(b+1) d4, d4] = A^T B */
@@ -111,28 +137,53 @@ static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t by
                     C[i + (size_t)j * ldc] = (int32_t)v;
                 }
         }
-        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) { /* skv_cc_combine */
+        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) { /* skv_cc_combine as launched */
             const int first = t0 < p.chunk_rows;
             (*nchunks)++;
-            for (int32_t j = 0; j < d; j++)
-                for (int32_t i = 0; i <= j; i++) {
-                    long long sum = 0;
+            const unsigned gdim = (unsigned)((d + 31) / 32);
+            for (unsigned by = 0; by < gdim; by++)
+                for (unsigned bx = 0; bx < gdim; bx++) {
+                    static int32_t tt[32][33];
+                    static long long sum[8][32][4]; /* [ty][tx][q] */
+                    const int32_t I0 = (int32_t)by * 32, J0 = (int32_t)bx * 32, d4 = p.d4;
+                    if (I0 > J0) continue;
+                    memset(sum, 0, sizeof sum);
                     for (int b = 0; b < p.s; b++) {
-                        const int64_t ldb = (int64_t)(b + 1) * p.d4;
+                        const int64_t ldb = (int64_t)(b + 1) * d4;
                         for (int a_ = 0; a_ <= b; a_++) {
-                            const int32_t *pab = acc + p.acc_off[b] + (int64_t)a_ * p.d4;
-                            long long v = pab[i + (int64_t)j * ldb];
-                            if (a_ < b) v += pab[j + (int64_t)i * ldb];
-                            sum += v * (1LL << (7 * (a_ + b)));
+                            const int32_t *pab = acc + p.acc_off[b] + (int64_t)a_ * d4;
+                            const long long w = 1LL << (7 * (a_ + b));
+                            if (a_ < b)
+                                for (int ty = 0; ty < 8; ty++)
+                                    for (int tx = 0; tx < 32; tx++)
+                                        for (int q = 0; q < 4; q++) {
+                                            int32_t i = I0 + ty + 8 * q, j = J0 + tx;
+                                            tt[ty + 8 * q][tx] = i < d4 && j < d4 ? pab[j + (int64_t)i * ldb] : 0;
+                                        }
+                            for (int ty = 0; ty < 8; ty++)
+                                for (int tx = 0; tx < 32; tx++)
+                                    for (int q = 0; q < 4; q++) {
+                                        int32_t i = I0 + tx, j = J0 + ty + 8 * q;
+                                        long long v = i < d4 && j < d4 ? (long long)pab[i + (int64_t)j * ldb] : 0;
+                                        if (a_ < b) v += tt[tx][ty + 8 * q];
+                                        sum[ty][tx][q] += v * w;
+                                    }
                         }
                     }
-                    double v = (double)sum;
-                    if ((long long)v != sum) {
-                        printf("combine: S_chunk %lld not exact in double\n", sum);
-                        failures++;
-                    }
-                    int64_t k = i + (int64_t)j * d;
-                    g[k] = first ? v : g[k] + v;
+                    for (int ty = 0; ty < 8; ty++)
+                        for (int tx = 0; tx < 32; tx++)
+                            for (int q = 0; q < 4; q++) {
+                                int32_t i = I0 + tx, j = J0 + ty + 8 * q;
+                                if (i < d && j < d && i <= j) {
+                                    double v = (double)sum[ty][tx][q];
+                                    if ((long long)v != sum[ty][tx][q]) {
+                                        printf("combine: S_chunk %lld not exact in double\n", sum[ty][tx][q]);
+                                        failures++;
+                                    }
+                                    int64_t k = i + (int64_t)j * d;
+                                    g[k] = first ? v : g[k] + v;
+                                }
+                            }
                 }
         }
     }
@@ -230,6 +281,9 @@ int main(void)
     case_("random, blocks + chunks", G_RANDOM, 5000, 30, skv_cc_i8_acc_bytes(30, 3, NULL) + 3 * 32 * 700, 1500);
     case_("max -, blocks + chunks, n = 2^13 + 5", G_MAXNEG, 8197, 6, skv_cc_i8_acc_bytes(6, 3, NULL) + 3 * 8 * 1024,
           3000);
+    case_("bf16, d = 130 (d4 = 132), blocks + chunks", G_BF16, 3000, 130, skv_cc_i8_acc_bytes(130, 3, NULL) + 3 * 132 * 640,
+          1300);
+    case_("max signs, n = 300, d = 1024 (64 MiB)", G_MAXSIGNS, 300, 1024, big, 0);
     case_("max - (S = 2^53), n = 2^17", G_MAXNEG, 131072, 4, big, 0);
     case_("max signs, n = 65536 + 77", G_MAXSIGNS, 65536 + 77, 5, big, 0);
     case_("random, n = 2^16", G_RANDOM, 65536, 12, big, 0);
