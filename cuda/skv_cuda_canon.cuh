@@ -424,9 +424,9 @@ static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
                                             CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
                                             chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
                                             CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT);
-            /* a cuBLAS without this int8 GEMM refuses the first call, before g is touched: the DSYRK path
-               then (the same S; its kernels in a profile show it) */
-            if (t0 == 0 && b == 0 && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
+            /* a cuBLAS without this int8 GEMM (or shape) refuses it; before the first combine g is untouched:
+               the DSYRK path then, from the start (the same S; its kernels in a profile show it) */
+            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
                 return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
             SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact Gram, int8 digits)");
         }
