@@ -100,6 +100,81 @@ static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, 
         blk[k] = skv_canon_fix(a[k], F, e[k % d]);
 }
 
+/* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
+   f->canon_rows rows in blk: S's upper triangle into g (column major). */
+static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                                  char *msg, size_t cap)
+{
+    const int32_t d = f->d;
+    const double one = 1.0, zero = 0.0;
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDgemm (canonical exact Gram)");
+#else
+        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDsyrk (canonical exact Gram)");
+#endif
+    }
+    return SKV_OK;
+}
+
+/* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
+   cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
+   SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
+   p.rows rows: the digit planes (one kernel), s int8 GEMMs [X_0 .. X_b]^T X_b into the int32
+   products (beta = 1 within a chunk of p.chunk_rows rows); per chunk: the combine into g. */
+static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                              char *msg, size_t cap)
+{
+#if SKV_CC_GRAM_DSYRK
+    return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+#else
+    const int32_t d = f->d;
+    skv_cc_i8_plan p;
+    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, f->scratch_bytes, &p))
+        return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+    int32_t *acc = (int32_t *)f->scratch;
+    int8_t *planes = (int8_t *)f->scratch + p.planes_off;
+    const int32_t one = 1, zero = 0;
+    const int64_t ld = p.rows;
+    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
+        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
+        const int64_t kp = (rows + 15) / 16 * 16; /* the GEMMs' k: zero rows past the block's end */
+        {
+            dim3 gr((unsigned)((p.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
+            skv_cc_slice<<<gr, 256, 0, f->st>>>(a + (size_t)t0 * d, rows, d, p.d4, f->cc_e, F, p.s, ld, p.plane_bytes,
+                                                planes);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
+        }
+        const int chunk_first = t0 % p.chunk_rows == 0;
+        for (int b = 0; b < p.s; b++) {
+            /* column major: C [(b+1) d4, d4] = A^T B, A = the planes 0..b ([kp, (b+1) d4], ld), B = plane b */
+            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, planes,
+                                            CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
+                                            chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
+                                            CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT);
+            /* a cuBLAS without this int8 GEMM (or shape) refuses it; before the first combine g is untouched:
+               the DSYRK path then, from the start (the same S; its kernels in a profile show it) */
+            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
+                return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+            SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact Gram, int8 digits)");
+        }
+        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) {
+            dim3 th(SKV_CC_CB, 8), gr((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
+            skv_cc_combine<<<gr, th, 0, f->st>>>(acc, p, d, t0 < p.chunk_rows, g);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 Gram combine kernel");
+        }
+    }
+    return SKV_OK;
+#endif
+}
+
 /* g [d, d]: the cuBLAS upper triangle (column major: row i <= column j at g[i + j d]) of S, into G,
    both triangles (G is symmetric: row- and column-major alike). */
 static __global__ void skv_cc_gscale(double *__restrict__ g, int32_t d, const int32_t *__restrict__ e, int32_t F)
@@ -363,81 +438,6 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
 #undef SKV_CC_SOLVE_CASE
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical solve kernel");
     return SKV_OK;
-}
-
-/* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
-   f->canon_rows rows in blk: S's upper triangle into g (column major). */
-static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
-                                  char *msg, size_t cap)
-{
-    const int32_t d = f->d;
-    const double one = 1.0, zero = 0.0;
-    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
-        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
-#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDgemm (canonical exact Gram)");
-#else
-        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDsyrk (canonical exact Gram)");
-#endif
-    }
-    return SKV_OK;
-}
-
-/* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
-   cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
-   SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
-   p.rows rows: the digit planes (one kernel), s int8 GEMMs [X_0 .. X_b]^T X_b into the int32
-   products (beta = 1 within a chunk of p.chunk_rows rows); per chunk: the combine into g. */
-static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
-                              char *msg, size_t cap)
-{
-#if SKV_CC_GRAM_DSYRK
-    return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
-#else
-    const int32_t d = f->d;
-    skv_cc_i8_plan p;
-    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, f->scratch_bytes, &p))
-        return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
-    int32_t *acc = (int32_t *)f->scratch;
-    int8_t *planes = (int8_t *)f->scratch + p.planes_off;
-    const int32_t one = 1, zero = 0;
-    const int64_t ld = p.rows;
-    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
-        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
-        const int64_t kp = (rows + 15) / 16 * 16; /* the GEMMs' k: zero rows past the block's end */
-        {
-            dim3 gr((unsigned)((p.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
-            skv_cc_slice<<<gr, 256, 0, f->st>>>(a + (size_t)t0 * d, rows, d, p.d4, f->cc_e, F, p.s, ld, p.plane_bytes,
-                                                planes);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
-        }
-        const int chunk_first = t0 % p.chunk_rows == 0;
-        for (int b = 0; b < p.s; b++) {
-            /* column major: C [(b+1) d4, d4] = A^T B, A = the planes 0..b ([kp, (b+1) d4], ld), B = plane b */
-            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, planes,
-                                            CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
-                                            chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
-                                            CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT);
-            /* a cuBLAS without this int8 GEMM (or shape) refuses it; before the first combine g is untouched:
-               the DSYRK path then, from the start (the same S; its kernels in a profile show it) */
-            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
-                return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
-            SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact Gram, int8 digits)");
-        }
-        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) {
-            dim3 th(SKV_CC_CB, 8), gr((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
-            skv_cc_combine<<<gr, th, 0, f->st>>>(acc, p, d, t0 < p.chunk_rows, g);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 Gram combine kernel");
-        }
-    }
-    return SKV_OK;
-#endif
 }
 
 /* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). */
