@@ -11,11 +11,14 @@
  *   cc -std=c99 -O2 -ffp-contract=off -Iinclude -Ilib -Icuda tests/gpu/probes/canon_i8_emul.c -lm \
  *     -o build/canon_i8_emul && build/canon_i8_emul
  *
+ * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max.
+ *
  * Cases: the digits of every |x| <= 2^(F+1) for F <= 19 (sampled and extremes above), then
  * Grams on integer X with |x| = 2^(F+1) everywhere (both signs, all negative: S = 2^53 exactly
  * at n = 2^17), random X, bf16 inputs through skv_canon_fix, n not a multiple of the block,
  * several blocks and several chunks (a shortened chunk: the control flow), d not a multiple of
- * 4, and one 524287-row chunk of the digit -64 everywhere (the int32 bound, 2^31 - 4096).
+ * 4, and a 524160-row chunk of x = -64 - 64 * 128 (digits -64, -64, 0: the int32 sums reach
+ * 524160 * 2^12, 2^31 - 2^19).
  */
 #include <inttypes.h>
 #include <math.h>
@@ -265,9 +268,61 @@ static void case_(const char *what, int kind, int64_t n, int32_t d, size_t bytes
     free(x);
 }
 
+/* skv_cc_colmax8 (cuda/skv_cuda_canon.cuh) as launched, against the plain column max. */
+static void check_colmax8(int64_t n, int32_t d)
+{
+    uint16_t *a = malloc(sizeof *a * (size_t)n * d);
+    unsigned *cm = calloc((size_t)d, sizeof *cm), *ref = calloc((size_t)d, sizeof *ref);
+    for (int64_t k = 0; k < n * d; k++) a[k] = (uint16_t)(rnd() & (rnd() % 3 ? 0x87ffu : 0xffffu)); /* finite or not: bits only */
+    for (int64_t k = 0; k < n * d; k++) {
+        unsigned v = a[k] & 0x7fffu;
+        if (v > ref[k % d]) ref[k % d] = v;
+    }
+    const unsigned gx = (unsigned)((d / 8 + 31) / 32);
+    int64_t gy = 1024 / gx, rows8 = (n + 7) / 8;
+    if (gy > rows8) gy = rows8;
+    if (gy < 1) gy = 1;
+    for (unsigned by = 0; by < (unsigned)gy; by++)
+        for (unsigned bx = 0; bx < gx; bx++) {
+            static unsigned red[8][32 * 8 + 1];
+            for (int ty = 0; ty < 8; ty++)
+                for (int tx = 0; tx < 32; tx++) {
+                    const int32_t g = (int32_t)bx * 32 + tx, ng = d / 8;
+                    unsigned mx[8] = {0};
+                    if (g < ng) {
+                        const uint16_t *p = a + (size_t)g * 8; /* the uint4 at (const uint4 *) a + g */
+                        for (int64_t t = (int64_t)by * 8 + ty; t < n; t += gy * 8) {
+                            const uint16_t *v = p + (size_t)t * ng * 8;
+                            for (int c = 0; c < 8; c++) {
+                                unsigned m = v[c] & 0x7fffu;
+                                mx[c] = m > mx[c] ? m : mx[c];
+                            }
+                        }
+                    }
+                    for (int c = 0; c < 8; c++) red[ty][tx * 8 + c] = mx[c];
+                }
+            for (int tid = 0; tid < 256; tid++) {
+                unsigned m = 0;
+                for (int y = 0; y < 8; y++) m = red[y][tid] > m ? red[y][tid] : m;
+                const int32_t col = (int32_t)bx * 256 + tid;
+                if (col < d && m > cm[col]) cm[col] = m;
+            }
+        }
+    int bad = memcmp(cm, ref, sizeof *cm * (size_t)d) != 0;
+    printf("colmax8 n = %lld d = %d: %s\n", (long long)n, (int)d, bad ? "MISMATCH" : "equal");
+    failures += bad;
+    free(a);
+    free(cm);
+    free(ref);
+}
+
 int main(void)
 {
     check_digits();
+    check_colmax8(1, 8);
+    check_colmax8(7, 64);
+    check_colmax8(1000, 1024);
+    check_colmax8(65536 + 5, 264);
     /* the scratch create gives at d = 1024 (64 MiB); small d: a small scratch forces several blocks */
     const size_t big = (size_t)64 << 20;
     case_("random, n = 1 (F = 25)", G_RANDOM, 1, 33, big, 0);
