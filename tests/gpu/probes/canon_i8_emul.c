@@ -68,8 +68,8 @@ static void check_digits(void)
     printf("digits: F = 0..25 checked (s = %d at F = 17, %d at F = 25)\n", skv_cc_i8_slices(17), skv_cc_i8_slices(25));
 }
 
-/* The emulated route: g [d, d] column major, upper triangle. chunk_div > 1 shortens the chunk (a
-   multiple of the block still) to run the chunk logic on small n. */
+/* The emulated route: g [d, d] column major, upper triangle. chunk_rows_override (0: none) shortens
+   the chunk (rounded down to a multiple of the block) to run the chunk logic on small n. */
 static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t bytes, int64_t chunk_rows_override,
                     double *g, int *nblocks, int *nchunks)
 {
