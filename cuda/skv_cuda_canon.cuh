@@ -6,9 +6,13 @@
  * synchronization, no allocation:
  *   1. column scales: atomicMax of the bf16 magnitude bits per column (any order),
  *      e_i on the device;
- *   2. per token block (f->canon_rows rows): the fixed-point block in double
- *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
- *      partial sum an integer below 2^53); G = S scaled, both triangles;
+ *   2. the exact S = X^T X on int8 tensor cores (skv_cuda_canon_i8.h: X split into
+ *      s <= 4 signed 7-bit digits per token block, s int8 GEMMs into int32 products,
+ *      a combine kernel into S in double, all exact); with SKV_CC_GRAM_DSYRK=1 (or
+ *      where the int8 plan does not fit the scratch) per token block (f->canon_rows
+ *      rows) the fixed-point block in double (skv_canon_fix), then cuBLAS DSYRK
+ *      accumulating S (beta = 1: exact, every partial sum an integer below 2^53);
+ *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
  *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
  *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
@@ -28,6 +32,7 @@
 #define SKV_CUDA_CANON_CUH
 
 #include "skv_factor_canon.h"
+#include "skv_cuda_canon_i8.cuh"
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -45,6 +50,44 @@ static __global__ void skv_cc_colmax(const skv_bf16 *__restrict__ a, int64_t n, 
     }
 }
 
+/* The same with 16-byte loads (d % 8 == 0, a 16-byte aligned): thread (x, y) of a 32 x 8 block owns
+   the 8 columns 8 (32 blockIdx.x + x) .. + 7 over the rows blockIdx.y 8 + y + k 8 gridDim.y; the 8
+   row lanes reduced in shared memory, then one atomicMax per column and block. */
+static __global__ void __launch_bounds__(256)
+    skv_cc_colmax8(const skv_bf16 *__restrict__ a, int64_t n, int32_t d, unsigned *__restrict__ colmax)
+{
+    __shared__ unsigned red[8][32 * 8 + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int32_t g = blockIdx.x * 32 + tx, ng = d / 8;
+    unsigned mx[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++) mx[c] = 0;
+    if (g < ng) {
+        const uint4 *p = (const uint4 *)a + g;
+        const int64_t step = (int64_t)gridDim.y * 8;
+#pragma unroll 4
+        for (int64_t t = (int64_t)blockIdx.y * 8 + ty; t < n; t += step) {
+            uint4 v = __ldg(p + t * ng);
+            unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                unsigned lo = w[k] & 0x7fffu, hi = (w[k] >> 16) & 0x7fffu;
+                mx[2 * k] = lo > mx[2 * k] ? lo : mx[2 * k];
+                mx[2 * k + 1] = hi > mx[2 * k + 1] ? hi : mx[2 * k + 1];
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 8; c++) red[ty][tx * 8 + c] = mx[c];
+    __syncthreads();
+    const int tid = ty * 32 + tx; /* 256 threads: one column each of the block's 256 */
+    unsigned m = 0;
+#pragma unroll
+    for (int y = 0; y < 8; y++) m = red[y][tid] > m ? red[y][tid] : m;
+    const int32_t col = blockIdx.x * 256 + tid;
+    if (col < d) atomicMax(colmax + col, m);
+}
+
 /* e[i] = ex of column i's max magnitude. */
 static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_t d, int32_t *__restrict__ e)
 {
@@ -59,6 +102,81 @@ static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, 
     int64_t count = rows * d;
     for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
         blk[k] = skv_canon_fix(a[k], F, e[k % d]);
+}
+
+/* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
+   f->canon_rows rows in blk: S's upper triangle into g (column major). */
+static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                                  char *msg, size_t cap)
+{
+    const int32_t d = f->d;
+    const double one = 1.0, zero = 0.0;
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDgemm (canonical exact Gram)");
+#else
+        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
+                                      t0 ? &one : &zero, g, d),
+                          "cublasDsyrk (canonical exact Gram)");
+#endif
+    }
+    return SKV_OK;
+}
+
+/* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
+   cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
+   SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
+   p.rows rows: the digit planes (one kernel), s int8 GEMMs [X_0 .. X_b]^T X_b into the int32
+   products (beta = 1 within a chunk of p.chunk_rows rows); per chunk: the combine into g. */
+static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
+                              char *msg, size_t cap)
+{
+#if SKV_CC_GRAM_DSYRK
+    return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+#else
+    const int32_t d = f->d;
+    skv_cc_i8_plan p;
+    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, f->scratch_bytes, &p))
+        return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+    int32_t *acc = (int32_t *)f->scratch;
+    int8_t *planes = (int8_t *)f->scratch + p.planes_off;
+    const int32_t one = 1, zero = 0;
+    const int64_t ld = p.rows;
+    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
+        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
+        const int64_t kp = (rows + 15) / 16 * 16; /* the GEMMs' k: zero rows past the block's end */
+        {
+            dim3 gr((unsigned)((p.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
+            skv_cc_slice<<<gr, 256, 0, f->st>>>(a + (size_t)t0 * d, rows, d, p.d4, f->cc_e, F, p.s, ld, p.plane_bytes,
+                                                planes);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
+        }
+        const int chunk_first = t0 % p.chunk_rows == 0;
+        for (int b = 0; b < p.s; b++) {
+            /* column major: C [(b+1) d4, d4] = A^T B, A = the planes 0..b ([kp, (b+1) d4], ld), B = plane b */
+            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, planes,
+                                            CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
+                                            chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
+                                            CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT);
+            /* a cuBLAS without this int8 GEMM (or shape) refuses it; before the first combine g is untouched:
+               the DSYRK path then, from the start (the same S; its kernels in a profile show it) */
+            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
+                return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+            SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact Gram, int8 digits)");
+        }
+        if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) {
+            dim3 th(SKV_CC_CB, 8), gr((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
+            skv_cc_combine<<<gr, th, 0, f->st>>>(acc, p, d, t0 < p.chunk_rows, g);
+            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 Gram combine kernel");
+        }
+    }
+    return SKV_OK;
+#endif
 }
 
 /* g [d, d]: the cuBLAS upper triangle (column major: row i <= column j at g[i + j d]) of S, into G,
@@ -641,26 +759,24 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     /* 1 */
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->cc_colmax, 0, (size_t)d * sizeof(unsigned), f->st), "cudaMemsetAsync (column max)");
     {
-        dim3 gr((unsigned)((d + 255) / 256), (unsigned)(n < 256 ? n : 256));
-        skv_cc_colmax<<<gr, 256, 0, f->st>>>(a, n, d, f->cc_colmax);
+        if (d % 8 == 0 && (uintptr_t)a % 16 == 0) {
+            const unsigned gx = (unsigned)((d / 8 + 31) / 32);
+            int64_t gy = 1024 / gx, rows8 = (n + 7) / 8;
+            if (gy > rows8) gy = rows8;
+            if (gy < 1) gy = 1;
+            skv_cc_colmax8<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(a, n, d, f->cc_colmax);
+        } else {
+            dim3 gr((unsigned)((d + 255) / 256), (unsigned)(n < 256 ? n : 256));
+            skv_cc_colmax<<<gr, 256, 0, f->st>>>(a, n, d, f->cc_colmax);
+        }
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical column max kernel");
         skv_cc_scales<<<(d + 255) / 256, 256, 0, f->st>>>(f->cc_colmax, d, f->cc_e);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical scales kernel");
     }
     /* 2 */
-    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
-        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
-#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDgemm (canonical exact Gram)");
-#else
-        SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDsyrk (canonical exact Gram)");
-#endif
+    {
+        skv_status s;
+        if ((s = skv_cc_gram(f, n, a, F, g, blk, msg, cap)) != SKV_OK) return s;
     }
     skv_cc_gscale<<<skv_cf_blocks((int64_t)d * d), SKV_CF_THREADS, 0, f->st>>>(g, d, f->cc_e, F);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Gram scale kernel");

@@ -47,7 +47,8 @@
  * CANONICAL (the reproducible mode's route, lib/skv_factor_canon.h): in
  * skv_cuda_canon.cuh, bit for bit ref's; no host synchronization. Its buffers
  * (cc_*, below the FAST ones in the struct) are allocated at create for every
- * shape, its token blocks of fixed-point A and T live in scratch.
+ * shape, its token blocks (int8 digit planes of A and their int32 products for
+ * the exact Gram, skv_cuda_canon_i8.h; fixed-point A and T for U) live in scratch.
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -58,7 +59,9 @@
  *   gd      double [m_max^2]   Gram accumulator (EXACT: then the eigenvectors)
  *   evals   double [m_max]     eigenvalues (EXACT)
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
- *                              float; FAST: the fallback's partial sums
+ *                              float; FAST: the fallback's partial sums;
+ *                              CANONICAL: the int8 Gram's products and digit
+ *                              planes, then fixed-point A and T blocks
  *   x, y    double [d, r]      the iterate and G X (FAST)
  *   c       double [r, r]      Y^T Y (FAST)
  *   lt      double [~r^2 / 2]  its Cholesky factor in 8 x 8 tiles (FAST)
@@ -90,6 +93,7 @@
 #include "skv_numerics.h"
 
 #include "skv_factor.h"
+#include "skv_cuda_canon_i8.h"
 #include "skv_cuda_chol.cuh"
 
 #define SKV_CUDA_FACTOR_MAX_N ((int64_t)INT32_MAX)
@@ -209,6 +213,12 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         size_t need;
         if (!skv_mul_size((size_t)cr, ((size_t)d + r) * sizeof(double), &need)) return 0;
         if (need > s->scratch_bytes) s->scratch_bytes = need;
+#if !SKV_CC_GRAM_DSYRK
+        /* the int8 exact Gram (skv_cuda_canon_i8.h): its int32 products and digit planes, at least one
+           block of any digit count; above the cap the scratch stays and the plan decides per call */
+        need = skv_cc_i8_need(d);
+        if (need && need <= SKV_CC_I8_GROW_CAP && need > s->scratch_bytes) s->scratch_bytes = need;
+#endif
         size_t rr = (size_t)r * r * sizeof(double), cb = 2 * rr + (size_t)r * sizeof(double) +
                                                           (size_t)d * (sizeof(int32_t) + sizeof(unsigned)) +
                                                           (size_t)r * sizeof(int32_t);

@@ -408,6 +408,7 @@ int main(void)
     run_case(K_LOWRANK, 1000, 128, 24, 0);  /* keys of rank 8 + noise, one outlier channel */
     run_case(K_NORMAL, 600, 200, 170, 0);   /* r > 160 */
     run_case(K_RANK24, 1500, 256, 32, 2);   /* exactly rank 24: err at float rounding */
+    run_case(K_NORMAL, 140000, 256, 16, 0); /* n > 2^17 (F = 16): cuda's int8 Gram, 2 token blocks, int32 sums ~2^28 */
     /* accuracy on test_accuracy's spectra (and bitwise) */
     run_case(K_INV, 2048, 256, 32, 1);
     run_case(K_EXP, 4096, 512, 160, 1);
