@@ -48,14 +48,15 @@ namespace {
 
 /* ---- rebuild ----------------------------------------------------------------------------------- */
 
-constexpr int kRbTok = 128;           /* tokens per block */
-constexpr int kRbNT = 256;            /* 8 warps, 16 tokens each */
-constexpr size_t kRbSmemMax = 200 * 1024;
+constexpr int kRbTok = 128;           /* tokens per block: 8 warps of 16 (one m16 tile each) */
+constexpr int kRbNT = 256;
+constexpr int kRbKsMax = 8;           /* k steps of 32: r <= 256 on tensor cores */
+constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB, two blocks per multiprocessor */
 
 struct RebuildArgs {
     int32_t Hk, D, Dp, r, Kp, c, S, R, interleaved;
     int64_t M;                 /* S c tokens per (sequence, KV head) */
-    signed char *wq;           /* [B, Hk] x (hi, lo) [Kp/16][Dp][16]: W_h in fixed point (canon_wprep_kernel) */
+    signed char *wq;           /* [B, Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1, lo b0, lo b1]: W_h's mma B fragments */
     int *wex;                  /* [B, Hk, Dp] the columns' exponents */
     const skv_cuda_seq *seqs;  /* [B]: u, w */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
@@ -63,22 +64,36 @@ struct RebuildArgs {
     skv_bf16 *k_out;           /* [B, Hk, M, D] */
 };
 
-/* Shared memory of the tensor-core rebuild for a shape. */
+/* Row stride (floats) of the per-warp staging of the float keys before RoPE (8 mod 32 banks at Dp 128). */
+__host__ __device__ inline int rb_xstride(int32_t Dp) { return Dp + 8; }
+
+/* Dynamic shared memory of the tensor-core rebuild for a shape. */
 __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp)
 {
-    return (size_t)2 * Kp * Dp                      /* W hi, lo: [Kp/16][Dp][16] int8 */
-           + (size_t)2 * Kp * kRbTok                /* U hi, lo: [Kp/16][128][16] int8 */
-           + sizeof(int) * ((size_t)Dp + kRbTok)    /* ew, eu */
-           + sizeof(int) * 3 * 256 * (kRbNT / 32)   /* per warp: the three int32 tiles */
-           + sizeof(float) * (size_t)kRbTok * Dp;   /* per token: the float key before RoPE */
+    return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
+           + sizeof(int) * (size_t)Dp                     /* ew */
+           + sizeof(float) * (size_t)kRbTok * rb_xstride(Dp); /* per token: the float key before RoPE */
 }
 
-/* 128 hi + lo = x, hi in [-64, 64], lo in [-64, 63]. */
-__device__ __forceinline__ void split13(int32_t x, signed char *hi, signed char *lo)
+/* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
+   fma(f, s, 1.5 2^23 + 64) rounds y + 1.5 2^23 + 64 once to the integer grid (ulp 1 there), ties to even,
+   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x. A subnormal h gives
+   |y| < 2^(-114 - e) <= 1/2: x = 0 whether or not it is flushed. */
+__device__ __forceinline__ int32_t rb_fix_fast(uint32_t h, float s)
 {
-    const int32_t l = ((x + 64) & 127) - 64;
-    *lo = (signed char)l;
-    *hi = (signed char)((x - l) >> 7);
+    return __float_as_int(__fmaf_rn(__uint_as_float(h << 16), s, 12582976.0f)) - 0x4B400000;
+}
+__device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
+
+/* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
+__device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
+__device__ __forceinline__ uint32_t rb_lo8(int32_t t) { return (uint32_t)((t & 127) - 64) & 0xffu; }
+
+__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Column maxima of W_h -> ew[d] (d < Dp; 0 past D). */
@@ -109,22 +124,23 @@ __device__ void rb_rope_row(const RebuildArgs &a, const float *x, int64_t t, uin
     }
 }
 
-/* grid (Dp / 16, Hk, B), 256 threads: 16 columns of W_h of one (sequence, KV head) in fixed point,
-   split into int8 halves, in the layout the tensor-core rebuild loads (once per step instead of once
-   per token tile). Thread t owns column d0 + t % 16 and the rows q = t / 16 + 16 k. */
+/* grid (Dp / 16, Hk, B), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
+   fixed point, split into int8 halves, as the B fragments of mma m16n8k32 (col): lane (g, t) of tile nt
+   holds column 8 nt + g, rows k = 4 t + j (register 0) and 16 + 4 t + j (register 1), byte j. Written
+   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. */
 __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
 {
     static_assert(kRbNT == 256, "16 columns x 16 row groups");
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, col = tid & 15, rg = tid >> 4;
     const int d = blockIdx.x * 16 + col;
-    const uint16_t *w = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D + d;
+    const uint16_t *w0 = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D;
     const int64_t width = (int64_t)a.Hk * a.D;
     __shared__ unsigned mx_s[256];
     __shared__ int e_s[16];
     unsigned mx = 0;
     if (d < a.D) {
 #pragma unroll 4
-        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w[(int64_t)q * width] & 0x7fffu));
+        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w0[(int64_t)q * width + d] & 0x7fffu));
     }
     mx_s[tid] = mx;
     __syncthreads();
@@ -135,95 +151,201 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
         a.wex[((int64_t)b * a.Hk + h) * a.Dp + blockIdx.x * 16 + tid] = e_s[tid];
     }
     __syncthreads();
-    const int e = e_s[col];
-    signed char *Wh = a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp, *Wl = Wh + (size_t)a.Kp * a.Dp;
-#pragma unroll 4
-    for (int q = rg; q < a.Kp; q += 16) {
-        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width], e) : 0;
-        const size_t o = ((size_t)(q >> 4) * a.Dp + d) * 16 + (q & 15);
-        split13(x, Wh + o, Wl + o);
+    const int NT = a.Dp / 8, KS = a.Kp / 32;
+    uint4 *dst = reinterpret_cast<uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
+    for (int it = tid; it < KS * 64; it += kRbNT) {
+        const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
+        const int cl = ntl * 8 + g, dd = blockIdx.x * 16 + cl, e = e_s[cl];
+        uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
+#pragma unroll
+        for (int reg = 0; reg < 2; reg++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int q = 32 * ks + 16 * reg + 4 * t + j;
+                const int32_t x = q < a.r && dd < a.D ? skv_canon_rebuild_fix(w0[(int64_t)q * width + dd], e) : 0;
+                hw[reg] |= rb_hi8(x + 64) << (8 * j);
+                lw[reg] |= rb_lo8(x + 64) << (8 * j);
+            }
+        dst[((size_t)ks * NT + blockIdx.x * 2 + ntl) * 32 + ln] = make_uint4(hw[0], hw[1], lw[0], lw[1]);
     }
 }
 
-/* grid (tiles, Hk, B), 256 threads. */
-__global__ void __launch_bounds__(kRbNT) canon_rebuild_tc_kernel(const RebuildArgs a)
+/* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps. Warp w owns tokens 16 w .. +15
+   of the tile: lane (g, t) loads U rows g and g + 8 (their chunk ids first, then every 8-byte piece of
+   both rows at once), puts them in fixed point (the row max by quad shuffles) straight into the A
+   fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row g, k = 16 + 4 t + j; 3 row g + 8),
+   then per n8 tile of dims the three exact int32 sums hu.hw, hu.lw + lu.hw, lu.lw by mma m16n8k32 with
+   W's fragments from shared memory, the key (skv_canon_rebuild_key) into the warp's staging rows, and
+   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once. */
+template <int KS>
+__global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
-    using namespace nvcuda;
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int64_t m0 = (int64_t)blockIdx.x * kRbTok;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
-    signed char *Wh = (signed char *)skv_canon_smem, *Wl = Wh + (size_t)a.Kp * a.Dp;
-    signed char *Uh = Wl + (size_t)a.Kp * a.Dp, *Ul = Uh + (size_t)a.Kp * kRbTok;
-    int *ew = (int *)(Ul + (size_t)a.Kp * kRbTok), *eu = ew + a.Dp;
-    int *tiles = eu + kRbTok;                                      /* [8 warps][3][256] */
-    float *xs = (float *)(tiles + 3 * 256 * (kRbNT / 32));         /* [128][Dp] */
-    /* W_h in fixed point from canon_wprep_kernel (col-major 16 x 16 blocks: element (q, d) at
-       [(q/16) Dp + d] 16 + q%16, hi then lo), 16 bytes at a time */
+    const int NT = a.Dp / 8, xst = rb_xstride(a.Dp);
+    const uint4 *Wf = reinterpret_cast<const uint4 *>(skv_canon_smem);
+    int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
+    float *xs = (float *)(ew + a.Dp) + (size_t)warp * 16 * xst;
+    __shared__ long long pos_s[kRbNT / 32][16];
+    /* the two rows' positions, then every piece of both rows in flight */
+    int64_t pos[2];
+    bool live[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; rs++) {
+        const int64_t m = mw + g + 8 * rs;
+        live[rs] = m < a.M;
+        pos[rs] = live[rs] ? (int64_t)ids[m / a.c] * a.c + m % a.c : 0;
+    }
+    uint2 raw[2][KS][2];
+    if ((a.r & 3) == 0 && ((uintptr_t)u & 7) == 0) {
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            const uint16_t *ur = u + pos[rs] * a.r;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int q0 = 32 * ks + 16 * hf + 4 * t4;
+                    raw[rs][ks][hf] = live[rs] && q0 < a.r ? *reinterpret_cast<const uint2 *>(ur + q0) : make_uint2(0, 0);
+                }
+        }
+    } else {
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            const uint16_t *ur = u + pos[rs] * a.r;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int q0 = 32 * ks + 16 * hf + 4 * t4;
+                    uint32_t v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = live[rs] && q0 + j < a.r ? ur[q0 + j] : 0u;
+                    raw[rs][ks][hf] = make_uint2(v[0] | (v[1] << 16), v[2] | (v[3] << 16));
+                }
+        }
+    }
+    /* W's fragments and exponents (one copy per block, overlapping the row loads) */
     {
         const uint4 *src = reinterpret_cast<const uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
-        uint4 *dst = reinterpret_cast<uint4 *>(Wh);
-        for (int i = tid; i < 2 * a.Kp * a.Dp / 16; i += kRbNT) dst[i] = src[i];
+        const int n = 2 * a.Kp * a.Dp / 16;
+        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
+        cp_async_commit();
         const int *ex = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
     }
-    /* the tile's U rows, a warp per row: [(q/16) 128 + row] 16 + q%16 */
-    for (int row = warp; row < kRbTok; row += kRbNT / 32) {
-        const int64_t m = m0 + row;
-        const bool live = m < a.M;
-        const uint16_t *ur = live ? u + ((int64_t)ids[m / a.c] * a.c + m % a.c) * a.r : u;
-        unsigned mx = 0;
-        if (live)
-            for (int q = lane; q < a.r; q += 32) mx = max(mx, (unsigned)(ur[q] & 0x7fffu));
-        mx = __reduce_max_sync(kFullMask, mx);
+    if (t4 == 0) {
+        pos_s[warp][g] = live[0] ? pos[0] : -1;
+        pos_s[warp][g + 8] = live[1] ? pos[1] : -1;
+    }
+    /* fixed point: the rows' exponents (max over the quad), then the A fragments */
+    uint32_t ah[KS][4], al[KS][4];
+    int eu[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; rs++) {
+        uint32_t mx = 0;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const uint32_t w0 = raw[rs][ks][hf].x & 0x7fff7fffu, w1 = raw[rs][ks][hf].y & 0x7fff7fffu;
+                mx = max(mx, max(max(w0 & 0xffffu, w0 >> 16), max(w1 & 0xffffu, w1 >> 16)));
+            }
+        mx = max(mx, __shfl_xor_sync(kFullMask, mx, 1));
+        mx = max(mx, __shfl_xor_sync(kFullMask, mx, 2));
         const int e = skv_canon_rebuild_ex((uint16_t)mx);
-        if (lane == 0) eu[row] = e;
-        for (int q = lane; q < a.Kp; q += 32) {
-            const int32_t x = live && q < a.r ? skv_canon_rebuild_fix(ur[q], e) : 0;
-            const size_t o = ((size_t)(q >> 4) * kRbTok + row) * 16 + (q & 15);
-            split13(x, Uh + o, Ul + o);
-        }
+        eu[rs] = e;
+        const bool fast = e >= -113;
+        const float s = rb_pow2_12(fast ? e : 0);
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                uint32_t hw = 0, lw = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
+                    const int32_t t = fast ? rb_fix_fast(hb, s) : skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
+                    hw |= rb_hi8(t) << (8 * j);
+                    lw |= rb_lo8(t) << (8 * j);
+                }
+                ah[ks][rs + 2 * hf] = hw;
+                al[ks][rs + 2 * hf] = lw;
+            }
     }
+    cp_async_wait_all();
     __syncthreads();
-    /* warp: tokens 16 warp .. +15, every 16-dim tile: the three exact int32 sums */
-    int *t1 = tiles + warp * 3 * 256, *t2 = t1 + 256, *t3 = t2 + 256;
-    for (int nt = 0; nt < a.Dp / 16; nt++) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, int> c1, c2, c3;
-        wmma::fill_fragment(c1, 0);
-        wmma::fill_fragment(c2, 0);
-        wmma::fill_fragment(c3, 0);
-        for (int kb = 0; kb < a.Kp / 16; kb++) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> ah, al;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> bh, bl;
-            const size_t ao = ((size_t)kb * kRbTok + warp * 16) * 16, bo = ((size_t)kb * a.Dp + nt * 16) * 16;
-            wmma::load_matrix_sync(ah, Uh + ao, 16);
-            wmma::load_matrix_sync(al, Ul + ao, 16);
-            wmma::load_matrix_sync(bh, Wh + bo, 16);
-            wmma::load_matrix_sync(bl, Wl + bo, 16);
-            wmma::mma_sync(c1, ah, bh, c1);
-            wmma::mma_sync(c2, ah, bl, c2);
-            wmma::mma_sync(c2, al, bh, c2);
-            wmma::mma_sync(c3, al, bl, c3);
+    /* per n8 tile: the exact sums, the key into the staging rows (c0, c1: row g, dims 2 t, 2 t + 1;
+       c2, c3: row g + 8) */
+    for (int nt = 0; nt < NT; nt++) {
+        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const uint4 w = Wf[((size_t)ks * NT + nt) * 32 + lane];
+            mma_s8(c1, ah[ks], w.x, w.y);
+            mma_s8(c2, ah[ks], w.z, w.w);
+            mma_s8(c2, al[ks], w.x, w.y);
+            mma_s8(c3, al[ks], w.z, w.w);
         }
-        wmma::store_matrix_sync(t1, c1, 16, wmma::mem_row_major);
-        wmma::store_matrix_sync(t2, c2, 16, wmma::mem_row_major);
-        wmma::store_matrix_sync(t3, c3, 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int row = e >> 4, d = nt * 16 + (e & 15);
-            const int64_t P = ((int64_t)t1[e] << 14) + ((int64_t)t2[e] << 7) + (int64_t)t3[e];
-            xs[(size_t)(warp * 16 + row) * a.Dp + d] = skv_canon_rebuild_key(P, eu[warp * 16 + row] + ew[d] - 24);
+        const int d = nt * 8 + 2 * t4;
+        const int ed[2] = {ew[d], ew[d + 1]};
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            float kv[2];
+#pragma unroll
+            for (int cl = 0; cl < 2; cl++) {
+                const int i = 2 * rs + cl;
+                const int64_t P = (int64_t)c1[i] * 16384 + (int64_t)c2[i] * 128 + (int64_t)c3[i];
+                kv[cl] = skv_canon_rebuild_key(P, eu[rs] + ed[cl] - 24);
+            }
+            *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[0], kv[1]);
         }
-        __syncwarp();
     }
-    /* RoPE and bf16, a warp per token */
-    for (int row = 0; row < 16; row++) {
-        const int64_t m = m0 + warp * 16 + row;
-        if (m >= a.M) break;
-        const int64_t t = (int64_t)ids[m / a.c] * a.c + m % a.c;
-        rb_rope_row(a, xs + (size_t)(warp * 16 + row) * a.Dp, t,
-                    (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D, lane);
+    __syncwarp();
+    /* RoPE and bf16: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
+    skv_bf16 *kw = a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
+    for (int rr = 0; rr < 16; rr++) {
+        if (pos_s[warp][rr] < 0) continue;
+        for (int d = a.R + lane; d < a.D; d += 32)
+            ((uint16_t *)kw)[(int64_t)rr * a.D + d] = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
     }
+    const int h2 = a.R / 2;
+    for (int i0 = 0; i0 < h2; i0 += 64)
+        for (int r0 = 0; r0 < 16; r0 += 8) {
+            float cs[8][2], sn[8][2];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const long long p = pos_s[warp][r0 + k];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int i = i0 + lane + 32 * x;
+                    const bool ok = p >= 0 && i < h2;
+                    cs[k][x] = ok ? __ldg(a.cos_tab + p * h2 + i) : 0.0f;
+                    sn[k][x] = ok ? __ldg(a.sin_tab + p * h2 + i) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int rr = r0 + k;
+                if (pos_s[warp][rr] < 0) continue;
+                const float *x = xs + (size_t)rr * xst;
+                uint16_t *out = (uint16_t *)kw + (int64_t)rr * a.D;
+#pragma unroll
+                for (int xx = 0; xx < 2; xx++) {
+                    const int i = i0 + lane + 32 * xx;
+                    if (i >= h2) continue;
+                    int pa, pb;
+                    float xo, yo;
+                    skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
+                    skv_rope_rotate(x[pa], x[pb], cs[k][xx], sn[k][xx], &xo, &yo);
+                    out[pa] = skv_f32_to_bf16(xo);
+                    out[pb] = skv_f32_to_bf16(yo);
+                }
+            }
+        }
 }
 
 /* The same values without tensor cores (shapes whose shared memory does not fit): grid (tiles of
@@ -539,19 +661,34 @@ size_t at_smem(int32_t G, int32_t D, int32_t n_spans)
            sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS) + 16;
 }
 
+template <int KS>
+cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
+{
+    cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS>, smem);
+    if (e != cudaSuccess) return e;
+    return launch(canon_rebuild_tc_kernel<KS>, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
+                  dim3(kRbNT), smem, st, false, a);
+}
+
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const size_t smem = rb_smem(a.Kp, a.Dp);
-    if (smem <= kRbSmemMax && a.wq) {
-        cudaError_t e = allow_smem(canon_rebuild_tc_kernel, smem);
+    if (smem <= kRbSmemMax && a.wq && a.Kp / 32 <= kRbKsMax) {
+        cudaError_t e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
+                               0, st, false, a);
         if (e != cudaSuccess) return e;
-        e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT), 0, st,
-                   false, a);
-        if (e != cudaSuccess) return e;
-        return launch(canon_rebuild_tc_kernel, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
-                      dim3(kRbNT), smem, st, false, a);
+        switch (a.Kp / 32) {
+        case 1: return launch_rebuild_tc<1>(st, a, B, smem);
+        case 2: return launch_rebuild_tc<2>(st, a, B, smem);
+        case 3: return launch_rebuild_tc<3>(st, a, B, smem);
+        case 4: return launch_rebuild_tc<4>(st, a, B, smem);
+        case 5: return launch_rebuild_tc<5>(st, a, B, smem);
+        case 6: return launch_rebuild_tc<6>(st, a, B, smem);
+        case 7: return launch_rebuild_tc<7>(st, a, B, smem);
+        default: return launch_rebuild_tc<8>(st, a, B, smem);
+        }
     }
     const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * 32 * (size_t)a.D;
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
@@ -564,7 +701,7 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
 {
     RebuildArgs a;
     memset(&a, 0, sizeof a);
-    a.Hk = sh->Hk, a.D = sh->D, a.Dp = (sh->D + 15) / 16 * 16, a.r = sh->r, a.Kp = (sh->r + 15) / 16 * 16;
+    a.Hk = sh->Hk, a.D = sh->D, a.Dp = (sh->D + 15) / 16 * 16, a.r = sh->r, a.Kp = (sh->r + 31) / 32 * 32;
     a.c = sh->c, a.S = sh->S, a.R = sh->rotary_dim, a.interleaved = sh->interleaved;
     a.M = (int64_t)sh->S * sh->c;
     a.seqs = seqs, a.ids = ids, a.cos_tab = sh->cos_tab, a.sin_tab = sh->sin_tab, a.k_out = k_out;
@@ -597,7 +734,7 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int n
 
 size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r)
 {
-    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 15) / 16 * 16;
+    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 31) / 32 * 32;
     return align_up((size_t)B * Hk * 2 * Kp * Dp, 256) + (size_t)B * Hk * Dp * sizeof(int);
 }
 
