@@ -395,9 +395,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
 /* ---- attention ---------------------------------------------------------------------------------- */
 
 constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
-constexpr int kAtParts = 2;
-constexpr int kAtNT = kAtLanes * kAtParts;
-constexpr int kAtDC = 16; /* dims per unit */
+constexpr int kAtDC = 8; /* dims per block of the P V kernel */
 constexpr int kAtGC = 4;  /* query heads per unit */
 constexpr int kAtMaxSpans = SKV_MAX_SPANS;
 
@@ -472,193 +470,243 @@ __device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CS
     return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + e) * a.c + i) * a.D;
 }
 
-/* The canonical tree over P[256][ncol] (shared), all threads of the block taking part (256 per
-   part; part p's array at P + p * stride). After it, P[0][col] holds the sum. */
-__device__ __forceinline__ void at_tree(float *P, int ncol, int lane)
+/* The span walk of token j (spans in order): its span si and that span's first token base, advanced
+   from the previous (si, base) (j only grows). */
+__device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base)
 {
-    for (int w = kAtLanes / 2; w >= 1; w >>= 1) {
-        __syncthreads();
-        for (int idx = lane; idx < w * ncol; idx += kAtLanes) {
-            const int k = idx / ncol, col = idx - k * ncol;
-            P[k * ncol + col] = SKV_ADD(P[k * ncol + col], P[(k + w) * ncol + col]);
-        }
-    }
-    __syncthreads();
+    while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
+    return si < ns;
 }
 
-/* grid (Hk, B), kAtNT threads. smem: q [G][D] float, Zl [parts][256], Zf [G], red [parts][8],
-   P [parts][256][16], spans. */
-__global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs a)
+/* Scores: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
+   fmaf chain of skv_dot_bf16 over d = 0 .. D-1 for the group's query heads, 4 at a time (their
+   chains interleaved, each its own order), the key row read 64 dims at a time, and writes them to
+   e[b Hq + hq][j]. smem: q [G][D] float, spans. */
+__global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs a)
 {
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, part = tid / kAtLanes, lane = tid % kAtLanes;
-    const int zs = blockIdx.z, nz = gridDim.z; /* this block's share of the P V units; its own weights */
-    const int G = a.G, D = a.D;
-    float *qs = (float *)skv_canon_smem;                       /* [G][D] */
-    float *Zl = qs + (size_t)G * D;                            /* [parts][256] */
-    float *Zf = Zl + kAtParts * kAtLanes;                      /* [G] */
-    float *red = Zf + G;                                       /* [parts][8] */
-    float *Pp = red + kAtParts * 8;                            /* [parts][256][kAtDC] */
-    CSpan *sp = (CSpan *)align_up((size_t)(Pp + (size_t)kAtParts * kAtLanes * kAtDC), 16);
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, G = a.G, D = a.D;
+    float *qs = (float *)skv_canon_smem;
+    CSpan *sp = (CSpan *)align_up((size_t)(qs + (size_t)G * D), 16);
     __shared__ int n_spans_s;
-    __shared__ float Ms[kAtParts];
     if (tid == 0) n_spans_s = at_spans(a, b, h, sp);
     const uint16_t *qg = a.seqs ? (const uint16_t *)a.io->q + ((int64_t)b * a.Hq + (int64_t)h * G) * D
                                 : a.q + (int64_t)h * G * D;
-    for (int i = tid; i < G * D; i += kAtNT) qs[i] = skv_bf16_to_f32(qg[i]);
+    for (int i = tid; i < G * D; i += kAtLanes) qs[i] = skv_bf16_to_f32(qg[i]);
     __syncthreads();
     const int ns = n_spans_s;
-    const int64_t bq0 = ((int64_t)b * nz + zs) * a.Hq + (int64_t)h * G; /* row of e */
-    const int64_t bo0 = (int64_t)b * a.Hq + (int64_t)h * G;              /* row of out */
-    /* scores, max, weights and Z: part p takes the query heads g = g0 + p */
-    for (int g0 = 0; g0 < G; g0 += kAtParts) {
-        const int g = g0 + part;
-        const bool act = g < G;
-        float *eg = a.e + (bq0 + (act ? g : 0)) * a.Tmax;
-        float mx = -INFINITY;
-        if (act) {
-            const float *q = qs + (size_t)g * D;
-            /* two tokens per pass (j and j + 256: two independent chains, both rows' loads in flight) */
-            int si = 0;
-            int64_t base = 0;
-            for (int64_t j = lane;; j += 2 * kAtLanes) {
-                while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
-                if (si >= ns) break;
-                const uint16_t *k0 = sp[si].k + (j - base) * sp[si].ts, *k1 = nullptr;
-                int si1 = si;
-                int64_t base1 = base;
-                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
-                if (si1 < ns) k1 = sp[si1].k + (j + kAtLanes - base1) * sp[si1].ts;
-                float acc0 = 0.0f, acc1 = 0.0f;
-                const bool v0 = (D & 7) == 0 && ((uintptr_t)k0 & 15) == 0;
-                if (v0 && k1 && ((uintptr_t)k1 & 15) == 0) {
-                    for (int d = 0; d < D; d += 8) {
-                        float f0[8], f1[8];
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k0 + d), f0);
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k1 + d), f1);
+    const int64_t j = (int64_t)blockIdx.x * kAtLanes + tid;
+    int si = 0;
+    int64_t base = 0;
+    if (!at_seek(sp, ns, j, si, base)) return;
+    const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    const bool vec = (D & 7) == 0 && ((uintptr_t)k & 15) == 0;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = min(4, G - g0);
+        const float *q = qs + (size_t)g0 * D;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (vec) {
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                uint4 kv[8];
 #pragma unroll
-                        for (int x = 0; x < 8; x++) {
-                            acc0 = SKV_FMA(q[d + x], f0[x], acc0);
-                            acc1 = SKV_FMA(q[d + x], f1[x], acc1);
-                        }
-                    }
-                } else {
-                    for (int d = 0; d < D; d++) acc0 = SKV_FMA(q[d], skv_bf16_to_f32(k0[d]), acc0);
-                    if (k1)
-                        for (int d = 0; d < D; d++) acc1 = SKV_FMA(q[d], skv_bf16_to_f32(k1[d]), acc1);
-                }
-                const float s0 = SKV_MUL(acc0, a.scale);
-                eg[j] = s0;
-                mx = fmaxf(mx, s0);
-                if (!k1) break;
-                const float s1 = SKV_MUL(acc1, a.scale);
-                eg[j + kAtLanes] = s1;
-                mx = fmaxf(mx, s1);
-                si = si1, base = base1;
-            }
-        }
-        /* the max of the part's 256 lanes (finite scores: the order of fmaxf does not matter, see
-           skv_canonical_attend) */
-        mx = warp_max(mx);
-        if ((lane & 31) == 0) red[part * 8 + (lane >> 5)] = mx;
-        __syncthreads();
-        if (lane == 0) {
-            float m = red[part * 8];
-            for (int i = 1; i < 8; i++) m = fmaxf(m, red[part * 8 + i]);
-            Ms[part] = m;
-        }
-        __syncthreads();
-        const float M = Ms[part];
-        float z = 0.0f;
-        if (act) {
-            int64_t T = 0;
-            for (int i = 0; i < ns; i++) T += sp[i].n;
-            for (int64_t j = lane; j < T; j += kAtLanes) {
-                const float e = skv_expf(SKV_SUB(eg[j], M));
-                eg[j] = e;
-                z = SKV_ADD(z, e);
-            }
-        }
-        Zl[part * kAtLanes + lane] = z;
-        at_tree(Zl + part * kAtLanes, 1, lane);
-        if (act && lane == 0) Zf[g] = Zl[part * kAtLanes];
-        __syncthreads();
-    }
-    /* P V: units (4 query heads, 16 dims), part p takes units u0 + p */
-    const int ng = (G + kAtGC - 1) / kAtGC, nd = (D + kAtDC - 1) / kAtDC, U = ng * nd;
-    float *P = Pp + (size_t)part * kAtLanes * kAtDC;
-    for (int u0 = zs * kAtParts; u0 < U; u0 += kAtParts * nz) {
-        const int un = u0 + part;
-        const bool act = un < U;
-        const int gq = act ? un / nd * kAtGC : 0, d0 = act ? un % nd * kAtDC : 0;
-        const int gn = act ? min(kAtGC, G - gq) : 0;
-        float acc[kAtGC][kAtDC];
+                for (int c = 0; c < 8; c++)
+                    if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
 #pragma unroll
-        for (int x = 0; x < kAtGC; x++)
+                for (int c = 0; c < 8; c++) {
+                    if (d0 + 8 * c >= D) break;
+                    float f[8];
+                    bf16x8_to_f32(kv[c], f);
 #pragma unroll
-            for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
-        if (act) {
-            /* two tokens per pass (j, then j + 256: the lane's order), both rows' loads in flight */
-            int si = 0;
-            int64_t base = 0;
-            for (int64_t j = lane;; j += 2 * kAtLanes) {
-                while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
-                if (si >= ns) break;
-                int si1 = si;
-                int64_t base1 = base;
-                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
-                const bool two = si1 < ns;
-                float f[2][kAtDC], ev[2][kAtGC];
+                    for (int x = 0; x < 8; x++) {
+                        const int d = d0 + 8 * c + x;
 #pragma unroll
-                for (int t = 0; t < 2; t++) {
-                    const int64_t jt = j + t * kAtLanes;
-                    if (t == 1 && !two) {
-#pragma unroll
-                        for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
-#pragma unroll
-                        for (int x = 0; x < kAtGC; x++) ev[t][x] = 0.0f;
-                        continue;
-                    }
-                    const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
-#pragma unroll
-                    for (int x = 0; x < kAtGC; x++) ev[t][x] = x < gn ? a.e[(bq0 + gq + x) * a.Tmax + jt] : 0.0f;
-                    if (d0 + kAtDC <= D && ((uintptr_t)v & 15) == 0) {
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v), f[t]);
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8), f[t] + 8);
-                    } else {
-#pragma unroll
-                        for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                        for (int gg = 0; gg < 4; gg++)
+                            if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f[x], acc[gg]);
                     }
                 }
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                const float f = skv_bf16_to_f32(k[d]);
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++)
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[0][x], f[0][y], acc[x][y]);
-                if (!two) break;
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++)
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[1][x], f[1][y], acc[x][y]);
-                si = si1, base = base1;
+                for (int gg = 0; gg < 4; gg++)
+                    if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
             }
         }
 #pragma unroll
-        for (int x = 0; x < kAtGC; x++) {
-#pragma unroll
-            for (int y = 0; y < kAtDC; y++) P[lane * kAtDC + y] = acc[x][y];
-            at_tree(P, kAtDC, lane);
-            if (act && x < gn && lane < kAtDC && d0 + lane < D) {
-                float *out = a.seqs ? a.io->out : a.out;
-                out[(bo0 + gq + x) * D + d0 + lane] = SKV_DIV(P[lane], Zf[gq + x]);
-            }
-            __syncthreads(); /* P is rewritten by the next head */
-        }
+        for (int gg = 0; gg < 4; gg++)
+            if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
     }
 }
 
-size_t at_smem(int32_t G, int32_t D, int32_t n_spans)
+/* P V: grid (ceil(D / 8), Hk, B), 256 threads (thread l = canonical lane l): the block owns 8 dims of
+   every query head of the group, 4 heads at a time. Per head M = the block's max of the scores (finite:
+   any order gives the same e_j, see skv_canonical_attend); lane l walks its tokens j = l, l + 256, ...
+   in order (two per pass, both rows' loads in flight): e_j = skv_expf(s_j - M), z = z + e_j,
+   N_d = fma(e_j, v_jd, N_d). Every block of the group computes e_j and Z itself, with the same
+   operations (the same bits). Then the fixed tree: levels 128, 64, 32 through shared memory, 16 .. 1 by
+   shuffles in warp 0 (lane k adds lane k + w's value: P[k] + P[k + w]), and out_d = N_d / Z.
+   smem: spans; xb [36][128] the tree's exchange. */
+constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 36 values per lane */
+static_assert(kAtDC % 8 == 0, "whole uint4 per value row");
+__global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
-    return sizeof(float) * ((size_t)G * D + kAtParts * kAtLanes + G + kAtParts * 8 + (size_t)kAtParts * kAtLanes * kAtDC) +
-           sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS) + 16;
+    const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
+    const int d0 = blockIdx.x * kAtDC;
+    float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][128] */
+    CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * 128), 16);
+    __shared__ int n_spans_s;
+    __shared__ float red[8][kAtGC], Ms[kAtGC];
+    __shared__ float res[kAtNV];
+    if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
+    __syncthreads();
+    const int ns = n_spans_s;
+    int64_t T = 0;
+    for (int i = 0; i < ns; i++) T += sp[i].n;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    const bool dvec = d0 + kAtDC <= D;
+    for (int gq = 0; gq < G; gq += kAtGC) {
+        const int gn = min(kAtGC, G - gq);
+        const float *er[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) er[x] = a.e + (bq0 + gq + (x < gn ? x : 0)) * a.Tmax;
+        /* M per head */
+        {
+            float mx[kAtGC];
+#pragma unroll
+            for (int x = 0; x < kAtGC; x++) mx[x] = -INFINITY;
+#pragma unroll 2
+            for (int64_t j = lane; j < T; j += kAtLanes)
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++)
+                    if (x < gn) mx[x] = fmaxf(mx[x], er[x][j]);
+#pragma unroll
+            for (int x = 0; x < kAtGC; x++) {
+                const float m = warp_max(mx[x]);
+                if ((lane & 31) == 0) red[lane >> 5][x] = m;
+            }
+            __syncthreads();
+            if (lane < kAtGC) {
+                float m = red[0][lane];
+                for (int i = 1; i < 8; i++) m = fmaxf(m, red[i][lane]);
+                Ms[lane] = m;
+            }
+            __syncthreads();
+        }
+        float M[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) M[x] = Ms[x];
+        float acc[kAtGC][kAtDC], z[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) {
+            z[x] = 0.0f;
+#pragma unroll
+            for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
+        }
+        int si = 0;
+        int64_t base = 0;
+        for (int64_t j = lane;; j += 2 * kAtLanes) {
+            if (!at_seek(sp, ns, j, si, base)) break;
+            int si1 = si;
+            int64_t base1 = base;
+            const bool two = at_seek(sp, ns, j + kAtLanes, si1, base1);
+            float f[2][kAtDC], sv[2][kAtGC];
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                const int64_t jt = j + t * kAtLanes;
+                if (t == 1 && !two) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
+#pragma unroll
+                    for (int x = 0; x < kAtGC; x++) sv[t][x] = 0.0f;
+                    continue;
+                }
+                const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) sv[t][x] = x < gn ? er[x][jt] : 0.0f;
+                if (dvec && ((uintptr_t)v & 15) == 0) {
+#pragma unroll
+                    for (int c = 0; c < kAtDC / 8; c++) bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8 * c), f[t] + 8 * c);
+                } else {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                if (t == 1 && !two) break;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+                    const float e = skv_expf(SKV_SUB(sv[t][x], M[x]));
+                    z[x] = SKV_ADD(z[x], e);
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(e, f[t][y], acc[x][y]);
+                }
+            }
+            if (!two) break;
+            si = si1, base = base1;
+        }
+        /* the fixed tree over the 256 lanes, for the 36 values at once: w = 128, 64, 32 through xb
+           (value v of lane w + k at xb[v][k]), then w = 16 .. 1 in warp 0 */
+#pragma unroll 1
+        for (int w = 128; w >= 32; w >>= 1) {
+            if (lane >= w && lane < 2 * w) {
+                const int k = lane - w;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) xb[(size_t)(x * kAtDC + y) * 128 + k] = acc[x][y];
+                    xb[(size_t)(kAtGC * kAtDC + x) * 128 + k] = z[x];
+                }
+            }
+            __syncthreads();
+            if (lane < w) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], xb[(size_t)(x * kAtDC + y) * 128 + lane]);
+                    z[x] = SKV_ADD(z[x], xb[(size_t)(kAtGC * kAtDC + x) * 128 + lane]);
+                }
+            }
+            __syncthreads();
+        }
+        if (lane < 32) {
+#pragma unroll
+            for (int w = 16; w >= 1; w >>= 1) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], __shfl_down_sync(kFullMask, acc[x][y], w));
+                    z[x] = SKV_ADD(z[x], __shfl_down_sync(kFullMask, z[x], w));
+                }
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) res[x * kAtDC + y] = acc[x][y];
+                    res[kAtGC * kAtDC + x] = z[x];
+                }
+            }
+            __syncwarp();
+            float *out = a.seqs ? a.io->out : a.out;
+            for (int i = lane; i < kAtGC * kAtDC; i += 32) {
+                const int x = i / kAtDC, y = i % kAtDC;
+                if (x < gn && d0 + y < D) out[(bq0 + gq + x) * D + d0 + y] = SKV_DIV(res[i], res[kAtGC * kAtDC + x]);
+            }
+        }
+        __syncthreads(); /* res, xb and Ms are rewritten by the next head group */
+    }
+}
+
+size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
+{
+    return sizeof(float) * (size_t)G * D + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
+}
+
+size_t at_smem(int32_t n_spans)
+{
+    return sizeof(float) * (size_t)kAtNV * 128 + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
 }
 
 template <int KS>
@@ -708,26 +756,28 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
     return a;
 }
 
-/* Blocks per (KV head, sequence): the P V units split over up to kAtSplit blocks (each computes the
-   weights itself) while (KV heads x sequences) alone would leave most multiprocessors idle. */
-constexpr int kAtSplit = 4;
+/* Rows of the weights' workspace per (sequence, query head): one (the scores are computed once). */
 int at_split(int32_t Hk, int32_t B, int32_t G, int32_t D)
 {
-    const int units = ((G + kAtGC - 1) / kAtGC) * ((D + kAtDC - 1) / kAtDC);
-    int z = 1;
-    while (z < kAtSplit && (int64_t)Hk * B * z * 2 <= num_sms() && units >= 2 * z * kAtParts) z *= 2;
-    return z;
+    (void)Hk, (void)B, (void)G, (void)D;
+    return 1;
 }
 
-cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int nz)
+cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
-    if (a.Hk > 65535 || B > kMaxGridYZ) return cudaErrorInvalidValue;
-    const size_t smem = at_smem(a.G, a.D, a.n_spans);
-    if (smem > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
-    cudaError_t e = allow_smem(canon_attend_kernel, smem);
+    if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
+    if (T <= 0) return cudaSuccess;
+    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans);
+    if (s1 > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
+    cudaError_t e = allow_smem(canon_score_kernel, s1);
     if (e != cudaSuccess) return e;
-    return launch(canon_attend_kernel, dim3((unsigned)a.Hk, (unsigned)B, (unsigned)nz), dim3(kAtNT), smem, st, false,
-                  a);
+    e = allow_smem(canon_attend_kernel, s2);
+    if (e != cudaSuccess) return e;
+    e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes),
+               s1, st, false, a);
+    if (e != cudaSuccess) return e;
+    return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
+                  dim3(kAtLanes), s2, st, false, a);
 }
 
 } /* namespace */
@@ -760,7 +810,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
-    return launch_attend(st, a, sh->B, ws->canon_split);
+    return launch_attend(st, a, sh->B, ws->canon_tmax);
 }
 
 cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
@@ -773,7 +823,7 @@ cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t H
     a.Hq = Hq, a.Hk = Hk, a.G = Hq / Hk, a.D = D, a.scale = scale, a.Tmax = T, a.e = e;
     a.q = (const uint16_t *)q, a.out = out, a.n_spans = n_spans;
     for (int i = 0; i < n_spans; i++) a.spans[i] = spans[i];
-    return launch_attend(st, a, 1, 1);
+    return launch_attend(st, a, 1, T);
 }
 
 int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D) { return at_split(Hk, B, G, D); }
