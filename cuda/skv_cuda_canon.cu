@@ -517,11 +517,13 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
                     float f[8];
                     bf16x8_to_f32(kv[c], f);
 #pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        const int d = d0 + 8 * c + x;
+                    for (int gg = 0; gg < 4; gg++) {
+                        if (gg >= gn) break;
+                        const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
+                        const float4 qa = qv[0], qb = qv[1];
+                        const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
-                        for (int gg = 0; gg < 4; gg++)
-                            if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f[x], acc[gg]);
+                        for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
                     }
                 }
             }
