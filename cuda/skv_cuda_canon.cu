@@ -83,6 +83,15 @@ __device__ __forceinline__ int32_t rb_fix_fast(uint32_t h, float s)
 {
     return __float_as_int(__fmaf_rn(__uint_as_float(h << 16), s, 12582976.0f)) - 0x4B400000;
 }
+/* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
+   for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
+   1.5 2^52 is exact, so d == (double) P; then the same product and the same rounding to float. Here
+   |P| <= r 2^26 <= 2^34. */
+__device__ __forceinline__ float rb_key(int64_t P, int e)
+{
+    const double d = __dsub_rn(__longlong_as_double(0x4338000000000000LL + P), 6755399441055744.0);
+    return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
+}
 __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
 
 /* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
@@ -299,7 +308,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
             for (int cl = 0; cl < 2; cl++) {
                 const int i = 2 * rs + cl;
                 const int64_t P = (int64_t)c1[i] * 16384 + (int64_t)c2[i] * 128 + (int64_t)c3[i];
-                kv[cl] = skv_canon_rebuild_key(P, eu[rs] + ed[cl] - 24);
+                kv[cl] = rb_key(P, eu[rs] + ed[cl] - 24);
             }
             *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[0], kv[1]);
         }
