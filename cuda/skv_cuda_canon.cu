@@ -5,29 +5,31 @@
  * float operation is an SKV_* macro of lib/skv_numerics.h (an explicitly rounded
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
- *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel): W_h's columns
- *    in fixed point once per step; then one block per (tile of 128 selected
- *    tokens, KV head, sequence). W_h's columns and the tile's U rows are in
- *    13-bit fixed point (skv_canon_rebuild_ex/fix), each integer split as 128 hi
- *    + lo with hi in [-64, 64], lo in [-64, 63], and the exact sum
- *    P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw is taken on int8 tensor
- *    cores (wmma 16x16x16, int32 accumulators: every partial sum is exact), then
- *    skv_canon_rebuild_key, RoPE (skv_rope_rotate, the pairs of
- *    skv_rope_pair_index) and bf16 into k_out [B, Hk, S c, D]. Shapes whose
- *    shared memory would not fit take canon_rebuild_scalar_kernel (int64 sums,
- *    the same values).
- *  - attention (canon_attend_kernel): blocks of 2 x 256 threads per (KV head,
- *    sequence), 1 to 4 of them sharing out the P V units (each computes the
- *    weights itself, into its own rows of the workspace): thread (part p, lane
- *    l) owns canonical lane l. Scores: lane l
- *    computes s_j for its tokens j = l, l + 256, ... (each the fmaf chain of
- *    skv_dot_bf16) for the query heads g = p, p + 2, ... of the group; M by a
- *    block max; e_j = skv_expf(s_j - M) stored in the workspace; Z by the lane
- *    sums in j order and the fixed tree in shared memory. P V: a work unit is
- *    (4 query heads, 16 dims); lane l adds fma(e_j, v_jd, .) over its tokens in
- *    j order for those 64 (head, dim) pairs, then the same tree, then N_d / Z.
- *    The 4 query heads of a unit share every V load, the group's heads share
- *    the block's K loads through L1.
+ *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel<KS>): W_h's columns
+ *    in fixed point once per step, split as 128 hi + lo (hi in [-64, 64], lo in
+ *    [-64, 63]) and stored as the B fragments of mma m16n8k32 (16 bytes per lane);
+ *    then one block per (tile of 128 selected tokens, KV head, sequence), a warp
+ *    per 16 tokens: each lane loads its two U rows' pieces at once, the row max
+ *    by quad shuffles, the 13-bit fixed point (one fma, exact; the integer
+ *    skv_canon_rebuild_fix for rows below 2^-113) straight into the A fragments,
+ *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
+ *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
+ *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
+ *    value, RoPE (skv_rope_rotate, the pairs of skv_rope_pair_index; 8 tokens'
+ *    cos/sin rows in flight) and bf16 into k_out [B, Hk, S c, D]. r > 256 or
+ *    shapes whose shared memory would not fit take canon_rebuild_scalar_kernel
+ *    (int64 sums, the same values).
+ *  - attention: canon_score_kernel, a thread per (token, KV head, sequence),
+ *    s_j = scale x the fmaf chain of skv_dot_bf16 for the group's query heads
+ *    (4 chains interleaved, each in its own order) into the workspace [B, Hq,
+ *    Tmax]; then canon_attend_kernel, a block of 256 threads per (8 dims, KV
+ *    head, sequence), thread l = canonical lane l: per 4 query heads, M by a
+ *    block max of the scores, lane l walks its tokens j = l, l + 256, ... in
+ *    order: e_j = skv_expf(s_j - M), z += e_j, N_d = fma(e_j, v_jd, N_d) for the
+ *    block's 8 dims (the 4 heads share each V load); every block of a group
+ *    computes e_j and Z with the same operations (the same bits). The fixed tree:
+ *    levels 128, 64, 32 through shared memory, 16 .. 1 by shuffles in warp 0 (lane
+ *    k adds lane k + w's value), then N_d / Z.
  * The decode step's spans are read from the device (skv_cuda_seq, the step's
  * selection, the chunk cache's entries), so the launches can be captured in the
  * layer's graph. Launchers only enqueue: no allocation, no synchronization.
