@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     __syncthreads();
     /* per n8 tile: the exact sums, the key into the staging rows (c0, c1: row g, dims 2 t, 2 t + 1;
        c2, c3: row g + 8) */
+#pragma unroll 2
     for (int nt = 0; nt < NT; nt++) {
         int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
 #pragma unroll
