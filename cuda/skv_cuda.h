@@ -165,9 +165,9 @@ typedef struct skv_cuda_dws {
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
     skv_bf16 *canon_k;           /* [B, Hk, S*c, D] the canonically rebuilt keys of the selection */
-    float *canon_e;              /* [B, canon_split, Hq, canon_tmax] scores, then weights, of the canonical attention */
+    float *canon_e;              /* [B, canon_split (1), Hq, canon_tmax] the canonical attention's scores */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
-    int32_t canon_split;         /* blocks per (KV head, sequence) of the canonical attention (skv_cuda_canon_split) */
+    int32_t canon_split;         /* rows of canon_e per (sequence, query head): 1 (skv_cuda_canon_split) */
     void *canon_wq;              /* skv_cuda_canon_wq_bytes: W in fixed point, prepared each step */
 } skv_cuda_dws;
 

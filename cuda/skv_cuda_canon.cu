@@ -5,29 +5,31 @@
  * float operation is an SKV_* macro of lib/skv_numerics.h (an explicitly rounded
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
- *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel): W_h's columns
- *    in fixed point once per step; then one block per (tile of 128 selected
- *    tokens, KV head, sequence). W_h's columns and the tile's U rows are in
- *    13-bit fixed point (skv_canon_rebuild_ex/fix), each integer split as 128 hi
- *    + lo with hi in [-64, 64], lo in [-64, 63], and the exact sum
- *    P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw is taken on int8 tensor
- *    cores (wmma 16x16x16, int32 accumulators: every partial sum is exact), then
- *    skv_canon_rebuild_key, RoPE (skv_rope_rotate, the pairs of
- *    skv_rope_pair_index) and bf16 into k_out [B, Hk, S c, D]. Shapes whose
- *    shared memory would not fit take canon_rebuild_scalar_kernel (int64 sums,
- *    the same values).
- *  - attention (canon_attend_kernel): blocks of 2 x 256 threads per (KV head,
- *    sequence), 1 to 4 of them sharing out the P V units (each computes the
- *    weights itself, into its own rows of the workspace): thread (part p, lane
- *    l) owns canonical lane l. Scores: lane l
- *    computes s_j for its tokens j = l, l + 256, ... (each the fmaf chain of
- *    skv_dot_bf16) for the query heads g = p, p + 2, ... of the group; M by a
- *    block max; e_j = skv_expf(s_j - M) stored in the workspace; Z by the lane
- *    sums in j order and the fixed tree in shared memory. P V: a work unit is
- *    (4 query heads, 16 dims); lane l adds fma(e_j, v_jd, .) over its tokens in
- *    j order for those 64 (head, dim) pairs, then the same tree, then N_d / Z.
- *    The 4 query heads of a unit share every V load, the group's heads share
- *    the block's K loads through L1.
+ *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel<KS>): W_h's columns
+ *    in fixed point once per step, split as 128 hi + lo (hi in [-64, 64], lo in
+ *    [-64, 63]) and stored as the B fragments of mma m16n8k32 (16 bytes per lane);
+ *    then one block per (tile of 128 selected tokens, KV head, sequence), a warp
+ *    per 16 tokens: each lane loads its two U rows' pieces at once, the row max
+ *    by quad shuffles, the 13-bit fixed point (one fma, exact; the integer
+ *    skv_canon_rebuild_fix for rows below 2^-113) straight into the A fragments,
+ *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
+ *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
+ *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
+ *    value, RoPE (skv_rope_rotate, the pairs of skv_rope_pair_index; 8 tokens'
+ *    cos/sin rows in flight) and bf16 into k_out [B, Hk, S c, D]. r > 256 or
+ *    shapes whose shared memory would not fit take canon_rebuild_scalar_kernel
+ *    (int64 sums, the same values).
+ *  - attention: canon_score_kernel, a thread per (token, KV head, sequence),
+ *    s_j = scale x the fmaf chain of skv_dot_bf16 for the group's query heads
+ *    (4 chains interleaved, each in its own order) into the workspace [B, Hq,
+ *    Tmax]; then canon_attend_kernel, a block of 256 threads per (8 dims, KV
+ *    head, sequence), thread l = canonical lane l: per 4 query heads, M by a
+ *    block max of the scores, lane l walks its tokens j = l, l + 256, ... in
+ *    order: e_j = skv_expf(s_j - M), z += e_j, N_d = fma(e_j, v_jd, N_d) for the
+ *    block's 8 dims (the 4 heads share each V load); every block of a group
+ *    computes e_j and Z with the same operations (the same bits). The fixed tree:
+ *    levels 128, 64, 32 through shared memory, 16 .. 1 by shuffles in warp 0 (lane
+ *    k adds lane k + w's value), then N_d / Z.
  * The decode step's spans are read from the device (skv_cuda_seq, the step's
  * selection, the chunk cache's entries), so the launches can be captured in the
  * layer's graph. Launchers only enqueue: no allocation, no synchronization.
@@ -48,14 +50,15 @@ namespace {
 
 /* ---- rebuild ----------------------------------------------------------------------------------- */
 
-constexpr int kRbTok = 128;           /* tokens per block */
-constexpr int kRbNT = 256;            /* 8 warps, 16 tokens each */
-constexpr size_t kRbSmemMax = 200 * 1024;
+constexpr int kRbTok = 128;           /* tokens per block: 8 warps of 16 (one m16 tile each) */
+constexpr int kRbNT = 256;
+constexpr int kRbKsMax = 8;           /* k steps of 32: r <= 256 on tensor cores */
+constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB, two blocks per multiprocessor */
 
 struct RebuildArgs {
     int32_t Hk, D, Dp, r, Kp, c, S, R, interleaved;
     int64_t M;                 /* S c tokens per (sequence, KV head) */
-    signed char *wq;           /* [B, Hk] x (hi, lo) [Kp/16][Dp][16]: W_h in fixed point (canon_wprep_kernel) */
+    signed char *wq;           /* [B, Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1, lo b0, lo b1]: W_h's mma B fragments */
     int *wex;                  /* [B, Hk, Dp] the columns' exponents */
     const skv_cuda_seq *seqs;  /* [B]: u, w */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
@@ -63,22 +66,45 @@ struct RebuildArgs {
     skv_bf16 *k_out;           /* [B, Hk, M, D] */
 };
 
-/* Shared memory of the tensor-core rebuild for a shape. */
+/* Row stride (floats) of the per-warp staging of the float keys before RoPE (8 mod 32 banks at Dp 128). */
+__host__ __device__ inline int rb_xstride(int32_t Dp) { return Dp + 8; }
+
+/* Dynamic shared memory of the tensor-core rebuild for a shape. */
 __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp)
 {
-    return (size_t)2 * Kp * Dp                      /* W hi, lo: [Kp/16][Dp][16] int8 */
-           + (size_t)2 * Kp * kRbTok                /* U hi, lo: [Kp/16][128][16] int8 */
-           + sizeof(int) * ((size_t)Dp + kRbTok)    /* ew, eu */
-           + sizeof(int) * 3 * 256 * (kRbNT / 32)   /* per warp: the three int32 tiles */
-           + sizeof(float) * (size_t)kRbTok * Dp;   /* per token: the float key before RoPE */
+    return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
+           + sizeof(int) * (size_t)Dp                     /* ew */
+           + sizeof(float) * (size_t)kRbTok * rb_xstride(Dp); /* per token: the float key before RoPE */
 }
 
-/* 128 hi + lo = x, hi in [-64, 64], lo in [-64, 63]. */
-__device__ __forceinline__ void split13(int32_t x, signed char *hi, signed char *lo)
+/* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
+   fma(f, s, 1.5 2^23 + 64) rounds y + 1.5 2^23 + 64 once to the integer grid (ulp 1 there), ties to even,
+   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x. A subnormal h gives
+   |y| < 2^(-114 - e) <= 1/2: x = 0 whether or not it is flushed. */
+__device__ __forceinline__ int32_t rb_fix_fast(uint32_t h, float s)
 {
-    const int32_t l = ((x + 64) & 127) - 64;
-    *lo = (signed char)l;
-    *hi = (signed char)((x - l) >> 7);
+    return __float_as_int(__fmaf_rn(__uint_as_float(h << 16), s, 12582976.0f)) - 0x4B400000;
+}
+/* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
+   for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
+   1.5 2^52 is exact, so d == (double) P; then the same product and the same rounding to float. Here
+   |P| <= r 2^26 <= 2^34. */
+__device__ __forceinline__ float rb_key(int64_t P, int e)
+{
+    const double d = __dsub_rn(__longlong_as_double(0x4338000000000000LL + P), 6755399441055744.0);
+    return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
+}
+__device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
+
+/* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
+__device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
+__device__ __forceinline__ uint32_t rb_lo8(int32_t t) { return (uint32_t)((t & 127) - 64) & 0xffu; }
+
+__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Column maxima of W_h -> ew[d] (d < Dp; 0 past D). */
@@ -109,22 +135,23 @@ __device__ void rb_rope_row(const RebuildArgs &a, const float *x, int64_t t, uin
     }
 }
 
-/* grid (Dp / 16, Hk, B), 256 threads: 16 columns of W_h of one (sequence, KV head) in fixed point,
-   split into int8 halves, in the layout the tensor-core rebuild loads (once per step instead of once
-   per token tile). Thread t owns column d0 + t % 16 and the rows q = t / 16 + 16 k. */
+/* grid (Dp / 16, Hk, B), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
+   fixed point, split into int8 halves, as the B fragments of mma m16n8k32 (col): lane (g, t) of tile nt
+   holds column 8 nt + g, rows k = 4 t + j (register 0) and 16 + 4 t + j (register 1), byte j. Written
+   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. */
 __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
 {
     static_assert(kRbNT == 256, "16 columns x 16 row groups");
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, col = tid & 15, rg = tid >> 4;
     const int d = blockIdx.x * 16 + col;
-    const uint16_t *w = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D + d;
+    const uint16_t *w0 = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D;
     const int64_t width = (int64_t)a.Hk * a.D;
     __shared__ unsigned mx_s[256];
     __shared__ int e_s[16];
     unsigned mx = 0;
     if (d < a.D) {
 #pragma unroll 4
-        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w[(int64_t)q * width] & 0x7fffu));
+        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w0[(int64_t)q * width + d] & 0x7fffu));
     }
     mx_s[tid] = mx;
     __syncthreads();
@@ -135,95 +162,202 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
         a.wex[((int64_t)b * a.Hk + h) * a.Dp + blockIdx.x * 16 + tid] = e_s[tid];
     }
     __syncthreads();
-    const int e = e_s[col];
-    signed char *Wh = a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp, *Wl = Wh + (size_t)a.Kp * a.Dp;
-#pragma unroll 4
-    for (int q = rg; q < a.Kp; q += 16) {
-        const int32_t x = q < a.r && d < a.D ? skv_canon_rebuild_fix(w[(int64_t)q * width], e) : 0;
-        const size_t o = ((size_t)(q >> 4) * a.Dp + d) * 16 + (q & 15);
-        split13(x, Wh + o, Wl + o);
+    const int NT = a.Dp / 8, KS = a.Kp / 32;
+    uint4 *dst = reinterpret_cast<uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
+    for (int it = tid; it < KS * 64; it += kRbNT) {
+        const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
+        const int cl = ntl * 8 + g, dd = blockIdx.x * 16 + cl, e = e_s[cl];
+        uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
+#pragma unroll
+        for (int reg = 0; reg < 2; reg++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int q = 32 * ks + 16 * reg + 4 * t + j;
+                const int32_t x = q < a.r && dd < a.D ? skv_canon_rebuild_fix(w0[(int64_t)q * width + dd], e) : 0;
+                hw[reg] |= rb_hi8(x + 64) << (8 * j);
+                lw[reg] |= rb_lo8(x + 64) << (8 * j);
+            }
+        dst[((size_t)ks * NT + blockIdx.x * 2 + ntl) * 32 + ln] = make_uint4(hw[0], hw[1], lw[0], lw[1]);
     }
 }
 
-/* grid (tiles, Hk, B), 256 threads. */
-__global__ void __launch_bounds__(kRbNT) canon_rebuild_tc_kernel(const RebuildArgs a)
+/* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps. Warp w owns tokens 16 w .. +15
+   of the tile: lane (g, t) loads U rows g and g + 8 (their chunk ids first, then every 8-byte piece of
+   both rows at once), puts them in fixed point (the row max by quad shuffles) straight into the A
+   fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row g, k = 16 + 4 t + j; 3 row g + 8),
+   then per n8 tile of dims the three exact int32 sums hu.hw, hu.lw + lu.hw, lu.lw by mma m16n8k32 with
+   W's fragments from shared memory, the key (skv_canon_rebuild_key) into the warp's staging rows, and
+   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once. */
+template <int KS>
+__global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
-    using namespace nvcuda;
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int64_t m0 = (int64_t)blockIdx.x * kRbTok;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
-    signed char *Wh = (signed char *)skv_canon_smem, *Wl = Wh + (size_t)a.Kp * a.Dp;
-    signed char *Uh = Wl + (size_t)a.Kp * a.Dp, *Ul = Uh + (size_t)a.Kp * kRbTok;
-    int *ew = (int *)(Ul + (size_t)a.Kp * kRbTok), *eu = ew + a.Dp;
-    int *tiles = eu + kRbTok;                                      /* [8 warps][3][256] */
-    float *xs = (float *)(tiles + 3 * 256 * (kRbNT / 32));         /* [128][Dp] */
-    /* W_h in fixed point from canon_wprep_kernel (col-major 16 x 16 blocks: element (q, d) at
-       [(q/16) Dp + d] 16 + q%16, hi then lo), 16 bytes at a time */
+    const int NT = a.Dp / 8, xst = rb_xstride(a.Dp);
+    const uint4 *Wf = reinterpret_cast<const uint4 *>(skv_canon_smem);
+    int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
+    float *xs = (float *)(ew + a.Dp) + (size_t)warp * 16 * xst;
+    __shared__ long long pos_s[kRbNT / 32][16];
+    /* the two rows' positions, then every piece of both rows in flight */
+    int64_t pos[2];
+    bool live[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; rs++) {
+        const int64_t m = mw + g + 8 * rs;
+        live[rs] = m < a.M;
+        pos[rs] = live[rs] ? (int64_t)ids[m / a.c] * a.c + m % a.c : 0;
+    }
+    uint2 raw[2][KS][2];
+    if ((a.r & 3) == 0 && ((uintptr_t)u & 7) == 0) {
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            const uint16_t *ur = u + pos[rs] * a.r;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int q0 = 32 * ks + 16 * hf + 4 * t4;
+                    raw[rs][ks][hf] = live[rs] && q0 < a.r ? *reinterpret_cast<const uint2 *>(ur + q0) : make_uint2(0, 0);
+                }
+        }
+    } else {
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            const uint16_t *ur = u + pos[rs] * a.r;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int q0 = 32 * ks + 16 * hf + 4 * t4;
+                    uint32_t v[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = live[rs] && q0 + j < a.r ? ur[q0 + j] : 0u;
+                    raw[rs][ks][hf] = make_uint2(v[0] | (v[1] << 16), v[2] | (v[3] << 16));
+                }
+        }
+    }
+    /* W's fragments and exponents (one copy per block, overlapping the row loads) */
     {
         const uint4 *src = reinterpret_cast<const uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
-        uint4 *dst = reinterpret_cast<uint4 *>(Wh);
-        for (int i = tid; i < 2 * a.Kp * a.Dp / 16; i += kRbNT) dst[i] = src[i];
+        const int n = 2 * a.Kp * a.Dp / 16;
+        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
+        cp_async_commit();
         const int *ex = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
     }
-    /* the tile's U rows, a warp per row: [(q/16) 128 + row] 16 + q%16 */
-    for (int row = warp; row < kRbTok; row += kRbNT / 32) {
-        const int64_t m = m0 + row;
-        const bool live = m < a.M;
-        const uint16_t *ur = live ? u + ((int64_t)ids[m / a.c] * a.c + m % a.c) * a.r : u;
-        unsigned mx = 0;
-        if (live)
-            for (int q = lane; q < a.r; q += 32) mx = max(mx, (unsigned)(ur[q] & 0x7fffu));
-        mx = __reduce_max_sync(kFullMask, mx);
+    if (t4 == 0) {
+        pos_s[warp][g] = live[0] ? pos[0] : -1;
+        pos_s[warp][g + 8] = live[1] ? pos[1] : -1;
+    }
+    /* fixed point: the rows' exponents (max over the quad), then the A fragments */
+    uint32_t ah[KS][4], al[KS][4];
+    int eu[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; rs++) {
+        uint32_t mx = 0;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const uint32_t w0 = raw[rs][ks][hf].x & 0x7fff7fffu, w1 = raw[rs][ks][hf].y & 0x7fff7fffu;
+                mx = max(mx, max(max(w0 & 0xffffu, w0 >> 16), max(w1 & 0xffffu, w1 >> 16)));
+            }
+        mx = max(mx, __shfl_xor_sync(kFullMask, mx, 1));
+        mx = max(mx, __shfl_xor_sync(kFullMask, mx, 2));
         const int e = skv_canon_rebuild_ex((uint16_t)mx);
-        if (lane == 0) eu[row] = e;
-        for (int q = lane; q < a.Kp; q += 32) {
-            const int32_t x = live && q < a.r ? skv_canon_rebuild_fix(ur[q], e) : 0;
-            const size_t o = ((size_t)(q >> 4) * kRbTok + row) * 16 + (q & 15);
-            split13(x, Uh + o, Ul + o);
-        }
+        eu[rs] = e;
+        const bool fast = e >= -113;
+        const float s = rb_pow2_12(fast ? e : 0);
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                uint32_t hw = 0, lw = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
+                    const int32_t t = fast ? rb_fix_fast(hb, s) : skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
+                    hw |= rb_hi8(t) << (8 * j);
+                    lw |= rb_lo8(t) << (8 * j);
+                }
+                ah[ks][rs + 2 * hf] = hw;
+                al[ks][rs + 2 * hf] = lw;
+            }
     }
+    cp_async_wait_all();
     __syncthreads();
-    /* warp: tokens 16 warp .. +15, every 16-dim tile: the three exact int32 sums */
-    int *t1 = tiles + warp * 3 * 256, *t2 = t1 + 256, *t3 = t2 + 256;
-    for (int nt = 0; nt < a.Dp / 16; nt++) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, int> c1, c2, c3;
-        wmma::fill_fragment(c1, 0);
-        wmma::fill_fragment(c2, 0);
-        wmma::fill_fragment(c3, 0);
-        for (int kb = 0; kb < a.Kp / 16; kb++) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> ah, al;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> bh, bl;
-            const size_t ao = ((size_t)kb * kRbTok + warp * 16) * 16, bo = ((size_t)kb * a.Dp + nt * 16) * 16;
-            wmma::load_matrix_sync(ah, Uh + ao, 16);
-            wmma::load_matrix_sync(al, Ul + ao, 16);
-            wmma::load_matrix_sync(bh, Wh + bo, 16);
-            wmma::load_matrix_sync(bl, Wl + bo, 16);
-            wmma::mma_sync(c1, ah, bh, c1);
-            wmma::mma_sync(c2, ah, bl, c2);
-            wmma::mma_sync(c2, al, bh, c2);
-            wmma::mma_sync(c3, al, bl, c3);
+    /* per n8 tile: the exact sums, the key into the staging rows (c0, c1: row g, dims 2 t, 2 t + 1;
+       c2, c3: row g + 8) */
+#pragma unroll 2
+    for (int nt = 0; nt < NT; nt++) {
+        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const uint4 w = Wf[((size_t)ks * NT + nt) * 32 + lane];
+            mma_s8(c1, ah[ks], w.x, w.y);
+            mma_s8(c2, ah[ks], w.z, w.w);
+            mma_s8(c2, al[ks], w.x, w.y);
+            mma_s8(c3, al[ks], w.z, w.w);
         }
-        wmma::store_matrix_sync(t1, c1, 16, wmma::mem_row_major);
-        wmma::store_matrix_sync(t2, c2, 16, wmma::mem_row_major);
-        wmma::store_matrix_sync(t3, c3, 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int row = e >> 4, d = nt * 16 + (e & 15);
-            const int64_t P = ((int64_t)t1[e] << 14) + ((int64_t)t2[e] << 7) + (int64_t)t3[e];
-            xs[(size_t)(warp * 16 + row) * a.Dp + d] = skv_canon_rebuild_key(P, eu[warp * 16 + row] + ew[d] - 24);
+        const int d = nt * 8 + 2 * t4;
+        const int ed[2] = {ew[d], ew[d + 1]};
+#pragma unroll
+        for (int rs = 0; rs < 2; rs++) {
+            float kv[2];
+#pragma unroll
+            for (int cl = 0; cl < 2; cl++) {
+                const int i = 2 * rs + cl;
+                const int64_t P = (int64_t)c1[i] * 16384 + (int64_t)c2[i] * 128 + (int64_t)c3[i];
+                kv[cl] = rb_key(P, eu[rs] + ed[cl] - 24);
+            }
+            *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[0], kv[1]);
         }
-        __syncwarp();
     }
-    /* RoPE and bf16, a warp per token */
-    for (int row = 0; row < 16; row++) {
-        const int64_t m = m0 + warp * 16 + row;
-        if (m >= a.M) break;
-        const int64_t t = (int64_t)ids[m / a.c] * a.c + m % a.c;
-        rb_rope_row(a, xs + (size_t)(warp * 16 + row) * a.Dp, t,
-                    (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D, lane);
+    __syncwarp();
+    /* RoPE and bf16: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
+    skv_bf16 *kw = a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
+    for (int rr = 0; rr < 16; rr++) {
+        if (pos_s[warp][rr] < 0) continue;
+        for (int d = a.R + lane; d < a.D; d += 32)
+            ((uint16_t *)kw)[(int64_t)rr * a.D + d] = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
     }
+    const int h2 = a.R / 2;
+    for (int i0 = 0; i0 < h2; i0 += 64)
+        for (int r0 = 0; r0 < 16; r0 += 8) {
+            float cs[8][2], sn[8][2];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const long long p = pos_s[warp][r0 + k];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int i = i0 + lane + 32 * x;
+                    const bool ok = p >= 0 && i < h2;
+                    cs[k][x] = ok ? __ldg(a.cos_tab + p * h2 + i) : 0.0f;
+                    sn[k][x] = ok ? __ldg(a.sin_tab + p * h2 + i) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int rr = r0 + k;
+                if (pos_s[warp][rr] < 0) continue;
+                const float *x = xs + (size_t)rr * xst;
+                uint16_t *out = (uint16_t *)kw + (int64_t)rr * a.D;
+#pragma unroll
+                for (int xx = 0; xx < 2; xx++) {
+                    const int i = i0 + lane + 32 * xx;
+                    if (i >= h2) continue;
+                    int pa, pb;
+                    float xo, yo;
+                    skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
+                    skv_rope_rotate(x[pa], x[pb], cs[k][xx], sn[k][xx], &xo, &yo);
+                    out[pa] = skv_f32_to_bf16(xo);
+                    out[pb] = skv_f32_to_bf16(yo);
+                }
+            }
+        }
 }
 
 /* The same values without tensor cores (shapes whose shared memory does not fit): grid (tiles of
@@ -273,9 +407,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
 /* ---- attention ---------------------------------------------------------------------------------- */
 
 constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
-constexpr int kAtParts = 2;
-constexpr int kAtNT = kAtLanes * kAtParts;
-constexpr int kAtDC = 16; /* dims per unit */
+constexpr int kAtDC = 8; /* dims per block of the P V kernel */
 constexpr int kAtGC = 4;  /* query heads per unit */
 constexpr int kAtMaxSpans = SKV_MAX_SPANS;
 
@@ -350,193 +482,254 @@ __device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CS
     return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + e) * a.c + i) * a.D;
 }
 
-/* The canonical tree over P[256][ncol] (shared), all threads of the block taking part (256 per
-   part; part p's array at P + p * stride). After it, P[0][col] holds the sum. */
-__device__ __forceinline__ void at_tree(float *P, int ncol, int lane)
+/* The span walk of token j (spans in order): its span si and that span's first token base, advanced
+   from the previous (si, base) (j only grows). */
+__device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base)
 {
-    for (int w = kAtLanes / 2; w >= 1; w >>= 1) {
-        __syncthreads();
-        for (int idx = lane; idx < w * ncol; idx += kAtLanes) {
-            const int k = idx / ncol, col = idx - k * ncol;
-            P[k * ncol + col] = SKV_ADD(P[k * ncol + col], P[(k + w) * ncol + col]);
-        }
-    }
-    __syncthreads();
+    while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
+    return si < ns;
 }
 
-/* grid (Hk, B), kAtNT threads. smem: q [G][D] float, Zl [parts][256], Zf [G], red [parts][8],
-   P [parts][256][16], spans. */
-__global__ void __launch_bounds__(kAtNT, 1) canon_attend_kernel(const AttendArgs a)
+/* Scores: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
+   fmaf chain of skv_dot_bf16 over d = 0 .. D-1 for the group's query heads, 4 at a time (their
+   chains interleaved, each its own order), the key row read 64 dims at a time, and writes them to
+   e[b Hq + hq][j]. smem: q [G][D] float, spans. */
+__global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs a)
 {
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, part = tid / kAtLanes, lane = tid % kAtLanes;
-    const int zs = blockIdx.z, nz = gridDim.z; /* this block's share of the P V units; its own weights */
-    const int G = a.G, D = a.D;
-    float *qs = (float *)skv_canon_smem;                       /* [G][D] */
-    float *Zl = qs + (size_t)G * D;                            /* [parts][256] */
-    float *Zf = Zl + kAtParts * kAtLanes;                      /* [G] */
-    float *red = Zf + G;                                       /* [parts][8] */
-    float *Pp = red + kAtParts * 8;                            /* [parts][256][kAtDC] */
-    CSpan *sp = (CSpan *)align_up((size_t)(Pp + (size_t)kAtParts * kAtLanes * kAtDC), 16);
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, G = a.G, D = a.D;
+    float *qs = (float *)skv_canon_smem;
+    CSpan *sp = (CSpan *)align_up((size_t)(qs + (size_t)G * D), 16);
     __shared__ int n_spans_s;
-    __shared__ float Ms[kAtParts];
     if (tid == 0) n_spans_s = at_spans(a, b, h, sp);
     const uint16_t *qg = a.seqs ? (const uint16_t *)a.io->q + ((int64_t)b * a.Hq + (int64_t)h * G) * D
                                 : a.q + (int64_t)h * G * D;
-    for (int i = tid; i < G * D; i += kAtNT) qs[i] = skv_bf16_to_f32(qg[i]);
+    for (int i = tid; i < G * D; i += kAtLanes) qs[i] = skv_bf16_to_f32(qg[i]);
     __syncthreads();
     const int ns = n_spans_s;
-    const int64_t bq0 = ((int64_t)b * nz + zs) * a.Hq + (int64_t)h * G; /* row of e */
-    const int64_t bo0 = (int64_t)b * a.Hq + (int64_t)h * G;              /* row of out */
-    /* scores, max, weights and Z: part p takes the query heads g = g0 + p */
-    for (int g0 = 0; g0 < G; g0 += kAtParts) {
-        const int g = g0 + part;
-        const bool act = g < G;
-        float *eg = a.e + (bq0 + (act ? g : 0)) * a.Tmax;
-        float mx = -INFINITY;
-        if (act) {
-            const float *q = qs + (size_t)g * D;
-            /* two tokens per pass (j and j + 256: two independent chains, both rows' loads in flight) */
-            int si = 0;
-            int64_t base = 0;
-            for (int64_t j = lane;; j += 2 * kAtLanes) {
-                while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
-                if (si >= ns) break;
-                const uint16_t *k0 = sp[si].k + (j - base) * sp[si].ts, *k1 = nullptr;
-                int si1 = si;
-                int64_t base1 = base;
-                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
-                if (si1 < ns) k1 = sp[si1].k + (j + kAtLanes - base1) * sp[si1].ts;
-                float acc0 = 0.0f, acc1 = 0.0f;
-                const bool v0 = (D & 7) == 0 && ((uintptr_t)k0 & 15) == 0;
-                if (v0 && k1 && ((uintptr_t)k1 & 15) == 0) {
-                    for (int d = 0; d < D; d += 8) {
-                        float f0[8], f1[8];
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k0 + d), f0);
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(k1 + d), f1);
+    const int64_t j = (int64_t)blockIdx.x * kAtLanes + tid;
+    int si = 0;
+    int64_t base = 0;
+    if (!at_seek(sp, ns, j, si, base)) return;
+    const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    const bool vec = (D & 7) == 0 && ((uintptr_t)k & 15) == 0;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = min(4, G - g0);
+        const float *q = qs + (size_t)g0 * D;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (vec) {
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                uint4 kv[8];
 #pragma unroll
-                        for (int x = 0; x < 8; x++) {
-                            acc0 = SKV_FMA(q[d + x], f0[x], acc0);
-                            acc1 = SKV_FMA(q[d + x], f1[x], acc1);
-                        }
-                    }
-                } else {
-                    for (int d = 0; d < D; d++) acc0 = SKV_FMA(q[d], skv_bf16_to_f32(k0[d]), acc0);
-                    if (k1)
-                        for (int d = 0; d < D; d++) acc1 = SKV_FMA(q[d], skv_bf16_to_f32(k1[d]), acc1);
-                }
-                const float s0 = SKV_MUL(acc0, a.scale);
-                eg[j] = s0;
-                mx = fmaxf(mx, s0);
-                if (!k1) break;
-                const float s1 = SKV_MUL(acc1, a.scale);
-                eg[j + kAtLanes] = s1;
-                mx = fmaxf(mx, s1);
-                si = si1, base = base1;
-            }
-        }
-        /* the max of the part's 256 lanes (finite scores: the order of fmaxf does not matter, see
-           skv_canonical_attend) */
-        mx = warp_max(mx);
-        if ((lane & 31) == 0) red[part * 8 + (lane >> 5)] = mx;
-        __syncthreads();
-        if (lane == 0) {
-            float m = red[part * 8];
-            for (int i = 1; i < 8; i++) m = fmaxf(m, red[part * 8 + i]);
-            Ms[part] = m;
-        }
-        __syncthreads();
-        const float M = Ms[part];
-        float z = 0.0f;
-        if (act) {
-            int64_t T = 0;
-            for (int i = 0; i < ns; i++) T += sp[i].n;
-            for (int64_t j = lane; j < T; j += kAtLanes) {
-                const float e = skv_expf(SKV_SUB(eg[j], M));
-                eg[j] = e;
-                z = SKV_ADD(z, e);
-            }
-        }
-        Zl[part * kAtLanes + lane] = z;
-        at_tree(Zl + part * kAtLanes, 1, lane);
-        if (act && lane == 0) Zf[g] = Zl[part * kAtLanes];
-        __syncthreads();
-    }
-    /* P V: units (4 query heads, 16 dims), part p takes units u0 + p */
-    const int ng = (G + kAtGC - 1) / kAtGC, nd = (D + kAtDC - 1) / kAtDC, U = ng * nd;
-    float *P = Pp + (size_t)part * kAtLanes * kAtDC;
-    for (int u0 = zs * kAtParts; u0 < U; u0 += kAtParts * nz) {
-        const int un = u0 + part;
-        const bool act = un < U;
-        const int gq = act ? un / nd * kAtGC : 0, d0 = act ? un % nd * kAtDC : 0;
-        const int gn = act ? min(kAtGC, G - gq) : 0;
-        float acc[kAtGC][kAtDC];
+                for (int c = 0; c < 8; c++)
+                    if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
 #pragma unroll
-        for (int x = 0; x < kAtGC; x++)
+                for (int c = 0; c < 8; c++) {
+                    if (d0 + 8 * c >= D) break;
+                    float f[8];
+                    bf16x8_to_f32(kv[c], f);
 #pragma unroll
-            for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
-        if (act) {
-            /* two tokens per pass (j, then j + 256: the lane's order), both rows' loads in flight */
-            int si = 0;
-            int64_t base = 0;
-            for (int64_t j = lane;; j += 2 * kAtLanes) {
-                while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
-                if (si >= ns) break;
-                int si1 = si;
-                int64_t base1 = base;
-                while (si1 < ns && j + kAtLanes - base1 >= sp[si1].n) base1 += sp[si1].n, si1++;
-                const bool two = si1 < ns;
-                float f[2][kAtDC], ev[2][kAtGC];
+                    for (int gg = 0; gg < 4; gg++) {
+                        if (gg >= gn) break;
+                        const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
+                        const float4 qa = qv[0], qb = qv[1];
+                        const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
-                for (int t = 0; t < 2; t++) {
-                    const int64_t jt = j + t * kAtLanes;
-                    if (t == 1 && !two) {
-#pragma unroll
-                        for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
-#pragma unroll
-                        for (int x = 0; x < kAtGC; x++) ev[t][x] = 0.0f;
-                        continue;
-                    }
-                    const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
-#pragma unroll
-                    for (int x = 0; x < kAtGC; x++) ev[t][x] = x < gn ? a.e[(bq0 + gq + x) * a.Tmax + jt] : 0.0f;
-                    if (d0 + kAtDC <= D && ((uintptr_t)v & 15) == 0) {
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v), f[t]);
-                        bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8), f[t] + 8);
-                    } else {
-#pragma unroll
-                        for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                        for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
                     }
                 }
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                const float f = skv_bf16_to_f32(k[d]);
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++)
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[0][x], f[0][y], acc[x][y]);
-                if (!two) break;
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++)
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(ev[1][x], f[1][y], acc[x][y]);
-                si = si1, base = base1;
+                for (int gg = 0; gg < 4; gg++)
+                    if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
             }
         }
 #pragma unroll
-        for (int x = 0; x < kAtGC; x++) {
-#pragma unroll
-            for (int y = 0; y < kAtDC; y++) P[lane * kAtDC + y] = acc[x][y];
-            at_tree(P, kAtDC, lane);
-            if (act && x < gn && lane < kAtDC && d0 + lane < D) {
-                float *out = a.seqs ? a.io->out : a.out;
-                out[(bo0 + gq + x) * D + d0 + lane] = SKV_DIV(P[lane], Zf[gq + x]);
-            }
-            __syncthreads(); /* P is rewritten by the next head */
-        }
+        for (int gg = 0; gg < 4; gg++)
+            if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
     }
 }
 
-size_t at_smem(int32_t G, int32_t D, int32_t n_spans)
+/* P V: grid (ceil(D / 8), Hk, B), 256 threads (thread l = canonical lane l): the block owns 8 dims of
+   every query head of the group, 4 heads at a time. Per head M = the block's max of the scores (finite:
+   any order gives the same e_j, see skv_canonical_attend); lane l walks its tokens j = l, l + 256, ...
+   in order (two per pass, both rows' loads in flight): e_j = skv_expf(s_j - M), z = z + e_j,
+   N_d = fma(e_j, v_jd, N_d). Every block of the group computes e_j and Z itself, with the same
+   operations (the same bits). Then the fixed tree: levels 128, 64, 32 through shared memory, 16 .. 1 by
+   shuffles in warp 0 (lane k adds lane k + w's value: P[k] + P[k + w]), and out_d = N_d / Z.
+   smem: spans; xb [36][128] the tree's exchange. */
+constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 36 values per lane */
+static_assert(kAtDC % 8 == 0, "whole uint4 per value row");
+__global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
-    return sizeof(float) * ((size_t)G * D + kAtParts * kAtLanes + G + kAtParts * 8 + (size_t)kAtParts * kAtLanes * kAtDC) +
-           sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS) + 16;
+    const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
+    const int d0 = blockIdx.x * kAtDC;
+    float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][128] */
+    CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * 128), 16);
+    __shared__ int n_spans_s;
+    __shared__ float red[8][kAtGC], Ms[kAtGC];
+    __shared__ float res[kAtNV];
+    if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
+    __syncthreads();
+    const int ns = n_spans_s;
+    int64_t T = 0;
+    for (int i = 0; i < ns; i++) T += sp[i].n;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
+    const bool dvec = d0 + kAtDC <= D;
+    for (int gq = 0; gq < G; gq += kAtGC) {
+        const int gn = min(kAtGC, G - gq);
+        const float *er[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) er[x] = a.e + (bq0 + gq + (x < gn ? x : 0)) * a.Tmax;
+        /* M per head */
+        {
+            float mx[kAtGC];
+#pragma unroll
+            for (int x = 0; x < kAtGC; x++) mx[x] = -INFINITY;
+#pragma unroll 2
+            for (int64_t j = lane; j < T; j += kAtLanes)
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++)
+                    if (x < gn) mx[x] = fmaxf(mx[x], er[x][j]);
+#pragma unroll
+            for (int x = 0; x < kAtGC; x++) {
+                const float m = warp_max(mx[x]);
+                if ((lane & 31) == 0) red[lane >> 5][x] = m;
+            }
+            __syncthreads();
+            if (lane < kAtGC) {
+                float m = red[0][lane];
+                for (int i = 1; i < 8; i++) m = fmaxf(m, red[i][lane]);
+                Ms[lane] = m;
+            }
+            __syncthreads();
+        }
+        float M[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) M[x] = Ms[x];
+        float acc[kAtGC][kAtDC], z[kAtGC];
+#pragma unroll
+        for (int x = 0; x < kAtGC; x++) {
+            z[x] = 0.0f;
+#pragma unroll
+            for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
+        }
+        int si = 0;
+        int64_t base = 0;
+        for (int64_t j = lane;; j += 2 * kAtLanes) {
+            if (!at_seek(sp, ns, j, si, base)) break;
+            int si1 = si;
+            int64_t base1 = base;
+            const bool two = at_seek(sp, ns, j + kAtLanes, si1, base1);
+            float f[2][kAtDC], sv[2][kAtGC];
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                const int64_t jt = j + t * kAtLanes;
+                if (t == 1 && !two) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
+#pragma unroll
+                    for (int x = 0; x < kAtGC; x++) sv[t][x] = 0.0f;
+                    continue;
+                }
+                const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) sv[t][x] = x < gn ? er[x][jt] : 0.0f;
+                if (dvec && ((uintptr_t)v & 15) == 0) {
+#pragma unroll
+                    for (int c = 0; c < kAtDC / 8; c++) bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8 * c), f[t] + 8 * c);
+                } else {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                if (t == 1 && !two) break;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+                    const float e = skv_expf(SKV_SUB(sv[t][x], M[x]));
+                    z[x] = SKV_ADD(z[x], e);
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(e, f[t][y], acc[x][y]);
+                }
+            }
+            if (!two) break;
+            si = si1, base = base1;
+        }
+        /* the fixed tree over the 256 lanes, for the 36 values at once: w = 128, 64, 32 through xb
+           (value v of lane w + k at xb[v][k]), then w = 16 .. 1 in warp 0 */
+#pragma unroll 1
+        for (int w = 128; w >= 32; w >>= 1) {
+            if (lane >= w && lane < 2 * w) {
+                const int k = lane - w;
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) xb[(size_t)(x * kAtDC + y) * 128 + k] = acc[x][y];
+                    xb[(size_t)(kAtGC * kAtDC + x) * 128 + k] = z[x];
+                }
+            }
+            __syncthreads();
+            if (lane < w) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], xb[(size_t)(x * kAtDC + y) * 128 + lane]);
+                    z[x] = SKV_ADD(z[x], xb[(size_t)(kAtGC * kAtDC + x) * 128 + lane]);
+                }
+            }
+            __syncthreads();
+        }
+        if (lane < 32) {
+#pragma unroll
+            for (int w = 16; w >= 1; w >>= 1) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], __shfl_down_sync(kFullMask, acc[x][y], w));
+                    z[x] = SKV_ADD(z[x], __shfl_down_sync(kFullMask, z[x], w));
+                }
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) res[x * kAtDC + y] = acc[x][y];
+                    res[kAtGC * kAtDC + x] = z[x];
+                }
+            }
+            __syncwarp();
+            float *out = a.seqs ? a.io->out : a.out;
+            for (int i = lane; i < kAtGC * kAtDC; i += 32) {
+                const int x = i / kAtDC, y = i % kAtDC;
+                if (x < gn && d0 + y < D) out[(bq0 + gq + x) * D + d0 + y] = SKV_DIV(res[i], res[kAtGC * kAtDC + x]);
+            }
+        }
+        __syncthreads(); /* res, xb and Ms are rewritten by the next head group */
+    }
+}
+
+size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
+{
+    return sizeof(float) * (size_t)G * D + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
+}
+
+size_t at_smem(int32_t n_spans)
+{
+    return sizeof(float) * (size_t)kAtNV * 128 + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
+}
+
+template <int KS>
+cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
+{
+    cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS>, smem);
+    if (e != cudaSuccess) return e;
+    return launch(canon_rebuild_tc_kernel<KS>, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
+                  dim3(kRbNT), smem, st, false, a);
 }
 
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
@@ -544,14 +737,20 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const size_t smem = rb_smem(a.Kp, a.Dp);
-    if (smem <= kRbSmemMax && a.wq) {
-        cudaError_t e = allow_smem(canon_rebuild_tc_kernel, smem);
+    if (smem <= kRbSmemMax && a.wq && a.Kp / 32 <= kRbKsMax) {
+        cudaError_t e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
+                               0, st, false, a);
         if (e != cudaSuccess) return e;
-        e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT), 0, st,
-                   false, a);
-        if (e != cudaSuccess) return e;
-        return launch(canon_rebuild_tc_kernel, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
-                      dim3(kRbNT), smem, st, false, a);
+        switch (a.Kp / 32) {
+        case 1: return launch_rebuild_tc<1>(st, a, B, smem);
+        case 2: return launch_rebuild_tc<2>(st, a, B, smem);
+        case 3: return launch_rebuild_tc<3>(st, a, B, smem);
+        case 4: return launch_rebuild_tc<4>(st, a, B, smem);
+        case 5: return launch_rebuild_tc<5>(st, a, B, smem);
+        case 6: return launch_rebuild_tc<6>(st, a, B, smem);
+        case 7: return launch_rebuild_tc<7>(st, a, B, smem);
+        default: return launch_rebuild_tc<8>(st, a, B, smem);
+        }
     }
     const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * 32 * (size_t)a.D;
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
@@ -564,40 +763,42 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
 {
     RebuildArgs a;
     memset(&a, 0, sizeof a);
-    a.Hk = sh->Hk, a.D = sh->D, a.Dp = (sh->D + 15) / 16 * 16, a.r = sh->r, a.Kp = (sh->r + 15) / 16 * 16;
+    a.Hk = sh->Hk, a.D = sh->D, a.Dp = (sh->D + 15) / 16 * 16, a.r = sh->r, a.Kp = (sh->r + 31) / 32 * 32;
     a.c = sh->c, a.S = sh->S, a.R = sh->rotary_dim, a.interleaved = sh->interleaved;
     a.M = (int64_t)sh->S * sh->c;
     a.seqs = seqs, a.ids = ids, a.cos_tab = sh->cos_tab, a.sin_tab = sh->sin_tab, a.k_out = k_out;
     return a;
 }
 
-/* Blocks per (KV head, sequence): the P V units split over up to kAtSplit blocks (each computes the
-   weights itself) while (KV heads x sequences) alone would leave most multiprocessors idle. */
-constexpr int kAtSplit = 4;
+/* Rows of the weights' workspace per (sequence, query head): one (the scores are computed once). */
 int at_split(int32_t Hk, int32_t B, int32_t G, int32_t D)
 {
-    const int units = ((G + kAtGC - 1) / kAtGC) * ((D + kAtDC - 1) / kAtDC);
-    int z = 1;
-    while (z < kAtSplit && (int64_t)Hk * B * z * 2 <= num_sms() && units >= 2 * z * kAtParts) z *= 2;
-    return z;
+    (void)Hk, (void)B, (void)G, (void)D;
+    return 1;
 }
 
-cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int nz)
+cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
-    if (a.Hk > 65535 || B > kMaxGridYZ) return cudaErrorInvalidValue;
-    const size_t smem = at_smem(a.G, a.D, a.n_spans);
-    if (smem > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
-    cudaError_t e = allow_smem(canon_attend_kernel, smem);
+    if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
+    if (T <= 0) return cudaSuccess;
+    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans);
+    if (s1 > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
+    cudaError_t e = allow_smem(canon_score_kernel, s1);
     if (e != cudaSuccess) return e;
-    return launch(canon_attend_kernel, dim3((unsigned)a.Hk, (unsigned)B, (unsigned)nz), dim3(kAtNT), smem, st, false,
-                  a);
+    e = allow_smem(canon_attend_kernel, s2);
+    if (e != cudaSuccess) return e;
+    e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes),
+               s1, st, false, a);
+    if (e != cudaSuccess) return e;
+    return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
+                  dim3(kAtLanes), s2, st, false, a);
 }
 
 } /* namespace */
 
 size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r)
 {
-    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 15) / 16 * 16;
+    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 31) / 32 * 32;
     return align_up((size_t)B * Hk * 2 * Kp * Dp, 256) + (size_t)B * Hk * Dp * sizeof(int);
 }
 
@@ -623,7 +824,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
-    return launch_attend(st, a, sh->B, ws->canon_split);
+    return launch_attend(st, a, sh->B, ws->canon_tmax);
 }
 
 cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int32_t D, float scale,
@@ -636,7 +837,7 @@ cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t H
     a.Hq = Hq, a.Hk = Hk, a.G = Hq / Hk, a.D = D, a.scale = scale, a.Tmax = T, a.e = e;
     a.q = (const uint16_t *)q, a.out = out, a.n_spans = n_spans;
     for (int i = 0; i < n_spans; i++) a.spans[i] = spans[i];
-    return launch_attend(st, a, 1, 1);
+    return launch_attend(st, a, 1, T);
 }
 
 int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D) { return at_split(Hk, B, G, D); }
