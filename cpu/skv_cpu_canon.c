@@ -23,6 +23,29 @@
 #if SKV_CPU_X86
 #include <immintrin.h>
 
+/* One 4 x 8 output tile of a chained product: out row i, columns 0..7 = the chain over k = 0..K-1
+   of fma(b_i[k * sb], x[k * sx + 0..7], acc), in order from 0 (lanes across the 8 columns; each
+   output keeps its own chain). Writes rows 0..rows-1 of the tile, rows ld apart. */
+SKV_CPU_AVX2 static inline void skv_cc_tile4x8(const double *const b[4], size_t sb, const double *x, size_t sx,
+                                               int32_t K, int rows, double *out, size_t ld)
+{
+    __m256d a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_pd();
+    for (int32_t k = 0; k < K; k++) {
+        const double *xk = x + (size_t)k * sx;
+        __m256d x0 = _mm256_loadu_pd(xk), x1 = _mm256_loadu_pd(xk + 4);
+        for (int i = 0; i < 4; i++) {
+            __m256d bi = _mm256_broadcast_sd(b[i] + (size_t)k * sb);
+            a[i][0] = _mm256_fmadd_pd(bi, x0, a[i][0]);
+            a[i][1] = _mm256_fmadd_pd(bi, x1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_pd(out + (size_t)i * ld, a[i][0]);
+        _mm256_storeu_pd(out + (size_t)i * ld + 4, a[i][1]);
+    }
+}
+
 /* Y [d, p] = G X (lib/skv_factor_canon.h's skv_canon_ref_gx): 4 rows x 8 columns per tile, lanes
    across columns j, the chain over k in order. */
 SKV_CPU_AVX2 static void skv_cc_gx(int32_t d, int32_t p, const double *g, const double *x, double *y)
@@ -33,30 +56,9 @@ SKV_CPU_AVX2 static void skv_cc_gx(int32_t d, int32_t p, const double *g, const 
         int32_t i0 = (int32_t)(it / nj) * 4, j0 = (int32_t)(it % nj) * 8;
         int32_t rows = d - i0 < 4 ? d - i0 : 4;
         if (j0 + 8 <= p) {
-            __m256d a[4][2];
-            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_pd();
-            const double *g0 = g + (size_t)(i0 + (rows > 0 ? 0 : 0)) * d;
-            const double *g1 = g + (size_t)(i0 + (rows > 1 ? 1 : 0)) * d;
-            const double *g2 = g + (size_t)(i0 + (rows > 2 ? 2 : 0)) * d;
-            const double *g3 = g + (size_t)(i0 + (rows > 3 ? 3 : 0)) * d;
-            for (int32_t k = 0; k < d; k++) {
-                const double *xk = x + (size_t)k * p + j0;
-                __m256d x0 = _mm256_loadu_pd(xk), x1 = _mm256_loadu_pd(xk + 4);
-                __m256d b0 = _mm256_broadcast_sd(g0 + k), b1 = _mm256_broadcast_sd(g1 + k);
-                __m256d b2 = _mm256_broadcast_sd(g2 + k), b3 = _mm256_broadcast_sd(g3 + k);
-                a[0][0] = _mm256_fmadd_pd(b0, x0, a[0][0]);
-                a[0][1] = _mm256_fmadd_pd(b0, x1, a[0][1]);
-                a[1][0] = _mm256_fmadd_pd(b1, x0, a[1][0]);
-                a[1][1] = _mm256_fmadd_pd(b1, x1, a[1][1]);
-                a[2][0] = _mm256_fmadd_pd(b2, x0, a[2][0]);
-                a[2][1] = _mm256_fmadd_pd(b2, x1, a[2][1]);
-                a[3][0] = _mm256_fmadd_pd(b3, x0, a[3][0]);
-                a[3][1] = _mm256_fmadd_pd(b3, x1, a[3][1]);
-            }
-            for (int i = 0; i < rows; i++) {
-                _mm256_storeu_pd(y + (size_t)(i0 + i) * p + j0, a[i][0]);
-                _mm256_storeu_pd(y + (size_t)(i0 + i) * p + j0 + 4, a[i][1]);
-            }
+            const double *b[4];
+            for (int i = 0; i < 4; i++) b[i] = g + (size_t)(i0 + (i < rows ? i : 0)) * d;
+            skv_cc_tile4x8(b, 1, x + j0, (size_t)p, d, rows, y + (size_t)i0 * p + j0, (size_t)p);
         } else
             for (int i = 0; i < rows; i++)
                 for (int32_t j = j0; j < p; j++) {
@@ -79,27 +81,9 @@ SKV_CPU_AVX2 static void skv_cc_cross(int32_t m, int32_t p, const double *y, dou
         int32_t rows = p - i0 < 4 ? p - i0 : 4;
         if (j0 + 8 <= i0) continue; /* strictly below the diagonal */
         if (j0 + 8 <= p) {
-            __m256d a[4][2];
-            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_pd();
-            int32_t c1 = i0 + (rows > 1 ? 1 : 0), c2 = i0 + (rows > 2 ? 2 : 0), c3 = i0 + (rows > 3 ? 3 : 0);
-            for (int32_t t = 0; t < m; t++) {
-                const double *yt = y + (size_t)t * p;
-                __m256d x0 = _mm256_loadu_pd(yt + j0), x1 = _mm256_loadu_pd(yt + j0 + 4);
-                __m256d b0 = _mm256_broadcast_sd(yt + i0), b1 = _mm256_broadcast_sd(yt + c1);
-                __m256d b2 = _mm256_broadcast_sd(yt + c2), b3 = _mm256_broadcast_sd(yt + c3);
-                a[0][0] = _mm256_fmadd_pd(b0, x0, a[0][0]);
-                a[0][1] = _mm256_fmadd_pd(b0, x1, a[0][1]);
-                a[1][0] = _mm256_fmadd_pd(b1, x0, a[1][0]);
-                a[1][1] = _mm256_fmadd_pd(b1, x1, a[1][1]);
-                a[2][0] = _mm256_fmadd_pd(b2, x0, a[2][0]);
-                a[2][1] = _mm256_fmadd_pd(b2, x1, a[2][1]);
-                a[3][0] = _mm256_fmadd_pd(b3, x0, a[3][0]);
-                a[3][1] = _mm256_fmadd_pd(b3, x1, a[3][1]);
-            }
-            for (int i = 0; i < rows; i++) {
-                _mm256_storeu_pd(c + (size_t)(i0 + i) * p + j0, a[i][0]);
-                _mm256_storeu_pd(c + (size_t)(i0 + i) * p + j0 + 4, a[i][1]);
-            }
+            const double *b[4];
+            for (int i = 0; i < 4; i++) b[i] = y + (i0 + (i < rows ? i : 0));
+            skv_cc_tile4x8(b, (size_t)p, y + j0, (size_t)p, m, rows, c + (size_t)i0 * p + j0, (size_t)p);
         } else
             for (int i = 0; i < rows; i++)
                 for (int32_t j = j0; j < p; j++) {
