@@ -56,6 +56,17 @@ static void *xmalloc(size_t bytes)
 }
 static double *dalloc(size_t n) { return xmalloc(n * sizeof(double)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
+
+/* skvt_spectrum_bf16 from this test's generator (exits on out of memory) */
+static skv_bf16 *spectrum(int n, int d, const double *sigma)
+{
+    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
+    if (!a) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    return a;
+}
 static double bd(skv_bf16 h) { return (double)skv_bf16_to_float(h); }
 
 /*
@@ -81,46 +92,10 @@ static void unstage_out(skv_backend be, void *host, void *dev, size_t bytes)
 }
 static void unstage(skv_backend be, const void *dev, const void *host) { skvt_dfree(be, (void *)dev, (void *)host); }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- factorization -------------------------------------------------------- */
 
-/* m x k (column-major) with orthonormal columns: QR of a Gaussian matrix */
-static double *orthonormal(int m, int k)
-{
-    double *q = dalloc((size_t)m * k), *tau = dalloc((size_t)k);
-    for (size_t i = 0; i < (size_t)m * k; i++) q[i] = skvt_rng_normal(&rng);
-    LAPACKE_dgeqrf(LAPACK_COL_MAJOR, m, k, q, m, tau);
-    LAPACKE_dorgqr(LAPACK_COL_MAJOR, m, k, k, q, m, tau);
-    free(tau);
-    return q;
-}
 
-/* A = Q1 diag(sigma) Q2^T, [n, d] row-major, rounded to bf16 */
-static skv_bf16 *make_spectrum_matrix(int n, int d, const double *sigma)
-{
-    int k = n < d ? n : d;
-    double *q1 = orthonormal(n, k), *q2 = orthonormal(d, k), *a = dalloc((size_t)n * d);
-    for (int j = 0; j < k; j++)
-        for (int i = 0; i < d; i++) q2[(size_t)j * d + i] *= sigma[j];
-    /* row-major A [n, d] is column-major A^T [d, n] = (Q2 diag sigma) Q1^T */
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, d, n, k, 1.0, q2, d, q1, n, 0.0, a, d);
-    /* scale to O(1) entries, like real keys */
-    double ss = 0;
-    for (size_t i = 0; i < (size_t)n * d; i++) ss += a[i] * a[i];
-    double f = 1.0 / sqrt(ss / ((double)n * d));
-    skv_bf16 *ab = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
-    for (size_t i = 0; i < (size_t)n * d; i++) ab[i] = bf(a[i] * f);
-    free(q1);
-    free(q2);
-    free(a);
-    return ab;
-}
 
 /* best rank-r relative error of the bf16 matrix, from the eigenvalues of its double Gram;
    ratio (unless NULL): sigma_r / sigma_1 */
@@ -211,7 +186,7 @@ static void test_factorize(void)
                 /* 1/sqrt(i) with sigma_{r-3} .. sigma_{r+4} within 1e-3 of each other */
                 else sigma[i] = (i >= r - 4 && i <= r + 3) ? (1.0 - 1e-4 * (i - r + 4)) / sqrt(r - 3.0) : 1.0 / sqrt(x);
             }
-            a = make_spectrum_matrix(n, d, sigma);
+            a = spectrum(n, d, sigma);
         }
         double opt = spec == SPEC_ZERO ? 0.0 : best_rank_error(a, n, d, r, NULL);
         const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
@@ -221,9 +196,9 @@ static void test_factorize(void)
             skv_backend be = backends[bi];
             skv_bf16 *da = stage_in(be, a, a_bytes);
             float *du = stage_out(be, u, u_bytes), *dw = stage_out(be, w, w_bytes);
-            double t0 = now_s();
+            double t0 = skvt_now_s();
             skv_status s = skv_op_factorize(be, n, d, r, da, du, dw);
-            double secs = now_s() - t0;
+            double secs = skvt_now_s() - t0;
             unstage(be, da, a);
             unstage_out(be, u, du, u_bytes);
             unstage_out(be, w, dw, w_bytes);
@@ -270,7 +245,7 @@ static void test_factorize(void)
  * block Grams of this matrix, so the FAST route's fp32 Gram alone misses the
  * bound and the automatic FALLBACK (double Gram) is needed.
  * Why not a dense spike (sigma_1 = 1, sigma_i = 1e-4 / sqrt(i) through
- * make_spectrum_matrix): bf16 rounding of its entries adds a flat noise
+ * skvt_spectrum_bf16): bf16 rounding of its entries adds a flat noise
  * floor (~1e-3 of ||A||) that buries the 1e-4 tail, and over a flat tail a
  * wrong subspace costs little, so whether the fp32 Gram misses the bound
  * depends on its block length (err / opt 1.004 .. 1.13 for blocks of 64 ..
@@ -288,7 +263,7 @@ static skv_bf16 *make_spike_matrix(int n, int d)
 {
     double *sigma = dalloc((size_t)d);
     for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-    skv_bf16 *a = make_spectrum_matrix(n, d, sigma);
+    skv_bf16 *a = spectrum(n, d, sigma);
     double *v = dalloc((size_t)d);
     for (int j = 0; j < d; j++) v[j] = round_bits(skvt_rng_normal(&rng), 4);
     long sinks = 0, inexact = 0;
@@ -340,7 +315,7 @@ static void test_factorize_routes(void)
         if (m == ROUTE_INV) {
             double *sigma = dalloc((size_t)d);
             for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-            a = make_spectrum_matrix(n, d, sigma);
+            a = spectrum(n, d, sigma);
             free(sigma);
         } else if (m == ROUTE_RANKDEF) {
             a = make_rank24_matrix(n, d, 0);
@@ -359,9 +334,9 @@ static void test_factorize_routes(void)
                 const char *mode = modes[mi];
                 skv_bf16 *da = stage_in(be, a, a_bytes);
                 float *du = stage_out(be, u, u_bytes), *dw = stage_out(be, w, w_bytes);
-                double t0 = now_s();
+                double t0 = skvt_now_s();
                 skv_status s = skv_op_factorize_route(be, routes[mi], n, d, r, da, du, dw);
-                double secs = now_s() - t0;
+                double secs = skvt_now_s() - t0;
                 unstage(be, da, a);
                 unstage_out(be, u, du, u_bytes);
                 unstage_out(be, w, dw, w_bytes);
@@ -1499,12 +1474,12 @@ int main(void)
                           "gather on cuda without a device");
         SKVT_CHECK(untouched(o, sizeof o), "gather on cuda without a device wrote its output");
     }
-    double t0 = now_s(), t = t0;
+    double t0 = skvt_now_s(), t = t0;
 #define TIMED(call)                                              \
     do {                                                         \
         call;                                                    \
-        printf("-- %s: %.1f s\n", #call, now_s() - t);           \
-        t = now_s();                                             \
+        printf("-- %s: %.1f s\n", #call, skvt_now_s() - t);           \
+        t = skvt_now_s();                                             \
     } while (0)
     for (int i = 0; i < n_backends; i++) TIMED(test_bad_args(backends[i]));
     TIMED(test_rope());
@@ -1518,7 +1493,7 @@ int main(void)
     TIMED(test_factorize_routes());
     TIMED(test_factorize_edges());
 #undef TIMED
-    printf("test_accuracy: %.1f s\n", now_s() - t0);
+    printf("test_accuracy: %.1f s\n", skvt_now_s() - t0);
     skv_op_release(); /* the op-level workspace (cuda), before exit: leak checkers see device memory */
     return skvt_finish();
 }

@@ -48,42 +48,19 @@ static void *xmalloc(size_t bytes)
 static double *dalloc(size_t n) { return xmalloc(n * sizeof(double)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
 
-static double now_s(void)
+/* skvt_spectrum_bf16 from this test's generator (exits on out of memory) */
+static skv_bf16 *spectrum(int n, int d, const double *sigma)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
+    if (!a) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    return a;
 }
 
-/* m x k (column-major) with orthonormal columns: QR of a Gaussian matrix */
-static double *orthonormal(int m, int k)
-{
-    double *q = dalloc((size_t)m * k), *tau = dalloc((size_t)k);
-    for (size_t i = 0; i < (size_t)m * k; i++) q[i] = skvt_rng_normal(&rng);
-    LAPACKE_dgeqrf(LAPACK_COL_MAJOR, m, k, q, m, tau);
-    LAPACKE_dorgqr(LAPACK_COL_MAJOR, m, k, k, q, m, tau);
-    free(tau);
-    return q;
-}
 
-/* A = Q1 diag(sigma) Q2^T, [n, d] row-major, scaled to rms entry 1, rounded to bf16 */
-static skv_bf16 *make_spectrum(int n, int d, const double *sigma)
-{
-    int k = n < d ? n : d;
-    double *q1 = orthonormal(n, k), *q2 = orthonormal(d, k), *a = dalloc((size_t)n * d);
-    for (int j = 0; j < k; j++)
-        for (int i = 0; i < d; i++) q2[(size_t)j * d + i] *= sigma[j];
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, d, n, k, 1.0, q2, d, q1, n, 0.0, a, d);
-    double ss = 0;
-    for (size_t i = 0; i < (size_t)n * d; i++) ss += a[i] * a[i];
-    double f = 1.0 / sqrt(ss / ((double)n * d));
-    skv_bf16 *ab = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
-    for (size_t i = 0; i < (size_t)n * d; i++) ab[i] = bf(a[i] * f);
-    free(q1);
-    free(q2);
-    free(a);
-    return ab;
-}
+
 
 /* best rank-r error ||A - A_r||_F of the bf16 matrix (double Gram, dsyevd) and ||A||_F */
 static double best_rank_error(const skv_bf16 *a, int n, int d, int r, double *norm)
@@ -134,7 +111,7 @@ static skv_bf16 *make_spike(int n, int d)
 {
     double *sigma = dalloc((size_t)d);
     for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-    skv_bf16 *a = make_spectrum(n, d, sigma);
+    skv_bf16 *a = spectrum(n, d, sigma);
     double *v = dalloc((size_t)d);
     for (int j = 0; j < d; j++) v[j] = round_bits(skvt_rng_normal(&rng), 4);
     for (int t = 0; t < n; t++) {
@@ -190,7 +167,7 @@ static skv_bf16 *make_input(int kind, int n, int d, int r)
             else if (kind == K_EXP) sigma[i] = fmax(pow(2.0, -8.0 * i / (0.75 * r)), 0x1p-8);
             else sigma[i] = (i >= r - 4 && i <= r + 3) ? (1.0 - 1e-4 * (i - r + 4)) / sqrt(r - 3.0) : 1.0 / sqrt(x);
         }
-        a = make_spectrum(n, d, sigma);
+        a = spectrum(n, d, sigma);
         break;
     case K_RANK24: {
         int *c = xmalloc(sizeof(int) * (size_t)n * 24), *b = xmalloc(sizeof(int) * (size_t)24 * d);
@@ -239,9 +216,9 @@ static skv_status run_backend(skv_backend be, const skv_bf16 *a, int n, int d, i
     size_t ab = sizeof(skv_bf16) * (size_t)n * d, ub = sizeof(float) * (size_t)n * r, wb = sizeof(float) * (size_t)r * d;
     void *da = skvt_dbuf(be, (void *)a, ab), *du = skvt_dbuf(be, u, ub), *dw = skvt_dbuf(be, w, wb);
     skvt_dput(be, da, a, ab);
-    double t0 = now_s();
+    double t0 = skvt_now_s();
     skv_status s = skv_op_factorize_route(be, SKV_FACTORIZE_CANONICAL, n, d, r, da, du, dw);
-    *secs = now_s() - t0;
+    *secs = skvt_now_s() - t0;
     skvt_dget(be, u, du, ub);
     skvt_dget(be, w, dw, wb);
     skvt_dfree(be, da, (void *)a);

@@ -327,17 +327,11 @@ static void check_no_ftz(void)
 #endif
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 int main(int argc, char **argv)
 {
     uint64_t seed = skvt_base_seed("test_contract");
-    const double t_start = now_s();
+    const double t_start = skvt_now_s();
     double t_last = t_start;
     int n_configs = argc > 1 ? atoi(argv[1]) : 100;
     skvt_rng r;
@@ -411,7 +405,7 @@ int main(int argc, char **argv)
             free(ref_out[s]);
             free(oth_out[s]);
         }
-        const double t = now_s();
+        const double t = skvt_now_s();
         if ((i + 1) % 10 == 0 || t - t_last >= 10.0 || i + 1 == n_configs) {
             fprintf(stderr, "test_contract: %d/%d configurations, %d compared, %.1f s\n", i + 1, n_configs, compared,
                     t - t_start);

@@ -7,6 +7,9 @@
 #include <string.h>
 #include <time.h>
 
+#include <cblas.h>
+#include <lapacke.h>
+
 skvt_counts skvt_counts_g;
 
 static uint64_t splitmix64(uint64_t *x)
@@ -175,4 +178,48 @@ void skvt_lowrank_prompt(skvt_rng *r, size_t row, int64_t n, skv_bf16 *k, skv_bf
         }
     }
     free(basis);
+}
+
+double skvt_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* m x k (column-major) with orthonormal columns: QR of a Gaussian matrix; NULL when out of memory */
+static double *skvt_orthonormal(skvt_rng *r, int m, int k)
+{
+    double *q = malloc((size_t)m * k * sizeof *q), *tau = malloc((size_t)k * sizeof *tau);
+    if (!q || !tau) {
+        free(q);
+        free(tau);
+        return NULL;
+    }
+    for (size_t i = 0; i < (size_t)m * k; i++) q[i] = skvt_rng_normal(r);
+    LAPACKE_dgeqrf(LAPACK_COL_MAJOR, m, k, q, m, tau);
+    LAPACKE_dorgqr(LAPACK_COL_MAJOR, m, k, k, q, m, tau);
+    free(tau);
+    return q;
+}
+
+skv_bf16 *skvt_spectrum_bf16(skvt_rng *r, int n, int d, const double *sigma)
+{
+    const int k = n < d ? n : d;
+    double *q1 = skvt_orthonormal(r, n, k), *q2 = skvt_orthonormal(r, d, k), *a = malloc((size_t)n * d * sizeof *a);
+    skv_bf16 *ab = malloc((size_t)n * d * sizeof *ab);
+    if (!q1 || !q2 || !a || !ab) {
+        free(q1), free(q2), free(a), free(ab);
+        return NULL;
+    }
+    for (int j = 0; j < k; j++)
+        for (int i = 0; i < d; i++) q2[(size_t)j * d + i] *= sigma[j];
+    /* row-major A [n, d] is column-major A^T [d, n] = (Q2 diag sigma) Q1^T */
+    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, d, n, k, 1.0, q2, d, q1, n, 0.0, a, d);
+    double ss = 0; /* scale to O(1) entries, like real keys */
+    for (size_t i = 0; i < (size_t)n * d; i++) ss += a[i] * a[i];
+    const double f = 1.0 / sqrt(ss / ((double)n * d));
+    for (size_t i = 0; i < (size_t)n * d; i++) ab[i] = skv_bf16_from_float((float)(a[i] * f));
+    free(q1), free(q2), free(a);
+    return ab;
 }

@@ -55,6 +55,14 @@ void skvt_lowrank_prompt(skvt_rng *r, size_t row, int64_t n, skv_bf16 *k, skv_bf
 void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale);
 void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n);
 
+/* Seconds on the monotonic clock. */
+double skvt_now_s(void);
+
+/* A [n, d] row-major = Q1 diag(sigma) Q2^T (Q1, Q2 orthonormal: QR of Gaussian matrices drawn
+   from r; sigma has min(n, d) entries), scaled to rms entry 1 and rounded to bf16: a matrix
+   of known spectrum for the factorization tests. malloc'ed; NULL when out of memory. */
+skv_bf16 *skvt_spectrum_bf16(skvt_rng *r, int n, int d, const double *sigma);
+
 /*
  * Tensors in the memory a backend takes: for cuda a device buffer (zeroed),
  * for ref/cpu the host array itself (no copy). skvt_dput/skvt_dget copy only
