@@ -183,20 +183,27 @@ static inline __attribute__((always_inline)) SKV_CPU_AVX2 void skv_cpu_canon_k4_
     for (int32_t b0 = 0; b0 < np; b0 += SKV_CPU_CQB) {
         const int32_t b1 = np - b0 < SKV_CPU_CQB ? np : b0 + SKV_CPU_CQB;
         __m256i a[4][2];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) a[i][j] = _mm256_setzero_si256();
         for (int32_t p = b0; p < b1; p++) {
             const int16_t *wr = wp + (size_t)p * Dp * 2;
             __m256i w[2];
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) w[j] = _mm256_loadu_si256((const __m256i *)(wr + 16 * j));
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 int32_t pr;
                 memcpy(&pr, xu + (size_t)i * rp + 2 * p, 4);
                 const __m256i x = _mm256_set1_epi32(pr);
+#pragma GCC unroll 4
                 for (int j = 0; j < J; j++) a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(x, w[j]));
             }
         }
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) {
                 double *o = P + (size_t)i * Dp + 8 * j;
                 __m256d lo = _mm256_cvtepi32_pd(_mm256_castsi256_si128(a[i][j]));
@@ -225,20 +232,27 @@ static inline __attribute__((always_inline)) SKV_CPU_VNNI void skv_cpu_canon_k4_
     for (int32_t b0 = 0; b0 < np; b0 += SKV_CPU_CQB) {
         const int32_t b1 = np - b0 < SKV_CPU_CQB ? np : b0 + SKV_CPU_CQB;
         __m512i a[4][4];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) a[i][j] = _mm512_setzero_si512();
         for (int32_t p = b0; p < b1; p++) {
             const int16_t *wr = wp + (size_t)p * Dp * 2;
             __m512i w[4];
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) w[j] = _mm512_loadu_si512((const void *)(wr + 32 * j));
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 int32_t pr;
                 memcpy(&pr, xu + (size_t)i * rp + 2 * p, 4);
                 const __m512i x = _mm512_set1_epi32(pr);
+#pragma GCC unroll 4
                 for (int j = 0; j < J; j++) a[i][j] = _mm512_dpwssd_epi32(a[i][j], x, w[j]);
             }
         }
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
             for (int j = 0; j < J; j++) {
                 double *o = P + (size_t)i * Dp + 16 * j;
                 __m512d lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(a[i][j]));
