@@ -264,6 +264,50 @@ static inline __attribute__((always_inline)) SKV_CPU_VNNI void skv_cpu_canon_k4_
     }
 }
 
+/* The full tile of skv_cpu_canon_k4_vnni (J = 4) with named accumulators (GCC keeps them in registers). */
+#define SKV_CC_DP4(i)                                                                                          \
+    do {                                                                                                       \
+        int32_t pr;                                                                                            \
+        memcpy(&pr, xu + (size_t)(i) * rp + 2 * p, 4);                                                         \
+        const __m512i x = _mm512_set1_epi32(pr);                                                               \
+        a##i##0 = _mm512_dpwssd_epi32(a##i##0, x, w0), a##i##1 = _mm512_dpwssd_epi32(a##i##1, x, w1);          \
+        a##i##2 = _mm512_dpwssd_epi32(a##i##2, x, w2), a##i##3 = _mm512_dpwssd_epi32(a##i##3, x, w3);          \
+    } while (0)
+#define SKV_CC_OUT(i, j)                                                                                       \
+    do {                                                                                                       \
+        double *o = P + (size_t)(i) * Dp + 16 * (j);                                                           \
+        __m512d lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(a##i##j));                                      \
+        __m512d hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a##i##j, 1));                                \
+        if (b0) lo = _mm512_add_pd(lo, _mm512_loadu_pd(o)), hi = _mm512_add_pd(hi, _mm512_loadu_pd(o + 8));    \
+        _mm512_storeu_pd(o, lo);                                                                               \
+        _mm512_storeu_pd(o + 8, hi);                                                                           \
+    } while (0)
+SKV_CPU_VNNI static void skv_cpu_canon_k4x64_vnni(int32_t np, int32_t Dp, const int16_t *xu, int32_t rp,
+                                                  const int16_t *wp, double *P)
+{
+    for (int32_t b0 = 0; b0 < np; b0 += SKV_CPU_CQB) {
+        const int32_t b1 = np - b0 < SKV_CPU_CQB ? np : b0 + SKV_CPU_CQB;
+        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+        for (int32_t p = b0; p < b1; p++) {
+            const int16_t *wr = wp + (size_t)p * Dp * 2;
+            const __m512i w0 = _mm512_loadu_si512((const void *)wr), w1 = _mm512_loadu_si512((const void *)(wr + 32)),
+                          w2 = _mm512_loadu_si512((const void *)(wr + 64)),
+                          w3 = _mm512_loadu_si512((const void *)(wr + 96));
+            SKV_CC_DP4(0);
+            SKV_CC_DP4(1);
+            SKV_CC_DP4(2);
+            SKV_CC_DP4(3);
+        }
+        SKV_CC_OUT(0, 0); SKV_CC_OUT(0, 1); SKV_CC_OUT(0, 2); SKV_CC_OUT(0, 3);
+        SKV_CC_OUT(1, 0); SKV_CC_OUT(1, 1); SKV_CC_OUT(1, 2); SKV_CC_OUT(1, 3);
+        SKV_CC_OUT(2, 0); SKV_CC_OUT(2, 1); SKV_CC_OUT(2, 2); SKV_CC_OUT(2, 3);
+        SKV_CC_OUT(3, 0); SKV_CC_OUT(3, 1); SKV_CC_OUT(3, 2); SKV_CC_OUT(3, 3);
+    }
+}
+#undef SKV_CC_DP4
+#undef SKV_CC_OUT
+
 /* P = xu . W_h for rows4 rows: 4 rows x 64 dims at a time (the last tile 16, 32 or 48). */
 SKV_CPU_VNNI static void skv_cpu_canon_gemm_vnni(int32_t rows4, int32_t rp, int32_t Dp, const int16_t *xu,
                                                  const int16_t *wp, double *P)
@@ -272,7 +316,7 @@ SKV_CPU_VNNI static void skv_cpu_canon_gemm_vnni(int32_t rows4, int32_t rp, int3
         const int16_t *x = xu + (size_t)i * rp;
         double *Pi = P + (size_t)i * Dp;
         int32_t d = 0;
-        for (; d + 64 <= Dp; d += 64) skv_cpu_canon_k4_vnni(4, rp / 2, Dp, x, rp, wp + (size_t)d * 2, Pi + d);
+        for (; d + 64 <= Dp; d += 64) skv_cpu_canon_k4x64_vnni(rp / 2, Dp, x, rp, wp + (size_t)d * 2, Pi + d);
         switch ((Dp - d) / 16) {
         case 1: skv_cpu_canon_k4_vnni(1, rp / 2, Dp, x, rp, wp + (size_t)d * 2, Pi + d); break;
         case 2: skv_cpu_canon_k4_vnni(2, rp / 2, Dp, x, rp, wp + (size_t)d * 2, Pi + d); break;
