@@ -286,17 +286,8 @@ static void gbuf_free(gbuf *g)
 
 static skvt_rng rng;
 
-static void *xmalloc(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "backend_ops: out of memory (%zu bytes)\n", bytes);
-        exit(2);
-    }
-    return p;
-}
 
-static skv_bf16 *new_bf16(size_t n) { return xmalloc(n * sizeof(skv_bf16)); }
+static skv_bf16 *new_bf16(size_t n) { return skvt_xmalloc(n * sizeof(skv_bf16)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
 
 /* Set while an F_PERF case draws its inputs: a normal from Box-Muller (log,
@@ -323,9 +314,9 @@ static void fill_normal(skv_bf16 *x, size_t n, double scale)
 /* rows x cols keys with low-rank structure and a few heavy channels, like real keys */
 static void fill_lowrank(skv_bf16 *x, int64_t rows, int cols, int k, double noise)
 {
-    double *b = xmalloc(sizeof(double) * (size_t)rows * (size_t)k);
-    double *c = xmalloc(sizeof(double) * (size_t)k * (size_t)cols);
-    double *chan = xmalloc(sizeof(double) * (size_t)cols);
+    double *b = skvt_xmalloc(sizeof(double) * (size_t)rows * (size_t)k);
+    double *c = skvt_xmalloc(sizeof(double) * (size_t)k * (size_t)cols);
+    double *chan = skvt_xmalloc(sizeof(double) * (size_t)cols);
     for (int64_t i = 0; i < rows * k; i++) b[i] = rnorm();
     for (int64_t i = 0; i < (int64_t)k * cols; i++) c[i] = rnorm() / ((double)(i / cols) + 1.0);
     for (int j = 0; j < cols; j++) chan[j] = skvt_rng_uniform(&rng) < 0.05 ? 8.0 : 1.0;
@@ -369,7 +360,7 @@ static void add_out(problem *p, const char *name, ttype t, size_t n, int cmp, in
     tensor *x = &p->out[p->n_out++];
     memset(x, 0, sizeof *x);
     x->name = name, x->type = t, x->n = n, x->cmp = cmp, x->absent = absent;
-    x->host = xmalloc(n * tsize(t));
+    x->host = skvt_xmalloc(n * tsize(t));
 }
 
 /* sorted distinct ids in [0, range), count of them, including 0 and range-1 when count >= 2 */
@@ -398,7 +389,7 @@ static void rope_tables(problem *p, const tcase *tc, int64_t npos)
     p->rope.interleaved = tc->inter;
     p->rope.llama3_scaling = tc->llama3;
     size_t len = skv_rope_table_len(&p->rope, tc->D, npos);
-    float *ct = xmalloc(len * sizeof(float)), *st = xmalloc(len * sizeof(float));
+    float *ct = skvt_xmalloc(len * sizeof(float)), *st = skvt_xmalloc(len * sizeof(float));
     skv_status s = skv_rope_table_build(&p->rope, tc->D, npos, ct, st);
     if (s != SKV_OK) printf("  rope tables: %s\n", skv_status_string(s));
     add_in(p, "cos_tab", T_F32, len, ct);
@@ -458,7 +449,7 @@ static void make_problem(const tcase *tc, problem *p)
     case OP_SCORE: {
         int G = tc->hq / tc->hk, D = tc->D, N = tc->N;
         skv_bf16 *q = new_bf16((size_t)tc->hq * D), *l = new_bf16((size_t)tc->hk * N * D);
-        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)tc->hk * N);
+        int32_t *ids = skvt_xmalloc(sizeof(int32_t) * (size_t)tc->hk * N);
         fill_kind(q, tc->hq, D, init == INIT_HUGE ? INIT_NORMAL : init);
         fill_kind(l, (int64_t)tc->hk * N, D, init == INIT_HUGE ? INIT_NORMAL : init);
         if (init == INIT_HUGE) /* scores in the hundreds: most probabilities underflow to exactly 0 */
@@ -490,7 +481,7 @@ static void make_problem(const tcase *tc, problem *p)
         if (init == INIT_LOWRANK) /* U = A V: decaying columns */
             for (int64_t i = 0; i < n * tc->r; i++) u[i] = bf(skv_bf16_to_float(u[i]) * 20.0 / (1.0 + (double)(i % tc->r)));
         fill_normal(w, (size_t)tc->r * hd, (init == INIT_TINY ? 0x1p-40 : 1.0) / sqrt((double)tc->r));
-        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
+        int32_t *ids = skvt_xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
         for (int h = 0; h < tc->hk; h++) pick_sorted(ids + (size_t)h * tc->S, tc->S, nchunks);
         add_in(p, "u", T_BF16, (size_t)n * tc->r, u);
         add_in(p, "w", T_BF16, (size_t)tc->r * hd, w);
@@ -503,7 +494,7 @@ static void make_problem(const tcase *tc, problem *p)
         size_t n = (size_t)tc->hk * tc->N * tc->c * tc->D;
         skv_bf16 *st = new_bf16(n);
         fill_normal(st, n, 1.0);
-        int32_t *idx = xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
+        int32_t *idx = skvt_xmalloc(sizeof(int32_t) * (size_t)tc->hk * tc->S);
         for (int h = 0; h < tc->hk; h++) {
             if (init == INIT_TIES) /* any order, repeats allowed: a plain gather */
                 for (int s = 0; s < tc->S; s++) idx[h * tc->S + s] = (int32_t)skvt_rng_range(&rng, 0, tc->N - 1);
@@ -750,7 +741,7 @@ static int compare(const tcase *tc, double tol, problem *p, run *r, char *msg, s
                 len += (size_t)snprintf(msg + len, len < cap ? cap - len : 0, "%s exact ", t->name);
             }
         } else if (t->cmp == CMP_NMSE) {
-            double *a = xmalloc(t->n * sizeof(double)), *b = xmalloc(t->n * sizeof(double));
+            double *a = skvt_xmalloc(t->n * sizeof(double)), *b = skvt_xmalloc(t->n * sizeof(double));
             for (size_t e = 0; e < t->n; e++) a[e] = elem(t->host, t->type, e), b[e] = elem(got, t->type, e);
             double m = nmse(a, b, t->n);
             ok &= m <= tol;

@@ -45,28 +45,9 @@ static skvt_rng rng;
 static skv_backend backends[3];
 static int n_backends;
 
-static void *xmalloc(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "test_accuracy: out of memory (%zu bytes)\n", bytes);
-        exit(2);
-    }
-    return p;
-}
-static double *dalloc(size_t n) { return xmalloc(n * sizeof(double)); }
+static double *dalloc(size_t n) { return skvt_xmalloc(n * sizeof(double)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
 
-/* skvt_spectrum_bf16 from this test's generator (exits on out of memory) */
-static skv_bf16 *spectrum(int n, int d, const double *sigma)
-{
-    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
-    if (!a) {
-        fprintf(stderr, "out of memory\n");
-        exit(1);
-    }
-    return a;
-}
 static double bd(skv_bf16 h) { return (double)skv_bf16_to_float(h); }
 
 /*
@@ -143,10 +124,10 @@ static double factor_error(const skv_bf16 *a, const float *u, const float *w, in
 static skv_bf16 *make_rank24_matrix(int n, int d, int zero)
 {
     const int k0 = 24;
-    int *c = xmalloc(sizeof(int) * (size_t)n * k0), *b = xmalloc(sizeof(int) * (size_t)k0 * d);
+    int *c = skvt_xmalloc(sizeof(int) * (size_t)n * k0), *b = skvt_xmalloc(sizeof(int) * (size_t)k0 * d);
     for (size_t i = 0; i < (size_t)n * k0; i++) c[i] = (int)skvt_rng_range(&rng, -1, 1);
     for (size_t i = 0; i < (size_t)k0 * d; i++) b[i] = (int)skvt_rng_range(&rng, -4, 4);
-    skv_bf16 *a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+    skv_bf16 *a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
     for (int i = 0; i < n; i++)
         for (int j = 0; j < d; j++) {
             int s = 0;
@@ -186,12 +167,12 @@ static void test_factorize(void)
                 /* 1/sqrt(i) with sigma_{r-3} .. sigma_{r+4} within 1e-3 of each other */
                 else sigma[i] = (i >= r - 4 && i <= r + 3) ? (1.0 - 1e-4 * (i - r + 4)) / sqrt(r - 3.0) : 1.0 / sqrt(x);
             }
-            a = spectrum(n, d, sigma);
+            a = skvt_spectrum_bf16(&rng, n, d, sigma);
         }
         double opt = spec == SPEC_ZERO ? 0.0 : best_rank_error(a, n, d, r, NULL);
         const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
                      w_bytes = sizeof(float) * (size_t)r * d;
-        float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
+        float *u = skvt_xmalloc(u_bytes), *w = skvt_xmalloc(w_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
             skv_bf16 *da = stage_in(be, a, a_bytes);
@@ -263,7 +244,7 @@ static skv_bf16 *make_spike_matrix(int n, int d)
 {
     double *sigma = dalloc((size_t)d);
     for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-    skv_bf16 *a = spectrum(n, d, sigma);
+    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
     double *v = dalloc((size_t)d);
     for (int j = 0; j < d; j++) v[j] = round_bits(skvt_rng_normal(&rng), 4);
     long sinks = 0, inexact = 0;
@@ -309,13 +290,13 @@ static void test_factorize_routes(void)
                                           SKV_FACTORIZE_FAST};
     const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
                  w_bytes = sizeof(float) * (size_t)r * d;
-    float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
+    float *u = skvt_xmalloc(u_bytes), *w = skvt_xmalloc(w_bytes);
     for (int m = ROUTE_INV; m <= ROUTE_SPIKE; m++) {
         skv_bf16 *a;
         if (m == ROUTE_INV) {
             double *sigma = dalloc((size_t)d);
             for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-            a = spectrum(n, d, sigma);
+            a = skvt_spectrum_bf16(&rng, n, d, sigma);
             free(sigma);
         } else if (m == ROUTE_RANKDEF) {
             a = make_rank24_matrix(n, d, 0);
@@ -429,9 +410,9 @@ static void test_rope(void)
         int D = rc->D, R = rc->R ? rc->R : D, H = 4;
         int64_t T = 50, pos0 = ci % 2 ? 65000 : 3;
         size_t len = skv_rope_table_len(&cfg, D, pos0 + T), ne = (size_t)T * H * D;
-        float *ct = xmalloc(len * sizeof(float)), *st = xmalloc(len * sizeof(float));
+        float *ct = skvt_xmalloc(len * sizeof(float)), *st = skvt_xmalloc(len * sizeof(float));
         SKVT_CHECK_STATUS(skv_rope_table_build(&cfg, D, pos0 + T, ct, st), SKV_OK, "rope tables");
-        skv_bf16 *in = xmalloc(ne * 2), *out = xmalloc(ne * 2);
+        skv_bf16 *in = skvt_xmalloc(ne * 2), *out = skvt_xmalloc(ne * 2);
         skvt_fill_bf16_normal(&rng, in, ne, ci % 3 == 2 ? 1e4 : 1.0);
         double x[256], ex[256], bound[256];
         for (int bi = 0; bi < n_backends; bi++) {
@@ -492,7 +473,7 @@ static void test_landmarks(void)
         int N = cs[ci].N, c = cs[ci].c, hk = cs[ci].hk, D = cs[ci].D, O = cs[ci].O, nc = N - O;
         int64_t rows = (int64_t)N * c;
         size_t ne = (size_t)rows * hk * D;
-        skv_bf16 *k = xmalloc(ne * 2);
+        skv_bf16 *k = skvt_xmalloc(ne * 2);
         skvt_fill_bf16_normal(&rng, k, ne, 1.0);
         /* outliers: a few tokens far from their chunk mean */
         for (int64_t t = 0; t < rows; t++)
@@ -501,7 +482,7 @@ static void test_landmarks(void)
         if (cs[ci].ties) /* duplicate chunks: tied scores */
             for (int j = 4; j < N; j++) memcpy(k + (size_t)j * c * hk * D, k + (size_t)(j % 4) * c * hk * D, (size_t)c * hk * D * 2);
         /* oracle 1: docs/DESIGN.md 3.4-3.5 in float, written out */
-        float *score = xmalloc(sizeof(float) * (size_t)hk * N), *meanf = xmalloc(sizeof(float) * (size_t)hk * N * D);
+        float *score = skvt_xmalloc(sizeof(float) * (size_t)hk * N), *meanf = skvt_xmalloc(sizeof(float) * (size_t)hk * N * D);
         double *score_d = dalloc((size_t)hk * N), *mean_d = dalloc((size_t)hk * N * D), *mbound = dalloc((size_t)hk * N * D);
         for (int h = 0; h < hk; h++)
             for (int j = 0; j < N; j++) {
@@ -545,8 +526,8 @@ static void test_landmarks(void)
                 score_d[h * N + j] = bestd;
             }
         /* expected outliers: O lowest float scores, ties to lower j */
-        int32_t *want_out = xmalloc(sizeof(int32_t) * ((size_t)hk * O + 1)), *want_cand = xmalloc(sizeof(int32_t) * (size_t)hk * nc);
-        char *is_out = xmalloc((size_t)N);
+        int32_t *want_out = skvt_xmalloc(sizeof(int32_t) * ((size_t)hk * O + 1)), *want_cand = skvt_xmalloc(sizeof(int32_t) * (size_t)hk * nc);
+        char *is_out = skvt_xmalloc((size_t)N);
         for (int h = 0; h < hk; h++) {
             memset(is_out, 0, (size_t)N);
             for (int o = 0; o < O; o++) {
@@ -563,8 +544,8 @@ static void test_landmarks(void)
         }
         const size_t oid_bytes = sizeof(int32_t) * ((size_t)hk * O + 1), cid_bytes = sizeof(int32_t) * (size_t)hk * nc,
                      lm_bytes = sizeof(skv_bf16) * (size_t)hk * nc * D;
-        int32_t *oid = xmalloc(oid_bytes), *cid = xmalloc(cid_bytes);
-        skv_bf16 *lm = xmalloc(lm_bytes);
+        int32_t *oid = skvt_xmalloc(oid_bytes), *cid = skvt_xmalloc(cid_bytes);
+        skv_bf16 *lm = skvt_xmalloc(lm_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
             skv_bf16 *dk = stage_in(be, k, ne * 2), *dlm = stage_out(be, lm, lm_bytes);
@@ -677,18 +658,18 @@ static void test_score_select(void)
     };
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         int hq = cs[ci].hq, hk = cs[ci].hk, D = cs[ci].D, m = cs[ci].m, S = cs[ci].S;
-        skv_bf16 *q = xmalloc(sizeof(skv_bf16) * (size_t)hq * D), *l = xmalloc(sizeof(skv_bf16) * (size_t)hk * m * D);
+        skv_bf16 *q = skvt_xmalloc(sizeof(skv_bf16) * (size_t)hq * D), *l = skvt_xmalloc(sizeof(skv_bf16) * (size_t)hk * m * D);
         skvt_fill_bf16_normal(&rng, q, (size_t)hq * D, cs[ci].kind == 1 ? 12.0 : 1.0);
         skvt_fill_bf16_normal(&rng, l, (size_t)hk * m * D, 1.0);
         if (cs[ci].kind == 2)
             for (int h = 0; h < hk; h++)
                 for (int j = 5; j < m; j++) memcpy(l + ((size_t)h * m + j) * D, l + ((size_t)h * m + j % 5) * D, (size_t)D * 2);
-        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)hk * m), *sel = xmalloc(sizeof(int32_t) * (size_t)hk * S),
-                *sid = xmalloc(sizeof(int32_t) * (size_t)hk * S);
+        int32_t *ids = skvt_xmalloc(sizeof(int32_t) * (size_t)hk * m), *sel = skvt_xmalloc(sizeof(int32_t) * (size_t)hk * S),
+                *sid = skvt_xmalloc(sizeof(int32_t) * (size_t)hk * S);
         for (int i = 0; i < hk * m; i++) ids[i] = 3 * (i % m) + 1;
-        float *amax = xmalloc(sizeof(float) * (size_t)hk * m);
+        float *amax = skvt_xmalloc(sizeof(float) * (size_t)hk * m);
         double *ad = dalloc((size_t)hk * m), *tol = dalloc((size_t)hk * m);
-        char *mask = xmalloc((size_t)m);
+        char *mask = skvt_xmalloc((size_t)m);
         amax_oracle(hq, hk, D, m, cs[ci].scale, q, l, ad, tol);
         const size_t q_bytes = sizeof(skv_bf16) * (size_t)hq * D, l_bytes = sizeof(skv_bf16) * (size_t)hk * m * D,
                      ids_bytes = sizeof(int32_t) * (size_t)hk * m, sel_bytes = sizeof(int32_t) * (size_t)hk * S,
@@ -751,13 +732,13 @@ static void test_score_select(void)
         const int Gs[] = {1, 4, 8}, Ds[] = {64, 128, 256};
         int hk = (int)skvt_rng_range(&rng, 1, 4), G = Gs[trial % 3], hq = hk * G, D = Ds[(trial / 3) % 3];
         int m = (int)skvt_rng_range(&rng, 2, 600), S = trial % 4 == 0 ? 1 : (int)skvt_rng_range(&rng, 1, m);
-        skv_bf16 *q = xmalloc(sizeof(skv_bf16) * (size_t)hq * D), *l = xmalloc(sizeof(skv_bf16) * (size_t)hk * m * D);
+        skv_bf16 *q = skvt_xmalloc(sizeof(skv_bf16) * (size_t)hq * D), *l = skvt_xmalloc(sizeof(skv_bf16) * (size_t)hk * m * D);
         skvt_fill_bf16_normal(&rng, q, (size_t)hq * D, 1.0);
         skvt_fill_bf16_normal(&rng, l, (size_t)hk * m * D, trial % 2 ? 1.0 : 0.1);
         if (trial % 5 == 0) /* all others identical */
             for (int h = 0; h < hk; h++)
                 for (int j = 1; j < m; j++) memcpy(l + ((size_t)h * m + j) * D, l + (size_t)h * m * D, (size_t)D * 2);
-        int *needle = xmalloc(sizeof(int) * (size_t)hk);
+        int *needle = skvt_xmalloc(sizeof(int) * (size_t)hk);
         for (int h = 0; h < hk; h++) {
             int g = (int)skvt_rng_range(&rng, 0, G - 1);
             needle[h] = (int)skvt_rng_range(&rng, 0, m - 1);
@@ -765,7 +746,7 @@ static void test_score_select(void)
         }
         const size_t q_bytes = sizeof(skv_bf16) * (size_t)hq * D, l_bytes = sizeof(skv_bf16) * (size_t)hk * m * D,
                      sel_bytes = sizeof(int32_t) * (size_t)hk * S;
-        int32_t *sel = xmalloc(sel_bytes);
+        int32_t *sel = skvt_xmalloc(sel_bytes);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
             skv_bf16 *dq = stage_in(be, q, q_bytes), *dl = stage_in(be, l, l_bytes);
@@ -804,21 +785,21 @@ static void test_rebuild(void)
         int R = cs[ci].rc.R ? cs[ci].rc.R : D;
         skv_rope_config cfg = rope_config(&cs[ci].rc);
         size_t len = skv_rope_table_len(&cfg, D, n);
-        float *ct = xmalloc(len * sizeof(float)), *st = xmalloc(len * sizeof(float));
+        float *ct = skvt_xmalloc(len * sizeof(float)), *st = skvt_xmalloc(len * sizeof(float));
         SKVT_CHECK_STATUS(skv_rope_table_build(&cfg, D, n, ct, st), SKV_OK, "rope tables");
         /* keys-like factors: U = A V with decaying columns, W orthonormal-ish rows */
-        skv_bf16 *u = xmalloc(sizeof(skv_bf16) * (size_t)n * r), *w = xmalloc(sizeof(skv_bf16) * (size_t)r * HD);
+        skv_bf16 *u = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * r), *w = skvt_xmalloc(sizeof(skv_bf16) * (size_t)r * HD);
         for (int64_t t = 0; t < n; t++)
             for (int k = 0; k < r; k++) u[t * r + k] = bf(skvt_rng_normal(&rng) * 30.0 / (1.0 + k));
         skvt_fill_bf16_normal(&rng, w, (size_t)r * HD, 1.0 / sqrt((double)HD));
-        int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)hk * S);
+        int32_t *ids = skvt_xmalloc(sizeof(int32_t) * (size_t)hk * S);
         int nchunks = (int)(n / c);
         for (int h = 0; h < hk; h++)
             for (int s = 0; s < S; s++) /* increasing, spread over the whole prompt, last chunk included */
                 ids[h * S + s] = s == S - 1 ? nchunks - 1 : (int32_t)((int64_t)s * nchunks / S + skvt_rng_range(&rng, 0, nchunks / S - 1));
         const size_t u_bytes = sizeof(skv_bf16) * (size_t)n * r, w_bytes = sizeof(skv_bf16) * (size_t)r * HD,
                      ids_bytes = sizeof(int32_t) * (size_t)hk * S, out_bytes = sizeof(skv_bf16) * (size_t)hk * S * c * D;
-        skv_bf16 *out = xmalloc(out_bytes);
+        skv_bf16 *out = skvt_xmalloc(out_bytes);
         double x[256], ex[256], bound[256];
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
@@ -867,7 +848,7 @@ static void test_gather(void)
 {
     int hk = 4, D = 128, c = 8, ns = 300, S = 64;
     const size_t store_bytes = sizeof(skv_bf16) * (size_t)hk * ns * c * D, out_bytes = sizeof(skv_bf16) * (size_t)hk * S * c * D;
-    skv_bf16 *store = xmalloc(store_bytes), *out = xmalloc(out_bytes);
+    skv_bf16 *store = skvt_xmalloc(store_bytes), *out = skvt_xmalloc(out_bytes);
     skvt_fill_bf16_normal(&rng, store, (size_t)hk * ns * c * D, 1.0);
     int32_t idx[4 * 64];
     for (int i = 0; i < hk * S; i++) idx[i] = (int32_t)skvt_rng_range(&rng, 0, ns - 1);
@@ -952,12 +933,12 @@ static void test_attention(void)
         int hq = cs[ci].hq, hk = cs[ci].hk, D = cs[ci].D, G = hq / hk, kind = cs[ci].kind;
         int64_t T = cs[ci].tokens;
         float scale = (float)(1.0 / sqrt((double)D));
-        skv_bf16 *q = xmalloc(sizeof(skv_bf16) * (size_t)hq * D);
+        skv_bf16 *q = skvt_xmalloc(sizeof(skv_bf16) * (size_t)hq * D);
         skvt_fill_bf16_normal(&rng, q, (size_t)hq * D, kind == 2 ? 4.0 : 1.0);
         /* prompt layout [T, Hk, D]: full attention over all, sparse over 4 spans cut from it
            (outliers, local, selected, generated) plus an empty one, mixed layouts */
         size_t ne = (size_t)T * hk * D;
-        skv_bf16 *k = xmalloc(ne * 2), *v = xmalloc(ne * 2);
+        skv_bf16 *k = skvt_xmalloc(ne * 2), *v = skvt_xmalloc(ne * 2);
         skvt_fill_bf16_normal(&rng, k, ne, 1.0);
         skvt_fill_bf16_normal(&rng, v, ne, 1.0);
         if (kind == 1)
@@ -966,12 +947,12 @@ static void test_attention(void)
                 for (int d = 0; d < D; d++) k[((size_t)t * hk + h) * D + d] = bf(2.0 * bd(q[(h * G) * D + d]));
             }
         double *want = dalloc((size_t)hq * D);
-        float *out = xmalloc(sizeof(float) * (size_t)hq * D);
+        float *out = skvt_xmalloc(sizeof(float) * (size_t)hq * D);
         skv_kv_span full = {k, v, T, D, (int64_t)hk * D};
         attention_double(hq, hk, D, scale, q, 1, &full, want);
         /* a head-major copy of the middle part: [Hk, Tm, D] */
         int64_t t1 = T / 5, t2 = T - T / 7, Tm = t2 - t1;
-        skv_bf16 *kh = xmalloc(sizeof(skv_bf16) * ((size_t)Tm * hk * D + 1)), *vh = xmalloc(sizeof(skv_bf16) * ((size_t)Tm * hk * D + 1));
+        skv_bf16 *kh = skvt_xmalloc(sizeof(skv_bf16) * ((size_t)Tm * hk * D + 1)), *vh = skvt_xmalloc(sizeof(skv_bf16) * ((size_t)Tm * hk * D + 1));
         for (int h = 0; h < hk; h++)
             for (int64_t t = 0; t < Tm; t++) {
                 memcpy(kh + ((size_t)h * Tm + t) * D, k + ((size_t)(t1 + t) * hk + h) * D, (size_t)D * 2);
@@ -1029,8 +1010,8 @@ static void test_attention(void)
         const int D = 128;
         const int64_t T = 131072;
         float scale = (float)(1.0 / sqrt((double)D));
-        skv_bf16 *q = xmalloc(sizeof(skv_bf16) * D), *k = xmalloc(sizeof(skv_bf16) * (size_t)T * D),
-                 *v = xmalloc(sizeof(skv_bf16) * (size_t)T * D);
+        skv_bf16 *q = skvt_xmalloc(sizeof(skv_bf16) * D), *k = skvt_xmalloc(sizeof(skv_bf16) * (size_t)T * D),
+                 *v = skvt_xmalloc(sizeof(skv_bf16) * (size_t)T * D);
         memset(q, 0, sizeof(skv_bf16) * D);
         memset(k, 0, sizeof(skv_bf16) * (size_t)T * D);
         q[0] = bf(8.0);
@@ -1347,7 +1328,7 @@ static skv_status factorize_poisoned(skv_backend be, int n, int d, int r, const 
 {
     const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
                  w_bytes = sizeof(float) * (size_t)r * d;
-    float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
+    float *u = skvt_xmalloc(u_bytes), *w = skvt_xmalloc(w_bytes);
     memset(u, POISON, u_bytes);
     memset(w, POISON, w_bytes);
     skv_bf16 *da = stage_in(be, a, a_bytes);
@@ -1368,7 +1349,7 @@ static void test_factorize_edges(void)
     struct { int n, d, r; } big_r[] = {{100, 256, 101}, {100, 256, 128}, {159, 1024, 160}, {1, 8, 2}, {300, 64, 65}};
     for (size_t ci = 0; ci < sizeof big_r / sizeof big_r[0]; ci++) {
         int n = big_r[ci].n, d = big_r[ci].d, r = big_r[ci].r;
-        skv_bf16 *a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+        skv_bf16 *a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
         skvt_fill_bf16_normal(&rng, a, (size_t)n * d, 1.0);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
@@ -1394,8 +1375,8 @@ static void test_factorize_edges(void)
         int n = sq[ci].n, d = sq[ci].d, r = n;
         const size_t a_bytes = sizeof(skv_bf16) * (size_t)n * d, u_bytes = sizeof(float) * (size_t)n * r,
                      w_bytes = sizeof(float) * (size_t)r * d;
-        skv_bf16 *a = xmalloc(a_bytes);
-        float *u = xmalloc(u_bytes), *w = xmalloc(w_bytes);
+        skv_bf16 *a = skvt_xmalloc(a_bytes);
+        float *u = skvt_xmalloc(u_bytes), *w = skvt_xmalloc(w_bytes);
         skvt_fill_bf16_normal(&rng, a, (size_t)n * d, 1.0);
         for (int bi = 0; bi < n_backends; bi++) {
             skv_backend be = backends[bi];
@@ -1423,7 +1404,7 @@ static void test_factorize_edges(void)
      * names the element (skv_op_factorize: a[i] is NaN or Inf).
      */
     const int n = 2048, d = 1024, r = 160;
-    skv_bf16 *a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+    skv_bf16 *a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
     skvt_fill_bf16_normal(&rng, a, (size_t)n * d, 1.0);
     const struct { skv_bf16 v; const char *name; } bad[] = {{0x7fc0, "NaN"}, {0x7f80, "+Inf"}, {0xff80, "-Inf"}};
     for (size_t vi = 0; vi < sizeof bad / sizeof bad[0]; vi++)

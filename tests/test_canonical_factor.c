@@ -36,28 +36,9 @@
 static skvt_rng rng;
 static int have_cuda;
 
-static void *xmalloc(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "test_canonical_factor: out of memory (%zu bytes)\n", bytes);
-        exit(2);
-    }
-    return p;
-}
-static double *dalloc(size_t n) { return xmalloc(n * sizeof(double)); }
+static double *dalloc(size_t n) { return skvt_xmalloc(n * sizeof(double)); }
 static skv_bf16 bf(double x) { return skv_bf16_from_float((float)x); }
 
-/* skvt_spectrum_bf16 from this test's generator (exits on out of memory) */
-static skv_bf16 *spectrum(int n, int d, const double *sigma)
-{
-    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
-    if (!a) {
-        fprintf(stderr, "out of memory\n");
-        exit(1);
-    }
-    return a;
-}
 
 
 
@@ -111,7 +92,7 @@ static skv_bf16 *make_spike(int n, int d)
 {
     double *sigma = dalloc((size_t)d);
     for (int i = 0; i < d; i++) sigma[i] = 1.0 / (i + 1.0);
-    skv_bf16 *a = spectrum(n, d, sigma);
+    skv_bf16 *a = skvt_spectrum_bf16(&rng, n, d, sigma);
     double *v = dalloc((size_t)d);
     for (int j = 0; j < d; j++) v[j] = round_bits(skvt_rng_normal(&rng), 4);
     for (int t = 0; t < n; t++) {
@@ -131,7 +112,7 @@ static skv_bf16 *make_lowrank(int n, int d)
     double *c = dalloc((size_t)n * k), *b = dalloc((size_t)k * d);
     for (size_t i = 0; i < (size_t)n * k; i++) c[i] = skvt_rng_normal(&rng);
     for (size_t i = 0; i < (size_t)k * d; i++) b[i] = skvt_rng_normal(&rng);
-    skv_bf16 *a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+    skv_bf16 *a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
     for (int t = 0; t < n; t++)
         for (int j = 0; j < d; j++) {
             double s = 0;
@@ -167,13 +148,13 @@ static skv_bf16 *make_input(int kind, int n, int d, int r)
             else if (kind == K_EXP) sigma[i] = fmax(pow(2.0, -8.0 * i / (0.75 * r)), 0x1p-8);
             else sigma[i] = (i >= r - 4 && i <= r + 3) ? (1.0 - 1e-4 * (i - r + 4)) / sqrt(r - 3.0) : 1.0 / sqrt(x);
         }
-        a = spectrum(n, d, sigma);
+        a = skvt_spectrum_bf16(&rng, n, d, sigma);
         break;
     case K_RANK24: {
-        int *c = xmalloc(sizeof(int) * (size_t)n * 24), *b = xmalloc(sizeof(int) * (size_t)24 * d);
+        int *c = skvt_xmalloc(sizeof(int) * (size_t)n * 24), *b = skvt_xmalloc(sizeof(int) * (size_t)24 * d);
         for (size_t i = 0; i < (size_t)n * 24; i++) c[i] = (int)skvt_rng_range(&rng, -1, 1);
         for (size_t i = 0; i < (size_t)24 * d; i++) b[i] = (int)skvt_rng_range(&rng, -4, 4);
-        a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+        a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
         for (int i = 0; i < n; i++)
             for (int j = 0; j < d; j++) {
                 int s = 0;
@@ -185,7 +166,7 @@ static skv_bf16 *make_input(int kind, int n, int d, int r)
         break;
     }
     default: /* normal, and the structured variants built on it */
-        a = xmalloc(sizeof(skv_bf16) * (size_t)n * d);
+        a = skvt_xmalloc(sizeof(skv_bf16) * (size_t)n * d);
         skvt_fill_bf16_normal(&rng, a, (size_t)n * d, 1.0);
         if (kind == K_ZEROCOLS) /* every third column zero, and the first and last */
             for (int t = 0; t < n; t++)
@@ -255,8 +236,8 @@ static void run_case(int kind, int n, int d, int r, int acc)
 {
     char what[160];
     skv_bf16 *a = make_input(kind, n, d, r);
-    float *u0 = xmalloc(sizeof(float) * (size_t)n * r), *w0 = xmalloc(sizeof(float) * (size_t)r * d);
-    float *u1 = xmalloc(sizeof(float) * (size_t)n * r), *w1 = xmalloc(sizeof(float) * (size_t)r * d);
+    float *u0 = skvt_xmalloc(sizeof(float) * (size_t)n * r), *w0 = skvt_xmalloc(sizeof(float) * (size_t)r * d);
+    float *u1 = skvt_xmalloc(sizeof(float) * (size_t)n * r), *w1 = skvt_xmalloc(sizeof(float) * (size_t)r * d);
     double tref = 0, tcpu = 0, tcu = 0;
     snprintf(what, sizeof what, "%s n=%d d=%d r=%d", kind_names[kind], n, d, r);
     skv_status s = run_backend(SKV_BACKEND_REF, a, n, d, r, u0, w0, &tref);
@@ -314,8 +295,8 @@ done:
 static void run_portable(int kind, int n, int d, int r)
 {
     skv_bf16 *a = make_input(kind, n, d, r);
-    float *u0 = xmalloc(sizeof(float) * (size_t)n * r), *w0 = xmalloc(sizeof(float) * (size_t)r * d);
-    float *u1 = xmalloc(sizeof(float) * (size_t)n * r), *w1 = xmalloc(sizeof(float) * (size_t)r * d);
+    float *u0 = skvt_xmalloc(sizeof(float) * (size_t)n * r), *w0 = skvt_xmalloc(sizeof(float) * (size_t)r * d);
+    float *u1 = skvt_xmalloc(sizeof(float) * (size_t)n * r), *w1 = skvt_xmalloc(sizeof(float) * (size_t)r * d);
     double t;
     char what[160];
     snprintf(what, sizeof what, "cpu without SIMD %s n=%d d=%d r=%d", kind_names[kind], n, d, r);
@@ -344,7 +325,7 @@ static void run_cache(skv_backend be)
     c.factorize = SKV_FACTORIZE_CANONICAL;
     const int64_t n = 200;
     const size_t row = (size_t)c.n_kv_heads * c.head_dim, bytes = sizeof(skv_bf16) * n * row;
-    skv_bf16 *k = xmalloc(bytes), *v = xmalloc(bytes);
+    skv_bf16 *k = skvt_xmalloc(bytes), *v = skvt_xmalloc(bytes);
     skvt_lowrank_prompt(&rng, row, n, k, v);
     void *dk = skvt_dbuf(be, k, bytes), *dv = skvt_dbuf(be, v, bytes);
     skvt_dput(be, dk, k, bytes);

@@ -187,15 +187,20 @@ double skvt_now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* m x k (column-major) with orthonormal columns: QR of a Gaussian matrix; NULL when out of memory */
+void *skvt_xmalloc(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+/* m x k (column-major) with orthonormal columns: QR of a Gaussian matrix */
 static double *skvt_orthonormal(skvt_rng *r, int m, int k)
 {
-    double *q = malloc((size_t)m * k * sizeof *q), *tau = malloc((size_t)k * sizeof *tau);
-    if (!q || !tau) {
-        free(q);
-        free(tau);
-        return NULL;
-    }
+    double *q = skvt_xmalloc((size_t)m * k * sizeof *q), *tau = skvt_xmalloc((size_t)k * sizeof *tau);
     for (size_t i = 0; i < (size_t)m * k; i++) q[i] = skvt_rng_normal(r);
     LAPACKE_dgeqrf(LAPACK_COL_MAJOR, m, k, q, m, tau);
     LAPACKE_dorgqr(LAPACK_COL_MAJOR, m, k, k, q, m, tau);
@@ -206,12 +211,9 @@ static double *skvt_orthonormal(skvt_rng *r, int m, int k)
 skv_bf16 *skvt_spectrum_bf16(skvt_rng *r, int n, int d, const double *sigma)
 {
     const int k = n < d ? n : d;
-    double *q1 = skvt_orthonormal(r, n, k), *q2 = skvt_orthonormal(r, d, k), *a = malloc((size_t)n * d * sizeof *a);
-    skv_bf16 *ab = malloc((size_t)n * d * sizeof *ab);
-    if (!q1 || !q2 || !a || !ab) {
-        free(q1), free(q2), free(a), free(ab);
-        return NULL;
-    }
+    double *q1 = skvt_orthonormal(r, n, k), *q2 = skvt_orthonormal(r, d, k);
+    double *a = skvt_xmalloc((size_t)n * d * sizeof *a);
+    skv_bf16 *ab = skvt_xmalloc((size_t)n * d * sizeof *ab);
     for (int j = 0; j < k; j++)
         for (int i = 0; i < d; i++) q2[(size_t)j * d + i] *= sigma[j];
     /* row-major A [n, d] is column-major A^T [d, n] = (Q2 diag sigma) Q1^T */

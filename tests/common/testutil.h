@@ -55,12 +55,15 @@ void skvt_lowrank_prompt(skvt_rng *r, size_t row, int64_t n, skv_bf16 *k, skv_bf
 void skvt_fill_bf16_normal(skvt_rng *r, skv_bf16 *x, size_t n, double scale);
 void skvt_bf16_to_double(const skv_bf16 *x, double *y, size_t n);
 
+/* malloc that never returns NULL: out of memory ends the test program (exit 2) with a message. */
+void *skvt_xmalloc(size_t bytes);
+
 /* Seconds on the monotonic clock. */
 double skvt_now_s(void);
 
 /* A [n, d] row-major = Q1 diag(sigma) Q2^T (Q1, Q2 orthonormal: QR of Gaussian matrices drawn
    from r; sigma has min(n, d) entries), scaled to rms entry 1 and rounded to bf16: a matrix
-   of known spectrum for the factorization tests. malloc'ed; NULL when out of memory. */
+   of known spectrum for the factorization tests. malloc'ed (skvt_xmalloc). */
 skv_bf16 *skvt_spectrum_bf16(skvt_rng *r, int n, int d, const double *sigma);
 
 /*
