@@ -16,11 +16,9 @@
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
  *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
  *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
- *      equilibration, trace, shift, floor and Cholesky in one thread block
- *      (skv_cc_fchol: the triangle in registers, right-looking, two barriers per
- *      column: each element's updates arrive in order of k, the same bits as the
- *      reference's left-looking loop), the solve X = Y L^-T one warp per row with
- *      L in shared memory (skv_cc_fsolve: right-looking over k, lanes across j);
+ *      equilibration, trace, shift, floor and Cholesky in one thread block, the
+ *      solve X = Y L^-T a warp per row (skv_cc_fchol, skv_cc_fsolve in
+ *      skv_cuda_canon_chol.cuh: a one-column lookahead, one barrier per column);
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
@@ -33,6 +31,7 @@
 
 #include "skv_factor_canon.h"
 #include "skv_cuda_canon_i8.cuh"
+#include "skv_cuda_canon_chol.cuh"
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -450,205 +449,6 @@ static __global__ void __launch_bounds__(TY *TX)
 #define SKV_CC_YY_TY 8
 #define SKV_CC_YY_TX 8
 #define SKV_CC_YY_KT 32
-
-/*
- * skv_cc_fchol: skv_cc_chol's job (same inputs and outputs: dsc when eq, l[j p + i] = L_ij, 0
- * above the diagonal) for p <= 32 S, S <= SKV_CC_FCHOL_MAXS, in registers. 512 threads, 16 warps;
- * thread (w, lane) owns the elements (i, q) = (2 w + (a & 1) + 32 (a >> 1), lane + 32 b), a < 2 S,
- * b < S, q <= i < p (a warp's rows in pairs 2 w, 2 w + 1, so one 16-byte broadcast load gives
- * two rows' L_ik), each one double acc in a register (slots with a >> 1 < b lie above the
- * diagonal and are not kept). Right-looking, two barriers per column step k:
- *   phase 1: thread i (i < p) reads L_kk (sh_ljj) and col[i] (the final chain value of (i, k)),
- *     L_ik = col[i] / L_kk (i > k), into lk[i] and l[k p + i];
- *   phase 2: every owned (i, q) with k < q <= i gets acc = fma(-L_ik, L_qk, acc) (from lk);
- *     the owners of column k + 1 then store their (now final) accs into col, and the owner of
- *     (k + 1, k + 1) its pivot L_k+1,k+1 = skv_canon_pivot(acc, fl) into sh_ljj (the sqrt off
- *     phase 1's path; L_00 likewise before step 0).
- * Why the bits are the reference's (skv_canon_ref_chol): element (i, q) starts as C_iq (scaled
- * as the reference scales it when eq, + s on the diagonal), gets exactly one fma(-L_ik, L_qk,
- * acc) in each step k = 0, 1, .., q - 1, in that order (phase 2 of step k needs q > k), and no
- * other operation; after step q - 1 it is final: the diagonal gets the reference's pivot once
- * (its owner, right then), an element below goes through col to phase 1 of step q and the
- * reference's division by L_qq once. L_ik is read only after phase 1 of step k wrote it
- * (barrier), col and sh_ljj only after phase 2 (or the prologue) wrote them (barrier), and each
- * is rewritten only after the barrier that follows its reads.
- */
-#define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
-#define SKV_CC_FCHOL_THREADS 512
-#define SKV_CC_FCHOL_ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
-template <int S>
-static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
-    skv_cc_fchol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
-                 double *__restrict__ l)
-{
-    static_assert(SKV_CC_FCHOL_THREADS == 512, "16 warps: rows 2 w, 2 w + 1 (+ 32 h) cover 32 rows");
-    constexpr int A = 2 * S;
-    __shared__ __align__(16) double lk[32 * S];
-    __shared__ double col[32 * S], ds[32 * S], dg[32 * S];
-    __shared__ double sh_s, sh_fl, sh_ljj;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    if (eq)
-        for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
-            double v = skv_canon_dscale(c[(int64_t)j * p + j]);
-            ds[j] = v;
-            dsc[j] = v;
-        }
-    __syncthreads();
-    /* the diagonal for the trace: C_jj, scaled as the reference scales it */
-    for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
-        double v = c[(int64_t)j * p + j];
-        dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
-    }
-    double acc[A][S];
-#pragma unroll
-    for (int a = 0; a < A; a++)
-#pragma unroll
-        for (int b = 0; b < S; b++) {
-            acc[a][b] = 0.0;
-            if ((a >> 1) < b) continue; /* never lower */
-            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
-            if (q <= i && i < p) {
-                double v = c[(int64_t)i * p + q];
-                acc[a][b] = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
-            }
-        }
-    __syncthreads();
-    if (tid == 0) { /* tr = ((C_00 + C_11) + C_22) + ..., in order */
-        double tr = 0.0;
-        for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, dg[j]);
-        double s = skv_canon_shift(m, p, tr);
-        sh_s = s;
-        sh_fl = skv_canon_floor(p, tr, s);
-    }
-    __syncthreads();
-    const double s = sh_s, fl = sh_fl;
-#pragma unroll
-    for (int a = 0; a < A; a++)
-#pragma unroll
-        for (int b = 0; b < S; b++) {
-            if ((a >> 1) < b) continue;
-            const int32_t i = SKV_CC_FCHOL_ROW(w, a), q = lane + 32 * b;
-            if (q == i && i < p) acc[a][b] = __dadd_rn(acc[a][b], s);     /* C_jj + s */
-            if (q == 0 && i < p) col[i] = acc[a][b];                         /* column 0: final already */
-            if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(acc[a][b], fl); /* L_00 */
-        }
-    __syncthreads();
-    for (int32_t k = 0; k < p; k++) {
-        /* phase 1: column k of L */
-        if (tid < p) {
-            const double ljj = sh_ljj;
-            double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
-            lk[tid] = v;
-            l[(int64_t)k * p + tid] = v; /* l[k p + i] = L_ik (0 for i < k) */
-        }
-        __syncthreads();
-        /* phase 2: step k of the trailing triangle */
-        const int32_t kn = k + 1;
-        double lq[S];       /* L_qk of the thread's columns (those wholly <= k are not used) */
-        bool act[S], nxt[S]; /* column q = lane + 32 b: q > k (updated), q == k + 1 (final after) */
-#pragma unroll
-        for (int b = 0; b < S; b++) {
-            const int32_t q = lane + 32 * b;
-            lq[b] = 32 * b + 31 > k ? lk[q] : 0.0;
-            act[b] = q > k;
-            nxt[b] = q == kn;
-        }
-        double dpiv = 0.0;
-        bool piv = false;
-#pragma unroll
-        for (int h = 0; h < S; h++) {
-            const int32_t i0 = 2 * w + 32 * h; /* rows i0, i0 + 1: slots a = 2 h, 2 h + 1 */
-            if (i0 + 1 <= k || i0 >= p) continue; /* warp-uniform */
-            const double2 li = *reinterpret_cast<const double2 *>(lk + i0); /* i0 even: 16-byte aligned */
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int a = 2 * h + e;
-                const int32_t i = i0 + e;
-                if (i <= k || i >= p) continue; /* warp-uniform */
-                const double lik = -(e ? li.y : li.x);
-#pragma unroll
-                for (int b = 0; b < S; b++) {
-                    if (h < b) continue; /* above the diagonal: not kept */
-                    /* h > b: every column of the slot is left of every row (q <= i); h == b, the
-                       diagonal block: q <= i per lane */
-                    const bool low = h > b || lane + 32 * b <= i;
-                    if (act[b] && low) {
-                        acc[a][b] = __fma_rn(lik, lq[b], acc[a][b]);
-                        if (nxt[b]) {
-                            col[i] = acc[a][b];
-                            if (h == b && i == kn) dpiv = acc[a][b], piv = true;
-                        }
-                    }
-                }
-            }
-        }
-        if (piv) sh_ljj = skv_canon_pivot(dpiv, fl); /* L_k+1,k+1, by the owner of (k + 1, k + 1) */
-        __syncthreads();
-    }
-}
-
-/*
- * skv_cc_fsolve: skv_cc_solve's job (X [m, p] = Y L^-T, x may alias y; eq: Y's columns times
- * dsc first) for p <= 32 Q, with L's lower triangle in shared memory (packed by columns:
- * L_jk, j >= k, at k p - k (k - 1) / 2 + j - k; p (p + 1) / 2 doubles, loaded once per block
- * from l[k p + j] = L_jk) instead of global loads on the critical path. One warp per row t
- * (SKV_CC_FSOLVE_WARPS rows per block), lane owns j = lane + 32 q, right-looking over k: acc_k's
- * owner broadcasts it by a shuffle, every lane computes x_tk = acc_k / L_kk itself (the same
- * division of the same operands: the same bits, no second shuffle), the owner keeps x_tk in
- * acc's slot, every acc_j (j > k) gets fma(-x_tk, L_jk, acc_j); the row is stored at the end.
- * Why the bits are the reference's (skv_canon_ref_solve): acc_j starts as Y_tj (times D_j when
- * eq, as the reference scales Y), gets exactly one fma(-x_tk, L_jk, acc) per k = 0..j-1 in that
- * order, and at step j the reference's division. The row's loads precede its stores in the same
- * warp, and no other warp touches the row, so x may alias y.
- */
-#define SKV_CC_FSOLVE_MAXQ 5 /* p <= 160 */
-#define SKV_CC_FSOLVE_WARPS 8
-static size_t skv_cc_fsolve_smem(int32_t p) { return (size_t)p * (p + 1) / 2 * sizeof(double); }
-template <int Q>
-static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
-    skv_cc_fsolve(int32_t m, int32_t p, const double *y, const double *__restrict__ l, int eq,
-                  const double *__restrict__ dsc, double *x)
-{
-    extern __shared__ double ls[];
-    const int lane = threadIdx.x & 31;
-    /* a warp per column k (no integer division: p <= 160, 32-bit offsets), lanes over j >= k */
-    for (int32_t k = threadIdx.x / 32; k < p; k += SKV_CC_FSOLVE_WARPS) {
-        double *dst = ls + (k * p - k * (k - 1) / 2 - k); /* dst[j] = L_jk */
-        const double *src = l + (int64_t)k * p;          /* src[j] = L_jk */
-        for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
-    }
-    __syncthreads();
-    const int64_t t = (int64_t)blockIdx.x * SKV_CC_FSOLVE_WARPS + threadIdx.x / 32;
-    if (t >= m) return; /* after the only barrier */
-    double acc[Q];
-#pragma unroll
-    for (int q = 0; q < Q; q++) {
-        int32_t j = lane + 32 * q;
-        double v = j < p ? y[t * p + j] : 0.0;
-        acc[q] = eq && j < p ? __dmul_rn(v, dsc[j]) : v;
-    }
-    const double *lc = ls; /* lc[j] = L_jk for j >= k: column k's start minus k */
-    for (int32_t k = 0; k < p; k++) {
-        const int owner = k & 31, qk = k >> 5;
-        double mine = 0.0;
-#pragma unroll
-        for (int q = 0; q < Q; q++)
-            if (q == qk) mine = acc[q];
-        const double xk = __ddiv_rn(__shfl_sync(0xffffffffu, mine, owner), lc[k]);
-#pragma unroll
-        for (int q = 0; q < Q; q++) {
-            int32_t j = lane + 32 * q;
-            if (j == k) acc[q] = xk;
-            else if (j > k && j < p) acc[q] = __fma_rn(-xk, lc[j], acc[q]);
-        }
-        lc += p - k - 1; /* column k + 1 starts p - k entries later, at index k + 1 */
-    }
-#pragma unroll
-    for (int q = 0; q < Q; q++) {
-        int32_t j = lane + 32 * q;
-        if (j < p) x[t * p + j] = acc[q];
-    }
-}
 
 /* ---- step 4 ----------------------------------------------------------------------------- */
 

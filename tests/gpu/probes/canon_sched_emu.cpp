@@ -1,6 +1,6 @@
 /*
  * canon_sched_emu.cpp - a host emulation of the fast canonical-route kernels' schedules
- * (cuda/skv_cuda_canon.cuh: skv_cc_gemm, skv_cc_fchol, skv_cc_fsolve), thread by thread and
+ * (cuda/skv_cuda_canon.cuh: skv_cc_gemm; cuda/skv_cuda_canon_chol.cuh: skv_cc_fchol, skv_cc_fsolve), thread by thread and
  * phase by phase with the kernels' own index arithmetic, compared bit for bit with the
  * reference functions of lib/skv_factor_canon.h on random inputs. It checks the schedules'
  * logic (ownership, step order, packing, staging), not the device's arithmetic (the device's
@@ -120,50 +120,51 @@ static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t s
         }
 }
 
-/* ---- skv_cc_fchol<S> (512 threads) ---- */
-#define ROW(w, a) (2 * (w) + ((a) & 1) + 32 * ((a) >> 1))
+/* ---- skv_cc_fchol<S> (512 threads, skv_cuda_canon_chol.cuh) ---- */
+static int32_t lpk(int32_t p, int32_t k) { return k * p - k * (k - 1) / 2; }
+#define KEEP(c, m) (32 * (m) + 31 >= 16 * (c))
 template <int S>
-static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
+static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *lp)
 {
-    constexpr int NT = 512, A = 2 * S;
-    double col[32 * S], lk[32 * S], ds[32 * S], dg[32 * S], sh_ljj = NAN;
-    for (int i = 0; i < 32 * S; i++) col[i] = lk[i] = ds[i] = dg[i] = NAN;
-    std::vector<double> acc((size_t)NT * A * S);
-    auto AC = [&](int tid, int a, int b) -> double & { return acc[((size_t)tid * A + a) * S + b]; };
-    /* every row-column pair owned exactly once (slots kept: (a >> 1) >= b) */
+    constexpr int NT = 512, C = 32 * S / 16;
+    double lb[2][32 * S], ds[32 * S], dg[32 * S];
+    for (int i = 0; i < 32 * S; i++) lb[0][i] = lb[1][i] = ds[i] = dg[i] = NAN;
+    std::vector<double> acc((size_t)NT * C * S);
+    auto AC = [&](int tid, int cc, int mm) -> double & { return acc[((size_t)tid * C + cc) * S + mm]; };
+    /* every lower element owned exactly once, by a kept slot */
     {
         std::vector<int> own((size_t)32 * S * 32 * S, 0);
         for (int tid = 0; tid < NT; tid++)
-            for (int a = 0; a < A; a++)
-                for (int b = 0; b < S; b++) {
-                    int i = ROW(tid >> 5, a), q = (tid & 31) + 32 * b;
-                    if (q <= i && (a >> 1) < b) printf("FAIL: a dropped slot holds (%d, %d)\n", i, q), exit(1);
-                    own[(size_t)i * 32 * S + q]++;
+            for (int cc = 0; cc < C; cc++)
+                for (int mm = 0; mm < S; mm++) {
+                    int q = 16 * cc + (tid >> 5), i = (tid & 31) + 32 * mm;
+                    if (q <= i && !KEEP(cc, mm)) printf("FAIL: a dropped slot holds (%d, %d)\n", i, q), exit(1);
+                    if (q <= i) own[(size_t)i * 32 * S + q]++;
                 }
-        for (size_t e = 0; e < own.size(); e++)
-            if (own[e] != 1) printf("FAIL: element %zu owned %d times\n", e, own[e]), exit(1);
+        for (int i = 0; i < 32 * S; i++)
+            for (int q = 0; q <= i; q++)
+                if (own[(size_t)i * 32 * S + q] != 1) printf("FAIL: (%d, %d) owned %d times\n", i, q, own[(size_t)i * 32 * S + q]), exit(1);
     }
     if (eq)
-        for (int tid = 0; tid < NT; tid++)
-            for (int j = tid; j < p; j += NT) {
-                double v = skv_canon_dscale(c[(int64_t)j * p + j]);
-                ds[j] = v;
-                dsc[j] = v;
-            }
+        for (int j = 0; j < p; j++) {
+            double v = skv_canon_dscale(c[(int64_t)j * p + j]);
+            ds[j] = v;
+            dsc[j] = v;
+        }
+    for (int j = 0; j < p; j++) {
+        double v = c[(int64_t)j * p + j];
+        dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
+    }
     for (int tid = 0; tid < NT; tid++) {
         const int lane = tid & 31, w = tid >> 5;
-        for (int j = tid; j < p; j += NT) {
-            double v = c[(int64_t)j * p + j];
-            dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
-        }
-        for (int a = 0; a < A; a++)
-            for (int b = 0; b < S; b++) {
-                AC(tid, a, b) = NAN; /* the kernel: 0.0; a slot outside the triangle must never be used */
-                if ((a >> 1) < b) continue;
-                const int32_t i = ROW(w, a), q = lane + 32 * b;
+        for (int cc = 0; cc < C; cc++)
+            for (int mm = 0; mm < S; mm++) {
+                AC(tid, cc, mm) = NAN; /* the kernel: 0.0; a slot outside the triangle must never be used */
+                if (!KEEP(cc, mm)) continue;
+                const int32_t q = 16 * cc + w, i = lane + 32 * mm;
                 if (q <= i && i < p) {
                     double v = c[(int64_t)i * p + q];
-                    AC(tid, a, b) = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
+                    AC(tid, cc, mm) = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
                 }
             }
     }
@@ -172,82 +173,89 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
     const double s = skv_canon_shift(m, p, tr), fl = skv_canon_floor(p, tr, s);
     for (int tid = 0; tid < NT; tid++) {
         const int lane = tid & 31, w = tid >> 5;
-        for (int a = 0; a < A; a++)
-            for (int b = 0; b < S; b++) {
-                if ((a >> 1) < b) continue;
-                const int32_t i = ROW(w, a), q = lane + 32 * b;
-                if (q == i && i < p) AC(tid, a, b) = __dadd_rn(AC(tid, a, b), s);
-                if (q == 0 && i < p) col[i] = AC(tid, a, b);
-                if (q == 0 && i == 0) sh_ljj = skv_canon_pivot(AC(tid, a, b), fl);
+        for (int cc = 0; cc < C; cc++)
+            for (int mm = 0; mm < S; mm++)
+                if (KEEP(cc, mm) && 16 * cc + w == lane + 32 * mm && lane + 32 * mm < p)
+                    AC(tid, cc, mm) = __dadd_rn(AC(tid, cc, mm), s);
+    }
+    for (int i = 0; i < 32 * S; i++) lb[0][i] = lb[1][i] = 0.0;
+    { /* column 0 by warp 0 */
+        const double ljj = skv_canon_pivot(AC(0, 0, 0), fl); /* the shuffle from lane 0 */
+        for (int lane = 0; lane < 32; lane++)
+            for (int mm = 0; mm < S; mm++) {
+                const int32_t i = lane + 32 * mm;
+                if (i < p) {
+                    const double v = i == 0 ? ljj : __ddiv_rn(AC(lane, 0, mm), ljj);
+                    lb[0][i] = v;
+                    lp[i] = v;
+                }
             }
     }
-    for (int32_t k = 0; k < p; k++) {
-        for (int tid = 0; tid < NT; tid++)
-            if (tid < p) {
-                const double ljj = sh_ljj;
-                double v = tid < k ? 0.0 : tid == k ? ljj : __ddiv_rn(col[tid], ljj);
-                lk[tid] = v;
-                l[(int64_t)k * p + tid] = v;
+    int steps = 0;
+    for (int cb = 0; cb < C; cb++)
+        for (int kl = cb == 0 ? 1 : 0; kl < 16; kl++) {
+            const int32_t kn = 16 * cb + kl;
+            if (kn >= p) break;
+            if (kn != steps + 1) printf("FAIL: step order\n"), exit(1);
+            steps++;
+            const double *cur = lb[(kn - 1) & 1];
+            double *nxt = lb[kn & 1];
+            double saved[32 * S];
+            memcpy(saved, nxt, sizeof saved); /* nothing of this step reads nxt: poison it */
+            for (int i = 0; i < 32 * S; i++) nxt[i] = NAN;
+            for (int tid = 0; tid < NT; tid++) {
+                const int lane = tid & 31, w = tid >> 5;
+                double nli[S];
+                for (int mm = 0; mm < S; mm++) nli[mm] = -cur[lane + 32 * mm];
+                if (w == kl) {
+                    if (16 * cb + w != kn || (kn >> 5) != (cb >> 1)) printf("FAIL: slot map\n"), exit(1);
+                    const double lqk = cur[kn];
+                    for (int mm = 0; mm < S; mm++)
+                        if (KEEP(cb, mm)) AC(tid, cb, mm) = __fma_rn(nli[mm], lqk, AC(tid, cb, mm));
+                }
             }
-        const int32_t kn = k + 1;
-        double newpiv = NAN;
-        int npiv = 0;
-        for (int tid = 0; tid < NT; tid++) {
-            const int lane = tid & 31, w = tid >> 5;
-            double lq[S];
-            bool act[S], nxt[S];
-            for (int b = 0; b < S; b++) {
-                const int32_t q = lane + 32 * b;
-                lq[b] = 32 * b + 31 > k ? lk[q] : NAN;
-                act[b] = q > k;
-                nxt[b] = q == kn;
-            }
-            double dpiv = 0.0;
-            bool piv = false;
-            for (int h = 0; h < S; h++) {
-                const int32_t i0 = 2 * w + 32 * h;
-                if (i0 + 1 <= k || i0 >= p) continue;
-                const double li[2] = {lk[i0], lk[i0 + 1]};
-                for (int e = 0; e < 2; e++) {
-                    const int a = 2 * h + e;
-                    const int32_t i = i0 + e;
-                    if (i != ROW(w, a)) printf("FAIL: row map\n"), exit(1);
-                    if (i <= k || i >= p) continue;
-                    const double lik = -li[e];
-                    for (int b = 0; b < S; b++) {
-                        if (h < b) continue;
-                        const bool low = h > b || lane + 32 * b <= i;
-                        if (low != (lane + 32 * b <= i)) printf("FAIL: slot shape\n"), exit(1);
-                        if (act[b] && low) {
-                            AC(tid, a, b) = __fma_rn(lik, lq[b], AC(tid, a, b));
-                            if (nxt[b]) {
-                                col[i] = AC(tid, a, b);
-                                if (h == b && i == kn) dpiv = AC(tid, a, b), piv = true;
-                            }
-                        }
+            if (kl < 16) {
+                /* the shuffle: lane kn & 31 of warp kl, slot (cb, cb >> 1) */
+                const double ljj = skv_canon_pivot(AC(32 * kl + (kn & 31), cb, cb >> 1), fl);
+                const int32_t off = lpk(p, kn) - kn;
+                for (int lane = 0; lane < 32; lane++) {
+                    const int tid = 32 * kl + lane;
+                    for (int mm = 0; mm < S; mm++) {
+                        const int32_t i = lane + 32 * mm;
+                        if (i >= p) continue;
+                        double v = i == kn ? ljj : 0.0;
+                        if (KEEP(cb, mm) && i > kn) v = __ddiv_rn(AC(tid, cb, mm), ljj);
+                        nxt[i] = v;
+                        if (i >= kn) lp[off + i] = v;
                     }
                 }
             }
-            if (piv) newpiv = skv_canon_pivot(dpiv, fl), npiv++;
+            for (int tid = 0; tid < NT; tid++) {
+                const int lane = tid & 31, w = tid >> 5;
+                double nli[S];
+                for (int mm = 0; mm < S; mm++) nli[mm] = -cur[lane + 32 * mm];
+                for (int cc = cb; cc < C; cc++) {
+                    const int32_t q = 16 * cc + w;
+                    if ((cc == cb && w <= kl) || q >= p) continue;
+                    const double lqk = cur[q];
+                    for (int mm = 0; mm < S; mm++)
+                        if (KEEP(cc, mm)) AC(tid, cc, mm) = __fma_rn(nli[mm], lqk, AC(tid, cc, mm));
+                }
+            }
+            for (int i = p; i < 32 * S; i++) nxt[i] = saved[i]; /* rows >= p: never written, still 0 */
         }
-        if (kn < p && npiv != 1) printf("FAIL: %d pivot owners at step %d\n", npiv, k), exit(1);
-        if (npiv) sh_ljj = newpiv; /* written after every read of this step (the barrier) */
-    }
+    if (steps != p - 1) printf("FAIL: %d steps for p %d\n", steps, p), exit(1);
 }
 
-/* ---- skv_cc_fsolve<Q> (8 warps a block) ---- */
+/* ---- skv_cc_fsolve<Q> (8 warps a block; lp packed by columns) ---- */
 template <int Q>
-static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *l, int eq, const double *dsc, double *x)
+static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *lp, int eq, const double *dsc, double *x)
 {
     const int WARPS = 8;
-    std::vector<double> ls((size_t)p * (p + 1) / 2, NAN);
-    for (int wi = 0; wi < WARPS; wi++)
-        for (int lane = 0; lane < 32; lane++)
-            for (int32_t k = wi; k < p; k += WARPS) {
-                double *dst = ls.data() + (k * p - k * (k - 1) / 2 - k);
-                const double *src = l + (int64_t)k * p;
-                for (int32_t j = k + lane; j < p; j += 32) dst[j] = src[j];
-            }
+    const size_t np = (size_t)p * (p + 1) / 2;
+    std::vector<double> ls(lp, lp + np); /* the flat copy and the zero pad */
+    ls.resize(np + 32, 0.0);
+    std::vector<double> xo((size_t)m * p, NAN);
     int blocks = (m + WARPS - 1) / WARPS;
     for (int blk = 0; blk < blocks; blk++)
         for (int wi = 0; wi < WARPS; wi++) {
@@ -257,34 +265,27 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *l, i
             for (int lane = 0; lane < 32; lane++)
                 for (int q = 0; q < Q; q++) {
                     int32_t j = lane + 32 * q;
-                    double v = j < p ? y[t * p + j] : 0.0;
-                    acc[lane][q] = eq && j < p ? __dmul_rn(v, dsc[j]) : v;
+                    acc[lane][q] = j < p ? y[t * p + j] : 0.0;
+                    if (eq && j < p) acc[lane][q] = __dmul_rn(acc[lane][q], dsc[j]);
                 }
-            const double *lc = ls.data();
-            for (int32_t k = 0; k < p; k++) {
-                const int owner = k & 31, qk = k >> 5;
-                double mine[32];
-                for (int lane = 0; lane < 32; lane++) {
-                    mine[lane] = 0.0;
-                    for (int q = 0; q < Q; q++)
-                        if (q == qk) mine[lane] = acc[lane][q];
-                }
-                for (int lane = 0; lane < 32; lane++) {
-                    const double xk = __ddiv_rn(mine[owner], lc[k]);
-                    for (int q = 0; q < Q; q++) {
-                        int32_t j = lane + 32 * q;
-                        if (j == k) acc[lane][q] = xk;
-                        else if (j > k && j < p) acc[lane][q] = __fma_rn(-xk, lc[j], acc[lane][q]);
-                    }
-                }
-                lc += p - k - 1;
-            }
-            for (int lane = 0; lane < 32; lane++)
-                for (int q = 0; q < Q; q++) {
-                    int32_t j = lane + 32 * q;
-                    if (j < p) x[t * p + j] = acc[lane][q];
+            size_t lc = 0;
+            for (int kb = 0; kb < Q; kb++)
+                for (int kl = 0; kl < 32; kl++) {
+                    const int32_t k = 32 * kb + kl;
+                    if (k >= p) break;
+                    const double xk = __ddiv_rn(acc[kl][kb], ls[lc + k]);
+                    xo[t * p + k] = xk;
+                    for (int lane = 0; lane < 32; lane++)
+                        for (int q = kb; q < Q; q++) {
+                            const size_t e = lc + lane + 32 * q;
+                            if (e >= ls.size()) printf("FAIL: read past the pad\n"), exit(1);
+                            if (lane + 32 * q >= p && ls[e] != 0.0 && lc + lane + 32 * q >= np) printf("FAIL: pad\n"), exit(1);
+                            acc[lane][q] = __fma_rn(-xk, ls[e], acc[lane][q]);
+                        }
+                    lc += p - k - 1;
                 }
         }
+    memcpy(x, xo.data(), xo.size() * sizeof(double)); /* x may alias y: the kernel loads the row first */
 }
 
 static void fchol(int S, int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
@@ -356,10 +357,8 @@ int main(int argc, char **argv)
                     /* fast chol from the fast C (upper part poisoned), then the fast solve */
                     fchol((p + 31) / 32, m, p, c.data(), eq, dsc.data(), l.data());
                     for (int i = 0; i < p; i++)
-                        for (int j = 0; j < p; j++) {
-                            double want = j <= i ? lr[(size_t)i * p + j] : 0.0; /* l[j p + i] = L_ij */
-                            if (memcmp(&l[(size_t)j * p + i], &want, 8)) ok = 0;
-                        }
+                        for (int j = 0; j <= i; j++) /* packed by columns: L_ij at lpk(p, j) + i - j */
+                            if (memcmp(&l[(size_t)lpk(p, j) + i - j], &lr[(size_t)i * p + j], 8)) ok = 0;
                     if (eq && !same(dsc.data(), dr.data(), p)) ok = 0;
                     fsolve((p + 31) / 32, m, p, y.data(), l.data(), eq, dsc.data(), x.data());
                     if (!same(x.data(), xr.data(), (size_t)m * p)) ok = 0;
@@ -392,10 +391,8 @@ int main(int argc, char **argv)
             fchol((p + 31) / 32, m, p, c.data(), eq, dsc.data(), l.data());
             int ok = !eq || same(dsc.data(), dr.data(), p);
             for (int i = 0; i < p; i++)
-                for (int j = 0; j < p; j++) {
-                    double want = j <= i ? lr[(size_t)i * p + j] : 0.0;
-                    if (memcmp(&l[(size_t)j * p + i], &want, 8)) ok = 0;
-                }
+                for (int j = 0; j <= i; j++)
+                    if (memcmp(&l[(size_t)lpk(p, j) + i - j], &lr[(size_t)i * p + j], 8)) ok = 0;
             cases++;
             floored += nfl;
             if (!ok) {
