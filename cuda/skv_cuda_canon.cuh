@@ -33,6 +33,11 @@
 #include "skv_cuda_canon_i8.cuh"
 #include "skv_cuda_canon_chol.cuh"
 
+/* 1: the Cholesky without block barriers (skv_cc_fchol_ring); 0: one barrier a column. */
+#ifndef SKV_CC_FCHOL_RING
+#define SKV_CC_FCHOL_RING 1
+#endif
+
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
 /* colmax[i] = max over rows of a's magnitude bits in column i (colmax zeroed before). */
@@ -503,10 +508,18 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     }
     int qn = (p + 31) / 32;
     if (qn <= SKV_CC_FCHOL_MAXS) {
+#if SKV_CC_FCHOL_RING
+#define SKV_CC_FCHOL_CASE(S)                                                                                  \
+    case S:                                                                                                   \
+        skv_cc_fchol_ring<S><<<1, SKV_CC_FCHOL_THREADS, skv_cc_fchol_ring_smem(S), f->st>>>(m, p, f->cc_c, eq, \
+                                                                                          f->cc_dsc, f->cc_l); \
+        break;
+#else
 #define SKV_CC_FCHOL_CASE(S)                                                                                  \
     case S:                                                                                                   \
         skv_cc_fchol<S><<<1, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l);       \
         break;
+#endif
         switch (qn) {
             SKV_CC_FCHOL_CASE(1) SKV_CC_FCHOL_CASE(2) SKV_CC_FCHOL_CASE(3) SKV_CC_FCHOL_CASE(4) SKV_CC_FCHOL_CASE(5)
         }

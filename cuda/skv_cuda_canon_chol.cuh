@@ -21,7 +21,8 @@
  *     - meanwhile every warp (the owner after its column) gives the columns q > k + 1 it owns
  *       their step-k fma;
  *     - one barrier: column k + 1 is visible, column k is no longer read.
- *   The output is the packed lower triangle by columns: L_ik (i >= k) at skv_cc_lpk(p, k) + i - k.
+ *   The output is the packed lower triangle by columns, L_ik (i >= k) at skv_cc_lpk(p, k) + i - k,
+ *   followed by the p reciprocals RN(1 / L_kk) (skv_cc_div's y, for the solve as well).
  *
  * skv_cc_fsolve<Q> (p <= 32 Q): X = Y L^-T, a warp per row (8 rows a block). L's packed
  *   triangle is copied to shared memory once per block with 16-byte loads, many in flight.
@@ -39,6 +40,28 @@ static __host__ __device__ __forceinline__ int32_t skv_cc_lpk(int32_t p, int32_t
     return k * p - k * (k - 1) / 2;
 }
 static __host__ __device__ __forceinline__ size_t skv_cc_lp_count(int32_t p) { return (size_t)p * (p + 1) / 2; }
+
+/*
+ * RN(a / b) for b > 0, given y = RN(1 / b) (__ddiv_rn(1.0, b)): the same bits as __ddiv_rn(a, b),
+ * in five dependent fp64 operations without a branch on the common path, so that several
+ * quotients by one divisor overlap (the library's __ddiv_rn is ~130 cycles of latency that does
+ * not overlap with the next one). Why it is exact: y has relative error < 2^-53, so q1 = RN(a y)
+ * is within 2 ulps of a/b; q1 + r1 y with r1 = RN(a - b q1) is within 2^-50 ulp of a/b, so q2, its
+ * rounding, is a faithful approximation of a/b (one of its two floating-point neighbours); by
+ * Markstein's theorem (y within relative 2^-53 of 1/b, q2 faithful, no underflow or overflow)
+ * r2 = a - b q2 is exact and RN(q2 + r2 y) = RN(a/b). The ranges below keep every quantity
+ * normal with room to spare; anything else (0, subnormal, huge, inf, NaN) takes __ddiv_rn.
+ */
+static __device__ __forceinline__ double skv_cc_div(double a, double b, double y)
+{
+    const double aa = fabs(a);
+    if (!(aa >= 0x1p-500 && aa <= 0x1p500 && b >= 0x1p-400 && b <= 0x1p400)) return __ddiv_rn(a, b);
+    const double q1 = __dmul_rn(a, y);
+    const double r1 = __fma_rn(-q1, b, a);
+    const double q2 = __fma_rn(r1, y, q1);
+    const double r2 = __fma_rn(-q2, b, a);
+    return __fma_rn(r2, y, q2);
+}
 
 #define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
 #define SKV_CC_FCHOL_THREADS 512
@@ -105,11 +128,13 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
     /* column 0 is final already: warp 0 (slot c = 0) takes its pivot and divides */
     if (w == 0) {
         const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, acc[0][0], 0), fl);
+        const double y = __ddiv_rn(1.0, ljj);
+        if (lane == 0) lp[skv_cc_lp_count(p)] = y;
 #pragma unroll
         for (int mm = 0; mm < S; mm++) {
             const int32_t i = lane + 32 * mm;
             if (i < p) {
-                const double v = i == 0 ? ljj : __ddiv_rn(acc[0][mm], ljj);
+                const double v = i == 0 ? ljj : skv_cc_div(acc[0][mm], ljj, y);
                 lb[0][i] = v;
                 lp[i] = v;
             }
@@ -134,13 +159,15 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
                 for (int mm = 0; mm < S; mm++)
                     if (SKV_CC_FCHOL_KEEP(cb, mm)) acc[cb][mm] = __fma_rn(nli[mm], lqk, acc[cb][mm]);
                 const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, acc[cb][cb >> 1], kn & 31), fl);
+                const double y = __ddiv_rn(1.0, ljj);
                 const int32_t off = skv_cc_lpk(p, kn) - kn;
+                if (lane == 0) lp[skv_cc_lp_count(p) + kn] = y;
 #pragma unroll
                 for (int mm = 0; mm < S; mm++) {
                     const int32_t i = lane + 32 * mm;
                     if (i >= p) continue;
                     double v = i == kn ? ljj : 0.0;
-                    if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn) v = __ddiv_rn(acc[cb][mm], ljj);
+                    if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn) v = skv_cc_div(acc[cb][mm], ljj, y);
                     nxt[i] = v;
                     if (i >= kn) lp[off + i] = v;
                 }
@@ -159,12 +186,154 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
     }
 }
 
+/*
+ * skv_cc_fchol_ring<S>: skv_cc_fchol's job and element schedule, without block barriers in the
+ * loop: the columns of L go to a ring of SKV_CC_RING shared columns, published in order by a
+ * counter (st.release / ld.acquire, block scope). Warp w runs its own steps k = 0, 1, .. (wait
+ * until column k is published; if it owns column k + 1, the lookahead and the publication; then
+ * step k of its other columns) and no warp waits for another's bulk work. The ring is safe: when
+ * column kn is published, every warp has published its column in [kn - 17, kn - 2] (one of
+ * every 16 consecutive columns is its own), so it is past step kn - 18 and column kn - 32
+ * (the slot being rewritten) is read by nobody.
+ */
+#define SKV_CC_RING 32
+static __device__ __forceinline__ int skv_cc_ld_acquire(const int *p)
+{
+    int v;
+    asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void skv_cc_st_release(int *p, int v)
+{
+    asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(p)), "r"(v) : "memory");
+}
+
+template <int S>
+static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
+    skv_cc_fchol_ring(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
+                      double *__restrict__ lp)
+{
+    constexpr int C = 32 * S / SKV_CC_FCHOL_WARPS;
+    extern __shared__ __align__(16) double skv_cc_ring_sm[]; /* [SKV_CC_RING][32 S] */
+    double(*lb)[32 * S] = reinterpret_cast<double(*)[32 * S]>(skv_cc_ring_sm);
+    __shared__ double ds[32 * S], dg[32 * S];
+    __shared__ double sh_s, sh_fl;
+    __shared__ int pub; /* columns 0 .. pub - 1 are in the ring */
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    for (int i = tid; i < SKV_CC_RING * 32 * S; i += SKV_CC_FCHOL_THREADS) skv_cc_ring_sm[i] = 0.0;
+    if (tid == 0) pub = 0;
+    if (eq)
+        for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
+            double v = skv_canon_dscale(c[(int64_t)j * p + j]);
+            ds[j] = v;
+            dsc[j] = v;
+        }
+    __syncthreads();
+    for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
+        double v = c[(int64_t)j * p + j];
+        dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
+    }
+    double acc[C][S];
+#pragma unroll
+    for (int cc = 0; cc < C; cc++)
+#pragma unroll
+        for (int mm = 0; mm < S; mm++) {
+            acc[cc][mm] = 0.0;
+            if (!SKV_CC_FCHOL_KEEP(cc, mm)) continue;
+            const int32_t q = 16 * cc + w, i = lane + 32 * mm;
+            if (q <= i && i < p) {
+                double v = c[(int64_t)i * p + q];
+                acc[cc][mm] = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
+            }
+        }
+    __syncthreads();
+    if (tid == 0) {
+        double tr = 0.0;
+        for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, dg[j]);
+        double s = skv_canon_shift(m, p, tr);
+        sh_s = s;
+        sh_fl = skv_canon_floor(p, tr, s);
+    }
+    __syncthreads();
+    const double s = sh_s, fl = sh_fl;
+#pragma unroll
+    for (int cc = 0; cc < C; cc++)
+#pragma unroll
+        for (int mm = 0; mm < S; mm++)
+            if (SKV_CC_FCHOL_KEEP(cc, mm) && 16 * cc + w == lane + 32 * mm && lane + 32 * mm < p)
+                acc[cc][mm] = __dadd_rn(acc[cc][mm], s);
+    if (w == 0) {
+        const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, acc[0][0], 0), fl);
+        const double y = __ddiv_rn(1.0, ljj);
+        if (lane == 0) lp[skv_cc_lp_count(p)] = y;
+#pragma unroll
+        for (int mm = 0; mm < S; mm++) {
+            const int32_t i = lane + 32 * mm;
+            if (i < p) {
+                const double v = i == 0 ? ljj : skv_cc_div(acc[0][mm], ljj, y);
+                lb[0][i] = v;
+                lp[i] = v;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) skv_cc_st_release(&pub, 1);
+    }
+    /* this warp's last column: it has work up to the step that makes it final */
+    const int32_t qlast = w < p ? w + 16 * ((p - 1 - w) / 16) : -1;
+#pragma unroll
+    for (int cb = 0; cb < C; cb++) {
+        for (int kl = cb == 0 ? 1 : 0; kl < SKV_CC_FCHOL_WARPS; kl++) {
+            const int32_t kn = 16 * cb + kl;
+            if (kn > qlast) break; /* nothing left for this warp (warp-uniform) */
+            while (skv_cc_ld_acquire(&pub) < kn) {
+            }
+            const double *cur = lb[(kn - 1) % SKV_CC_RING];
+            double nli[S];
+#pragma unroll
+            for (int mm = 0; mm < S; mm++) nli[mm] = -cur[lane + 32 * mm];
+            if (w == kl) {
+                double *nxt = lb[kn % SKV_CC_RING];
+                const double lqk = cur[kn];
+#pragma unroll
+                for (int mm = 0; mm < S; mm++)
+                    if (SKV_CC_FCHOL_KEEP(cb, mm)) acc[cb][mm] = __fma_rn(nli[mm], lqk, acc[cb][mm]);
+                const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, acc[cb][cb >> 1], kn & 31), fl);
+                const double y = __ddiv_rn(1.0, ljj);
+                const int32_t off = skv_cc_lpk(p, kn) - kn;
+                if (lane == 0) lp[skv_cc_lp_count(p) + kn] = y;
+#pragma unroll
+                for (int mm = 0; mm < S; mm++) {
+                    const int32_t i = lane + 32 * mm;
+                    if (i >= p) continue;
+                    double v = i == kn ? ljj : 0.0;
+                    if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn) v = skv_cc_div(acc[cb][mm], ljj, y);
+                    nxt[i] = v;
+                    if (i >= kn) lp[off + i] = v;
+                }
+                __syncwarp();
+                if (lane == 0) skv_cc_st_release(&pub, kn + 1);
+            }
+#pragma unroll
+            for (int cc = cb; cc < C; cc++) {
+                const int32_t q = 16 * cc + w;
+                if ((cc == cb && w <= kl) || q >= p) continue;
+                const double lqk = cur[q];
+#pragma unroll
+                for (int mm = 0; mm < S; mm++)
+                    if (SKV_CC_FCHOL_KEEP(cc, mm)) acc[cc][mm] = __fma_rn(nli[mm], lqk, acc[cc][mm]);
+            }
+        }
+    }
+}
+static size_t skv_cc_fchol_ring_smem(int S) { return (size_t)SKV_CC_RING * 32 * S * sizeof(double); }
+
 #define SKV_CC_FSOLVE_MAXQ 5 /* p <= 160 */
 #define SKV_CC_FSOLVE_WARPS 8
-/* The packed triangle plus 32 zeros: the lanes j >= p of the last columns read past its end. */
-static size_t skv_cc_fsolve_smem(int32_t p) { return (skv_cc_lp_count(p) + 32) * sizeof(double); }
+/* The packed triangle, 32 zeros (the lanes j >= p of the last columns read past its end), the
+   reciprocals 1 / L_kk. */
+static size_t skv_cc_fsolve_smem(int32_t p) { return (skv_cc_lp_count(p) + 32 + p) * sizeof(double); }
 
-/* lp: the packed triangle (skv_cc_fchol's output, 16-byte aligned). */
+/* lp: the packed triangle and the reciprocals (skv_cc_fchol's output, 16-byte aligned). */
 template <int Q>
 static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
     skv_cc_fsolve(int32_t m, int32_t p, const double *y, const double *__restrict__ lp, int eq,
@@ -200,6 +369,7 @@ static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
         }
         if ((np & 1) && threadIdx.x == 0) ls[np - 1] = lp[np - 1];
         if (threadIdx.x < 32) ls[np + threadIdx.x] = 0.0;
+        for (int32_t k = threadIdx.x; k < p; k += NT) ls[np + 32 + k] = lp[np + k];
     }
     __syncthreads();
     if (t >= m) return; /* after the only barrier */
@@ -215,13 +385,14 @@ static __global__ void __launch_bounds__(32 * SKV_CC_FSOLVE_WARPS)
        collects garbage fmas, never read, so the updates need no per-element conditions. The
        reads lc[j] for j < k stay inside the triangle, those for j >= p inside the zero pad. */
     double *xr = x + (int64_t)t * p;
+    const double *rinv = ls + skv_cc_lp_count(p) + 32;
     const double *lc = ls; /* lc[j] = L_jk for j >= k: column k's start minus k */
 #pragma unroll
     for (int kb = 0; kb < Q; kb++) {
         for (int kl = 0; kl < 32; kl++) {
             const int32_t k = 32 * kb + kl;
             if (k >= p) break;
-            const double xk = __ddiv_rn(__shfl_sync(0xffffffffu, acc[kb], kl), lc[k]);
+            const double xk = skv_cc_div(__shfl_sync(0xffffffffu, acc[kb], kl), lc[k], rinv[k]);
             if (lane == kl) xr[k] = xk;
 #pragma unroll
             for (int q = kb; q < Q; q++) acc[q] = __fma_rn(-xk, lc[lane + 32 * q], acc[q]);

@@ -637,7 +637,7 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
             goto fail;
     }
     if ((s = skv_cf_alloc((void **)&f->cc_c, (size_t)r * r * sizeof(double), "canonical Y^T Y", msg, cap)) != SKV_OK ||
-        (s = skv_cf_alloc((void **)&f->cc_l, (size_t)r * r * sizeof(double), "canonical Cholesky factor", msg, cap)) != SKV_OK ||
+        (s = skv_cf_alloc((void **)&f->cc_l, ((size_t)r * r + r) * sizeof(double), "canonical Cholesky factor", msg, cap)) != SKV_OK ||
         (s = skv_cf_alloc((void **)&f->cc_lp, r > SKV_CC_CHOL_SMEM_R ? (size_t)r * r * sizeof(double) : 8,
                           "canonical Cholesky scratch", msg, cap)) != SKV_OK ||
         (s = skv_cf_alloc((void **)&f->cc_dsc, (size_t)r * sizeof(double), "canonical scales D", msg, cap)) != SKV_OK ||

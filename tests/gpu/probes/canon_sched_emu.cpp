@@ -25,6 +25,18 @@ extern "C" {
 #define __dmul_rn(a, b) ((a) * (b))
 #define __dadd_rn(a, b) ((a) + (b))
 
+/* skv_cc_div (cuda/skv_cuda_canon_chol.cuh), as the device runs it */
+static double skv_cc_div(double a, double b, double y)
+{
+    const double aa = std::fabs(a);
+    if (!(aa >= 0x1p-500 && aa <= 0x1p500 && b >= 0x1p-400 && b <= 0x1p400)) return a / b;
+    const double q1 = a * y;
+    const double r1 = fma(-q1, b, a);
+    const double q2 = fma(r1, y, q1);
+    const double r2 = fma(-q2, b, a);
+    return fma(r2, y, q2);
+}
+
 static int same(const double *a, const double *b, size_t n)
 {
     return memcmp(a, b, n * sizeof(double)) == 0;
@@ -181,11 +193,13 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
     for (int i = 0; i < 32 * S; i++) lb[0][i] = lb[1][i] = 0.0;
     { /* column 0 by warp 0 */
         const double ljj = skv_canon_pivot(AC(0, 0, 0), fl); /* the shuffle from lane 0 */
+        const double y = 1.0 / ljj;
+        lp[(size_t)p * (p + 1) / 2] = y;
         for (int lane = 0; lane < 32; lane++)
             for (int mm = 0; mm < S; mm++) {
                 const int32_t i = lane + 32 * mm;
                 if (i < p) {
-                    const double v = i == 0 ? ljj : __ddiv_rn(AC(lane, 0, mm), ljj);
+                    const double v = i == 0 ? ljj : skv_cc_div(AC(lane, 0, mm), ljj, y);
                     lb[0][i] = v;
                     lp[i] = v;
                 }
@@ -217,6 +231,8 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
             if (kl < 16) {
                 /* the shuffle: lane kn & 31 of warp kl, slot (cb, cb >> 1) */
                 const double ljj = skv_canon_pivot(AC(32 * kl + (kn & 31), cb, cb >> 1), fl);
+                const double y = 1.0 / ljj;
+                lp[(size_t)p * (p + 1) / 2 + kn] = y;
                 const int32_t off = lpk(p, kn) - kn;
                 for (int lane = 0; lane < 32; lane++) {
                     const int tid = 32 * kl + lane;
@@ -224,7 +240,7 @@ static void emu_fchol(int32_t m, int32_t p, const double *c, int eq, double *dsc
                         const int32_t i = lane + 32 * mm;
                         if (i >= p) continue;
                         double v = i == kn ? ljj : 0.0;
-                        if (KEEP(cb, mm) && i > kn) v = __ddiv_rn(AC(tid, cb, mm), ljj);
+                        if (KEEP(cb, mm) && i > kn) v = skv_cc_div(AC(tid, cb, mm), ljj, y);
                         nxt[i] = v;
                         if (i >= kn) lp[off + i] = v;
                     }
@@ -253,8 +269,10 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *lp, 
 {
     const int WARPS = 8;
     const size_t np = (size_t)p * (p + 1) / 2;
-    std::vector<double> ls(lp, lp + np); /* the flat copy and the zero pad */
+    std::vector<double> ls(lp, lp + np); /* the flat copy, the zero pad, the reciprocals */
     ls.resize(np + 32, 0.0);
+    ls.insert(ls.end(), lp + np, lp + np + p);
+    const double *rinv = ls.data() + np + 32;
     std::vector<double> xo((size_t)m * p, NAN);
     int blocks = (m + WARPS - 1) / WARPS;
     for (int blk = 0; blk < blocks; blk++)
@@ -273,12 +291,12 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *lp, 
                 for (int kl = 0; kl < 32; kl++) {
                     const int32_t k = 32 * kb + kl;
                     if (k >= p) break;
-                    const double xk = __ddiv_rn(acc[kl][kb], ls[lc + k]);
+                    const double xk = skv_cc_div(acc[kl][kb], ls[lc + k], rinv[k]);
                     xo[t * p + k] = xk;
                     for (int lane = 0; lane < 32; lane++)
                         for (int q = kb; q < Q; q++) {
                             const size_t e = lc + lane + 32 * q;
-                            if (e >= ls.size()) printf("FAIL: read past the pad\n"), exit(1);
+                            if (e >= np + 32) printf("FAIL: read past the pad\n"), exit(1);
                             if (lane + 32 * q >= p && ls[e] != 0.0 && lc + lane + 32 * q >= np) printf("FAIL: pad\n"), exit(1);
                             acc[lane][q] = __fma_rn(-xk, ls[e], acc[lane][q]);
                         }
@@ -322,7 +340,7 @@ int main(int argc, char **argv)
             for (int eq = 0; eq <= 1; eq++)
                 for (int kind = 0; kind < 2; kind++) {
                     /* kind 0: Y random (well conditioned); 1: Y of rank ~p/3 plus tiny noise (floored pivots) */
-                    std::vector<double> y((size_t)m * p), c((size_t)p * p), cr((size_t)p * p), l((size_t)p * p),
+                    std::vector<double> y((size_t)m * p), c((size_t)p * p), cr((size_t)p * p), l((size_t)p * p + p),
                         lr((size_t)p * p, 0.0), dsc(p), x((size_t)m * p), xr((size_t)m * p), yr;
                     if (kind == 0)
                         for (auto &v : y) v = nd(rng) * std::ldexp(1.0, (int)(rng() % 9) - 4);
@@ -377,7 +395,7 @@ int main(int argc, char **argv)
     for (int p : ps)
         for (int eq = 0; eq <= 1; eq++) {
             const int m = 1024;
-            std::vector<double> c((size_t)p * p), cr, l((size_t)p * p), lr((size_t)p * p, 0.0), dsc(p), dr(p);
+            std::vector<double> c((size_t)p * p), cr, l((size_t)p * p + p), lr((size_t)p * p, 0.0), dsc(p), dr(p);
             for (int i = 0; i < p; i++)
                 for (int j = 0; j <= i; j++)
                     c[(size_t)i * p + j] = c[(size_t)j * p + i] = i == j ? std::fabs(nd(rng)) : nd(rng); /* tr > 0 */
