@@ -130,11 +130,26 @@ __device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, fl
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
    fma(f, s, 1.5 2^23 + 64) rounds y + 1.5 2^23 + 64 once to the integer grid (ulp 1 there), ties to even,
-   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x. A subnormal h gives
-   |y| < 2^(-114 - e) <= 1/2: x = 0 whether or not it is flushed. */
-__device__ __forceinline__ int32_t rb_fix_fast(uint32_t h, float s)
+   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x, so its bits are
+   0x4B400000 + t (t in [-8127, 8255]). A subnormal h gives |y| < 2^(-114 - e) <= 1/2: x = 0 whether or
+   not it is flushed. */
+__device__ __forceinline__ uint32_t rb_fix_bits(uint32_t f32bits, float s)
 {
-    return __float_as_int(__fmaf_rn(__uint_as_float(h << 16), s, 12582976.0f)) - 0x4B400000;
+    return __float_as_uint(__fmaf_rn(__uint_as_float(f32bits), s, 12582976.0f));
+}
+/* Four bf16 of a U row (r.x low, r.x high, r.y low, r.y high: bytes 0..3 of the fragment registers) ->
+   the int8 halves hi = t >> 7 and lo = (t & 127) - 64 of their t = x + 64 (rb_hi8 / rb_lo8), from the
+   bits u = 0x4B400000 + t of rb_fix_bits: 0x4B400000 is 0 in bits 0..21, so bits 0..14 of u are those
+   of t (mod 2^15), hi's byte is bits 7..14 and lo's is (u & 127) - 64 mod 256. Packed 16 bits of two
+   rows at a time (byte_perm), hi by a shift of 1 and the odd bytes, lo from the even bytes per byte:
+   ((b | 0x80) - 0x40) ^ 0x80 = (b & 127) + 192 mod 256, no borrow between bytes. */
+__device__ __forceinline__ void rb_pack_fast(uint2 r, float s, uint32_t &hw, uint32_t &lw)
+{
+    const uint32_t u0 = rb_fix_bits(r.x << 16, s), u1 = rb_fix_bits(r.x & 0xffff0000u, s);
+    const uint32_t u2 = rb_fix_bits(r.y << 16, s), u3 = rb_fix_bits(r.y & 0xffff0000u, s);
+    const uint32_t y01 = __byte_perm(u0, u1, 0x5410), y23 = __byte_perm(u2, u3, 0x5410);
+    hw = __byte_perm(y01 << 1, y23 << 1, 0x7531);
+    lw = ((__byte_perm(y01, y23, 0x6420) | 0x80808080u) - 0x40404040u) ^ 0x80808080u;
 }
 /* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
    for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
@@ -150,6 +165,8 @@ __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uin
 /* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
 __device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
 __device__ __forceinline__ uint32_t rb_lo8(int32_t t) { return (uint32_t)((t & 127) - 64) & 0xffu; }
+
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
 {
@@ -197,7 +214,8 @@ __device__ void rb_rope_row(const RebuildArgs &a, float *x, int64_t t, uint16_t 
 /* grid (Dp / 16, Hk, B), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
    fixed point, split into int8 halves, as the B fragments of mma m16n8k32 (col): lane (g, t) of tile nt
    holds column 8 nt + g, rows k = 4 t + j (register 0) and 16 + 4 t + j (register 1), byte j. Written
-   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. */
+   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. The block reads its
+   columns once (every load in flight) into shared memory, 0 past r and D. */
 __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
 {
     static_assert(kRbNT == 256, "16 columns x 16 row groups");
@@ -205,12 +223,17 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
     const int d = blockIdx.x * 16 + col;
     const uint16_t *w0 = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D;
     const int64_t width = (int64_t)a.Hk * a.D;
+    __shared__ uint16_t wt[kRbKsMax * 32][16];
     __shared__ unsigned mx_s[256];
     __shared__ int e_s[16];
     unsigned mx = 0;
-    if (d < a.D) {
-#pragma unroll 4
-        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w0[(int64_t)q * width + d] & 0x7fffu));
+#pragma unroll
+    for (int i = 0; i < kRbKsMax * 2; i++) {
+        const int q = rg + 16 * i;
+        if (q >= a.Kp) break;
+        const uint16_t v = q < a.r && d < a.D ? w0[(int64_t)q * width + d] : (uint16_t)0;
+        wt[q][col] = v;
+        mx = max(mx, (unsigned)(v & 0x7fffu));
     }
     mx_s[tid] = mx;
     __syncthreads();
@@ -225,14 +248,13 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
     uint4 *dst = reinterpret_cast<uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
     for (int it = tid; it < KS * 64; it += kRbNT) {
         const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
-        const int cl = ntl * 8 + g, dd = blockIdx.x * 16 + cl, e = e_s[cl];
+        const int cl = ntl * 8 + g, e = e_s[cl];
         uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
 #pragma unroll
         for (int reg = 0; reg < 2; reg++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int q = 32 * ks + 16 * reg + 4 * t + j;
-                const int32_t x = q < a.r && dd < a.D ? skv_canon_rebuild_fix(w0[(int64_t)q * width + dd], e) : 0;
+                const int32_t x = skv_canon_rebuild_fix(wt[32 * ks + 16 * reg + 4 * t + j][cl], e);
                 hw[reg] |= rb_hi8(x + 64) << (8 * j);
                 lw[reg] |= rb_lo8(x + 64) << (8 * j);
             }
@@ -269,6 +291,12 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         const int64_t m = mw + g + 8 * rs;
         live[rs] = m < a.M;
         pos[rs] = live[rs] ? (int64_t)ids[m / a.c] * a.c + m % a.c : 0;
+        /* the rows' cos/sin lines toward L2 now, for the RoPE after the sums */
+        if (live[rs])
+            for (int i = 32 * t4; i < a.R / 2; i += 128) {
+                prefetch_l2(a.cos_tab + pos[rs] * (a.R / 2) + i);
+                prefetch_l2(a.sin_tab + pos[rs] * (a.R / 2) + i);
+            }
     }
     uint2 raw[2][KS][2];
     if ((a.r & 3) == 0 && ((uintptr_t)u & 7) == 0) {
@@ -330,23 +358,29 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         mx = max(mx, __shfl_xor_sync(kFullMask, mx, 2));
         const int e = skv_canon_rebuild_ex((uint16_t)mx);
         eu[rs] = e;
-        const bool fast = e >= -113;
-        const float s = rb_pow2_12(fast ? e : 0);
+        if (e >= -113) {
+            const float s = rb_pow2_12(e);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++)
+            for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                uint32_t hw = 0, lw = 0;
+                for (int hf = 0; hf < 2; hf++) rb_pack_fast(raw[rs][ks][hf], s, ah[ks][rs + 2 * hf], al[ks][rs + 2 * hf]);
+        } else {
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
-                    const int32_t t = fast ? rb_fix_fast(hb, s) : skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
-                    hw |= rb_hi8(t) << (8 * j);
-                    lw |= rb_lo8(t) << (8 * j);
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    uint32_t hw = 0, lw = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
+                        const int32_t t = skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
+                        hw |= rb_hi8(t) << (8 * j);
+                        lw |= rb_lo8(t) << (8 * j);
+                    }
+                    ah[ks][rs + 2 * hf] = hw;
+                    al[ks][rs + 2 * hf] = lw;
                 }
-                ah[ks][rs + 2 * hf] = hw;
-                al[ks][rs + 2 * hf] = lw;
-            }
+        }
     }
     cp_async_wait_all();
     __syncthreads();

@@ -17,7 +17,19 @@ static uint32_t rng = 12345;
 static uint32_t rnd() { rng ^= rng << 13; rng ^= rng >> 17; rng ^= rng << 5; return rng; }
 static float f_(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static uint32_t u_(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static int32_t fix_fast(uint32_t h, float s) { return (int32_t)u_(fmaf(f_(h << 16), s, 12582976.0f)) - 0x4B400000; }
+static uint32_t fix_bits(uint32_t fb, float s) { return u_(fmaf(f_(fb), s, 12582976.0f)); }
+// CUDA __byte_perm(x, y, sel): result byte n = byte (sel >> 4n) & 7 of the 8 bytes y:x
+static uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t sel) {
+    uint64_t v = ((uint64_t)y << 32) | x; uint32_t r = 0;
+    for (int n = 0; n < 4; n++) r |= (uint32_t)((v >> (8 * ((sel >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+}
+static void pack_fast(uint32_t rx, uint32_t ry, float s, uint32_t &hw, uint32_t &lw) {
+    const uint32_t u0 = fix_bits(rx << 16, s), u1 = fix_bits(rx & 0xffff0000u, s), u2 = fix_bits(ry << 16, s), u3 = fix_bits(ry & 0xffff0000u, s);
+    const uint32_t y01 = byte_perm(u0, u1, 0x5410), y23 = byte_perm(u2, u3, 0x5410);
+    hw = byte_perm(y01 << 1, y23 << 1, 0x7531);
+    lw = ((byte_perm(y01, y23, 0x6420) | 0x80808080u) - 0x40404040u) ^ 0x80808080u;
+}
 static float rb_key(int64_t P, int e) {
     int64_t b = 0x4338000000000000LL + P; double d; memcpy(&d, &b, 8); d = d - 6755399441055744.0;
     int64_t sb = (int64_t)(e + 1023) << 52; double s; memcpy(&s, &sb, 8); return (float)(d * s);
@@ -82,19 +94,19 @@ int run(int D, int r, int R, int inter, int c, int S, int Hk, int ntok, int umod
         const int64_t width = (int64_t)Hk * D;
         for (int bx = 0; bx < Dp / 16; bx++) {
             int e_s[16];
+            static u16 wt[256][16]; /* the block's columns in shared memory, 0 past r and D */
             for (int col = 0; col < 16; col++) {
                 int d = bx * 16 + col; unsigned mx = 0;
-                if (d < D) for (int q = 0; q < r; q++) mx = std::max(mx, (unsigned)(w0[q * width + d] & 0x7fff));
+                for (int q = 0; q < Kp; q++) { wt[q][col] = q < r && d < D ? w0[q * width + d] : 0; mx = std::max(mx, (unsigned)(wt[q][col] & 0x7fff)); }
                 e_s[col] = skv_canon_rebuild_ex((u16)mx); wex[bx * 16 + col] = e_s[col];
             }
             for (int it = 0; it < KS * 64; it++) {
                 const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
-                const int cl = ntl * 8 + g, dd = bx * 16 + cl, e = e_s[cl];
+                const int cl = ntl * 8 + g, e = e_s[cl];
                 uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
                 for (int reg = 0; reg < 2; reg++)
                     for (int j = 0; j < 4; j++) {
-                        const int q = 32 * ks + 16 * reg + 4 * t + j;
-                        const int32_t x = q < r && dd < D ? skv_canon_rebuild_fix(w0[q * width + dd], e) : 0;
+                        const int32_t x = skv_canon_rebuild_fix(wt[32 * ks + 16 * reg + 4 * t + j][cl], e);
                         hw[reg] |= hi8(x + 64) << (8 * j);
                         lw[reg] |= lo8(x + 64) << (8 * j);
                     }
@@ -134,10 +146,14 @@ int run(int D, int r, int R, int inter, int c, int S, int Hk, int ntok, int umod
                     const bool fast = e >= -113; const float s = pow2_12(fast ? e : 0);
                     for (int ks = 0; ks < KS; ks++) for (int hf = 0; hf < 2; hf++) {
                         uint32_t hw = 0, lw = 0;
-                        for (int j = 0; j < 4; j++) {
-                            uint32_t hb = (rawall[L][rs][ks][hf][j < 2 ? 0 : 1] >> (16 * (j & 1))) & 0xffffu;
-                            int32_t t = fast ? fix_fast(hb, s) : skv_canon_rebuild_fix((u16)hb, e) + 64;
-                            hw |= hi8(t) << (8 * j); lw |= lo8(t) << (8 * j);
+                        if (fast) {
+                            pack_fast(rawall[L][rs][ks][hf][0], rawall[L][rs][ks][hf][1], s, hw, lw);
+                        } else {
+                            for (int j = 0; j < 4; j++) {
+                                uint32_t hb = (rawall[L][rs][ks][hf][j < 2 ? 0 : 1] >> (16 * (j & 1))) & 0xffffu;
+                                int32_t t = skv_canon_rebuild_fix((u16)hb, e) + 64;
+                                hw |= hi8(t) << (8 * j); lw |= lo8(t) << (8 * j);
+                            }
                         }
                         ah[L][ks][rs + 2 * hf] = hw; al[L][ks][rs + 2 * hf] = lw;
                     }
@@ -228,8 +244,34 @@ int run(int D, int r, int R, int inter, int c, int S, int Hk, int ntok, int umod
     return bad + sbad;
 }
 
-int main() {
+// rb_pack_fast against skv_canon_rebuild_fix + 64 -> hi8 / lo8, every finite bf16 h below 2^(e + 1) (what a
+// row of exponent e holds) in every byte position, for every e of the fast path
+static int pack_exhaustive() {
     int bad = 0;
+    for (int e = -113; e <= 127; e++) {
+        const float s = pow2_12(e);
+        for (uint32_t h = 0; h < 65536; h++) {
+            const int E = (h >> 7) & 0xff;
+            if (E == 255 || (E ? E - 127 : -126) > e) continue;
+            const uint32_t o = rnd() & 0xffff, oE = (o >> 7) & 0xff;
+            const uint32_t other = (oE == 255 || (oE ? (int)oE - 127 : -126) > e) ? 0 : o;
+            const int pos = h & 3;
+            uint32_t el[4] = {other, other ^ 0x8000, 0, other};
+            el[pos] = h;
+            uint32_t hw, lw;
+            pack_fast(el[0] | (el[1] << 16), el[2] | (el[3] << 16), s, hw, lw);
+            for (int j = 0; j < 4; j++) {
+                const int32_t t = skv_canon_rebuild_fix((u16)el[j], e) + 64;
+                if (((hw >> (8 * j)) & 0xff) != hi8(t) || ((lw >> (8 * j)) & 0xff) != lo8(t)) { if (bad < 5) printf("  pack mismatch e %d h %04x\n", e, el[j]); bad++; }
+            }
+        }
+    }
+    printf("pack_fast exhaustive: %s (%d bad)\n", bad ? "FAIL" : "ok", bad);
+    return bad;
+}
+
+int main() {
+    int bad = pack_exhaustive();
     bad += run(128, 160, 128, 0, 8, 20, 2, 400, -1, 0, 4);
     bad += run(128, 160, 128, 1, 8, 20, 1, 400, 1, 0);
     bad += run(64, 48, 32, 0, 4, 9, 2, 200, -1, 2);
