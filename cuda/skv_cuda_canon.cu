@@ -6,30 +6,37 @@
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
  *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel<KS>): W_h's columns
- *    in fixed point once per step, split as 128 hi + lo (hi in [-64, 64], lo in
- *    [-64, 63]) and stored as the B fragments of mma m16n8k32 (16 bytes per lane);
- *    then one block per (tile of 128 selected tokens, KV head, sequence), a warp
- *    per 16 tokens: each lane loads its two U rows' pieces at once, the row max
- *    by quad shuffles, the 13-bit fixed point (one fma, exact; the integer
+ *    in fixed point once per step (a block reads its 16 columns once into shared
+ *    memory), split as 128 hi + lo (hi in [-64, 64], lo in [-64, 63]) and stored as
+ *    the B fragments of mma m16n8k32 (16 bytes per lane); then one block per (tile
+ *    of 128 selected tokens, KV head, sequence), a warp per 16 tokens: each lane
+ *    loads its two U rows' pieces at once (and sends the rows' cos/sin lines toward
+ *    L2), the row max by quad shuffles, the 13-bit fixed point (one fma, exact,
+ *    four elements packed into the int8 halves by byte permutes; the integer
  *    skv_canon_rebuild_fix for rows below 2^-113) straight into the A fragments,
  *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
  *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
  *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
- *    value, RoPE (skv_rope_rotate, the pairs of skv_rope_pair_index; 8 tokens'
- *    cos/sin rows in flight) and bf16 into k_out [B, Hk, S c, D]. r > 256 or
- *    shapes whose shared memory would not fit take canon_rebuild_scalar_kernel
- *    (int64 sums, the same values).
- *  - attention: canon_score_kernel, a thread per (token, KV head, sequence),
- *    s_j = scale x the fmaf chain of skv_dot_bf16 for the group's query heads
- *    (4 chains interleaved, each in its own order) into the workspace [B, Hq,
- *    Tmax]; then canon_attend_kernel, a block of 256 threads per (8 dims, KV
- *    head, sequence), thread l = canonical lane l: per 4 query heads, M by a
- *    block max of the scores, lane l walks its tokens j = l, l + 256, ... in
- *    order: e_j = skv_expf(s_j - M), z += e_j, N_d = fma(e_j, v_jd, N_d) for the
- *    block's 8 dims (the 4 heads share each V load); every block of a group
- *    computes e_j and Z with the same operations (the same bits). The fixed tree:
- *    levels 128, 64, 32 through shared memory, 16 .. 1 by shuffles in warp 0 (lane
- *    k adds lane k + w's value), then N_d / Z.
+ *    value into the warp's staging rows, RoPE (skv_rope_rotate, the pairs of
+ *    skv_rope_pair_index; 8 tokens' cos/sin rows in flight) and bf16, in place.
+ *    At op level the bf16 keys go to k_out [B, Hk, S c, D]; at decode they are not
+ *    stored: the warp scores its 16 tokens from the staging rows (lane: token
+ *    lane mod 16, query heads lane / 16, + 2, ..; s_j = scale x the fmaf chain of
+ *    skv_dot_bf16 in d order) into the workspace e [B, Hq, Tmax] at the selected
+ *    span's places. r > 256 or shapes whose shared memory would not fit take
+ *    canon_rebuild_scalar_kernel (int64 sums, the same values, the same scores).
+ *  - attention: the scores of the other spans (at decode canon_weights_kernel's
+ *    first pass, a thread per token; at op level canon_score_kernel, a thread per
+ *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
+ *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
+ *    place, once per head; canon_attend_kernel, a block of 256 threads per (8 dims,
+ *    KV head, sequence), thread l = canonical lane l: per 4 query heads, lane l
+ *    walks its tokens j = l, l + 256, ... in order, 4 in flight: z += e_j,
+ *    N_d = fma(e_j, v_jd, N_d) for the block's 8 dims (the 4 heads share each V
+ *    load; every block of a group adds the same e_j into Z in the same order).
+ *    The fixed tree: every lane's 36 values into shared memory, then a warp per
+ *    value, lane t holding lanes t + 32 i: levels 128, 64, 32 in registers, 16 .. 1
+ *    by shuffles (lane k adds lane k + w's value), then N_d / Z.
  * The decode step's spans are read from the device (skv_cuda_seq, the step's
  * selection, the chunk cache's entries), so the launches can be captured in the
  * layer's graph. Launchers only enqueue: no allocation, no synchronization.
@@ -268,7 +275,9 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
    fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row g, k = 16 + 4 t + j; 3 row g + 8),
    then per n8 tile of dims the three exact int32 sums hu.hw, hu.lw + lu.hw, lu.lw by mma m16n8k32 with
    W's fragments from shared memory, the key (skv_canon_rebuild_key) into the warp's staging rows, and
-   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once. */
+   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once, in place (and into k_out when
+   set). With e set (decode), the scores of the warp's live tokens from those rows (rb_score_row).
+   smem: W's fragments, ew, the staging rows [128][Dp + 8] float, q [G][D] float when scoring. */
 template <int KS>
 __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
@@ -608,7 +617,7 @@ __device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int 
     return si < ns;
 }
 
-/* Scores: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
+/* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
    fmaf chain of skv_dot_bf16 over d = 0 .. D-1 for the group's query heads, 4 at a time (their
    chains interleaved, each its own order), the key row read 64 dims at a time, and writes them to
    e[b Hq + hq][j]. smem: q [G][D] float, spans. */
