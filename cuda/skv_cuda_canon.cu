@@ -798,7 +798,9 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
    scores canon_rebuild_tc_kernel wrote): a thread per token, s_j = scale x the fmaf chain of
    skv_dot_bf16 (the key row read 64 dims at a time), into e. Then M = the block's max of the T scores
    (any order: see skv_canonical_attend), and e_j = skv_expf(s_j - M) in place, once per head (the P V
-   blocks of a group all read these). smem: q [D] float, spans. */
+   blocks of a group all read these; a thread keeps its first kAtWReg scores in registers between the
+   two passes). smem: q [D] float, spans. */
+constexpr int kAtWReg = 12; /* scores per thread kept in registers (T <= 3072 at 256 threads) */
 __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, D = a.D;
@@ -847,17 +849,30 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
         }
         __syncthreads(); /* the block's own scores are visible to the whole block */
     }
+    /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
+    float sv[kAtWReg];
     float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kAtWReg; i++) {
+        const int64_t j = tid + (int64_t)i * kAtLanes;
+        sv[i] = j < T ? er[j] : -INFINITY;
+        mx = fmaxf(mx, sv[i]);
+    }
 #pragma unroll 4
-    for (int64_t j = tid; j < T; j += kAtLanes) mx = fmaxf(mx, er[j]);
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) mx = fmaxf(mx, er[j]);
     mx = warp_max(mx);
     if ((tid & 31) == 0) red[tid >> 5] = mx;
     __syncthreads();
     float M = red[0];
 #pragma unroll
     for (int i = 1; i < kAtLanes / 32; i++) M = fmaxf(M, red[i]);
+#pragma unroll
+    for (int i = 0; i < kAtWReg; i++) {
+        const int64_t j = tid + (int64_t)i * kAtLanes;
+        if (j < T) er[j] = skv_expf(SKV_SUB(sv[i], M));
+    }
 #pragma unroll 4
-    for (int64_t j = tid; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
 }
 
 size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
