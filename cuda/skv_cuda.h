@@ -164,8 +164,7 @@ typedef struct skv_cuda_dws {
     skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
-    skv_bf16 *canon_k;           /* [B, Hk, S*c, D] the canonically rebuilt keys of the selection */
-    float *canon_e;              /* [B, canon_split (1), Hq, canon_tmax] the canonical attention's scores */
+    float *canon_e;              /* [B, canon_split (1), Hq, canon_tmax] the canonical attention's scores, then weights */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
     int32_t canon_split;         /* rows of canon_e per (sequence, query head): 1 (skv_cuda_canon_split) */
     void *canon_wq;              /* skv_cuda_canon_wq_bytes: W in fixed point, prepared each step */
@@ -241,7 +240,7 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
 /* ---- the reproducible mode (skv_cuda_canon.cu, --fmad=false) ------------------------------ */
 
 /* k_out [B, Hk, S*c, D]: the canonical rebuild (docs/DESIGN.md 10.2) of the chunks chunk_ids
-   [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (wmma int8)
+   [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (mma.sync int8)
    where the shape's shared memory fits, exact int64 sums otherwise. */
 cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                    const int32_t *chunk_ids, skv_bf16 *k_out, void *wq);
@@ -251,9 +250,14 @@ size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r);
 /* Blocks per (KV head, sequence) of the decode's canonical attention for this shape. */
 int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D);
 
-/* The canonical attention (docs/DESIGN.md 10.3) of a decode step: q, k_new, v_new and out from
-   ws->io, the selected keys from ws->canon_k (skv_cuda_canon_rebuild), their values from the
-   store or, for a host slot, from the chunk cache (so it must run after skv_cuda_fetch). */
+/* The canonical rebuild of a decode step's selected keys (ws->sel_ids, W's fixed point in
+   ws->canon_wq), which are not stored: the kernel scores them against ws->io's q on chip (the
+   scores s_j of docs/DESIGN.md 10.3 step 1) into ws->canon_e at the selected span's places. */
+cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                          const skv_cuda_dws *ws);
+/* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild:
+   q, k_new, v_new and out from ws->io, the selected tokens' scores from ws->canon_e, their values
+   from the store or, for a host slot, from the chunk cache (so it must run after skv_cuda_fetch). */
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                          const skv_cuda_dws *ws);
 

@@ -347,8 +347,7 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(pbuf, float, bq * S * c);
     }
     const int32_t split = canon_tmax > 0 ? skv_cuda_canon_split(Hk, B, Hq / Hk, D) : 0;
-    if (canon_tmax > 0) { /* the reproducible mode: rebuilt keys, W in fixed point, the attention's weights */
-        SKV_REGION(canon_k, skv_bf16, bk * S * c * D);
+    if (canon_tmax > 0) { /* the reproducible mode: W in fixed point, the attention's scores and weights */
         SKV_REGION(canon_wq, char, skv_cuda_canon_wq_bytes(B, Hk, D, r));
         SKV_REGION(canon_e, float, bq * (size_t)split * (size_t)canon_tmax);
     }
@@ -359,7 +358,7 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
         ws->canon_split = split;
-        if (canon_tmax <= 0) ws->canon_k = NULL, ws->canon_e = NULL, ws->canon_wq = NULL;
+        if (canon_tmax <= 0) ws->canon_e = NULL, ws->canon_wq = NULL;
     }
     return off;
 }
@@ -1042,7 +1041,7 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
             CK(cudaEventRecord(k->join_ev, k->side));
             *launches += 1;
         }
-        CK(skv_cuda_canon_rebuild(st, sh, seqs, k->ws.sel_ids, k->ws.canon_k, k->ws.canon_wq));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         if (k->layer_host[layer]) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
         CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));

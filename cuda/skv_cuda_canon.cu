@@ -6,30 +6,37 @@
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
  *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel<KS>): W_h's columns
- *    in fixed point once per step, split as 128 hi + lo (hi in [-64, 64], lo in
- *    [-64, 63]) and stored as the B fragments of mma m16n8k32 (16 bytes per lane);
- *    then one block per (tile of 128 selected tokens, KV head, sequence), a warp
- *    per 16 tokens: each lane loads its two U rows' pieces at once, the row max
- *    by quad shuffles, the 13-bit fixed point (one fma, exact; the integer
+ *    in fixed point once per step (a block reads its 16 columns once into shared
+ *    memory), split as 128 hi + lo (hi in [-64, 64], lo in [-64, 63]) and stored as
+ *    the B fragments of mma m16n8k32 (16 bytes per lane); then one block per (tile
+ *    of 128 selected tokens, KV head, sequence), a warp per 16 tokens: each lane
+ *    loads its two U rows' pieces at once (and sends the rows' cos/sin lines toward
+ *    L2), the row max by quad shuffles, the 13-bit fixed point (one fma, exact,
+ *    four elements packed into the int8 halves by byte permutes; the integer
  *    skv_canon_rebuild_fix for rows below 2^-113) straight into the A fragments,
  *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
  *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
  *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
- *    value, RoPE (skv_rope_rotate, the pairs of skv_rope_pair_index; 8 tokens'
- *    cos/sin rows in flight) and bf16 into k_out [B, Hk, S c, D]. r > 256 or
- *    shapes whose shared memory would not fit take canon_rebuild_scalar_kernel
- *    (int64 sums, the same values).
- *  - attention: canon_score_kernel, a thread per (token, KV head, sequence),
- *    s_j = scale x the fmaf chain of skv_dot_bf16 for the group's query heads
- *    (4 chains interleaved, each in its own order) into the workspace [B, Hq,
- *    Tmax]; then canon_attend_kernel, a block of 256 threads per (8 dims, KV
- *    head, sequence), thread l = canonical lane l: per 4 query heads, M by a
- *    block max of the scores, lane l walks its tokens j = l, l + 256, ... in
- *    order: e_j = skv_expf(s_j - M), z += e_j, N_d = fma(e_j, v_jd, N_d) for the
- *    block's 8 dims (the 4 heads share each V load); every block of a group
- *    computes e_j and Z with the same operations (the same bits). The fixed tree:
- *    levels 128, 64, 32 through shared memory, 16 .. 1 by shuffles in warp 0 (lane
- *    k adds lane k + w's value), then N_d / Z.
+ *    value into the warp's staging rows, RoPE (skv_rope_rotate, the pairs of
+ *    skv_rope_pair_index; 8 tokens' cos/sin rows in flight) and bf16, in place.
+ *    At op level the bf16 keys go to k_out [B, Hk, S c, D]; at decode they are not
+ *    stored: the warp scores its 16 tokens from the staging rows (lane: token
+ *    lane mod 16, query heads lane / 16, + 2, ..; s_j = scale x the fmaf chain of
+ *    skv_dot_bf16 in d order) into the workspace e [B, Hq, Tmax] at the selected
+ *    span's places. r > 256 or shapes whose shared memory would not fit take
+ *    canon_rebuild_scalar_kernel (int64 sums, the same values, the same scores).
+ *  - attention: the scores of the other spans (at decode canon_weights_kernel's
+ *    first pass, a thread per token; at op level canon_score_kernel, a thread per
+ *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
+ *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
+ *    place, once per head; canon_attend_kernel, a block of 256 threads per (8 dims,
+ *    KV head, sequence), thread l = canonical lane l: per 4 query heads, lane l
+ *    walks its tokens j = l, l + 256, ... in order, 4 in flight: z += e_j,
+ *    N_d = fma(e_j, v_jd, N_d) for the block's 8 dims (the 4 heads share each V
+ *    load; every block of a group adds the same e_j into Z in the same order).
+ *    The fixed tree: every lane's 36 values into shared memory, then a warp per
+ *    value, lane t holding lanes t + 32 i: levels 128, 64, 32 in registers, 16 .. 1
+ *    by shuffles (lane k adds lane k + w's value), then N_d / Z.
  * The decode step's spans are read from the device (skv_cuda_seq, the step's
  * selection, the chunk cache's entries), so the launches can be captured in the
  * layer's graph. Launchers only enqueue: no allocation, no synchronization.
@@ -63,27 +70,93 @@ struct RebuildArgs {
     const skv_cuda_seq *seqs;  /* [B]: u, w */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
     const float *cos_tab, *sin_tab;
-    skv_bf16 *k_out;           /* [B, Hk, M, D] */
+    skv_bf16 *k_out;           /* [B, Hk, M, D] or NULL */
+    /* decode (e set): the selected tokens' scores s_j = scale x skv_dot_bf16(q, k_j, D) of the group's
+       query heads into e [B, Hq, Tmax] at j = O c + n_local + m (the selected span's place) */
+    float *e;
+    const skv_cuda_io *io;     /* q [B, Hq, D] */
+    int32_t Hq, G, O;
+    float scale;
+    int64_t Tmax;
 };
 
 /* Row stride (floats) of the per-warp staging of the float keys before RoPE (8 mod 32 banks at Dp 128). */
 __host__ __device__ inline int rb_xstride(int32_t Dp) { return Dp + 8; }
 
-/* Dynamic shared memory of the tensor-core rebuild for a shape. */
-__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp)
+/* Dynamic shared memory of the tensor-core rebuild for a shape (GD: G D when it scores, else 0). */
+__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int64_t GD)
 {
     return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
            + sizeof(int) * (size_t)Dp                     /* ew */
-           + sizeof(float) * (size_t)kRbTok * rb_xstride(Dp); /* per token: the float key before RoPE */
+           + sizeof(float) * (size_t)kRbTok * rb_xstride(Dp) /* per token: the float key, then the bf16 key */
+           + sizeof(float) * (size_t)GD;                  /* q of the group's query heads */
+}
+
+/* The selected span's first token in the attention's token order (skv_plan_spans: outliers, local). */
+__device__ __forceinline__ int64_t rb_sel0(const RebuildArgs &a, int b) { return (int64_t)a.O * a.c + a.seqs[b].n_local; }
+
+/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys):
+   per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved), times scale, into
+   e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
+__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const float *x, const float *q, int g0, int gs,
+                                             int64_t bq0, int64_t j)
+{
+    const int D = a.D, G = a.G;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if ((D & 3) == 0) {
+#pragma unroll 2
+        for (int d = 0; d < D; d += 4) {
+            const float4 k4 = *reinterpret_cast<const float4 *>(x + d);
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++) {
+                if (g0 + gs * gg >= G) break;
+                const float4 q4 = *reinterpret_cast<const float4 *>(q + (size_t)(g0 + gs * gg) * D + d);
+                acc[gg] = SKV_FMA(q4.x, k4.x, acc[gg]);
+                acc[gg] = SKV_FMA(q4.y, k4.y, acc[gg]);
+                acc[gg] = SKV_FMA(q4.z, k4.z, acc[gg]);
+                acc[gg] = SKV_FMA(q4.w, k4.w, acc[gg]);
+            }
+        }
+    } else {
+        for (int d = 0; d < D; d++)
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++)
+                if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], x[d], acc[gg]);
+    }
+#pragma unroll
+    for (int gg = 0; gg < 4; gg++)
+        if (g0 + gs * gg < G) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
+}
+
+/* q of the group of KV head h of sequence b -> qs [G][D] floats (decode). */
+__device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, float *qs)
+{
+    const uint16_t *qg = (const uint16_t *)a.io->q + ((int64_t)b * a.Hq + (int64_t)h * a.G) * a.D;
+    for (int i = threadIdx.x; i < a.G * a.D; i += blockDim.x) qs[i] = skv_bf16_to_f32(qg[i]);
 }
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
    fma(f, s, 1.5 2^23 + 64) rounds y + 1.5 2^23 + 64 once to the integer grid (ulp 1 there), ties to even,
-   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x. A subnormal h gives
-   |y| < 2^(-114 - e) <= 1/2: x = 0 whether or not it is flushed. */
-__device__ __forceinline__ int32_t rb_fix_fast(uint32_t h, float s)
+   and 1.5 2^23 + 64 is even: the result is 1.5 2^23 + 64 + rne(y), rne(y) = x, so its bits are
+   0x4B400000 + t (t in [-8127, 8255]). A subnormal h gives |y| < 2^(-114 - e) <= 1/2: x = 0 whether or
+   not it is flushed. */
+__device__ __forceinline__ uint32_t rb_fix_bits(uint32_t f32bits, float s)
 {
-    return __float_as_int(__fmaf_rn(__uint_as_float(h << 16), s, 12582976.0f)) - 0x4B400000;
+    return __float_as_uint(__fmaf_rn(__uint_as_float(f32bits), s, 12582976.0f));
+}
+/* Four bf16 of a U row (r.x low, r.x high, r.y low, r.y high: bytes 0..3 of the fragment registers) ->
+   the int8 halves hi = t >> 7 and lo = (t & 127) - 64 of their t = x + 64 (rb_hi8 / rb_lo8), from the
+   bits u = 0x4B400000 + t of rb_fix_bits: 0x4B400000 is 0 in bits 0..21, so bits 0..14 of u are those
+   of t (mod 2^15), hi's byte is bits 7..14 and lo's is (u & 127) - 64 mod 256. Packed 16 bits of two
+   rows at a time (byte_perm), hi by a shift of 1 and the odd bytes, lo from the even bytes per byte:
+   ((b | 0x80) - 0x40) ^ 0x80 = (b & 127) + 192 mod 256, no borrow between bytes. */
+__device__ __forceinline__ void rb_pack_fast(uint2 r, float s, uint32_t &hw, uint32_t &lw)
+{
+    const uint32_t u0 = rb_fix_bits(r.x << 16, s), u1 = rb_fix_bits(r.x & 0xffff0000u, s);
+    const uint32_t u2 = rb_fix_bits(r.y << 16, s), u3 = rb_fix_bits(r.y & 0xffff0000u, s);
+    const uint32_t y01 = __byte_perm(u0, u1, 0x5410), y23 = __byte_perm(u2, u3, 0x5410);
+    hw = __byte_perm(y01 << 1, y23 << 1, 0x7531);
+    lw = ((__byte_perm(y01, y23, 0x6420) | 0x80808080u) - 0x40404040u) ^ 0x80808080u;
 }
 /* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
    for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
@@ -99,6 +172,8 @@ __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uin
 /* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
 __device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
 __device__ __forceinline__ uint32_t rb_lo8(int32_t t) { return (uint32_t)((t & 127) - 64) & 0xffu; }
+
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
 {
@@ -119,26 +194,35 @@ __device__ void rb_col_exps(const RebuildArgs &a, const uint16_t *w, int h, int 
     }
 }
 
-/* RoPE of one float key row x[0..D) at position t -> out (bf16), lanes of a warp over the pairs. */
-__device__ void rb_rope_row(const RebuildArgs &a, const float *x, int64_t t, uint16_t *out, int lane)
+/* RoPE of one float key row x[0..D) at position t, rounded to bf16: in place (x then holds the bf16
+   key as floats) and into out when set; lanes of a warp over the pairs (each lane reads and writes
+   only its own pairs' dims). */
+__device__ void rb_rope_row(const RebuildArgs &a, float *x, int64_t t, uint16_t *out, int lane)
 {
     const int h2 = a.R / 2;
     const float *cs = a.cos_tab + t * h2, *sn = a.sin_tab + t * h2;
-    for (int d = a.R + lane; d < a.D; d += 32) out[d] = skv_f32_to_bf16(x[d]);
+    for (int d = a.R + lane; d < a.D; d += 32) {
+        const uint16_t o = skv_f32_to_bf16(x[d]);
+        x[d] = skv_bf16_to_f32(o);
+        if (out) out[d] = o;
+    }
     for (int i = lane; i < h2; i += 32) {
         int pa, pb;
         float xo, yo;
         skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
         skv_rope_rotate(x[pa], x[pb], cs[i], sn[i], &xo, &yo);
-        out[pa] = skv_f32_to_bf16(xo);
-        out[pb] = skv_f32_to_bf16(yo);
+        const uint16_t oa = skv_f32_to_bf16(xo), ob = skv_f32_to_bf16(yo);
+        x[pa] = skv_bf16_to_f32(oa);
+        x[pb] = skv_bf16_to_f32(ob);
+        if (out) out[pa] = oa, out[pb] = ob;
     }
 }
 
 /* grid (Dp / 16, Hk, B), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
    fixed point, split into int8 halves, as the B fragments of mma m16n8k32 (col): lane (g, t) of tile nt
    holds column 8 nt + g, rows k = 4 t + j (register 0) and 16 + 4 t + j (register 1), byte j. Written
-   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. */
+   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. The block reads its
+   columns once (every load in flight) into shared memory, 0 past r and D. */
 __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
 {
     static_assert(kRbNT == 256, "16 columns x 16 row groups");
@@ -146,12 +230,17 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
     const int d = blockIdx.x * 16 + col;
     const uint16_t *w0 = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D;
     const int64_t width = (int64_t)a.Hk * a.D;
+    __shared__ uint16_t wt[kRbKsMax * 32][16];
     __shared__ unsigned mx_s[256];
     __shared__ int e_s[16];
     unsigned mx = 0;
-    if (d < a.D) {
-#pragma unroll 4
-        for (int q = rg; q < a.r; q += 16) mx = max(mx, (unsigned)(w0[(int64_t)q * width + d] & 0x7fffu));
+#pragma unroll
+    for (int i = 0; i < kRbKsMax * 2; i++) {
+        const int q = rg + 16 * i;
+        if (q >= a.Kp) break;
+        const uint16_t v = q < a.r && d < a.D ? w0[(int64_t)q * width + d] : (uint16_t)0;
+        wt[q][col] = v;
+        mx = max(mx, (unsigned)(v & 0x7fffu));
     }
     mx_s[tid] = mx;
     __syncthreads();
@@ -166,14 +255,13 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
     uint4 *dst = reinterpret_cast<uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
     for (int it = tid; it < KS * 64; it += kRbNT) {
         const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
-        const int cl = ntl * 8 + g, dd = blockIdx.x * 16 + cl, e = e_s[cl];
+        const int cl = ntl * 8 + g, e = e_s[cl];
         uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
 #pragma unroll
         for (int reg = 0; reg < 2; reg++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int q = 32 * ks + 16 * reg + 4 * t + j;
-                const int32_t x = q < a.r && dd < a.D ? skv_canon_rebuild_fix(w0[(int64_t)q * width + dd], e) : 0;
+                const int32_t x = skv_canon_rebuild_fix(wt[32 * ks + 16 * reg + 4 * t + j][cl], e);
                 hw[reg] |= rb_hi8(x + 64) << (8 * j);
                 lw[reg] |= rb_lo8(x + 64) << (8 * j);
             }
@@ -187,7 +275,9 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
    fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row g, k = 16 + 4 t + j; 3 row g + 8),
    then per n8 tile of dims the three exact int32 sums hu.hw, hu.lw + lu.hw, lu.lw by mma m16n8k32 with
    W's fragments from shared memory, the key (skv_canon_rebuild_key) into the warp's staging rows, and
-   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once. */
+   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once, in place (and into k_out when
+   set). With e set (decode), the scores of the warp's live tokens from those rows (rb_score_row).
+   smem: W's fragments, ew, the staging rows [128][Dp + 8] float, q [G][D] float when scoring. */
 template <int KS>
 __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
@@ -200,6 +290,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     const uint4 *Wf = reinterpret_cast<const uint4 *>(skv_canon_smem);
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
     float *xs = (float *)(ew + a.Dp) + (size_t)warp * 16 * xst;
+    float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst; /* [G][D] when scoring */
     __shared__ long long pos_s[kRbNT / 32][16];
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
@@ -209,6 +300,12 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         const int64_t m = mw + g + 8 * rs;
         live[rs] = m < a.M;
         pos[rs] = live[rs] ? (int64_t)ids[m / a.c] * a.c + m % a.c : 0;
+        /* the rows' cos/sin lines toward L2 now, for the RoPE after the sums */
+        if (live[rs])
+            for (int i = 32 * t4; i < a.R / 2; i += 128) {
+                prefetch_l2(a.cos_tab + pos[rs] * (a.R / 2) + i);
+                prefetch_l2(a.sin_tab + pos[rs] * (a.R / 2) + i);
+            }
     }
     uint2 raw[2][KS][2];
     if ((a.r & 3) == 0 && ((uintptr_t)u & 7) == 0) {
@@ -247,6 +344,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         cp_async_commit();
         const int *ex = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
+        if (a.e) rb_load_q(a, b, h, qs);
     }
     if (t4 == 0) {
         pos_s[warp][g] = live[0] ? pos[0] : -1;
@@ -269,23 +367,29 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         mx = max(mx, __shfl_xor_sync(kFullMask, mx, 2));
         const int e = skv_canon_rebuild_ex((uint16_t)mx);
         eu[rs] = e;
-        const bool fast = e >= -113;
-        const float s = rb_pow2_12(fast ? e : 0);
+        if (e >= -113) {
+            const float s = rb_pow2_12(e);
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++)
+            for (int ks = 0; ks < KS; ks++)
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                uint32_t hw = 0, lw = 0;
+                for (int hf = 0; hf < 2; hf++) rb_pack_fast(raw[rs][ks][hf], s, ah[ks][rs + 2 * hf], al[ks][rs + 2 * hf]);
+        } else {
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
-                    const int32_t t = fast ? rb_fix_fast(hb, s) : skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
-                    hw |= rb_hi8(t) << (8 * j);
-                    lw |= rb_lo8(t) << (8 * j);
+            for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    uint32_t hw = 0, lw = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const uint32_t hb = ((j < 2 ? raw[rs][ks][hf].x : raw[rs][ks][hf].y) >> (16 * (j & 1))) & 0xffffu;
+                        const int32_t t = skv_canon_rebuild_fix((uint16_t)hb, e) + 64;
+                        hw |= rb_hi8(t) << (8 * j);
+                        lw |= rb_lo8(t) << (8 * j);
+                    }
+                    ah[ks][rs + 2 * hf] = hw;
+                    al[ks][rs + 2 * hf] = lw;
                 }
-                ah[ks][rs + 2 * hf] = hw;
-                al[ks][rs + 2 * hf] = lw;
-            }
+        }
     }
     cp_async_wait_all();
     __syncthreads();
@@ -317,12 +421,16 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         }
     }
     __syncwarp();
-    /* RoPE and bf16: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
-    skv_bf16 *kw = a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
+    /* RoPE and bf16, in place (the staging rows then hold the bf16 keys as floats) and into k_out when
+       set: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
+    uint16_t *kw = a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D : nullptr;
     for (int rr = 0; rr < 16; rr++) {
         if (pos_s[warp][rr] < 0) continue;
-        for (int d = a.R + lane; d < a.D; d += 32)
-            ((uint16_t *)kw)[(int64_t)rr * a.D + d] = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
+        for (int d = a.R + lane; d < a.D; d += 32) {
+            const uint16_t o = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
+            xs[(size_t)rr * xst + d] = skv_bf16_to_f32(o);
+            if (kw) kw[(int64_t)rr * a.D + d] = o;
+        }
     }
     const int h2 = a.R / 2;
     for (int i0 = 0; i0 < h2; i0 += 64)
@@ -343,8 +451,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
             for (int k = 0; k < 8; k++) {
                 const int rr = r0 + k;
                 if (pos_s[warp][rr] < 0) continue;
-                const float *x = xs + (size_t)rr * xst;
-                uint16_t *out = (uint16_t *)kw + (int64_t)rr * a.D;
+                float *x = xs + (size_t)rr * xst;
 #pragma unroll
                 for (int xx = 0; xx < 2; xx++) {
                     const int i = i0 + lane + 32 * xx;
@@ -353,15 +460,25 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
                     float xo, yo;
                     skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
                     skv_rope_rotate(x[pa], x[pb], cs[k][xx], sn[k][xx], &xo, &yo);
-                    out[pa] = skv_f32_to_bf16(xo);
-                    out[pb] = skv_f32_to_bf16(yo);
+                    const uint16_t oa = skv_f32_to_bf16(xo), ob = skv_f32_to_bf16(yo);
+                    x[pa] = skv_bf16_to_f32(oa);
+                    x[pb] = skv_bf16_to_f32(ob);
+                    if (kw) kw[(int64_t)rr * a.D + pa] = oa, kw[(int64_t)rr * a.D + pb] = ob;
                 }
             }
         }
+    if (!a.e) return;
+    /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
+       group, 4 chains at a time, each over its row in order */
+    __syncwarp();
+    const int rr = lane & 15;
+    if (pos_s[warp][rr] < 0) return;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
+    for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, xs + (size_t)rr * xst, qs, g0, 2, bq0, j);
 }
 
 /* The same values without tensor cores (shapes whose shared memory does not fit): grid (tiles of
-   32 tokens, Hk, B), 256 threads; smem ew [D], xs [32][D] float. */
+   32 tokens, Hk, B), 256 threads; smem ew [Dp], eu [32], xs [32][D] float, q [G][D] when scoring. */
 __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -370,8 +487,9 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     const uint16_t *w = (const uint16_t *)sq.w, *u = (const uint16_t *)sq.u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     int *ew = (int *)skv_canon_smem, *eu = ew + a.Dp;
-    float *xs = (float *)(eu + 32);
+    float *xs = (float *)(eu + 32), *qs = xs + (size_t)32 * a.D; /* qs [G][D] when scoring */
     rb_col_exps(a, w, h, ew);
+    if (a.e) rb_load_q(a, b, h, qs);
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
         unsigned mx = 0;
@@ -400,7 +518,17 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
         const int64_t m = m0 + row;
         if (m >= a.M) continue;
         const int64_t t = (int64_t)ids[m / a.c] * a.c + m % a.c;
-        rb_rope_row(a, xs + (size_t)row * a.D, t, (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D, lane);
+        rb_rope_row(a, xs + (size_t)row * a.D, t,
+                    a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D : nullptr, lane);
+    }
+    if (!a.e) return;
+    __syncthreads();
+    /* the scores: a thread per (row, 4 query heads) */
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, sel0 = rb_sel0(a, b);
+    for (int unit = tid; unit < 32 * ((a.G + 3) / 4); unit += kRbNT) {
+        const int row = unit & 31;
+        if (m0 + row >= a.M) continue;
+        rb_score_row(a, xs + (size_t)row * a.D, qs, 4 * (unit >> 5), 1, bq0, sel0 + m0 + row);
     }
 }
 
@@ -432,7 +560,6 @@ struct AttendArgs {
     /* decode */
     const skv_cuda_seq *seqs;
     const skv_cuda_io *io;
-    const uint16_t *ksel;   /* [B, Hk, S c, D] rebuilt keys */
     const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
     int32_t O, c, S, gen_cap, vc_chunks;
 };
@@ -454,15 +581,15 @@ __device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
     const skv_cuda_seq &sq = a.seqs[b];
     skv_span_shape sh[SKV_N_SPANS];
     skv_plan_spans(a.O, a.c, a.S, a.D, sq.n_local, sq.n_gen, a.gen_cap, sh);
-    const uint16_t *k[SKV_N_SPANS] = {(const uint16_t *)sq.out_k, (const uint16_t *)sq.loc_k,
-                                      a.ksel + (int64_t)b * a.Hk * sh[SKV_SPAN_SELECTED].head_stride,
+    /* the selected span's keys are not read: canon_rebuild_tc_kernel scored them */
+    const uint16_t *k[SKV_N_SPANS] = {(const uint16_t *)sq.out_k, (const uint16_t *)sq.loc_k, nullptr,
                                       (const uint16_t *)sq.gen_k, (const uint16_t *)a.io->k + (int64_t)b * a.Hk * a.D};
     const uint16_t *v[SKV_N_SPANS] = {(const uint16_t *)sq.out_v, (const uint16_t *)sq.loc_v, nullptr,
                                       (const uint16_t *)sq.gen_v, (const uint16_t *)a.io->v + (int64_t)b * a.Hk * a.D};
     for (int i = 0; i < SKV_N_SPANS; i++) {
         sp[i].n = sh[i].n_tokens;
         sp[i].ts = a.D;
-        sp[i].k = k[i] + h * sh[i].head_stride;
+        sp[i].k = k[i] ? k[i] + h * sh[i].head_stride : nullptr;
         sp[i].v = v[i] ? v[i] + h * sh[i].head_stride : nullptr;
         sp[i].kind = i == SKV_SPAN_SELECTED ? (sq.vc_data ? 2 : 1) : 0;
     }
@@ -490,7 +617,7 @@ __device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int 
     return si < ns;
 }
 
-/* Scores: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
+/* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
    fmaf chain of skv_dot_bf16 over d = 0 .. D-1 for the group's query heads, 4 at a time (their
    chains interleaved, each its own order), the key row read 64 dims at a time, and writes them to
    e[b Hq + hq][j]. smem: q [G][D] float, spans. */
@@ -554,29 +681,27 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
 }
 
 /* P V: grid (ceil(D / 8), Hk, B), 256 threads (thread l = canonical lane l): the block owns 8 dims of
-   every query head of the group, 4 heads at a time. Per head M = the block's max of the scores (finite:
-   any order gives the same e_j, see skv_canonical_attend); lane l walks its tokens j = l, l + 256, ...
-   in order (two per pass, both rows' loads in flight): e_j = skv_expf(s_j - M), z = z + e_j,
-   N_d = fma(e_j, v_jd, N_d). Every block of the group computes e_j and Z itself, with the same
-   operations (the same bits). Then the fixed tree: levels 128, 64, 32 through shared memory, 16 .. 1 by
-   shuffles in warp 0 (lane k adds lane k + w's value: P[k] + P[k + w]), and out_d = N_d / Z.
-   smem: spans; xb [36][128] the tree's exchange. */
+   every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
+   left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 4 per pass (their value
+   rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
+   adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 36
+   values in xb, and warp w reduces values w, w + 8, ...: lane t holds lanes t + 32 i (i < 8) in
+   registers, levels 128, 64, 32 there (P[k] + P[k + w]), 16 .. 1 by shuffles (lane t adds lane t + w);
+   then out_d = N_d / Z. smem: xb [36][256] the tree's exchange, spans. */
 constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 36 values per lane */
-static_assert(kAtDC % 8 == 0, "whole uint4 per value row");
+constexpr int kAtTok = 4;                    /* tokens of a lane in flight */
+static_assert(kAtDC == 8, "one uint4 per value row");
 __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
     const int d0 = blockIdx.x * kAtDC;
-    float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][128] */
-    CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * 128), 16);
+    float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][kAtLanes] */
+    CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * kAtLanes), 16);
     __shared__ int n_spans_s;
-    __shared__ float red[8][kAtGC], Ms[kAtGC];
     __shared__ float res[kAtNV];
     if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
     __syncthreads();
     const int ns = n_spans_s;
-    int64_t T = 0;
-    for (int i = 0; i < ns; i++) T += sp[i].n;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
     const bool dvec = d0 + kAtDC <= D;
     for (int gq = 0; gq < G; gq += kAtGC) {
@@ -584,32 +709,6 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         const float *er[kAtGC];
 #pragma unroll
         for (int x = 0; x < kAtGC; x++) er[x] = a.e + (bq0 + gq + (x < gn ? x : 0)) * a.Tmax;
-        /* M per head */
-        {
-            float mx[kAtGC];
-#pragma unroll
-            for (int x = 0; x < kAtGC; x++) mx[x] = -INFINITY;
-#pragma unroll 2
-            for (int64_t j = lane; j < T; j += kAtLanes)
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++)
-                    if (x < gn) mx[x] = fmaxf(mx[x], er[x][j]);
-#pragma unroll
-            for (int x = 0; x < kAtGC; x++) {
-                const float m = warp_max(mx[x]);
-                if ((lane & 31) == 0) red[lane >> 5][x] = m;
-            }
-            __syncthreads();
-            if (lane < kAtGC) {
-                float m = red[0][lane];
-                for (int i = 1; i < 8; i++) m = fmaxf(m, red[i][lane]);
-                Ms[lane] = m;
-            }
-            __syncthreads();
-        }
-        float M[kAtGC];
-#pragma unroll
-        for (int x = 0; x < kAtGC; x++) M[x] = Ms[x];
         float acc[kAtGC][kAtDC], z[kAtGC];
 #pragma unroll
         for (int x = 0; x < kAtGC; x++) {
@@ -619,98 +718,161 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         }
         int si = 0;
         int64_t base = 0;
-        for (int64_t j = lane;; j += 2 * kAtLanes) {
-            if (!at_seek(sp, ns, j, si, base)) break;
-            int si1 = si;
-            int64_t base1 = base;
-            const bool two = at_seek(sp, ns, j + kAtLanes, si1, base1);
-            float f[2][kAtDC], sv[2][kAtGC];
+        for (int64_t j = lane;; j += kAtTok * kAtLanes) {
+            bool ok[kAtTok];
+            const uint16_t *vr[kAtTok];
 #pragma unroll
-            for (int t = 0; t < 2; t++) {
+            for (int t = 0; t < kAtTok; t++) {
                 const int64_t jt = j + t * kAtLanes;
-                if (t == 1 && !two) {
+                ok[t] = at_seek(sp, ns, jt, si, base);
+                vr[t] = ok[t] ? at_vrow(a, sp[si], b, h, jt - base) + d0 : nullptr;
+            }
+            float w[kAtTok][kAtGC];
+            uint4 raw[kAtTok];
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) f[t][y] = 0.0f;
+            for (int t = 0; t < kAtTok; t++) {
 #pragma unroll
-                    for (int x = 0; x < kAtGC; x++) sv[t][x] = 0.0f;
-                    continue;
-                }
-                const uint16_t *v = (t ? at_vrow(a, sp[si1], b, h, jt - base1) : at_vrow(a, sp[si], b, h, jt - base)) + d0;
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++) sv[t][x] = x < gn ? er[x][jt] : 0.0f;
+                for (int x = 0; x < kAtGC; x++) w[t][x] = ok[t] && x < gn ? er[x][j + t * kAtLanes] : 0.0f;
+                raw[t] = make_uint4(0, 0, 0, 0);
+                if (!ok[t]) continue;
+                const uint16_t *v = vr[t];
                 if (dvec && ((uintptr_t)v & 15) == 0) {
-#pragma unroll
-                    for (int c = 0; c < kAtDC / 8; c++) bf16x8_to_f32(*reinterpret_cast<const uint4 *>(v + 8 * c), f[t] + 8 * c);
+                    raw[t] = *reinterpret_cast<const uint4 *>(v);
                 } else {
+                    uint32_t u[kAtDC];
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) f[t][y] = d0 + y < D ? skv_bf16_to_f32(v[y]) : 0.0f;
+                    for (int y = 0; y < kAtDC; y++) u[y] = d0 + y < D ? v[y] : 0u;
+                    raw[t] = make_uint4(u[0] | (u[1] << 16), u[2] | (u[3] << 16), u[4] | (u[5] << 16), u[6] | (u[7] << 16));
                 }
             }
 #pragma unroll
-            for (int t = 0; t < 2; t++) {
-                if (t == 1 && !two) break;
+            for (int t = 0; t < kAtTok; t++) {
+                if (!ok[t]) break;
+                float f[kAtDC];
+                bf16x8_to_f32(raw[t], f);
 #pragma unroll
                 for (int x = 0; x < kAtGC; x++) {
-                    const float e = skv_expf(SKV_SUB(sv[t][x], M[x]));
-                    z[x] = SKV_ADD(z[x], e);
+                    z[x] = SKV_ADD(z[x], w[t][x]);
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(e, f[t][y], acc[x][y]);
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(w[t][x], f[y], acc[x][y]);
                 }
             }
-            if (!two) break;
-            si = si1, base = base1;
+            if (!ok[kAtTok - 1]) break;
         }
-        /* the fixed tree over the 256 lanes, for the 36 values at once: w = 128, 64, 32 through xb
-           (value v of lane w + k at xb[v][k]), then w = 16 .. 1 in warp 0 */
-#pragma unroll 1
-        for (int w = 128; w >= 32; w >>= 1) {
-            if (lane >= w && lane < 2 * w) {
-                const int k = lane - w;
+        /* the fixed tree over the 256 lanes, a warp per value (one barrier before, one after) */
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++) {
+        for (int x = 0; x < kAtGC; x++) {
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) xb[(size_t)(x * kAtDC + y) * 128 + k] = acc[x][y];
-                    xb[(size_t)(kAtGC * kAtDC + x) * 128 + k] = z[x];
-                }
-            }
-            __syncthreads();
-            if (lane < w) {
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++) {
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], xb[(size_t)(x * kAtDC + y) * 128 + lane]);
-                    z[x] = SKV_ADD(z[x], xb[(size_t)(kAtGC * kAtDC + x) * 128 + lane]);
-                }
-            }
-            __syncthreads();
+            for (int y = 0; y < kAtDC; y++) xb[(size_t)(x * kAtDC + y) * kAtLanes + lane] = acc[x][y];
+            xb[(size_t)(kAtGC * kAtDC + x) * kAtLanes + lane] = z[x];
         }
-        if (lane < 32) {
+        __syncthreads();
+        {
+            const int t = lane & 31;
+            for (int v = lane >> 5; v < kAtNV; v += kAtLanes / 32) {
+                float P[kAtLanes / 32];
 #pragma unroll
-            for (int w = 16; w >= 1; w >>= 1) {
+                for (int i = 0; i < kAtLanes / 32; i++) P[i] = xb[(size_t)v * kAtLanes + t + 32 * i];
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++) {
+                for (int w = kAtLanes / 64; w >= 1; w >>= 1) /* levels 128, 64, 32: lane k + 32 i += lane k + 32 (i + w) */
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_ADD(acc[x][y], __shfl_down_sync(kFullMask, acc[x][y], w));
-                    z[x] = SKV_ADD(z[x], __shfl_down_sync(kFullMask, z[x], w));
-                }
+                    for (int i = 0; i < w; i++) P[i] = SKV_ADD(P[i], P[i + w]);
+#pragma unroll
+                for (int w = 16; w >= 1; w >>= 1) P[0] = SKV_ADD(P[0], __shfl_down_sync(kFullMask, P[0], w));
+                if (t == 0) res[v] = P[0];
             }
-            if (lane == 0) {
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++) {
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) res[x * kAtDC + y] = acc[x][y];
-                    res[kAtGC * kAtDC + x] = z[x];
-                }
-            }
-            __syncwarp();
+        }
+        __syncthreads();
+        if (lane < kAtGC * kAtDC) {
+            const int x = lane / kAtDC, y = lane % kAtDC;
             float *out = a.seqs ? a.io->out : a.out;
-            for (int i = lane; i < kAtGC * kAtDC; i += 32) {
-                const int x = i / kAtDC, y = i % kAtDC;
-                if (x < gn && d0 + y < D) out[(bq0 + gq + x) * D + d0 + y] = SKV_DIV(res[i], res[kAtGC * kAtDC + x]);
-            }
+            if (x < gn && d0 + y < D) out[(bq0 + gq + x) * D + d0 + y] = SKV_DIV(res[lane], res[kAtGC * kAtDC + x]);
         }
-        __syncthreads(); /* res, xb and Ms are rewritten by the next head group */
+        /* xb and res are rewritten by the next head group only after its walk and its first barrier,
+           which every lane of this group's division reaches after reading res */
     }
+}
+
+/* Weights: grid (G, Hk, B), 256 threads, a block per (sequence, query head hq = h G + blockIdx.x).
+   At decode (seqs set) it first scores the resident tokens (every span but the selected one, whose
+   scores canon_rebuild_tc_kernel wrote): a thread per token, s_j = scale x the fmaf chain of
+   skv_dot_bf16 (the key row read 64 dims at a time), into e. Then M = the block's max of the T scores
+   (any order: see skv_canonical_attend), and e_j = skv_expf(s_j - M) in place, once per head (the P V
+   blocks of a group all read these; a thread keeps its first kAtWReg scores in registers between the
+   two passes). smem: q [D] float, spans. */
+constexpr int kAtWReg = 12; /* scores per thread kept in registers (T <= 3072 at 256 threads) */
+__global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArgs a)
+{
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, D = a.D;
+    const int64_t bq = (int64_t)b * a.Hq + (int64_t)h * a.G + blockIdx.x;
+    float *er = a.e + bq * a.Tmax;
+    float *qs = (float *)skv_canon_smem;
+    CSpan *sp = (CSpan *)align_up((size_t)(qs + D), 16);
+    __shared__ int n_spans_s;
+    __shared__ float red[kAtLanes / 32];
+    int64_t T = a.Tmax;
+    if (a.seqs) {
+        if (tid == 0) n_spans_s = at_spans(a, b, h, sp);
+        const uint16_t *qg = (const uint16_t *)a.io->q + bq * D;
+        for (int i = tid; i < D; i += kAtLanes) qs[i] = skv_bf16_to_f32(qg[i]);
+        __syncthreads();
+        const int ns = n_spans_s;
+        T = 0;
+        for (int i = 0; i < ns; i++) T += sp[i].n;
+        const int64_t sel0 = sp[SKV_SPAN_OUTLIERS].n + sp[SKV_SPAN_LOCAL].n, nsel = sp[SKV_SPAN_SELECTED].n;
+        int si = 0;
+        int64_t base = 0;
+        for (int64_t r = tid; r < T - nsel; r += kAtLanes) {
+            const int64_t j = r < sel0 ? r : r + nsel;
+            at_seek(sp, ns, j, si, base);
+            const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
+            float acc = 0.0f;
+            if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    uint4 kv[8];
+#pragma unroll
+                    for (int c = 0; c < 8; c++)
+                        if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
+#pragma unroll
+                    for (int c = 0; c < 8; c++) {
+                        if (d0 + 8 * c >= D) break;
+                        float f[8];
+                        bf16x8_to_f32(kv[c], f);
+#pragma unroll
+                        for (int x = 0; x < 8; x++) acc = SKV_FMA(qs[d0 + 8 * c + x], f[x], acc);
+                    }
+                }
+            } else {
+                for (int d = 0; d < D; d++) acc = SKV_FMA(qs[d], skv_bf16_to_f32(k[d]), acc);
+            }
+            er[j] = SKV_MUL(acc, a.scale);
+        }
+        __syncthreads(); /* the block's own scores are visible to the whole block */
+    }
+    /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
+    float sv[kAtWReg];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kAtWReg; i++) {
+        const int64_t j = tid + (int64_t)i * kAtLanes;
+        sv[i] = j < T ? er[j] : -INFINITY;
+        mx = fmaxf(mx, sv[i]);
+    }
+#pragma unroll 4
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) mx = fmaxf(mx, er[j]);
+    mx = warp_max(mx);
+    if ((tid & 31) == 0) red[tid >> 5] = mx;
+    __syncthreads();
+    float M = red[0];
+#pragma unroll
+    for (int i = 1; i < kAtLanes / 32; i++) M = fmaxf(M, red[i]);
+#pragma unroll
+    for (int i = 0; i < kAtWReg; i++) {
+        const int64_t j = tid + (int64_t)i * kAtLanes;
+        if (j < T) er[j] = skv_expf(SKV_SUB(sv[i], M));
+    }
+#pragma unroll 4
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
 }
 
 size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
@@ -720,7 +882,7 @@ size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
 
 size_t at_smem(int32_t n_spans)
 {
-    return sizeof(float) * (size_t)kAtNV * 128 + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
+    return sizeof(float) * (size_t)kAtNV * kAtLanes + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
 }
 
 template <int KS>
@@ -736,7 +898,8 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
-    const size_t smem = rb_smem(a.Kp, a.Dp);
+    const int64_t GD = a.e ? (int64_t)a.G * a.D : 0;
+    const size_t smem = rb_smem(a.Kp, a.Dp, GD);
     if (smem <= kRbSmemMax && a.wq && a.Kp / 32 <= kRbKsMax) {
         cudaError_t e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
                                0, st, false, a);
@@ -752,7 +915,7 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
         default: return launch_rebuild_tc<8>(st, a, B, smem);
         }
     }
-    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * 32 * (size_t)a.D;
+    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)GD);
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
     if (e != cudaSuccess) return e;
     return launch(canon_rebuild_scalar_kernel, dim3((unsigned)ceil_div64(a.M, 32), (unsigned)a.Hk, (unsigned)B),
@@ -777,18 +940,26 @@ int at_split(int32_t Hk, int32_t B, int32_t G, int32_t D)
     return 1;
 }
 
+/* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: the
+   selected span's scores are canon_rebuild_tc_kernel's; the weights kernel scores the rest. */
 cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     if (T <= 0) return cudaSuccess;
-    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans);
+    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans), s3 = at_score_smem(1, a.D, a.n_spans);
     if (s1 > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
-    cudaError_t e = allow_smem(canon_score_kernel, s1);
+    cudaError_t e = allow_smem(canon_attend_kernel, s2);
     if (e != cudaSuccess) return e;
-    e = allow_smem(canon_attend_kernel, s2);
+    e = allow_smem(canon_weights_kernel, s3);
     if (e != cudaSuccess) return e;
-    e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes),
-               s1, st, false, a);
+    if (!a.seqs) {
+        e = allow_smem(canon_score_kernel, s1);
+        if (e != cudaSuccess) return e;
+        e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B),
+                   dim3(kAtLanes), s1, st, false, a);
+        if (e != cudaSuccess) return e;
+    }
+    e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), s3, st, false, a);
     if (e != cudaSuccess) return e;
     return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
                   dim3(kAtLanes), s2, st, false, a);
@@ -813,6 +984,17 @@ cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, co
     return launch_rebuild(st, a, sh->B);
 }
 
+cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                          const skv_cuda_dws *ws)
+{
+    RebuildArgs a = rebuild_args(sh, seqs, ws->sel_ids, nullptr);
+    a.wq = (signed char *)ws->canon_wq;
+    a.wex = (int *)((char *)ws->canon_wq + align_up((size_t)sh->B * sh->Hk * 2 * a.Kp * a.Dp, 256));
+    a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
+    a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
+    return launch_rebuild(st, a, sh->B);
+}
+
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                          const skv_cuda_dws *ws)
 {
@@ -820,7 +1002,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     memset(&a, 0, sizeof a);
     a.Hq = sh->Hq, a.Hk = sh->Hk, a.G = sh->Hq / sh->Hk, a.D = sh->D, a.scale = sh->scale;
     a.Tmax = ws->canon_tmax, a.e = ws->canon_e;
-    a.seqs = seqs, a.io = ws->io, a.ksel = (const uint16_t *)ws->canon_k;
+    a.seqs = seqs, a.io = ws->io;
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
