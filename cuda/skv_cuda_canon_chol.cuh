@@ -52,15 +52,27 @@ static __host__ __device__ __forceinline__ size_t skv_cc_lp_count(int32_t p) { r
  * r2 = a - b q2 is exact and RN(q2 + r2 y) = RN(a/b). The ranges below keep every quantity
  * normal with room to spare; anything else (0, subnormal, huge, inf, NaN) takes __ddiv_rn.
  */
-static __device__ __forceinline__ double skv_cc_div(double a, double b, double y)
+static __device__ __forceinline__ double skv_cc_div_fast(double a, double b, double y)
 {
-    const double aa = fabs(a);
-    if (!(aa >= 0x1p-500 && aa <= 0x1p500 && b >= 0x1p-400 && b <= 0x1p400)) return __ddiv_rn(a, b);
     const double q1 = __dmul_rn(a, y);
     const double r1 = __fma_rn(-q1, b, a);
     const double q2 = __fma_rn(r1, y, q1);
     const double r2 = __fma_rn(-q2, b, a);
     return __fma_rn(r2, y, q2);
+}
+/* skv_cc_div_fast is RN(a / b) for these a, b (the rest take __ddiv_rn). */
+static __device__ __forceinline__ bool skv_cc_div_ok(double a, double b)
+{
+    const double aa = fabs(a);
+    return aa >= 0x1p-500 && aa <= 0x1p500 && b >= 0x1p-400 && b <= 0x1p400;
+}
+/* The quotient computed first and the range checked beside it, so that the check is off the
+   dependent chain; the slow path is a rarely taken branch after it. */
+static __device__ __forceinline__ double skv_cc_div(double a, double b, double y)
+{
+    double q = skv_cc_div_fast(a, b, y);
+    if (!skv_cc_div_ok(a, b)) q = __ddiv_rn(a, b);
+    return q;
 }
 
 #define SKV_CC_FCHOL_MAXS 5 /* p <= 160 */
@@ -71,7 +83,8 @@ static __device__ __forceinline__ double skv_cc_div(double a, double b, double y
    its largest row reaches its smallest column. */
 #define SKV_CC_FCHOL_KEEP(c, m) (32 * (m) + 31 >= 16 * (c))
 
-template <int S>
+/* V: 0 the kernel; timing probes only: 1 without the bulk updates, 2 without the pivot/division */
+template <int S, int V = 0>
 static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
     skv_cc_fchol(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
                  double *__restrict__ lp)
@@ -158,24 +171,38 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
 #pragma unroll
                 for (int mm = 0; mm < S; mm++)
                     if (SKV_CC_FCHOL_KEEP(cb, mm)) acc[cb][mm] = __fma_rn(nli[mm], lqk, acc[cb][mm]);
-                const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, acc[cb][cb >> 1], kn & 31), fl);
-                const double y = __ddiv_rn(1.0, ljj);
+                const double ljj = V == 2 ? __shfl_sync(0xffffffffu, acc[cb][cb >> 1], kn & 31)
+                                          : skv_canon_pivot(__shfl_sync(0xffffffffu, acc[cb][cb >> 1], kn & 31), fl);
+                const double y = V == 2 ? 1.0 : __ddiv_rn(1.0, ljj);
                 const int32_t off = skv_cc_lpk(p, kn) - kn;
                 if (lane == 0) lp[skv_cc_lp_count(p) + kn] = y;
+                double q[S]; /* every slot's quotient at once (no per-lane branches between them) */
+                bool slow = false;
 #pragma unroll
                 for (int mm = 0; mm < S; mm++) {
                     const int32_t i = lane + 32 * mm;
-                    if (i >= p) continue;
-                    double v = i == kn ? ljj : 0.0;
-                    if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn) v = skv_cc_div(acc[cb][mm], ljj, y);
-                    nxt[i] = v;
-                    if (i >= kn) lp[off + i] = v;
+                    q[mm] = V == 2 ? acc[cb][mm] : skv_cc_div_fast(acc[cb][mm], ljj, y);
+                    slow |= V != 2 && SKV_CC_FCHOL_KEEP(cb, mm) && i > kn && i < p && !skv_cc_div_ok(acc[cb][mm], ljj);
+                }
+                if (slow)
+#pragma unroll
+                    for (int mm = 0; mm < S; mm++) {
+                        const int32_t i = lane + 32 * mm;
+                        if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn && i < p && !skv_cc_div_ok(acc[cb][mm], ljj))
+                            q[mm] = __ddiv_rn(acc[cb][mm], ljj);
+                    }
+#pragma unroll
+                for (int mm = 0; mm < S; mm++) {
+                    const int32_t i = lane + 32 * mm;
+                    const double v = i == kn ? ljj : SKV_CC_FCHOL_KEEP(cb, mm) && i > kn ? q[mm] : 0.0;
+                    if (i < p) nxt[i] = v;
+                    if (i >= kn && i < p) lp[off + i] = v;
                 }
             }
 #pragma unroll
             for (int cc = cb; cc < C; cc++) { /* step k of the columns q > kn */
                 const int32_t q = 16 * cc + w;
-                if ((cc == cb && w <= kl) || q >= p) continue; /* warp-uniform */
+                if ((cc == cb && w <= kl) || q >= p || V == 1) continue; /* warp-uniform */
                 const double lqk = cur[q];
 #pragma unroll
                 for (int mm = 0; mm < S; mm++)
@@ -301,14 +328,27 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
                 const double y = __ddiv_rn(1.0, ljj);
                 const int32_t off = skv_cc_lpk(p, kn) - kn;
                 if (lane == 0) lp[skv_cc_lp_count(p) + kn] = y;
+                double q[S]; /* every slot's quotient at once (no per-lane branches between them) */
+                bool slow = false;
 #pragma unroll
                 for (int mm = 0; mm < S; mm++) {
                     const int32_t i = lane + 32 * mm;
-                    if (i >= p) continue;
-                    double v = i == kn ? ljj : 0.0;
-                    if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn) v = skv_cc_div(acc[cb][mm], ljj, y);
-                    nxt[i] = v;
-                    if (i >= kn) lp[off + i] = v;
+                    q[mm] = skv_cc_div_fast(acc[cb][mm], ljj, y);
+                    slow |= SKV_CC_FCHOL_KEEP(cb, mm) && i > kn && i < p && !skv_cc_div_ok(acc[cb][mm], ljj);
+                }
+                if (slow)
+#pragma unroll
+                    for (int mm = 0; mm < S; mm++) {
+                        const int32_t i = lane + 32 * mm;
+                        if (SKV_CC_FCHOL_KEEP(cb, mm) && i > kn && i < p && !skv_cc_div_ok(acc[cb][mm], ljj))
+                            q[mm] = __ddiv_rn(acc[cb][mm], ljj);
+                    }
+#pragma unroll
+                for (int mm = 0; mm < S; mm++) {
+                    const int32_t i = lane + 32 * mm;
+                    const double v = i == kn ? ljj : SKV_CC_FCHOL_KEEP(cb, mm) && i > kn ? q[mm] : 0.0;
+                    if (i < p) nxt[i] = v;
+                    if (i >= kn && i < p) lp[off + i] = v;
                 }
                 __syncwarp();
                 if (lane == 0) skv_cc_st_release(&pub, kn + 1);
