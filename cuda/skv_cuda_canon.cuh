@@ -14,8 +14,10 @@
  *      accumulating S (beta = 1: exact, every partial sum an integer below 2^53);
  *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
- *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
- *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
+ *      Y^T Y (its lower triangle) by a register-tiled fp64 SIMT GEMM with a cp.async
+ *      stage ring and register prefetch (skv_cc_mm, skv_cuda_canon_mm.cuh: each
+ *      output one __fma_rn chain in order of k; G X reads G's rows as its columns,
+ *      G being symmetric bit for bit), the
  *      equilibration, trace, shift, floor and Cholesky in one thread block
  *      (skv_cc_fchol: the triangle in registers, right-looking, two barriers per
  *      column: each element's updates arrive in order of k, the same bits as the
@@ -33,6 +35,7 @@
 
 #include "skv_factor_canon.h"
 #include "skv_cuda_canon_i8.cuh"
+#include "skv_cuda_canon_mm.cuh"
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -326,132 +329,6 @@ static __global__ void __launch_bounds__(128)
 /* ---- step 3, the fast schedules (same per-element operation sequences) ------------------ */
 
 /*
- * skv_cc_gemm: C [M, N] (row major, ldc), C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j),
- * acc) from acc = 0, A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]: the products of the
- * former chain kernel, faster. TY x TX threads; thread (ty, tx) owns TM x TN outputs in
- * registers (a block tile of TY TM x TX TN). k goes through
- * shared memory in stages of KT, double buffered: the next stage's global loads are in registers
- * while the current stage is multiplied, one barrier per stage. A thread's rows and columns come
- * in adjacent pairs (row 2 ty + (p & 1) + 2 TY (p >> 1), column 2 tx + (q & 1) + 2 TX (q >> 1);
- * TM, TN even), so each operand pair is one 16-byte shared-memory load. Why the bits are the reference's:
- * each output lives in one register of one thread from acc = 0 to its store; the thread visits
- * the stages in order and, in a stage, kk = 0..KT-1 in order (terms with k0 + kk >= K skipped, no
- * padded term), one __fma_rn(A(i, k), B(k, j), acc) per k: exactly the chain of
- * skv_canon_ref_gx / skv_canon_ref_cross (fma(a, b, c) = fma(b, a, c) bitwise, so Y^T Y's
- * C(i, j) = C(j, i) whichever operand comes first). lower != 0 (M = N, square tiles): the tiles
- * strictly above the diagonal are skipped; the consumers (the Cholesky kernels) read C(i, j) for
- * j <= i only, and the diagonal tiles are computed whole.
- */
-template <int TM, int TN, int TY, int TX, int KT>
-static __global__ void __launch_bounds__(TY *TX)
-    skv_cc_gemm(int32_t M, int32_t N, int32_t K, const double *__restrict__ a, int64_t sai, int64_t sak,
-                const double *__restrict__ b, int64_t sbk, int64_t sbj, double *__restrict__ c, int64_t ldc, int lower)
-{
-    constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
-    constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT; /* stage loads per thread */
-    static_assert(TM % 2 == 0 && TN % 2 == 0, "outputs in pairs");
-    /* rows of BM + 2 (even: every pair 16-byte aligned) */
-    __shared__ __align__(16) double as[2][KT][BM + 2];
-    __shared__ __align__(16) double bs[2][KT][BN + 2];
-    if (lower && blockIdx.x > blockIdx.y) return; /* whole block: before any barrier */
-    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
-    const int32_t i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    double acc[TM][TN], ra[LA], rb[LB];
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
-    /* stage loads: consecutive threads along the operand's contiguous index (coalesced) */
-    auto load = [&](int32_t k0) {
-#pragma unroll
-        for (int e = 0; e < LA; e++) {
-            int idx = tid + NT * e;
-            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-            int32_t gi = i0 + ii, gk = k0 + kk;
-            ra[e] = idx < KT * BM && gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
-        }
-#pragma unroll
-        for (int e = 0; e < LB; e++) {
-            int idx = tid + NT * e;
-            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-            int32_t gj = j0 + jj, gk = k0 + kk;
-            rb[e] = idx < KT * BN && gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
-        }
-    };
-    auto store = [&](int buf) {
-#pragma unroll
-        for (int e = 0; e < LA; e++) {
-            int idx = tid + NT * e;
-            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-            if (idx < KT * BM) as[buf][kk][ii] = ra[e];
-        }
-#pragma unroll
-        for (int e = 0; e < LB; e++) {
-            int idx = tid + NT * e;
-            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-            if (idx < KT * BN) bs[buf][kk][jj] = rb[e];
-        }
-    };
-    const int32_t nst = (K + KT - 1) / KT;
-    if (nst > 0) {
-        load(0);
-        store(0);
-    }
-    __syncthreads();
-    for (int32_t st = 0; st < nst; st++) {
-        const int buf = st & 1;
-        if (st + 1 < nst) load((st + 1) * KT); /* in flight during this stage's fmas */
-        const int32_t kn = K - st * KT;     /* >= KT except in the last stage */
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            if (kk < kn) { /* k = st KT + kk, in order */
-                double av[TM], bv[TN];
-#pragma unroll
-                for (int h = 0; h < TM / 2; h++) { /* rows 2 ty + 2 TY h + 0, 1 */
-                    const double2 v = *reinterpret_cast<const double2 *>(&as[buf][kk][2 * ty + 2 * TY * h]);
-                    av[2 * h] = v.x;
-                    av[2 * h + 1] = v.y;
-                }
-#pragma unroll
-                for (int h = 0; h < TN / 2; h++) { /* columns 2 tx + 2 TX h + 0, 1 */
-                    const double2 v = *reinterpret_cast<const double2 *>(&bs[buf][kk][2 * tx + 2 * TX * h]);
-                    bv[2 * h] = v.x;
-                    bv[2 * h + 1] = v.y;
-                }
-#pragma unroll
-                for (int p = 0; p < TM; p++)
-#pragma unroll
-                    for (int q = 0; q < TN; q++) acc[p][q] = __fma_rn(av[p], bv[q], acc[p][q]);
-            }
-        }
-        /* buf ^ 1 was last read in stage st - 1, which ended with the barrier below */
-        if (st + 1 < nst) store(buf ^ 1);
-        __syncthreads();
-    }
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) {
-            int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
-            if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
-        }
-}
-
-/* G X: 64 x 32 tiles of 128 threads (4 x 4 outputs each): 80 blocks at d = 1024, r = 160. */
-#define SKV_CC_GX_TM 4
-#define SKV_CC_GX_TN 4
-#define SKV_CC_GX_TY 16
-#define SKV_CC_GX_TX 8
-#define SKV_CC_GX_KT 16
-/* Y^T Y: 16 x 16 tiles of 64 threads (2 x 2 outputs each; the lower triangle's 55 tiles at
-   p = 160): every chain is 1024 long, so the time is its latency; few outputs per SM. */
-#define SKV_CC_YY_TM 2
-#define SKV_CC_YY_TN 2
-#define SKV_CC_YY_TY 8
-#define SKV_CC_YY_TX 8
-#define SKV_CC_YY_KT 32
-
-/*
  * skv_cc_fchol: skv_cc_chol's job (same inputs and outputs: dsc when eq, l[j p + i] = L_ij, 0
  * above the diagonal) for p <= 32 S, S <= SKV_CC_FCHOL_MAXS, in registers. 512 threads, 16 warps;
  * thread (w, lane) owns the elements (i, q) = (2 w + (a & 1) + 32 (a >> 1), lane + 32 b), a < 2 S,
@@ -695,10 +572,8 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
                               size_t cap)
 {
     { /* C = Y^T Y, its lower triangle's tiles */
-        constexpr int bm = SKV_CC_YY_TY * SKV_CC_YY_TM;
-        dim3 gr((p + bm - 1) / bm, (p + bm - 1) / bm);
-        skv_cc_gemm<SKV_CC_YY_TM, SKV_CC_YY_TN, SKV_CC_YY_TY, SKV_CC_YY_TX, SKV_CC_YY_KT>
-            <<<gr, SKV_CC_YY_TY * SKV_CC_YY_TX, 0, f->st>>>(p, p, m, y, 1, p, y, p, 1, f->cc_c, p, 1);
+        dim3 gr((p + SKV_CC_YY_BN - 1) / SKV_CC_YY_BN, (p + SKV_CC_YY_BM - 1) / SKV_CC_YY_BM);
+        skv_cc_mm<SKV_CC_YY_CFG><<<gr, SKV_CC_YY_NT, 0, f->st>>>(p, p, m, y, p, y, p, f->cc_c, p, 1);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
     }
     int qn = (p + 31) / 32;
@@ -785,10 +660,9 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     skv_cc_start<<<skv_cf_blocks((int64_t)d * r), SKV_CF_THREADS, 0, f->st>>>(x, d, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical start kernel");
     for (int it = 0; it < SKV_CANON_ITERS; it++) {
-        constexpr int bm = SKV_CC_GX_TY * SKV_CC_GX_TM, bn = SKV_CC_GX_TX * SKV_CC_GX_TN;
-        dim3 gr((r + bn - 1) / bn, (d + bm - 1) / bm);
-        skv_cc_gemm<SKV_CC_GX_TM, SKV_CC_GX_TN, SKV_CC_GX_TY, SKV_CC_GX_TX, SKV_CC_GX_KT>
-            <<<gr, SKV_CC_GX_TY * SKV_CC_GX_TX, 0, f->st>>>(d, r, d, g, d, 1, x, r, 1, y, r, 0);
+        /* A^T = G itself: G is symmetric bit for bit (skv_cc_gscale) */
+        dim3 gr((r + SKV_CC_GX_BN - 1) / SKV_CC_GX_BN, (d + SKV_CC_GX_BM - 1) / SKV_CC_GX_BM);
+        skv_cc_mm<SKV_CC_GX_CFG><<<gr, SKV_CC_GX_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
         skv_status s;
         if (it < SKV_CANON_TWO_PASS_ITERS) {
