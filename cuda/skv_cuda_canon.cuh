@@ -36,6 +36,7 @@
 #include "skv_factor_canon.h"
 #include "skv_cuda_canon_i8.cuh"
 #include "skv_cuda_canon_mm.cuh"
+#include "skv_cuda_canon_fix.cuh"
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -98,13 +99,18 @@ static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_
         e[i] = skv_canon_ex_bf16((uint16_t)colmax[i]);
 }
 
-/* blk [rows, d] (row major) = the fixed-point rows of a. */
-static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, const int32_t *__restrict__ e,
-                                  int32_t F, double *__restrict__ blk)
+/* blk [rows, d] = the fixed-point rows of a, by skv_cc_fix8 where d and a allow it. */
+static void skv_cc_fix_launch(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk,
+                              cudaStream_t st)
 {
-    int64_t count = rows * d;
-    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
-        blk[k] = skv_canon_fix(a[k], F, e[k % d]);
+    if (d % 8 == 0 && (uintptr_t)a % 16 == 0) {
+        const unsigned gx = (unsigned)((d / 8 + 31) / 32);
+        int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
+        if (gy > rows8) gy = rows8;
+        if (gy < 1) gy = 1;
+        skv_cc_fix8<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, st>>>(a, rows, d, e, F, blk);
+    } else
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, st>>>(a, rows, d, e, F, blk);
 }
 
 /* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
@@ -116,7 +122,7 @@ static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 
     const double one = 1.0, zero = 0.0;
     for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
 #if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
         SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
@@ -556,15 +562,6 @@ static __global__ void __launch_bounds__(256)
         yq[(int64_t)i * r + j] = rint(skv_canon_scale(__dmul_rn(q[(int64_t)i * r + j], skv_canon_pow2(e[i] - F)), Gb - fj));
 }
 
-/* u rows [0, rows) (row major [rows, r]) = (float) (T 2^(f_j - Gb)). */
-static __global__ void skv_cc_uscale(const double *__restrict__ tb, int64_t rows, int32_t r, const int32_t *__restrict__ f,
-                                     int32_t Gb, float *__restrict__ u)
-{
-    int64_t count = rows * r;
-    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
-        u[k] = (float)skv_canon_scale(tb[k], f[k % r] - Gb);
-}
-
 /* ---- the driver ------------------------------------------------------------------------- */
 
 /* One pass on Y [m, p] (device, row major) into X (may alias Y). */
@@ -681,12 +678,18 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");
     for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
         /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
         SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, blk, d, &zero, tb, r),
                           "cublasDgemm (canonical exact U)");
-        skv_cc_uscale<<<skv_cf_blocks(rows * r), SKV_CF_THREADS, 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        {
+            const unsigned gx = (unsigned)((r + 31) / 32);
+            int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
+            if (gy > rows8) gy = rows8;
+            if (gy < 1) gy = 1;
+            skv_cc_uscale<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        }
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
     }
     return SKV_OK;
