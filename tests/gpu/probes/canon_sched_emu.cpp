@@ -1,6 +1,7 @@
 /*
  * canon_sched_emu.cpp - a host emulation of the fast canonical-route kernels' schedules
- * (cuda/skv_cuda_canon.cuh: skv_cc_gemm, skv_cc_fchol, skv_cc_fsolve), thread by thread and
+ * (cuda/skv_cuda_canon_mm.cuh: skv_cc_mm, with its stage ring's hazards; cuda/skv_cuda_canon.cuh:
+ * skv_cc_fchol, skv_cc_fsolve), thread by thread and
  * phase by phase with the kernels' own index arithmetic, compared bit for bit with the
  * reference functions of lib/skv_factor_canon.h on random inputs. It checks the schedules'
  * logic (ownership, step order, packing, staging), not the device's arithmetic (the device's
