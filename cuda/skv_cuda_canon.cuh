@@ -14,11 +14,13 @@
  *      accumulating S (beta = 1: exact, every partial sum an integer below 2^53);
  *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
- *      Y^T Y (its lower triangle) by a register-tiled, double-buffered fp64 SIMT
- *      GEMM (skv_cc_gemm: each output one __fma_rn chain in order of k), the
- *      equilibration, trace, shift, floor and Cholesky in one thread block, the
- *      solve X = Y L^-T a warp per row (skv_cc_fchol, skv_cc_fsolve in
- *      skv_cuda_canon_chol.cuh: a one-column lookahead, one barrier per column);
+ *      Y^T Y (its lower triangle) by a register-tiled fp64 SIMT GEMM with a cp.async
+ *      stage ring and register prefetch (skv_cc_mm, skv_cuda_canon_mm.cuh: each
+ *      output one __fma_rn chain in order of k; G X reads G's rows as its columns,
+ *      G being symmetric bit for bit), the equilibration, trace, shift, floor and
+ *      Cholesky in one thread block, the solve X = Y L^-T a warp per row
+ *      (skv_cc_fchol_ring, skv_cc_fsolve in skv_cuda_canon_chol.cuh: a one-column
+ *      lookahead, columns published through a shared ring, quotients by skv_cc_div);
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
@@ -32,6 +34,8 @@
 #include "skv_factor_canon.h"
 #include "skv_cuda_canon_i8.cuh"
 #include "skv_cuda_canon_chol.cuh"
+#include "skv_cuda_canon_mm.cuh"
+#include "skv_cuda_canon_fix.cuh"
 
 /* 1: the Cholesky without block barriers (skv_cc_fchol_ring); 0: one barrier a column. */
 #ifndef SKV_CC_FCHOL_RING
@@ -99,13 +103,18 @@ static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_
         e[i] = skv_canon_ex_bf16((uint16_t)colmax[i]);
 }
 
-/* blk [rows, d] (row major) = the fixed-point rows of a. */
-static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, const int32_t *__restrict__ e,
-                                  int32_t F, double *__restrict__ blk)
+/* blk [rows, d] = the fixed-point rows of a, by skv_cc_fix8 where d and a allow it. */
+static void skv_cc_fix_launch(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk,
+                              cudaStream_t st)
 {
-    int64_t count = rows * d;
-    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
-        blk[k] = skv_canon_fix(a[k], F, e[k % d]);
+    if (d % 8 == 0 && (uintptr_t)a % 16 == 0) {
+        const unsigned gx = (unsigned)((d / 8 + 31) / 32);
+        int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
+        if (gy > rows8) gy = rows8;
+        if (gy < 1) gy = 1;
+        skv_cc_fix8<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, st>>>(a, rows, d, e, F, blk);
+    } else
+        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, st>>>(a, rows, d, e, F, blk);
 }
 
 /* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
@@ -117,7 +126,7 @@ static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 
     const double one = 1.0, zero = 0.0;
     for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
 #if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
         SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
@@ -327,134 +336,6 @@ static __global__ void __launch_bounds__(128)
     }
 }
 
-/* ---- step 3, the fast schedules (same per-element operation sequences) ------------------ */
-
-/*
- * skv_cc_gemm: C [M, N] (row major, ldc), C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j),
- * acc) from acc = 0, A(i, k) = a[i sai + k sak], B(k, j) = b[k sbk + j sbj]: the products of the
- * former chain kernel, faster. TY x TX threads; thread (ty, tx) owns TM x TN outputs in
- * registers (a block tile of TY TM x TX TN). k goes through
- * shared memory in stages of KT, double buffered: the next stage's global loads are in registers
- * while the current stage is multiplied, one barrier per stage. A thread's rows and columns come
- * in adjacent pairs (row 2 ty + (p & 1) + 2 TY (p >> 1), column 2 tx + (q & 1) + 2 TX (q >> 1);
- * TM, TN even), so each operand pair is one 16-byte shared-memory load. Why the bits are the reference's:
- * each output lives in one register of one thread from acc = 0 to its store; the thread visits
- * the stages in order and, in a stage, kk = 0..KT-1 in order (terms with k0 + kk >= K skipped, no
- * padded term), one __fma_rn(A(i, k), B(k, j), acc) per k: exactly the chain of
- * skv_canon_ref_gx / skv_canon_ref_cross (fma(a, b, c) = fma(b, a, c) bitwise, so Y^T Y's
- * C(i, j) = C(j, i) whichever operand comes first). lower != 0 (M = N, square tiles): the tiles
- * strictly above the diagonal are skipped; the consumers (the Cholesky kernels) read C(i, j) for
- * j <= i only, and the diagonal tiles are computed whole.
- */
-template <int TM, int TN, int TY, int TX, int KT>
-static __global__ void __launch_bounds__(TY *TX)
-    skv_cc_gemm(int32_t M, int32_t N, int32_t K, const double *__restrict__ a, int64_t sai, int64_t sak,
-                const double *__restrict__ b, int64_t sbk, int64_t sbj, double *__restrict__ c, int64_t ldc, int lower)
-{
-    constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
-    constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT; /* stage loads per thread */
-    static_assert(TM % 2 == 0 && TN % 2 == 0, "outputs in pairs");
-    /* rows of BM + 2 (even: every pair 16-byte aligned) */
-    __shared__ __align__(16) double as[2][KT][BM + 2];
-    __shared__ __align__(16) double bs[2][KT][BN + 2];
-    if (lower && blockIdx.x > blockIdx.y) return; /* whole block: before any barrier */
-    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
-    const int32_t i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
-    double acc[TM][TN], ra[LA], rb[LB];
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) acc[p][q] = 0.0;
-    /* stage loads: consecutive threads along the operand's contiguous index (coalesced) */
-    auto load = [&](int32_t k0) {
-#pragma unroll
-        for (int e = 0; e < LA; e++) {
-            int idx = tid + NT * e;
-            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-            int32_t gi = i0 + ii, gk = k0 + kk;
-            ra[e] = idx < KT * BM && gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
-        }
-#pragma unroll
-        for (int e = 0; e < LB; e++) {
-            int idx = tid + NT * e;
-            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-            int32_t gj = j0 + jj, gk = k0 + kk;
-            rb[e] = idx < KT * BN && gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
-        }
-    };
-    auto store = [&](int buf) {
-#pragma unroll
-        for (int e = 0; e < LA; e++) {
-            int idx = tid + NT * e;
-            int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-            if (idx < KT * BM) as[buf][kk][ii] = ra[e];
-        }
-#pragma unroll
-        for (int e = 0; e < LB; e++) {
-            int idx = tid + NT * e;
-            int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-            if (idx < KT * BN) bs[buf][kk][jj] = rb[e];
-        }
-    };
-    const int32_t nst = (K + KT - 1) / KT;
-    if (nst > 0) {
-        load(0);
-        store(0);
-    }
-    __syncthreads();
-    for (int32_t st = 0; st < nst; st++) {
-        const int buf = st & 1;
-        if (st + 1 < nst) load((st + 1) * KT); /* in flight during this stage's fmas */
-        const int32_t kn = K - st * KT;     /* >= KT except in the last stage */
-#pragma unroll
-        for (int kk = 0; kk < KT; kk++) {
-            if (kk < kn) { /* k = st KT + kk, in order */
-                double av[TM], bv[TN];
-#pragma unroll
-                for (int h = 0; h < TM / 2; h++) { /* rows 2 ty + 2 TY h + 0, 1 */
-                    const double2 v = *reinterpret_cast<const double2 *>(&as[buf][kk][2 * ty + 2 * TY * h]);
-                    av[2 * h] = v.x;
-                    av[2 * h + 1] = v.y;
-                }
-#pragma unroll
-                for (int h = 0; h < TN / 2; h++) { /* columns 2 tx + 2 TX h + 0, 1 */
-                    const double2 v = *reinterpret_cast<const double2 *>(&bs[buf][kk][2 * tx + 2 * TX * h]);
-                    bv[2 * h] = v.x;
-                    bv[2 * h + 1] = v.y;
-                }
-#pragma unroll
-                for (int p = 0; p < TM; p++)
-#pragma unroll
-                    for (int q = 0; q < TN; q++) acc[p][q] = __fma_rn(av[p], bv[q], acc[p][q]);
-            }
-        }
-        /* buf ^ 1 was last read in stage st - 1, which ended with the barrier below */
-        if (st + 1 < nst) store(buf ^ 1);
-        __syncthreads();
-    }
-#pragma unroll
-    for (int p = 0; p < TM; p++)
-#pragma unroll
-        for (int q = 0; q < TN; q++) {
-            int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
-            if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
-        }
-}
-
-/* G X: 64 x 32 tiles of 128 threads (4 x 4 outputs each): 80 blocks at d = 1024, r = 160. */
-#define SKV_CC_GX_TM 4
-#define SKV_CC_GX_TN 4
-#define SKV_CC_GX_TY 16
-#define SKV_CC_GX_TX 8
-#define SKV_CC_GX_KT 16
-/* Y^T Y: 16 x 16 tiles of 64 threads (2 x 2 outputs each; the lower triangle's 55 tiles at
-   p = 160): every chain is 1024 long, so the time is its latency; few outputs per SM. */
-#define SKV_CC_YY_TM 2
-#define SKV_CC_YY_TN 2
-#define SKV_CC_YY_TY 8
-#define SKV_CC_YY_TX 8
-#define SKV_CC_YY_KT 32
-
 /* ---- step 4 ----------------------------------------------------------------------------- */
 
 /* w [r, d] = (float) Q^T; f[j] = ex(max_i |Q_ij 2^(e_i - F)|); yq [d, r] = rne(Q' 2^(Gb - f_j)). One
@@ -484,15 +365,6 @@ static __global__ void __launch_bounds__(256)
         yq[(int64_t)i * r + j] = rint(skv_canon_scale(__dmul_rn(q[(int64_t)i * r + j], skv_canon_pow2(e[i] - F)), Gb - fj));
 }
 
-/* u rows [0, rows) (row major [rows, r]) = (float) (T 2^(f_j - Gb)). */
-static __global__ void skv_cc_uscale(const double *__restrict__ tb, int64_t rows, int32_t r, const int32_t *__restrict__ f,
-                                     int32_t Gb, float *__restrict__ u)
-{
-    int64_t count = rows * r;
-    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < count; k += (int64_t)gridDim.x * blockDim.x)
-        u[k] = (float)skv_canon_scale(tb[k], f[k % r] - Gb);
-}
-
 /* ---- the driver ------------------------------------------------------------------------- */
 
 /* One pass on Y [m, p] (device, row major) into X (may alias Y). */
@@ -500,10 +372,8 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
                               size_t cap)
 {
     { /* C = Y^T Y, its lower triangle's tiles */
-        constexpr int bm = SKV_CC_YY_TY * SKV_CC_YY_TM;
-        dim3 gr((p + bm - 1) / bm, (p + bm - 1) / bm);
-        skv_cc_gemm<SKV_CC_YY_TM, SKV_CC_YY_TN, SKV_CC_YY_TY, SKV_CC_YY_TX, SKV_CC_YY_KT>
-            <<<gr, SKV_CC_YY_TY * SKV_CC_YY_TX, 0, f->st>>>(p, p, m, y, 1, p, y, p, 1, f->cc_c, p, 1);
+        dim3 gr((p + SKV_CC_YY_BN - 1) / SKV_CC_YY_BN, (p + SKV_CC_YY_BM - 1) / SKV_CC_YY_BM);
+        skv_cc_mm<SKV_CC_YY_CFG><<<gr, SKV_CC_YY_NT, 0, f->st>>>(p, p, m, y, p, y, p, f->cc_c, p, 1);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
     }
     int qn = (p + 31) / 32;
@@ -598,10 +468,9 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     skv_cc_start<<<skv_cf_blocks((int64_t)d * r), SKV_CF_THREADS, 0, f->st>>>(x, d, r);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical start kernel");
     for (int it = 0; it < SKV_CANON_ITERS; it++) {
-        constexpr int bm = SKV_CC_GX_TY * SKV_CC_GX_TM, bn = SKV_CC_GX_TX * SKV_CC_GX_TN;
-        dim3 gr((r + bn - 1) / bn, (d + bm - 1) / bm);
-        skv_cc_gemm<SKV_CC_GX_TM, SKV_CC_GX_TN, SKV_CC_GX_TY, SKV_CC_GX_TX, SKV_CC_GX_KT>
-            <<<gr, SKV_CC_GX_TY * SKV_CC_GX_TX, 0, f->st>>>(d, r, d, g, d, 1, x, r, 1, y, r, 0);
+        /* A^T = G itself: G is symmetric bit for bit (skv_cc_gscale) */
+        dim3 gr((r + SKV_CC_GX_BN - 1) / SKV_CC_GX_BN, (d + SKV_CC_GX_BM - 1) / SKV_CC_GX_BM);
+        skv_cc_mm<SKV_CC_GX_CFG><<<gr, SKV_CC_GX_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
         skv_status s;
         if (it < SKV_CANON_TWO_PASS_ITERS) {
@@ -620,12 +489,18 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");
     for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, f->st>>>(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk);
+        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
         /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
         SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, blk, d, &zero, tb, r),
                           "cublasDgemm (canonical exact U)");
-        skv_cc_uscale<<<skv_cf_blocks(rows * r), SKV_CF_THREADS, 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        {
+            const unsigned gx = (unsigned)((r + 31) / 32);
+            int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
+            if (gy > rows8) gy = rows8;
+            if (gy < 1) gy = 1;
+            skv_cc_uscale<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        }
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
     }
     return SKV_OK;

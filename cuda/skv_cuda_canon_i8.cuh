@@ -11,41 +11,71 @@
 
 /* The int8 digit planes of a token block (skv_cuda_canon_i8.h): rows [0, rows) of a (row major
    [rows, d]), plane k at out + k plane_bytes, column i of plane k at i ld (ld = the plan's rows).
-   A block of 256 threads per tile of 128 rows x 64 columns: coalesced bf16 reads along the row,
-   the packed digits transposed through shared memory, 4-byte writes along the column. Rows
-   [rows, the tile's end) and columns [d, d4) get zeros. */
+   A block of 256 threads per tile of SKV_CC_SL_T = 128 rows x SKV_CC_SL_I = 64 columns. Phase 1:
+   thread tid reads the 8 columns 8 g .. 8 g + 7 (g = tid % 8) of the rows tid / 8 + 32 u (u < 4):
+   16-byte loads where d % 8 == 0 and a is 16-byte aligned (vec), 8 scalar loads otherwise; each
+   element's digits packed (skv_cc_i8_pack of skv_cc_i8_fix_bf16: skv_canon_fix's integer) into the
+   word of (column ii, row tt) at sm[ii][tt ^ 4 (ii / 8)] (the swizzle keeps a warp's stores, 4 rows
+   x 8 groups, on 32 distinct banks, and moves aligned groups of 4 rows whole). Phase 2: warp w
+   takes the columns w + 8 j; lane q reads the 16-byte word group of rows 4 q .. 4 q + 3 (one
+   conflict-free 512-byte warp load) and writes, per plane, those rows' digits as one char4 (a warp:
+   128 contiguous bytes of the column). Rows [rows, the tile's end) and columns [d, d4) get zeros. */
 #define SKV_CC_SL_T 128
 #define SKV_CC_SL_I 64
 static __global__ void __launch_bounds__(256)
     skv_cc_slice(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t d4, const int32_t *__restrict__ e,
                  int32_t F, int s, int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
 {
-    __shared__ uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T + 1];
-    const int tid = threadIdx.x;
+    static_assert(SKV_CC_SL_T == 128 && SKV_CC_SL_I == 64, "the thread maps below");
+    __shared__ __align__(16) uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T];
+    const int tid = threadIdx.x, g = tid & 7;
     const int64_t t0 = (int64_t)blockIdx.y * SKV_CC_SL_T;
-    const int32_t i0 = blockIdx.x * SKV_CC_SL_I;
-    for (int idx = tid; idx < SKV_CC_SL_T * SKV_CC_SL_I; idx += 256) {
-        int tt = idx / SKV_CC_SL_I, ii = idx % SKV_CC_SL_I;
-        int64_t t = t0 + tt;
-        int32_t i = i0 + ii;
-        uint32_t p = 0;
-        if (t < rows && i < d) p = skv_cc_i8_pack((int32_t)skv_canon_fix(a[t * d + i], F, e[i]), s);
-        sm[ii][tt] = p;
+    const int32_t i0 = blockIdx.x * SKV_CC_SL_I, c0 = i0 + 8 * g;
+    const bool vec = (d & 7) == 0 && ((uintptr_t)a & 15) == 0;
+    int32_t ec[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++) ec[c] = c0 + c < d ? e[c0 + c] : 0;
+    uint16_t v[4][8];
+#pragma unroll
+    for (int u = 0; u < 4; u++) { /* all loads first: 4 x 16 bytes in flight per thread */
+        const int64_t t = t0 + tid / 8 + 32 * u;
+        if (vec) {
+            uint4 w = make_uint4(0, 0, 0, 0);
+            if (t < rows && c0 < d) w = __ldg((const uint4 *)(a + t * d + c0));
+            const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                v[u][2 * c] = (uint16_t)(ww[c] & 0xffffu);
+                v[u][2 * c + 1] = (uint16_t)(ww[c] >> 16);
+            }
+        } else
+#pragma unroll
+            for (int c = 0; c < 8; c++) v[u][c] = t < rows && c0 + c < d ? a[t * d + c0 + c] : (uint16_t)0;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const int tt = tid / 8 + 32 * u;
+#pragma unroll
+        for (int c = 0; c < 8; c++) /* a zero element (or padding) packs to 0 */
+            sm[8 * g + c][tt ^ (4 * g)] = skv_cc_i8_pack(skv_cc_i8_fix_bf16(v[u][c], F, ec[c]), s);
     }
     __syncthreads();
-    for (int k = 0; k < s; k++) {
-        int8_t *pk = out + (size_t)k * plane_bytes;
-        for (int idx = tid; idx < SKV_CC_SL_I * (SKV_CC_SL_T / 4); idx += 256) {
-            int ii = idx / (SKV_CC_SL_T / 4), q = idx % (SKV_CC_SL_T / 4);
-            int32_t i = i0 + ii;
-            if (i >= d4) continue;
+    const int w = tid / 32, q = tid & 31;
+#pragma unroll 2
+    for (int j = 0; j < SKV_CC_SL_I / 8; j++) {
+        const int ii = w + 8 * j;
+        const int32_t i = i0 + ii;
+        if (i >= d4) break; /* warp-uniform, and the columns grow with j */
+        const uint4 p4 = *reinterpret_cast<const uint4 *>(&sm[ii][(4 * q) ^ (4 * (ii / 8))]);
+        int8_t *dst = out + (int64_t)i * ld + t0 + 4 * q;
+        for (int k = 0; k < s; k++) {
             const int sh = 8 * k;
-            char4 v;
-            v.x = (signed char)(sm[ii][4 * q + 0] >> sh);
-            v.y = (signed char)(sm[ii][4 * q + 1] >> sh);
-            v.z = (signed char)(sm[ii][4 * q + 2] >> sh);
-            v.w = (signed char)(sm[ii][4 * q + 3] >> sh);
-            *(char4 *)(pk + (int64_t)i * ld + t0 + 4 * q) = v;
+            char4 c4;
+            c4.x = (signed char)(p4.x >> sh);
+            c4.y = (signed char)(p4.y >> sh);
+            c4.z = (signed char)(p4.z >> sh);
+            c4.w = (signed char)(p4.w >> sh);
+            *(char4 *)(dst + (size_t)k * plane_bytes) = c4;
         }
     }
 }

@@ -78,6 +78,32 @@ SKV_CHD uint32_t skv_cc_i8_pack(int32_t x, int s)
     return p;
 }
 
+/* skv_canon_fix(a, F, e) in integer arithmetic, for a bf16 a of a column with scale e >= ex(|a|)
+   (e is the column's max, so every element qualifies) and F <= 25: a = +-m 2^(E-7) with m the 8-bit
+   significand (the implicit bit for a normal, E = field - 127; m = the fraction, E = -126 for a
+   subnormal), so a 2^(F-e) = +-m 2^sh, sh = E - 7 + F - e <= F - 7 <= 18: a left shift (|x| <= 2^26)
+   or, for sh < 0, m / 2^-sh rounded to nearest even: the quotient, plus one where the remainder is
+   above half or exactly half with an odd quotient (m < 2^8: for -sh >= 9 the result is 0, so the
+   shift is clamped to 16). rint of the exact double product is that same value (the rounding is
+   symmetric in the sign); canon_i8_emul.c compares the two on every finite bf16, every
+   admissible e and F = 0..25. No double operations: the digit kernel's fp64 conversions go. */
+SKV_CHD int32_t skv_cc_i8_fix_bf16(uint16_t a, int32_t F, int32_t e)
+{
+    const uint32_t mag = a & 0x7fffu, field = mag >> 7;
+    if (mag == 0) return 0;
+    const int32_t m = (int32_t)(field ? (mag & 0x7fu) | 0x80u : mag), E = field ? (int32_t)field - 127 : -126;
+    const int32_t sh = E - 7 + F - e;
+    int32_t v;
+    if (sh >= 0)
+        v = m << (sh < 23 ? sh : 23); /* sh <= 18 where e >= E */
+    else {
+        const int32_t r = -sh < 16 ? -sh : 16;
+        const int32_t q = m >> r, rem = m & ((1 << r) - 1), half = 1 << (r - 1);
+        v = q + (rem > half || (rem == half && (q & 1)));
+    }
+    return a & 0x8000u ? -v : v;
+}
+
 typedef struct skv_cc_i8_plan {
     int s;
     int32_t d4;

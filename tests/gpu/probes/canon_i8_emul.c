@@ -11,7 +11,9 @@
  *   cc -std=c99 -O2 -ffp-contract=off -Iinclude -Ilib -Icuda tests/gpu/probes/canon_i8_emul.c -lm \
  *     -o build/canon_i8_emul && build/canon_i8_emul
  *
- * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max.
+ * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max, and the
+ * digit kernel's integer fixed point (skv_cc_i8_fix_bf16) against skv_canon_fix on every finite
+ * bf16, F = 0..25 and every admissible column scale (~2.2e8 triples, a few seconds).
  *
  * Cases: the digits of every |x| <= 2^(F+1) for F <= 19 (sampled and extremes above), then
  * Grams on integer X with |x| = 2^(F+1) everywhere (both signs, all negative: S = 2^53 exactly
@@ -68,6 +70,31 @@ static void check_digits(void)
     printf("digits: F = 0..25 checked (s = %d at F = 17, %d at F = 25)\n", skv_cc_i8_slices(17), skv_cc_i8_slices(25));
 }
 
+/* skv_cc_i8_fix_bf16 against skv_canon_fix: every finite bf16 (both signs), every F = 0..25 and
+   every column scale e >= ex(|a|) the rule can give (e in [ex(|a|), 127]; e = 0 also for a = 0). */
+static void check_fix(void)
+{
+    long long n = 0, bad = 0;
+    for (int32_t F = 0; F <= 25; F++)
+        for (uint32_t a = 0; a < 0x10000u; a++) {
+            if ((a & 0x7f80u) == 0x7f80u) continue; /* inf, nan */
+            const int32_t ea = skv_canon_ex_bf16((uint16_t)(a & 0x7fffu));
+            for (int32_t e = (a & 0x7fffu) ? ea : -126; e <= 127; e++) {
+                const double want = skv_canon_fix((skv_bf16)a, F, e);
+                const int32_t got = skv_cc_i8_fix_bf16((uint16_t)a, F, e);
+                n++;
+                if ((double)got != want || fabs(want) > ldexp(1.0, F + 1)) {
+                    if (bad < 5)
+                        printf("fix: a = 0x%04x F = %d e = %d: %d, skv_canon_fix %.17g\n", (unsigned)a, (int)F, (int)e,
+                               (int)got, want);
+                    bad++;
+                }
+            }
+        }
+    printf("fix: %lld (a, F, e) compared, %lld differ\n", n, bad);
+    failures += bad != 0;
+}
+
 /* The emulated route: g [d, d] column major, upper triangle. chunk_rows_override (0: none) shortens
    the chunk (rounded down to a multiple of the block) to run the chunk logic on small n. */
 static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t bytes, int64_t chunk_rows_override,
@@ -89,36 +116,58 @@ static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t by
     for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
         const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows, kp = (rows + 15) / 16 * 16;
         (*nblocks)++;
-        /* skv_cc_slice as launched: grid (ceil(d4 / 64), ceil(rows / 128)), 256 threads, its two phases */
+        /* skv_cc_slice as launched: grid (ceil(d4 / 64), ceil(rows / 128)), 256 threads, its two phases
+           (phase 1's element: skv_cc_i8_pack of the integer x, which skv_cc_i8_fix_bf16 gives from the
+           bf16, check_fix below); the swizzled shared words poisoned first */
         for (unsigned by = 0; by < (unsigned)((rows + 127) / 128); by++)
             for (unsigned bx = 0; bx < (unsigned)((p.d4 + 63) / 64); bx++) {
-                static uint32_t sm[64][129];
+                static uint32_t sm[64][128];
+                static int hit[64][128];
+                memset(sm, 0xa5, sizeof sm);
+                memset(hit, 0, sizeof hit);
                 const int64_t tt0 = (int64_t)by * 128;
                 const int32_t i0 = (int32_t)bx * 64;
-                for (int tid = 0; tid < 256; tid++)
-                    for (int idx = tid; idx < 128 * 64; idx += 256) {
-                        int tt = idx / 64, ii = idx % 64;
-                        int64_t t = tt0 + tt;
-                        int32_t i = i0 + ii;
-                        uint32_t pk = 0;
-                        if (t < rows && i < d) pk = skv_cc_i8_pack(x[(t0 + t) * d + i], p.s);
-                        sm[ii][tt] = pk;
+                for (int tid = 0; tid < 256; tid++) {
+                    const int g = tid & 7;
+                    const int32_t c0 = i0 + 8 * g;
+                    for (int u = 0; u < 4; u++) {
+                        const int tt = tid / 8 + 32 * u;
+                        const int64_t t = tt0 + tt;
+                        for (int c = 0; c < 8; c++) {
+                            uint32_t pk = 0;
+                            if (t < rows && c0 + c < d) pk = skv_cc_i8_pack(x[(t0 + t) * d + c0 + c], p.s);
+                            sm[8 * g + c][tt ^ (4 * g)] = pk;
+                            hit[8 * g + c][tt ^ (4 * g)]++;
+                        }
                     }
-                for (int tid = 0; tid < 256; tid++)
-                    for (int k = 0; k < p.s; k++) {
-                        int8_t *pk = planes + (size_t)k * p.plane_bytes;
-                        for (int idx = tid; idx < 64 * 32; idx += 256) {
-                            int ii = idx / 32, q = idx % 32;
-                            int32_t i = i0 + ii;
-                            if (i >= p.d4) continue;
-                            int8_t *dst = pk + (int64_t)i * ld + tt0 + 4 * q;
+                }
+                for (int ii = 0; ii < 64; ii++)
+                    for (int tt = 0; tt < 128; tt++)
+                        if (hit[ii][tt] != 1) {
+                            printf("slice: shared word (%d, %d) written %d times\n", ii, tt, hit[ii][tt]);
+                            failures++;
+                        }
+                for (int tid = 0; tid < 256; tid++) {
+                    const int w = tid / 32, q = tid & 31;
+                    for (int j = 0; j < 8; j++) {
+                        const int ii = w + 8 * j;
+                        const int32_t i = i0 + ii;
+                        if (i >= p.d4) break;
+                        const int wi = (4 * q) ^ (4 * (ii / 8));
+                        if (wi % 4) {
+                            printf("slice: misaligned uint4 shared load\n");
+                            failures++;
+                        }
+                        for (int k = 0; k < p.s; k++) {
+                            int8_t *dst = planes + (size_t)k * p.plane_bytes + (int64_t)i * ld + tt0 + 4 * q;
                             if ((uintptr_t)dst % 4 || tt0 + 4 * q + 4 > ld) {
                                 printf("slice: misaligned or out-of-plane char4 store\n");
                                 failures++;
                             }
-                            for (int c = 0; c < 4; c++) dst[c] = (int8_t)(sm[ii][4 * q + c] >> (8 * k));
+                            for (int c = 0; c < 4; c++) dst[c] = (int8_t)(sm[ii][wi + c] >> (8 * k));
                         }
                     }
+                }
             }
         const int chunk_first = t0 % p.chunk_rows == 0;
         for (int b = 0; b < p.s; b++) { /* cublasGemmEx T, N: C [(b+1) d4, d4] = A^T B */
@@ -319,6 +368,7 @@ static void check_colmax8(int64_t n, int32_t d)
 int main(void)
 {
     check_digits();
+    check_fix();
     check_colmax8(1, 8);
     check_colmax8(7, 64);
     check_colmax8(1000, 1024);

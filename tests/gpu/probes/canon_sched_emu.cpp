@@ -1,6 +1,7 @@
 /*
  * canon_sched_emu.cpp - a host emulation of the fast canonical-route kernels' schedules
- * (cuda/skv_cuda_canon.cuh: skv_cc_gemm; cuda/skv_cuda_canon_chol.cuh: skv_cc_fchol, skv_cc_fsolve), thread by thread and
+ * (cuda/skv_cuda_canon_mm.cuh: skv_cc_mm, with its stage ring's hazards; cuda/skv_cuda_canon_chol.cuh:
+ * skv_cc_fchol, skv_cc_fsolve), thread by thread and
  * phase by phase with the kernels' own index arithmetic, compared bit for bit with the
  * reference functions of lib/skv_factor_canon.h on random inputs. It checks the schedules'
  * logic (ownership, step order, packing, staging), not the device's arithmetic (the device's
@@ -12,13 +13,16 @@
  */
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <random>
 #include <vector>
 
 extern "C" {
 #include "skv_factor_canon.h"
 }
+#include "../../../cuda/skv_cuda_canon_mm.cuh" /* the configurations (host: the macros only) */
 
 #define __fma_rn(a, b, c) fma((a), (b), (c))
 #define __ddiv_rn(a, b) ((a) / (b))
@@ -42,90 +46,148 @@ static int same(const double *a, const double *b, size_t n)
     return memcmp(a, b, n * sizeof(double)) == 0;
 }
 
-/* ---- skv_cc_gemm<TM, TN, TY, TX, KT>: one block at a time, threads in sequence per phase ---- */
-template <int TM, int TN, int TY, int TX, int KT>
-static void emu_gemm(int32_t M, int32_t N, int32_t K, const double *a, int64_t sai, int64_t sak, const double *b,
-                     int64_t sbk, int64_t sbj, double *c, int64_t ldc, int lower)
+/* ---- skv_cc_mm<TM, TN, TY, TX, KT, NS, PD>: one block at a time, threads in sequence per phase ----
+   The stage ring is emulated with its hazards: a buffer being filled (cp.async issued, its
+   group not yet waited for) holds NaN, so a read of it before the wait and the barrier that
+   follows, or an issue into a buffer still read in the same phase, poisons a result. */
+static int mm_pos(int T, int TT, int t, int p)
+{
+    return p < 2 * (T / 2) ? 2 * t + (p & 1) + 2 * TT * (p >> 1) : 2 * TT * (T / 2) + t;
+}
+static void mm_fail(const char *what)
+{
+    printf("FAIL: %s\n", what);
+    exit(1);
+}
+template <int TM, int TN, int TY, int TX, int KT, int NS, int PD>
+static void emu_mm(int32_t M, int32_t N, int32_t K, const double *at, int64_t lda, const double *b, int64_t ldb,
+                   double *c, int64_t ldc, int lower)
 {
     constexpr int NT = TY * TX, BM = TY * TM, BN = TX * TN;
-    constexpr int LA = (KT * BM + NT - 1) / NT, LB = (KT * BN + NT - 1) / NT;
-    int gx = (N + BN - 1) / BN, gy = (M + BM - 1) / BM;
-    static double as[2][KT][BM + 2], bs[2][KT][BN + 2];
+    static_assert(BM % 2 == 0 && BN % 2 == 0 && NS >= 3 && PD >= 1 && PD < KT, "as the kernel");
+    const int gx = (N + BN - 1) / BN, gy = (M + BM - 1) / BM;
+    std::vector<double> as((size_t)NS * KT * BM), bs((size_t)NS * KT * BN);
+    const bool vec = ((lda | ldb | M | N) & 1) == 0 && ((uintptr_t)at & 15) == 0 && ((uintptr_t)b & 15) == 0;
+    const int32_t nst = (K + KT - 1) / KT;
     for (int by = 0; by < gy; by++)
         for (int bx = 0; bx < gx; bx++) {
-            if (lower && bx > by) continue;
             const int32_t i0 = by * BM, j0 = bx * BN;
-            std::vector<double> acc((size_t)NT * TM * TN, 0.0), ra((size_t)NT * LA), rb((size_t)NT * LB);
-            for (int kk = 0; kk < KT; kk++) { /* poison: unwritten smem must never be read into a result */
-                for (int ii = 0; ii < BM + 2; ii++) as[0][kk][ii] = as[1][kk][ii] = NAN;
-                for (int jj = 0; jj < BN + 2; jj++) bs[0][kk][jj] = bs[1][kk][jj] = NAN;
-            }
-            auto load = [&](int tid, int32_t k0) {
-                for (int e = 0; e < LA; e++) {
-                    int idx = tid + NT * e;
-                    int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-                    int32_t gi = i0 + ii, gk = k0 + kk;
-                    ra[(size_t)tid * LA + e] = idx < KT * BM && gi < M && gk < K ? a[gi * sai + gk * sak] : 0.0;
-                }
-                for (int e = 0; e < LB; e++) {
-                    int idx = tid + NT * e;
-                    int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-                    int32_t gj = j0 + jj, gk = k0 + kk;
-                    rb[(size_t)tid * LB + e] = idx < KT * BN && gj < N && gk < K ? b[gk * sbk + gj * sbj] : 0.0;
-                }
-            };
-            auto store = [&](int tid, int buf) {
-                for (int e = 0; e < LA; e++) {
-                    int idx = tid + NT * e;
-                    int kk = sak == 1 ? idx % KT : idx / BM, ii = sak == 1 ? idx / KT : idx % BM;
-                    if (idx < KT * BM) as[buf][kk][ii] = ra[(size_t)tid * LA + e];
-                }
-                for (int e = 0; e < LB; e++) {
-                    int idx = tid + NT * e;
-                    int kk = sbj == 1 ? idx / BN : idx % KT, jj = sbj == 1 ? idx % BN : idx / KT;
-                    if (idx < KT * BN) bs[buf][kk][jj] = rb[(size_t)tid * LB + e];
-                }
-            };
-            const int32_t nst = (K + KT - 1) / KT;
-            if (nst > 0)
-                for (int tid = 0; tid < NT; tid++) load(tid, 0), store(tid, 0);
-            for (int32_t st = 0; st < nst; st++) {
-                const int buf = st & 1;
+            if (lower && j0 >= i0 + BM) continue;
+            std::fill(as.begin(), as.end(), NAN);
+            std::fill(bs.begin(), bs.end(), NAN);
+            std::vector<int> groups; /* committed groups: the stage, -1 for an empty one */
+            std::vector<int> pend(NS, -1);
+            /* the copies of one operand, thread by thread as skv_cc_mm_copy */
+            auto copy = [&](double *dst, const double *src, int64_t ld, int32_t k0, int32_t C, int32_t c0, int W) {
+                std::vector<int> hit((size_t)KT * W, 0);
                 for (int tid = 0; tid < NT; tid++) {
-                    const int tx = tid % TX, ty = tid / TX;
-                    if (st + 1 < nst) load(tid, (st + 1) * KT);
-                    const int32_t kn = K - st * KT;
-                    for (int kk = 0; kk < KT; kk++)
-                        if (kk < kn) {
-                            double av[TM], bv[TN];
-                            for (int h = 0; h < TM / 2; h++) {
-                                const double *v = &as[buf][kk][2 * ty + 2 * TY * h];
-                                if ((v - &as[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
-                                av[2 * h] = v[0];
-                                av[2 * h + 1] = v[1];
-                            }
-                            for (int h = 0; h < TN / 2; h++) {
-                                const double *v = &bs[buf][kk][2 * tx + 2 * TX * h];
-                                if ((v - &bs[0][0][0]) % 2) printf("FAIL: misaligned pair\n"), exit(1);
-                                bv[2 * h] = v[0];
-                                bv[2 * h + 1] = v[1];
-                            }
-                            for (int p = 0; p < TM; p++)
-                                for (int q = 0; q < TN; q++) {
-                                    double &r = acc[((size_t)tid * TM + p) * TN + q];
-                                    r = __fma_rn(av[p], bv[q], r);
-                                }
+                    const int CH = vec ? KT * (W / 2) : KT * W;
+                    for (int e = 0; e < (CH + NT - 1) / NT; e++) {
+                        const int idx = tid + NT * e;
+                        if (idx >= CH) continue;
+                        const int w = vec ? 2 : 1, kk = idx / (W / w), cc = w * (idx % (W / w));
+                        const int32_t gk = k0 + kk, gc = c0 + cc;
+                        const bool ok = gk < K && gc < C;
+                        if (vec && ((gk * ld + gc) % 2 || cc % 2)) mm_fail("misaligned 16-byte copy");
+                        for (int u = 0; u < w; u++) {
+                            dst[kk * W + cc + u] = ok ? src[gk * ld + gc + u] : 0.0;
+                            hit[(size_t)kk * W + cc + u]++;
                         }
+                    }
                 }
-                /* the barrier: every thread's fmas of stage st before anyone's store into buf ^ 1 */
-                for (int tid = 0; tid < NT; tid++)
-                    if (st + 1 < nst) store(tid, buf ^ 1);
+                for (int h : hit)
+                    if (h != 1) mm_fail("stage copy coverage");
+            };
+            auto land = [&](int st) {
+                const int buf = st % NS;
+                copy(&as[(size_t)buf * KT * BM], at, lda, st * KT, M, i0, BM);
+                copy(&bs[(size_t)buf * KT * BN], b, ldb, st * KT, N, j0, BN);
+                pend[buf] = -1;
+            };
+            auto issue = [&](int st) {
+                const int buf = st % NS;
+                if (pend[buf] >= 0) mm_fail("issue into a pending buffer");
+                std::fill(as.begin() + (size_t)buf * KT * BM, as.begin() + (size_t)(buf + 1) * KT * BM, NAN);
+                std::fill(bs.begin() + (size_t)buf * KT * BN, bs.begin() + (size_t)(buf + 1) * KT * BN, NAN);
+                pend[buf] = st;
+            };
+            auto commit = [&](int st) { groups.push_back(st); };
+            auto wait = [&](int n) { /* all but the newest n groups complete */
+                for (int g = 0; g + n < (int)groups.size(); g++)
+                    if (groups[g] >= 0 && pend[groups[g] % NS] == groups[g]) land(groups[g]);
+            };
+            std::vector<double> acc((size_t)NT * TM * TN, 0.0), fa((size_t)NT * (PD + 1) * TM, NAN),
+                fb((size_t)NT * (PD + 1) * TN, NAN);
+            auto frag = [&](int tid, int buf, int kk, int slot) {
+                const int tx = tid % TX, ty = tid / TX;
+                const double *ra = &as[((size_t)buf * KT + kk) * BM], *rb = &bs[((size_t)buf * KT + kk) * BN];
+                for (int p = 0; p < TM; p++) {
+                    int pos = mm_pos(TM, TY, ty, p);
+                    if (p < 2 * (TM / 2) && (p & 1) == 0 && pos % 2) mm_fail("misaligned pair");
+                    fa[((size_t)tid * (PD + 1) + slot) * TM + p] = ra[pos];
+                }
+                for (int q = 0; q < TN; q++) {
+                    int pos = mm_pos(TN, TX, tx, q);
+                    if (q < 2 * (TN / 2) && (q & 1) == 0 && pos % 2) mm_fail("misaligned pair");
+                    fb[((size_t)tid * (PD + 1) + slot) * TN + q] = rb[pos];
+                }
+            };
+            auto fmas = [&](int tid) {
+                for (int p = 0; p < TM; p++)
+                    for (int q = 0; q < TN; q++) {
+                        double &r = acc[((size_t)tid * TM + p) * TN + q];
+                        r = __fma_rn(fa[((size_t)tid * (PD + 1)) * TM + p], fb[((size_t)tid * (PD + 1)) * TN + q], r);
+                    }
+            };
+            for (int s = 0; s < NS - 1; s++) {
+                if (s < nst) issue(s);
+                commit(s < nst ? s : -1);
             }
+            wait(NS - 2);
+            /* barrier */
+            if (K >= KT)
+                for (int tid = 0; tid < NT; tid++)
+                    for (int q = 0; q < PD; q++) frag(tid, 0, q, q);
+            for (int32_t st = 0; st < nst; st++) {
+                wait(NS - 3);
+                /* barrier: the phase below is every thread's work up to the next one */
+                if (st + NS - 1 < nst) issue(st + NS - 1);
+                commit(st + NS - 1 < nst ? st + NS - 1 : -1);
+                const int buf = st % NS, nbuf = (st + 1) % NS;
+                for (int tid = 0; tid < NT; tid++) {
+                    if ((st + 1) * KT <= K) {
+                        const bool more = (st + 2) * KT <= K;
+                        for (int kk = 0; kk < KT; kk++) {
+                            const int kn = kk + PD;
+                            if (kn < KT) frag(tid, buf, kn, PD);
+                            else if (more) frag(tid, nbuf, kn - KT, PD);
+                            else { /* not loaded: poison, never used */
+                                for (int p = 0; p < TM; p++) fa[((size_t)tid * (PD + 1) + PD) * TM + p] = NAN;
+                                for (int q = 0; q < TN; q++) fb[((size_t)tid * (PD + 1) + PD) * TN + q] = NAN;
+                            }
+                            fmas(tid);
+                            for (int q = 0; q < PD; q++) {
+                                for (int p = 0; p < TM; p++)
+                                    fa[((size_t)tid * (PD + 1) + q) * TM + p] = fa[((size_t)tid * (PD + 1) + q + 1) * TM + p];
+                                for (int p = 0; p < TN; p++)
+                                    fb[((size_t)tid * (PD + 1) + q) * TN + p] = fb[((size_t)tid * (PD + 1) + q + 1) * TN + p];
+                            }
+                        }
+                    } else {
+                        const int32_t kn = K - st * KT;
+                        for (int kk = 0; kk < kn; kk++) {
+                            frag(tid, buf, kk, 0);
+                            fmas(tid);
+                        }
+                    }
+                }
+            }
+            wait(0);
             for (int tid = 0; tid < NT; tid++) {
                 const int tx = tid % TX, ty = tid / TX;
                 for (int p = 0; p < TM; p++)
                     for (int q = 0; q < TN; q++) {
-                        int32_t i = i0 + 2 * ty + (p & 1) + 2 * TY * (p >> 1), j = j0 + 2 * tx + (q & 1) + 2 * TX * (q >> 1);
+                        int32_t i = i0 + mm_pos(TM, TY, ty, p), j = j0 + mm_pos(TN, TX, tx, q);
                         if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[((size_t)tid * TM + p) * TN + q];
                     }
             }
@@ -361,7 +423,7 @@ int main(int argc, char **argv)
                     skv_canon_ref_cross(m, p, yr.data(), cr.data());
                     /* fast Y^T Y: the lower tiles only; compare j <= i */
                     std::fill(c.begin(), c.end(), NAN);
-                    emu_gemm<2, 2, 8, 8, 32>(p, p, m, y.data(), 1, p, y.data(), p, 1, c.data(), p, 1);
+                    emu_mm<SKV_CC_YY_CFG>(p, p, m, y.data(), p, y.data(), p, c.data(), p, 1);
                     int ok = 1;
                     for (int i = 0; i < p; i++)
                         for (int j = 0; j <= i; j++)
@@ -418,20 +480,59 @@ int main(int argc, char **argv)
                 printf("FAIL indefinite p %d eq %d (floored %d)\n", p, eq, nfl);
             }
         }
+    /* Y^T Y: the probe's other variants (the lower triangle), a few shapes */
+    for (int m : {160, 257, 1024})
+        for (int p : {1, 33, 100, 160}) {
+            std::vector<double> y((size_t)m * p), c((size_t)p * p), cr((size_t)p * p);
+            for (auto &v : y) v = nd(rng);
+            skv_canon_ref_cross(m, p, y.data(), cr.data());
+            auto yy = [&](const char *name, void (*fn)(int32_t, int32_t, int32_t, const double *, int64_t,
+                                                       const double *, int64_t, double *, int64_t, int)) {
+                std::fill(c.begin(), c.end(), NAN);
+                fn(p, p, m, y.data(), p, y.data(), p, c.data(), p, 1);
+                int ok = 1;
+                for (int i = 0; i < p; i++)
+                    for (int j = 0; j <= i; j++)
+                        if (memcmp(&c[(size_t)i * p + j], &cr[(size_t)i * p + j], 8)) ok = 0;
+                cases++;
+                if (!ok) {
+                    fails++;
+                    printf("FAIL Y^T Y %s m %d p %d\n", name, m, p);
+                }
+            };
+            yy("2x2 8x16", emu_mm<2, 2, 4, 8, 32, 4, 2>);
+            yy("1x2 16x16", emu_mm<1, 2, 16, 8, 32, 4, 2>);
+            yy("2x2 kt16", emu_mm<2, 2, 8, 8, 16, 4, 2>);
+            yy("2x2 kt64 ns3", emu_mm<2, 2, 8, 8, 64, 3, 3>);
+        }
     /* G X: d x d times d x r, several shapes (tile edges) */
     const int gd[][2] = {{64, 32}, {100, 33}, {257, 160}, {1024, 160}, {1024, 1}, {70, 70}};
     for (auto &sh : gd) {
         int d = sh[0], r = sh[1];
         std::vector<double> g((size_t)d * d), xx((size_t)d * r), yy((size_t)d * r, NAN), yr((size_t)d * r);
-        for (auto &v : g) v = nd(rng);
+        for (int i = 0; i < d; i++) /* G symmetric bit for bit, as skv_cc_gscale writes it */
+            for (int k = 0; k <= i; k++) g[(size_t)i * d + k] = g[(size_t)k * d + i] = nd(rng);
         for (auto &v : xx) v = nd(rng);
         skv_canon_ref_gx(d, r, g.data(), xx.data(), yr.data());
-        emu_gemm<4, 4, 16, 8, 16>(d, r, d, g.data(), d, 1, xx.data(), r, 1, yy.data(), r, 0);
-        cases++;
-        if (!same(yy.data(), yr.data(), yy.size())) {
-            fails++;
-            printf("FAIL G X d %d r %d\n", d, r);
-        }
+        /* the kernel reads A^T = G (row k of G is its column k) */
+        auto gx = [&](const char *name, void (*fn)(int32_t, int32_t, int32_t, const double *, int64_t, const double *,
+                                                   int64_t, double *, int64_t, int)) {
+            std::fill(yy.begin(), yy.end(), NAN);
+            fn(d, r, d, g.data(), d, xx.data(), r, yy.data(), r, 0);
+            cases++;
+            if (!same(yy.data(), yr.data(), yy.size())) {
+                fails++;
+                printf("FAIL G X %s d %d r %d\n", name, d, r);
+            }
+        };
+        gx("library", emu_mm<SKV_CC_GX_CFG>);
+        /* the probe's other variants (tests/gpu/probes/canon_gemm_probe.cu) */
+        gx("4x4 64x32", emu_mm<4, 4, 16, 8, 16, 4, 2>);
+        gx("2x4 32x32", emu_mm<2, 4, 16, 8, 16, 4, 2>);
+        gx("2x5 16x40", emu_mm<2, 5, 8, 8, 16, 4, 2>);
+        gx("2x5 ns3 pd1", emu_mm<2, 5, 16, 8, 16, 3, 1>);
+        gx("2x5 kt8 ns6 pd3", emu_mm<2, 5, 16, 8, 8, 6, 3>);
+        gx("1x5 32x40", emu_mm<1, 5, 32, 8, 16, 4, 2>);
     }
     printf("%d cases, %d failures (%d floored pivots in the indefinite cases)\n", cases, fails, floored);
     return fails != 0;
