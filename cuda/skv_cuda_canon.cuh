@@ -19,8 +19,8 @@
  *      output one __fma_rn chain in order of k; G X reads G's rows as its columns,
  *      G being symmetric bit for bit), the equilibration, trace, shift, floor and
  *      Cholesky in one thread block, the solve X = Y L^-T a warp per row
- *      (skv_cc_fchol_ring, skv_cc_fsolve in skv_cuda_canon_chol.cuh: a one-column
- *      lookahead, columns published through a shared ring, quotients by skv_cc_div);
+ *      (skv_cc_fchol_panel, skv_cc_fsolve in skv_cuda_canon_chol.cuh: panels of 4
+ *      columns factored inside a warp, a one-panel lookahead, quotients by skv_cc_div);
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
@@ -36,11 +36,6 @@
 #include "skv_cuda_canon_chol.cuh"
 #include "skv_cuda_canon_mm.cuh"
 #include "skv_cuda_canon_fix.cuh"
-
-/* 1: the Cholesky without block barriers (skv_cc_fchol_ring); 0: one barrier a column. */
-#ifndef SKV_CC_FCHOL_RING
-#define SKV_CC_FCHOL_RING 1
-#endif
 
 /* ---- step 1 and 2 -------------------------------------------------------------------- */
 
@@ -103,18 +98,12 @@ static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_
         e[i] = skv_canon_ex_bf16((uint16_t)colmax[i]);
 }
 
-/* blk [rows, d] = the fixed-point rows of a, by skv_cc_fix8 where d and a allow it. */
+/* blk [rows, d] = the fixed-point rows of a. (skv_cc_fix8, 8 columns a thread, measured slower
+   on the H200: 47.8 against 27.3 us for 7084 x 1024, tests/gpu/probes/canon_gemm_probe.cu.) */
 static void skv_cc_fix_launch(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk,
                               cudaStream_t st)
 {
-    if (d % 8 == 0 && (uintptr_t)a % 16 == 0) {
-        const unsigned gx = (unsigned)((d / 8 + 31) / 32);
-        int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
-        if (gy > rows8) gy = rows8;
-        if (gy < 1) gy = 1;
-        skv_cc_fix8<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, st>>>(a, rows, d, e, F, blk);
-    } else
-        skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, st>>>(a, rows, d, e, F, blk);
+    skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, st>>>(a, rows, d, e, F, blk);
 }
 
 /* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
@@ -378,18 +367,10 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     }
     int qn = (p + 31) / 32;
     if (qn <= SKV_CC_FCHOL_MAXS) {
-#if SKV_CC_FCHOL_RING
 #define SKV_CC_FCHOL_CASE(S)                                                                                  \
     case S:                                                                                                   \
-        skv_cc_fchol_ring<S><<<1, SKV_CC_FCHOL_THREADS, skv_cc_fchol_ring_smem(S), f->st>>>(m, p, f->cc_c, eq, \
-                                                                                          f->cc_dsc, f->cc_l); \
+        skv_cc_fchol_panel<S><<<1, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l);  \
         break;
-#else
-#define SKV_CC_FCHOL_CASE(S)                                                                                  \
-    case S:                                                                                                   \
-        skv_cc_fchol<S><<<1, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l);       \
-        break;
-#endif
         switch (qn) {
             SKV_CC_FCHOL_CASE(1) SKV_CC_FCHOL_CASE(2) SKV_CC_FCHOL_CASE(3) SKV_CC_FCHOL_CASE(4) SKV_CC_FCHOL_CASE(5)
         }

@@ -46,16 +46,16 @@
 
 /* The configurations the library launches (tests/gpu/probes/canon_gemm_probe.cu times others;
    tests/gpu/probes/canon_sched_emu.cpp emulates these), as skv_cc_mm's template arguments
-   TM, TN, TY, TX, KT, NS, PD. G X at d = 1024, r = 160: 32 x 40 tiles of 128 threads (2 x 5
-   outputs each): 128 blocks, one per SM, one warp per SM sub-partition, 10 chains per thread
-   (the fp64 issue time per k is 20 cycles; the warp's 4 shared loads per k hide in it). */
-#define SKV_CC_GX_CFG 2, 5, 16, 8, 16, 4, 2
-#define SKV_CC_GX_BM (16 * 2)
+   TM, TN, TY, TX, KT, NS, PD; the probe's fastest on the H200 (bench/results). G X at d = 1024,
+   r = 160: 16 x 40 tiles of 64 threads (2 x 5 outputs each), 256 blocks. */
+#define SKV_CC_GX_CFG 2, 5, 8, 8, 16, 4, 2
+#define SKV_CC_GX_BM (8 * 2)
 #define SKV_CC_GX_BN (8 * 5)
-#define SKV_CC_GX_NT 128
+#define SKV_CC_GX_NT 64
 /* Y^T Y at p = 160, m = 1024: 16 x 16 tiles of 64 threads (2 x 2 outputs each), the lower
-   triangle's 55 tiles: every chain is 1024 long, so the time is its latency. */
-#define SKV_CC_YY_CFG 2, 2, 8, 8, 32, 4, 2
+   triangle's 55 tiles, k stages of 64 three deep: every chain is 1024 long, so the time is its
+   latency. */
+#define SKV_CC_YY_CFG 2, 2, 8, 8, 64, 3, 3
 #define SKV_CC_YY_BM 16
 #define SKV_CC_YY_BN 16
 #define SKV_CC_YY_NT 64

@@ -368,6 +368,134 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *lp, 
     memcpy(x, xo.data(), xo.size() * sizeof(double)); /* x may alias y: the kernel loads the row first */
 }
 
+/* ---- skv_cc_fchol_panel<S> (512 threads, panels of 4 columns) ---- */
+#define PKEEP(cc, mm) (32 * (mm) + 31 >= 64 * ((cc) >> 2) + ((cc) & 3))
+template <int S>
+static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *lp)
+{
+    constexpr int NT = 512, NJ = (32 * S + 63) / 64, C = 4 * NJ;
+    double pb[2][4][32 * S], ds[32 * S], dg[32 * S];
+    for (int i = 0; i < 32 * S; i++) ds[i] = dg[i] = NAN;
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 4; t++)
+            for (int i = 0; i < 32 * S; i++) pb[b][t][i] = 0.0;
+    std::vector<double> acc((size_t)NT * C * S);
+    auto AC = [&](int tid, int cc, int mm) -> double & { return acc[((size_t)tid * C + cc) * S + mm]; };
+    auto colof = [&](int w, int cc) { return 64 * (cc >> 2) + 4 * w + (cc & 3); };
+    { /* ownership: every lower element of 32 S x 32 S once, in a kept slot */
+        std::vector<int> own((size_t)32 * S * 32 * S, 0);
+        for (int tid = 0; tid < NT; tid++)
+            for (int cc = 0; cc < C; cc++)
+                for (int mm = 0; mm < S; mm++) {
+                    int q = colof(tid >> 5, cc), i = (tid & 31) + 32 * mm;
+                    if (q <= i && !PKEEP(cc, mm)) printf("FAIL: panel: a dropped slot holds (%d, %d)\n", i, q), exit(1);
+                    if (q <= i && q < 32 * S) own[(size_t)i * 32 * S + q]++;
+                }
+        for (int i = 0; i < 32 * S; i++)
+            for (int q = 0; q <= i; q++)
+                if (own[(size_t)i * 32 * S + q] != 1) printf("FAIL: panel: (%d, %d) owned %d times\n", i, q, own[(size_t)i * 32 * S + q]), exit(1);
+    }
+    if (eq)
+        for (int j = 0; j < p; j++) ds[j] = dsc[j] = skv_canon_dscale(c[(int64_t)j * p + j]);
+    for (int j = 0; j < p; j++) {
+        double v = c[(int64_t)j * p + j];
+        dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
+    }
+    for (int tid = 0; tid < NT; tid++)
+        for (int cc = 0; cc < C; cc++)
+            for (int mm = 0; mm < S; mm++) {
+                AC(tid, cc, mm) = NAN;
+                if (!PKEEP(cc, mm)) continue;
+                const int32_t q = colof(tid >> 5, cc), i = (tid & 31) + 32 * mm;
+                if (q <= i && i < p) {
+                    double v = c[(int64_t)i * p + q];
+                    AC(tid, cc, mm) = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
+                }
+            }
+    double tr = 0.0;
+    for (int32_t j = 0; j < p; j++) tr = __dadd_rn(tr, dg[j]);
+    const double s = skv_canon_shift(m, p, tr), fl = skv_canon_floor(p, tr, s);
+    for (int tid = 0; tid < NT; tid++)
+        for (int cc = 0; cc < C; cc++)
+            for (int mm = 0; mm < S; mm++)
+                if (PKEEP(cc, mm) && colof(tid >> 5, cc) == (tid & 31) + 32 * mm && (tid & 31) + 32 * mm < p)
+                    AC(tid, cc, mm) = __dadd_rn(AC(tid, cc, mm), s);
+    const size_t np = (size_t)p * (p + 1) / 2;
+    auto factor = [&](int J, int w, double (*pan)[32 * S]) {
+        const int c0 = 64 * J + 4 * w;
+        for (int t = 0; t < 4; t++) {
+            const int c = c0 + t;
+            if (c >= p) break;
+            const int cc = 4 * J + t;
+            int md = 2 * J < S ? 2 * J : S - 1;
+            if (2 * J + 1 < S && w >= 8) md = 2 * J + 1;
+            if (md != c / 32) printf("FAIL: panel diag slot\n"), exit(1);
+            const double ljj = skv_canon_pivot(AC(32 * w + (c & 31), cc, md), fl);
+            const double y = 1.0 / ljj;
+            lp[np + c] = y;
+            double v[32][S];
+            for (int lane = 0; lane < 32; lane++)
+                for (int mm = 0; mm < S; mm++) {
+                    const int i = lane + 32 * mm;
+                    double q = skv_cc_div(AC(32 * w + lane, cc, mm), ljj, y);
+                    v[lane][mm] = i == c ? ljj : PKEEP(cc, mm) && i > c ? q : 0.0;
+                    if (i < p) pan[t][i] = v[lane][mm];
+                    if (i >= c && i < p) lp[lpk(p, c) - c + i] = v[lane][mm];
+                }
+            for (int t2 = t + 1; t2 < 4; t2++) {
+                const int c2 = c0 + t2;
+                const double l2 = v[c2 & 31][md];
+                for (int lane = 0; lane < 32; lane++)
+                    for (int mm = 0; mm < S; mm++)
+                        if (PKEEP(4 * J + t2, mm)) AC(32 * w + lane, 4 * J + t2, mm) = __fma_rn(-v[lane][mm], l2, AC(32 * w + lane, 4 * J + t2, mm));
+            }
+        }
+    };
+    factor(0, 0, pb[0]);
+    int steps = 0;
+    for (int J = 0; J < NJ; J++)
+        for (int wl = J == 0 ? 1 : 0; wl < 16; wl++) {
+            const int sp = 16 * J + wl;
+            if (4 * sp >= p) break;
+            steps++;
+            double (*prev)[32 * S] = pb[(sp - 1) & 1];
+            double (*nxt)[32 * S] = pb[sp & 1];
+            double saved[4][32 * S];
+            memcpy(saved, nxt, sizeof saved);
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 32 * S; i++) nxt[t][i] = NAN; /* nothing of this step reads it */
+            double prevc[4][32 * S];
+            memcpy(prevc, prev, sizeof prevc); /* the bulk reads prev as it was at the barrier */
+            { /* the owner, warp wl */
+                const int w = wl;
+                for (int kk = 0; kk < 4; kk++)
+                    for (int t = 0; t < 4; t++) {
+                        const double lqk = prevc[kk][64 * J + 4 * w + t];
+                        for (int lane = 0; lane < 32; lane++)
+                            for (int mm = 0; mm < S; mm++)
+                                if (PKEEP(4 * J + t, mm))
+                                    AC(32 * w + lane, 4 * J + t, mm) = __fma_rn(-prevc[kk][lane + 32 * mm], lqk, AC(32 * w + lane, 4 * J + t, mm));
+                    }
+                factor(J, w, nxt);
+            }
+            for (int tid = 0; tid < NT; tid++) {
+                const int w = tid >> 5, lane = tid & 31;
+                for (int kk = 0; kk < 4; kk++)
+                    for (int cc = 4 * J; cc < C; cc++) {
+                        const int q = colof(w, cc);
+                        if (((cc >> 2) == J && w <= wl) || q >= p) continue;
+                        const double lqk = prevc[kk][q];
+                        for (int mm = 0; mm < S; mm++)
+                            if (PKEEP(cc, mm)) AC(tid, cc, mm) = __fma_rn(-prevc[kk][lane + 32 * mm], lqk, AC(tid, cc, mm));
+                    }
+            }
+            for (int t = 0; t < 4; t++) /* entries the owner did not write keep their old values */
+                for (int i = 0; i < 32 * S; i++)
+                    if (std::isnan(nxt[t][i]) && (i >= p || 4 * sp + t >= p)) nxt[t][i] = saved[t][i];
+        }
+    if (steps != (p + 3) / 4 - 1) printf("FAIL: panel: %d steps for p %d\n", steps, p), exit(1);
+}
+
 static void fchol(int S, int32_t m, int32_t p, const double *c, int eq, double *dsc, double *l)
 {
     switch (S) {
@@ -377,6 +505,17 @@ static void fchol(int S, int32_t m, int32_t p, const double *c, int eq, double *
     case 4: emu_fchol<4>(m, p, c, eq, dsc, l); break;
     case 5: emu_fchol<5>(m, p, c, eq, dsc, l); break;
     }
+    /* the panel kernel must give the same bits (L, reciprocals, dsc) */
+    std::vector<double> l2((size_t)p * (p + 1) / 2 + p, NAN), d2(p, NAN);
+    switch (S) {
+    case 1: emu_fchol_panel<1>(m, p, c, eq, d2.data(), l2.data()); break;
+    case 2: emu_fchol_panel<2>(m, p, c, eq, d2.data(), l2.data()); break;
+    case 3: emu_fchol_panel<3>(m, p, c, eq, d2.data(), l2.data()); break;
+    case 4: emu_fchol_panel<4>(m, p, c, eq, d2.data(), l2.data()); break;
+    case 5: emu_fchol_panel<5>(m, p, c, eq, d2.data(), l2.data()); break;
+    }
+    if (memcmp(l2.data(), l, l2.size() * sizeof(double)) || (eq && memcmp(d2.data(), dsc, p * sizeof(double))))
+        printf("FAIL: panel kernel differs from the column kernel at p %d eq %d\n", p, eq), exit(1);
 }
 static void fsolve(int Q, int32_t m, int32_t p, const double *y, const double *l, int eq, const double *dsc, double *x)
 {
