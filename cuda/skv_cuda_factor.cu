@@ -154,8 +154,9 @@ struct skv_cuda_factor {
     size_t solver_host_bytes;
     /* the canonical route (skv_cuda_canon.cuh): G (gd itself when m_max = d), the iterate (x, y
        themselves when the FAST workspace exists), C, L, the packed Cholesky scratch above
-       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; token blocks of
-       canon_rows rows in scratch (fixed-point A, then T) */
+       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; the DSYRK Gram's and
+       the DGEMM U path's token blocks of canon_rows rows in scratch (fixed-point A, then T; the
+       int8 paths plan their own blocks there, skv_cuda_canon_i8.h) */
     double *cc_g, *cc_x, *cc_y, *cc_c, *cc_l, *cc_lp, *cc_dsc;
     int32_t *cc_e, *cc_f;
     unsigned *cc_colmax;
