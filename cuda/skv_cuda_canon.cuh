@@ -423,8 +423,8 @@ static skv_status skv_cc_u_f64(skv_cuda_factor *f, int64_t t_begin, int64_t n, c
 
 /* U by int8 tensor cores (skv_cuda_canon_i8.h; y's digits already at the scratch's start, by
    skv_cc_qfix). Per token block of p->rows rows: X's digits (skv_cc_slice_rows), one GEMM per weight
-   class c, T_c^T [r, rows] = [Y_(c-alo); ..; Y_(c-ahi)]^T [X_alo .. X_ahi]^T (int8 x int8 -> int32,
-   TN, beta = 0), then skv_cc_ucombine into U. A cuBLAS that refuses the int8 GEMM (or shape): the
+   class c, T_c^T [ldt, rows_w] = [Y_(c-alo); ..; Y_(c-ahi)]^T [X_alo .. X_ahi]^T (int8 x int8 ->
+   int32, TN, beta = 0; the padding rows and columns zeros), then skv_cc_ucombine into U. A cuBLAS that refuses the int8 GEMM (or shape): the
    DGEMM path from this block on (the rows before are already U's bits; yq is intact). */
 static skv_status skv_cc_u(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, int32_t Gb,
                            const skv_cc_i8u_plan *p, const double *yq, float *u, char *msg, size_t cap)
@@ -435,18 +435,18 @@ static skv_status skv_cc_u(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int
     int8_t *xd = (int8_t *)f->scratch + p->x_off;
     const int32_t one = 1, zero = 0;
     for (int64_t t0 = 0; t0 < n; t0 += p->rows) {
-        const int64_t rows = n - t0 < p->rows ? n - t0 : p->rows;
+        const int64_t rows = n - t0 < p->rows ? n - t0 : p->rows, rows_w = (rows + 3) / 4 * 4; /* <= p->rows */
         {
-            dim3 gr((unsigned)((p->dk / 8 + 31) / 32), (unsigned)((rows + 7) / 8));
-            skv_cc_slice_rows<<<gr, dim3(32, 8), 0, f->st>>>(a + (size_t)t0 * d, rows, d, p->dk, f->cc_e, F, p->sx,
-                                                             p->ldx, xd);
+            dim3 gr((unsigned)((p->dk / 8 + 31) / 32), (unsigned)((rows_w + 7) / 8));
+            skv_cc_slice_rows<<<gr, dim3(32, 8), 0, f->st>>>(a + (size_t)t0 * d, rows, rows_w, d, p->dk, f->cc_e, F,
+                                                             p->sx, p->ldx, xd);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 U digit kernel");
         }
         for (int c = 0; c < p->nc; c++) {
             int alo, ahi;
             skv_cc_i8u_pairs(p, c, &alo, &ahi);
             const int k = (ahi - alo + 1) * p->dk;
-            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, r, (int)rows, k, &one,
+            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, p->ldt, (int)rows_w, k, &one,
                                             yd + (size_t)(p->sy - 1 - (c - alo)) * p->dk, CUDA_R_8I, (int)p->ldy,
                                             xd + (size_t)alo * p->dk, CUDA_R_8I, (int)p->ldx, &zero,
                                             tc + (size_t)c * p->t_stride, CUDA_R_32I, p->ldt, CUBLAS_COMPUTE_32I,
@@ -527,6 +527,9 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
        plan fits, also y's digits (at the scratch's start) */
     skv_cc_i8u_plan up;
     const int i8u = !SKV_CC_U_DGEMM && skv_cc_i8u_plan_for(d, r, F, Gb, n, f->scratch_bytes, SKV_CC_U_ROWS, &up);
+    if (i8u && up.ldt > r) /* y's digit columns r .. ldt-1 (the GEMMs' m is ldt) */
+        SKV_CF_CHECK_CUDA(cudaMemsetAsync((int8_t *)f->scratch + (size_t)r * up.ldy, 0, (size_t)(up.ldt - r) * up.ldy, f->st),
+                          "cudaMemsetAsync (canonical int8 U digit padding)");
     skv_cc_qfix<<<r, 256, 0, f->st>>>(x, d, r, f->cc_e, F, Gb, w, f->cc_f, y, i8u ? (int8_t *)f->scratch : NULL,
                                       i8u ? up.sy : 0, i8u ? up.dk : 0, i8u ? up.ldy : 0);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");

@@ -134,20 +134,23 @@ static __global__ void __launch_bounds__(256)
 
 /* X's digits of a token block, row major: rows [0, rows) of a (row major [rows, d]) into out, row
    t at t ldx, digit k of column i at out[t ldx + k dk + i] (skv_cc_i8_pack of skv_cc_i8_fix_bf16,
-   the Gram's element); columns [d, dk) get zeros. Thread (x, y) of a 32 x 8 block: the 8 columns
-   8 g .. 8 g + 7 (g = 32 blockIdx.x + x) of row t = 8 blockIdx.y + y, one 16-byte load where d % 8
-   == 0 and a is 16-byte aligned (8 scalar loads otherwise), one 8-byte store per digit (dk and ldx
-   multiples of 16, out 256-byte aligned: aligned; a warp stores 256 contiguous bytes). Grid
-   (ceil(dk / 256), ceil(rows / 8)). */
+   the Gram's element); columns [d, dk) and rows [rows, rows_w) get zeros. Thread (x, y) of a 32 x 8
+   block: the 8 columns 8 g .. 8 g + 7 (g = 32 blockIdx.x + x) of row t = 8 blockIdx.y + y, one
+   16-byte load where d % 8 == 0 and a is 16-byte aligned (8 scalar loads otherwise), one 8-byte
+   store per digit (dk and ldx multiples of 16, out 256-byte aligned: aligned; a warp stores 256
+   contiguous bytes). Grid (ceil(dk / 256), ceil(rows_w / 8)). */
 static __global__ void __launch_bounds__(256)
-    skv_cc_slice_rows(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t dk,
+    skv_cc_slice_rows(const skv_bf16 *__restrict__ a, int64_t rows, int64_t rows_w, int32_t d, int32_t dk,
                       const int32_t *__restrict__ e, int32_t F, int s, int64_t ldx, int8_t *__restrict__ out)
 {
     const int32_t g = blockIdx.x * 32 + threadIdx.x, c0 = 8 * g;
     const int64_t t = (int64_t)blockIdx.y * 8 + threadIdx.y;
-    if (c0 >= dk || t >= rows) return;
+    if (c0 >= dk || t >= rows_w) return;
     uint16_t v[8];
-    if ((d & 7) == 0 && ((uintptr_t)a & 15) == 0) {
+    if (t >= rows) {
+#pragma unroll
+        for (int c = 0; c < 8; c++) v[c] = 0;
+    } else if ((d & 7) == 0 && ((uintptr_t)a & 15) == 0) {
         uint4 w = make_uint4(0, 0, 0, 0);
         if (c0 < d) w = __ldg((const uint4 *)(a + t * d + c0));
         const uint32_t ww[4] = {w.x, w.y, w.z, w.w};

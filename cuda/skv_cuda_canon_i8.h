@@ -193,10 +193,13 @@ static inline int skv_cc_i8_plan_for(int32_t d, int s, int64_t n, size_t bytes, 
  * cuBLAS's DGEMM, whose sums start from +0: the probe's zero rows check it).
  *
  * Layout (in the factor's scratch, the Gram's space reused: step 4 runs after step 2): Y's digits
- * first, column major [sy dk, r] (ld ldy = sy dk; column j holds Y_(sy-1)(:, j) .. Y_0(:, j), dk
- * each; skv_cc_qfix writes them), then the nc products T_c, column major [r, rows] (ld ldt = r
- * rounded up to 4), t_stride int32 apart, then X's digits, row major [rows, ldx] (ldx = sx dk;
- * row t holds X_0(t, :) .. X_(sx-1)(t, :)); every region 256-byte aligned.
+ * first, column major [sy dk, ldt] (ld ldy = sy dk; column j holds Y_(sy-1)(:, j) .. Y_0(:, j), dk
+ * each; skv_cc_qfix writes them, columns r .. ldt-1 are zeros), then the nc products T_c, column
+ * major [ldt, rows] (ld ldt = r rounded up to 4), t_stride int32 apart, then X's digits, row major
+ * [rows, ldx] (ldx = sx dk; row t holds X_0(t, :) .. X_(sx-1)(t, :); a block's rows rounded up to 4
+ * are written, the padding rows zeros); every region 256-byte aligned. The GEMMs' m = ldt and n =
+ * the block's rows rounded up to 4 (every dimension and leading dimension a multiple of 4, k and
+ * the k offsets multiples of 16 bytes, as the Gram's); the combine reads j < r, t < rows.
  */
 /* 1: step 4's T by fixed-point doubles and cuBLAS DGEMM (the route's first U path, which also runs
    where the int8 plan does not fit the scratch): the same U bits, kept for comparison. */
@@ -265,7 +268,7 @@ static inline int skv_cc_i8u_plan_for(int32_t d, int32_t r, int32_t F, int32_t G
     p->ldy = (int64_t)p->sy * p->dk;
     const int64_t npmax = p->sx < p->sy ? p->sx : p->sy;
     if (npmax * p->dk * 4096 > (int64_t)2147483647) return 0;
-    const size_t ybytes = skv_cc_i8_up((size_t)p->ldy * (size_t)r, 256);
+    const size_t ybytes = skv_cc_i8_up((size_t)p->ldy * (size_t)p->ldt, 256);
     const size_t slack = ybytes + (size_t)p->nc * 256 + 256;
     const size_t per_row = (size_t)p->nc * (size_t)p->ldt * sizeof(int32_t) + (size_t)p->ldx;
     if (bytes <= slack) return 0;
@@ -288,7 +291,7 @@ static inline size_t skv_cc_i8u_need(int32_t d, int32_t r)
 {
     if (d < 1 || r < 1 || d > (1 << 16)) return 0;
     const size_t dk = skv_cc_i8_up((size_t)d, 16), ldt = skv_cc_i8_up((size_t)r, 4), nc = 4 + 7 - 1;
-    return skv_cc_i8_up(7 * dk * (size_t)r, 256) + nc * 256 + 256 +
+    return skv_cc_i8_up(7 * dk * ldt, 256) + nc * 256 + 256 +
            SKV_CC_I8_ROWQ * (nc * ldt * sizeof(int32_t) + 4 * dk);
 }
 

@@ -392,14 +392,18 @@ static int emulate_u(const int32_t *x, const double *yq, const int32_t *fj, int6
     memset(scratch, 0xa5, bytes); /* stale bytes */
     int8_t *yd = (int8_t *)scratch, *xd = (int8_t *)scratch + p.x_off;
     int32_t *tc = (int32_t *)(scratch + p.t_off);
-    const size_t ybytes = (size_t)p.ldy * (size_t)r;
+    const size_t ybytes = (size_t)p.ldy * (size_t)p.ldt;
     if (p.t_off % 256 || p.x_off % 256 || ybytes > p.t_off || p.t_off + (size_t)p.nc * p.t_stride * 4 > p.x_off ||
         (size_t)p.ldt * (size_t)p.rows > p.t_stride || p.x_off + (size_t)p.rows * (size_t)p.ldx > bytes) {
         printf("U plan: regions overlap or overrun\n");
         failures++;
     }
-    /* skv_cc_qfix's digit writes */
+    /* the padding columns' memset (ldt > r), then skv_cc_qfix's digit writes */
     unsigned char *hit = calloc(ybytes, 1);
+    for (size_t o = (size_t)r * p.ldy; o < ybytes; o++) {
+        yd[o] = 0;
+        hit[o]++;
+    }
     for (int32_t j = 0; j < r; j++)
         for (int tid = 0; tid < 256; tid++)
             for (int32_t i = tid; i < p.dk; i += 256) {
@@ -422,20 +426,25 @@ static int emulate_u(const int32_t *x, const double *yq, const int32_t *fj, int6
     *t32max = 0;
     unsigned char *xhit = malloc((size_t)p.rows * p.ldx);
     for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
-        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
+        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows, rows_w = (rows + 3) / 4 * 4;
         (*nblocks)++;
+        if (rows_w > p.rows) {
+            printf("U plan: padded block rows %lld above the capacity %lld\n", (long long)rows_w, (long long)p.rows);
+            failures++;
+        }
         memset(xhit, 0, (size_t)p.rows * p.ldx);
-        /* skv_cc_slice_rows: grid (ceil(dk / 256), ceil(rows / 8)), threads (32, 8) */
-        const unsigned gx = (unsigned)((p.dk / 8 + 31) / 32), gy = (unsigned)((rows + 7) / 8);
+        /* skv_cc_slice_rows: grid (ceil(dk / 256), ceil(rows_w / 8)), threads (32, 8) */
+        const unsigned gx = (unsigned)((p.dk / 8 + 31) / 32), gy = (unsigned)((rows_w + 7) / 8);
         for (unsigned by = 0; by < gy; by++)
             for (unsigned bx = 0; bx < gx; bx++)
                 for (int ty = 0; ty < 8; ty++)
                     for (int tx = 0; tx < 32; tx++) {
                         const int32_t g = (int32_t)bx * 32 + tx, c0 = 8 * g;
                         const int64_t t = (int64_t)by * 8 + ty;
-                        if (c0 >= p.dk || t >= rows) continue;
+                        if (c0 >= p.dk || t >= rows_w) continue;
                         uint32_t pk[8];
-                        for (int c = 0; c < 8; c++) pk[c] = c0 + c < d ? skv_cc_i8_pack(x[(t0 + t) * d + c0 + c], p.sx) : 0u;
+                        for (int c = 0; c < 8; c++)
+                            pk[c] = t < rows && c0 + c < d ? skv_cc_i8_pack(x[(t0 + t) * d + c0 + c], p.sx) : 0u;
                         for (int k = 0; k < p.sx; k++) {
                             size_t o = (size_t)t * p.ldx + (size_t)k * p.dk + c0;
                             if ((p.x_off + o) % 8 || (size_t)k * p.dk + c0 + 8 > (size_t)p.ldx) {
@@ -448,13 +457,13 @@ static int emulate_u(const int32_t *x, const double *yq, const int32_t *fj, int6
                             }
                         }
                     }
-        for (size_t o = 0; o < (size_t)rows * p.ldx; o++)
+        for (size_t o = 0; o < (size_t)rows_w * p.ldx; o++)
             if (xhit[o] != 1) {
                 printf("slice_rows: byte %zu written %d times\n", o, xhit[o]);
                 failures++;
                 break;
             }
-        /* the GEMMs: column major C [r, rows] (ldt) = A^T B, A = y's digits [k, r] (ldy), B = X's [k, rows] (ldx) */
+        /* the GEMMs: column major C [ldt, rows_w] (ldt) = A^T B, A = y's digits [k, ldt] (ldy), B = X's [k, rows_w] (ldx) */
         for (int c = 0; c < p.nc; c++) {
             int alo, ahi;
             skv_cc_i8u_pairs(&p, c, &alo, &ahi);
@@ -467,8 +476,8 @@ static int emulate_u(const int32_t *x, const double *yq, const int32_t *fj, int6
                 failures++;
                 continue;
             }
-            for (int64_t t = 0; t < rows; t++)
-                for (int32_t i = 0; i < r; i++) {
+            for (int64_t t = 0; t < rows_w; t++)
+                for (int32_t i = 0; i < p.ldt; i++) {
                     int64_t v = 0;
                     for (int64_t k = 0; k < K; k++) {
                         v += (int64_t)A[k + (size_t)i * p.ldy] * B[k + (size_t)t * p.ldx];

@@ -104,10 +104,10 @@ static void u_i8(cublasHandle_t h, cudaStream_t st, const skv_bf16 *a, int64_t n
     int8_t *xd = (int8_t *)scratch + p.x_off;
     const int32_t one = 1, zero = 0;
     for (int64_t t0 = 0, bi = 0; t0 < n; t0 += p.rows, bi++) {
-        const int64_t rows = std::min(p.rows, n - t0);
+        const int64_t rows = std::min(p.rows, n - t0), rows_w = (rows + 3) / 4 * 4;
         if (ev) CK(cudaEventRecord((*ev)[bi * 4 + 0], st));
-        dim3 gr((unsigned)((p.dk / 8 + 31) / 32), (unsigned)((rows + 7) / 8));
-        skv_cc_slice_rows<<<gr, dim3(32, 8), 0, st>>>(a + (size_t)t0 * d, rows, d, p.dk, e, F, p.sx, p.ldx, xd);
+        dim3 gr((unsigned)((p.dk / 8 + 31) / 32), (unsigned)((rows_w + 7) / 8));
+        skv_cc_slice_rows<<<gr, dim3(32, 8), 0, st>>>(a + (size_t)t0 * d, rows, rows_w, d, p.dk, e, F, p.sx, p.ldx, xd);
         CK(cudaGetLastError());
         if (ev) CK(cudaEventRecord((*ev)[bi * 4 + 1], st));
         for (int c = 0; c < p.nc; c++) {
@@ -116,12 +116,12 @@ static void u_i8(cublasHandle_t h, cudaStream_t st, const skv_bf16 *a, int64_t n
             const int k = (ahi - alo + 1) * p.dk;
             const int8_t *ya = yd + (size_t)(p.sy - 1 - (c - alo)) * p.dk, *xb = xd + (size_t)alo * p.dk;
             if (!alt)
-                CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, r, (int)rows, k, &one, ya, CUDA_R_8I, (int)p.ldy, xb, CUDA_R_8I,
+                CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.ldt, (int)rows_w, k, &one, ya, CUDA_R_8I, (int)p.ldy, xb, CUDA_R_8I,
                                 (int)p.ldx, &zero, tc + (size_t)c * p.t_stride, CUDA_R_32I, p.ldt, CUBLAS_COMPUTE_32I,
                                 CUBLAS_GEMM_DEFAULT));
             else
-                CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, r, k, &one, xb, CUDA_R_8I, (int)p.ldx, ya, CUDA_R_8I,
-                                (int)p.ldy, &zero, alt_t + (size_t)c * p.rows * r, CUDA_R_32I, (int)rows,
+                CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows_w, p.ldt, k, &one, xb, CUDA_R_8I, (int)p.ldx, ya, CUDA_R_8I,
+                                (int)p.ldy, &zero, alt_t + (size_t)c * p.rows * p.ldt, CUDA_R_32I, (int)rows_w,
                                 CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT));
         }
         if (ev) CK(cudaEventRecord((*ev)[bi * 4 + 2], st));
@@ -240,6 +240,7 @@ static long long probe_u(int64_t n, int32_t d, int32_t r, int reps, const skv_bf
         skv_cc_i8u_plan p;
         if (!skv_cc_i8u_plan_for(d, r, F, Gb, n, bytes, cap, &p)) continue;
         if (cap && p.rows >= p0.rows) continue; /* the same plan as cap 0 */
+        if (p.ldt > r) CK(cudaMemsetAsync((int8_t *)scratch + (size_t)r * p.ldy, 0, (size_t)(p.ldt - r) * p.ldy, st));
         skv_cc_qfix<<<r, 256, 0, st>>>(q, d, r, e, F, Gb, w, fj, yq, (int8_t *)scratch, p.sy, p.dk, p.ldy);
         CK(cudaGetLastError());
         CK(cudaMemset(u1, 0xff, sizeof(float) * (size_t)n * r));
@@ -293,7 +294,7 @@ static long long probe_u(int64_t n, int32_t d, int32_t r, int reps, const skv_bf
         bad_total += bad;
         if (cap == 0) { /* the other GEMM orientation: times, and its T_c of the last block against these */
             int32_t *alt_t;
-            CK(cudaMalloc(&alt_t, sizeof(int32_t) * (size_t)p.nc * p.rows * r));
+            CK(cudaMalloc(&alt_t, sizeof(int32_t) * (size_t)p.nc * p.rows * p.ldt));
             std::vector<float> t_alt;
             for (int rep = 0; rep < reps + 1; rep++) {
                 u_i8(h, st, a, n, d, r, e, F, Gb, fj, p, scratch, u1, &bev, 1, alt_t);
@@ -305,13 +306,14 @@ static long long probe_u(int64_t n, int32_t d, int32_t r, int reps, const skv_bf
                 }
                 if (rep) t_alt.push_back(s1);
             }
-            std::vector<int32_t> ha2((size_t)p.nc * p.rows * r);
+            std::vector<int32_t> ha2((size_t)p.nc * p.rows * p.ldt);
+            const int64_t lrows_w = (lrows + 3) / 4 * 4;
             CK(cudaMemcpy(ha2.data(), alt_t, sizeof(int32_t) * ha2.size(), cudaMemcpyDeviceToHost));
             long long tb = 0;
             for (int c = 0; c < p.nc; c++)
                 for (int64_t t = 0; t < lrows; t++)
                     for (int32_t j = 0; j < r; j++)
-                        tb += ht[c * p.t_stride + j + t * p.ldt] != ha2[(size_t)c * p.rows * r + t + (size_t)j * lrows];
+                        tb += ht[c * p.t_stride + j + t * p.ldt] != ha2[(size_t)c * p.rows * p.ldt + t + (size_t)j * lrows_w];
             printf("  GEMMs the other way (m = rows, n = r, T_c column major [rows, r]): %.3f ms; T_c of the last block %s\\n",
                    median(t_alt), tb ? "DIFFER" : "equal");
             bad_total += tb;
