@@ -16,8 +16,9 @@
  * (float) skv_canon_scale) bit for bit: the digits of every |y| <= 2^(G+1), G = 0..41 (sampled),
  * then |x| = 2^(F+1) with |y| = 2^(Gb+1) (T = +-2^53), mixed signs, random, bf16 keys with ref's
  * qfix of a random Q (a zero column: T = 0, U = +0.0), several blocks with a short last one, odd d
- * and r, virtual row counts up to 2^31 - 1 (F = 10, Gb = 41: sy = 7), d = 65536 (dk at the int32
- * bound's reach) and digits of -64 everywhere but the top; every region's bytes written once.
+ * and r, virtual row counts up to 2^31 - 1 (F = 10, Gb = 41: sy = 7), d = 65536 (the largest dk
+ * the plan admits) and digits of -64 everywhere but the top (large int32 sums: 2^28 at
+ * d = 65536, the plan requiring <= 2^31 - 1); every region's bytes written once.
  *
  * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max, and the
  * digit kernel's integer fixed point (skv_cc_i8_fix_bf16) against skv_canon_fix on every finite
@@ -723,7 +724,7 @@ int main(void)
     case_u("nv = 2^31-1, d = 1 (F = 10, Gb = 41)", G_MAXSIGNS, Y_MAXSIGNS, 50, 2147483647LL, 1, 4, fac, 0);
     case_u("nv = 2^31-1, d = 2, random", G_RANDOM, Y_RANDOM, 50, 2147483647LL, 2, 4, fac, 0);
     case_u("nv = 2^20, d = 3, max +", G_MAXPOS, Y_MAXPOS, 30, (int64_t)1 << 20, 3, 4, fac, 0);
-    case_u("digits -64, d = 65536 (int32 bound)", G_LOWDIGITS, Y_LOWDIGITS, 2, 1, 65536, 2, fac, 0);
+    case_u("digits -64, d = 65536 (large int32 sums)", G_LOWDIGITS, Y_LOWDIGITS, 2, 1, 65536, 2, fac, 0);
     case_u("digits -64, d = 4096, nv = 64k", G_LOWDIGITS, Y_LOWDIGITS, 3, 65536, 4096, 3, fac, 0);
     case_u("max +, d = 65536, nv = 2^20 (T = 2^53)", G_MAXPOS, Y_MAXPOS, 2, (int64_t)1 << 20, 65536, 1, fac, 0);
     printf("%s\n", failures ? "FAILED" : "all bitwise equal");
