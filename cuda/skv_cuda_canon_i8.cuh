@@ -130,4 +130,81 @@ static __global__ void __launch_bounds__(256)
     }
 }
 
+/* ---- step 4: T = X Y (skv_cuda_canon_i8.h, the U path) ---------------------------------- */
+
+/* X's digits of a token block, row major: rows [0, rows) of a (row major [rows, d]) into out, row
+   t at t ldx, digit k of column i at out[t ldx + k dk + i] (skv_cc_i8_pack of skv_cc_i8_fix_bf16,
+   the Gram's element); columns [d, dk) and rows [rows, rows_w) get zeros. Thread (x, y) of a 32 x 8
+   block: the 8 columns 8 g .. 8 g + 7 (g = 32 blockIdx.x + x) of row t = 8 blockIdx.y + y, one
+   16-byte load where d % 8 == 0 and a is 16-byte aligned (8 scalar loads otherwise), one 8-byte
+   store per digit (dk and ldx multiples of 16, out 256-byte aligned: aligned; a warp stores 256
+   contiguous bytes). Grid (ceil(dk / 256), ceil(rows_w / 8)). */
+static __global__ void __launch_bounds__(256)
+    skv_cc_slice_rows(const skv_bf16 *__restrict__ a, int64_t rows, int64_t rows_w, int32_t d, int32_t dk,
+                      const int32_t *__restrict__ e, int32_t F, int s, int64_t ldx, int8_t *__restrict__ out)
+{
+    const int32_t g = blockIdx.x * 32 + threadIdx.x, c0 = 8 * g;
+    const int64_t t = (int64_t)blockIdx.y * 8 + threadIdx.y;
+    if (c0 >= dk || t >= rows_w) return;
+    uint16_t v[8];
+    if (t >= rows) {
+#pragma unroll
+        for (int c = 0; c < 8; c++) v[c] = 0;
+    } else if ((d & 7) == 0 && ((uintptr_t)a & 15) == 0) {
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (c0 < d) w = __ldg((const uint4 *)(a + t * d + c0));
+        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            v[2 * c] = (uint16_t)(ww[c] & 0xffffu);
+            v[2 * c + 1] = (uint16_t)(ww[c] >> 16);
+        }
+    } else
+#pragma unroll
+        for (int c = 0; c < 8; c++) v[c] = c0 + c < d ? a[t * d + c0 + c] : (uint16_t)0;
+    uint32_t pk[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++) /* a zero element (or padding) packs to 0 */
+        pk[c] = c0 + c < d ? skv_cc_i8_pack(skv_cc_i8_fix_bf16(v[c], F, e[c0 + c]), s) : 0u;
+    int8_t *dst = out + t * ldx + c0;
+#pragma unroll
+    for (int k = 0; k < SKV_CC_U_MAXSX; k++) {
+        if (k >= s) break;
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            lo |= ((pk[c] >> (8 * k)) & 0xffu) << (8 * c);
+            hi |= ((pk[c + 4] >> (8 * k)) & 0xffu) << (8 * c);
+        }
+        *(uint2 *)(dst + (int64_t)k * dk) = make_uint2(lo, hi);
+    }
+}
+
+/* u rows [0, rows) (row major [rows, r]) = (float) skv_canon_scale(T, f_j - Gb), T_tj = sum_c
+   2^(7c) T_c[j + t ldt] in int64 in order of c (exact, skv_cuda_canon_i8.h), then one exact double:
+   skv_cc_uscale's scaling of the same double. The classes' loads unrolled (all in flight). Thread
+   (x, y) of a 32 x 8 block on column j = 32 blockIdx.x + x and the rows 8 blockIdx.y + y + 8 k
+   gridDim.y, as skv_cc_uscale. */
+static __global__ void __launch_bounds__(256)
+    skv_cc_ucombine(const int32_t *__restrict__ tc, skv_cc_i8u_plan p, int64_t rows, int32_t r,
+                    const int32_t *__restrict__ f, int32_t Gb, float *__restrict__ u)
+{
+    const int32_t j = blockIdx.x * 32 + threadIdx.x;
+    if (j >= r) return;
+    const int32_t k = f[j] - Gb;
+    const int nc = p.nc;
+    const int64_t ldt = p.ldt;
+    const size_t ts = p.t_stride;
+    for (int64_t t = (int64_t)blockIdx.y * 8 + threadIdx.y; t < rows; t += (int64_t)gridDim.y * 8) {
+        const int32_t *src = tc + j + t * ldt;
+        int32_t v[SKV_CC_U_MAXC];
+#pragma unroll
+        for (int c = 0; c < SKV_CC_U_MAXC; c++) v[c] = c < nc ? __ldg(src + c * ts) : 0;
+        long long sum = 0;
+#pragma unroll
+        for (int c = 0; c < SKV_CC_U_MAXC; c++) sum += (long long)v[c] * (1LL << (7 * c)); /* 7c <= 49: the plan's nc <= 8 */
+        u[t * r + j] = (float)skv_canon_scale((double)sum, k); /* |sum| <= 2^53: exact */
+    }
+}
+
 #endif
