@@ -368,37 +368,56 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
 static size_t skv_cc_fchol_ring_smem(int S) { return (size_t)SKV_CC_RING * 32 * S * sizeof(double); }
 
 /*
- * skv_cc_fchol_panel<S>: skv_cc_fchol's job with panels of 4 columns. Column q belongs to panel
- * P = q / 4, panels go round-robin to the 16 warps (warp P mod 16, round P / 16, slot
- * 4 (P / 16) + q mod 4); row i to lane i mod 32 (slot i / 32). One barrier per panel step s:
+ * skv_cc_fchol_panel<S, NB>: skv_cc_fchol's job with panels of 4 columns, on a cluster of NB
+ * thread blocks (NB SMs; NB = 1: one block). The NW = 16 NB warps of the cluster are numbered
+ * gw = 16 block + warp. Column q belongs to panel P = q / 4; panels go round-robin to the warps
+ * (warp P mod NW, round P / NW, slot 4 (P / NW) + q mod 4); row i to lane i mod 32 (slot i / 32).
+ * One cluster barrier per panel step s:
  *   - the owner warp of panel s gives its 4 columns the updates of panel s - 1's 4 columns (in
  *     order of k), then factors the panel inside the warp: for each column c in order, the
  *     pivot (its diagonal by a shuffle), the quotients, then the panel's later columns get
- *     column c's update (L_c'c by a shuffle); the panel goes to the other half of a
- *     double-buffered shared panel and to the packed output;
+ *     column c's update (L_c'c by a shuffle); the panel goes to the other half of the
+ *     double-buffered shared panel of every block of the cluster (distributed shared memory)
+ *     and to the packed output;
  *   - every warp gives its columns in panels > s the 4 updates of panel s - 1, in order of k.
  * Element (i, q) still gets exactly one fma per k < q in increasing k (earlier panels in bulk
  * steps, panel s - 1 in the lookahead, its own panel's earlier columns inside the warp), the
- * pivot or one quotient: the reference's bits, with a quarter of the barriers and no shared
- * memory round trip between the columns of a panel.
+ * pivot or one quotient: the reference's bits. The bulk work is spread over NB SMs; the
+ * barrier (barrier.cluster, release/acquire) orders the panel's remote stores before the
+ * next step's reads.
  */
-#define SKV_CC_PANEL_KEEP(cc, mm) (32 * (mm) + 31 >= 64 * ((cc) >> 2) + ((cc) & 3))
-
-/* Factor panel s = 16 J + w (its 4 columns, every earlier update applied) inside warp w; write
-   it to pan[4][32 S] and lp. */
-template <int S, int C, int J>
-static __device__ __forceinline__ void skv_cc_panel_factor(double (&acc)[C][S], int32_t p, double fl, int w, int lane,
-                                                          double (*pan)[32 * S], double *__restrict__ lp)
+template <int NW>
+static __host__ __device__ constexpr bool skv_cc_pkeep(int cc, int mm)
 {
-    const int32_t c0 = 64 * J + 4 * w;
+    return 32 * mm + 31 >= 4 * NW * (cc >> 2) + (cc & 3);
+}
+
+template <int NB>
+static __device__ __forceinline__ void skv_cc_cl_sync()
+{
+    if constexpr (NB > 1) {
+        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    } else
+        __syncthreads();
+}
+
+/* Factor panel 16 NB J + gw (its 4 columns, every earlier update applied) inside this warp;
+   write it to pan[rank][t][i] of every block and to lp. */
+template <int S, int C, int J, int NB>
+static __device__ __forceinline__ void skv_cc_panel_factor(double (&acc)[C][S], int32_t p, double fl, int gw, int lane,
+                                                          double *const (&pan)[NB], double *__restrict__ lp)
+{
+    constexpr int NW = 16 * NB;
+    const int32_t c0 = 4 * NW * J + 4 * gw;
 #pragma unroll
     for (int t = 0; t < 4; t++) {
         const int32_t c = c0 + t;
         if (c >= p) break; /* uniform */
-        const int cc = 4 * J + t;
-        /* the diagonal (c, c): lane c mod 32, slot c / 32 = 2 J + (w >= 8) */
-        double dv = acc[cc][2 * J < S ? 2 * J : S - 1];
-        if (2 * J + 1 < S && w >= 8) dv = acc[cc][2 * J + 1 < S ? 2 * J + 1 : S - 1];
+        const int cc = 4 * J + t, md = c >> 5; /* the diagonal (c, c): lane c mod 32, slot md */
+        double dv = 0.0;
+#pragma unroll
+        for (int mm = 0; mm < S; mm++)
+            if (mm == md) dv = acc[cc][mm];
         const double ljj = skv_canon_pivot(__shfl_sync(0xffffffffu, dv, c & 31), fl);
         const double y = __ddiv_rn(1.0, ljj);
         if (lane == 0) lp[skv_cc_lp_count(p) + c] = y;
@@ -408,117 +427,139 @@ static __device__ __forceinline__ void skv_cc_panel_factor(double (&acc)[C][S], 
         for (int mm = 0; mm < S; mm++) {
             const int32_t i = lane + 32 * mm;
             v[mm] = skv_cc_div_fast(acc[cc][mm], ljj, y);
-            slow |= SKV_CC_PANEL_KEEP(cc, mm) && i > c && i < p && !skv_cc_div_ok(acc[cc][mm], ljj);
+            slow |= skv_cc_pkeep<NW>(cc, mm) && i > c && i < p && !skv_cc_div_ok(acc[cc][mm], ljj);
         }
         if (slow)
 #pragma unroll
             for (int mm = 0; mm < S; mm++) {
                 const int32_t i = lane + 32 * mm;
-                if (SKV_CC_PANEL_KEEP(cc, mm) && i > c && i < p && !skv_cc_div_ok(acc[cc][mm], ljj))
+                if (skv_cc_pkeep<NW>(cc, mm) && i > c && i < p && !skv_cc_div_ok(acc[cc][mm], ljj))
                     v[mm] = __ddiv_rn(acc[cc][mm], ljj);
             }
         const int32_t off = skv_cc_lpk(p, c) - c;
 #pragma unroll
         for (int mm = 0; mm < S; mm++) {
             const int32_t i = lane + 32 * mm;
-            v[mm] = i == c ? ljj : SKV_CC_PANEL_KEEP(cc, mm) && i > c ? v[mm] : 0.0;
-            if (i < p) pan[t][i] = v[mm];
+            v[mm] = i == c ? ljj : skv_cc_pkeep<NW>(cc, mm) && i > c ? v[mm] : 0.0;
+            if (i < p)
+#pragma unroll
+                for (int rk = 0; rk < NB; rk++) pan[rk][t * 32 * S + i] = v[mm];
             if (i >= c && i < p) lp[off + i] = v[mm];
         }
         /* column c's update of the panel's later columns c2: L_c2,c from lane c2 mod 32, slot
-           c2 / 32 (= c / 32: a panel never straddles 32 rows) */
-        double vd = v[2 * J < S ? 2 * J : S - 1];
-        if (2 * J + 1 < S && w >= 8) vd = v[2 * J + 1 < S ? 2 * J + 1 : S - 1];
+           c2 / 32 = md (a panel never straddles 32 rows) */
+        double vd = 0.0;
+#pragma unroll
+        for (int mm = 0; mm < S; mm++)
+            if (mm == md) vd = v[mm];
 #pragma unroll
         for (int t2 = t + 1; t2 < 4; t2++) {
             const double l2 = __shfl_sync(0xffffffffu, vd, (c0 + t2) & 31);
 #pragma unroll
             for (int mm = 0; mm < S; mm++)
-                if (SKV_CC_PANEL_KEEP(4 * J + t2, mm)) acc[4 * J + t2][mm] = __fma_rn(-v[mm], l2, acc[4 * J + t2][mm]);
+                if (skv_cc_pkeep<NW>(4 * J + t2, mm)) acc[4 * J + t2][mm] = __fma_rn(-v[mm], l2, acc[4 * J + t2][mm]);
         }
     }
 }
 
-/* Round J of the panel steps (panels 16 J .. 16 J + 15). */
-template <int S, int C, int J, int NJ>
-static __device__ __forceinline__ void skv_cc_panel_rounds(double (&acc)[C][S], int32_t p, double fl, int w, int lane,
-                                                          double (*pb)[4][32 * S], double *__restrict__ lp)
+/* Round J of the panel steps (panels NW J .. NW J + NW - 1). pb: this block's two panels;
+   pbr[rk]: block rk's two panels. */
+template <int S, int C, int J, int NJ, int NB>
+static __device__ __forceinline__ void skv_cc_panel_rounds(double (&acc)[C][S], int32_t p, double fl, int gw, int lane,
+                                                          const double (*pb)[4][32 * S], double *const (&pbr)[NB],
+                                                          double *__restrict__ lp)
 {
-    constexpr int j = J;
-    for (int wl = j == 0 ? 1 : 0; wl < 16; wl++) {
-            const int32_t sp = 16 * j + wl; /* the panel step */
-            if (4 * sp >= p) break;     /* uniform */
-            const double(*prev)[32 * S] = pb[(sp - 1) & 1];
-            if (w == wl) { /* the lookahead: panel sp's columns get panel sp - 1's updates, then it is factored */
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    double nli[S]; /* -L_ik of this lane's rows, k = 4 (sp - 1) + kk */
-#pragma unroll
-                    for (int mm = 0; mm < S; mm++) nli[mm] = -prev[kk][lane + 32 * mm];
-#pragma unroll
-                    for (int t = 0; t < 4; t++) {
-                        const double lqk = prev[kk][64 * j + 4 * w + t];
-#pragma unroll
-                        for (int mm = 0; mm < S; mm++)
-                            if (SKV_CC_PANEL_KEEP(4 * j + t, mm))
-                                acc[4 * j + t][mm] = __fma_rn(nli[mm], lqk, acc[4 * j + t][mm]);
-                    }
-                }
-                skv_cc_panel_factor<S, C, J>(acc, p, fl, w, lane, pb[sp & 1], lp);
-            }
-            /* panel sp - 1's updates (k in order, the outer loop) of this warp's columns in panels > sp */
+    constexpr int NW = 16 * NB, PS = 4 * 32 * S; /* doubles a panel */
+    for (int gl = J == 0 ? 1 : 0; gl < NW; gl++) {
+        const int32_t sp = NW * J + gl; /* the panel step */
+        if (4 * sp >= p) break;         /* uniform */
+        const double(*prev)[32 * S] = pb[(sp - 1) & 1];
+        if (gw == gl) { /* the lookahead: panel sp's columns get panel sp - 1's updates, then it is factored */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                double nli[S];
+                double nli[S]; /* -L_ik of this lane's rows, k = 4 (sp - 1) + kk */
 #pragma unroll
                 for (int mm = 0; mm < S; mm++) nli[mm] = -prev[kk][lane + 32 * mm];
 #pragma unroll
-                for (int cc = 4 * j; cc < C; cc++) {
-                    const int32_t q = 64 * (cc >> 2) + 4 * w + (cc & 3);
-                    if (((cc >> 2) == j && w <= wl) || q >= p) continue; /* uniform */
-                    const double lqk = prev[kk][q];
+                for (int t = 0; t < 4; t++) {
+                    const double lqk = prev[kk][4 * NW * J + 4 * gw + t];
 #pragma unroll
                     for (int mm = 0; mm < S; mm++)
-                        if (SKV_CC_PANEL_KEEP(cc, mm)) acc[cc][mm] = __fma_rn(nli[mm], lqk, acc[cc][mm]);
+                        if (skv_cc_pkeep<NW>(4 * J + t, mm)) acc[4 * J + t][mm] = __fma_rn(nli[mm], lqk, acc[4 * J + t][mm]);
                 }
             }
-            __syncthreads();
+            double *nx[NB];
+#pragma unroll
+            for (int rk = 0; rk < NB; rk++) nx[rk] = pbr[rk] + (sp & 1) * PS;
+            skv_cc_panel_factor<S, C, J, NB>(acc, p, fl, gw, lane, nx, lp);
         }
-    if constexpr (J + 1 < NJ) skv_cc_panel_rounds<S, C, J + 1, NJ>(acc, p, fl, w, lane, pb, lp);
+        /* panel sp - 1's updates (k in order, the outer loop) of this warp's columns in panels > sp */
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            double nli[S];
+#pragma unroll
+            for (int mm = 0; mm < S; mm++) nli[mm] = -prev[kk][lane + 32 * mm];
+#pragma unroll
+            for (int cc = 4 * J; cc < C; cc++) {
+                const int32_t q = 4 * NW * (cc >> 2) + 4 * gw + (cc & 3);
+                if (((cc >> 2) == J && gw <= gl) || q >= p) continue; /* uniform */
+                const double lqk = prev[kk][q];
+#pragma unroll
+                for (int mm = 0; mm < S; mm++)
+                    if (skv_cc_pkeep<NW>(cc, mm)) acc[cc][mm] = __fma_rn(nli[mm], lqk, acc[cc][mm]);
+            }
+        }
+        skv_cc_cl_sync<NB>();
+    }
+    if constexpr (J + 1 < NJ) skv_cc_panel_rounds<S, C, J + 1, NJ, NB>(acc, p, fl, gw, lane, pb, pbr, lp);
 }
 
-template <int S>
-static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
-    skv_cc_fchol_panel(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
-                       double *__restrict__ lp)
+template <int S, int NB>
+static __device__ __forceinline__ void skv_cc_fchol_panel_body(int32_t m, int32_t p, const double *__restrict__ c, int eq,
+                                                               double *__restrict__ dsc, double *__restrict__ lp)
 {
-    constexpr int NJ = (32 * S + 63) / 64; /* rounds of 16 panels */
+    constexpr int NW = 16 * NB, NJ = (8 * S + NW - 1) / NW; /* rounds of NW panels (8 S panels at most) */
     constexpr int C = 4 * NJ;
-    __shared__ double pb[2][4][32 * S]; /* a panel of L (0 above and below p), double-buffered */
+    __shared__ __align__(16) double pb[2][4][32 * S]; /* a panel of L (0 above and below p), double-buffered */
     __shared__ double ds[32 * S], dg[32 * S];
     __shared__ double sh_s, sh_fl;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int rank = 0;
+    if constexpr (NB > 1) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const int gw = 16 * rank + w;
+    double *pbr[NB]; /* every block's pb, by its rank in the cluster */
+#pragma unroll
+    for (int rk = 0; rk < NB; rk++) {
+        if constexpr (NB > 1) {
+            uint32_t la = (uint32_t)__cvta_generic_to_shared(&pb[0][0][0]), ra;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(la), "r"(rk));
+            uint64_t ga;
+            asm volatile("{ .reg .u64 t; cvt.u64.u32 t, %1; cvta.shared::cluster.u64 %0, t; }" : "=l"(ga) : "r"(ra));
+            pbr[rk] = reinterpret_cast<double *>(ga);
+        } else
+            pbr[rk] = &pb[0][0][0];
+    }
     for (int i = tid; i < 2 * 4 * 32 * S; i += SKV_CC_FCHOL_THREADS) (&pb[0][0][0])[i] = 0.0;
     if (eq)
         for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
             double v = skv_canon_dscale(c[(int64_t)j * p + j]);
             ds[j] = v;
-            dsc[j] = v;
+            if (rank == 0) dsc[j] = v;
         }
     __syncthreads();
     for (int j = tid; j < p; j += SKV_CC_FCHOL_THREADS) {
         double v = c[(int64_t)j * p + j];
         dg[j] = eq ? __dmul_rn(v, __dmul_rn(ds[j], ds[j])) : v;
     }
-    /* acc[cc][mm]: element (lane + 32 mm, 64 (cc / 4) + 4 w + cc mod 4); garbage where i < q */
+    /* acc[cc][mm]: element (lane + 32 mm, 4 NW (cc / 4) + 4 gw + cc mod 4); garbage where i < q */
     double acc[C][S];
 #pragma unroll
     for (int cc = 0; cc < C; cc++)
 #pragma unroll
         for (int mm = 0; mm < S; mm++) {
             acc[cc][mm] = 0.0;
-            if (!SKV_CC_PANEL_KEEP(cc, mm)) continue;
-            const int32_t q = 64 * (cc >> 2) + 4 * w + (cc & 3), i = lane + 32 * mm;
+            if (!skv_cc_pkeep<NW>(cc, mm)) continue;
+            const int32_t q = 4 * NW * (cc >> 2) + 4 * gw + (cc & 3), i = lane + 32 * mm;
             if (q <= i && i < p) {
                 double v = c[(int64_t)i * p + q];
                 acc[cc][mm] = eq ? __dmul_rn(v, __dmul_rn(ds[i], ds[q])) : v;
@@ -532,17 +573,35 @@ static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
         sh_s = s;
         sh_fl = skv_canon_floor(p, tr, s);
     }
-    __syncthreads();
+    skv_cc_cl_sync<NB>(); /* also: every block's pb is zeroed before any remote store */
     const double s = sh_s, fl = sh_fl;
 #pragma unroll
     for (int cc = 0; cc < C; cc++)
 #pragma unroll
         for (int mm = 0; mm < S; mm++)
-            if (SKV_CC_PANEL_KEEP(cc, mm) && 64 * (cc >> 2) + 4 * w + (cc & 3) == lane + 32 * mm && lane + 32 * mm < p)
+            if (skv_cc_pkeep<NW>(cc, mm) && 4 * NW * (cc >> 2) + 4 * gw + (cc & 3) == lane + 32 * mm && lane + 32 * mm < p)
                 acc[cc][mm] = __dadd_rn(acc[cc][mm], s);
-    if (w == 0) skv_cc_panel_factor<S, C, 0>(acc, p, fl, 0, lane, pb[0], lp); /* panel 0 */
-    __syncthreads();
-    skv_cc_panel_rounds<S, C, 0, NJ>(acc, p, fl, w, lane, pb, lp);
+    if (gw == 0) skv_cc_panel_factor<S, C, 0, NB>(acc, p, fl, 0, lane, pbr, lp); /* panel 0 */
+    skv_cc_cl_sync<NB>();
+    skv_cc_panel_rounds<S, C, 0, NJ, NB>(acc, p, fl, gw, lane, pb, pbr, lp);
+}
+
+template <int S>
+static __global__ void __launch_bounds__(SKV_CC_FCHOL_THREADS)
+    skv_cc_fchol_panel(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
+                       double *__restrict__ lp)
+{
+    skv_cc_fchol_panel_body<S, 1>(m, p, c, eq, dsc, lp);
+}
+
+/* The cluster version: launch SKV_CC_CLUSTER blocks of SKV_CC_FCHOL_THREADS (one cluster). */
+#define SKV_CC_CLUSTER 4
+template <int S>
+static __global__ void __cluster_dims__(SKV_CC_CLUSTER, 1, 1) __launch_bounds__(SKV_CC_FCHOL_THREADS)
+    skv_cc_fchol_cluster(int32_t m, int32_t p, const double *__restrict__ c, int eq, double *__restrict__ dsc,
+                         double *__restrict__ lp)
+{
+    skv_cc_fchol_panel_body<S, SKV_CC_CLUSTER>(m, p, c, eq, dsc, lp);
 }
 
 #define SKV_CC_FSOLVE_MAXQ 5 /* p <= 160 */

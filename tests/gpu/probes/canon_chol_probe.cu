@@ -87,6 +87,11 @@ static void run_chol(void *v) { Args *a = (Args *)v; skv_cc_fchol<5><<<1, SKV_CC
 static void run_nobulk(void *v) { Args *a = (Args *)v; skv_cc_fchol<5, 1><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
 static void run_nodiv(void *v) { Args *a = (Args *)v; skv_cc_fchol<5, 2><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
 static void run_panel(void *v) { Args *a = (Args *)v; skv_cc_fchol_panel<5><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
+static void run_cluster(void *v)
+{
+    Args *a = (Args *)v;
+    skv_cc_fchol_cluster<5><<<SKV_CC_CLUSTER, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp);
+}
 static void run_ring(void *v)
 {
     Args *a = (Args *)v;
@@ -150,9 +155,10 @@ int main()
         CK(cudaMemcpy(a.c, c.data(), c.size() * 8, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(a.y, y.data(), y.size() * 8, cudaMemcpyHostToDevice));
         std::vector<double> got(lpk.size()), gx(y.size());
-        void (*chols[3])(void *) = {run_chol, run_ring, run_panel};
-        const char *cn[3] = {"skv_cc_fchol (barrier a column)", "skv_cc_fchol_ring (no barriers)", "skv_cc_fchol_panel (4-column panels)"};
-        for (int v = 0; v < 3; v++) {
+        void (*chols[4])(void *) = {run_chol, run_ring, run_panel, run_cluster};
+        const char *cn[4] = {"skv_cc_fchol (barrier a column)", "skv_cc_fchol_ring (no barriers)", "skv_cc_fchol_panel (4-column panels)",
+                             "skv_cc_fchol_cluster (panels, 4 SMs)"};
+        for (int v = 0; v < 4; v++) {
             CK(cudaMemset(a.lp, 0xff, lpk.size() * 8)); /* poison */
             chols[v](&a);
             CK(cudaDeviceSynchronize());

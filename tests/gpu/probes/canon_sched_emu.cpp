@@ -368,12 +368,12 @@ static void emu_fsolve(int32_t m, int32_t p, const double *y, const double *lp, 
     memcpy(x, xo.data(), xo.size() * sizeof(double)); /* x may alias y: the kernel loads the row first */
 }
 
-/* ---- skv_cc_fchol_panel<S> (512 threads, panels of 4 columns) ---- */
-#define PKEEP(cc, mm) (32 * (mm) + 31 >= 64 * ((cc) >> 2) + ((cc) & 3))
-template <int S>
+/* ---- skv_cc_fchol_panel<S> / skv_cc_fchol_cluster<S> (NB blocks of 512 threads, panels of 4 columns) ---- */
+#define PKEEP(cc, mm) (32 * (mm) + 31 >= 4 * NW * ((cc) >> 2) + ((cc) & 3))
+template <int S, int NB>
 static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, double *dsc, double *lp)
 {
-    constexpr int NT = 512, NJ = (32 * S + 63) / 64, C = 4 * NJ;
+    constexpr int NW = 16 * NB, NT = 32 * NW, NJ = (8 * S + NW - 1) / NW, C = 4 * NJ;
     double pb[2][4][32 * S], ds[32 * S], dg[32 * S];
     for (int i = 0; i < 32 * S; i++) ds[i] = dg[i] = NAN;
     for (int b = 0; b < 2; b++)
@@ -381,7 +381,7 @@ static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, doubl
             for (int i = 0; i < 32 * S; i++) pb[b][t][i] = 0.0;
     std::vector<double> acc((size_t)NT * C * S);
     auto AC = [&](int tid, int cc, int mm) -> double & { return acc[((size_t)tid * C + cc) * S + mm]; };
-    auto colof = [&](int w, int cc) { return 64 * (cc >> 2) + 4 * w + (cc & 3); };
+    auto colof = [&](int w, int cc) { return 4 * NW * (cc >> 2) + 4 * w + (cc & 3); };
     { /* ownership: every lower element of 32 S x 32 S once, in a kept slot */
         std::vector<int> own((size_t)32 * S * 32 * S, 0);
         for (int tid = 0; tid < NT; tid++)
@@ -422,14 +422,12 @@ static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, doubl
                     AC(tid, cc, mm) = __dadd_rn(AC(tid, cc, mm), s);
     const size_t np = (size_t)p * (p + 1) / 2;
     auto factor = [&](int J, int w, double (*pan)[32 * S]) {
-        const int c0 = 64 * J + 4 * w;
+        const int c0 = 4 * NW * J + 4 * w;
         for (int t = 0; t < 4; t++) {
             const int c = c0 + t;
             if (c >= p) break;
             const int cc = 4 * J + t;
-            int md = 2 * J < S ? 2 * J : S - 1;
-            if (2 * J + 1 < S && w >= 8) md = 2 * J + 1;
-            if (md != c / 32) printf("FAIL: panel diag slot\n"), exit(1);
+            const int md = c / 32;
             const double ljj = skv_canon_pivot(AC(32 * w + (c & 31), cc, md), fl);
             const double y = 1.0 / ljj;
             lp[np + c] = y;
@@ -454,8 +452,8 @@ static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, doubl
     factor(0, 0, pb[0]);
     int steps = 0;
     for (int J = 0; J < NJ; J++)
-        for (int wl = J == 0 ? 1 : 0; wl < 16; wl++) {
-            const int sp = 16 * J + wl;
+        for (int wl = J == 0 ? 1 : 0; wl < NW; wl++) {
+            const int sp = NW * J + wl;
             if (4 * sp >= p) break;
             steps++;
             double (*prev)[32 * S] = pb[(sp - 1) & 1];
@@ -470,7 +468,7 @@ static void emu_fchol_panel(int32_t m, int32_t p, const double *c, int eq, doubl
                 const int w = wl;
                 for (int kk = 0; kk < 4; kk++)
                     for (int t = 0; t < 4; t++) {
-                        const double lqk = prevc[kk][64 * J + 4 * w + t];
+                        const double lqk = prevc[kk][4 * NW * J + 4 * w + t];
                         for (int lane = 0; lane < 32; lane++)
                             for (int mm = 0; mm < S; mm++)
                                 if (PKEEP(4 * J + t, mm))
@@ -506,16 +504,18 @@ static void fchol(int S, int32_t m, int32_t p, const double *c, int eq, double *
     case 5: emu_fchol<5>(m, p, c, eq, dsc, l); break;
     }
     /* the panel kernel must give the same bits (L, reciprocals, dsc) */
-    std::vector<double> l2((size_t)p * (p + 1) / 2 + p, NAN), d2(p, NAN);
-    switch (S) {
-    case 1: emu_fchol_panel<1>(m, p, c, eq, d2.data(), l2.data()); break;
-    case 2: emu_fchol_panel<2>(m, p, c, eq, d2.data(), l2.data()); break;
-    case 3: emu_fchol_panel<3>(m, p, c, eq, d2.data(), l2.data()); break;
-    case 4: emu_fchol_panel<4>(m, p, c, eq, d2.data(), l2.data()); break;
-    case 5: emu_fchol_panel<5>(m, p, c, eq, d2.data(), l2.data()); break;
+    for (int nb : {1, 4}) {
+        std::vector<double> l2((size_t)p * (p + 1) / 2 + p, NAN), d2(p, NAN);
+#define PANEL_CASE(SS) \
+    case SS: \
+        if (nb == 1) emu_fchol_panel<SS, 1>(m, p, c, eq, d2.data(), l2.data()); \
+        else emu_fchol_panel<SS, 4>(m, p, c, eq, d2.data(), l2.data()); \
+        break;
+        switch (S) { PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) }
+#undef PANEL_CASE
+        if (memcmp(l2.data(), l, l2.size() * sizeof(double)) || (eq && memcmp(d2.data(), dsc, p * sizeof(double))))
+            printf("FAIL: panel kernel (%d blocks) differs from the column kernel at p %d eq %d\n", nb, p, eq), exit(1);
     }
-    if (memcmp(l2.data(), l, l2.size() * sizeof(double)) || (eq && memcmp(d2.data(), dsc, p * sizeof(double))))
-        printf("FAIL: panel kernel differs from the column kernel at p %d eq %d\n", p, eq), exit(1);
 }
 static void fsolve(int Q, int32_t m, int32_t p, const double *y, const double *l, int eq, const double *dsc, double *x)
 {
