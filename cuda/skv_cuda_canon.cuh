@@ -24,16 +24,8 @@
  *      a cluster of 4 SMs, quotients by skv_cc_div);
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
- *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij; skv_cc_qfix, which also
- *      writes y's sy signed 7-bit digits) and T = X Y exactly on int8 tensor cores
- *      (skv_cuda_canon_i8.h, skv_cc_u: per token block X's sx digits in rows
- *      (skv_cc_slice_rows), one int8 GEMM per weight class c = a + b, sx + sy - 1 of them
- *      over the concatenated digits' k, into int32 products; skv_cc_ucombine sums them
- *      in int64 into the exact T and writes U = (float) (T 2^(f_j - Gb))); with
- *      SKV_CC_U_DGEMM=1 (or where the int8 plan does not fit the scratch, or cuBLAS
- *      refuses the int8 GEMM) per token block (f->canon_rows rows) the fixed-point block
- *      in double and T by cuBLAS DGEMM (exact), then the same scaling (skv_cc_uscale):
- *      the same U bits.
+ *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
+ *      block, T = X Y by cuBLAS DGEMM (exact), U = (float) (T 2^(f_j - Gb)).
  * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
  * IEEE fp64 (fma) products: exact here.
  */
@@ -336,7 +328,32 @@ static __global__ void __launch_bounds__(128)
 
 /* ---- step 4 ----------------------------------------------------------------------------- */
 
-/* skv_cc_qfix: skv_cuda_canon_fix.cuh. */
+/* w [r, d] = (float) Q^T; f[j] = ex(max_i |Q_ij 2^(e_i - F)|); yq [d, r] = rne(Q' 2^(Gb - f_j)). One
+   block per column j. */
+static __global__ void __launch_bounds__(256)
+    skv_cc_qfix(const double *__restrict__ q, int32_t d, int32_t r, const int32_t *__restrict__ e, int32_t F,
+                int32_t Gb, float *__restrict__ w, int32_t *__restrict__ f, double *__restrict__ yq)
+{
+    __shared__ double red[256];
+    const int32_t j = blockIdx.x;
+    double mx = 0.0;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        double qij = q[(int64_t)i * r + j];
+        w[(int64_t)j * d + i] = (float)qij;
+        double v = fabs(__dmul_rn(qij, skv_canon_pow2(e[i] - F)));
+        mx = v > mx ? v : mx;
+    }
+    red[threadIdx.x] = mx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) { /* max: any order */
+        if ((int)threadIdx.x < s) red[threadIdx.x] = red[threadIdx.x + s] > red[threadIdx.x] ? red[threadIdx.x + s] : red[threadIdx.x];
+        __syncthreads();
+    }
+    const int32_t fj = skv_canon_ex_f64(red[0]);
+    if (threadIdx.x == 0) f[j] = fj;
+    for (int32_t i = threadIdx.x; i < d; i += blockDim.x)
+        yq[(int64_t)i * r + j] = rint(skv_canon_scale(__dmul_rn(q[(int64_t)i * r + j], skv_canon_pow2(e[i] - F)), Gb - fj));
+}
 
 /* ---- the driver ------------------------------------------------------------------------- */
 
@@ -394,82 +411,6 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     return SKV_OK;
 }
 
-/* U rows [t_begin, n) by the DGEMM path: per token block of f->canon_rows rows, the fixed-point
-   block in double (blk, the scratch's start), T^T [r, rows] = Yq^T X_blk^T by DGEMM (exact: every
-   partial sum an integer below 2^53) into tb, then U = (float) (T 2^(f_j - Gb)). yq: the fixed-point
-   Q, row major [d, r]. */
-static skv_status skv_cc_u_f64(skv_cuda_factor *f, int64_t t_begin, int64_t n, const skv_bf16 *a, int32_t F, int32_t Gb,
-                               const double *yq, float *u, char *msg, size_t cap)
-{
-    const int32_t d = f->d, r = f->r;
-    const double one = 1.0, zero = 0.0;
-    double *blk = (double *)f->scratch, *tb = blk + (size_t)f->canon_rows * d;
-    for (int64_t t0 = t_begin; t0 < n; t0 += f->canon_rows) {
-        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
-        /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, yq, r, blk, d, &zero, tb, r),
-                          "cublasDgemm (canonical exact U)");
-        {
-            const unsigned gx = (unsigned)((r + 31) / 32);
-            int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
-            if (gy > rows8) gy = rows8;
-            if (gy < 1) gy = 1;
-            skv_cc_uscale<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
-        }
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
-    }
-    return SKV_OK;
-}
-
-/* U by int8 tensor cores (skv_cuda_canon_i8.h; y's digits already at the scratch's start, by
-   skv_cc_qfix). Per token block of p->rows rows: X's digits (skv_cc_slice_rows), one GEMM per weight
-   class c, T_c^T [ldt, rows_w] = [Y_(c-alo); ..; Y_(c-ahi)]^T [X_alo .. X_ahi]^T (int8 x int8 ->
-   int32, TN, beta = 0; the padding rows and columns zeros), then skv_cc_ucombine into U. A cuBLAS that refuses the int8 GEMM (or shape): the
-   DGEMM path from this block on (the rows before are already U's bits; yq is intact). */
-static skv_status skv_cc_u(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, int32_t Gb,
-                           const skv_cc_i8u_plan *p, const double *yq, float *u, char *msg, size_t cap)
-{
-    const int32_t d = f->d, r = f->r;
-    const int8_t *yd = (const int8_t *)f->scratch;
-    int32_t *tc = (int32_t *)((char *)f->scratch + p->t_off);
-    int8_t *xd = (int8_t *)f->scratch + p->x_off;
-    const int32_t one = 1, zero = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += p->rows) {
-        const int64_t rows = n - t0 < p->rows ? n - t0 : p->rows, rows_w = (rows + 3) / 4 * 4; /* <= p->rows */
-        {
-            dim3 gr((unsigned)((p->dk / 8 + 31) / 32), (unsigned)((rows_w + 7) / 8));
-            skv_cc_slice_rows<<<gr, dim3(32, 8), 0, f->st>>>(a + (size_t)t0 * d, rows, rows_w, d, p->dk, f->cc_e, F,
-                                                             p->sx, p->ldx, xd);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 U digit kernel");
-        }
-        for (int c = 0; c < p->nc; c++) {
-            int alo, ahi;
-            skv_cc_i8u_pairs(p, c, &alo, &ahi);
-            const int k = (ahi - alo + 1) * p->dk;
-            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, p->ldt, (int)rows_w, k, &one,
-                                            yd + (size_t)(p->sy - 1 - (c - alo)) * p->dk, CUDA_R_8I, (int)p->ldy,
-                                            xd + (size_t)alo * p->dk, CUDA_R_8I, (int)p->ldx, &zero,
-                                            tc + (size_t)c * p->t_stride, CUDA_R_32I, p->ldt, CUBLAS_COMPUTE_32I,
-                                            CUBLAS_GEMM_DEFAULT);
-            if (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH)
-                return skv_cc_u_f64(f, t0, n, a, F, Gb, yq, u, msg, cap);
-            SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact U, int8 digits)");
-        }
-        {
-            const unsigned gx = (unsigned)((r + 31) / 32);
-            int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
-            if (gy > rows8) gy = rows8;
-            if (gy < 1) gy = 1;
-            skv_cc_ucombine<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tc, *p, rows, r, f->cc_f, Gb,
-                                                                            u + (size_t)t0 * r);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 U combine kernel");
-        }
-    }
-    return SKV_OK;
-}
-
 /* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). */
 static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
                                    size_t cap)
@@ -479,7 +420,8 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         if (msg && cap) snprintf(msg, cap, "cuda factorize: canonical route: r = %d > %d", (int)r, 32 * SKV_CC_SOLVE_MAXQ);
         return SKV_ERR_UNSUPPORTED;
     }
-    double *g = f->cc_g, *blk = (double *)f->scratch;
+    const double one = 1.0, zero = 0.0;
+    double *g = f->cc_g, *blk = (double *)f->scratch, *tb = blk + (size_t)f->canon_rows * d;
     /* 1 */
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->cc_colmax, 0, (size_t)d * sizeof(unsigned), f->st), "cudaMemsetAsync (column max)");
     {
@@ -525,17 +467,26 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
         if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
     }
-    /* 4: y <- the fixed-point Q (row major [d, r] = column major [r, d], ld r); where the int8 U
-       plan fits, also y's digits (at the scratch's start) */
-    skv_cc_i8u_plan up;
-    const int i8u = !SKV_CC_U_DGEMM && skv_cc_i8u_plan_for(d, r, F, Gb, n, f->scratch_bytes, SKV_CC_U_ROWS, &up);
-    if (i8u && up.ldt > r) /* y's digit columns r .. ldt-1 (the GEMMs' m is ldt) */
-        SKV_CF_CHECK_CUDA(cudaMemsetAsync((int8_t *)f->scratch + (size_t)r * up.ldy, 0, (size_t)(up.ldt - r) * up.ldy, f->st),
-                          "cudaMemsetAsync (canonical int8 U digit padding)");
-    skv_cc_qfix<<<r, 256, 0, f->st>>>(x, d, r, f->cc_e, F, Gb, w, f->cc_f, y, i8u ? (int8_t *)f->scratch : NULL,
-                                      i8u ? up.sy : 0, i8u ? up.dk : 0, i8u ? up.ldy : 0);
+    /* 4: y <- the fixed-point Q (row major [d, r] = column major [r, d], ld r) */
+    skv_cc_qfix<<<r, 256, 0, f->st>>>(x, d, r, f->cc_e, F, Gb, w, f->cc_f, y);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");
-    return i8u ? skv_cc_u(f, n, a, F, Gb, &up, y, u, msg, cap) : skv_cc_u_f64(f, 0, n, a, F, Gb, y, u, msg, cap);
+    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
+        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
+        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+        /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, blk, d, &zero, tb, r),
+                          "cublasDgemm (canonical exact U)");
+        {
+            const unsigned gx = (unsigned)((r + 31) / 32);
+            int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
+            if (gy > rows8) gy = rows8;
+            if (gy < 1) gy = 1;
+            skv_cc_uscale<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
+        }
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
+    }
+    return SKV_OK;
 }
 
 #endif

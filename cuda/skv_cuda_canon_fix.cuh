@@ -1,8 +1,7 @@
 /*
  * skv_cuda_canon_fix.cuh - the canonical route's element kernels around the exact products
  * (lib/skv_factor_canon.h steps 1 and 4): the fixed-point A in doubles (the DSYRK Gram and
- * the DGEMM path of step 4's T = X Y), U's scaling, and step 4's fixed-point Q (with y's int8
- * digits for the int8 U path, skv_cuda_canon_i8.h). No dependence on the factor's state: skv_cuda_canon.cuh
+ * step 4's T = X Y) and U's scaling. No dependence on the factor's state: skv_cuda_canon.cuh
  * launches them, tests/gpu/probes/canon_gemm_probe.cu times them and checks them.
  */
 #ifndef SKV_CUDA_CANON_FIX_CUH
@@ -60,47 +59,6 @@ static __global__ void __launch_bounds__(256)
     const int32_t k = f[j] - Gb;
     for (int64_t t = (int64_t)blockIdx.y * 8 + threadIdx.y; t < rows; t += (int64_t)gridDim.y * 8)
         u[t * r + j] = (float)skv_canon_scale(tb[t * r + j], k);
-}
-
-/* w [r, d] = (float) Q^T; f[j] = ex(max_i |Q_ij 2^(e_i - F)|); yq [d, r] = rne(Q' 2^(Gb - f_j)). One
-   block per column j. yd (the int8 U path, NULL for the DGEMM path): also y's sy digits
-   (skv_cc_i8_pack64 of the integer yq, exact: |y| <= 2^42), column major [sy dk, r] (ld ldy), digit b
-   of (i, j) at yd[j ldy + (sy - 1 - b) dk + i] (skv_cuda_canon_i8.h), zeros for i in [d, dk). */
-static __global__ void __launch_bounds__(256)
-    skv_cc_qfix(const double *__restrict__ q, int32_t d, int32_t r, const int32_t *__restrict__ e, int32_t F,
-                int32_t Gb, float *__restrict__ w, int32_t *__restrict__ f, double *__restrict__ yq,
-                int8_t *__restrict__ yd, int sy, int32_t dk, int64_t ldy)
-{
-    __shared__ double red[256];
-    const int32_t j = blockIdx.x;
-    double mx = 0.0;
-    for (int32_t i = threadIdx.x; i < d; i += blockDim.x) {
-        double qij = q[(int64_t)i * r + j];
-        w[(int64_t)j * d + i] = (float)qij;
-        double v = fabs(__dmul_rn(qij, skv_canon_pow2(e[i] - F)));
-        mx = v > mx ? v : mx;
-    }
-    red[threadIdx.x] = mx;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) { /* max: any order */
-        if ((int)threadIdx.x < s) red[threadIdx.x] = red[threadIdx.x + s] > red[threadIdx.x] ? red[threadIdx.x + s] : red[threadIdx.x];
-        __syncthreads();
-    }
-    const int32_t fj = skv_canon_ex_f64(red[0]);
-    if (threadIdx.x == 0) f[j] = fj;
-    const int32_t iend = yd ? dk : d;
-    for (int32_t i = threadIdx.x; i < iend; i += blockDim.x) {
-        double v = 0.0;
-        if (i < d) {
-            v = rint(skv_canon_scale(__dmul_rn(q[(int64_t)i * r + j], skv_canon_pow2(e[i] - F)), Gb - fj));
-            yq[(int64_t)i * r + j] = v;
-        }
-        if (yd) {
-            const uint64_t pk = skv_cc_i8_pack64((int64_t)v, sy);
-            int8_t *col = yd + (int64_t)j * ldy + i;
-            for (int b = 0; b < sy; b++) col[(int64_t)(sy - 1 - b) * dk] = (int8_t)(uint8_t)(pk >> (8 * b));
-        }
-    }
 }
 
 #endif

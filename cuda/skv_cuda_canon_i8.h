@@ -1,8 +1,8 @@
 /*
  * skv_cuda_canon_i8.h - the canonical route's exact Gram S = X^T X (lib/skv_factor_canon.h step 2)
- * and step 4's exact T = X Y (below) on int8 tensor cores, the plans and the integer helpers:
- * host C99 and CUDA alike (the cuda backend's skv_cuda_canon.cuh launches them;
- * tests/gpu/probes/canon_i8_emul.c runs the same helpers on the host against plain double S and T).
+ * on int8 tensor cores, the plan and the integer helpers: host C99 and CUDA alike (the cuda
+ * backend's skv_cuda_canon.cuh launches it; tests/gpu/probes/canon_i8_emul.c runs the same
+ * helpers on the host against a plain double S).
  *
  * Slicing. x = x_ti is an integer with |x| <= 2^(F+1) (step 1). Signed radix-128 digits:
  *   q_0 = x; for k = 0 .. s-2: x_k = ((q_k + 64) mod 128) - 64 in [-64, 63],
@@ -156,143 +156,6 @@ static inline int skv_cc_i8_plan_for(int32_t d, int s, int64_t n, size_t bytes, 
     p->plane_bytes = (size_t)p->d4 * (size_t)r;
     p->chunk_rows = SKV_CC_I8_MAXK / r * r;
     return 1;
-}
-
-/*
- * Step 4's T = X Y on int8 tensor cores (the U path; skv_cuda_canon.cuh's skv_cc_u, the kernels
- * skv_cc_slice_rows and skv_cc_ucombine in skv_cuda_canon_i8.cuh). U_tj = (float) skv_canon_scale
- * (T_tj, f_j - Gb) needs T exactly: every output of this path is that T as a double, so U's bits
- * are those of the DGEMM path and ref's (skv_cc_ucombine applies the same scaling to it).
- *
- * Digits. x as above: sx = skv_cc_i8_slices(F) digits in [-64, 64], 2^(7a) |x_a| <= 2^(F+1) for
- * every digit (the top one by the bound above; a lower one, a <= sx - 2, as 2^(7a + 6) <= 2^(7 (sx
- * - 2) + 6) < 2^(F+1), since 7 (sx - 1) < F + 2). y = y_ij (the fixed-point Q, step 4): |Q'_ij| <
- * 2^(f_j + 1) (f_j = ex of the column's max), so |Q'_ij 2^(Gb - f_j)| < 2^(Gb+1) and its rne is at
- * most 2^(Gb+1) (Gb = skv_canon_u_bits(n, d) in [10, 41]: F >= 10 and d >= 1 give Gb <= 41, so
- * |y| <= 2^42 needs an int64). The same radix-128 digits (skv_cc_i8_pack64, the argument above
- * for any bound 2^(G+1)): sy = skv_cc_i8_slices(Gb) <= 7 digits in [-64, 64], 2^(7b) |y_b| <=
- * 2^(Gb+1). At n = 64k, d = 1024: F = 17, Gb = 24, sx = 3, sy = 4.
- *
- * Products. T = sum_(a,b) 2^(7(a+b)) X_a Y_b, grouped by weight c = a + b: nc = sx + sy - 1
- * classes, T_c = sum_(a+b=c) X_a Y_b, one int8 x int8 -> int32 GEMM each (TN: both operands
- * k-contiguous) over the concatenated k of its np(c) = a_hi - a_lo + 1 pairs (a_lo = max(0, c - sy
- * + 1), a_hi = min(c, sx - 1)): [X_alo .. X_ahi] (a token's digits side by side in its row, each dk
- * = d rounded up to 16 wide, the padding zeros) against [Y_(c-alo); ..; Y_(c-ahi)] (Y's digits
- * stored in reverse order, so that both run forward in memory). 12 pair products in 6 GEMMs at
- * 64k x 1024. int32: an entry of T_c sums np(c) dk digit products of at most 2^12 each, so every
- * partial sum, whatever cuBLAS's split or order, is at most np dk 2^12 <= min(sx, sy) dk 2^12; the
- * plan requires that to be <= 2^31 - 1 (min(sx, sy) <= 4: dk <= 131071, any d <= 2^16).
- *
- * Combine. T = sum_c 2^(7c) T_c in int64 (skv_cc_ucombine, in order of c). 2^(7c) T_c sums, over its
- * pairs and i < d, products (2^(7a) x_a)(2^(7b) y_b) of at most 2^(F+1) 2^(Gb+1) = 2^(53 -
- * ceil(log2 d)) each, so |2^(7c) T_c| <= np(c) d 2^(53 - ceil(log2 d)) <= np(c) 2^53 and every
- * partial sum of the combine is at most sx sy 2^53 <= 28 2^53 < 2^58: no overflow; the weights
- * 2^(7c) <= 2^(7 (sx - 1) + 7 (sy - 1)) < 2^(F + Gb + 4) <= 2^55, so 7c <= 49. The int64 result is
- * T exactly, |T| <= d 2^(F+1) 2^(Gb+1) <= 2^53 (step 4's bound): (double) T is exact, the value
- * any exact double summation gives; a zero T gives +0.0, as ref's chain from acc = 0.0 does (and
- * cuBLAS's DGEMM, whose sums start from +0: the probe's zero rows check it).
- *
- * Layout (in the factor's scratch, the Gram's space reused: step 4 runs after step 2): Y's digits
- * first, column major [sy dk, ldt] (ld ldy = sy dk; column j holds Y_(sy-1)(:, j) .. Y_0(:, j), dk
- * each; skv_cc_qfix writes them, columns r .. ldt-1 are zeros), then the nc products T_c, column
- * major [ldt, rows] (ld ldt = r rounded up to 4), t_stride int32 apart, then X's digits, row major
- * [rows, ldx] (ldx = sx dk; row t holds X_0(t, :) .. X_(sx-1)(t, :); a block's rows rounded up to 4
- * are written, the padding rows zeros); every region 256-byte aligned. The GEMMs' m = ldt and n =
- * the block's rows rounded up to 4 (every dimension and leading dimension a multiple of 4, k and
- * the k offsets multiples of 16 bytes, as the Gram's); the combine reads j < r, t < rows.
- */
-/* 1: step 4's T by fixed-point doubles and cuBLAS DGEMM (the route's first U path, which also runs
-   where the int8 plan does not fit the scratch): the same U bits, kept for comparison. */
-#ifndef SKV_CC_U_DGEMM
-#define SKV_CC_U_DGEMM 0
-#endif
-/* The int8 U path's block rows at most (0: as many as fit the scratch). */
-#ifndef SKV_CC_U_ROWS
-#define SKV_CC_U_ROWS 0
-#endif
-#define SKV_CC_U_MAXSX 4
-#define SKV_CC_U_MAXSY 8
-/* Weight classes: 7 (nc - 1) <= 49 (above), so nc <= 8; the plan checks it. */
-#define SKV_CC_U_MAXC 8
-/* Block rows: a multiple of this; at most SKV_CC_U_MAXR (the digit kernel's grid). */
-#define SKV_CC_U_ROWQ 16
-#define SKV_CC_U_MAXR ((int64_t)1 << 18)
-
-/* The s digits of y (|y| <= 2^(G+1), s = skv_cc_i8_slices(G) <= 8): byte k = y_k. */
-SKV_CHD uint64_t skv_cc_i8_pack64(int64_t y, int s)
-{
-    uint64_t p = 0;
-    int64_t q = y;
-    for (int k = 0; k < s - 1; k++) {
-        int64_t dk = ((q + 64) & 127) - 64;
-        q = (q - dk) / 128;
-        p |= (uint64_t)(uint8_t)(int8_t)dk << (8 * k);
-    }
-    p |= (uint64_t)(uint8_t)(int8_t)q << (8 * (s - 1));
-    return p;
-}
-
-typedef struct skv_cc_i8u_plan {
-    int sx, sy, nc;
-    int32_t dk;       /* d rounded up to 16: one digit's k range */
-    int32_t ldt;      /* r rounded up to 4 */
-    int64_t ldx, ldy; /* sx dk, sy dk */
-    size_t t_off;     /* bytes from the scratch's start: T_0 */
-    size_t t_stride;  /* int32 elements from T_c to T_(c+1) */
-    size_t x_off;     /* bytes: X's digits */
-    int64_t rows;     /* block capacity, a multiple of SKV_CC_U_ROWQ */
-} skv_cc_i8u_plan;
-
-/* The weight class c's pairs: a from *alo to *ahi (b = c - a). */
-static inline void skv_cc_i8u_pairs(const skv_cc_i8u_plan *p, int c, int *alo, int *ahi)
-{
-    *alo = c - (p->sy - 1) > 0 ? c - (p->sy - 1) : 0;
-    *ahi = c < p->sx - 1 ? c : p->sx - 1;
-}
-
-/* The plan for n rows of d, rank r, F and Gb in a scratch of bytes, blocks of at most max_rows
-   rows (0: as many as fit), evened out over the blocks n needs. 0 where it does not fit (not
-   even SKV_CC_U_ROWQ rows) or the int32 bound fails. */
-static inline int skv_cc_i8u_plan_for(int32_t d, int32_t r, int32_t F, int32_t Gb, int64_t n, size_t bytes,
-                                      int64_t max_rows, skv_cc_i8u_plan *p)
-{
-    if (d < 1 || r < 1 || n < 1 || d > (1 << 16)) return 0;
-    p->sx = skv_cc_i8_slices(F);
-    p->sy = skv_cc_i8_slices(Gb);
-    if (p->sx > SKV_CC_U_MAXSX || p->sy > SKV_CC_U_MAXSY) return 0;
-    p->nc = p->sx + p->sy - 1;
-    if (p->nc > SKV_CC_U_MAXC) return 0;
-    p->dk = (int32_t)skv_cc_i8_up((size_t)d, 16);
-    p->ldt = (int32_t)skv_cc_i8_up((size_t)r, 4);
-    p->ldx = (int64_t)p->sx * p->dk;
-    p->ldy = (int64_t)p->sy * p->dk;
-    const int64_t npmax = p->sx < p->sy ? p->sx : p->sy;
-    if (npmax * p->dk * 4096 > (int64_t)2147483647) return 0;
-    const size_t ybytes = skv_cc_i8_up((size_t)p->ldy * (size_t)p->ldt, 256);
-    const size_t slack = ybytes + (size_t)p->nc * 256 + 256;
-    const size_t per_row = (size_t)p->nc * (size_t)p->ldt * sizeof(int32_t) + (size_t)p->ldx;
-    if (bytes <= slack) return 0;
-    int64_t cap = (int64_t)((bytes - slack) / per_row);
-    if (cap > SKV_CC_U_MAXR) cap = SKV_CC_U_MAXR;
-    if (max_rows > 0 && cap > max_rows) cap = max_rows;
-    cap -= cap % SKV_CC_U_ROWQ;
-    if (cap < SKV_CC_U_ROWQ) return 0;
-    int64_t nb = (n + cap - 1) / cap, rr = (n + nb - 1) / nb;
-    rr = (rr + SKV_CC_U_ROWQ - 1) / SKV_CC_U_ROWQ * SKV_CC_U_ROWQ; /* <= cap: cap is a multiple */
-    p->rows = rr;
-    p->t_off = ybytes;
-    p->t_stride = skv_cc_i8_up((size_t)p->ldt * (size_t)rr, 64);
-    p->x_off = p->t_off + (size_t)p->nc * p->t_stride * sizeof(int32_t);
-    return p->x_off + (size_t)rr * (size_t)p->ldx <= bytes;
-}
-
-/* What create makes room for: the most digits (sx = 4, sy = 7), SKV_CC_I8_ROWQ rows (0: none). */
-static inline size_t skv_cc_i8u_need(int32_t d, int32_t r)
-{
-    if (d < 1 || r < 1 || d > (1 << 16)) return 0;
-    const size_t dk = skv_cc_i8_up((size_t)d, 16), ldt = skv_cc_i8_up((size_t)r, 4), nc = 4 + 7 - 1;
-    return skv_cc_i8_up(7 * dk * ldt, 256) + nc * 256 + 256 +
-           SKV_CC_I8_ROWQ * (nc * ldt * sizeof(int32_t) + 4 * dk);
 }
 
 #endif

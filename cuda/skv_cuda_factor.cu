@@ -48,8 +48,7 @@
  * skv_cuda_canon.cuh, bit for bit ref's; no host synchronization. Its buffers
  * (cc_*, below the FAST ones in the struct) are allocated at create for every
  * shape, its token blocks (int8 digit planes of A and their int32 products for
- * the exact Gram and for U's T = X Y, skv_cuda_canon_i8.h; fixed-point A and T
- * in double where the DGEMM path of U runs) live in scratch.
+ * the exact Gram, skv_cuda_canon_i8.h; fixed-point A and T for U) live in scratch.
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -62,9 +61,7 @@
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
  *                              float; FAST: the fallback's partial sums;
  *                              CANONICAL: the int8 Gram's products and digit
- *                              planes, then Q's and A's digits and T's int32
- *                              products (fixed-point A and T blocks on the
- *                              DGEMM path)
+ *                              planes, then fixed-point A and T blocks
  *   x, y    double [d, r]      the iterate and G X (FAST)
  *   c       double [r, r]      Y^T Y (FAST)
  *   lt      double [~r^2 / 2]  its Cholesky factor in 8 x 8 tiles (FAST)
@@ -154,9 +151,8 @@ struct skv_cuda_factor {
     size_t solver_host_bytes;
     /* the canonical route (skv_cuda_canon.cuh): G (gd itself when m_max = d), the iterate (x, y
        themselves when the FAST workspace exists), C, L, the packed Cholesky scratch above
-       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; the DSYRK Gram's and
-       the DGEMM U path's token blocks of canon_rows rows in scratch (fixed-point A, then T; the
-       int8 paths plan their own blocks there, skv_cuda_canon_i8.h) */
+       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; token blocks of
+       canon_rows rows in scratch (fixed-point A, then T) */
     double *cc_g, *cc_x, *cc_y, *cc_c, *cc_l, *cc_lp, *cc_dsc;
     int32_t *cc_e, *cc_f;
     unsigned *cc_colmax;
@@ -221,12 +217,6 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         /* the int8 exact Gram (skv_cuda_canon_i8.h): its int32 products and digit planes, at least one
            block of any digit count; above the cap the scratch stays and the plan decides per call */
         need = skv_cc_i8_need(d);
-        if (need && need <= SKV_CC_I8_GROW_CAP && need > s->scratch_bytes) s->scratch_bytes = need;
-#endif
-#if !SKV_CC_U_DGEMM
-        /* the int8 U path (skv_cuda_canon_i8.h): y's digits, the int32 products and X's digits of at
-           least one 128-row block at the most digits; the same cap */
-        need = skv_cc_i8u_need(d, r);
         if (need && need <= SKV_CC_I8_GROW_CAP && need > s->scratch_bytes) s->scratch_bytes = need;
 #endif
         size_t rr = (size_t)r * r * sizeof(double), cb = 2 * rr + (size_t)r * sizeof(double) +

@@ -1,5 +1,5 @@
 /*
- * canon_i8_emul.c - a host emulation of the cuda canonical route's int8 exact Gram and U
+ * canon_i8_emul.c - a host emulation of the cuda canonical route's int8 exact Gram
  * (cuda/skv_cuda_canon_i8.h, the kernels skv_cc_slice / skv_cc_combine and the int8 GEMMs of
  * skv_cc_gram in cuda/skv_cuda_canon.cuh), step for step in plain C: the same plan, the two
  * kernels transcribed as launched (grid, threads, shared-memory phases; the digit planes'
@@ -10,15 +10,6 @@
  *
  *   cc -std=c99 -O2 -ffp-contract=off -Iinclude -Ilib -Icuda tests/gpu/probes/canon_i8_emul.c -lm \
  *     -o build/canon_i8_emul && build/canon_i8_emul
- *
- * Step 4's int8 U path (skv_cc_u: skv_cc_qfix's digits of y, skv_cc_slice_rows, one GEMM per weight
- * class, skv_cc_ucombine), as launched, against ref's U (T = chain of x y from 0.0 in double, then
- * (float) skv_canon_scale) bit for bit: the digits of every |y| <= 2^(G+1), G = 0..41 (sampled),
- * then |x| = 2^(F+1) with |y| = 2^(Gb+1) (T = +-2^53), mixed signs, random, bf16 keys with ref's
- * qfix of a random Q (a zero column: T = 0, U = +0.0), several blocks with a short last one, odd d
- * and r, virtual row counts up to 2^31 - 1 (F = 10, Gb = 41: sy = 7), d = 65536 (the largest dk
- * the plan admits) and digits of -64 everywhere but the top (large int32 sums: 2^28 at
- * d = 65536, the plan requiring <= 2^31 - 1); every region's bytes written once.
  *
  * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max, and the
  * digit kernel's integer fixed point (skv_cc_i8_fix_bf16) against skv_canon_fix on every finite
@@ -32,7 +23,6 @@
  * 524160 * 2^12, 2^31 - 2^19).
  */
 #include <inttypes.h>
-#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -282,8 +272,9 @@ static void run(const char *what, const int32_t *x, int64_t n, int32_t d, size_t
 
 enum { G_RANDOM, G_MAXPOS, G_MAXNEG, G_MAXSIGNS, G_BF16, G_LOWDIGITS };
 
-static int32_t *gen_f(int kind, int64_t n, int32_t d, int32_t F)
+static int32_t *gen(int kind, int64_t n, int32_t d)
 {
+    const int32_t F = skv_canon_frac_bits(n);
     const int64_t X = (int64_t)1 << (F + 1);
     int32_t *x = malloc((size_t)n * d * sizeof *x);
     if (kind == G_BF16) { /* bf16 columns of different scales through the rule's step 1 */
@@ -319,312 +310,11 @@ static int32_t *gen_f(int kind, int64_t n, int32_t d, int32_t F)
     return x;
 }
 
-static int32_t *gen(int kind, int64_t n, int32_t d) { return gen_f(kind, n, d, skv_canon_frac_bits(n)); }
-
 static void case_(const char *what, int kind, int64_t n, int32_t d, size_t bytes, int64_t chunk_override)
 {
     int32_t *x = gen(kind, n, d);
     run(what, x, n, d, bytes, chunk_override);
     free(x);
-}
-
-/* ---- step 4: T = X Y on int8 (the U path) ----------------------------------------------- */
-
-/* The digits of y for every bound 2^(G+1), G = 0..41 (sampled, the extremes and the values around
-   every power of two whole). */
-static void check_digits64(void)
-{
-    for (int32_t G = 0; G <= 41; G++) {
-        const int s = skv_cc_i8_slices(G);
-        const int64_t Y = (int64_t)1 << (G + 1);
-        int64_t bad = 0, n = 0;
-        for (int pass = 0; pass < 3; pass++) {
-            const int64_t cnt = pass == 0 ? 4000 : pass == 1 ? 300 : 2000;
-            for (int64_t k = 0; k < cnt; k++) {
-                int64_t y;
-                if (pass == 0) y = (int64_t)(rnd() % (uint64_t)(2 * Y + 1)) - Y;
-                else if (pass == 1) { /* the ends of the range */
-                    y = k < 150 ? -Y + k : Y - (k - 150);
-                    if (y > Y || y < -Y) continue;
-                }
-                else { /* around +-2^m */
-                    int m = (int)(rnd() % (uint64_t)(G + 2));
-                    y = ((int64_t)1 << m) + (int64_t)(rnd() % 5) - 2;
-                    if (rnd() & 1) y = -y;
-                    if (y > Y || y < -Y) continue;
-                }
-                n++;
-                uint64_t p = skv_cc_i8_pack64(y, s);
-                int64_t back = 0;
-                for (int b = s - 1; b >= 0; b--) {
-                    int db = (int8_t)(uint8_t)(p >> (8 * b));
-                    if (db < -64 || db > 64) bad++;
-                    if ((int64_t)llabs(db) << (7 * b) > Y) bad++; /* 2^(7b) |y_b| <= 2^(G+1) */
-                    back = back * 128 + db;
-                }
-                if (s < 8 && (p >> (8 * s))) bad++;
-                if (back != y) bad++;
-            }
-        }
-        if (bad) {
-            printf("digits64 G = %d (s = %d): %lld of %lld bad\n", (int)G, s, (long long)bad, (long long)n);
-            failures++;
-        }
-    }
-    printf("digits64: G = 0..41 checked (s = %d at G = 24, %d at G = 41)\n", skv_cc_i8_slices(24), skv_cc_i8_slices(41));
-}
-
-/* The emulated U path (skv_cc_u, cuda/skv_cuda_canon.cuh), as launched: the plan for the (virtual)
-   F, Gb; skv_cc_qfix's digit writes (block j, 256 threads over i < dk), per block skv_cc_slice_rows
-   (grid, 32 x 8 threads, its 8-byte stores checked aligned and inside the row), the nc GEMMs
-   (cublasGemmEx T, N as called: int64 sums in order of k, every running value checked to stay in
-   int32), skv_cc_ucombine (grid, threads, the int64 sum in order of c). x: the integer keys [n, d]
-   (|x| <= 2^(F+1)); yq: the integer Q [d, r] as doubles (|y| <= 2^(Gb+1)); u [n, r]. */
-static int emulate_u(const int32_t *x, const double *yq, const int32_t *fj, int64_t n, int32_t d, int32_t r, int32_t F,
-                     int32_t Gb, size_t bytes, int64_t max_rows, float *u, int *nblocks, int64_t *t32max)
-{
-    skv_cc_i8u_plan p;
-    if (!skv_cc_i8u_plan_for(d, r, F, Gb, n, bytes, max_rows, &p)) {
-        printf("U plan does not fit: d = %d, r = %d, n = %lld, bytes = %zu\n", (int)d, (int)r, (long long)n, bytes);
-        failures++;
-        return 0;
-    }
-    unsigned char *scratch = malloc(bytes);
-    memset(scratch, 0xa5, bytes); /* stale bytes */
-    int8_t *yd = (int8_t *)scratch, *xd = (int8_t *)scratch + p.x_off;
-    int32_t *tc = (int32_t *)(scratch + p.t_off);
-    const size_t ybytes = (size_t)p.ldy * (size_t)p.ldt;
-    if (p.t_off % 256 || p.x_off % 256 || ybytes > p.t_off || p.t_off + (size_t)p.nc * p.t_stride * 4 > p.x_off ||
-        (size_t)p.ldt * (size_t)p.rows > p.t_stride || p.x_off + (size_t)p.rows * (size_t)p.ldx > bytes) {
-        printf("U plan: regions overlap or overrun\n");
-        failures++;
-    }
-    /* the padding columns' memset (ldt > r), then skv_cc_qfix's digit writes */
-    unsigned char *hit = calloc(ybytes, 1);
-    for (size_t o = (size_t)r * p.ldy; o < ybytes; o++) {
-        yd[o] = 0;
-        hit[o]++;
-    }
-    for (int32_t j = 0; j < r; j++)
-        for (int tid = 0; tid < 256; tid++)
-            for (int32_t i = tid; i < p.dk; i += 256) {
-                double v = i < d ? yq[(size_t)i * r + j] : 0.0;
-                const uint64_t pk = skv_cc_i8_pack64((int64_t)v, p.sy);
-                for (int b = 0; b < p.sy; b++) {
-                    size_t o = (size_t)j * p.ldy + (size_t)(p.sy - 1 - b) * p.dk + i;
-                    yd[o] = (int8_t)(uint8_t)(pk >> (8 * b));
-                    hit[o]++;
-                }
-            }
-    for (size_t o = 0; o < ybytes; o++)
-        if (hit[o] != 1) {
-            printf("qfix digits: byte %zu written %d times\n", o, hit[o]);
-            failures++;
-            break;
-        }
-    free(hit);
-    *nblocks = 0;
-    *t32max = 0;
-    unsigned char *xhit = malloc((size_t)p.rows * p.ldx);
-    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
-        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows, rows_w = (rows + 3) / 4 * 4;
-        (*nblocks)++;
-        if (rows_w > p.rows) {
-            printf("U plan: padded block rows %lld above the capacity %lld\n", (long long)rows_w, (long long)p.rows);
-            failures++;
-        }
-        memset(xhit, 0, (size_t)p.rows * p.ldx);
-        /* skv_cc_slice_rows: grid (ceil(dk / 256), ceil(rows_w / 8)), threads (32, 8) */
-        const unsigned gx = (unsigned)((p.dk / 8 + 31) / 32), gy = (unsigned)((rows_w + 7) / 8);
-        for (unsigned by = 0; by < gy; by++)
-            for (unsigned bx = 0; bx < gx; bx++)
-                for (int ty = 0; ty < 8; ty++)
-                    for (int tx = 0; tx < 32; tx++) {
-                        const int32_t g = (int32_t)bx * 32 + tx, c0 = 8 * g;
-                        const int64_t t = (int64_t)by * 8 + ty;
-                        if (c0 >= p.dk || t >= rows_w) continue;
-                        uint32_t pk[8];
-                        for (int c = 0; c < 8; c++)
-                            pk[c] = t < rows && c0 + c < d ? skv_cc_i8_pack(x[(t0 + t) * d + c0 + c], p.sx) : 0u;
-                        for (int k = 0; k < p.sx; k++) {
-                            size_t o = (size_t)t * p.ldx + (size_t)k * p.dk + c0;
-                            if ((p.x_off + o) % 8 || (size_t)k * p.dk + c0 + 8 > (size_t)p.ldx) {
-                                printf("slice_rows: misaligned or out-of-row 8-byte store\n");
-                                failures++;
-                            }
-                            for (int c = 0; c < 8; c++) {
-                                xd[o + c] = (int8_t)(uint8_t)(pk[c] >> (8 * k));
-                                xhit[o + c]++;
-                            }
-                        }
-                    }
-        for (size_t o = 0; o < (size_t)rows_w * p.ldx; o++)
-            if (xhit[o] != 1) {
-                printf("slice_rows: byte %zu written %d times\n", o, xhit[o]);
-                failures++;
-                break;
-            }
-        /* the GEMMs: column major C [ldt, rows_w] (ldt) = A^T B, A = y's digits [k, ldt] (ldy), B = X's [k, rows_w] (ldx) */
-        for (int c = 0; c < p.nc; c++) {
-            int alo, ahi;
-            skv_cc_i8u_pairs(&p, c, &alo, &ahi);
-            const int64_t K = (int64_t)(ahi - alo + 1) * p.dk;
-            const int8_t *A = yd + (size_t)(p.sy - 1 - (c - alo)) * p.dk, *B = xd + (size_t)alo * p.dk;
-            int32_t *C = tc + (size_t)c * p.t_stride;
-            if (ahi < alo || ahi >= p.sx || c - alo >= p.sy || c - ahi < 0 ||
-                (size_t)(p.sy - 1 - (c - alo)) * p.dk + K > (size_t)p.ldy || (size_t)alo * p.dk + K > (size_t)p.ldx) {
-                printf("U GEMM %d: operand outside its digits\n", c);
-                failures++;
-                continue;
-            }
-            for (int64_t t = 0; t < rows_w; t++)
-                for (int32_t i = 0; i < p.ldt; i++) {
-                    int64_t v = 0;
-                    for (int64_t k = 0; k < K; k++) {
-                        v += (int64_t)A[k + (size_t)i * p.ldy] * B[k + (size_t)t * p.ldx];
-                        if (v > INT32_MAX || v < INT32_MIN) {
-                            printf("U int32 overflow: c = %d, (%d, %lld), k = %lld\n", c, (int)i, (long long)t, (long long)k);
-                            failures++;
-                            free(scratch);
-                            free(xhit);
-                            return 0;
-                        }
-                    }
-                    if (llabs(v) > *t32max) *t32max = llabs(v);
-                    C[i + (size_t)t * p.ldt] = (int32_t)v;
-                }
-        }
-        /* skv_cc_ucombine: grid (ceil(r / 32), min(2048 / gx, ceil(rows / 8))), threads (32, 8) */
-        const unsigned cgx = (unsigned)((r + 31) / 32);
-        int64_t cgy = 2048 / cgx, rows8 = (rows + 7) / 8;
-        if (cgy > rows8) cgy = rows8;
-        if (cgy < 1) cgy = 1;
-        for (int64_t by = 0; by < cgy; by++)
-            for (unsigned bx = 0; bx < cgx; bx++)
-                for (int ty = 0; ty < 8; ty++)
-                    for (int tx = 0; tx < 32; tx++) {
-                        const int32_t j = (int32_t)bx * 32 + tx;
-                        if (j >= r) continue;
-                        for (int64_t t = by * 8 + ty; t < rows; t += cgy * 8) {
-                            long long sum = 0;
-                            for (int c = 0; c < SKV_CC_U_MAXC; c++) {
-                                int32_t v = c < p.nc ? tc[(size_t)c * p.t_stride + j + (size_t)t * p.ldt] : 0;
-                                long long term = (long long)v * (1LL << (7 * c));
-                                if ((term > 0 && sum > LLONG_MAX - term) || (term < 0 && sum < LLONG_MIN - term)) {
-                                    printf("U combine: int64 overflow\n");
-                                    failures++;
-                                }
-                                sum += term;
-                            }
-                            if (llabs(sum) > ((long long)1 << 53)) {
-                                printf("U combine: |T| = %lld above 2^53\n", sum);
-                                failures++;
-                            }
-                            u[(t0 + t) * r + j] = (float)skv_canon_scale((double)sum, fj[j] - Gb);
-                        }
-                    }
-    }
-    free(xhit);
-    free(scratch);
-    return 1;
-}
-
-/* ref's step 4 (ref/skv_ref.c): acc = 0.0, acc += x y in order of i, U = (float) scale(acc); T also
-   in int64. The emulated U must match bit for bit. */
-static void run_u(const char *what, const int32_t *x, const double *yq, const int32_t *fj, int64_t n, int32_t d, int32_t r,
-                  int32_t F, int32_t Gb, size_t bytes, int64_t max_rows)
-{
-    float *u = malloc(sizeof *u * (size_t)n * r);
-    memset(u, 0xff, sizeof *u * (size_t)n * r);
-    int nb = 0;
-    int64_t t32 = 0;
-    if (!emulate_u(x, yq, fj, n, d, r, F, Gb, bytes, max_rows, u, &nb, &t32)) {
-        free(u);
-        return;
-    }
-    int64_t bad = 0, zeros = 0;
-    double tmax = 0;
-    for (int64_t t = 0; t < n; t++)
-        for (int32_t j = 0; j < r; j++) {
-            double acc = 0.0;
-            int64_t ti = 0;
-            for (int32_t i = 0; i < d; i++) {
-                acc += (double)x[t * d + i] * yq[(size_t)i * r + j];
-                ti += (int64_t)x[t * d + i] * (int64_t)yq[(size_t)i * r + j];
-            }
-            float want = (float)skv_canon_scale(acc, fj[j] - Gb), got = u[t * r + j];
-            if (memcmp(&want, &got, sizeof want) != 0 || (double)ti != acc) {
-                if (bad < 3) printf("  U[%lld][%d]: ref %a (T %.17g), emulated %a\n", (long long)t, (int)j, want, acc, got);
-                bad++;
-            }
-            if (acc == 0) zeros++;
-            if (fabs(acc) > tmax) tmax = fabs(acc);
-        }
-    skv_cc_i8u_plan p;
-    skv_cc_i8u_plan_for(d, r, F, Gb, n, bytes, max_rows, &p);
-    printf("U %-40s n = %6lld d = %5d r = %3d F = %2d Gb = %2d sx = %d sy = %d: %d blocks, max |T| = 2^%.3f, "
-           "max |int32| = 2^%.3f, %lld zero T: %s\n",
-           what, (long long)n, (int)d, (int)r, (int)F, (int)Gb, p.sx, p.sy, nb, tmax > 0 ? log2(tmax) : -INFINITY,
-           t32 > 0 ? log2((double)t32) : -INFINITY, (long long)zeros, bad ? "MISMATCH" : "bitwise equal");
-    if (bad) failures++;
-    free(u);
-}
-
-enum { Y_RANDOM, Y_MAXPOS, Y_MAXNEG, Y_MAXSIGNS, Y_QFIX, Y_LOWDIGITS };
-
-/* A U case: keys x (gen's kinds, for the virtual row count nv: F = skv_canon_frac_bits(nv), Gb =
-   skv_canon_u_bits(nv, d); n rows emulated), y of kind ykind. */
-static void case_u(const char *what, int xkind, int ykind, int64_t n, int64_t nv, int32_t d, int32_t r, size_t bytes,
-                   int64_t max_rows)
-{
-    const int32_t F = skv_canon_frac_bits(nv), Gb = skv_canon_u_bits(nv, d);
-    int32_t *x;
-    if (xkind == G_LOWDIGITS) { /* every digit -64 but the top (0): large int32 sums (the top digits are
-                                   at most 2^(F+1-7(sx-1)) and 2^(Gb+1-7(sy-1)): the plan's 2^12 per product
-                                   is not reached at the top) */
-        const int sx = skv_cc_i8_slices(F);
-        int32_t v = 0;
-        for (int k = sx - 2; k >= 0; k--) v = v * 128 - 64;
-        x = malloc(sizeof *x * (size_t)n * d);
-        for (int64_t k = 0; k < n * d; k++) x[k] = v;
-    } else {
-        x = gen_f(xkind, n, d, F);
-    }
-    const int64_t Y = (int64_t)1 << (Gb + 1);
-    double *yq = malloc(sizeof *yq * (size_t)d * r);
-    int32_t *fj = malloc(sizeof *fj * (size_t)r);
-    for (int32_t j = 0; j < r; j++) fj[j] = (int32_t)(rnd() % 61) - 30;
-    if (r > 3) fj[1] = -1022, fj[2] = 120, fj[3] = -140; /* U underflows / large */
-    if (ykind == Y_QFIX) { /* ref's qfix of a random Q with column scales e */
-        double *q = malloc(sizeof *q * (size_t)d * r);
-        int32_t *e = malloc(sizeof *e * (size_t)d);
-        for (int32_t i = 0; i < d; i++) e[i] = (int32_t)(rnd() % 41) - 20;
-        for (size_t k = 0; k < (size_t)d * r; k++) q[k] = ((double)(rnd() >> 11) * 0x1p-53 - 0.5) * 0.3;
-        for (int32_t i = 0; i < d; i += 7) q[(size_t)i * r] = -0.0;
-        if (r > 1) for (int32_t i = 0; i < d; i++) q[(size_t)i * r + 1] = 0.0; /* a zero column: f = 0 */
-        skv_canon_ref_qfix(d, r, q, e, F, Gb, yq, fj);
-        free(q);
-        free(e);
-    } else {
-        int64_t low = 0;
-        if (ykind == Y_LOWDIGITS)
-            for (int k = skv_cc_i8_slices(Gb) - 2; k >= 0; k--) low = low * 128 - 64;
-        for (size_t k = 0; k < (size_t)d * r; k++) {
-            int64_t v;
-            switch (ykind) {
-            case Y_RANDOM: v = (int64_t)(rnd() % (uint64_t)(2 * Y + 1)) - Y; if (k % 11 == 0) v = rnd() & 1 ? Y : -Y; break;
-            case Y_MAXPOS: v = Y; break;
-            case Y_MAXNEG: v = -Y; break;
-            case Y_MAXSIGNS: v = rnd() & 1 ? Y : -Y; break;
-            default: v = low; break;
-            }
-            yq[k] = (double)v;
-        }
-    }
-    run_u(what, x, yq, fj, n, d, r, F, Gb, bytes, max_rows);
-    free(x);
-    free(yq);
-    free(fj);
 }
 
 /* skv_cc_colmax8 (cuda/skv_cuda_canon.cuh) as launched, against the plain column max. */
@@ -705,28 +395,6 @@ int main(void)
     case_("bf16, n = 2^16 + 3", G_BF16, 65539, 9, big, 0);
     case_("digits -64 (int32 bound), n = 524287", G_LOWDIGITS, 524287, 4, skv_cc_i8_acc_bytes(4, 3, NULL) + 3 * 4 * 128, 0);
     case_("max -, two chunks, n = 2^19 + 1 (F = 16)", G_MAXNEG, 524289, 4, big, 0);
-    /* step 4's U path: the scratch create gives at n_max = 64k, d = 1024, r = 160 (7084 x 1184 doubles);
-       small ones force several blocks; nv: the row count F and Gb come from (n rows emulated) */
-    check_digits64();
-    const size_t fac = (size_t)7084 * 1184 * 8;
-    case_u("max + x, max + y (T = 2^53)", G_MAXPOS, Y_MAXPOS, 40, 65536, 1024, 5, fac, 0);
-    case_u("max - x, max + y (T = -2^53)", G_MAXNEG, Y_MAXPOS, 20, 65536, 1024, 3, fac, 0);
-    case_u("max signs x, max signs y", G_MAXSIGNS, Y_MAXSIGNS, 300, 65536, 64, 9, fac, 0);
-    case_u("random x, random y, d = 1024, r = 160", G_RANDOM, Y_RANDOM, 24, 65536, 1024, 160, fac, 0);
-    case_u("bf16 x, qfix y, d = 1024, r = 160", G_BF16, Y_QFIX, 40, 65536, 1024, 160, fac, 0);
-    case_u("bf16 x, qfix y, blocks of 64", G_BF16, Y_QFIX, 1000, 1000, 77, 13, fac, 64);
-    case_u("bf16 x, qfix y, small scratch", G_BF16, Y_QFIX, 700, 700, 130, 7, 200000, 0);
-    case_u("random, blocks of 16, n = 2^13 + 5", G_RANDOM, Y_RANDOM, 8197, 8197, 6, 3, fac, 16);
-    case_u("max - x, max - y, blocks, odd d", G_MAXNEG, Y_MAXNEG, 333, 333, 9, 5, fac, 48);
-    case_u("n = 1 (F = 25), d = 1", G_RANDOM, Y_RANDOM, 1, 1, 1, 1, fac, 0);
-    case_u("max +, n = 1, d = 1 (sx = 4)", G_MAXPOS, Y_MAXPOS, 1, 1, 1, 1, fac, 0);
-    case_u("n = 2048 (F = 20, sx = 4), r = 33", G_RANDOM, Y_RANDOM, 2048, 2048, 40, 33, fac, 0);
-    case_u("nv = 2^31-1, d = 1 (F = 10, Gb = 41)", G_MAXSIGNS, Y_MAXSIGNS, 50, 2147483647LL, 1, 4, fac, 0);
-    case_u("nv = 2^31-1, d = 2, random", G_RANDOM, Y_RANDOM, 50, 2147483647LL, 2, 4, fac, 0);
-    case_u("nv = 2^20, d = 3, max +", G_MAXPOS, Y_MAXPOS, 30, (int64_t)1 << 20, 3, 4, fac, 0);
-    case_u("digits -64, d = 65536 (large int32 sums)", G_LOWDIGITS, Y_LOWDIGITS, 2, 1, 65536, 2, fac, 0);
-    case_u("digits -64, d = 4096, nv = 64k", G_LOWDIGITS, Y_LOWDIGITS, 3, 65536, 4096, 3, fac, 0);
-    case_u("max +, d = 65536, nv = 2^20 (T = 2^53)", G_MAXPOS, Y_MAXPOS, 2, (int64_t)1 << 20, 65536, 1, fac, 0);
     printf("%s\n", failures ? "FAILED" : "all bitwise equal");
     return failures ? 1 : 0;
 }
