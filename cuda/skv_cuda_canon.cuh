@@ -19,9 +19,8 @@
  *      output one __fma_rn chain in order of k; G X reads G's rows as its columns,
  *      G being symmetric bit for bit), the equilibration, trace, shift, floor and
  *      Cholesky in one thread block, the solve X = Y L^-T a warp per row
- *      (skv_cc_fchol_cluster, skv_cc_fsolve in skv_cuda_canon_chol.cuh: panels of
- *      4 columns factored inside a warp, a one-panel lookahead, the bulk updates on
- *      a cluster of 4 SMs, quotients by skv_cc_div);
+ *      (skv_cc_fchol, skv_cc_fsolve in skv_cuda_canon_chol.cuh: a one-column
+ *      lookahead, one barrier a column, quotients by skv_cc_div);
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
@@ -370,8 +369,7 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     if (qn <= SKV_CC_FCHOL_MAXS) {
 #define SKV_CC_FCHOL_CASE(S)                                                                                  \
     case S:                                                                                                   \
-        skv_cc_fchol_cluster<S><<<SKV_CC_CLUSTER, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, \
-                                                                               f->cc_l);                        \
+        skv_cc_fchol<S><<<1, SKV_CC_FCHOL_THREADS, 0, f->st>>>(m, p, f->cc_c, eq, f->cc_dsc, f->cc_l);        \
         break;
         switch (qn) {
             SKV_CC_FCHOL_CASE(1) SKV_CC_FCHOL_CASE(2) SKV_CC_FCHOL_CASE(3) SKV_CC_FCHOL_CASE(4) SKV_CC_FCHOL_CASE(5)

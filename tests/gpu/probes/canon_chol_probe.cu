@@ -1,8 +1,8 @@
 /*
  * canon_chol_probe.cu - timing probe for the canonical route's latency-bound kernels
  * (cuda/skv_cuda_canon_chol.cuh) at p = 160, m = 1024: the Cholesky with one barrier per column
- * (skv_cc_fchol), the same with a ring of published columns and no barriers (skv_cc_fchol_ring),
- * and the solve (skv_cc_fsolve; both divide with skv_cc_div), each checked bit for bit against lib/skv_factor_canon.h's
+ * (skv_cc_fchol; also with its bulk updates or its pivots and divisions switched off) and the
+ * solve (skv_cc_fsolve; both divide with skv_cc_div), each checked bit for bit against lib/skv_factor_canon.h's
  * reference on the host (eq = 0 and 1), then timed with CUDA events (200 back-to-back launches
  * after warm-up, median of 5 batches). Also the dependent-chain latencies (clock64, one warp)
  * of the operations on the columns' critical path: __fma_rn, __dsqrt_rn, __ddiv_rn, a double
@@ -86,17 +86,6 @@ struct Args {
 static void run_chol(void *v) { Args *a = (Args *)v; skv_cc_fchol<5><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
 static void run_nobulk(void *v) { Args *a = (Args *)v; skv_cc_fchol<5, 1><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
 static void run_nodiv(void *v) { Args *a = (Args *)v; skv_cc_fchol<5, 2><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
-static void run_panel(void *v) { Args *a = (Args *)v; skv_cc_fchol_panel<5><<<1, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp); }
-static void run_cluster(void *v)
-{
-    Args *a = (Args *)v;
-    skv_cc_fchol_cluster<5><<<SKV_CC_CLUSTER, SKV_CC_FCHOL_THREADS>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp);
-}
-static void run_ring(void *v)
-{
-    Args *a = (Args *)v;
-    skv_cc_fchol_ring<5><<<1, SKV_CC_FCHOL_THREADS, skv_cc_fchol_ring_smem(5)>>>(a->m, a->p, a->c, a->eq, a->dsc, a->lp);
-}
 static void run_solve(void *v)
 {
     Args *a = (Args *)v;
@@ -155,10 +144,9 @@ int main()
         CK(cudaMemcpy(a.c, c.data(), c.size() * 8, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(a.y, y.data(), y.size() * 8, cudaMemcpyHostToDevice));
         std::vector<double> got(lpk.size()), gx(y.size());
-        void (*chols[4])(void *) = {run_chol, run_ring, run_panel, run_cluster};
-        const char *cn[4] = {"skv_cc_fchol (barrier a column)", "skv_cc_fchol_ring (no barriers)", "skv_cc_fchol_panel (4-column panels)",
-                             "skv_cc_fchol_cluster (panels, 4 SMs)"};
-        for (int v = 0; v < 4; v++) {
+        void (*chols[1])(void *) = {run_chol};
+        const char *cn[1] = {"skv_cc_fchol (barrier a column)"};
+        for (int v = 0; v < 1; v++) {
             CK(cudaMemset(a.lp, 0xff, lpk.size() * 8)); /* poison */
             chols[v](&a);
             CK(cudaDeviceSynchronize());
