@@ -409,6 +409,24 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     return skv_cuda_op_end(&op, e, "score_select");
 }
 
+/* The op-level rebuilds' set-up: the one sequence (u, w, n) on the device and its shape (B = 1). */
+static skv_cuda_seq *skv_cuda_rebuild_setup(skv_cuda_op *op, const skv_rope_config *rope, int32_t D, int32_t Hk,
+                                            int32_t r, int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
+                                            const skv_bf16 *w, const float *cos_tab, const float *sin_tab,
+                                            skv_cuda_shape *sh)
+{
+    skv_cuda_seq h;
+    memset(&h, 0, sizeof h);
+    h.u = u;
+    h.w = w;
+    h.n = n;
+    memset(sh, 0, sizeof *sh);
+    sh->B = 1, sh->Hk = Hk, sh->D = D, sh->c = c, sh->S = S, sh->r = r;
+    sh->rotary_dim = skv_rotary_dim(rope, D), sh->interleaved = rope->interleaved;
+    sh->cos_tab = cos_tab, sh->sin_tab = sin_tab;
+    return skv_cuda_op_seq(op, &h);
+}
+
 static skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                       int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
                                       const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
@@ -416,18 +434,9 @@ static skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, in
 {
     (void)ws;
     skv_cuda_op op = {{0}, 0};
-    skv_cuda_seq h;
-    memset(&h, 0, sizeof h);
-    h.u = u;
-    h.w = w;
-    h.n = n;
     skv_cuda_shape sh;
-    memset(&sh, 0, sizeof sh);
-    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S, sh.r = r;
-    sh.rotary_dim = skv_rotary_dim(rope, D), sh.interleaved = rope->interleaved;
-    sh.cos_tab = cos_tab, sh.sin_tab = sin_tab;
-    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
-    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys", sizeof h);
+    skv_cuda_seq *d = skv_cuda_rebuild_setup(&op, rope, D, Hk, r, c, S, n, u, w, cos_tab, sin_tab, &sh);
+    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys", sizeof(skv_cuda_seq));
     return skv_cuda_op_end(&op, skv_cuda_rebuild(0, &sh, d, chunk_ids, k_out), "rebuild_keys");
 }
 
@@ -439,18 +448,9 @@ static skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int
 {
     (void)ws;
     skv_cuda_op op = {{0}, 0};
-    skv_cuda_seq h;
-    memset(&h, 0, sizeof h);
-    h.u = u;
-    h.w = w;
-    h.n = n;
     skv_cuda_shape sh;
-    memset(&sh, 0, sizeof sh);
-    sh.B = 1, sh.Hk = Hk, sh.D = D, sh.c = c, sh.S = S, sh.r = r;
-    sh.rotary_dim = skv_rotary_dim(rope, D), sh.interleaved = rope->interleaved;
-    sh.cos_tab = cos_tab, sh.sin_tab = sin_tab;
-    skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
-    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", sizeof h);
+    skv_cuda_seq *d = skv_cuda_rebuild_setup(&op, rope, D, Hk, r, c, S, n, u, w, cos_tab, sin_tab, &sh);
+    if (!d) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", sizeof(skv_cuda_seq));
     const size_t wb = skv_cuda_canon_wq_bytes(1, Hk, D, r);
     void *wq = skv_cuda_op_alloc(&op, wb);
     if (!wq) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", wb);
