@@ -22,15 +22,8 @@
 #include <vector>
 
 #include "skv_cuda_canon_chol.cuh"
+#include "probe_common.cuh"
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 /* ---- latencies ---- */
 enum { L_FMA, L_SQRT, L_DIV, L_SHFL, L_LDS, L_BAR, L_N };
@@ -57,27 +50,6 @@ __global__ void lat_kernel(int op, int n, double seed, double *out, long long *c
     out[threadIdx.x] = v;
 }
 
-static float time_launches(void (*launch)(void *), void *arg, int reps)
-{
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 20; i++) launch(arg);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> t;
-    for (int r = 0; r < 5; r++) {
-        CK(cudaEventRecord(a));
-        for (int i = 0; i < reps; i++) launch(arg);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms * 1000.0f / reps);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[2];
-}
 
 struct Args {
     int m, p, eq;
@@ -157,7 +129,7 @@ int main()
             for (int k = 0; k < p; k++) /* the reciprocals for the solve */
                 if (rc[k] != 1.0 / l[(size_t)k * p + k]) ok = 0;
             bad += !ok;
-            float us = time_launches(chols[v], &a, 200);
+            float us = time_us([&] { chols[v](&a); });
             printf("eq %d  %-36s %8.2f us  %s\n", eq, cn[v], us, ok ? "bitwise ok" : "MISMATCH");
         }
         CK(cudaMemset(a.x, 0xff, y.size() * 8));
@@ -166,11 +138,11 @@ int main()
         CK(cudaMemcpy(gx.data(), a.x, gx.size() * 8, cudaMemcpyDeviceToHost));
         int ok = memcmp(gx.data(), x.data(), gx.size() * 8) == 0;
         bad += !ok;
-        float us = time_launches(run_solve, &a, 200);
+        float us = time_us([&] { run_solve(&a); });
         printf("eq %d  %-36s %8.2f us  %s\n", eq, "skv_cc_fsolve (1024 rows)", us, ok ? "bitwise ok" : "MISMATCH");
         if (eq == 0) { /* last: they leave a wrong L behind */
-            printf("eq 0  %-36s %8.2f us  (timing only)\n", "skv_cc_fchol without the bulk updates", time_launches(run_nobulk, &a, 200));
-            printf("eq 0  %-36s %8.2f us  (timing only)\n", "skv_cc_fchol without pivot/division", time_launches(run_nodiv, &a, 200));
+            printf("eq 0  %-36s %8.2f us  (timing only)\n", "skv_cc_fchol without the bulk updates", time_us([&] { run_nobulk(&a); }));
+            printf("eq 0  %-36s %8.2f us  (timing only)\n", "skv_cc_fchol without pivot/division", time_us([&] { run_nodiv(&a); }));
         }
         cudaFree(a.c), cudaFree(a.dsc), cudaFree(a.lp), cudaFree(a.y), cudaFree(a.x);
     }

@@ -30,15 +30,8 @@
 #include "skv_cuda_canon_fix.cuh"
 #include "skv_cuda_canon_i8.cuh"
 #include "skv_cuda_canon_mm.cuh"
+#include "probe_common.cuh"
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 /* ---- the former kernels (copies) ---- */
 
@@ -400,12 +393,7 @@ int main(int argc, char **argv)
                 if (i == 3) v = (uint16_t)((rnd() & 1) << 15 | (rnd() % 3)); /* a subnormal column */
                 ha[(size_t)t * d + i] = v;
             }
-        std::vector<int32_t> he(d);
-        for (int32_t i = 0; i < d; i++) {
-            unsigned mx = 0;
-            for (int64_t t = 0; t < rows; t++) mx = std::max(mx, (unsigned)(ha[(size_t)t * d + i] & 0x7fffu));
-            he[i] = skv_canon_ex_bf16((uint16_t)mx);
-        }
+        const std::vector<int32_t> he = probe_col_scales(ha, rows, d);
         skv_bf16 *a;
         int32_t *e;
         int8_t *p0, *p1;

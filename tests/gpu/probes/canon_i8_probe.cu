@@ -23,23 +23,8 @@
 #include <vector>
 
 #include "skv_cuda_canon_i8.cuh"
+#include "probe_common.cuh"
 
-#define CK(x)                                                                                       \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
-#define CB(x)                                                                                       \
-    do {                                                                                            \
-        cublasStatus_t e_ = (x);                                                                    \
-        if (e_ != CUBLAS_STATUS_SUCCESS) {                                                          \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cublasGetStatusString(e_));  \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 static __global__ void fix_kernel(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk)
 {
@@ -85,12 +70,7 @@ int main(int argc, char **argv)
             if (i == 2 && t == n / 3) v = (uint16_t)((unsigned)(127 + 10) << 7);
             ha[(size_t)t * d + i] = v;
         }
-    std::vector<int32_t> he(d);
-    for (int32_t i = 0; i < d; i++) {
-        unsigned mx = 0;
-        for (int64_t t = 0; t < n; t++) mx = std::max(mx, (unsigned)(ha[(size_t)t * d + i] & 0x7fffu));
-        he[i] = skv_canon_ex_bf16((uint16_t)mx);
-    }
+    const std::vector<int32_t> he = probe_col_scales(ha, n, d);
 
     skv_bf16 *a;
     int32_t *e;

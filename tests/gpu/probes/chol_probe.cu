@@ -22,15 +22,8 @@
 #include <vector>
 
 #include "chol_skip.cuh" /* and skv_cuda_chol.cuh */
+#include "probe_common.cuh"
 
-#define CK(x)                                                                                 \
-    do {                                                                                      \
-        cudaError_t e_ = (x);                                                                 \
-        if (e_ != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
 
 static const int P = 160, D = 1024;
 
@@ -304,28 +297,6 @@ __global__ void __launch_bounds__(256) trsm_warp3(double *__restrict__ v, int m,
         }
 }
 
-template <class F>
-static float time_us(F launch, int reps = 200)
-{
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int w = 0; w < 20; w++) launch();
-    CK(cudaDeviceSynchronize());
-    std::vector<float> v;
-    for (int t = 0; t < 5; t++) {
-        CK(cudaEventRecord(a));
-        for (int i = 0; i < reps; i++) launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        v.push_back(ms * 1000.0f / reps);
-    }
-    CK(cudaGetLastError());
-    std::sort(v.begin(), v.end());
-    return v[2];
-}
 
 int main()
 {
