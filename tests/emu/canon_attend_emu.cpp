@@ -11,6 +11,7 @@
 extern "C" {
 #include "skv_numerics.h"
 }
+#include "emu_common.h"
 typedef uint16_t u16;
 static uint32_t rng = 777;
 static uint32_t rnd() { rng ^= rng << 13; rng ^= rng >> 17; rng ^= rng << 5; return rng; }
@@ -22,17 +23,6 @@ static bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base) 
 }
 const int GC = 4, DC = 8, NV = GC * DC + GC, TOK = 4;
 
-// rb_score_row: heads g0, g0 + gs, .. (< G), 4 chains interleaved, float4 steps when D % 4 == 0
-static void score_row(const float *x, const float *q, int D, int G, int g0, int gs, float scale, float *e, int64_t T, int64_t j, int hq0) {
-    float acc[4] = {0, 0, 0, 0};
-    if ((D & 3) == 0) {
-        for (int d = 0; d < D; d += 4) for (int gg = 0; gg < 4; gg++) { if (g0 + gs * gg >= G) break;
-            for (int c = 0; c < 4; c++) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d + c], x[d + c], acc[gg]); }
-    } else {
-        for (int d = 0; d < D; d++) for (int gg = 0; gg < 4; gg++) if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], x[d], acc[gg]);
-    }
-    for (int gg = 0; gg < 4; gg++) if (g0 + gs * gg < G) e[(size_t)(hq0 + g0 + gs * gg) * T + j] = SKV_MUL(acc[gg], scale);
-}
 
 int run(int Hq, int Hk, int D, std::vector<int64_t> ns_tok, bool decode) {
     const int G = Hq / Hk; const float scale = 1.0f / sqrtf((float)D);
@@ -66,7 +56,7 @@ int run(int Hq, int Hk, int D, std::vector<int64_t> ns_tok, bool decode) {
                 const int rr = lane & 15; if (mw + rr >= sp[2].n) continue;
                 std::vector<float> x(D); const u16 *k = sp[2].k + (mw + rr) * sp[2].ts;
                 for (int d = 0; d < D; d++) x[d] = skv_bf16_to_f32(k[d]);
-                for (int g0 = lane >> 4; g0 < G; g0 += 8) score_row(x.data(), qs.data(), D, G, g0, 2, scale, e.data(), T, sel0 + mw + rr, h * G);
+                for (int g0 = lane >> 4; g0 < G; g0 += 8) score_row(x.data(), qs.data(), D, G, g0, 2, scale, e.data() + (size_t)h * G * T, T, sel0 + mw + rr);
             }
         }
         // weights kernel: per query head

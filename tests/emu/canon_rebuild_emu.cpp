@@ -12,6 +12,7 @@
 extern "C" {
 #include "skv_numerics.h"
 }
+#include "emu_common.h"
 typedef uint16_t u16;
 static uint32_t rng = 12345;
 static uint32_t rnd() { rng ^= rng << 13; rng ^= rng >> 17; rng ^= rng << 5; return rng; }
@@ -53,17 +54,6 @@ static u16 rbf(int mode) {
 
 static uint32_t rawall[32][2][8][2][2];
 
-// rb_score_row: heads g0, g0 + gs, .. (< G), 4 chains interleaved, float4 steps when D % 4 == 0
-static void score_row(const float *x, const float *q, int D, int G, int g0, int gs, float scale, float *e, int64_t j, int64_t Tm) {
-    float acc[4] = {0, 0, 0, 0};
-    if ((D & 3) == 0) {
-        for (int d = 0; d < D; d += 4) for (int gg = 0; gg < 4; gg++) { if (g0 + gs * gg >= G) break;
-            for (int c = 0; c < 4; c++) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d + c], x[d + c], acc[gg]); }
-    } else {
-        for (int d = 0; d < D; d++) for (int gg = 0; gg < 4; gg++) if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], x[d], acc[gg]);
-    }
-    for (int gg = 0; gg < 4; gg++) if (g0 + gs * gg < G) e[(size_t)(g0 + gs * gg) * Tm + j] = SKV_MUL(acc[gg], scale);
-}
 
 int run(int D, int r, int R, int inter, int c, int S, int Hk, int ntok, int umode, int wmode, int G = 3) {
     const int Dp = (D + 15) / 16 * 16, Kp = (r + 31) / 32 * 32, KS = Kp / 32, NT = Dp / 8;
@@ -215,7 +205,7 @@ int run(int D, int r, int R, int inter, int c, int S, int Hk, int ntok, int umod
             for (int lane = 0; lane < 32; lane++) {
                 const int rr = lane & 15;
                 if (pos_s[rr] < 0) continue;
-                for (int g0 = lane >> 4; g0 < G; g0 += 8) score_row(&xs[(size_t)rr * xst], qs.data(), D, G, g0, 2, scale, E.data(), sel0 + mw + rr, sel0 + M);
+                for (int g0 = lane >> 4; g0 < G; g0 += 8) score_row(&xs[(size_t)rr * xst], qs.data(), D, G, g0, 2, scale, E.data(), sel0 + M, sel0 + mw + rr);
             }
         }
         std::vector<int> ew(D);

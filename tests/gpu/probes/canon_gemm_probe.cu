@@ -222,14 +222,6 @@ static __global__ void ref_chain(int32_t M, int32_t N, int32_t K, const double *
     c[(int64_t)i * ldc + j] = acc;
 }
 
-static uint64_t rs = 0x2545f4914f6cdd1dull;
-static uint64_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return rs;
-}
 /* a normal-ish double: uniform in [-1, 1) times 2^(-8 .. 7) */
 static double rval(void) { return ldexp((double)(int64_t)(rnd() >> 11) / 4503599627370496.0 - 1.0, (int)(rnd() % 16) - 8); }
 

@@ -33,14 +33,6 @@ static __global__ void fix_kernel(const skv_bf16 *a, int64_t rows, int32_t d, co
         blk[k] = skv_canon_fix(a[k], F, e[k % d]);
 }
 
-static uint64_t rs = 0x2545f4914f6cdd1dull;
-static uint64_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return rs;
-}
 
 static float median(std::vector<float> v)
 {

@@ -1,14 +1,16 @@
 /*
  * probe_common.cuh - what the standalone timing probes in this directory share: the checked
  * CUDA (and cuBLAS) calls and the launch timer (CUDA events around reps back-to-back launches
- * after 20 warm-up launches, the median of 5 such batches, in microseconds a launch), and with
- * lib/skv_factor_canon.h included first, the canonical route's column scales of bf16 rows.
+ * after 20 warm-up launches, the median of 5 such batches, in microseconds a launch), the
+ * inputs' generator, and with lib/skv_factor_canon.h included first, the canonical route's
+ * column scales of bf16 rows.
  */
 #ifndef SKV_PROBE_COMMON_CUH
 #define SKV_PROBE_COMMON_CUH
 
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -33,6 +35,16 @@
         }                                                                                           \
     } while (0)
 #endif
+
+/* The probes' inputs: xorshift64, a fixed seed. */
+static uint64_t probe_rng = 0x2545f4914f6cdd1dull;
+static uint64_t rnd(void)
+{
+    probe_rng ^= probe_rng << 13;
+    probe_rng ^= probe_rng >> 7;
+    probe_rng ^= probe_rng << 17;
+    return probe_rng;
+}
 
 template <class F>
 static float time_us(F launch, int reps = 200)
