@@ -98,8 +98,8 @@ static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_
         e[i] = skv_canon_ex_bf16((uint16_t)colmax[i]);
 }
 
-/* blk [rows, d] = the fixed-point rows of a. (skv_cc_fix8, 8 columns a thread, measured slower
-   on the H200: 47.8 against 27.3 us for 7084 x 1024, tests/gpu/probes/canon_gemm_probe.cu.) */
+/* blk [rows, d] = the fixed-point rows of a. (An 8-columns-a-thread variant measured slower on the
+   H200: 47.8 against 27.3 us for 7084 x 1024, tests/gpu/probes/canon_gemm_probe.cu.) */
 static void skv_cc_fix_launch(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk,
                               cudaStream_t st)
 {

@@ -19,35 +19,6 @@ static __global__ void skv_cc_fix(const skv_bf16 *__restrict__ a, int64_t rows, 
         blk[k] = skv_canon_fix(a[k], F, e[k % d]);
 }
 
-/* The same, 8 columns per thread (d % 8 == 0, a 16-byte aligned): thread (x, y) of a 32 x 8 block
-   converts the 16-byte chunk g = 32 blockIdx.x + x of the rows blockIdx.y 8 + y + k 8 gridDim.y,
-   by skv_cc_i8_fix_bf16 (skv_canon_fix's integer; the sign bit put back on a zero, so every
-   double is skv_canon_fix's, -0.0 included), four 16-byte stores. */
-static __global__ void __launch_bounds__(256)
-    skv_cc_fix8(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, const int32_t *__restrict__ e, int32_t F,
-                double *__restrict__ blk)
-{
-    const int32_t g = blockIdx.x * 32 + threadIdx.x, ng = d / 8;
-    if (g >= ng) return;
-    int32_t ec[8];
-#pragma unroll
-    for (int c = 0; c < 8; c++) ec[c] = e[8 * g + c];
-    for (int64_t t = (int64_t)blockIdx.y * 8 + threadIdx.y; t < rows; t += (int64_t)gridDim.y * 8) {
-        const uint4 w = __ldg((const uint4 *)(a + t * d) + g);
-        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
-        double v[8];
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            const uint16_t h = (uint16_t)(ww[c / 2] >> (16 * (c & 1)));
-            v[c] = __longlong_as_double(__double_as_longlong((double)skv_cc_i8_fix_bf16(h, F, ec[c])) |
-                                        ((long long)(h & 0x8000u) << 48));
-        }
-        double2 *o = (double2 *)(blk + t * d + 8 * g);
-#pragma unroll
-        for (int c = 0; c < 4; c++) o[c] = make_double2(v[2 * c], v[2 * c + 1]);
-    }
-}
-
 /* u rows [0, rows) (row major [rows, r]) = (float) (T 2^(f_j - Gb)): thread (x, y) of a 32 x 8
    block on column j = 32 blockIdx.x + x (its scale once) and the rows blockIdx.y 8 + y + k 8 gridDim.y. */
 static __global__ void __launch_bounds__(256)
