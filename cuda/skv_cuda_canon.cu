@@ -397,13 +397,15 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
        c2, c3: row g + 8) */
 #pragma unroll 2
     for (int nt = 0; nt < NT; nt++) {
-        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+        /* the middle term's two products in their own accumulators (two chains of KS instead of one
+           of 2 KS): integer sums, so (c2 + c2b) is the same integer either way */
+        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c2b[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const uint4 w = Wf[((size_t)ks * NT + nt) * 32 + lane];
             mma_s8(c1, ah[ks], w.x, w.y);
             mma_s8(c2, ah[ks], w.z, w.w);
-            mma_s8(c2, al[ks], w.x, w.y);
+            mma_s8(c2b, al[ks], w.x, w.y);
             mma_s8(c3, al[ks], w.z, w.w);
         }
         const int d = nt * 8 + 2 * t4;
@@ -414,7 +416,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
 #pragma unroll
             for (int cl = 0; cl < 2; cl++) {
                 const int i = 2 * rs + cl;
-                const int64_t P = (int64_t)c1[i] * 16384 + (int64_t)c2[i] * 128 + (int64_t)c3[i];
+                const int64_t P = (int64_t)c1[i] * 16384 + ((int64_t)c2[i] + c2b[i]) * 128 + (int64_t)c3[i];
                 kv[cl] = rb_key(P, eu[rs] + ed[cl] - 24);
             }
             *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[0], kv[1]);
