@@ -173,8 +173,7 @@ SKV_CPU_AVX2 static void skv_cc_subspace(int32_t d, int32_t r, const double *g, 
         } else
             skv_cc_pass(d, r, y, q, 1, ws, buf);
     }
-    skv_cc_pass(d, r, q, q, 0, ws, buf);
-    skv_cc_pass(d, r, q, q, 0, ws, buf);
+    for (int k = 0; k < SKV_CANON_FINAL_PASSES; k++) skv_cc_pass(d, r, q, q, 0, ws, buf);
 }
 #endif
 

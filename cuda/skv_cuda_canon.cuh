@@ -460,9 +460,8 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         } else if ((s = skv_cc_pass(f, d, r, y, x, 1, msg, cap)) != SKV_OK)
             return s;
     }
-    {
+    for (int k = 0; k < SKV_CANON_FINAL_PASSES; k++) {
         skv_status s;
-        if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
         if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
     }
     /* 4: y <- the fixed-point Q (row major [d, r] = column major [r, d], ld r) */
