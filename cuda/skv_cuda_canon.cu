@@ -80,25 +80,48 @@ struct RebuildArgs {
     int64_t Tmax;
 };
 
-/* Row stride (floats) of the per-warp staging of the float keys before RoPE (8 mod 32 banks at Dp 128). */
-__host__ __device__ inline int rb_xstride(int32_t Dp) { return Dp + 8; }
+/* RoPE modes of the tensor-core rebuild: RM 0 stages the float keys and rotates them from shared
+   memory (any rotary shape); RM 1 (pairs (i, i + R/2), R % 16 == 0) and RM 2 (pairs (2i, 2i + 1), R even)
+   rotate the keys in registers, where both members of a pair sit in one lane (RM 1: tiles nt and
+   nt + R/16, the same fragment slot; RM 2: a lane's two adjacent dims), and stage bf16 keys. */
+__host__ __device__ inline int rb_rope_mode(int32_t R, int32_t interleaved)
+{
+    if (interleaved) return R % 2 == 0 ? 2 : 0;
+    return R % 16 == 0 ? 1 : 0;
+}
+
+/* Row stride of the per-warp staging: RM 0 floats (8 mod 32 banks at Dp 128); else 32-bit words of
+   two bf16 keys (4 mod 32 banks: the fragment stores of a warp, rows g and dims 2 t, hit 32 banks). */
+__host__ __device__ inline int rb_xstride(int32_t Dp, int rm) { return rm ? Dp / 2 + 4 : Dp + 8; }
 
 /* Dynamic shared memory of the tensor-core rebuild for a shape (GD: G D when it scores, else 0). */
-__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int64_t GD)
+__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int64_t GD, int rm)
 {
     return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
            + sizeof(int) * (size_t)Dp                     /* ew */
-           + sizeof(float) * (size_t)kRbTok * rb_xstride(Dp) /* per token: the float key, then the bf16 key */
+           + 4 * (size_t)kRbTok * rb_xstride(Dp, rm)      /* per token: the float key (RM 0), the bf16 key */
            + sizeof(float) * (size_t)GD;                  /* q of the group's query heads */
 }
 
 /* The selected span's first token in the attention's token order (skv_plan_spans: outliers, local). */
 __device__ __forceinline__ int64_t rb_sel0(const RebuildArgs &a, int b) { return (int64_t)a.O * a.c + a.seqs[b].n_local; }
 
-/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys):
-   per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved), times scale, into
-   e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
-__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const float *x, const float *q, int g0, int gs,
+/* Four consecutive keys of a staged row as floats: RM 0 floats, else bf16 (two per 32-bit word). */
+__device__ __forceinline__ float4 rb_key4(const float *x, int d) { return *reinterpret_cast<const float4 *>(x + d); }
+__device__ __forceinline__ float4 rb_key4(const uint16_t *x, int d)
+{
+    const uint2 w = *reinterpret_cast<const uint2 *>(x + d);
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xffff0000u));
+}
+__device__ __forceinline__ float rb_key1(const float *x, int d) { return x[d]; }
+__device__ __forceinline__ float rb_key1(const uint16_t *x, int d) { return skv_bf16_to_f32(x[d]); }
+
+/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys, or
+   the bf16 keys): per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved),
+   times scale, into e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
+template <typename T>
+__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const T *x, const float *q, int g0, int gs,
                                              int64_t bq0, int64_t j)
 {
     const int D = a.D, G = a.G;
@@ -106,7 +129,7 @@ __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const float *
     if ((D & 3) == 0) {
 #pragma unroll 2
         for (int d = 0; d < D; d += 4) {
-            const float4 k4 = *reinterpret_cast<const float4 *>(x + d);
+            const float4 k4 = rb_key4(x, d);
 #pragma unroll
             for (int gg = 0; gg < 4; gg++) {
                 if (g0 + gs * gg >= G) break;
@@ -121,7 +144,7 @@ __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const float *
         for (int d = 0; d < D; d++)
 #pragma unroll
             for (int gg = 0; gg < 4; gg++)
-                if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], x[d], acc[gg]);
+                if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
     }
 #pragma unroll
     for (int gg = 0; gg < 4; gg++)
@@ -168,6 +191,17 @@ __device__ __forceinline__ float rb_key(int64_t P, int e)
     return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
 }
 __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
+
+/* skv_f32_to_bf16 of lo (bits 0..15) and hi (bits 16..31) by one conversion: cvt.rn.bf16x2.f32 rounds
+   to nearest even, keeps subnormals and overflows to infinity as the integer rounding does; only a NaN
+   differs (the hardware's canonical NaN), so a NaN takes the integer rounding. */
+__device__ __forceinline__ uint32_t rb_bf16x2(float lo, float hi)
+{
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    if (lo != lo || hi != hi) r = (uint32_t)skv_f32_to_bf16(lo) | (uint32_t)skv_f32_to_bf16(hi) << 16;
+    return r;
+}
 
 /* t = x + 64 -> the int8 bytes of hi = t >> 7 and lo = (t & 127) - 64 (x = 128 hi + lo, as split13). */
 __device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
@@ -269,16 +303,44 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
     }
 }
 
-/* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps. Warp w owns tokens 16 w .. +15
-   of the tile: lane (g, t) loads U rows g and g + 8 (their chunk ids first, then every 8-byte piece of
-   both rows at once), puts them in fixed point (the row max by quad shuffles) straight into the A
-   fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row g, k = 16 + 4 t + j; 3 row g + 8),
-   then per n8 tile of dims the three exact int32 sums hu.hw, hu.lw + lu.hw, lu.lw by mma m16n8k32 with
-   W's fragments from shared memory, the key (skv_canon_rebuild_key) into the warp's staging rows, and
-   RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at once, in place (and into k_out when
-   set). With e set (decode), the scores of the warp's live tokens from those rows (rb_score_row).
-   smem: W's fragments, ew, the staging rows [128][Dp + 8] float, q [G][D] float when scoring. */
+/* The four keys of n8 tile nt in a lane's fragment slots (i: row g + 8 (i >> 1), dim 8 nt + 2 t + (i & 1)):
+   the three exact int32 sums hu.hw, hu.lw + lu.hw (two accumulators: two chains of KS instead of one of
+   2 KS, the same integer), lu.lw by mma m16n8k32 with W's fragments from shared memory, then
+   skv_canon_rebuild_key's value (rb_key). */
 template <int KS>
+__device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lane, int t4, const uint32_t (&ah)[KS][4],
+                                        const uint32_t (&al)[KS][4], const int *ew, const int (&eu)[2], float (&kv)[4])
+{
+    int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c2b[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        const uint4 w = Wf[((size_t)ks * NT + nt) * 32 + lane];
+        mma_s8(c1, ah[ks], w.x, w.y);
+        mma_s8(c2, ah[ks], w.z, w.w);
+        mma_s8(c2b, al[ks], w.x, w.y);
+        mma_s8(c3, al[ks], w.z, w.w);
+    }
+    const int d = nt * 8 + 2 * t4;
+    const int ed[2] = {ew[d], ew[d + 1]};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t P = (int64_t)c1[i] * 16384 + ((int64_t)c2[i] + c2b[i]) * 128 + (int64_t)c3[i];
+        kv[i] = rb_key(P, eu[i >> 1] + ed[i & 1] - 24);
+    }
+}
+
+/* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps, RM the RoPE mode (rb_rope_mode).
+   Warp w owns tokens 16 w .. +15 of the tile: lane (g, t) loads U rows g and g + 8 (their chunk ids
+   first, then every 8-byte piece of both rows at once), puts them in fixed point (the row max by quad
+   shuffles) straight into the A fragments (row major: register 0 row g, k = 4 t + j; 1 row g + 8; 2 row
+   g, k = 16 + 4 t + j; 3 row g + 8), then per n8 tile of dims the keys (rb_tile). RM 0: the float keys
+   into the warp's staging rows, then RoPE + bf16 per row with the cos/sin rows of 8 tokens loaded at
+   once, in place. RM 1, 2: RoPE on the fragments in registers (a lane holds both members of its
+   pairs), bf16 by one conversion per two keys, into the staging rows as bf16. Then the live rows into
+   k_out when set; with e set (decode), the scores of the warp's live tokens from the staging rows
+   (rb_score_row). smem: W's fragments, ew, the staging rows [128][rb_xstride] (floats or words),
+   q [G][D] float when scoring. */
+template <int KS, int RM>
 __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -286,11 +348,11 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
-    const int NT = a.Dp / 8, xst = rb_xstride(a.Dp);
+    const int NT = a.Dp / 8, xst = rb_xstride(a.Dp, RM);
     const uint4 *Wf = reinterpret_cast<const uint4 *>(skv_canon_smem);
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
-    float *xs = (float *)(ew + a.Dp) + (size_t)warp * 16 * xst;
-    float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst; /* [G][D] when scoring */
+    uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
+    float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
     __shared__ long long pos_s[kRbNT / 32][16];
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
@@ -393,90 +455,169 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     }
     cp_async_wait_all();
     __syncthreads();
-    /* per n8 tile: the exact sums, the key into the staging rows (c0, c1: row g, dims 2 t, 2 t + 1;
-       c2, c3: row g + 8) */
+    if constexpr (RM == 0) {
+        float *xs = (float *)stage;
+        /* per n8 tile: the keys into the staging rows (c0, c1: row g, dims 2 t, 2 t + 1; c2, c3: row g + 8) */
 #pragma unroll 2
-    for (int nt = 0; nt < NT; nt++) {
-        /* the middle term's two products in their own accumulators (two chains of KS instead of one
-           of 2 KS): integer sums, so (c2 + c2b) is the same integer either way */
-        int c1[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0}, c2b[4] = {0, 0, 0, 0}, c3[4] = {0, 0, 0, 0};
+        for (int nt = 0; nt < NT; nt++) {
+            float kv[4];
+            rb_tile<KS>(Wf, NT, nt, lane, t4, ah, al, ew, eu, kv);
+            const int d = nt * 8 + 2 * t4;
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
-            const uint4 w = Wf[((size_t)ks * NT + nt) * 32 + lane];
-            mma_s8(c1, ah[ks], w.x, w.y);
-            mma_s8(c2, ah[ks], w.z, w.w);
-            mma_s8(c2b, al[ks], w.x, w.y);
-            mma_s8(c3, al[ks], w.z, w.w);
+            for (int rs = 0; rs < 2; rs++)
+                *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[2 * rs], kv[2 * rs + 1]);
         }
-        const int d = nt * 8 + 2 * t4;
-        const int ed[2] = {ew[d], ew[d + 1]};
-#pragma unroll
-        for (int rs = 0; rs < 2; rs++) {
-            float kv[2];
-#pragma unroll
-            for (int cl = 0; cl < 2; cl++) {
-                const int i = 2 * rs + cl;
-                const int64_t P = (int64_t)c1[i] * 16384 + ((int64_t)c2[i] + c2b[i]) * 128 + (int64_t)c3[i];
-                kv[cl] = rb_key(P, eu[rs] + ed[cl] - 24);
+        __syncwarp();
+        /* RoPE and bf16, in place (the staging rows then hold the bf16 keys as floats) and into k_out when
+           set: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
+        uint16_t *kw = a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D : nullptr;
+        for (int rr = 0; rr < 16; rr++) {
+            if (pos_s[warp][rr] < 0) continue;
+            for (int d = a.R + lane; d < a.D; d += 32) {
+                const uint16_t o = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
+                xs[(size_t)rr * xst + d] = skv_bf16_to_f32(o);
+                if (kw) kw[(int64_t)rr * a.D + d] = o;
             }
-            *reinterpret_cast<float2 *>(xs + (size_t)(g + 8 * rs) * xst + d) = make_float2(kv[0], kv[1]);
         }
-    }
-    __syncwarp();
-    /* RoPE and bf16, in place (the staging rows then hold the bf16 keys as floats) and into k_out when
-       set: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
-    uint16_t *kw = a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D : nullptr;
-    for (int rr = 0; rr < 16; rr++) {
-        if (pos_s[warp][rr] < 0) continue;
-        for (int d = a.R + lane; d < a.D; d += 32) {
-            const uint16_t o = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
-            xs[(size_t)rr * xst + d] = skv_bf16_to_f32(o);
-            if (kw) kw[(int64_t)rr * a.D + d] = o;
-        }
-    }
-    const int h2 = a.R / 2;
-    for (int i0 = 0; i0 < h2; i0 += 64)
-        for (int r0 = 0; r0 < 16; r0 += 8) {
-            float cs[8][2], sn[8][2];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const long long p = pos_s[warp][r0 + k];
-#pragma unroll
-                for (int x = 0; x < 2; x++) {
-                    const int i = i0 + lane + 32 * x;
-                    const bool ok = p >= 0 && i < h2;
-                    cs[k][x] = ok ? __ldg(a.cos_tab + p * h2 + i) : 0.0f;
-                    sn[k][x] = ok ? __ldg(a.sin_tab + p * h2 + i) : 0.0f;
+        const int h2 = a.R / 2;
+        for (int i0 = 0; i0 < h2; i0 += 64)
+            for (int r0 = 0; r0 < 16; r0 += 8) {
+                float cs[8][2], sn[8][2];
+    #pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    const long long p = pos_s[warp][r0 + k];
+    #pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        const int i = i0 + lane + 32 * x;
+                        const bool ok = p >= 0 && i < h2;
+                        cs[k][x] = ok ? __ldg(a.cos_tab + p * h2 + i) : 0.0f;
+                        sn[k][x] = ok ? __ldg(a.sin_tab + p * h2 + i) : 0.0f;
+                    }
+                }
+    #pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    const int rr = r0 + k;
+                    if (pos_s[warp][rr] < 0) continue;
+                    float *x = xs + (size_t)rr * xst;
+    #pragma unroll
+                    for (int xx = 0; xx < 2; xx++) {
+                        const int i = i0 + lane + 32 * xx;
+                        if (i >= h2) continue;
+                        int pa, pb;
+                        float xo, yo;
+                        skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
+                        skv_rope_rotate(x[pa], x[pb], cs[k][xx], sn[k][xx], &xo, &yo);
+                        const uint16_t oa = skv_f32_to_bf16(xo), ob = skv_f32_to_bf16(yo);
+                        x[pa] = skv_bf16_to_f32(oa);
+                        x[pb] = skv_bf16_to_f32(ob);
+                        if (kw) kw[(int64_t)rr * a.D + pa] = oa, kw[(int64_t)rr * a.D + pb] = ob;
+                    }
                 }
             }
+        if (!a.e) return;
+        /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
+           group, 4 chains at a time, each over its row in order */
+        __syncwarp();
+        const int rr = lane & 15;
+        if (pos_s[warp][rr] < 0) return;
+        const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
+        for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, xs + (size_t)rr * xst, qs, g0, 2, bq0, j);
+    } else {
+        /* RoPE in registers: the keys of a lane's pairs, rotated, rounded to bf16 two at a time into the
+           staging words (row g + 8 rs, word 4 nt + t = dims 8 nt + 2 t, + 1) */
+        uint32_t *xw = (uint32_t *)stage;
+        const int h2 = a.R / 2;
+        const float *cb[2] = {a.cos_tab + pos[0] * h2, a.cos_tab + pos[1] * h2};
+        const float *sb[2] = {a.sin_tab + pos[0] * h2, a.sin_tab + pos[1] * h2};
+        int nt0;
+        if constexpr (RM == 1) {
+            /* tiles np and np + R/16: the pairs (i, i + R/2), i = 8 np + 2 t + cl; the next pair's cos/sin
+               loaded while this one's sums run */
+            const int NP = a.R / 16;
+            float2 cn[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)}, sn[2] = {cn[0], cn[1]};
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int rr = r0 + k;
-                if (pos_s[warp][rr] < 0) continue;
-                float *x = xs + (size_t)rr * xst;
+            for (int rs = 0; rs < 2; rs++)
+                if (NP > 0) cn[rs] = __ldg((const float2 *)(cb[rs] + 2 * t4)), sn[rs] = __ldg((const float2 *)(sb[rs] + 2 * t4));
+#pragma unroll 1
+            for (int np = 0; np < NP; np++) {
+                const float2 cc[2] = {cn[0], cn[1]}, ss[2] = {sn[0], sn[1]};
+                if (np + 1 < NP)
 #pragma unroll
-                for (int xx = 0; xx < 2; xx++) {
-                    const int i = i0 + lane + 32 * xx;
-                    if (i >= h2) continue;
-                    int pa, pb;
+                    for (int rs = 0; rs < 2; rs++) {
+                        cn[rs] = __ldg((const float2 *)(cb[rs] + 8 * (np + 1) + 2 * t4));
+                        sn[rs] = __ldg((const float2 *)(sb[rs] + 8 * (np + 1) + 2 * t4));
+                    }
+                float ka[4], kb[4];
+                rb_tile<KS>(Wf, NT, np, lane, t4, ah, al, ew, eu, ka);
+                rb_tile<KS>(Wf, NT, np + NP, lane, t4, ah, al, ew, eu, kb);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float c = (i & 1) ? cc[i >> 1].y : cc[i >> 1].x, sv = (i & 1) ? ss[i >> 1].y : ss[i >> 1].x;
                     float xo, yo;
-                    skv_rope_pair_index(i, a.R, a.interleaved, &pa, &pb);
-                    skv_rope_rotate(x[pa], x[pb], cs[k][xx], sn[k][xx], &xo, &yo);
-                    const uint16_t oa = skv_f32_to_bf16(xo), ob = skv_f32_to_bf16(yo);
-                    x[pa] = skv_bf16_to_f32(oa);
-                    x[pb] = skv_bf16_to_f32(ob);
-                    if (kw) kw[(int64_t)rr * a.D + pa] = oa, kw[(int64_t)rr * a.D + pb] = ob;
+                    skv_rope_rotate(ka[i], kb[i], c, sv, &xo, &yo);
+                    ka[i] = xo, kb[i] = yo;
+                }
+#pragma unroll
+                for (int rs = 0; rs < 2; rs++) {
+                    xw[(size_t)(g + 8 * rs) * xst + 4 * np + t4] = rb_bf16x2(ka[2 * rs], ka[2 * rs + 1]);
+                    xw[(size_t)(g + 8 * rs) * xst + 4 * (np + NP) + t4] = rb_bf16x2(kb[2 * rs], kb[2 * rs + 1]);
                 }
             }
+            nt0 = 2 * NP;
+        } else {
+            /* a lane's dims 8 nt + 2 t, + 1 are the pair i = 4 nt + t (while below R) */
+            const int NR = (a.R + 7) / 8;
+#pragma unroll 2
+            for (int nt = 0; nt < NR; nt++) {
+                const int i = 4 * nt + t4;
+                const bool rot = 2 * i < a.R;
+                float cc[2], ss[2];
+#pragma unroll
+                for (int rs = 0; rs < 2; rs++) cc[rs] = rot ? __ldg(cb[rs] + i) : 1.0f, ss[rs] = rot ? __ldg(sb[rs] + i) : 0.0f;
+                float kv[4];
+                rb_tile<KS>(Wf, NT, nt, lane, t4, ah, al, ew, eu, kv);
+#pragma unroll
+                for (int rs = 0; rs < 2; rs++) {
+                    if (rot) {
+                        float xo, yo;
+                        skv_rope_rotate(kv[2 * rs], kv[2 * rs + 1], cc[rs], ss[rs], &xo, &yo);
+                        kv[2 * rs] = xo, kv[2 * rs + 1] = yo;
+                    }
+                    xw[(size_t)(g + 8 * rs) * xst + 4 * nt + t4] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
+                }
+            }
+            nt0 = NR;
         }
-    if (!a.e) return;
-    /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
-       group, 4 chains at a time, each over its row in order */
-    __syncwarp();
-    const int rr = lane & 15;
-    if (pos_s[warp][rr] < 0) return;
-    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
-    for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, xs + (size_t)rr * xst, qs, g0, 2, bq0, j);
+        /* dims past R: bf16 of the key */
+#pragma unroll 2
+        for (int nt = nt0; nt < NT; nt++) {
+            float kv[4];
+            rb_tile<KS>(Wf, NT, nt, lane, t4, ah, al, ew, eu, kv);
+#pragma unroll
+            for (int rs = 0; rs < 2; rs++) xw[(size_t)(g + 8 * rs) * xst + 4 * nt + t4] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
+        }
+        __syncwarp();
+        if (a.k_out) { /* the live rows to k_out, 8 bytes a lane where D % 4 == 0 */
+            uint16_t *kw = (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
+            for (int rr = 0; rr < 16; rr++) {
+                if (pos_s[warp][rr] < 0) continue;
+                const uint16_t *src = (const uint16_t *)(xw + (size_t)rr * xst);
+                if ((a.D & 3) == 0)
+                    for (int d = 4 * lane; d < a.D; d += 128)
+                        *reinterpret_cast<uint2 *>(kw + (int64_t)rr * a.D + d) = *reinterpret_cast<const uint2 *>(src + d);
+                else
+                    for (int d = lane; d < a.D; d += 32) kw[(int64_t)rr * a.D + d] = src[d];
+            }
+        }
+        if (!a.e) return;
+        /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
+           group, 4 chains at a time, each over its row in order */
+        const int rr = lane & 15;
+        if (pos_s[warp][rr] < 0) return;
+        const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
+        for (int g0 = lane >> 4; g0 < a.G; g0 += 8)
+            rb_score_row(a, (const uint16_t *)(xw + (size_t)rr * xst), qs, g0, 2, bq0, j);
+    }
 }
 
 /* The same values without tensor cores (shapes whose shared memory does not fit): grid (tiles of
@@ -887,13 +1028,28 @@ size_t at_smem(int32_t n_spans)
     return sizeof(float) * (size_t)kAtNV * kAtLanes + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
 }
 
-template <int KS>
+template <int KS, int RM>
 cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
 {
-    cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS>, smem);
+    cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS, RM>, smem);
     if (e != cudaSuccess) return e;
-    return launch(canon_rebuild_tc_kernel<KS>, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
+    return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
                   dim3(kRbNT), smem, st, false, a);
+}
+
+template <int RM>
+cudaError_t launch_rebuild_rm(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
+{
+    switch (a.Kp / 32) {
+    case 1: return launch_rebuild_tc<1, RM>(st, a, B, smem);
+    case 2: return launch_rebuild_tc<2, RM>(st, a, B, smem);
+    case 3: return launch_rebuild_tc<3, RM>(st, a, B, smem);
+    case 4: return launch_rebuild_tc<4, RM>(st, a, B, smem);
+    case 5: return launch_rebuild_tc<5, RM>(st, a, B, smem);
+    case 6: return launch_rebuild_tc<6, RM>(st, a, B, smem);
+    case 7: return launch_rebuild_tc<7, RM>(st, a, B, smem);
+    default: return launch_rebuild_tc<8, RM>(st, a, B, smem);
+    }
 }
 
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
@@ -901,21 +1057,15 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const int64_t GD = a.e ? (int64_t)a.G * a.D : 0;
-    const size_t smem = rb_smem(a.Kp, a.Dp, GD);
+    const int rm = rb_rope_mode(a.R, a.interleaved);
+    const size_t smem = rb_smem(a.Kp, a.Dp, GD, rm);
     if (smem <= kRbSmemMax && a.wq && a.Kp / 32 <= kRbKsMax) {
         cudaError_t e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
                                0, st, false, a);
         if (e != cudaSuccess) return e;
-        switch (a.Kp / 32) {
-        case 1: return launch_rebuild_tc<1>(st, a, B, smem);
-        case 2: return launch_rebuild_tc<2>(st, a, B, smem);
-        case 3: return launch_rebuild_tc<3>(st, a, B, smem);
-        case 4: return launch_rebuild_tc<4>(st, a, B, smem);
-        case 5: return launch_rebuild_tc<5>(st, a, B, smem);
-        case 6: return launch_rebuild_tc<6>(st, a, B, smem);
-        case 7: return launch_rebuild_tc<7>(st, a, B, smem);
-        default: return launch_rebuild_tc<8>(st, a, B, smem);
-        }
+        if (rm == 1) return launch_rebuild_rm<1>(st, a, B, smem);
+        if (rm == 2) return launch_rebuild_rm<2>(st, a, B, smem);
+        return launch_rebuild_rm<0>(st, a, B, smem);
     }
     const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)GD);
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
