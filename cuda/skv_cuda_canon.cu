@@ -17,8 +17,11 @@
  *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
  *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
  *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
- *    value into the warp's staging rows, RoPE (skv_rope_rotate, the pairs of
- *    skv_rope_pair_index; 8 tokens' cos/sin rows in flight) and bf16, in place.
+ *    value; RoPE (skv_rope_rotate) and bf16: where both members of a lane's pairs
+ *    sit in its fragments (pairs (i, i + R/2) with R % 16 == 0, or interleaved
+ *    pairs) in registers, two keys per conversion, into bf16 staging rows; other
+ *    rotary shapes through float staging rows (the pairs of skv_rope_pair_index;
+ *    8 tokens' cos/sin rows in flight), in place.
  *    At op level the bf16 keys go to k_out [B, Hk, S c, D]; at decode they are not
  *    stored: the warp scores its 16 tokens from the staging rows (lane: token
  *    lane mod 16, query heads lane / 16, + 2, ..; s_j = scale x the fmaf chain of
@@ -29,12 +32,12 @@
  *    first pass, a thread per token; at op level canon_score_kernel, a thread per
  *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
  *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
- *    place, once per head; canon_attend_kernel, a block of 256 threads per (8 dims,
- *    KV head, sequence), thread l = canonical lane l: per 4 query heads, lane l
- *    walks its tokens j = l, l + 256, ... in order, 4 in flight: z += e_j,
- *    N_d = fma(e_j, v_jd, N_d) for the block's 8 dims (the 4 heads share each V
- *    load; every block of a group adds the same e_j into Z in the same order).
- *    The fixed tree: every lane's 36 values into shared memory, then a warp per
+ *    place, once per head; canon_attend_kernel, a block of 256 threads per (16 dims,
+ *    a 32-byte sector of a value row; KV head, sequence), thread l = canonical lane
+ *    l: per 4 query heads, lane l walks its tokens j = l, l + 256, ... in order, 2 in
+ *    flight: z += e_j, N_d = fma(e_j, v_jd, N_d) for the block's 16 dims (the 4 heads
+ *    share each V load; every block of a group adds the same e_j into Z in the same
+ *    order). The fixed tree: every lane's 68 values into shared memory, then a warp per
  *    value, lane t holding lanes t + 32 i: levels 128, 64, 32 in registers, 16 .. 1
  *    by shuffles (lane k adds lane k + w's value), then N_d / Z.
  * The decode step's spans are read from the device (skv_cuda_seq, the step's
@@ -678,7 +681,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
 /* ---- attention ---------------------------------------------------------------------------------- */
 
 constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
-constexpr int kAtDC = 8; /* dims per block of the P V kernel */
+constexpr int kAtDC = 16; /* dims per block of the P V kernel: a 32-byte sector of each value row */
 constexpr int kAtGC = 4;  /* query heads per unit */
 constexpr int kAtMaxSpans = SKV_MAX_SPANS;
 
@@ -823,17 +826,18 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
     }
 }
 
-/* P V: grid (ceil(D / 8), Hk, B), 256 threads (thread l = canonical lane l): the block owns 8 dims of
+/* P V: grid (ceil(D / 16), Hk, B), 256 threads (thread l = canonical lane l): the block owns 16 dims of
    every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
    left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 4 per pass (their value
    rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
-   adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 36
+   adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 68
    values in xb, and warp w reduces values w, w + 8, ...: lane t holds lanes t + 32 i (i < 8) in
    registers, levels 128, 64, 32 there (P[k] + P[k + w]), 16 .. 1 by shuffles (lane t adds lane t + w);
-   then out_d = N_d / Z. smem: xb [36][256] the tree's exchange, spans. */
-constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 36 values per lane */
-constexpr int kAtTok = 4;                    /* tokens of a lane in flight */
-static_assert(kAtDC == 8, "one uint4 per value row");
+   then out_d = N_d / Z. smem: xb [68][256] the tree's exchange, spans. */
+constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 68 values per lane */
+constexpr int kAtTok = 2;                    /* tokens of a lane in flight */
+constexpr int kAtVQ = kAtDC / 8;             /* uint4 pieces per value row */
+static_assert(kAtDC % 8 == 0, "whole uint4 pieces per value row");
 __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
@@ -871,28 +875,34 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
                 vr[t] = ok[t] ? at_vrow(a, sp[si], b, h, jt - base) + d0 : nullptr;
             }
             float w[kAtTok][kAtGC];
-            uint4 raw[kAtTok];
+            uint4 raw[kAtTok][kAtVQ];
 #pragma unroll
             for (int t = 0; t < kAtTok; t++) {
 #pragma unroll
                 for (int x = 0; x < kAtGC; x++) w[t][x] = ok[t] && x < gn ? er[x][j + t * kAtLanes] : 0.0f;
-                raw[t] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int qv = 0; qv < kAtVQ; qv++) raw[t][qv] = make_uint4(0, 0, 0, 0);
                 if (!ok[t]) continue;
                 const uint16_t *v = vr[t];
                 if (dvec && ((uintptr_t)v & 15) == 0) {
-                    raw[t] = *reinterpret_cast<const uint4 *>(v);
-                } else {
-                    uint32_t u[kAtDC];
 #pragma unroll
-                    for (int y = 0; y < kAtDC; y++) u[y] = d0 + y < D ? v[y] : 0u;
-                    raw[t] = make_uint4(u[0] | (u[1] << 16), u[2] | (u[3] << 16), u[4] | (u[5] << 16), u[6] | (u[7] << 16));
+                    for (int qv = 0; qv < kAtVQ; qv++) raw[t][qv] = reinterpret_cast<const uint4 *>(v)[qv];
+                } else {
+#pragma unroll
+                    for (int qv = 0; qv < kAtVQ; qv++) {
+                        uint32_t u[8];
+#pragma unroll
+                        for (int y = 0; y < 8; y++) u[y] = d0 + 8 * qv + y < D ? v[8 * qv + y] : 0u;
+                        raw[t][qv] = make_uint4(u[0] | (u[1] << 16), u[2] | (u[3] << 16), u[4] | (u[5] << 16), u[6] | (u[7] << 16));
+                    }
                 }
             }
 #pragma unroll
             for (int t = 0; t < kAtTok; t++) {
                 if (!ok[t]) break;
                 float f[kAtDC];
-                bf16x8_to_f32(raw[t], f);
+#pragma unroll
+                for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[t][qv], f + 8 * qv);
 #pragma unroll
                 for (int x = 0; x < kAtGC; x++) {
                     z[x] = SKV_ADD(z[x], w[t][x]);
