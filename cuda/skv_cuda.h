@@ -80,6 +80,10 @@ typedef struct skv_cuda_seq {
     const int32_t *cand_ids;   /* [Hk, n_cand] chunk id of each candidate (NULL: no ids) */
     const skv_bf16 *u;         /* [n, r] */
     const skv_bf16 *w;         /* [r, Hk*D] */
+    const signed char *wq;     /* reproducible mode: W in the canonical rebuild's fixed point
+                                  (skv_cuda_canon_wprep, skv_cuda_canon_wq_bytes), prepared whenever w
+                                  is written (prefill, snapshot load); NULL when the decode's rebuild
+                                  does not read it (default mode, or skv_cuda_canon_uses_wq(sh, 1) == 0) */
     const skv_bf16 *vstore;    /* [Hk, n_cand, c, D]: device memory, or the device alias of the pinned
                                   host store (host slot) */
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
@@ -167,7 +171,6 @@ typedef struct skv_cuda_dws {
     float *canon_e;              /* [B, canon_split (1), Hq, canon_tmax] the canonical attention's scores, then weights */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
     int32_t canon_split;         /* rows of canon_e per (sequence, query head): 1 (skv_cuda_canon_split) */
-    void *canon_wq;              /* skv_cuda_canon_wq_bytes: W in fixed point, prepared each step */
 } skv_cuda_dws;
 
 /* Items of a decode attention for this shape and config (host). */
@@ -241,18 +244,29 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
 
 /* k_out [B, Hk, S*c, D]: the canonical rebuild (docs/DESIGN.md 10.2) of the chunks chunk_ids
    [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (mma.sync int8)
-   where the shape's shared memory fits, exact int64 sums otherwise. */
+   where skv_cuda_canon_uses_wq(sh, 0) and wq is set, exact int64 sums otherwise. wq (or NULL): the
+   B sequences' W prepared by skv_cuda_canon_wprep, skv_cuda_canon_wq_bytes apart (the op level: B = 1,
+   prepared per call). */
 cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                   const int32_t *chunk_ids, skv_bf16 *k_out, void *wq);
-/* Bytes of the rebuild's scratch wq (W_h in fixed point for every (sequence, KV head)). NULL wq: the
-   exact int64 kernel instead of the tensor cores. */
-size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r);
+                                   const int32_t *chunk_ids, skv_bf16 *k_out, const void *wq);
+/* Bytes of one sequence's (slot's) prepared W: W_h in the rebuild's fixed point as the int8 mma B
+   fragments for every KV head, then the columns' exponents; a multiple of 256. */
+size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r);
+/* Whether the canonical rebuild of this shape takes the tensor-core kernel, the one that reads the
+   prepared W: at decode (decode = 1: it also scores, so it needs more shared memory) or at op level.
+   0: the exact int64 kernel, which reads W itself (r > 256, or the shared memory does not fit). */
+int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode);
+/* W [r, Hk*D] (bf16, one sequence's) -> its prepared form wq (skv_cuda_canon_wq_bytes): one launch on
+   st, nothing else. W is fixed at prefill, so the cache runs this when it writes a slot's W (prefill,
+   snapshot load), not per step. r > 256: cudaErrorInvalidValue. */
+cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t r, const skv_bf16 *w, void *wq);
 /* Blocks per (KV head, sequence) of the decode's canonical attention for this shape. */
 int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D);
 
-/* The canonical rebuild of a decode step's selected keys (ws->sel_ids, W's fixed point in
-   ws->canon_wq), which are not stored: the kernel scores them against ws->io's q on chip (the
-   scores s_j of docs/DESIGN.md 10.3 step 1) into ws->canon_e at the selected span's places. */
+/* The canonical rebuild of a decode step's selected keys (ws->sel_ids; W's fixed point from
+   seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores
+   them against ws->io's q on chip (the scores s_j of docs/DESIGN.md 10.3 step 1) into
+   ws->canon_e at the selected span's places. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild:

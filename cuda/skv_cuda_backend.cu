@@ -313,8 +313,7 @@ static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_
  * skv_cuda_dws_clear.
  */
 static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax,
-                                  int32_t r)
+                                  int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
 {
     size_t off = 0;
     const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
@@ -347,10 +346,8 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(pbuf, float, bq * S * c);
     }
     const int32_t split = canon_tmax > 0 ? skv_cuda_canon_split(Hk, B, Hq / Hk, D) : 0;
-    if (canon_tmax > 0) { /* the reproducible mode: W in fixed point, the attention's scores and weights */
-        SKV_REGION(canon_wq, char, skv_cuda_canon_wq_bytes(B, Hk, D, r));
+    if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
         SKV_REGION(canon_e, float, bq * (size_t)split * (size_t)canon_tmax);
-    }
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
@@ -358,7 +355,7 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
         ws->canon_split = split;
-        if (canon_tmax <= 0) ws->canon_e = NULL, ws->canon_wq = NULL;
+        if (canon_tmax <= 0) ws->canon_e = NULL;
     }
     return off;
 }
@@ -391,11 +388,11 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     skv_cuda_items it = {1, 0, 0, 0};
     skv_cuda_dws dws;
     memset(&dws, 0, sizeof dws);
-    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, 0);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
     char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
-    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, 0);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */
@@ -451,10 +448,16 @@ static skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int
     skv_cuda_shape sh;
     skv_cuda_seq *d = skv_cuda_rebuild_setup(&op, rope, D, Hk, r, c, S, n, u, w, cos_tab, sin_tab, &sh);
     if (!d) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", sizeof(skv_cuda_seq));
-    const size_t wb = skv_cuda_canon_wq_bytes(1, Hk, D, r);
-    void *wq = skv_cuda_op_alloc(&op, wb);
-    if (!wq) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", wb);
-    return skv_cuda_op_end(&op, skv_cuda_canon_rebuild(0, &sh, d, chunk_ids, k_out, wq), "rebuild_keys_canonical");
+    /* W's fixed point for the tensor-core kernel, prepared for this call */
+    void *wq = NULL;
+    cudaError_t e = cudaSuccess;
+    if (skv_cuda_canon_uses_wq(&sh, 0)) {
+        const size_t wb = skv_cuda_canon_wq_bytes(Hk, D, r);
+        if (!(wq = skv_cuda_op_alloc(&op, wb))) return skv_cuda_op_oom(&op, "rebuild_keys_canonical", wb);
+        e = skv_cuda_canon_wprep(0, Hk, D, r, w, wq);
+    }
+    if (e == cudaSuccess) e = skv_cuda_canon_rebuild(0, &sh, d, chunk_ids, k_out, wq);
+    return skv_cuda_op_end(&op, e, "rebuild_keys_canonical");
 }
 
 /* Op level: the canonical attention (scratch: the Hq x T weights). */
@@ -595,6 +598,7 @@ typedef struct skv_cuda_cache {
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
     size_t dws, kp, uf, wf, lm, seqs, factor;
+    size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
 static skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
@@ -633,20 +637,27 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
                                 c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
-                                skv_cuda_canon_tmax(c, lay), c->rank);
+                                skv_cuda_canon_tmax(c, lay));
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
     z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
     z.seqs = (size_t)c->n_layers * (size_t)c->batch_size * sizeof(skv_cuda_seq);
     z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
+    /* the reproducible mode's W in fixed point, per slot: prepared when the slot's W is written, read
+       by every decode step's rebuild (when that takes the tensor-core kernel) */
+    const skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
+    z.wq_slot = c->reproducible && skv_cuda_canon_uses_wq(&sh, 1)
+                    ? skv_cuda_canon_wq_bytes(c->n_kv_heads, c->head_dim, c->rank)
+                    : 0;
+    z.wq = (size_t)c->n_layers * (size_t)c->batch_size * z.wq_slot;
     return z;
 }
 
 static size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + 3 * sizeof(unsigned long long);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + 3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -714,7 +725,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
     const int has_host = lay->n_dev_slots < lay->n_slots;
-    char *dws_base;
+    char *dws_base, *wq_base = NULL;
     k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
     cudaError_t e = cudaHostGetDevicePointer((void **)&k->host_dev, host, 0);
@@ -746,12 +757,13 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
-        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags) {
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base)) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
@@ -759,7 +771,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
                         cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
-                        skv_cuda_canon_tmax(cfg, lay), cfg->rank);
+                        skv_cuda_canon_tmax(cfg, lay));
     if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
@@ -797,6 +809,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
             s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
             s->u = (const skv_bf16 *)(sd + lay->u);
             s->w = (const skv_bf16 *)(sd + lay->w);
+            s->wq = wq_base ? (const signed char *)(wq_base + i * z.wq_slot) : NULL;
             s->out_k = (const skv_bf16 *)(sd + lay->out_k);
             s->out_v = (const skv_bf16 *)(sd + lay->out_v);
             s->loc_k = (const skv_bf16 *)(sd + lay->loc_k);
@@ -818,6 +831,12 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
                 k->layer_host[l] = 1;
             }
         }
+    /* every slot's prepared W is written before a decode reads it (decode needs every slot
+       prefilled or loaded); zeroed all the same, so that no byte of the cache is left undefined */
+    if (wq_base && (e = cudaMemset(wq_base, 0, z.wq)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset(prepared W)", msg, cap);
+        goto fail;
+    }
     if ((e = cudaMemcpy(k->d_seqs, k->h_seqs, z.seqs, cudaMemcpyHostToDevice)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemcpy(descriptors)", msg, cap);
         goto fail;
@@ -981,6 +1000,8 @@ static skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq,
     if (s) return s;
     CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
     CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    /* the reproducible mode: W's fixed point for the decode's rebuild, once here instead of every step */
+    if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
     CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
     CK(cudaEventRecord(k->fac_ev, fs));
 
@@ -1238,8 +1259,10 @@ static skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_sta
  * synchronous copies on the legacy stream): the descriptors take each slot's shape and step
  * state (n, n_cand, n_local, n_gen, has_sel: what the decode kernels read and advance on the
  * device), the chunk caches of host-placed slots are emptied (index entries -1, as prefill
- * leaves them), and the host copies follow. Nothing has been enqueued on the cache yet (no
- * prefill, no decode, no graph); returns when the device holds the new state.
+ * leaves them), in the reproducible mode each prefilled slot's W is prepared for the decode's
+ * rebuild (skv_cuda_canon_wprep, as prefill does), and the host copies follow. Nothing has
+ * been enqueued on the cache yet (no prefill, no decode, no graph); returns when the device
+ * holds the new state.
  */
 static skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap)
 {
@@ -1255,6 +1278,9 @@ static skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *sta
         hs->n_gen = s->prefilled ? s->n_gen : 0;
         hs->has_sel = s->prefilled ? s->has_selection : 0;
         if (hs->vc_data) CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, k->lay.vc_meta_bytes, k->st));
+        /* the snapshot wrote W: its fixed point for the decode's rebuild, as a prefill prepares it */
+        if (s->prefilled && hs->wq)
+            CK(skv_cuda_canon_wprep(k->st, k->cfg.n_kv_heads, k->cfg.head_dim, k->cfg.rank, hs->w, (void *)hs->wq));
     }
     CK(cudaMemcpyAsync(k->d_seqs, k->h_seqs, n * sizeof *k->h_seqs, cudaMemcpyHostToDevice, k->st));
     CK(cudaStreamSynchronize(k->st));

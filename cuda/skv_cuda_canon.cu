@@ -6,14 +6,18 @@
  * __f*_rn intrinsic), so the results are those of ref, bit for bit.
  *
  *  - rebuild (canon_wprep_kernel, then canon_rebuild_tc_kernel<KS>): W_h's columns
- *    in fixed point once per step (a block reads its 16 columns once into shared
- *    memory), split as 128 hi + lo (hi in [-64, 64], lo in [-64, 63]) and stored as
- *    the B fragments of mma m16n8k32 (16 bytes per lane); then one block per (tile
- *    of 128 selected tokens, KV head, sequence), a warp per 16 tokens: each lane
- *    loads its two U rows' pieces at once (and sends the rows' cos/sin lines toward
- *    L2), the row max by quad shuffles, the 13-bit fixed point (one fma, exact,
- *    four elements packed into the int8 halves by byte permutes; the integer
- *    skv_canon_rebuild_fix for rows below 2^-113) straight into the A fragments,
+ *    in fixed point (a block reads its 16 columns once into shared memory), split
+ *    as 128 hi + lo (hi in [-64, 64], lo in [-64, 63]) and stored as the B
+ *    fragments of mma m16n8k32 (16 bytes per lane), once per slot: W is fixed at
+ *    prefill, so the cache prepares a slot's fragments when its W is written
+ *    (prefill, snapshot load: skv_cuda_canon_wprep into skv_cuda_seq.wq) and the
+ *    decode step only reads them; the op-level rebuild prepares them per call.
+ *    Then one block per (tile of 128 selected tokens, KV head, sequence), a warp
+ *    per 16 tokens: each lane loads its two U rows' pieces at once (and sends the
+ *    rows' cos/sin lines toward L2), the row max by quad shuffles, the 13-bit
+ *    fixed point (one fma, exact, four elements packed into the int8 halves by
+ *    byte permutes; the integer skv_canon_rebuild_fix for rows below 2^-113)
+ *    straight into the A fragments,
  *    and the exact sum P = 2^14 (hu.hw) + 2^7 (hu.lw + lu.hw) + lu.lw on int8
  *    tensor cores (mma.sync, int32 accumulators: every partial sum is exact),
  *    W's fragments from shared memory (cp.async). Then skv_canon_rebuild_key's
@@ -68,9 +72,12 @@ constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB, two blocks pe
 struct RebuildArgs {
     int32_t Hk, D, Dp, r, Kp, c, S, R, interleaved;
     int64_t M;                 /* S c tokens per (sequence, KV head) */
-    signed char *wq;           /* [B, Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1, lo b0, lo b1]: W_h's mma B fragments */
-    int *wex;                  /* [B, Hk, Dp] the columns' exponents */
-    const skv_cuda_seq *seqs;  /* [B]: u, w */
+    /* W's prepared form (canon_wprep_kernel) for the tensor-core kernel, per sequence a region of
+       wq_bytes (see wq_ex_off): op level: sequence b's at wq + b wq_bytes; decode (wq_seq): at
+       seqs[b].wq, the cache's slot. Neither: the exact int64 kernel, which reads W itself. */
+    const signed char *wq;
+    int32_t wq_seq;
+    const skv_cuda_seq *seqs;  /* [B]: u, w (wq) */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
     const float *cos_tab, *sin_tab;
     skv_bf16 *k_out;           /* [B, Hk, M, D] or NULL */
@@ -82,6 +89,26 @@ struct RebuildArgs {
     float scale;
     int64_t Tmax;
 };
+
+/* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
+   lo b0, lo b1] (W_h's mma B fragments), then at wq_ex_off [Hk, Dp] int (the columns' exponents);
+   wq_bytes in all, a multiple of 256. */
+__host__ __device__ inline size_t wq_ex_off(int32_t Hk, int32_t Kp, int32_t Dp)
+{
+    return ((size_t)Hk * 2 * Kp * Dp + 255) & ~(size_t)255;
+}
+__host__ __device__ inline size_t wq_bytes(int32_t Hk, int32_t Kp, int32_t Dp)
+{
+    return (wq_ex_off(Hk, Kp, Dp) + sizeof(int) * (size_t)Hk * Dp + 255) & ~(size_t)255;
+}
+
+/* W_h's prepared fragments and exponents of (sequence b, KV head h) (see RebuildArgs.wq). */
+__device__ __forceinline__ void rb_wq_at(const RebuildArgs &a, int b, int h, const uint4 *&frag, const int *&ex)
+{
+    const signed char *base = a.wq_seq ? a.seqs[b].wq : a.wq + (int64_t)b * wq_bytes(a.Hk, a.Kp, a.Dp);
+    frag = reinterpret_cast<const uint4 *>(base + (int64_t)h * 2 * a.Kp * a.Dp);
+    ex = reinterpret_cast<const int *>(base + wq_ex_off(a.Hk, a.Kp, a.Dp)) + (int64_t)h * a.Dp;
+}
 
 /* RoPE modes of the tensor-core rebuild: RM 0 stages the float keys and rotates them from shared
    memory (any rotary shape); RM 1 (pairs (i, i + R/2), R % 16 == 0) and RM 2 (pairs (2i, 2i + 1), R even)
@@ -255,17 +282,25 @@ __device__ void rb_rope_row(const RebuildArgs &a, float *x, int64_t t, uint16_t 
     }
 }
 
-/* grid (Dp / 16, Hk, B), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
+/* One sequence's (slot's) W and where its prepared form goes (a region of wq_bytes). */
+struct WprepArgs {
+    int32_t Hk, D, Dp, r, Kp;
+    const uint16_t *w; /* [r, Hk D] bf16 */
+    signed char *wq;
+};
+
+/* grid (Dp / 16, Hk), 256 threads: 16 columns (two n8 tiles) of W_h of one (sequence, KV head) in
    fixed point, split into int8 halves, as the B fragments of mma m16n8k32 (col): lane (g, t) of tile nt
    holds column 8 nt + g, rows k = 4 t + j (register 0) and 16 + 4 t + j (register 1), byte j. Written
-   once per step, 16 bytes per (k step, tile, lane): hi b0, hi b1, lo b0, lo b1. The block reads its
+   once per W (the cache: when a slot's W is written; op level: per call), 16 bytes per (k step, tile,
+   lane): hi b0, hi b1, lo b0, lo b1, and the columns' exponents (see wq_ex_off). The block reads its
    columns once (every load in flight) into shared memory, 0 past r and D. */
-__global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
+__global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const WprepArgs a)
 {
     static_assert(kRbNT == 256, "16 columns x 16 row groups");
-    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, col = tid & 15, rg = tid >> 4;
+    const int h = blockIdx.y, tid = threadIdx.x, col = tid & 15, rg = tid >> 4;
     const int d = blockIdx.x * 16 + col;
-    const uint16_t *w0 = (const uint16_t *)a.seqs[b].w + (int64_t)h * a.D;
+    const uint16_t *w0 = a.w + (int64_t)h * a.D;
     const int64_t width = (int64_t)a.Hk * a.D;
     __shared__ uint16_t wt[kRbKsMax * 32][16];
     __shared__ unsigned mx_s[256];
@@ -285,11 +320,12 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const RebuildArgs a)
         unsigned m = mx_s[tid];
         for (int g = 1; g < 16; g++) m = max(m, mx_s[tid + 16 * g]);
         e_s[tid] = skv_canon_rebuild_ex((uint16_t)m);
-        a.wex[((int64_t)b * a.Hk + h) * a.Dp + blockIdx.x * 16 + tid] = e_s[tid];
+        int *wex = reinterpret_cast<int *>(a.wq + wq_ex_off(a.Hk, a.Kp, a.Dp));
+        wex[(int64_t)h * a.Dp + blockIdx.x * 16 + tid] = e_s[tid];
     }
     __syncthreads();
     const int NT = a.Dp / 8, KS = a.Kp / 32;
-    uint4 *dst = reinterpret_cast<uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
+    uint4 *dst = reinterpret_cast<uint4 *>(a.wq + (int64_t)h * 2 * a.Kp * a.Dp);
     for (int it = tid; it < KS * 64; it += kRbNT) {
         const int ks = it >> 6, ntl = (it >> 5) & 1, ln = it & 31, g = ln >> 2, t = ln & 3;
         const int cl = ntl * 8 + g, e = e_s[cl];
@@ -403,11 +439,12 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     }
     /* W's fragments and exponents (one copy per block, overlapping the row loads) */
     {
-        const uint4 *src = reinterpret_cast<const uint4 *>(a.wq + ((int64_t)b * a.Hk + h) * 2 * a.Kp * a.Dp);
+        const uint4 *src;
+        const int *ex;
+        rb_wq_at(a, b, h, src, ex);
         const int n = 2 * a.Kp * a.Dp / 16;
         for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
         cp_async_commit();
-        const int *ex = a.wex + ((int64_t)b * a.Hk + h) * a.Dp;
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
         if (a.e) rb_load_q(a, b, h, qs);
     }
@@ -1062,17 +1099,22 @@ cudaError_t launch_rebuild_rm(cudaStream_t st, const RebuildArgs &a, int32_t B, 
     }
 }
 
+/* Whether the rebuild of a shape takes the tensor-core kernel (given W's prepared form; GD: G D when it
+   scores, else 0), and that kernel's dynamic shared memory. */
+bool rb_tc(const RebuildArgs &a, int64_t GD, size_t *smem)
+{
+    *smem = rb_smem(a.Kp, a.Dp, GD, rb_rope_mode(a.R, a.interleaved));
+    return *smem <= kRbSmemMax && a.Kp / 32 <= kRbKsMax;
+}
+
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const int64_t GD = a.e ? (int64_t)a.G * a.D : 0;
-    const int rm = rb_rope_mode(a.R, a.interleaved);
-    const size_t smem = rb_smem(a.Kp, a.Dp, GD, rm);
-    if (smem <= kRbSmemMax && a.wq && a.Kp / 32 <= kRbKsMax) {
-        cudaError_t e = launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
-                               0, st, false, a);
-        if (e != cudaSuccess) return e;
+    size_t smem;
+    if (rb_tc(a, GD, &smem) && (a.wq || a.wq_seq)) {
+        const int rm = rb_rope_mode(a.R, a.interleaved);
         if (rm == 1) return launch_rebuild_rm<1>(st, a, B, smem);
         if (rm == 2) return launch_rebuild_rm<2>(st, a, B, smem);
         return launch_rebuild_rm<0>(st, a, B, smem);
@@ -1129,20 +1171,33 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
 
 } /* namespace */
 
-size_t skv_cuda_canon_wq_bytes(int32_t B, int32_t Hk, int32_t D, int32_t r)
+size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r)
 {
-    const size_t Dp = (size_t)(D + 15) / 16 * 16, Kp = (size_t)(r + 31) / 32 * 32;
-    return align_up((size_t)B * Hk * 2 * Kp * Dp, 256) + (size_t)B * Hk * Dp * sizeof(int);
+    return wq_bytes(Hk, (r + 31) / 32 * 32, (D + 15) / 16 * 16);
+}
+
+int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode)
+{
+    const RebuildArgs a = rebuild_args(sh, nullptr, nullptr, nullptr);
+    size_t smem;
+    return rb_tc(a, decode ? (int64_t)(sh->Hq / sh->Hk) * sh->D : 0 /* as launch_rebuild's, e set or not */, &smem);
+}
+
+cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t r, const skv_bf16 *w, void *wq)
+{
+    WprepArgs a;
+    memset(&a, 0, sizeof a);
+    a.Hk = Hk, a.D = D, a.Dp = (D + 15) / 16 * 16, a.r = r, a.Kp = (r + 31) / 32 * 32;
+    a.w = (const uint16_t *)w, a.wq = (signed char *)wq;
+    if (a.Kp / 32 > kRbKsMax || Hk > kMaxGridYZ || !w || !wq) return cudaErrorInvalidValue;
+    return launch(canon_wprep_kernel, dim3((unsigned)(a.Dp / 16), (unsigned)Hk), dim3(kRbNT), 0, st, false, a);
 }
 
 cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                   const int32_t *chunk_ids, skv_bf16 *k_out, void *wq)
+                                   const int32_t *chunk_ids, skv_bf16 *k_out, const void *wq)
 {
     RebuildArgs a = rebuild_args(sh, seqs, chunk_ids, k_out);
-    if (wq) {
-        a.wq = (signed char *)wq;
-        a.wex = (int *)((char *)wq + align_up((size_t)sh->B * sh->Hk * 2 * a.Kp * a.Dp, 256));
-    }
+    a.wq = (const signed char *)wq;
     return launch_rebuild(st, a, sh->B);
 }
 
@@ -1150,8 +1205,7 @@ cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape 
                                           const skv_cuda_dws *ws)
 {
     RebuildArgs a = rebuild_args(sh, seqs, ws->sel_ids, nullptr);
-    a.wq = (signed char *)ws->canon_wq;
-    a.wex = (int *)((char *)ws->canon_wq + align_up((size_t)sh->B * sh->Hk * 2 * a.Kp * a.Dp, 256));
+    a.wq_seq = skv_cuda_canon_uses_wq(sh, 1); /* the slots' W, prepared when it was written */
     a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
     a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
     return launch_rebuild(st, a, sh->B);
