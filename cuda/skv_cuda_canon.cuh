@@ -2,16 +2,26 @@
  * skv_cuda_canon.cuh - the canonical factorization (route SKV_FACTORIZE_CANONICAL,
  * lib/skv_factor_canon.h, docs/DESIGN.md 10.1) on the cuda backend, bit for bit
  * ref's. Included by skv_cuda_factor.cu (it uses the factor's workspace and
- * its check macros). Everything runs on the factor's stream, no host
- * synchronization, no allocation:
+ * its check macros). No host synchronization, no allocation. Everything runs
+ * on the factor's stream f->st except the memory-bound writers of the token
+ * blocks (the int8 digit planes of step 2, the fixed-point rows of step 4),
+ * which run on the factor's second stream f->cc_side into two buffers while
+ * the GEMMs of the previous block run on f->st (cuBLAS only ever on f->st);
+ * events order each buffer's writer after the last GEMM that read it and
+ * each block's GEMMs after its writer, and the call is ordered on f->st at
+ * entry and exit (skv_cc_fork, skv_cc_join). Every value is exact integer
+ * arithmetic or computed in a fixed order on one stream, so the schedule
+ * does not change a bit:
  *   1. column scales: atomicMax of the bf16 magnitude bits per column (any order),
  *      e_i on the device;
  *   2. the exact S = X^T X on int8 tensor cores (skv_cuda_canon_i8.h: X split into
- *      s <= 4 signed 7-bit digits per token block, s int8 GEMMs into int32 products,
- *      a combine kernel into S in double, all exact); with SKV_CC_GRAM_DSYRK=1 (or
- *      where the int8 plan does not fit the scratch) per token block (f->canon_rows
- *      rows) the fixed-point block in double (skv_canon_fix), then cuBLAS DSYRK
- *      accumulating S (beta = 1: exact, every partial sum an integer below 2^53);
+ *      s <= 4 signed 7-bit digits per token block, on the second stream into one of
+ *      two plane buffers; s int8 GEMMs into int32 products, a combine kernel per
+ *      chunk into S in double, both on f->st in block order, all exact); with
+ *      SKV_CC_GRAM_DSYRK=1 (or where the int8 plan does not fit the scratch) per
+ *      token block (f->canon_rows rows) the fixed-point block in double
+ *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
+ *      partial sum an integer below 2^53), all on f->st, one buffer;
  *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
  *      Y^T Y (its lower triangle) by a register-tiled fp64 SIMT GEMM with a cp.async
@@ -24,7 +34,10 @@
  *      above r = 160 the Cholesky and the solve fall back to skv_cc_chol (packed
  *      triangle in shared or global memory) and skv_cc_solve (L from global);
  *   4. W = (float) Q^T; the fixed-point Q (per column f_j, y_ij) and, per token
- *      block, T = X Y by cuBLAS DGEMM (exact), U = (float) (T 2^(f_j - Gb)).
+ *      block (f->canon_urows rows), T = X Y by cuBLAS DGEMM (exact), U = (float)
+ *      (T 2^(f_j - Gb)); the blocks' fixed-point X on the second stream into
+ *      f->canon_ubufs buffers, the first ones as soon as the Gram is done, beside
+ *      step 3 (they need only A and e).
  * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
  * IEEE fp64 (fma) products: exact here.
  */
@@ -130,11 +143,83 @@ static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 
     return SKV_OK;
 }
 
+/* The side stream (f->cc_side) after everything enqueued so far on f->st. */
+static skv_status skv_cc_fork(skv_cuda_factor *f, char *msg, size_t cap)
+{
+    SKV_CF_CHECK_CUDA(cudaEventRecord(f->cc_ev_fork, f->st), "cudaEventRecord (canonical fork)");
+    SKV_CF_CHECK_CUDA(cudaStreamWaitEvent(f->cc_side, f->cc_ev_fork, 0), "cudaStreamWaitEvent (canonical fork)");
+    return SKV_OK;
+}
+
+/* f->st after everything enqueued so far on the side stream. */
+static skv_status skv_cc_join(skv_cuda_factor *f, char *msg, size_t cap)
+{
+    SKV_CF_CHECK_CUDA(cudaEventRecord(f->cc_ev_join, f->cc_side), "cudaEventRecord (canonical join)");
+    SKV_CF_CHECK_CUDA(cudaStreamWaitEvent(f->st, f->cc_ev_join, 0), "cudaStreamWaitEvent (canonical join)");
+    return SKV_OK;
+}
+
+/* The double-buffered token blocks of steps 2 and 4: block j's input (digit planes, fixed-point
+   rows) is written on the side stream into buffer j mod nbuf, its GEMMs read it on f->st. The
+   writer of block j first waits (nbuf <= j) on the event recorded on f->st after block j - nbuf's
+   GEMMs, the last readers of that buffer (skv_cc_blk_free), and records ready[j mod 2] on the
+   side stream after it (skv_cc_blk_ready); f->st waits on that before block j's GEMMs
+   (skv_cc_blk_wait). Events by parity: ready[j mod 2] is recorded again only for block j + 2, which
+   is enqueued after f->st's wait for block j; free[j mod 2] is waited on right after its record. */
+static skv_status skv_cc_blk_before(skv_cuda_factor *f, int64_t j, int nbuf, char *msg, size_t cap)
+{
+    if (j >= nbuf)
+        SKV_CF_CHECK_CUDA(cudaStreamWaitEvent(f->cc_side, f->cc_ev_free[(j - nbuf) & 1], 0),
+                          "cudaStreamWaitEvent (canonical block buffer free)");
+    return SKV_OK;
+}
+
+static skv_status skv_cc_blk_ready(skv_cuda_factor *f, int64_t j, char *msg, size_t cap)
+{
+    SKV_CF_CHECK_CUDA(cudaEventRecord(f->cc_ev_ready[j & 1], f->cc_side), "cudaEventRecord (canonical block ready)");
+    return SKV_OK;
+}
+
+static skv_status skv_cc_blk_wait(skv_cuda_factor *f, int64_t j, char *msg, size_t cap)
+{
+    SKV_CF_CHECK_CUDA(cudaStreamWaitEvent(f->st, f->cc_ev_ready[j & 1], 0), "cudaStreamWaitEvent (canonical block ready)");
+    return SKV_OK;
+}
+
+static skv_status skv_cc_blk_free(skv_cuda_factor *f, int64_t j, char *msg, size_t cap)
+{
+    SKV_CF_CHECK_CUDA(cudaEventRecord(f->cc_ev_free[j & 1], f->st), "cudaEventRecord (canonical block buffer free)");
+    return SKV_OK;
+}
+
+#if !SKV_CC_GRAM_DSYRK
+/* Block j of the int8 Gram's digit planes (rows [j p.rows, + p.rows) of a), on the side stream
+   into buffer j mod p.nbuf, between skv_cc_blk_before and skv_cc_blk_ready. */
+static skv_status skv_cc_slice_blk(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, const skv_cc_i8_plan *p,
+                                   int8_t *planes, int64_t j, char *msg, size_t cap)
+{
+    const int32_t d = f->d;
+    const int64_t t0 = j * p->rows, rows = n - t0 < p->rows ? n - t0 : p->rows;
+    skv_status s;
+    if ((s = skv_cc_blk_before(f, j, p->nbuf, msg, cap)) != SKV_OK) return s;
+    dim3 gr((unsigned)((p->d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
+    skv_cc_slice<<<gr, 256, 0, f->cc_side>>>(a + (size_t)t0 * d, rows, d, p->d4, f->cc_e, F, p->s, p->rows,
+                                             p->plane_bytes, planes + (size_t)(j % p->nbuf) * p->buf_bytes);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
+    return skv_cc_blk_ready(f, j, msg, cap);
+}
+#endif
+
 /* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
    cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
    SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
-   p.rows rows: the digit planes (one kernel), s int8 GEMMs [X_0 .. X_b]^T X_b into the int32
-   products (beta = 1 within a chunk of p.chunk_rows rows); per chunk: the combine into g. */
+   p.rows rows: the digit planes (one kernel, on the side stream), s int8 GEMMs [X_0 .. X_b]^T X_b
+   into the int32 products (on f->st, beta = 1 within a chunk of p.chunk_rows rows); per chunk: the
+   combine into g (f->st, in block order). Two buffers of planes where they fit (p.nbuf = 2, blocks
+   of half the rows one buffer would hold): the planes of block j + 1 are written while block j's
+   GEMMs run; the planes of block j + 2 wait for block j's GEMMs (skv_cc_blk_*). Starts with a
+   fork (the side stream after the scales e); returns with f->st after every slice (each is waited
+   on before its GEMMs). */
 static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
                               char *msg, size_t cap)
 {
@@ -142,40 +227,46 @@ static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
 #else
     const int32_t d = f->d;
+    const int sl = skv_cc_i8_slices(F);
     skv_cc_i8_plan p;
-    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, f->scratch_bytes, &p))
+    if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 2, &p) && !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p))
         return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
     int32_t *acc = (int32_t *)f->scratch;
     int8_t *planes = (int8_t *)f->scratch + p.planes_off;
     const int32_t one = 1, zero = 0;
-    const int64_t ld = p.rows;
-    for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
-        const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows;
+    const int64_t ld = p.rows, nb = (n + p.rows - 1) / p.rows;
+    skv_status s;
+    if ((s = skv_cc_fork(f, msg, cap)) != SKV_OK) return s;
+    for (int64_t j = 0; j < nb && j < p.nbuf; j++)
+        if ((s = skv_cc_slice_blk(f, n, a, F, &p, planes, j, msg, cap)) != SKV_OK) return s;
+    for (int64_t j = 0; j < nb; j++) {
+        const int64_t t0 = j * p.rows, rows = n - t0 < p.rows ? n - t0 : p.rows;
         const int64_t kp = (rows + 15) / 16 * 16; /* the GEMMs' k: zero rows past the block's end */
-        {
-            dim3 gr((unsigned)((p.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
-            skv_cc_slice<<<gr, 256, 0, f->st>>>(a + (size_t)t0 * d, rows, d, p.d4, f->cc_e, F, p.s, ld, p.plane_bytes,
-                                                planes);
-            SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
-        }
+        const int8_t *pl = planes + (size_t)(j % p.nbuf) * p.buf_bytes;
+        if ((s = skv_cc_blk_wait(f, j, msg, cap)) != SKV_OK) return s;
         const int chunk_first = t0 % p.chunk_rows == 0;
         for (int b = 0; b < p.s; b++) {
             /* column major: C [(b+1) d4, d4] = A^T B, A = the planes 0..b ([kp, (b+1) d4], ld), B = plane b */
-            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, planes,
-                                            CUDA_R_8I, (int)ld, planes + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
+            cublasStatus_t e = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p.d4, p.d4, (int)kp, &one, pl,
+                                            CUDA_R_8I, (int)ld, pl + (size_t)b * p.plane_bytes, CUDA_R_8I, (int)ld,
                                             chunk_first ? &zero : &one, acc + p.acc_off[b], CUDA_R_32I, (b + 1) * p.d4,
                                             CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT);
             /* a cuBLAS without this int8 GEMM (or shape) refuses it; before the first combine g is untouched:
-               the DSYRK path then, from the start (the same S; its kernels in a profile show it) */
-            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH))
+               the DSYRK path then, from the start (the same S; its kernels in a profile show it), once the
+               slices in flight are done (its fixed-point blocks overwrite the planes) */
+            if (t0 < p.chunk_rows && (e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH)) {
+                if ((s = skv_cc_join(f, msg, cap)) != SKV_OK) return s;
                 return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+            }
             SKV_CF_CHECK_BLAS(e, "cublasGemmEx (canonical exact Gram, int8 digits)");
         }
+        if ((s = skv_cc_blk_free(f, j, msg, cap)) != SKV_OK) return s;
         if (t0 + rows >= n || (t0 + rows) % p.chunk_rows == 0) {
             dim3 th(SKV_CC_CB, 8), gr((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
             skv_cc_combine<<<gr, th, 0, f->st>>>(acc, p, d, t0 < p.chunk_rows, g);
             SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 Gram combine kernel");
         }
+        if (j + p.nbuf < nb && (s = skv_cc_slice_blk(f, n, a, F, &p, planes, j + p.nbuf, msg, cap)) != SKV_OK) return s;
     }
     return SKV_OK;
 #endif
@@ -409,9 +500,23 @@ static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *
     return SKV_OK;
 }
 
-/* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). */
-static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
-                                   size_t cap)
+/* Block j of U's fixed-point rows (rows [j ur, + ur) of a), on the side stream into ub[j mod nbuf],
+   between skv_cc_blk_before and skv_cc_blk_ready. */
+static skv_status skv_cc_ufix_blk(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, int64_t ur, int nbuf,
+                                  double *const *ub, int64_t j, char *msg, size_t cap)
+{
+    const int32_t d = f->d;
+    const int64_t t0 = j * ur, rows = n - t0 < ur ? n - t0 : ur;
+    skv_status s;
+    if ((s = skv_cc_blk_before(f, j, nbuf, msg, cap)) != SKV_OK) return s;
+    skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, ub[j % nbuf], f->cc_side);
+    SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+    return skv_cc_blk_ready(f, j, msg, cap);
+}
+
+/* skv_cf_canonical's steps; the side stream may still run when it returns early (an error). */
+static skv_status skv_cf_canonical_steps(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w,
+                                         char *msg, size_t cap)
 {
     const int32_t d = f->d, r = f->r, F = skv_canon_frac_bits(n), Gb = skv_canon_u_bits(n, d);
     if (r > 32 * SKV_CC_SOLVE_MAXQ) {
@@ -419,7 +524,12 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         return SKV_ERR_UNSUPPORTED;
     }
     const double one = 1.0, zero = 0.0;
-    double *g = f->cc_g, *blk = (double *)f->scratch, *tb = blk + (size_t)f->canon_rows * d;
+    double *g = f->cc_g, *blk = (double *)f->scratch;
+    /* step 4's token blocks: nbuf buffers of ur fixed-point rows, then T (the scratch as sized at create) */
+    const int64_t ur = f->canon_urows, nbu = (n + ur - 1) / ur;
+    const int nbuf = f->canon_ubufs;
+    double *const ub[2] = {blk, nbuf > 1 ? blk + (size_t)ur * d : blk}, *tb = blk + (size_t)nbuf * ur * d;
+    skv_status s;
     /* 1 */
     SKV_CF_CHECK_CUDA(cudaMemsetAsync(f->cc_colmax, 0, (size_t)d * sizeof(unsigned), f->st), "cudaMemsetAsync (column max)");
     {
@@ -438,10 +548,13 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical scales kernel");
     }
     /* 2 */
-    {
-        skv_status s;
-        if ((s = skv_cc_gram(f, n, a, F, g, blk, msg, cap)) != SKV_OK) return s;
-    }
+    if ((s = skv_cc_gram(f, n, a, F, g, blk, msg, cap)) != SKV_OK) return s;
+    /* step 4's first blocks of fixed-point rows need only A and e: on the side stream now, beside the
+       iteration. The Gram is done with the scratch (its last readers, the combine or DSYRK, are on
+       f->st before this fork); nothing in steps 3 and 4 before the DGEMMs uses the scratch. */
+    if ((s = skv_cc_fork(f, msg, cap)) != SKV_OK) return s;
+    for (int64_t j = 0; j < nbu && j < nbuf; j++)
+        if ((s = skv_cc_ufix_blk(f, n, a, F, ur, nbuf, ub, j, msg, cap)) != SKV_OK) return s;
     skv_cc_gscale<<<skv_cf_blocks((int64_t)d * d), SKV_CF_THREADS, 0, f->st>>>(g, d, f->cc_e, F);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Gram scale kernel");
     /* 3 */
@@ -453,27 +566,27 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
         dim3 gr((r + SKV_CC_GX_BN - 1) / SKV_CC_GX_BN, (d + SKV_CC_GX_BM - 1) / SKV_CC_GX_BM);
         skv_cc_mm<SKV_CC_GX_CFG><<<gr, SKV_CC_GX_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
-        skv_status s;
         if (it < SKV_CANON_TWO_PASS_ITERS) {
             if ((s = skv_cc_pass(f, d, r, y, y, 0, msg, cap)) != SKV_OK) return s;
             if ((s = skv_cc_pass(f, d, r, y, x, 0, msg, cap)) != SKV_OK) return s;
         } else if ((s = skv_cc_pass(f, d, r, y, x, 1, msg, cap)) != SKV_OK)
             return s;
     }
-    for (int k = 0; k < SKV_CANON_FINAL_PASSES; k++) {
-        skv_status s;
+    for (int k = 0; k < SKV_CANON_FINAL_PASSES; k++)
         if ((s = skv_cc_pass(f, d, r, x, x, 0, msg, cap)) != SKV_OK) return s;
-    }
     /* 4: y <- the fixed-point Q (row major [d, r] = column major [r, d], ld r) */
     skv_cc_qfix<<<r, 256, 0, f->st>>>(x, d, r, f->cc_e, F, Gb, w, f->cc_f, y);
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point Q kernel");
-    for (int64_t t0 = 0; t0 < n; t0 += f->canon_rows) {
-        int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
-        skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
-        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
+    /* per block: its fixed-point rows (side stream), T = X_blk Yq (f->st, after them), U; block
+       j + nbuf's rows into the same buffer once block j's DGEMM is done with it (skv_cc_blk_*) */
+    for (int64_t j = 0; j < nbu; j++) {
+        const int64_t t0 = j * ur, rows = n - t0 < ur ? n - t0 : ur;
+        if ((s = skv_cc_blk_wait(f, j, msg, cap)) != SKV_OK) return s;
         /* column major: T^T [r, rows] = Yq^T [r, d] X_blk^T [d, rows] */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, blk, d, &zero, tb, r),
+        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_N, r, (int)rows, d, &one, y, r, ub[j % nbuf], d,
+                                      &zero, tb, r),
                           "cublasDgemm (canonical exact U)");
+        if ((s = skv_cc_blk_free(f, j, msg, cap)) != SKV_OK) return s;
         {
             const unsigned gx = (unsigned)((r + 31) / 32);
             int64_t gy = 2048 / gx, rows8 = (rows + 7) / 8;
@@ -482,8 +595,21 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
             skv_cc_uscale<<<dim3(gx, (unsigned)gy), dim3(32, 8), 0, f->st>>>(tb, rows, r, f->cc_f, Gb, u + (size_t)t0 * r);
         }
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical U scale kernel");
+        if (j + nbuf < nbu && (s = skv_cc_ufix_blk(f, n, a, F, ur, nbuf, ub, j + nbuf, msg, cap)) != SKV_OK) return s;
     }
     return SKV_OK;
+}
+
+/* The canonical route (n <= f->n_max, r <= min(n, d), checked by the caller). Ordered on f->st
+   at entry and exit: the side stream's work waits on f->st (skv_cc_fork) and f->st, at the end,
+   on all of it (skv_cc_join, also after an error, so that no kernel of this call still runs on
+   the side stream once f->st has caught up). */
+static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
+                                   size_t cap)
+{
+    skv_status s = skv_cf_canonical_steps(f, n, a, u, w, msg, cap);
+    skv_status j = skv_cc_join(f, s == SKV_OK ? msg : NULL, s == SKV_OK ? cap : 0);
+    return s != SKV_OK ? s : j;
 }
 
 #endif

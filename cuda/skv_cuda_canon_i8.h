@@ -32,10 +32,13 @@
  * sums of S, integers of at most n 2^(2F+2) <= 2^53: exact (step 2's bound).
  *
  * Layout (in the factor's scratch, sized at create): the int32 products first, column block b
- * ([(b+1) d4, d4] column major, ld (b+1) d4, block (a, b) at row a d4) at acc_off[b]; then the
- * digit planes, plane k = X_k^T column major [rows, d4] (ld = rows, the block capacity: a column
- * of X_k is contiguous), planes plane_bytes apart; d4 = d rounded up to 4, rows a multiple of 128;
- * columns d .. d4-1 and the rows past a block's end are zeros.
+ * ([(b+1) d4, d4] column major, ld (b+1) d4, block (a, b) at row a d4) at acc_off[b]; then nbuf
+ * (1 or 2) buffers of digit planes, buf_bytes = s plane_bytes apart, each holding one token
+ * block: plane k = X_k^T column major [rows, d4] (ld = rows, the block capacity: a column of X_k
+ * is contiguous), planes plane_bytes apart; d4 = d rounded up to 4, rows a multiple of 128;
+ * columns d .. d4-1 and the rows past a block's end are zeros. With two buffers token block j
+ * uses buffer j mod 2, so the planes of block j + 1 can be written while the GEMMs read block j's
+ * (skv_cc_gram); the products and chunks do not depend on nbuf.
  */
 #ifndef SKV_CUDA_CANON_I8_H
 #define SKV_CUDA_CANON_I8_H
@@ -106,10 +109,12 @@ SKV_CHD int32_t skv_cc_i8_fix_bf16(uint16_t a, int32_t F, int32_t e)
 
 typedef struct skv_cc_i8_plan {
     int s;
+    int nbuf;                       /* buffers of digit planes: 1 or 2 */
     int32_t d4;
     size_t acc_off[SKV_CC_I8_MAXS]; /* int32 elements from the scratch's start */
-    size_t planes_off;              /* bytes from the scratch's start */
+    size_t planes_off;              /* bytes from the scratch's start: buffer 0 */
     size_t plane_bytes;             /* d4 rows */
+    size_t buf_bytes;               /* s plane_bytes: buffer 1 at planes_off + buf_bytes */
     int64_t rows;                   /* block capacity (ld of a plane), a multiple of SKV_CC_I8_ROWQ */
     int64_t chunk_rows;             /* rows per int32 accumulation: a multiple of rows, <= SKV_CC_I8_MAXK */
 } skv_cc_i8_plan;
@@ -136,16 +141,18 @@ static inline size_t skv_cc_i8_need(int32_t d)
     return acc + SKV_CC_I8_MAXS * skv_cc_i8_up((size_t)d, 4) * SKV_CC_I8_ROWQ;
 }
 
-/* The plan for n rows with s digits in a scratch of bytes: blocks as large as fit, evened out
-   over the blocks n needs. 0 if not even one SKV_CC_I8_ROWQ-row block fits. */
-static inline int skv_cc_i8_plan_for(int32_t d, int s, int64_t n, size_t bytes, skv_cc_i8_plan *p)
+/* The plan for n rows with s digits and nbuf (1 or 2) buffers of digit planes in a scratch of
+   bytes: blocks as large as fit nbuf times after the products, evened out over the blocks n needs.
+   0 if not even nbuf SKV_CC_I8_ROWQ-row blocks fit. */
+static inline int skv_cc_i8_plan_bufs(int32_t d, int s, int64_t n, size_t bytes, int nbuf, skv_cc_i8_plan *p)
 {
     size_t acc = skv_cc_i8_acc_bytes(d, s, p->acc_off);
-    if (!acc || acc >= bytes || n < 1) return 0;
+    if (!acc || acc >= bytes || n < 1 || nbuf < 1 || nbuf > 2) return 0;
     p->s = s;
+    p->nbuf = nbuf;
     p->d4 = (int32_t)skv_cc_i8_up((size_t)d, 4);
     p->planes_off = acc;
-    int64_t cap = (int64_t)((bytes - acc) / ((size_t)s * (size_t)p->d4));
+    int64_t cap = (int64_t)((bytes - acc) / ((size_t)nbuf * (size_t)s * (size_t)p->d4));
     cap -= cap % SKV_CC_I8_ROWQ;
     int64_t maxr = SKV_CC_I8_MAXK - SKV_CC_I8_MAXK % SKV_CC_I8_ROWQ;
     if (cap > maxr) cap = maxr;
@@ -154,8 +161,15 @@ static inline int skv_cc_i8_plan_for(int32_t d, int s, int64_t n, size_t bytes, 
     r = (r + SKV_CC_I8_ROWQ - 1) / SKV_CC_I8_ROWQ * SKV_CC_I8_ROWQ; /* <= cap: cap is a multiple */
     p->rows = r;
     p->plane_bytes = (size_t)p->d4 * (size_t)r;
+    p->buf_bytes = (size_t)s * p->plane_bytes; /* a multiple of 512: r is of 128, d4 of 4 */
     p->chunk_rows = SKV_CC_I8_MAXK / r * r;
     return 1;
+}
+
+/* One buffer of digit planes (the plan as the probes and the emulation use it). */
+static inline int skv_cc_i8_plan_for(int32_t d, int s, int64_t n, size_t bytes, skv_cc_i8_plan *p)
+{
+    return skv_cc_i8_plan_bufs(d, s, n, bytes, 1, p);
 }
 
 #endif

@@ -49,6 +49,16 @@
  * (cc_*, below the FAST ones in the struct) are allocated at create for every
  * shape, its token blocks (int8 digit planes of A and their int32 products for
  * the exact Gram, skv_cuda_canon_i8.h; fixed-point A and T for U) live in scratch.
+ * The planes and the fixed-point A are double-buffered within the scratch's
+ * size (which this does not change): two plane buffers of half the rows one
+ * would hold (one buffer where two of 128 rows do not fit); two U blocks of
+ * canon_rows rows where they fit beside T (at d = 1024, r = 160: n_max <= 2048
+ * or >= 32768, where the FAST route's batched Grams make the scratch 128 MiB),
+ * else of fewer (3799 rows between). The memory-bound kernel writing block
+ * k + 1 runs on the factor's second stream (cc_side, non-blocking, created
+ * here with its events) while block k's GEMMs run on st, with event fork /
+ * join and no host synchronization; the call is ordered on st at entry and
+ * exit.
  *
  * cuBLAS column-major view: row-major X [p, q] is column-major X^T [q, p] with
  * leading dimension q. So A is column-major M = A^T [d, n] (ld d), U is
@@ -60,8 +70,9 @@
  *   evals   double [m_max]     eigenvalues (EXACT)
  *   scratch                    a block's fp32 Gram; EXACT: a block of A in
  *                              float; FAST: the fallback's partial sums;
- *                              CANONICAL: the int8 Gram's products and digit
- *                              planes, then fixed-point A and T blocks
+ *                              CANONICAL: the int8 Gram's products and (two
+ *                              buffers of) digit planes, then two fixed-point
+ *                              A blocks and a T block
  *   x, y    double [d, r]      the iterate and G X (FAST)
  *   c       double [r, r]      Y^T Y (FAST)
  *   lt      double [~r^2 / 2]  its Cholesky factor in 8 x 8 tiles (FAST)
@@ -151,21 +162,28 @@ struct skv_cuda_factor {
     size_t solver_host_bytes;
     /* the canonical route (skv_cuda_canon.cuh): G (gd itself when m_max = d), the iterate (x, y
        themselves when the FAST workspace exists), C, L, the packed Cholesky scratch above
-       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; token blocks of
-       canon_rows rows in scratch (fixed-point A, then T) */
+       SKV_CC_CHOL_SMEM_R, D, the column scales e, f and the column maxima; in scratch the token
+       blocks of the DSYRK Gram (canon_rows rows of fixed-point A) and of U (canon_ubufs buffers
+       of canon_urows rows of fixed-point A, then T); a second stream (non-blocking) for the
+       memory-bound kernels beside the GEMMs, and its events: fork (recorded on st), join
+       (recorded on cc_side), a block's input ready (cc_side) and its buffer free (st), by the
+       block's parity */
     double *cc_g, *cc_x, *cc_y, *cc_c, *cc_l, *cc_lp, *cc_dsc;
     int32_t *cc_e, *cc_f;
     unsigned *cc_colmax;
     int cc_own_g, cc_own_xy;
-    int64_t canon_rows;
+    int64_t canon_rows, canon_urows;
+    int canon_ubufs;
+    cudaStream_t cc_side;
+    cudaEvent_t cc_ev_fork, cc_ev_join, cc_ev_ready[2], cc_ev_free[2];
 };
 
 /* ---- sizes ---------------------------------------------------------------------- */
 
 typedef struct skv_cf_sizes {
-    int64_t m_max, proj_rows, gram_batch, canon_rows;
+    int64_t m_max, proj_rows, gram_batch, canon_rows, canon_urows;
     size_t canon_bytes; /* the canonical route's buffers beyond those it shares */
-    int fast_ok;
+    int fast_ok, canon_ubufs;
     size_t gd_bytes, evals_bytes, scratch_bytes, xy_bytes, c_bytes, lt_bytes, qs_bytes, total;
 } skv_cf_sizes;
 
@@ -219,6 +237,13 @@ static int skv_cf_sizes_of(int64_t n_max, int32_t d, int32_t r, skv_cf_sizes *s)
         need = skv_cc_i8_need(d);
         if (need && need <= SKV_CC_I8_GROW_CAP && need > s->scratch_bytes) s->scratch_bytes = need;
 #endif
+        /* U's token blocks in the scratch as sized: two buffers of fixed-point A and one T, of as
+           many rows as fit, at most canon_rows (the scratch holds one buffer of canon_rows and T,
+           so at least about canon_rows / 2 fit); one buffer of canon_rows if not even one row does */
+        int64_t ur = (int64_t)(s->scratch_bytes / ((2 * (size_t)d + (size_t)r) * sizeof(double)));
+        if (ur > cr) ur = cr;
+        s->canon_ubufs = ur >= 1 ? 2 : 1;
+        s->canon_urows = ur >= 1 ? ur : cr;
         size_t rr = (size_t)r * r * sizeof(double), cb = 2 * rr + (size_t)r * sizeof(double) +
                                                           (size_t)d * (sizeof(int32_t) + sizeof(unsigned)) +
                                                           (size_t)r * sizeof(int32_t);
@@ -521,6 +546,11 @@ extern "C" void skv_cuda_factor_destroy(skv_cuda_factor *f)
     cudaFree(f->evals);
     cudaFree(f->gd);
     free(f->solver_host);
+    cudaEvent_t evs[6] = {f->cc_ev_fork, f->cc_ev_join, f->cc_ev_ready[0], f->cc_ev_ready[1], f->cc_ev_free[0],
+                          f->cc_ev_free[1]};
+    for (int k = 0; k < 6; k++)
+        if (evs[k]) cudaEventDestroy(evs[k]);
+    if (f->cc_side) cudaStreamDestroy(f->cc_side);
     if (f->params) cusolverDnDestroyParams(f->params);
     if (f->solver) cusolverDnDestroy(f->solver);
     if (f->blas) cublasDestroy(f->blas);
@@ -578,6 +608,8 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
     f->fast_ok = sz.fast_ok;
     f->scratch_bytes = sz.scratch_bytes;
     f->canon_rows = sz.canon_rows;
+    f->canon_urows = sz.canon_urows;
+    f->canon_ubufs = sz.canon_ubufs;
 
     skv_status s = SKV_OK;
     size_t dev_bytes = 0, host_bytes = 0;
@@ -659,6 +691,16 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
         if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
         if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
         if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical solve shared memory)", msg, cap)) != SKV_OK) goto fail;
+    }
+    { /* the canonical route's second stream and events (created once: factorize allocates nothing) */
+        cudaError_t e = cudaStreamCreateWithFlags(&f->cc_side, cudaStreamNonBlocking);
+        if (e != cudaSuccess) f->cc_side = NULL;
+        if ((s = skv_cf_cuda(e, "cudaStreamCreateWithFlags (canonical second stream)", msg, cap)) != SKV_OK) goto fail;
+        cudaEvent_t *evs[6] = {&f->cc_ev_fork, &f->cc_ev_join, &f->cc_ev_ready[0], &f->cc_ev_ready[1],
+                               &f->cc_ev_free[0], &f->cc_ev_free[1]};
+        for (int k = 0; k < 6 && e == cudaSuccess; k++)
+            if ((e = cudaEventCreateWithFlags(evs[k], cudaEventDisableTiming)) != cudaSuccess) *evs[k] = NULL;
+        if ((s = skv_cf_cuda(e, "cudaEventCreateWithFlags (canonical events)", msg, cap)) != SKV_OK) goto fail;
     }
     {
         skv_cf_state init;

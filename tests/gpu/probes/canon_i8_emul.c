@@ -3,7 +3,9 @@
  * (cuda/skv_cuda_canon_i8.h, the kernels skv_cc_slice / skv_cc_combine and the int8 GEMMs of
  * skv_cc_gram in cuda/skv_cuda_canon.cuh), step for step in plain C: the same plan, the two
  * kernels transcribed as launched (grid, threads, shared-memory phases; the digit planes'
- * layout and zero padding, the char4 stores checked aligned and inside the plane), each GEMM as int64 sums checked to stay in int32 (every
+ * layout and zero padding, the char4 stores checked aligned and inside the plane; two plane
+ * buffers where they fit, block j in buffer j mod 2, as skv_cc_gram chooses; sequentially,
+ * so the two streams' ordering is not emulated), each GEMM as int64 sums checked to stay in int32 (every
  * partial sum too: the products of one entry are summed in row order and each running value
  * is checked), beta = 1 within a chunk, the int64 combine into double. Compared bit for bit with
  * the plain double S = X^T X (the rule's step 2) and an int64 S. No GPU needed:
@@ -98,23 +100,33 @@ static void check_fix(void)
 /* The emulated route: g [d, d] column major, upper triangle. chunk_rows_override (0: none) shortens
    the chunk (rounded down to a multiple of the block) to run the chunk logic on small n. */
 static void emulate(const int32_t *x, int64_t n, int32_t d, int32_t F, size_t bytes, int64_t chunk_rows_override,
-                    double *g, int *nblocks, int *nchunks)
+                    double *g, int *nblocks, int *nchunks, int *nbuf)
 {
     skv_cc_i8_plan p;
-    if (!skv_cc_i8_plan_for(d, skv_cc_i8_slices(F), n, bytes, &p)) {
+    const int s = skv_cc_i8_slices(F);
+    /* skv_cc_gram's choice: two buffers of digit planes where they fit, else one */
+    if (!skv_cc_i8_plan_bufs(d, s, n, bytes, 2, &p) && !skv_cc_i8_plan_bufs(d, s, n, bytes, 1, &p)) {
         printf("plan does not fit: d = %d, n = %lld, bytes = %zu\n", (int)d, (long long)n, bytes);
         failures++;
         return;
     }
+    if (p.planes_off + (size_t)p.nbuf * p.buf_bytes > bytes || p.buf_bytes != (size_t)p.s * p.plane_bytes ||
+        p.buf_bytes % 16) {
+        printf("plan: %d buffers of %zu bytes from %zu do not fit %zu bytes\n", p.nbuf, p.buf_bytes, p.planes_off, bytes);
+        failures++;
+        return;
+    }
+    *nbuf = p.nbuf;
     if (chunk_rows_override) p.chunk_rows = chunk_rows_override / p.rows * p.rows;
     unsigned char *scratch = malloc(bytes); /* stale bytes, as the device scratch holds */
     memset(scratch, 0xa5, bytes);
     int32_t *acc = (int32_t *)scratch;
-    int8_t *planes = (int8_t *)(scratch + p.planes_off);
-    const int64_t ld = p.rows;
     *nblocks = *nchunks = 0;
+    const int64_t ld = p.rows;
     for (int64_t t0 = 0; t0 < n; t0 += p.rows) {
         const int64_t rows = n - t0 < p.rows ? n - t0 : p.rows, kp = (rows + 15) / 16 * 16;
+        /* block j's planes in buffer j mod nbuf */
+        int8_t *planes = (int8_t *)(scratch + p.planes_off + (size_t)(*nblocks % p.nbuf) * p.buf_bytes);
         (*nblocks)++;
         /* skv_cc_slice as launched: grid (ceil(d4 / 64), ceil(rows / 128)), 256 threads, its two phases
            (phase 1's element: skv_cc_i8_pack of the integer x, which skv_cc_i8_fix_bf16 gives from the
@@ -247,8 +259,8 @@ static void run(const char *what, const int32_t *x, int64_t n, int32_t d, size_t
 {
     const int32_t F = skv_canon_frac_bits(n);
     double *g = calloc((size_t)d * d, sizeof *g);
-    int nb = 0, nc = 0;
-    emulate(x, n, d, F, bytes, chunk_override, g, &nb, &nc);
+    int nb = 0, nc = 0, nbuf = 0;
+    emulate(x, n, d, F, bytes, chunk_override, g, &nb, &nc, &nbuf);
     int64_t bad = 0;
     double maxs = 0;
     for (int32_t j = 0; j < d; j++)
@@ -263,8 +275,8 @@ static void run(const char *what, const int32_t *x, int64_t n, int32_t d, size_t
             if (memcmp(&v, &sd, sizeof v) != 0 || (double)si != sd) bad++;
             if (fabs(sd) > maxs) maxs = fabs(sd);
         }
-    printf("%-44s n = %7lld d = %4d F = %2d s = %d: %d blocks, %d chunks, max |S| = 2^%.3f: %s\n", what, (long long)n,
-           (int)d, (int)F, skv_cc_i8_slices(F), nb, nc, maxs > 0 ? log2(maxs) : -INFINITY,
+    printf("%-44s n = %7lld d = %4d F = %2d s = %d: %d blocks (nbuf %d), %d chunks, max |S| = 2^%.3f: %s\n", what,
+           (long long)n, (int)d, (int)F, skv_cc_i8_slices(F), nb, nbuf, nc, maxs > 0 ? log2(maxs) : -INFINITY,
            bad ? "MISMATCH" : "bitwise equal");
     if (bad) failures++;
     free(g);

@@ -2,9 +2,12 @@
  * canon_i8_probe.cu - the canonical route's exact Gram S = X^T X at the benchmark shape, both
  * ways, on one GPU: the fixed-point doubles + cuBLAS DSYRK by token blocks (the route's first
  * implementation, SKV_CC_GRAM_DSYRK=1) and the int8 digits (cuda/skv_cuda_canon_i8.cuh, the
- * kernels the library launches, driven as skv_cc_gram does). Checks S bit for bit (upper
- * triangle), reports the largest int32 product entry (how close the sums came to 2^31) and the
- * times (cudaEvent, median of the reps).
+ * kernels the library launches), twice: one buffer of digit planes on one stream (skv_cc_gram's
+ * earlier schedule, with the slice / GEMM / combine split of the time) and two buffers with the
+ * slices on a second stream beside the previous block's GEMMs (skv_cc_gram's schedule now: the
+ * same events, the same order). Checks both S bit for bit against DSYRK's (upper triangle),
+ * reports the largest int32 product entry (how close the sums came to 2^31) and the times
+ * (cudaEvent, median of the reps).
  *
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
  *     tests/gpu/probes/canon_i8_probe.cu -lcublas -o build/canon_i8_probe && build/canon_i8_probe [n] [d] [reps]
@@ -67,18 +70,20 @@ int main(int argc, char **argv)
     skv_bf16 *a;
     int32_t *e;
     void *scratch, *blas_ws;
-    double *g_syrk, *g_i8;
+    double *g_syrk, *g_i8, *g_i82;
     CK(cudaMalloc(&a, sizeof(skv_bf16) * (size_t)n * d));
     CK(cudaMalloc(&e, sizeof(int32_t) * d));
     CK(cudaMalloc(&scratch, scratch_bytes));
     CK(cudaMalloc(&blas_ws, (size_t)32 << 20));
     CK(cudaMalloc(&g_syrk, sizeof(double) * (size_t)d * d));
     CK(cudaMalloc(&g_i8, sizeof(double) * (size_t)d * d));
+    CK(cudaMalloc(&g_i82, sizeof(double) * (size_t)d * d));
     CK(cudaMemcpy(a, ha.data(), sizeof(skv_bf16) * (size_t)n * d, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(e, he.data(), sizeof(int32_t) * d, cudaMemcpyHostToDevice));
     CK(cudaMemset(scratch, 0xa5, scratch_bytes));
     CK(cudaMemset(g_syrk, 0xff, sizeof(double) * (size_t)d * d));
     CK(cudaMemset(g_i8, 0xff, sizeof(double) * (size_t)d * d));
+    CK(cudaMemset(g_i82, 0xff, sizeof(double) * (size_t)d * d));
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
     cublasHandle_t h;
@@ -95,8 +100,25 @@ int main(int argc, char **argv)
     }
     printf("n = %lld, d = %d, F = %d: %d digits, blocks of %lld rows (%lld blocks), chunk %lld rows\n", (long long)n,
            (int)d, (int)F, p.s, (long long)p.rows, (long long)((n + p.rows - 1) / p.rows), (long long)p.chunk_rows);
+    /* the two-buffer schedule: skv_cc_gram's plan (two buffers where they fit) and its events */
+    skv_cc_i8_plan p2;
+    if (!skv_cc_i8_plan_bufs(d, skv_cc_i8_slices(F), n, scratch_bytes, 2, &p2) &&
+        !skv_cc_i8_plan_bufs(d, skv_cc_i8_slices(F), n, scratch_bytes, 1, &p2)) {
+        fprintf(stderr, "the int8 plan does not fit %zu bytes\n", scratch_bytes);
+        return 1;
+    }
+    printf("two-stream schedule: %d buffers, blocks of %lld rows (%lld blocks)\n", p2.nbuf, (long long)p2.rows,
+           (long long)((n + p2.rows - 1) / p2.rows));
+    cudaStream_t side;
+    CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t e_fork, e_ready[2], e_free[2];
+    CK(cudaEventCreateWithFlags(&e_fork, cudaEventDisableTiming));
+    for (int k = 0; k < 2; k++) {
+        CK(cudaEventCreateWithFlags(&e_ready[k], cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&e_free[k], cudaEventDisableTiming));
+    }
 
-    std::vector<float> t_syrk, t_i8, t_slice, t_gemm, t_comb;
+    std::vector<float> t_syrk, t_i8, t_slice, t_gemm, t_comb, t_i82;
     for (int rep = 0; rep < reps + 1; rep++) {
         /* DSYRK */
         const double one = 1.0, zero = 0.0;
@@ -140,6 +162,43 @@ int main(int argc, char **argv)
             CK(cudaEventRecord(bev[bi * 4 + 3], st));
         }
         CK(cudaEventRecord(ev[3], st));
+        /* int8, two buffers, the slices on the side stream (skv_cc_gram, skv_cc_slice_blk) */
+        {
+            int8_t *planes2 = (int8_t *)scratch + p2.planes_off;
+            const int64_t nb2 = (n + p2.rows - 1) / p2.rows;
+            auto slice = [&](int64_t j) {
+                const int64_t t0 = j * p2.rows, rows = std::min(p2.rows, n - t0);
+                if (j >= p2.nbuf) CK(cudaStreamWaitEvent(side, e_free[(j - p2.nbuf) & 1], 0));
+                dim3 gr((unsigned)((p2.d4 + SKV_CC_SL_I - 1) / SKV_CC_SL_I), (unsigned)((rows + SKV_CC_SL_T - 1) / SKV_CC_SL_T));
+                skv_cc_slice<<<gr, 256, 0, side>>>(a + (size_t)t0 * d, rows, d, p2.d4, e, F, p2.s, p2.rows, p2.plane_bytes,
+                                                   planes2 + (size_t)(j % p2.nbuf) * p2.buf_bytes);
+                CK(cudaGetLastError());
+                CK(cudaEventRecord(e_ready[j & 1], side));
+            };
+            CK(cudaEventRecord(ev[4], st));
+            CK(cudaEventRecord(e_fork, st));
+            CK(cudaStreamWaitEvent(side, e_fork, 0));
+            for (int64_t j = 0; j < nb2 && j < p2.nbuf; j++) slice(j);
+            for (int64_t j = 0; j < nb2; j++) {
+                const int64_t t0 = j * p2.rows, rows = std::min(p2.rows, n - t0), kp = (rows + 15) / 16 * 16;
+                const int8_t *pl = planes2 + (size_t)(j % p2.nbuf) * p2.buf_bytes;
+                CK(cudaStreamWaitEvent(st, e_ready[j & 1], 0));
+                const int chunk_first = t0 % p2.chunk_rows == 0;
+                for (int b = 0; b < p2.s; b++)
+                    CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (b + 1) * p2.d4, p2.d4, (int)kp, &ione, pl, CUDA_R_8I,
+                                    (int)p2.rows, pl + (size_t)b * p2.plane_bytes, CUDA_R_8I, (int)p2.rows,
+                                    chunk_first ? &izero : &ione, acc + p2.acc_off[b], CUDA_R_32I, (b + 1) * p2.d4,
+                                    CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT));
+                CK(cudaEventRecord(e_free[j & 1], st));
+                if (t0 + rows >= n || (t0 + rows) % p2.chunk_rows == 0) {
+                    dim3 th(SKV_CC_CB, 8), gc((unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB), (unsigned)((d + SKV_CC_CB - 1) / SKV_CC_CB));
+                    skv_cc_combine<<<gc, th, 0, st>>>(acc, p2, d, t0 < p2.chunk_rows, g_i82);
+                    CK(cudaGetLastError());
+                }
+                if (j + p2.nbuf < nb2) slice(j + p2.nbuf);
+            }
+            CK(cudaEventRecord(ev[5], st)); /* st has waited on every slice */
+        }
         CK(cudaStreamSynchronize(st));
         for (int64_t bi = 0; bi < nblk; bi++) {
             CK(cudaEventElapsedTime(&ms, bev[bi * 4 + 0], bev[bi * 4 + 1]));
@@ -158,6 +217,8 @@ int main(int argc, char **argv)
         t_slice.push_back(ms_slice);
         t_gemm.push_back(ms_gemm);
         t_comb.push_back(ms_comb);
+        CK(cudaEventElapsedTime(&ms, ev[4], ev[5]));
+        t_i82.push_back(ms);
     }
 
     /* the largest int32 product entry of the last chunk (the used blocks) */
@@ -166,10 +227,11 @@ int main(int argc, char **argv)
     long long amax = 0;
     for (int b = 0; b < p.s; b++)
         for (size_t k = 0; k < (size_t)(b + 1) * p.d4 * p.d4; k++) amax = std::max(amax, llabs((long long)hacc[p.acc_off[b] + k]));
-    std::vector<double> h1((size_t)d * d), h2((size_t)d * d);
+    std::vector<double> h1((size_t)d * d), h2((size_t)d * d), h3((size_t)d * d);
     CK(cudaMemcpy(h1.data(), g_syrk, sizeof(double) * (size_t)d * d, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h2.data(), g_i8, sizeof(double) * (size_t)d * d, cudaMemcpyDeviceToHost));
-    long long bad = 0;
+    CK(cudaMemcpy(h3.data(), g_i82, sizeof(double) * (size_t)d * d, cudaMemcpyDeviceToHost));
+    long long bad = 0, bad2 = 0;
     double smax = 0;
     for (int32_t j = 0; j < d; j++)
         for (int32_t i = 0; i <= j; i++) {
@@ -178,13 +240,20 @@ int main(int argc, char **argv)
                 if (bad < 5) printf("  S[%d][%d]: dsyrk %.17g, int8 %.17g\n", (int)i, (int)j, h1[k], h2[k]);
                 bad++;
             }
+            if (memcmp(&h1[k], &h3[k], sizeof(double)) != 0) {
+                if (bad2 < 5) printf("  S[%d][%d]: dsyrk %.17g, int8 two streams %.17g\n", (int)i, (int)j, h1[k], h3[k]);
+                bad2++;
+            }
             smax = std::max(smax, fabs(h1[k]));
         }
-    printf("S upper triangle: %s (%lld of %lld differ), max |S| = 2^%.2f, max |int32 product| = 2^%.2f\n",
+    printf("S upper triangle: %s (%lld of %lld differ), max |S| = 2^%.2f, max |int32 product| = 2^%.2f (the last "
+           "schedule's)\n",
            bad ? "MISMATCH" : "bitwise equal", bad, (long long)d * (d + 1) / 2, log2(smax), log2((double)amax));
+    printf("S upper triangle, two streams: %s (%lld differ)\n", bad2 ? "MISMATCH" : "bitwise equal", bad2);
     const double ops = 2.0 * (double)d * d * (double)n * p.s * (p.s + 1) / 2;
     printf("dsyrk path (fix + DSYRK): %.3f ms\n", median(t_syrk));
     printf("int8 path: %.3f ms (slice %.3f, GEMMs %.3f = %.0f TOPS, combine %.3f)\n",
            median(t_i8), median(t_slice), median(t_gemm), ops / (median(t_gemm) * 1e-3) / 1e12, median(t_comb));
-    return bad ? 1 : 0;
+    printf("int8 path, two buffers on two streams: %.3f ms\n", median(t_i82));
+    return bad || bad2 ? 1 : 0;
 }
