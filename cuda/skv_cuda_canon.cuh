@@ -451,7 +451,11 @@ static __global__ void __launch_bounds__(256)
 static skv_status skv_cc_pass(skv_cuda_factor *f, int32_t m, int32_t p, double *y, double *x, int eq, char *msg,
                               size_t cap)
 {
-    { /* C = Y^T Y, its lower triangle's tiles */
+    if (m % 4 == 0) { /* C = Y^T Y, its lower triangle's tiles, on the fp64 tensor cores */
+        dim3 gr((p + SKV_CC_YY_TC_BN - 1) / SKV_CC_YY_TC_BN, (p + SKV_CC_YY_TC_BM - 1) / SKV_CC_YY_TC_BM);
+        skv_cc_mm_tc<SKV_CC_YY_TC_CFG><<<gr, SKV_CC_YY_TC_NT, 0, f->st>>>(p, p, m, y, p, y, p, f->cc_c, p, 1);
+        SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel (tensor cores)");
+    } else { /* the same chains by fma */
         dim3 gr((p + SKV_CC_YY_BN - 1) / SKV_CC_YY_BN, (p + SKV_CC_YY_BM - 1) / SKV_CC_YY_BM);
         skv_cc_mm<SKV_CC_YY_CFG><<<gr, SKV_CC_YY_NT, 0, f->st>>>(p, p, m, y, p, y, p, f->cc_c, p, 1);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical Y^T Y kernel");
@@ -563,8 +567,13 @@ static skv_status skv_cf_canonical_steps(skv_cuda_factor *f, int64_t n, const sk
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical start kernel");
     for (int it = 0; it < SKV_CANON_ITERS; it++) {
         /* A^T = G itself: G is symmetric bit for bit (skv_cc_gscale) */
-        dim3 gr((r + SKV_CC_GX_BN - 1) / SKV_CC_GX_BN, (d + SKV_CC_GX_BM - 1) / SKV_CC_GX_BM);
-        skv_cc_mm<SKV_CC_GX_CFG><<<gr, SKV_CC_GX_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
+        if (d % 4 == 0) { /* on the fp64 tensor cores (skv_cc_mm_tc: the same chains) */
+            dim3 gr((r + SKV_CC_GX_TC_BN - 1) / SKV_CC_GX_TC_BN, (d + SKV_CC_GX_TC_BM - 1) / SKV_CC_GX_TC_BM);
+            skv_cc_mm_tc<SKV_CC_GX_TC_CFG><<<gr, SKV_CC_GX_TC_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
+        } else {
+            dim3 gr((r + SKV_CC_GX_BN - 1) / SKV_CC_GX_BN, (d + SKV_CC_GX_BM - 1) / SKV_CC_GX_BM);
+            skv_cc_mm<SKV_CC_GX_CFG><<<gr, SKV_CC_GX_NT, 0, f->st>>>(d, r, d, g, d, x, r, y, r, 0);
+        }
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical G X kernel");
         if (it < SKV_CANON_TWO_PASS_ITERS) {
             if ((s = skv_cc_pass(f, d, r, y, y, 0, msg, cap)) != SKV_OK) return s;

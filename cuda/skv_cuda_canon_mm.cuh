@@ -79,11 +79,12 @@ static __device__ __forceinline__ void skv_cc_cp_wait()
 }
 
 /* One stage's copies of one operand: rows k0 .. k0 + KT - 1 of src (row major, ld), columns
-   c0 .. c0 + W - 1, into dst [KT][W]; zeros past K rows or C columns. */
-template <int KT, int W, int NT>
+   c0 .. c0 + W - 1, into dst [KT][LD] (LD >= W: a padded row); zeros past K rows or C columns. */
+template <int KT, int W, int NT, int LD = W>
 static __device__ __forceinline__ void skv_cc_mm_copy(double *dst, const double *__restrict__ src, int64_t ld,
                                                       int32_t k0, int32_t K, int32_t c0, int32_t C, bool vec, int tid)
 {
+    static_assert(LD % 2 == 0, "16-byte aligned stage rows");
     if (vec) {
         constexpr int CH = KT * (W / 2);
 #pragma unroll
@@ -93,7 +94,7 @@ static __device__ __forceinline__ void skv_cc_mm_copy(double *dst, const double 
                 const int kk = idx / (W / 2), cc = 2 * (idx % (W / 2));
                 const int32_t gk = k0 + kk, gc = c0 + cc;
                 const bool ok = gk < K && gc < C; /* C even: a pair is wholly in or out */
-                skv_cc_cp16(dst + kk * W + cc, ok ? src + gk * ld + gc : src, ok ? 16 : 0);
+                skv_cc_cp16(dst + kk * LD + cc, ok ? src + gk * ld + gc : src, ok ? 16 : 0);
             }
         }
     } else {
@@ -105,7 +106,7 @@ static __device__ __forceinline__ void skv_cc_mm_copy(double *dst, const double 
                 const int kk = idx / W, cc = idx % W;
                 const int32_t gk = k0 + kk, gc = c0 + cc;
                 const bool ok = gk < K && gc < C;
-                skv_cc_cp8(dst + kk * W + cc, ok ? src + gk * ld + gc : src, ok ? 8 : 0);
+                skv_cc_cp8(dst + kk * LD + cc, ok ? src + gk * ld + gc : src, ok ? 8 : 0);
             }
         }
     }
@@ -223,6 +224,113 @@ static __global__ void __launch_bounds__(TY *TX)
             const int32_t i = i0 + skv_cc_mm_pos<TM, TY>(ty, p), j = j0 + skv_cc_mm_pos<TN, TX>(tx, q);
             if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q];
         }
+}
+
+
+/* The same products on the fp64 tensor cores (skv_cc_mm_tc). mma.sync m8n8k4 f64 adds its four
+   products into each accumulator as the chain acc = fma(a_k, b_k, acc) for k = 0, 1, 2, 3 in
+   order, rounding each: tests/gpu/probes/dmma_order_probe.cu compares chained mma k-steps with
+   that fma chain on random tiles (uniform, wide exponents, integer grids with a small tail,
+   cancellation, subnormal products, signed zeros) and finds no difference on the H200; the
+   canonical tests compare the route's U and W bit for bit with ref on every run. So k-steps of 4
+   from acc = +0, in order of k, give each output skv_canon_ref_gx's / skv_canon_ref_cross's chain.
+   Needs K % 4 == 0 (no padded term); the library takes skv_cc_mm otherwise.
+   Schedule: WM x WN warps, warp (wm, wn) owns FM x FN tiles of 8 x 8 outputs (rows 8 (FM wm + fm)
+   .., columns 8 (FN wn + fn) ..; lane l holds row l / 4, columns 2 (l % 4), + 1 of a tile); k in
+   stages of KT rows through shared memory (rows padded to BM + 4 and BN + 4 doubles, so a k-step's
+   fragment loads, lane l reading row k + l % 4, column l / 4, hit distinct banks), NS stages in a
+   cp.async ring as skv_cc_mm's: at the top of stage st every thread waits for its copies of stage
+   st, one barrier, then stage st + NS - 1 goes into stage st - 1's buffer. */
+#define SKV_CC_GX_TC_CFG 2, 2, 2, 2, 16, 4
+#define SKV_CC_GX_TC_BM 32
+#define SKV_CC_GX_TC_BN 32
+#define SKV_CC_GX_TC_NT 128
+#define SKV_CC_YY_TC_CFG 1, 1, 2, 2, 32, 4
+#define SKV_CC_YY_TC_BM 16
+#define SKV_CC_YY_TC_BN 16
+#define SKV_CC_YY_TC_NT 32
+
+static __device__ __forceinline__ void skv_cc_dmma(double (&d)[2], double a, double b)
+{
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(d[0]), "+d"(d[1])
+                 : "d"(a), "d"(b));
+}
+
+template <int WM, int WN, int FM, int FN, int KT, int NS>
+static __global__ void __launch_bounds__(32 * WM *WN)
+    skv_cc_mm_tc(int32_t M, int32_t N, int32_t K, const double *__restrict__ at, int64_t lda, const double *__restrict__ b,
+                 int64_t ldb, double *__restrict__ c, int64_t ldc, int lower)
+{
+    constexpr int NT = 32 * WM * WN, BM = 8 * FM * WM, BN = 8 * FN * WN, LA = BM + 4, LB = BN + 4;
+    static_assert(KT % 4 == 0 && NS >= 2, "whole k-steps; a ring");
+    __shared__ __align__(16) double as[NS][KT][LA];
+    __shared__ __align__(16) double bs[NS][KT][LB];
+    const int32_t i0 = blockIdx.y * BM, j0 = blockIdx.x * BN;
+    if (lower && j0 >= i0 + BM) return; /* whole block: before any barrier */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
+    const int fr = lane & 3, fc = lane >> 2; /* a fragment's k row and its output row / column */
+    const bool vec = ((lda | ldb | M | N) & 1) == 0 && ((uintptr_t)at & 15) == 0 && ((uintptr_t)b & 15) == 0;
+    const int32_t nst = (K + KT - 1) / KT;
+    auto issue = [&](int32_t st) {
+        const int buf = st % NS;
+        skv_cc_mm_copy<KT, BM, NT, LA>(&as[buf][0][0], at, lda, st * KT, K, i0, M, vec, tid);
+        skv_cc_mm_copy<KT, BN, NT, LB>(&bs[buf][0][0], b, ldb, st * KT, K, j0, N, vec, tid);
+    };
+    double acc[FM][FN][2];
+#pragma unroll
+    for (int p = 0; p < FM; p++)
+#pragma unroll
+        for (int q = 0; q < FN; q++) acc[p][q][0] = acc[p][q][1] = 0.0;
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < nst) issue(s);
+        skv_cc_cp_commit();
+    }
+    for (int32_t st = 0; st < nst; st++) {
+        skv_cc_cp_wait<NS - 2>(); /* stage st (own copies) */
+        __syncthreads();          /* visible to all; everyone is done with stage st - 1's buffer */
+        if (st + NS - 1 < nst) issue(st + NS - 1);
+        skv_cc_cp_commit();
+        const int buf = st % NS;
+        const int32_t kn = K - st * KT < KT ? K - st * KT : KT; /* a multiple of 4 */
+        const double *ab = &as[buf][0][8 * FM * wm + fc], *bb = &bs[buf][0][8 * FN * wn + fc];
+        if (kn == KT) {
+#pragma unroll
+            for (int kk = 0; kk < KT; kk += 4) {
+                double fa[FM], fb[FN];
+#pragma unroll
+                for (int p = 0; p < FM; p++) fa[p] = ab[(kk + fr) * LA + 8 * p];
+#pragma unroll
+                for (int q = 0; q < FN; q++) fb[q] = bb[(kk + fr) * LB + 8 * q];
+#pragma unroll
+                for (int p = 0; p < FM; p++)
+#pragma unroll
+                    for (int q = 0; q < FN; q++) skv_cc_dmma(acc[p][q], fa[p], fb[q]);
+            }
+        } else
+            for (int kk = 0; kk < kn; kk += 4) {
+                double fa[FM], fb[FN];
+#pragma unroll
+                for (int p = 0; p < FM; p++) fa[p] = ab[(kk + fr) * LA + 8 * p];
+#pragma unroll
+                for (int q = 0; q < FN; q++) fb[q] = bb[(kk + fr) * LB + 8 * q];
+#pragma unroll
+                for (int p = 0; p < FM; p++)
+#pragma unroll
+                    for (int q = 0; q < FN; q++) skv_cc_dmma(acc[p][q], fa[p], fb[q]);
+            }
+    }
+    skv_cc_cp_wait<0>(); /* no copy outlives the block */
+#pragma unroll
+    for (int p = 0; p < FM; p++)
+#pragma unroll
+        for (int q = 0; q < FN; q++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int32_t i = i0 + 8 * (FM * wm + p) + fc, j = j0 + 8 * (FN * wn + q) + 2 * fr + h;
+                if (i < M && j < N) c[(int64_t)i * ldc + j] = acc[p][q][h];
+            }
 }
 
 #endif /* __CUDACC__ */

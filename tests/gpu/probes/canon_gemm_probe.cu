@@ -356,10 +356,16 @@ int main(int argc, char **argv)
         skv_cc_mm<TM, TN, TY, TX, KT, NS, PD><<<dim3((N_ + bn - 1) / bn, (M_ + bm - 1) / bm), TY * TX, 0, st>>>( \
             M_, N_, K_, AT, LDA, B, LDB, out, N_, LOWER);                                                         \
     }
+#define TC(WM, WN, FM, FN, KT, NS, M_, N_, K_, AT, LDA, B, LDB, LOWER)                                             \
+    [&]() {                                                                                                       \
+        constexpr int bm = 8 * FM * WM, bn = 8 * FN * WN;                                                         \
+        skv_cc_mm_tc<WM, WN, FM, FN, KT, NS><<<dim3((N_ + bn - 1) / bn, (M_ + bm - 1) / bm), 32 * WM * WN, 0, st>>>( \
+            M_, N_, K_, AT, LDA, B, LDB, out, N_, LOWER);                                                         \
+    }
     /* G X: skv_cc_mm reads A^T = G (symmetric); the former kernel read G's rows */
     std::vector<variant> gx = {
         {"former skv_cc_gemm<4,4,16,8,16> 64x32", OLD(4, 4, 16, 8, 16, d, r, d, g, d, 1, x, r, 1, 0)},
-        {"skv_cc_mm<2,5,16,8,16,4,2> 32x40 (library)", MM(2, 5, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm<2,5,16,8,16,4,2> 32x40", MM(2, 5, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<2,5,16,8,16,3,1> 32x40", MM(2, 5, 16, 8, 16, 3, 1, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<2,5,16,8,16,4,4> 32x40", MM(2, 5, 16, 8, 16, 4, 4, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<2,5,16,8,8,6,3> 32x40", MM(2, 5, 16, 8, 8, 6, 3, d, r, d, g, d, x, r, 0)},
@@ -370,6 +376,10 @@ int main(int argc, char **argv)
         {"skv_cc_mm<4,4,16,8,16,4,2> 64x32", MM(4, 4, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<4,5,16,8,16,3,2> 64x40", MM(4, 5, 16, 8, 16, 3, 2, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<2,2,16,8,16,4,2> 32x16", MM(2, 2, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,2,2,16,4> 32x32 (library, dmma)", TC(2, 2, 2, 2, 16, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,1,1,16,4> 16x16 dmma", TC(2, 2, 1, 1, 16, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<4,2,2,2,16,3> 64x32 dmma", TC(4, 2, 2, 2, 16, 3, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<1,1,2,2,32,4> 16x16 dmma", TC(1, 1, 2, 2, 32, 4, d, r, d, g, d, x, r, 0)},
     };
     for (auto &v : gx) {
         CK(cudaMemsetAsync(out, 0xff, sizeof(double) * d * r, st));
@@ -381,7 +391,7 @@ int main(int argc, char **argv)
     }
     std::vector<variant> yy = {
         {"former skv_cc_gemm<2,2,8,8,32> 16x16", OLD(2, 2, 8, 8, 32, r, r, m, y, 1, r, y, r, 1, 1)},
-        {"skv_cc_mm<2,2,8,8,32,4,2> 16x16 (library)", MM(2, 2, 8, 8, 32, 4, 2, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm<2,2,8,8,32,4,2> 16x16", MM(2, 2, 8, 8, 32, 4, 2, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm<2,2,8,8,16,4,2> 16x16", MM(2, 2, 8, 8, 16, 4, 2, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm<2,2,8,8,64,3,3> 16x16", MM(2, 2, 8, 8, 64, 3, 3, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm<2,2,8,8,32,4,4> 16x16", MM(2, 2, 8, 8, 32, 4, 4, r, r, m, y, r, y, r, 1)},
@@ -390,6 +400,10 @@ int main(int argc, char **argv)
         {"skv_cc_mm<1,1,16,16,32,4,2> 16x16 x256", MM(1, 1, 16, 16, 32, 4, 2, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm<2,2,8,8,32,4,2> 16x16 full", MM(2, 2, 8, 8, 32, 4, 2, r, r, m, y, r, y, r, 0)},
         {"skv_cc_mm<4,4,8,8,16,4,2> 32x32", MM(4, 4, 8, 8, 16, 4, 2, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<1,1,2,2,32,4> 16x16 (library, dmma)", TC(1, 1, 2, 2, 32, 4, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<1,1,1,1,32,4> 8x8 dmma", TC(1, 1, 1, 1, 32, 4, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<2,2,1,1,32,4> 16x16 dmma", TC(2, 2, 1, 1, 32, 4, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<1,1,2,2,16,6> 16x16 dmma", TC(1, 1, 2, 2, 16, 6, r, r, m, y, r, y, r, 1)},
     };
     for (auto &v : yy) {
         CK(cudaMemsetAsync(out, 0xff, sizeof(double) * r * r, st));
