@@ -215,11 +215,17 @@ static skv_status skv_cc_slice_blk(skv_cuda_factor *f, int64_t n, const skv_bf16
    SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
    p.rows rows: the digit planes (one kernel, on the side stream), s int8 GEMMs [X_0 .. X_b]^T X_b
    into the int32 products (on f->st, beta = 1 within a chunk of p.chunk_rows rows); per chunk: the
-   combine into g (f->st, in block order). Two buffers of planes where they fit (p.nbuf = 2, blocks
-   of half the rows one buffer would hold): the planes of block j + 1 are written while block j's
-   GEMMs run; the planes of block j + 2 wait for block j's GEMMs (skv_cc_blk_*). Starts with a
+   combine into g (f->st, in block order). The schedule takes SKV_CC_GRAM_NBUF buffers of planes
+   where they fit (blocks of 1 / nbuf of the rows one buffer would hold): with two, the planes of
+   block j + 1 are written while block j's GEMMs run and those of block j + 2 wait for block j's
+   GEMMs (skv_cc_blk_*). One is the default: at n = 64k on the H200 (canon_i8_probe) two buffers
+   took 1.005 ms against 0.941 ms for one (the GEMMs on half the rows lose more than the overlap
+   gains). Starts with a
    fork (the side stream after the scales e); returns with f->st after every slice (each is waited
    on before its GEMMs). */
+#ifndef SKV_CC_GRAM_NBUF
+#define SKV_CC_GRAM_NBUF 1
+#endif
 static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
                               char *msg, size_t cap)
 {
@@ -229,7 +235,8 @@ static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     const int32_t d = f->d;
     const int sl = skv_cc_i8_slices(F);
     skv_cc_i8_plan p;
-    if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 2, &p) && !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p))
+    if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, SKV_CC_GRAM_NBUF, &p) &&
+        !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p))
         return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
     int32_t *acc = (int32_t *)f->scratch;
     int8_t *planes = (int8_t *)f->scratch + p.planes_off;

@@ -376,10 +376,15 @@ int main(int argc, char **argv)
         {"skv_cc_mm<4,4,16,8,16,4,2> 64x32", MM(4, 4, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<4,5,16,8,16,3,2> 64x40", MM(4, 5, 16, 8, 16, 3, 2, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm<2,2,16,8,16,4,2> 32x16", MM(2, 2, 16, 8, 16, 4, 2, d, r, d, g, d, x, r, 0)},
-        {"skv_cc_mm_tc<2,2,2,2,16,4> 32x32 (library, dmma)", TC(2, 2, 2, 2, 16, 4, d, r, d, g, d, x, r, 0)},
-        {"skv_cc_mm_tc<2,2,1,1,16,4> 16x16 dmma", TC(2, 2, 1, 1, 16, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,2,2,16,4> 32x32 dmma", TC(2, 2, 2, 2, 16, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,1,1,16,4> 16x16 (library, dmma)", TC(2, 2, 1, 1, 16, 4, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm_tc<4,2,2,2,16,3> 64x32 dmma", TC(4, 2, 2, 2, 16, 3, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm_tc<1,1,2,2,32,4> 16x16 dmma", TC(1, 1, 2, 2, 32, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,1,1,32,4> 16x16 dmma", TC(2, 2, 1, 1, 32, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,1,1,8,8> 16x16 dmma", TC(2, 2, 1, 1, 8, 8, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,2,1,1,16,6> 16x16 dmma", TC(2, 2, 1, 1, 16, 6, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<4,2,1,1,16,4> 32x16 dmma", TC(4, 2, 1, 1, 16, 4, d, r, d, g, d, x, r, 0)},
+        {"skv_cc_mm_tc<2,1,1,1,16,6> 16x8 dmma", TC(2, 1, 1, 1, 16, 6, d, r, d, g, d, x, r, 0)},
     };
     for (auto &v : gx) {
         CK(cudaMemsetAsync(out, 0xff, sizeof(double) * d * r, st));
@@ -400,10 +405,13 @@ int main(int argc, char **argv)
         {"skv_cc_mm<1,1,16,16,32,4,2> 16x16 x256", MM(1, 1, 16, 16, 32, 4, 2, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm<2,2,8,8,32,4,2> 16x16 full", MM(2, 2, 8, 8, 32, 4, 2, r, r, m, y, r, y, r, 0)},
         {"skv_cc_mm<4,4,8,8,16,4,2> 32x32", MM(4, 4, 8, 8, 16, 4, 2, r, r, m, y, r, y, r, 1)},
-        {"skv_cc_mm_tc<1,1,2,2,32,4> 16x16 (library, dmma)", TC(1, 1, 2, 2, 32, 4, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<1,1,2,2,32,4> 16x16 dmma", TC(1, 1, 2, 2, 32, 4, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm_tc<1,1,1,1,32,4> 8x8 dmma", TC(1, 1, 1, 1, 32, 4, r, r, m, y, r, y, r, 1)},
-        {"skv_cc_mm_tc<2,2,1,1,32,4> 16x16 dmma", TC(2, 2, 1, 1, 32, 4, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<2,2,1,1,32,4> 16x16 (library, dmma)", TC(2, 2, 1, 1, 32, 4, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm_tc<1,1,2,2,16,6> 16x16 dmma", TC(1, 1, 2, 2, 16, 6, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<2,2,1,1,16,8> 16x16 dmma", TC(2, 2, 1, 1, 16, 8, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<2,2,1,1,8,12> 16x16 dmma", TC(2, 2, 1, 1, 8, 12, r, r, m, y, r, y, r, 1)},
+        {"skv_cc_mm_tc<1,1,1,1,16,8> 8x8 dmma", TC(1, 1, 1, 1, 16, 8, r, r, m, y, r, y, r, 1)},
     };
     for (auto &v : yy) {
         CK(cudaMemsetAsync(out, 0xff, sizeof(double) * r * r, st));
