@@ -67,7 +67,12 @@ namespace {
 constexpr int kRbTok = 128;           /* tokens per block: 8 warps of 16 (one m16 tile each) */
 constexpr int kRbNT = 256;
 constexpr int kRbKsMax = 8;           /* k steps of 32: r <= 256 on tensor cores */
-constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB, two blocks per multiprocessor */
+constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB (RM 0), 75 KB (RM 1, 2) */
+/* Blocks per multiprocessor the register allocation aims at for RM 1 and 2 (D 128, r 160, G 4: 75 KB
+   of shared memory and 80 registers fit three). */
+#ifndef SKV_RB_MINB
+#define SKV_RB_MINB 3
+#endif
 
 struct RebuildArgs {
     int32_t Hk, D, Dp, r, Kp, c, S, R, interleaved;
@@ -121,8 +126,20 @@ __host__ __device__ inline int rb_rope_mode(int32_t R, int32_t interleaved)
 }
 
 /* Row stride of the per-warp staging: RM 0 floats (8 mod 32 banks at Dp 128); else 32-bit words of
-   two bf16 keys (4 mod 32 banks: the fragment stores of a warp, rows g and dims 2 t, hit 32 banks). */
-__host__ __device__ inline int rb_xstride(int32_t Dp, int rm) { return rm ? Dp / 2 + 4 : Dp + 8; }
+   two bf16 keys, a multiple of 32 words, swizzled (rb_swz). */
+__host__ __device__ inline int rb_xstride(int32_t Dp, int rm) { return rm ? (Dp / 2 + 31) / 32 * 32 : Dp + 8; }
+
+/* The word swizzle of bf16 staging row r (r < 16; an even XOR below 32, inside the row as its stride
+   is a multiple of 32 words): word w of row r lives at word w ^ rb_swz(r). A warp's fragment stores
+   (rows g or g + 8, words 4 nt + t) and the scores' 8-byte loads (rows 0..15, words 2 k, + 1) both hit
+   32 distinct banks at Dp 128 (checked by enumeration). */
+__host__ __device__ inline int rb_swz(int r) { return ((r & 7) << 2) | ((r >> 3) << 1); }
+
+/* A swizzled bf16 staging row. */
+struct SwRow {
+    const uint32_t *w;
+    int s;
+};
 
 /* Dynamic shared memory of the tensor-core rebuild for a shape (GD: G D when it scores, else 0). */
 __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int64_t GD, int rm)
@@ -138,20 +155,24 @@ __device__ __forceinline__ int64_t rb_sel0(const RebuildArgs &a, int b) { return
 
 /* Four consecutive keys of a staged row as floats: RM 0 floats, else bf16 (two per 32-bit word). */
 __device__ __forceinline__ float4 rb_key4(const float *x, int d) { return *reinterpret_cast<const float4 *>(x + d); }
-__device__ __forceinline__ float4 rb_key4(const uint16_t *x, int d)
+__device__ __forceinline__ float4 rb_key4(const SwRow &x, int d)
 {
-    const uint2 w = *reinterpret_cast<const uint2 *>(x + d);
+    const uint2 w = *reinterpret_cast<const uint2 *>(x.w + ((d >> 1) ^ x.s));
     return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
                        __uint_as_float(w.y & 0xffff0000u));
 }
 __device__ __forceinline__ float rb_key1(const float *x, int d) { return x[d]; }
-__device__ __forceinline__ float rb_key1(const uint16_t *x, int d) { return skv_bf16_to_f32(x[d]); }
+__device__ __forceinline__ float rb_key1(const SwRow &x, int d)
+{
+    const uint32_t w = x.w[(d >> 1) ^ x.s];
+    return __uint_as_float((d & 1) ? w & 0xffff0000u : w << 16);
+}
 
 /* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys, or
    the bf16 keys): per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved),
    times scale, into e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
-template <typename T>
-__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const T *x, const float *q, int g0, int gs,
+template <typename R>
+__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
                                              int64_t bq0, int64_t j)
 {
     const int D = a.D, G = a.G;
@@ -380,7 +401,7 @@ __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lan
    (rb_score_row). smem: W's fragments, ew, the staging rows [128][rb_xstride] (floats or words),
    q [G][D] float when scoring. */
 template <int KS, int RM>
-__global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const RebuildArgs a)
+__global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -392,7 +413,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
     uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
-    __shared__ long long pos_s[kRbNT / 32][16];
+    __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
     bool live[2];
@@ -449,8 +470,8 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         if (a.e) rb_load_q(a, b, h, qs);
     }
     if (t4 == 0) {
-        pos_s[warp][g] = live[0] ? pos[0] : -1;
-        pos_s[warp][g + 8] = live[1] ? pos[1] : -1;
+        pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
+        pos_s[warp][g + 8] = live[1] ? (int32_t)pos[1] : -1;
     }
     /* fixed point: the rows' exponents (max over the quad), then the A fragments */
     uint32_t ah[KS][4], al[KS][4];
@@ -525,7 +546,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
                 float cs[8][2], sn[8][2];
     #pragma unroll
                 for (int k = 0; k < 8; k++) {
-                    const long long p = pos_s[warp][r0 + k];
+                    const int64_t p = pos_s[warp][r0 + k];
     #pragma unroll
                     for (int x = 0; x < 2; x++) {
                         const int i = i0 + lane + 32 * x;
@@ -599,8 +620,9 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
                 }
 #pragma unroll
                 for (int rs = 0; rs < 2; rs++) {
-                    xw[(size_t)(g + 8 * rs) * xst + 4 * np + t4] = rb_bf16x2(ka[2 * rs], ka[2 * rs + 1]);
-                    xw[(size_t)(g + 8 * rs) * xst + 4 * (np + NP) + t4] = rb_bf16x2(kb[2 * rs], kb[2 * rs + 1]);
+                    const int row = g + 8 * rs, sw = rb_swz(row);
+                    xw[(size_t)row * xst + ((4 * np + t4) ^ sw)] = rb_bf16x2(ka[2 * rs], ka[2 * rs + 1]);
+                    xw[(size_t)row * xst + ((4 * (np + NP) + t4) ^ sw)] = rb_bf16x2(kb[2 * rs], kb[2 * rs + 1]);
                 }
             }
             nt0 = 2 * NP;
@@ -623,7 +645,8 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
                         skv_rope_rotate(kv[2 * rs], kv[2 * rs + 1], cc[rs], ss[rs], &xo, &yo);
                         kv[2 * rs] = xo, kv[2 * rs + 1] = yo;
                     }
-                    xw[(size_t)(g + 8 * rs) * xst + 4 * nt + t4] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
+                    const int row = g + 8 * rs;
+                    xw[(size_t)row * xst + ((4 * nt + t4) ^ rb_swz(row))] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
                 }
             }
             nt0 = NR;
@@ -634,19 +657,27 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
             float kv[4];
             rb_tile<KS>(Wf, NT, nt, lane, t4, ah, al, ew, eu, kv);
 #pragma unroll
-            for (int rs = 0; rs < 2; rs++) xw[(size_t)(g + 8 * rs) * xst + 4 * nt + t4] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
+            for (int rs = 0; rs < 2; rs++) {
+                const int row = g + 8 * rs;
+                xw[(size_t)row * xst + ((4 * nt + t4) ^ rb_swz(row))] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
+            }
         }
         __syncwarp();
         if (a.k_out) { /* the live rows to k_out, 8 bytes a lane where D % 4 == 0 */
             uint16_t *kw = (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
             for (int rr = 0; rr < 16; rr++) {
                 if (pos_s[warp][rr] < 0) continue;
-                const uint16_t *src = (const uint16_t *)(xw + (size_t)rr * xst);
+                const uint32_t *src = xw + (size_t)rr * xst;
+                const int sw = rb_swz(rr);
                 if ((a.D & 3) == 0)
                     for (int d = 4 * lane; d < a.D; d += 128)
-                        *reinterpret_cast<uint2 *>(kw + (int64_t)rr * a.D + d) = *reinterpret_cast<const uint2 *>(src + d);
+                        *reinterpret_cast<uint2 *>(kw + (int64_t)rr * a.D + d) =
+                            *reinterpret_cast<const uint2 *>(src + ((d >> 1) ^ sw));
                 else
-                    for (int d = lane; d < a.D; d += 32) kw[(int64_t)rr * a.D + d] = src[d];
+                    for (int d = lane; d < a.D; d += 32) {
+                        const uint32_t w = src[(d >> 1) ^ sw];
+                        kw[(int64_t)rr * a.D + d] = (uint16_t)((d & 1) ? w >> 16 : w & 0xffffu);
+                    }
             }
         }
         if (!a.e) return;
@@ -656,7 +687,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
         if (pos_s[warp][rr] < 0) return;
         const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
         for (int g0 = lane >> 4; g0 < a.G; g0 += 8)
-            rb_score_row(a, (const uint16_t *)(xw + (size_t)rr * xst), qs, g0, 2, bq0, j);
+            rb_score_row(a, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, qs, g0, 2, bq0, j);
     }
 }
 
