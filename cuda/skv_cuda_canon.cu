@@ -68,10 +68,11 @@ constexpr int kRbTok = 128;           /* tokens per block: 8 warps of 16 (one m1
 constexpr int kRbNT = 256;
 constexpr int kRbKsMax = 8;           /* k steps of 32: r <= 256 on tensor cores */
 constexpr size_t kRbSmemMax = 200 * 1024; /* D 128, r 160: 109 KB (RM 0), 75 KB (RM 1, 2) */
-/* Blocks per multiprocessor the register allocation aims at for RM 1 and 2 (D 128, r 160, G 4: 75 KB
-   of shared memory and 80 registers fit three). */
+/* Blocks per multiprocessor the register allocation aims at for RM 1 and 2. Three fit at D 128, r 160,
+   G 4 (75 KB of shared memory, 80 registers with 144 bytes of spills), but measured slower on the
+   H200 (rebuild 107 against 91 us per step, the 128k x 8 step 0.311 / 0.323 against 0.295 / 0.305 ms). */
 #ifndef SKV_RB_MINB
-#define SKV_RB_MINB 3
+#define SKV_RB_MINB 2
 #endif
 
 struct RebuildArgs {
@@ -831,6 +832,43 @@ __device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int 
     return si < ns;
 }
 
+/* The fmaf chains of skv_dot_bf16 of the bf16 key row k [D] against the gn <= 4 query rows q + g D
+   (floats, 16-byte aligned rows where D % 8 == 0), each over d in order from acc[g]: 16-byte key
+   loads, 64 dims in flight, where D % 8 == 0 and k is 16-byte aligned; one dim at a time otherwise. */
+__device__ __forceinline__ void at_score_row(const uint16_t *k, const float *q, int D, int gn, float (&acc)[4])
+{
+    if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            uint4 kv[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                if (d0 + 8 * c >= D) break;
+                float f[8];
+                bf16x8_to_f32(kv[c], f);
+#pragma unroll
+                for (int gg = 0; gg < 4; gg++) {
+                    if (gg >= gn) break;
+                    const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
+                    const float4 qa = qv[0], qb = qv[1];
+                    const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                    for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
+                }
+            }
+        }
+    } else {
+        for (int d = 0; d < D; d++) {
+            const float f = skv_bf16_to_f32(k[d]);
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++)
+                if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
+        }
+    }
+}
+
 /* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
    fmaf chain of skv_dot_bf16 over d = 0 .. D-1 for the group's query heads, 4 at a time (their
    chains interleaved, each its own order), the key row read 64 dims at a time, and writes them to
@@ -853,41 +891,10 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
     if (!at_seek(sp, ns, j, si, base)) return;
     const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
-    const bool vec = (D & 7) == 0 && ((uintptr_t)k & 15) == 0;
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gn = min(4, G - g0);
-        const float *q = qs + (size_t)g0 * D;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (vec) {
-            for (int d0 = 0; d0 < D; d0 += 64) {
-                uint4 kv[8];
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
-#pragma unroll
-                for (int c = 0; c < 8; c++) {
-                    if (d0 + 8 * c >= D) break;
-                    float f[8];
-                    bf16x8_to_f32(kv[c], f);
-#pragma unroll
-                    for (int gg = 0; gg < 4; gg++) {
-                        if (gg >= gn) break;
-                        const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
-                        const float4 qa = qv[0], qb = qv[1];
-                        const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-                        for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
-                    }
-                }
-            }
-        } else {
-            for (int d = 0; d < D; d++) {
-                const float f = skv_bf16_to_f32(k[d]);
-#pragma unroll
-                for (int gg = 0; gg < 4; gg++)
-                    if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
-            }
-        }
+        at_score_row(k, qs + (size_t)g0 * D, D, gn, acc);
 #pragma unroll
         for (int gg = 0; gg < 4; gg++)
             if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
@@ -896,7 +903,7 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
 
 /* P V: grid (ceil(D / 16), Hk, B), 256 threads (thread l = canonical lane l): the block owns 16 dims of
    every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
-   left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 4 per pass (their value
+   left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 2 per pass (their value
    rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
    adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 68
    values in xb, and warp w reduces values w, w + 8, ...: lane t holds lanes t + 32 i (i < 8) in
@@ -1047,26 +1054,9 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
             const int64_t j = r < sel0 ? r : r + nsel;
             at_seek(sp, ns, j, si, base);
             const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
-            float acc = 0.0f;
-            if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    uint4 kv[8];
-#pragma unroll
-                    for (int c = 0; c < 8; c++)
-                        if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
-#pragma unroll
-                    for (int c = 0; c < 8; c++) {
-                        if (d0 + 8 * c >= D) break;
-                        float f[8];
-                        bf16x8_to_f32(kv[c], f);
-#pragma unroll
-                        for (int x = 0; x < 8; x++) acc = SKV_FMA(qs[d0 + 8 * c + x], f[x], acc);
-                    }
-                }
-            } else {
-                for (int d = 0; d < D; d++) acc = SKV_FMA(qs[d], skv_bf16_to_f32(k[d]), acc);
-            }
-            er[j] = SKV_MUL(acc, a.scale);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            at_score_row(k, qs, D, 1, acc);
+            er[j] = SKV_MUL(acc[0], a.scale);
         }
         __syncthreads(); /* the block's own scores are visible to the whole block */
     }
