@@ -22,9 +22,10 @@
    128 contiguous bytes of the column). Rows [rows, the tile's end) and columns [d, d4) get zeros. */
 #define SKV_CC_SL_T 128
 #define SKV_CC_SL_I 64
-static __global__ void __launch_bounds__(256)
-    skv_cc_slice(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t d4, const int32_t *__restrict__ e,
-                 int32_t F, int s, int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
+template <int S>
+static __device__ __forceinline__ void skv_cc_slice_body(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d,
+                                                         int32_t d4, const int32_t *__restrict__ e, int32_t F,
+                                                         int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
 {
     static_assert(SKV_CC_SL_T == 128 && SKV_CC_SL_I == 64, "the thread maps below");
     __shared__ __align__(16) uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T];
@@ -57,7 +58,7 @@ static __global__ void __launch_bounds__(256)
         const int tt = tid / 8 + 32 * u;
 #pragma unroll
         for (int c = 0; c < 8; c++) /* a zero element (or padding) packs to 0 */
-            sm[8 * g + c][tt ^ (4 * g)] = skv_cc_i8_pack(skv_cc_i8_fix_bf16(v[u][c], F, ec[c]), s);
+            sm[8 * g + c][tt ^ (4 * g)] = skv_cc_i8_pack(skv_cc_i8_fix_bf16(v[u][c], F, ec[c]), S);
     }
     __syncthreads();
     const int w = tid / 32, q = tid & 31;
@@ -68,7 +69,8 @@ static __global__ void __launch_bounds__(256)
         if (i >= d4) break; /* warp-uniform, and the columns grow with j */
         const uint4 p4 = *reinterpret_cast<const uint4 *>(&sm[ii][(4 * q) ^ (4 * (ii / 8))]);
         int8_t *dst = out + (int64_t)i * ld + t0 + 4 * q;
-        for (int k = 0; k < s; k++) {
+#pragma unroll
+        for (int k = 0; k < S; k++) {
             const int sh = 8 * k;
             char4 c4;
             c4.x = (signed char)(p4.x >> sh);
@@ -77,6 +79,19 @@ static __global__ void __launch_bounds__(256)
             c4.w = (signed char)(p4.w >> sh);
             *(char4 *)(dst + (size_t)k * plane_bytes) = c4;
         }
+    }
+}
+
+/* The kernel: s digits known at compile time in the body (the packing unrolled). */
+static __global__ void __launch_bounds__(256)
+    skv_cc_slice(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t d4, const int32_t *__restrict__ e,
+                 int32_t F, int s, int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
+{
+    switch (s) {
+    case 1: skv_cc_slice_body<1>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
+    case 2: skv_cc_slice_body<2>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
+    case 3: skv_cc_slice_body<3>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
+    default: skv_cc_slice_body<SKV_CC_I8_MAXS>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
     }
 }
 

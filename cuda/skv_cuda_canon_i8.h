@@ -74,10 +74,10 @@ SKV_CHD uint32_t skv_cc_i8_pack(int32_t x, int s)
     int32_t q = x;
     for (int k = 0; k < s - 1; k++) {
         int32_t dk = ((q + 64) & 127) - 64; /* (q + 64) mod 128 in two's complement */
-        q = (q - dk) / 128;                 /* exact: q - dk is a multiple of 128 */
-        p |= (uint32_t)(uint8_t)(int8_t)dk << (8 * k);
+        q = (q - dk) >> 7;                  /* exact: q - dk is a multiple of 128 (arithmetic shift) */
+        p |= ((uint32_t)dk & 0xffu) << (8 * k);
     }
-    p |= (uint32_t)(uint8_t)(int8_t)q << (8 * (s - 1));
+    p |= ((uint32_t)q & 0xffu) << (8 * (s - 1));
     return p;
 }
 
@@ -89,21 +89,20 @@ SKV_CHD uint32_t skv_cc_i8_pack(int32_t x, int s)
    above half or exactly half with an odd quotient (m < 2^8: for -sh >= 9 the result is 0, so the
    shift is clamped to 16). rint of the exact double product is that same value (the rounding is
    symmetric in the sign); canon_i8_emul.c compares the two on every finite bf16, every
-   admissible e and F = 0..25. No double operations: the digit kernel's fp64 conversions go. */
+   admissible e and F = 0..25. No double operations and no branch: both shifts are computed and one
+   is selected. */
 SKV_CHD int32_t skv_cc_i8_fix_bf16(uint16_t a, int32_t F, int32_t e)
 {
+    /* both roundings computed and one selected (no divergent branch in a warp of mixed exponents);
+       zero (m = 0) gives 0 either way */
     const uint32_t mag = a & 0x7fffu, field = mag >> 7;
-    if (mag == 0) return 0;
     const int32_t m = (int32_t)(field ? (mag & 0x7fu) | 0x80u : mag), E = field ? (int32_t)field - 127 : -126;
     const int32_t sh = E - 7 + F - e;
-    int32_t v;
-    if (sh >= 0)
-        v = m << (sh < 23 ? sh : 23); /* sh <= 18 where e >= E */
-    else {
-        const int32_t r = -sh < 16 ? -sh : 16;
-        const int32_t q = m >> r, rem = m & ((1 << r) - 1), half = 1 << (r - 1);
-        v = q + (rem > half || (rem == half && (q & 1)));
-    }
+    const int32_t up = m << (sh < 0 ? 0 : sh < 23 ? sh : 23); /* sh <= 18 where e >= E */
+    const int32_t r = -sh < 1 ? 1 : -sh < 16 ? -sh : 16;
+    const int32_t q = m >> r, rem = m & ((1 << r) - 1), half = 1 << (r - 1);
+    const int32_t dn = q + (rem > half || (rem == half && (q & 1)));
+    const int32_t v = sh >= 0 ? up : dn;
     return a & 0x8000u ? -v : v;
 }
 
