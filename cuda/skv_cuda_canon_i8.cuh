@@ -25,10 +25,10 @@
 template <int S>
 static __device__ __forceinline__ void skv_cc_slice_body(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d,
                                                          int32_t d4, const int32_t *__restrict__ e, int32_t F,
-                                                         int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
+                                                         int64_t ld, size_t plane_bytes, int8_t *__restrict__ out,
+                                                         uint32_t (*sm)[SKV_CC_SL_T])
 {
     static_assert(SKV_CC_SL_T == 128 && SKV_CC_SL_I == 64, "the thread maps below");
-    __shared__ __align__(16) uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T];
     const int tid = threadIdx.x, g = tid & 7;
     const int64_t t0 = (int64_t)blockIdx.y * SKV_CC_SL_T;
     const int32_t i0 = blockIdx.x * SKV_CC_SL_I, c0 = i0 + 8 * g;
@@ -87,11 +87,12 @@ static __global__ void __launch_bounds__(256)
     skv_cc_slice(const skv_bf16 *__restrict__ a, int64_t rows, int32_t d, int32_t d4, const int32_t *__restrict__ e,
                  int32_t F, int s, int64_t ld, size_t plane_bytes, int8_t *__restrict__ out)
 {
+    __shared__ __align__(16) uint32_t sm[SKV_CC_SL_I][SKV_CC_SL_T];
     switch (s) {
-    case 1: skv_cc_slice_body<1>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
-    case 2: skv_cc_slice_body<2>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
-    case 3: skv_cc_slice_body<3>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
-    default: skv_cc_slice_body<SKV_CC_I8_MAXS>(a, rows, d, d4, e, F, ld, plane_bytes, out); break;
+    case 1: skv_cc_slice_body<1>(a, rows, d, d4, e, F, ld, plane_bytes, out, sm); break;
+    case 2: skv_cc_slice_body<2>(a, rows, d, d4, e, F, ld, plane_bytes, out, sm); break;
+    case 3: skv_cc_slice_body<3>(a, rows, d, d4, e, F, ld, plane_bytes, out, sm); break;
+    default: skv_cc_slice_body<SKV_CC_I8_MAXS>(a, rows, d, d4, e, F, ld, plane_bytes, out, sm); break;
     }
 }
 
