@@ -260,6 +260,22 @@ static __device__ __forceinline__ void skv_cc_dmma(double (&d)[2], double a, dou
                  : "d"(a), "d"(b));
 }
 
+/* One k-step of 4 of a stage: the lane's fragments of row k (= k-step + l % 4) and the FM x FN mmas. */
+template <int FM, int FN, int LA, int LB>
+static __device__ __forceinline__ void skv_cc_mm_tc_kstep(const double *ab, const double *bb, int k,
+                                                          double (&acc)[FM][FN][2])
+{
+    double fa[FM], fb[FN];
+#pragma unroll
+    for (int p = 0; p < FM; p++) fa[p] = ab[k * LA + 8 * p];
+#pragma unroll
+    for (int q = 0; q < FN; q++) fb[q] = bb[k * LB + 8 * q];
+#pragma unroll
+    for (int p = 0; p < FM; p++)
+#pragma unroll
+        for (int q = 0; q < FN; q++) skv_cc_dmma(acc[p][q], fa[p], fb[q]);
+}
+
 template <int WM, int WN, int FM, int FN, int KT, int NS>
 static __global__ void __launch_bounds__(32 * WM *WN)
     skv_cc_mm_tc(int32_t M, int32_t N, int32_t K, const double *__restrict__ at, int64_t lda, const double *__restrict__ b,
@@ -300,29 +316,9 @@ static __global__ void __launch_bounds__(32 * WM *WN)
         const double *ab = &as[buf][0][8 * FM * wm + fc], *bb = &bs[buf][0][8 * FN * wn + fc];
         if (kn == KT) {
 #pragma unroll
-            for (int kk = 0; kk < KT; kk += 4) {
-                double fa[FM], fb[FN];
-#pragma unroll
-                for (int p = 0; p < FM; p++) fa[p] = ab[(kk + fr) * LA + 8 * p];
-#pragma unroll
-                for (int q = 0; q < FN; q++) fb[q] = bb[(kk + fr) * LB + 8 * q];
-#pragma unroll
-                for (int p = 0; p < FM; p++)
-#pragma unroll
-                    for (int q = 0; q < FN; q++) skv_cc_dmma(acc[p][q], fa[p], fb[q]);
-            }
+            for (int kk = 0; kk < KT; kk += 4) skv_cc_mm_tc_kstep<FM, FN, LA, LB>(ab, bb, kk + fr, acc);
         } else
-            for (int kk = 0; kk < kn; kk += 4) {
-                double fa[FM], fb[FN];
-#pragma unroll
-                for (int p = 0; p < FM; p++) fa[p] = ab[(kk + fr) * LA + 8 * p];
-#pragma unroll
-                for (int q = 0; q < FN; q++) fb[q] = bb[(kk + fr) * LB + 8 * q];
-#pragma unroll
-                for (int p = 0; p < FM; p++)
-#pragma unroll
-                    for (int q = 0; q < FN; q++) skv_cc_dmma(acc[p][q], fa[p], fb[q]);
-            }
+            for (int kk = 0; kk < kn; kk += 4) skv_cc_mm_tc_kstep<FM, FN, LA, LB>(ab, bb, kk + fr, acc);
     }
     skv_cc_cp_wait<0>(); /* no copy outlives the block */
 #pragma unroll
