@@ -17,7 +17,8 @@
 #   prefill   build; the factorization benchmark (16k..1M, with the GPU baselines) and
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
-#   repro     build; the reproducible mode on cuda: the canonical-route tests (factorization,
+#   repro     build; the reproducible mode on cuda: the fp64 mma's element order
+#             (tests/gpu/probes/dmma_order_probe.cu), the canonical-route tests (factorization,
 #             rebuild and attention, snapshots, test_contract's reproducible configurations, the
 #             fuzz_diff corpus with its cuda leg), then its cost against the default mode in one
 #             run: the factorization at 16k/64k/128k (factorize_repro.json) and the decode step
@@ -62,6 +63,7 @@ if [ "$MODE" = pack ]; then
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   cc $CFL -Ifuzz fuzz/replay.c fuzz/fuzz_diff.c fuzz/fuzz_common.c $LNK -o build/dev/replay_fuzz_diff
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 tests/gpu/probes/dmma_order_probe.cu -o build/dev/dmma_order_probe
   du -sh build/dev
   exit 0
 fi
@@ -165,6 +167,11 @@ case "$MODE" in
     memcheck test_cuda
     memcheck test_placement ;;
   repro)
+    # the fp64 mma's element order, which the canonical G X and Y^T Y rely on (skv_cc_mm_tc)
+    DMMA=$BIN/dmma_order_probe
+    [ -x "$DMMA" ] || { DMMA=$TMP/dmma_order_probe; nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 \
+      tests/gpu/probes/dmma_order_probe.cu -o "$DMMA" >/dev/null 2>&1 || DMMA=; }
+    [ -n "$DMMA" ] && run_test dmma_order_probe "$DMMA" 40000
     run_test test_canonical_factor $TBIN/test_canonical_factor
     run_test test_canonical_decode $TBIN/test_canonical_decode
     run_test test_snapshot $TBIN/test_snapshot
