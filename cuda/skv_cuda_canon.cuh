@@ -24,10 +24,12 @@
  *      partial sum an integer below 2^53), all on f->st, one buffer;
  *      G = S scaled, both triangles;
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
- *      Y^T Y (its lower triangle) by a register-tiled fp64 SIMT GEMM with a cp.async
- *      stage ring and register prefetch (skv_cc_mm, skv_cuda_canon_mm.cuh: each
- *      output one __fma_rn chain in order of k; G X reads G's rows as its columns,
- *      G being symmetric bit for bit), the equilibration, trace, shift, floor and
+ *      Y^T Y (its lower triangle) on the fp64 tensor cores where K % 4 == 0
+ *      (skv_cc_mm_tc: mma.sync m8n8k4 k-steps in order, each output the fma chain in
+ *      order of k, tests/gpu/probes/dmma_order_probe.cu), else by a register-tiled
+ *      fp64 SIMT GEMM with a cp.async stage ring and register prefetch (skv_cc_mm;
+ *      both in skv_cuda_canon_mm.cuh; G X reads G's rows as its columns, G being
+ *      symmetric bit for bit), the equilibration, trace, shift, floor and
  *      Cholesky in one thread block, the solve X = Y L^-T a warp per row
  *      (skv_cc_fchol, skv_cc_fsolve in skv_cuda_canon_chol.cuh: a one-column
  *      lookahead, one barrier a column, quotients by skv_cc_div);

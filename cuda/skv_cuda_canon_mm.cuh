@@ -1,7 +1,8 @@
 /*
- * skv_cuda_canon_mm.cuh - the canonical route's fixed-order fp64 GEMM (skv_cc_mm): G X and the
- * lower triangle of Y^T Y (lib/skv_factor_canon.h step 3: skv_canon_ref_gx, skv_canon_ref_cross),
- * each output one __fma_rn chain in order of k from 0. No dependence on the factor's state:
+ * skv_cuda_canon_mm.cuh - the canonical route's fixed-order fp64 GEMMs: G X and the lower
+ * triangle of Y^T Y (lib/skv_factor_canon.h step 3: skv_canon_ref_gx, skv_canon_ref_cross), each
+ * output one fma chain in order of k from 0, by fma (skv_cc_mm) or on the fp64 tensor cores
+ * (skv_cc_mm_tc, below; what the library launches where K % 4 == 0). No dependence on the factor's state:
  * skv_cuda_canon.cuh launches it, tests/gpu/probes/canon_gemm_probe.cu times it and checks it,
  * tests/gpu/probes/canon_sched_emu.cpp emulates its schedule on the host.
  *
