@@ -168,9 +168,8 @@ typedef struct skv_cuda_dws {
     skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
-    float *canon_e;              /* [B, canon_split (1), Hq, canon_tmax] the canonical attention's scores, then weights */
+    float *canon_e;              /* [B, Hq, canon_tmax] the canonical attention's scores, then weights */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
-    int32_t canon_split;         /* rows of canon_e per (sequence, query head): 1 (skv_cuda_canon_split) */
 } skv_cuda_dws;
 
 /* Items of a decode attention for this shape and config (host). */
@@ -260,8 +259,6 @@ int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode);
    st, nothing else. W is fixed at prefill, so the cache runs this when it writes a slot's W (prefill,
    snapshot load), not per step. r > 256: cudaErrorInvalidValue. */
 cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t r, const skv_bf16 *w, void *wq);
-/* Blocks per (KV head, sequence) of the decode's canonical attention for this shape. */
-int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D);
 
 /* The canonical rebuild of a decode step's selected keys (ws->sel_ids; W's fixed point from
    seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores

@@ -345,16 +345,14 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(mlist, int32_t, bk * S);
         SKV_REGION(pbuf, float, bq * S * c);
     }
-    const int32_t split = canon_tmax > 0 ? skv_cuda_canon_split(Hk, B, Hq / Hk, D) : 0;
     if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
-        SKV_REGION(canon_e, float, bq * (size_t)split * (size_t)canon_tmax);
+        SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
         ws->it = it;
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
-        ws->canon_split = split;
         if (canon_tmax <= 0) ws->canon_e = NULL;
     }
     return off;

@@ -1158,13 +1158,6 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
     return a;
 }
 
-/* Rows of the weights' workspace per (sequence, query head): one (the scores are computed once). */
-int at_split(int32_t Hk, int32_t B, int32_t G, int32_t D)
-{
-    (void)Hk, (void)B, (void)G, (void)D;
-    return 1;
-}
-
 /* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: the
    selected span's scores are canon_rebuild_tc_kernel's; the weights kernel scores the rest. */
 cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
@@ -1259,4 +1252,3 @@ cudaError_t skv_cuda_canon_span_attention(cudaStream_t st, int32_t Hq, int32_t H
     return launch_attend(st, a, 1, T);
 }
 
-int skv_cuda_canon_split(int32_t Hk, int32_t B, int32_t G, int32_t D) { return at_split(Hk, B, G, D); }

@@ -238,7 +238,7 @@ static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
     const int sl = skv_cc_i8_slices(F);
     skv_cc_i8_plan p;
     if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, SKV_CC_GRAM_NBUF, &p) &&
-        !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p))
+        (SKV_CC_GRAM_NBUF == 1 || !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p)))
         return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
     int32_t *acc = (int32_t *)f->scratch;
     int8_t *planes = (int8_t *)f->scratch + p.planes_off;
