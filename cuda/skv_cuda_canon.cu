@@ -242,6 +242,19 @@ __device__ __forceinline__ float rb_key(int64_t P, int e)
     const double d = __dsub_rn(__longlong_as_double(0x4338000000000000LL + P), 6755399441055744.0);
     return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
 }
+/* rb_key of P = 2^14 c1 + 2^7 c2 + c3 (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20: the rebuild's sums)
+   without int64 arithmetic: T = 2^7 c1 + c2 + (c3 >> 7) fits int32 and P = 2^7 T + (c3 & 127) (the
+   arithmetic shift floors, so c3 = 2^7 (c3 >> 7) + (c3 & 127)); the bits of 1.5 2^52 + P are the high
+   word 0x43380000 + (T >> 25) (P's bits from 32 up: the low 7 bits of 2^7 T are 0 and c3 & 127 < 2^7, so
+   no carry reaches them) and the low word (T << 7) | (c3 & 127). tests/emu/canon_key_emu.c compares
+   the two doubles. */
+__device__ __forceinline__ float rb_key_sums(int32_t c1, int32_t c2, int32_t c3, int e)
+{
+    const int32_t T = c1 * 128 + c2 + (c3 >> 7);
+    const uint32_t lo = ((uint32_t)T << 7) | ((uint32_t)c3 & 127u), hi = 0x43380000u + (uint32_t)(T >> 25);
+    const double d = __dsub_rn(__hiloint2double((int)hi, (int)lo), 6755399441055744.0);
+    return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
+}
 __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
 
 /* skv_f32_to_bf16 of lo (bits 0..15) and hi (bits 16..31) by one conversion: cvt.rn.bf16x2.f32 rounds
@@ -384,10 +397,7 @@ __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lan
     const int d = nt * 8 + 2 * t4;
     const int ed[2] = {ew[d], ew[d + 1]};
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t P = (int64_t)c1[i] * 16384 + ((int64_t)c2[i] + c2b[i]) * 128 + (int64_t)c3[i];
-        kv[i] = rb_key(P, eu[i >> 1] + ed[i & 1] - 24);
-    }
+    for (int i = 0; i < 4; i++) kv[i] = rb_key_sums(c1[i], c2[i] + c2b[i], c3[i], eu[i >> 1] + ed[i & 1] - 24);
 }
 
 /* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps, RM the RoPE mode (rb_rope_mode).
