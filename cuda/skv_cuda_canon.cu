@@ -233,16 +233,9 @@ __device__ __forceinline__ void rb_pack_fast(uint2 r, float s, uint32_t &hw, uin
     hw = __byte_perm(y01 << 1, y23 << 1, 0x7531);
     lw = ((__byte_perm(y01, y23, 0x6420) | 0x80808080u) - 0x40404040u) ^ 0x80808080u;
 }
-/* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
-   for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
-   1.5 2^52 is exact, so d == (double) P; then the same product and the same rounding to float. Here
-   |P| <= r 2^26 <= 2^34. */
-__device__ __forceinline__ float rb_key(int64_t P, int e)
-{
-    const double d = __dsub_rn(__longlong_as_double(0x4338000000000000LL + P), 6755399441055744.0);
-    return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
-}
-/* rb_key of P = 2^14 c1 + 2^7 c2 + c3 (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20: the rebuild's sums)
+/* skv_canon_rebuild_key(P, e) for P = 2^14 c1 + 2^7 c2 + c3, (double) P taken by the exponent trick
+   instead of a conversion (for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P, ulp 1
+   there, and subtracting 1.5 2^52 is exact), then the same product and the same rounding to float. For (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20: the rebuild's sums)
    without int64 arithmetic: T = 2^7 c1 + c2 + (c3 >> 7) fits int32 and P = 2^7 T + (c3 & 127) (the
    arithmetic shift floors, so c3 = 2^7 (c3 >> 7) + (c3 & 127)); the bits of 1.5 2^52 + P are the high
    word 0x43380000 + (T >> 25) (P's bits from 32 up: the low 7 bits of 2^7 T are 0 and c3 & 127 < 2^7, so
