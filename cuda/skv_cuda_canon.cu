@@ -235,8 +235,8 @@ __device__ __forceinline__ void rb_pack_fast(uint2 r, float s, uint32_t &hw, uin
 }
 /* skv_canon_rebuild_key(P, e) for P = 2^14 c1 + 2^7 c2 + c3, (double) P taken by the exponent trick
    instead of a conversion (for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P, ulp 1
-   there, and subtracting 1.5 2^52 is exact), then the same product and the same rounding to float. For (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20: the rebuild's sums)
-   without int64 arithmetic: T = 2^7 c1 + c2 + (c3 >> 7) fits int32 and P = 2^7 T + (c3 & 127) (the
+   there, and subtracting 1.5 2^52 is exact), then the same product and the same rounding to float. For
+   the rebuild's sums (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20) without int64 arithmetic: T = 2^7 c1 + c2 + (c3 >> 7) fits int32 and P = 2^7 T + (c3 & 127) (the
    arithmetic shift floors, so c3 = 2^7 (c3 >> 7) + (c3 & 127)); the bits of 1.5 2^52 + P are the high
    word 0x43380000 + (T >> 25) (P's bits from 32 up: the low 7 bits of 2^7 T are 0 and c3 & 127 < 2^7, so
    no carry reaches them) and the low word (T << 7) | (c3 & 127). tests/emu/canon_key_emu.c compares
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const WprepArgs a)
 /* The four keys of n8 tile nt in a lane's fragment slots (i: row g + 8 (i >> 1), dim 8 nt + 2 t + (i & 1)):
    the three exact int32 sums hu.hw, hu.lw + lu.hw (two accumulators: two chains of KS instead of one of
    2 KS, the same integer), lu.lw by mma m16n8k32 with W's fragments from shared memory, then
-   skv_canon_rebuild_key's value (rb_key). */
+   skv_canon_rebuild_key's value (rb_key_sums). */
 template <int KS>
 __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lane, int t4, const uint32_t (&ah)[KS][4],
                                         const uint32_t (&al)[KS][4], const int *ew, const int (&eu)[2], float (&kv)[4])
