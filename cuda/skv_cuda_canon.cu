@@ -233,13 +233,19 @@ __device__ __forceinline__ void rb_pack_fast(uint2 r, float s, uint32_t &hw, uin
     hw = __byte_perm(y01 << 1, y23 << 1, 0x7531);
     lw = ((__byte_perm(y01, y23, 0x6420) | 0x80808080u) - 0x40404040u) ^ 0x80808080u;
 }
-/* skv_canon_rebuild_key(P, e) with (double) P taken by the exponent trick instead of a conversion:
-   for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P (ulp 1 there), and subtracting
-   1.5 2^52 is exact, so d == (double) P; then the same product and the same rounding to float. Here
-   |P| <= r 2^26 <= 2^34. */
-__device__ __forceinline__ float rb_key(int64_t P, int e)
+/* skv_canon_rebuild_key(P, e) for P = 2^14 c1 + 2^7 c2 + c3, (double) P taken by the exponent trick
+   instead of a conversion (for |P| < 2^51 the bits of 1.5 2^52 plus P are the double 1.5 2^52 + P, ulp 1
+   there, and subtracting 1.5 2^52 is exact), then the same product and the same rounding to float. For
+   the rebuild's sums (|c1| <= 2^20, |c2| <= 2^21, |c3| <= 2^20) without int64 arithmetic: T = 2^7 c1 + c2 + (c3 >> 7) fits int32 and P = 2^7 T + (c3 & 127) (the
+   arithmetic shift floors, so c3 = 2^7 (c3 >> 7) + (c3 & 127)); the bits of 1.5 2^52 + P are the high
+   word 0x43380000 + (T >> 25) (P's bits from 32 up: the low 7 bits of 2^7 T are 0 and c3 & 127 < 2^7, so
+   no carry reaches them) and the low word (T << 7) | (c3 & 127). tests/emu/canon_key_emu.c compares
+   the two doubles. */
+__device__ __forceinline__ float rb_key_sums(int32_t c1, int32_t c2, int32_t c3, int e)
 {
-    const double d = __dsub_rn(__longlong_as_double(0x4338000000000000LL + P), 6755399441055744.0);
+    const int32_t T = c1 * 128 + c2 + (c3 >> 7);
+    const uint32_t lo = ((uint32_t)T << 7) | ((uint32_t)c3 & 127u), hi = 0x43380000u + (uint32_t)(T >> 25);
+    const double d = __dsub_rn(__hiloint2double((int)hi, (int)lo), 6755399441055744.0);
     return __double2float_rn(__dmul_rn(d, __longlong_as_double((long long)(e + 1023) << 52)));
 }
 __device__ __forceinline__ float rb_pow2_12(int e) { return __uint_as_float((uint32_t)(139 - e) << 23); }
@@ -367,7 +373,7 @@ __global__ void __launch_bounds__(kRbNT) canon_wprep_kernel(const WprepArgs a)
 /* The four keys of n8 tile nt in a lane's fragment slots (i: row g + 8 (i >> 1), dim 8 nt + 2 t + (i & 1)):
    the three exact int32 sums hu.hw, hu.lw + lu.hw (two accumulators: two chains of KS instead of one of
    2 KS, the same integer), lu.lw by mma m16n8k32 with W's fragments from shared memory, then
-   skv_canon_rebuild_key's value (rb_key). */
+   skv_canon_rebuild_key's value (rb_key_sums). */
 template <int KS>
 __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lane, int t4, const uint32_t (&ah)[KS][4],
                                         const uint32_t (&al)[KS][4], const int *ew, const int (&eu)[2], float (&kv)[4])
@@ -384,10 +390,7 @@ __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lan
     const int d = nt * 8 + 2 * t4;
     const int ed[2] = {ew[d], ew[d + 1]};
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t P = (int64_t)c1[i] * 16384 + ((int64_t)c2[i] + c2b[i]) * 128 + (int64_t)c3[i];
-        kv[i] = rb_key(P, eu[i >> 1] + ed[i & 1] - 24);
-    }
+    for (int i = 0; i < 4; i++) kv[i] = rb_key_sums(c1[i], c2[i] + c2b[i], c3[i], eu[i >> 1] + ed[i & 1] - 24);
 }
 
 /* grid (tiles of 128 tokens, Hk, B), 256 threads, KS = Kp / 32 k steps, RM the RoPE mode (rb_rope_mode).
