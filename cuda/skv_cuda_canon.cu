@@ -62,6 +62,136 @@ extern __shared__ __align__(128) unsigned char skv_canon_smem[];
 
 namespace {
 
+/* ---- attention ---------------------------------------------------------------------------------- */
+
+constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
+constexpr int kAtDC = 16; /* dims per block of the P V kernel: a 32-byte sector of each value row */
+constexpr int kAtGC = 4;  /* query heads per unit */
+constexpr int kAtMaxSpans = SKV_MAX_SPANS;
+
+/* A span of one (sequence, KV head). kind 0: v like k; 1: the selected span of a device slot (values
+   in the store by candidate index); 2: that of a host slot (values in the chunk cache). */
+struct CSpan {
+    const uint16_t *k, *v;
+    int64_t n, ts;
+    int kind;
+};
+
+struct AttendArgs {
+    int32_t Hq, Hk, G, D;
+    float scale;
+    int64_t Tmax;           /* row length of e */
+    float *e;               /* [B, Hq, Tmax] scores, then weights */
+    /* op level (seqs == NULL) */
+    const uint16_t *q;      /* [Hq, D] */
+    float *out;             /* [Hq, D] */
+    int32_t n_spans;
+    skv_kv_span spans[kAtMaxSpans];
+    /* decode */
+    const skv_cuda_seq *seqs;
+    const skv_cuda_io *io;
+    const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
+    int32_t O, c, S, gen_cap, vc_chunks;
+};
+
+/* The five spans of (sequence b, KV head h) at decode into sp[] (skv_plan_spans; the selected span's
+   keys are not read: the rebuild scored them). */
+__device__ void at_seq_spans(const skv_cuda_seq &sq, const skv_cuda_io *io, int b, int h, int32_t Hk, int32_t D,
+                             int32_t O, int32_t c, int32_t S, int32_t gen_cap, CSpan *sp)
+{
+    skv_span_shape sh[SKV_N_SPANS];
+    skv_plan_spans(O, c, S, D, sq.n_local, sq.n_gen, gen_cap, sh);
+    const uint16_t *k[SKV_N_SPANS] = {(const uint16_t *)sq.out_k, (const uint16_t *)sq.loc_k, nullptr,
+                                      (const uint16_t *)sq.gen_k, (const uint16_t *)io->k + (int64_t)b * Hk * D};
+    const uint16_t *v[SKV_N_SPANS] = {(const uint16_t *)sq.out_v, (const uint16_t *)sq.loc_v, nullptr,
+                                      (const uint16_t *)sq.gen_v, (const uint16_t *)io->v + (int64_t)b * Hk * D};
+    for (int i = 0; i < SKV_N_SPANS; i++) {
+        sp[i].n = sh[i].n_tokens;
+        sp[i].ts = D;
+        sp[i].k = k[i] ? k[i] + h * sh[i].head_stride : nullptr;
+        sp[i].v = v[i] ? v[i] + h * sh[i].head_stride : nullptr;
+        sp[i].kind = i == SKV_SPAN_SELECTED ? (sq.vc_data ? 2 : 1) : 0;
+    }
+}
+
+/* The spans of (b, h) into sp[] (thread 0); returns their count. */
+__device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
+{
+    if (!a.seqs) {
+        for (int i = 0; i < a.n_spans; i++) {
+            const skv_kv_span &s = a.spans[i];
+            sp[i].n = s.n_tokens;
+            sp[i].ts = s.token_stride;
+            sp[i].k = s.n_tokens ? (const uint16_t *)s.k + h * s.head_stride : nullptr;
+            sp[i].v = s.n_tokens ? (const uint16_t *)s.v + h * s.head_stride : nullptr;
+            sp[i].kind = 0;
+        }
+        return a.n_spans;
+    }
+    at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, sp);
+    return SKV_N_SPANS;
+}
+
+/* Token t of span s: its value row. */
+__device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CSpan &s, int b, int h, int64_t t)
+{
+    if (s.kind == 0) return s.v + t * s.ts;
+    const skv_cuda_seq &sq = a.seqs[b];
+    /* t < S c < 2^31: a 32-bit division (a 64-bit one is a long software routine per token) */
+    const uint32_t sel = (uint32_t)t / (uint32_t)a.c, i = (uint32_t)t - sel * (uint32_t)a.c;
+    const int64_t bh = (int64_t)b * a.Hk + h;
+    if (s.kind == 1)
+        return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + a.sel_idx[bh * a.S + sel]) * a.c + i) * a.D;
+    int32_t e = a.vsrc[bh * a.S + sel] & 0x7fffffff;
+    if (e >= a.vc_chunks) e = 0; /* never after a good selection step; keeps a bad step's reads in bounds */
+    return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + e) * a.c + i) * a.D;
+}
+
+/* The span walk of token j (spans in order): its span si and that span's first token base, advanced
+   from the previous (si, base) (j only grows). */
+__device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base)
+{
+    while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
+    return si < ns;
+}
+
+/* The fmaf chains of skv_dot_bf16 of the bf16 key row k [D] against the gn <= 4 query rows q + g D
+   (floats, 16-byte aligned rows where D % 8 == 0), each over d in order from acc[g]: 16-byte key
+   loads, 64 dims in flight, where D % 8 == 0 and k is 16-byte aligned; one dim at a time otherwise. */
+__device__ __forceinline__ void at_score_row(const uint16_t *k, const float *q, int D, int gn, float (&acc)[4])
+{
+    if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            uint4 kv[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                if (d0 + 8 * c >= D) break;
+                float f[8];
+                bf16x8_to_f32(kv[c], f);
+#pragma unroll
+                for (int gg = 0; gg < 4; gg++) {
+                    if (gg >= gn) break;
+                    const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
+                    const float4 qa = qv[0], qb = qv[1];
+                    const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                    for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
+                }
+            }
+        }
+    } else {
+        for (int d = 0; d < D; d++) {
+            const float f = skv_bf16_to_f32(k[d]);
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++)
+                if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
+        }
+    }
+}
+
 /* ---- rebuild ----------------------------------------------------------------------------------- */
 
 constexpr int kRbTok = 128;           /* tokens per block: 8 warps of 16 (one m16 tile each) */
@@ -94,6 +224,13 @@ struct RebuildArgs {
     int32_t Hq, G, O;
     float scale;
     int64_t Tmax;
+    /* decode: the launch's first nx blocks of each (sequence, KV head) score the resident tokens (every
+       span but the selected one); every block leaves its maxima per query head in pm [B, Hq, gridDim.x];
+       the last block of (b, h) to finish (cnt [B, Hk], zero between launches) turns the scores into the
+       weights e_j = skv_expf(s_j - M) */
+    int32_t nx, gen_cap;
+    float *pm;
+    unsigned *cnt;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -142,13 +279,23 @@ struct SwRow {
     int s;
 };
 
-/* Dynamic shared memory of the tensor-core rebuild for a shape (GD: G D when it scores, else 0). */
-__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int64_t GD, int rm)
+/* Dynamic shared memory of the tensor-core rebuild for a shape (G: the query heads per KV head when it
+   scores, else 0; their q [G][D] and the block's maxima bm [G] follow the staging rows). */
+__host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int32_t G, int32_t D, int rm)
 {
     return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
            + sizeof(int) * (size_t)Dp                     /* ew */
            + 4 * (size_t)kRbTok * rb_xstride(Dp, rm)      /* per token: the float key (RM 0), the bf16 key */
-           + sizeof(float) * (size_t)GD;                  /* q of the group's query heads */
+           + sizeof(float) * (size_t)G * D                /* q of the group's query heads */
+           + sizeof(unsigned) * (size_t)G;                /* bm: the block's maxima per query head */
+}
+
+/* The position of selected token m (< S c) of (b, h) (ids: its chunk ids): a 32-bit division, as
+   S c < 2^31 (a 64-bit one is a long software routine). */
+__device__ __forceinline__ int64_t rb_pos(const RebuildArgs &a, const int32_t *ids, int64_t m)
+{
+    const uint32_t ch = (uint32_t)m / (uint32_t)a.c;
+    return (int64_t)ids[ch] * a.c + ((uint32_t)m - ch * (uint32_t)a.c);
 }
 
 /* The selected span's first token in the attention's token order (skv_plan_spans: outliers, local). */
@@ -169,22 +316,24 @@ __device__ __forceinline__ float rb_key1(const SwRow &x, int d)
     return __uint_as_float((d & 1) ? w & 0xffff0000u : w << 16);
 }
 
-/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys, or
-   the bf16 keys): per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved),
-   times scale, into e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
-template <typename R>
-__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
-                                             int64_t bq0, int64_t j)
+/* q of the group of KV head h of sequence b -> qs [G][D] floats (decode). */
+__device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, float *qs)
 {
-    const int D = a.D, G = a.G;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint16_t *qg = (const uint16_t *)a.io->q + ((int64_t)b * a.Hq + (int64_t)h * a.G) * a.D;
+    for (int i = threadIdx.x; i < a.G * a.D; i += blockDim.x) qs[i] = skv_bf16_to_f32(qg[i]);
+}
+
+/* The fmaf chains of skv_dot_bf16 of NG query heads g0, g0 + gs, .. against the key row x [D] (floats of
+   bf16 keys, or the bf16 keys), each over d in order (the NG chains interleaved). q: [G][D] floats. */
+template <int NG, typename R>
+__device__ __forceinline__ void rb_dot(const R &x, const float *q, int D, int g0, int gs, float (&acc)[4])
+{
     if ((D & 3) == 0) {
 #pragma unroll 2
         for (int d = 0; d < D; d += 4) {
             const float4 k4 = rb_key4(x, d);
 #pragma unroll
-            for (int gg = 0; gg < 4; gg++) {
-                if (g0 + gs * gg >= G) break;
+            for (int gg = 0; gg < NG; gg++) {
                 const float4 q4 = *reinterpret_cast<const float4 *>(q + (size_t)(g0 + gs * gg) * D + d);
                 acc[gg] = SKV_FMA(q4.x, k4.x, acc[gg]);
                 acc[gg] = SKV_FMA(q4.y, k4.y, acc[gg]);
@@ -195,19 +344,161 @@ __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, c
     } else {
         for (int d = 0; d < D; d++)
 #pragma unroll
-            for (int gg = 0; gg < 4; gg++)
-                if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
+            for (int gg = 0; gg < NG; gg++) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
     }
-#pragma unroll
-    for (int gg = 0; gg < 4; gg++)
-        if (g0 + gs * gg < G) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
 }
 
-/* q of the group of KV head h of sequence b -> qs [G][D] floats (decode). */
-__device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, float *qs)
+/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (rb_dot, the head count
+   a compile-time constant), times scale, into e[(bq0 + g) Tmax + j] and s[gg]; s[gg] = -inf for heads
+   past G. q: [G][D] floats. */
+template <typename R>
+__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
+                                             int64_t bq0, int64_t j, float (&s)[4])
 {
-    const uint16_t *qg = (const uint16_t *)a.io->q + ((int64_t)b * a.Hq + (int64_t)h * a.G) * a.D;
-    for (int i = threadIdx.x; i < a.G * a.D; i += blockDim.x) qs[i] = skv_bf16_to_f32(qg[i]);
+    const int G = a.G;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int ng = g0 >= G ? 0 : min(4, (G - 1 - g0) / gs + 1);
+    switch (ng) {
+    case 4: rb_dot<4>(x, q, a.D, g0, gs, acc); break;
+    case 3: rb_dot<3>(x, q, a.D, g0, gs, acc); break;
+    case 2: rb_dot<2>(x, q, a.D, g0, gs, acc); break;
+    case 1: rb_dot<1>(x, q, a.D, g0, gs, acc); break;
+    default: break;
+    }
+#pragma unroll
+    for (int gg = 0; gg < 4; gg++) {
+        s[gg] = -INFINITY;
+        if (gg < ng) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = s[gg] = SKV_MUL(acc[gg], a.scale);
+    }
+}
+
+/* An order-preserving image of a float as unsigned (x < y iff rb_ord(x) < rb_ord(y) for non-NaN x, y;
+   -0 just below +0), for the shared atomicMax of the block's maxima, and its inverse. */
+__device__ __forceinline__ unsigned rb_ord(float x)
+{
+    const unsigned u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ float rb_unord(unsigned u) { return __uint_as_float((u & 0x80000000u) ? u & 0x7fffffffu : ~u); }
+
+/* The warp's scores at decode (the tensor-core rebuild): lane (token rr = lane mod 16 of the warp's 16,
+   live or not) takes the query heads lane / 16, + 2, + 4, .. of the group (rb_score_row, 4 chains at
+   a time), then each head's max over the warp's tokens into bm (one shared atomicMax per head). */
+template <typename R>
+__device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h, int64_t mw, const R &x, bool live,
+                                              const float *qs, unsigned *bm)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + (lane & 15);
+    for (int gb = 0; gb < a.G; gb += 8) { /* warp-uniform */
+        const int g0 = gb + (lane >> 4);
+        float s[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        if (live) rb_score_row(a, x, qs, g0, 2, bq0, j, s);
+#pragma unroll
+        for (int gg = 0; gg < 4; gg++) {
+            float m = s[gg];
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+            if ((lane & 15) == 0 && g0 + 2 * gg < a.G) atomicMax(bm + g0 + 2 * gg, rb_ord(m));
+        }
+    }
+}
+
+/* Decode, the launch's first nx blocks of (b, h): the resident tokens (every span but the selected one,
+   in the attention's token order) strided over those blocks, a thread per token: s_j of the group's
+   query heads (at_score_row, 4 chains at a time) into e, each head's max into bm. smem: q [G][D]
+   floats, then bm [G]. */
+__device__ void rb_resident(const RebuildArgs &a, int b, int h)
+{
+    const int tid = threadIdx.x, lane = tid & 31;
+    float *qs = (float *)skv_canon_smem;
+    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);
+    __shared__ CSpan sp[SKV_N_SPANS];
+    if (tid == 0) at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, sp);
+    rb_load_q(a, b, h, qs);
+    for (int g = tid; g < a.G; g += blockDim.x) bm[g] = rb_ord(-INFINITY);
+    __syncthreads();
+    int64_t T = 0;
+    for (int i = 0; i < SKV_N_SPANS; i++) T += sp[i].n;
+    const int64_t sel0 = sp[SKV_SPAN_OUTLIERS].n + sp[SKV_SPAN_LOCAL].n, nsel = sp[SKV_SPAN_SELECTED].n;
+    const int64_t nres = T - nsel, bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
+    int si = 0;
+    int64_t base = 0;
+    for (int64_t r0 = (int64_t)blockIdx.x * kRbNT; r0 < nres; r0 += (int64_t)a.nx * kRbNT) { /* block-uniform */
+        const int64_t r = r0 + tid, j = r < sel0 ? r : r + nsel;
+        const bool ok = r < nres;
+        const uint16_t *k = nullptr;
+        if (ok) {
+            at_seek(sp, SKV_N_SPANS, j, si, base);
+            k = sp[si].k + (j - base) * sp[si].ts;
+        }
+        for (int g0 = 0; g0 < a.G; g0 += 4) {
+            const int gn = min(4, a.G - g0);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (ok) at_score_row(k, qs + (size_t)g0 * a.D, a.D, gn, acc);
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++) {
+                if (gg >= gn) break;
+                float sv = -INFINITY;
+                if (ok) a.e[(bq0 + g0 + gg) * a.Tmax + j] = sv = SKV_MUL(acc[gg], a.scale);
+                sv = warp_max(sv);
+                if (lane == 0) atomicMax(bm + g0 + gg, rb_ord(sv));
+            }
+        }
+    }
+}
+
+/* Decode, every block of (b, h) at its end (all threads): the block's maxima bm [G] into pm; the last
+   block of (b, h) to get here (cnt) takes each query head's M as the max of the launch's block maxima
+   (any order: M's value is unique up to the sign of a zero, and e_j is the same either way; see
+   skv_canonical_attend), writes e_j = skv_expf(s_j - M) over the head's T tokens in place (4 tokens of
+   4 heads in flight per thread) and resets cnt. */
+constexpr int kRbFinTok = 4;
+__device__ void rb_finish(const RebuildArgs &a, int b, int h, unsigned *bm)
+{
+    const int tid = threadIdx.x, np = gridDim.x;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
+    unsigned *cnt = a.cnt + (int64_t)b * a.Hk + h;
+    __shared__ int last_s;
+    __syncthreads(); /* the block's atomics into bm are done */
+    for (int g = tid; g < a.G; g += blockDim.x) a.pm[(bq0 + g) * np + blockIdx.x] = rb_unord(bm[g]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(cnt, 1u) == (unsigned)np - 1;
+    __syncthreads();
+    if (!last_s) return; /* block-uniform */
+    __threadfence();
+    float *Ms = (float *)bm;
+    for (int g = tid; g < a.G; g += blockDim.x) {
+        float M = -INFINITY;
+#pragma unroll 4
+        for (int p = 0; p < np; p++) M = fmaxf(M, __ldcg(a.pm + (bq0 + g) * np + p));
+        Ms[g] = M;
+    }
+    __syncthreads();
+    const skv_cuda_seq &sq = a.seqs[b];
+    const int64_t T = a.M + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
+    for (int g0 = 0; g0 < a.G; g0 += 4) {
+        const int gn = min(4, a.G - g0);
+        for (int64_t j0 = tid; j0 < T; j0 += kRbFinTok * (int64_t)blockDim.x) {
+            float x[4][kRbFinTok];
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++)
+#pragma unroll
+                for (int u = 0; u < kRbFinTok; u++) {
+                    const int64_t j = j0 + (int64_t)u * blockDim.x;
+                    x[gg][u] = gg < gn && j < T ? __ldcg(a.e + (bq0 + g0 + gg) * a.Tmax + j) : 0.0f;
+                }
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++)
+#pragma unroll
+                for (int u = 0; u < kRbFinTok; u++) {
+                    const int64_t j = j0 + (int64_t)u * blockDim.x;
+                    if (gg < gn && j < T) a.e[(bq0 + g0 + gg) * a.Tmax + j] = skv_expf(SKV_SUB(x[gg][u], Ms[g0 + gg]));
+                }
+        }
+    }
+    if (tid == 0) *cnt = 0;
 }
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
@@ -409,7 +700,12 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
+    if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
+        rb_resident(a, b, h);
+        rb_finish(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
+        return;
+    }
+    const int64_t mw = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * kRbTok + warp * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     const int NT = a.Dp / 8, xst = rb_xstride(a.Dp, RM);
@@ -417,6 +713,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
     uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
+    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);                /* [G] when scoring */
     __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
@@ -425,7 +722,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     for (int rs = 0; rs < 2; rs++) {
         const int64_t m = mw + g + 8 * rs;
         live[rs] = m < a.M;
-        pos[rs] = live[rs] ? (int64_t)ids[m / a.c] * a.c + m % a.c : 0;
+        pos[rs] = live[rs] ? rb_pos(a, ids, m) : 0;
         /* the rows' cos/sin lines toward L2 now, for the RoPE after the sums */
         if (live[rs])
             for (int i = 32 * t4; i < a.R / 2; i += 128) {
@@ -471,7 +768,10 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
         cp_async_commit();
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
-        if (a.e) rb_load_q(a, b, h, qs);
+        if (a.e) {
+            rb_load_q(a, b, h, qs);
+            for (int gq = tid; gq < a.G; gq += kRbNT) bm[gq] = rb_ord(-INFINITY);
+        }
     }
     if (t4 == 0) {
         pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
@@ -580,13 +880,10 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
                 }
             }
         if (!a.e) return;
-        /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
-           group, 4 chains at a time, each over its row in order */
         __syncwarp();
         const int rr = lane & 15;
-        if (pos_s[warp][rr] < 0) return;
-        const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
-        for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, xs + (size_t)rr * xst, qs, g0, 2, bq0, j);
+        rb_score_warp(a, b, h, mw, xs + (size_t)rr * xst, pos_s[warp][rr] >= 0, qs, bm);
+        rb_finish(a, b, h, bm);
     } else {
         /* RoPE in registers: the keys of a lane's pairs, rotated, rounded to bf16 two at a time into the
            staging words (row g + 8 rs, word 4 nt + t = dims 8 nt + 2 t, + 1) */
@@ -685,13 +982,9 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
             }
         }
         if (!a.e) return;
-        /* the scores: lane (token rr = lane mod 16) takes the query heads lane / 16, + 2, + 4, .. of the
-           group, 4 chains at a time, each over its row in order */
         const int rr = lane & 15;
-        if (pos_s[warp][rr] < 0) return;
-        const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + rr;
-        for (int g0 = lane >> 4; g0 < a.G; g0 += 8)
-            rb_score_row(a, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, qs, g0, 2, bq0, j);
+        rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, pos_s[warp][rr] >= 0, qs, bm);
+        rb_finish(a, b, h, bm);
     }
 }
 
@@ -700,19 +993,28 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
 __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int64_t m0 = (int64_t)blockIdx.x * 32;
+    if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
+        rb_resident(a, b, h);
+        rb_finish(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
+        return;
+    }
+    const int64_t m0 = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * 32;
     const skv_cuda_seq &sq = a.seqs[b];
     const uint16_t *w = (const uint16_t *)sq.w, *u = (const uint16_t *)sq.u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     int *ew = (int *)skv_canon_smem, *eu = ew + a.Dp;
     float *xs = (float *)(eu + 32), *qs = xs + (size_t)32 * a.D; /* qs [G][D] when scoring */
+    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);          /* [G] when scoring */
     rb_col_exps(a, w, h, ew);
-    if (a.e) rb_load_q(a, b, h, qs);
+    if (a.e) {
+        rb_load_q(a, b, h, qs);
+        for (int g = tid; g < a.G; g += kRbNT) bm[g] = rb_ord(-INFINITY);
+    }
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
         unsigned mx = 0;
         if (m < a.M) {
-            const uint16_t *ur = u + ((int64_t)ids[m / a.c] * a.c + m % a.c) * a.r;
+            const uint16_t *ur = u + rb_pos(a, ids, m) * a.r;
             for (int q = lane; q < a.r; q += 32) mx = max(mx, (unsigned)(ur[q] & 0x7fffu));
         }
         mx = __reduce_max_sync(kFullMask, mx);
@@ -724,7 +1026,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
         const int row = idx / a.D, d = idx - row * a.D;
         const int64_t m = m0 + row;
         if (m >= a.M) continue;
-        const uint16_t *ur = u + ((int64_t)ids[m / a.c] * a.c + m % a.c) * a.r;
+        const uint16_t *ur = u + rb_pos(a, ids, m) * a.r;
         int64_t P = 0;
         for (int q = 0; q < a.r; q++)
             P += (int64_t)skv_canon_rebuild_fix(ur[q], eu[row]) *
@@ -735,141 +1037,22 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
         if (m >= a.M) continue;
-        const int64_t t = (int64_t)ids[m / a.c] * a.c + m % a.c;
+        const int64_t t = rb_pos(a, ids, m);
         rb_rope_row(a, xs + (size_t)row * a.D, t,
                     a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D : nullptr, lane);
     }
     if (!a.e) return;
     __syncthreads();
-    /* the scores: a thread per (row, 4 query heads) */
+    /* the scores: a thread per (row, 4 query heads), their maxima into bm */
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, sel0 = rb_sel0(a, b);
     for (int unit = tid; unit < 32 * ((a.G + 3) / 4); unit += kRbNT) {
-        const int row = unit & 31;
+        const int row = unit & 31, g0 = 4 * (unit >> 5);
         if (m0 + row >= a.M) continue;
-        rb_score_row(a, xs + (size_t)row * a.D, qs, 4 * (unit >> 5), 1, bq0, sel0 + m0 + row);
+        float sv[4];
+        rb_score_row(a, xs + (size_t)row * a.D, qs, g0, 1, bq0, sel0 + m0 + row, sv);
+        for (int gg = 0; gg < 4 && g0 + gg < a.G; gg++) atomicMax(bm + g0 + gg, rb_ord(sv[gg]));
     }
-}
-
-/* ---- attention ---------------------------------------------------------------------------------- */
-
-constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
-constexpr int kAtDC = 16; /* dims per block of the P V kernel: a 32-byte sector of each value row */
-constexpr int kAtGC = 4;  /* query heads per unit */
-constexpr int kAtMaxSpans = SKV_MAX_SPANS;
-
-/* A span of one (sequence, KV head). kind 0: v like k; 1: the selected span of a device slot (values
-   in the store by candidate index); 2: that of a host slot (values in the chunk cache). */
-struct CSpan {
-    const uint16_t *k, *v;
-    int64_t n, ts;
-    int kind;
-};
-
-struct AttendArgs {
-    int32_t Hq, Hk, G, D;
-    float scale;
-    int64_t Tmax;           /* row length of e */
-    float *e;               /* [B, Hq, Tmax] scores, then weights */
-    /* op level (seqs == NULL) */
-    const uint16_t *q;      /* [Hq, D] */
-    float *out;             /* [Hq, D] */
-    int32_t n_spans;
-    skv_kv_span spans[kAtMaxSpans];
-    /* decode */
-    const skv_cuda_seq *seqs;
-    const skv_cuda_io *io;
-    const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
-    int32_t O, c, S, gen_cap, vc_chunks;
-};
-
-/* The spans of (b, h) into sp[] (thread 0); returns their count. */
-__device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
-{
-    if (!a.seqs) {
-        for (int i = 0; i < a.n_spans; i++) {
-            const skv_kv_span &s = a.spans[i];
-            sp[i].n = s.n_tokens;
-            sp[i].ts = s.token_stride;
-            sp[i].k = s.n_tokens ? (const uint16_t *)s.k + h * s.head_stride : nullptr;
-            sp[i].v = s.n_tokens ? (const uint16_t *)s.v + h * s.head_stride : nullptr;
-            sp[i].kind = 0;
-        }
-        return a.n_spans;
-    }
-    const skv_cuda_seq &sq = a.seqs[b];
-    skv_span_shape sh[SKV_N_SPANS];
-    skv_plan_spans(a.O, a.c, a.S, a.D, sq.n_local, sq.n_gen, a.gen_cap, sh);
-    /* the selected span's keys are not read: canon_rebuild_tc_kernel scored them */
-    const uint16_t *k[SKV_N_SPANS] = {(const uint16_t *)sq.out_k, (const uint16_t *)sq.loc_k, nullptr,
-                                      (const uint16_t *)sq.gen_k, (const uint16_t *)a.io->k + (int64_t)b * a.Hk * a.D};
-    const uint16_t *v[SKV_N_SPANS] = {(const uint16_t *)sq.out_v, (const uint16_t *)sq.loc_v, nullptr,
-                                      (const uint16_t *)sq.gen_v, (const uint16_t *)a.io->v + (int64_t)b * a.Hk * a.D};
-    for (int i = 0; i < SKV_N_SPANS; i++) {
-        sp[i].n = sh[i].n_tokens;
-        sp[i].ts = a.D;
-        sp[i].k = k[i] ? k[i] + h * sh[i].head_stride : nullptr;
-        sp[i].v = v[i] ? v[i] + h * sh[i].head_stride : nullptr;
-        sp[i].kind = i == SKV_SPAN_SELECTED ? (sq.vc_data ? 2 : 1) : 0;
-    }
-    return SKV_N_SPANS;
-}
-
-/* Token t of span s: its value row. */
-__device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CSpan &s, int b, int h, int64_t t)
-{
-    if (s.kind == 0) return s.v + t * s.ts;
-    const skv_cuda_seq &sq = a.seqs[b];
-    const int64_t bh = (int64_t)b * a.Hk + h, sel = t / a.c, i = t - sel * a.c;
-    if (s.kind == 1)
-        return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + a.sel_idx[bh * a.S + sel]) * a.c + i) * a.D;
-    int32_t e = a.vsrc[bh * a.S + sel] & 0x7fffffff;
-    if (e >= a.vc_chunks) e = 0; /* never after a good selection step; keeps a bad step's reads in bounds */
-    return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + e) * a.c + i) * a.D;
-}
-
-/* The span walk of token j (spans in order): its span si and that span's first token base, advanced
-   from the previous (si, base) (j only grows). */
-__device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base)
-{
-    while (si < ns && j - base >= sp[si].n) base += sp[si].n, si++;
-    return si < ns;
-}
-
-/* The fmaf chains of skv_dot_bf16 of the bf16 key row k [D] against the gn <= 4 query rows q + g D
-   (floats, 16-byte aligned rows where D % 8 == 0), each over d in order from acc[g]: 16-byte key
-   loads, 64 dims in flight, where D % 8 == 0 and k is 16-byte aligned; one dim at a time otherwise. */
-__device__ __forceinline__ void at_score_row(const uint16_t *k, const float *q, int D, int gn, float (&acc)[4])
-{
-    if ((D & 7) == 0 && ((uintptr_t)k & 15) == 0) {
-        for (int d0 = 0; d0 < D; d0 += 64) {
-            uint4 kv[8];
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                if (d0 + 8 * c < D) kv[c] = __ldg(reinterpret_cast<const uint4 *>(k + d0 + 8 * c));
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-                if (d0 + 8 * c >= D) break;
-                float f[8];
-                bf16x8_to_f32(kv[c], f);
-#pragma unroll
-                for (int gg = 0; gg < 4; gg++) {
-                    if (gg >= gn) break;
-                    const float4 *qv = reinterpret_cast<const float4 *>(q + (size_t)gg * D + d0 + 8 * c);
-                    const float4 qa = qv[0], qb = qv[1];
-                    const float qq[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-                    for (int x = 0; x < 8; x++) acc[gg] = SKV_FMA(qq[x], f[x], acc[gg]);
-                }
-            }
-        }
-    } else {
-        for (int d = 0; d < D; d++) {
-            const float f = skv_bf16_to_f32(k[d]);
-#pragma unroll
-            for (int gg = 0; gg < 4; gg++)
-                if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
-        }
-    }
+    rb_finish(a, b, h, bm);
 }
 
 /* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
@@ -1024,45 +1207,19 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     }
 }
 
-/* Weights: grid (G, Hk, B), 256 threads, a block per (sequence, query head hq = h G + blockIdx.x).
-   At decode (seqs set) it first scores the resident tokens (every span but the selected one, whose
-   scores canon_rebuild_tc_kernel wrote): a thread per token, s_j = scale x the fmaf chain of
-   skv_dot_bf16 (the key row read 64 dims at a time), into e. Then M = the block's max of the T scores
-   (any order: see skv_canonical_attend), and e_j = skv_expf(s_j - M) in place, once per head (the P V
-   blocks of a group all read these; a thread keeps its first kAtWReg scores in registers between the
-   two passes). smem: q [D] float, spans. */
+/* Weights at op level (at decode the rebuild's last block of each (sequence, KV head) computes them):
+   grid (G, Hk, B), 256 threads, a block per query head hq = h G + blockIdx.x: M = the block's max of
+   the T scores (any order: see skv_canonical_attend), then e_j = skv_expf(s_j - M) in place, once per
+   head (the P V blocks of a group all read these; a thread keeps its first kAtWReg scores in registers
+   between the two passes). */
 constexpr int kAtWReg = 12; /* scores per thread kept in registers (T <= 3072 at 256 threads) */
 __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArgs a)
 {
-    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, D = a.D;
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const int64_t bq = (int64_t)b * a.Hq + (int64_t)h * a.G + blockIdx.x;
     float *er = a.e + bq * a.Tmax;
-    float *qs = (float *)skv_canon_smem;
-    CSpan *sp = (CSpan *)align_up((size_t)(qs + D), 16);
-    __shared__ int n_spans_s;
     __shared__ float red[kAtLanes / 32];
-    int64_t T = a.Tmax;
-    if (a.seqs) {
-        if (tid == 0) n_spans_s = at_spans(a, b, h, sp);
-        const uint16_t *qg = (const uint16_t *)a.io->q + bq * D;
-        for (int i = tid; i < D; i += kAtLanes) qs[i] = skv_bf16_to_f32(qg[i]);
-        __syncthreads();
-        const int ns = n_spans_s;
-        T = 0;
-        for (int i = 0; i < ns; i++) T += sp[i].n;
-        const int64_t sel0 = sp[SKV_SPAN_OUTLIERS].n + sp[SKV_SPAN_LOCAL].n, nsel = sp[SKV_SPAN_SELECTED].n;
-        int si = 0;
-        int64_t base = 0;
-        for (int64_t r = tid; r < T - nsel; r += kAtLanes) {
-            const int64_t j = r < sel0 ? r : r + nsel;
-            at_seek(sp, ns, j, si, base);
-            const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            at_score_row(k, qs, D, 1, acc);
-            er[j] = SKV_MUL(acc[0], a.scale);
-        }
-        __syncthreads(); /* the block's own scores are visible to the whole block */
-    }
+    const int64_t T = a.Tmax;
     /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
     float sv[kAtWReg];
     float mx = -INFINITY;
@@ -1099,12 +1256,20 @@ size_t at_smem(int32_t n_spans)
     return sizeof(float) * (size_t)kAtNV * kAtLanes + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
 }
 
+/* Blocks of the resident tokens' scores per (sequence, KV head) at decode, for at most n_res of them
+   (the rest of the launch rebuilds the selected span's tiles; these blocks come first, so they run
+   beside the first wave). */
+int32_t rb_nx(int64_t n_res) { return (int32_t)(n_res < kRbNT ? 1 : n_res >= 8 * kRbNT ? 8 : ceil_div64(n_res, kRbNT)); }
+
+/* Blocks per (sequence, KV head) of a rebuild launch with tiles of tok tokens. */
+int64_t rb_blocks(const RebuildArgs &a, int tok) { return ceil_div64(a.M, tok) + (a.e ? a.nx : 0); }
+
 template <int KS, int RM>
 cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
 {
     cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS, RM>, smem);
     if (e != cudaSuccess) return e;
-    return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)ceil_div64(a.M, kRbTok), (unsigned)a.Hk, (unsigned)B),
+    return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)rb_blocks(a, kRbTok), (unsigned)a.Hk, (unsigned)B),
                   dim3(kRbNT), smem, st, false, a);
 }
 
@@ -1123,11 +1288,11 @@ cudaError_t launch_rebuild_rm(cudaStream_t st, const RebuildArgs &a, int32_t B, 
     }
 }
 
-/* Whether the rebuild of a shape takes the tensor-core kernel (given W's prepared form; GD: G D when it
-   scores, else 0), and that kernel's dynamic shared memory. */
-bool rb_tc(const RebuildArgs &a, int64_t GD, size_t *smem)
+/* Whether the rebuild of a shape takes the tensor-core kernel (given W's prepared form; G: the query
+   heads per KV head when it scores, else 0), and that kernel's dynamic shared memory. */
+bool rb_tc(const RebuildArgs &a, int32_t G, size_t *smem)
 {
-    *smem = rb_smem(a.Kp, a.Dp, GD, rb_rope_mode(a.R, a.interleaved));
+    *smem = rb_smem(a.Kp, a.Dp, G, a.D, rb_rope_mode(a.R, a.interleaved));
     return *smem <= kRbSmemMax && a.Kp / 32 <= kRbKsMax;
 }
 
@@ -1135,18 +1300,19 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
-    const int64_t GD = a.e ? (int64_t)a.G * a.D : 0;
+    const int32_t G = a.e ? a.G : 0;
     size_t smem;
-    if (rb_tc(a, GD, &smem) && (a.wq || a.wq_seq)) {
+    if (rb_tc(a, G, &smem) && (a.wq || a.wq_seq)) {
         const int rm = rb_rope_mode(a.R, a.interleaved);
         if (rm == 1) return launch_rebuild_rm<1>(st, a, B, smem);
         if (rm == 2) return launch_rebuild_rm<2>(st, a, B, smem);
         return launch_rebuild_rm<0>(st, a, B, smem);
     }
-    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)GD);
+    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)G * a.D) +
+                      sizeof(unsigned) * (size_t)G;
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
     if (e != cudaSuccess) return e;
-    return launch(canon_rebuild_scalar_kernel, dim3((unsigned)ceil_div64(a.M, 32), (unsigned)a.Hk, (unsigned)B),
+    return launch(canon_rebuild_scalar_kernel, dim3((unsigned)rb_blocks(a, 32), (unsigned)a.Hk, (unsigned)B),
                   dim3(kRbNT), s2, st, false, a);
 }
 
@@ -1161,17 +1327,15 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
     return a;
 }
 
-/* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: the
-   selected span's scores are canon_rebuild_tc_kernel's; the weights kernel scores the rest. */
+/* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: P V
+   only (the rebuild's launch scored every span and left the weights). */
 cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     if (T <= 0) return cudaSuccess;
-    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans), s3 = at_score_smem(1, a.D, a.n_spans);
+    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans);
     if (s1 > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
     cudaError_t e = allow_smem(canon_attend_kernel, s2);
-    if (e != cudaSuccess) return e;
-    e = allow_smem(canon_weights_kernel, s3);
     if (e != cudaSuccess) return e;
     if (!a.seqs) {
         e = allow_smem(canon_score_kernel, s1);
@@ -1179,9 +1343,9 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
         e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B),
                    dim3(kAtLanes), s1, st, false, a);
         if (e != cudaSuccess) return e;
+        e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), 0, st, false, a);
+        if (e != cudaSuccess) return e;
     }
-    e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), s3, st, false, a);
-    if (e != cudaSuccess) return e;
     return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
                   dim3(kAtLanes), s2, st, false, a);
 }
@@ -1193,11 +1357,17 @@ size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r)
     return wq_bytes(Hk, (r + 31) / 32 * 32, (D + 15) / 16 * 16);
 }
 
+int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax)
+{
+    const int64_t M = (int64_t)S * c;
+    return ceil_div64(M, 32) + rb_nx(tmax - M); /* the scalar kernel's tiles are the smaller */
+}
+
 int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode)
 {
     const RebuildArgs a = rebuild_args(sh, nullptr, nullptr, nullptr);
     size_t smem;
-    return rb_tc(a, decode ? (int64_t)(sh->Hq / sh->Hk) * sh->D : 0 /* as launch_rebuild's, e set or not */, &smem);
+    return rb_tc(a, decode ? sh->Hq / sh->Hk : 0 /* as launch_rebuild's, e set or not */, &smem);
 }
 
 cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t r, const skv_bf16 *w, void *wq)
@@ -1225,6 +1395,7 @@ cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape 
     a.wq_seq = skv_cuda_canon_uses_wq(sh, 1); /* the slots' W, prepared when it was written */
     a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
     a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
+    a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M), a.pm = ws->canon_pm, a.cnt = ws->canon_cnt;
     return launch_rebuild(st, a, sh->B);
 }
 
