@@ -501,6 +501,15 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
     c.gen_capacity = 8;
     c.rank = (int)skvt_rng_range(r, 4, 48);
     c.rope.interleaved = trial % 3 == 2;
+    /* structured shapes for cuda's kernels: query groups of 10 (the rebuild's score warps take heads
+       in rounds of 8) and 5 (an odd group), and one with 336 resident tokens (the rebuild launch's
+       resident-score blocks stride over them) and rank 260 (the exact int64 rebuild kernel) */
+    if (trial == 6) c.n_q_heads = c.n_kv_heads * 10;
+    if (trial == 7) c.n_q_heads = c.n_kv_heads * 5;
+    if (trial == 8) {
+        c.n_kv_heads = 3, c.n_q_heads = 6, c.chunk_size = 8, c.max_prompt_len = 64 * 8;
+        c.n_outlier_chunks = 40, c.budget = 64, c.n_local_chunks = 2, c.rank = 260;
+    }
     const int cap_r = (c.n_outlier_chunks + c.budget / c.chunk_size + c.n_local_chunks) * c.chunk_size;
     if (c.rank > cap_r) c.rank = cap_r;
     if (trial % 2) /* the smallest valid value budget: host-placed values (and the chunk cache) on cuda */
@@ -554,6 +563,6 @@ int main(void)
     for (int t = 0; t < 56; t++) attention_case(&r, t, Ts[t % 8], (int)skvt_rng_range(&r, 1, t % 3 ? 5 : 16), t % 7);
     attention_case(&r, 100, 70000, 5, 0);
     attention_case(&r, 101, 40000, 16, 1);
-    for (int t = 0; t < 6; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
+    for (int t = 0; t < 9; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
     return skvt_finish();
 }
