@@ -68,6 +68,7 @@ constexpr int kAtLanes = SKV_CANON_LANES; /* 256 */
 constexpr int kAtDC = 16; /* dims per block of the P V kernel: a 32-byte sector of each value row */
 constexpr int kAtGC = 4;  /* query heads per unit */
 constexpr int kAtMaxSpans = SKV_MAX_SPANS;
+constexpr int kAtSelSmem = 8192; /* P V stages a decode selection of up to this many chunks in shared memory */
 
 /* A span of one (sequence, KV head). kind 0: v like k; 1: the selected span of a device slot (values
    in the store by candidate index); 2: that of a host slot (values in the chunk cache). */
@@ -132,19 +133,26 @@ __device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
     return SKV_N_SPANS;
 }
 
-/* Token t of span s: its value row. */
-__device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CSpan &s, int b, int h, int64_t t)
+/* Where the values of selection slot s (< S) of (b, h) live: kind 1 (device slot) its candidate's index
+   in the store, kind 2 (host slot) its chunk-cache entry. */
+__device__ __forceinline__ int32_t at_sel_chunk(const AttendArgs &a, int kind, int64_t bh, int64_t s)
+{
+    if (kind == 1) return a.sel_idx[bh * a.S + s];
+    const int32_t e = a.vsrc[bh * a.S + s] & 0x7fffffff;
+    return e >= a.vc_chunks ? 0 : e; /* never out of range after a good selection step; keeps a bad step's reads in bounds */
+}
+
+/* Token t of span s: its value row (sel_s: the (b, h) row of at_sel_chunk in shared memory, or NULL). */
+__device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CSpan &s, int b, int h, int64_t t,
+                                                   const int32_t *sel_s)
 {
     if (s.kind == 0) return s.v + t * s.ts;
     const skv_cuda_seq &sq = a.seqs[b];
     /* t < S c < 2^31: a 32-bit division (a 64-bit one is a long software routine per token) */
     const uint32_t sel = (uint32_t)t / (uint32_t)a.c, i = (uint32_t)t - sel * (uint32_t)a.c;
-    const int64_t bh = (int64_t)b * a.Hk + h;
-    if (s.kind == 1)
-        return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + a.sel_idx[bh * a.S + sel]) * a.c + i) * a.D;
-    int32_t e = a.vsrc[bh * a.S + sel] & 0x7fffffff;
-    if (e >= a.vc_chunks) e = 0; /* never after a good selection step; keeps a bad step's reads in bounds */
-    return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + e) * a.c + i) * a.D;
+    const int32_t ch = sel_s ? sel_s[sel] : at_sel_chunk(a, s.kind, (int64_t)b * a.Hk + h, sel);
+    if (s.kind == 1) return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + ch) * a.c + i) * a.D;
+    return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + ch) * a.c + i) * a.D;
 }
 
 /* The span walk of token j (spans in order): its span si and that span's first token base, advanced
@@ -451,9 +459,9 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
 /* Decode, every block of (b, h) at its end (all threads): the block's maxima bm [G] into pm; the last
    block of (b, h) to get here (cnt) takes each query head's M as the max of the launch's block maxima
    (any order: M's value is unique up to the sign of a zero, and e_j is the same either way; see
-   skv_canonical_attend), writes e_j = skv_expf(s_j - M) over the head's T tokens in place (4 tokens of
+   skv_canonical_attend), writes e_j = skv_expf(s_j - M) over the head's T tokens in place (8 tokens of
    4 heads in flight per thread) and resets cnt. */
-constexpr int kRbFinTok = 4;
+constexpr int kRbFinTok = 8;
 __device__ void rb_finish(const RebuildArgs &a, int b, int h, unsigned *bm)
 {
     const int tid = threadIdx.x, np = gridDim.x;
@@ -469,11 +477,11 @@ __device__ void rb_finish(const RebuildArgs &a, int b, int h, unsigned *bm)
     if (!last_s) return; /* block-uniform */
     __threadfence();
     float *Ms = (float *)bm;
-    for (int g = tid; g < a.G; g += blockDim.x) {
+    for (int g = tid >> 5; g < a.G; g += blockDim.x >> 5) { /* a warp per head, the maxima loaded at once */
         float M = -INFINITY;
-#pragma unroll 4
-        for (int p = 0; p < np; p++) M = fmaxf(M, __ldcg(a.pm + (bq0 + g) * np + p));
-        Ms[g] = M;
+        for (int p = tid & 31; p < np; p += 32) M = fmaxf(M, __ldcg(a.pm + (bq0 + g) * np + p));
+        M = warp_max(M);
+        if ((tid & 31) == 0) Ms[g] = M;
     }
     __syncthreads();
     const skv_cuda_seq &sq = a.seqs[b];
@@ -1105,9 +1113,15 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     const int d0 = blockIdx.x * kAtDC;
     float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][kAtLanes] */
     CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * kAtLanes), 16);
+    /* decode: the selection's chunks of (b, h), one coalesced read instead of a dependent load per token */
+    int32_t *sel_s = a.seqs && a.S <= kAtSelSmem ? (int32_t *)(sp + kAtMaxSpans) : nullptr;
     __shared__ int n_spans_s;
     __shared__ float res[kAtNV];
     if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
+    if (sel_s) {
+        const int kind = a.seqs[b].vc_data ? 2 : 1;
+        for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
+    }
     __syncthreads();
     const int ns = n_spans_s;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
@@ -1133,7 +1147,7 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
             for (int t = 0; t < kAtTok; t++) {
                 const int64_t jt = j + t * kAtLanes;
                 ok[t] = at_seek(sp, ns, jt, si, base);
-                vr[t] = ok[t] ? at_vrow(a, sp[si], b, h, jt - base) + d0 : nullptr;
+                vr[t] = ok[t] ? at_vrow(a, sp[si], b, h, jt - base, sel_s) + d0 : nullptr;
             }
             float w[kAtTok][kAtGC];
             uint4 raw[kAtTok][kAtVQ];
@@ -1251,9 +1265,10 @@ size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
     return sizeof(float) * (size_t)G * D + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
 }
 
-size_t at_smem(int32_t n_spans)
+size_t at_smem(int32_t n_spans, int32_t S)
 {
-    return sizeof(float) * (size_t)kAtNV * kAtLanes + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
+    return sizeof(float) * (size_t)kAtNV * kAtLanes + 16 + sizeof(CSpan) * (size_t)kAtMaxSpans +
+           (S > 0 && S <= kAtSelSmem ? sizeof(int32_t) * (size_t)S : 0);
 }
 
 /* Blocks of the resident tokens' scores per (sequence, KV head) at decode, for at most n_res of them
@@ -1333,7 +1348,7 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
 {
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     if (T <= 0) return cudaSuccess;
-    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans);
+    const size_t s1 = at_score_smem(a.G, a.D, a.n_spans), s2 = at_smem(a.n_spans, a.seqs ? a.S : 0);
     if (s1 > 220 * 1024) return cudaErrorInvalidValue; /* a query group of more than ~200 heads of D 128 */
     cudaError_t e = allow_smem(canon_attend_kernel, s2);
     if (e != cudaSuccess) return e;
