@@ -153,7 +153,6 @@ typedef struct skv_cuda_dws {
     float *Z;                    /* [B, Hq] canonical sum of e */
     unsigned *cnt_e;             /* [B, Hq] blocks of step 2 done (reset by the last) */
     unsigned *cnt_sel;           /* [B, Hk] tiles of step 3 done (reset by the last) */
-    unsigned *canon_cnt;         /* [B, Hk] reproducible mode: rebuild blocks done (reset by the last) */
     unsigned long long *pool;    /* [B, Hk, pool_cap] tile winners: key << 32 | candidate */
     int32_t pool_cap;
     int32_t *sel_idx, *sel_ids;  /* [B, Hk, S] */
@@ -269,10 +268,11 @@ int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax);
    seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores
    them against ws->io's q on chip (the scores s_j of docs/DESIGN.md 10.3 step 1) into
    ws->canon_e at the selected span's places; the launch's first blocks score the other spans, and
-   the last block of each (sequence, KV head) turns the scores into the weights e_j (10.3 step 2). */
+   every block leaves its score maxima per query head in ws->canon_pm. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
-/* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild:
+/* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild
+   (the weights from its scores and maxima, then P V):
    q, k_new, v_new and out from ws->io, the selected tokens' scores from ws->canon_e, their values
    from the store or, for a host slot, from the chunk cache (so it must run after skv_cuda_fetch). */
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,

@@ -309,7 +309,7 @@ static skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_
  * The decode workspace, carved from one allocation: its bytes (base NULL) or its pointers.
  * it: the attention items; host: whether any slot keeps its values on the host (the chunk
  * cache's lists and the deferred weights exist only then). Counters that the kernels expect
- * zero (macc, cnt_e, cnt_sel, canon_cnt, step_bad, cnt_done, vc_counts) come zeroed from
+ * zero (macc, cnt_e, cnt_sel, step_bad, cnt_done, vc_counts) come zeroed from
  * skv_cuda_dws_clear.
  */
 static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
@@ -329,7 +329,6 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
     SKV_REGION(Z, float, bq);
     SKV_REGION(cnt_e, unsigned, bq);
     SKV_REGION(cnt_sel, unsigned, bk);
-    SKV_REGION(canon_cnt, unsigned, bk);
     SKV_REGION(pool, unsigned long long, bk * pool_cap);
     SKV_REGION(sel_idx, int32_t, bk * S);
     SKV_REGION(sel_ids, int32_t, bk * S);
@@ -364,7 +363,7 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
 /* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
 static cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st)
 {
-    /* macc .. canon_cnt are the regions from macc to pool; step_bad .. vc_counts from step_bad to mcount */
+    /* macc .. cnt_sel are the regions from macc to pool; step_bad .. vc_counts from step_bad to mcount */
     cudaError_t e = cudaMemsetAsync(ws->macc, 0, (size_t)((char *)ws->pool - (char *)ws->macc), st);
     if (e == cudaSuccess) e = cudaMemsetAsync(ws->step_bad, 0, (size_t)((char *)ws->mcount - (char *)ws->step_bad), st);
     if (e == cudaSuccess) e = cudaMemsetAsync(ws->first_bad, 0xff, sizeof *ws->first_bad, st);

@@ -93,6 +93,9 @@ struct AttendArgs {
     const skv_cuda_io *io;
     const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
     int32_t O, c, S, gen_cap, vc_chunks;
+    const float *pm;        /* the rebuild blocks' score maxima: [B, Hq] rows of pms, np of them used */
+    int64_t pms;
+    int32_t np;
 };
 
 /* The five spans of (sequence b, KV head h) at decode into sp[] (skv_plan_spans; the selected span's
@@ -233,12 +236,11 @@ struct RebuildArgs {
     float scale;
     int64_t Tmax;
     /* decode: the launch's first nx blocks of each (sequence, KV head) score the resident tokens (every
-       span but the selected one); every block leaves its maxima per query head in pm [B, Hq, gridDim.x];
-       the last block of (b, h) to finish (cnt [B, Hk], zero between launches) turns the scores into the
-       weights e_j = skv_expf(s_j - M) */
+       span but the selected one); block x leaves its score maxima per query head at pm[(b Hq + hq) pms + x]
+       (canon_exp_kernel reduces them) */
     int32_t nx, gen_cap;
     float *pm;
-    unsigned *cnt;
+    int64_t pms;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -331,17 +333,22 @@ __device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, fl
     for (int i = threadIdx.x; i < a.G * a.D; i += blockDim.x) qs[i] = skv_bf16_to_f32(qg[i]);
 }
 
-/* The fmaf chains of skv_dot_bf16 of NG query heads g0, g0 + gs, .. against the key row x [D] (floats of
-   bf16 keys, or the bf16 keys), each over d in order (the NG chains interleaved). q: [G][D] floats. */
-template <int NG, typename R>
-__device__ __forceinline__ void rb_dot(const R &x, const float *q, int D, int g0, int gs, float (&acc)[4])
+/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys, or
+   the bf16 keys): per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved),
+   times scale, into e[(bq0 + g) Tmax + j] and s[gg]; s[gg] = -inf for heads past G. q: [G][D] floats. */
+template <typename R>
+__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
+                                             int64_t bq0, int64_t j, float (&s)[4])
 {
+    const int D = a.D, G = a.G;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if ((D & 3) == 0) {
 #pragma unroll 2
         for (int d = 0; d < D; d += 4) {
             const float4 k4 = rb_key4(x, d);
 #pragma unroll
-            for (int gg = 0; gg < NG; gg++) {
+            for (int gg = 0; gg < 4; gg++) {
+                if (g0 + gs * gg >= G) break;
                 const float4 q4 = *reinterpret_cast<const float4 *>(q + (size_t)(g0 + gs * gg) * D + d);
                 acc[gg] = SKV_FMA(q4.x, k4.x, acc[gg]);
                 acc[gg] = SKV_FMA(q4.y, k4.y, acc[gg]);
@@ -352,31 +359,13 @@ __device__ __forceinline__ void rb_dot(const R &x, const float *q, int D, int g0
     } else {
         for (int d = 0; d < D; d++)
 #pragma unroll
-            for (int gg = 0; gg < NG; gg++) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
-    }
-}
-
-/* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (rb_dot, the head count
-   a compile-time constant), times scale, into e[(bq0 + g) Tmax + j] and s[gg]; s[gg] = -inf for heads
-   past G. q: [G][D] floats. */
-template <typename R>
-__device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
-                                             int64_t bq0, int64_t j, float (&s)[4])
-{
-    const int G = a.G;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int ng = g0 >= G ? 0 : min(4, (G - 1 - g0) / gs + 1);
-    switch (ng) {
-    case 4: rb_dot<4>(x, q, a.D, g0, gs, acc); break;
-    case 3: rb_dot<3>(x, q, a.D, g0, gs, acc); break;
-    case 2: rb_dot<2>(x, q, a.D, g0, gs, acc); break;
-    case 1: rb_dot<1>(x, q, a.D, g0, gs, acc); break;
-    default: break;
+            for (int gg = 0; gg < 4; gg++)
+                if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
     }
 #pragma unroll
     for (int gg = 0; gg < 4; gg++) {
         s[gg] = -INFINITY;
-        if (gg < ng) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = s[gg] = SKV_MUL(acc[gg], a.scale);
+        if (g0 + gs * gg < G) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = s[gg] = SKV_MUL(acc[gg], a.scale);
     }
 }
 
@@ -456,57 +445,12 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
     }
 }
 
-/* Decode, every block of (b, h) at its end (all threads): the block's maxima bm [G] into pm; the last
-   block of (b, h) to get here (cnt) takes each query head's M as the max of the launch's block maxima
-   (any order: M's value is unique up to the sign of a zero, and e_j is the same either way; see
-   skv_canonical_attend), writes e_j = skv_expf(s_j - M) over the head's T tokens in place (8 tokens of
-   4 heads in flight per thread) and resets cnt. */
-constexpr int kRbFinTok = 8;
-__device__ void rb_finish(const RebuildArgs &a, int b, int h, unsigned *bm)
+/* Decode, every block of (b, h) at its end (all threads): its score maxima bm [G] into pm. */
+__device__ __forceinline__ void rb_block_max(const RebuildArgs &a, int b, int h, const unsigned *bm)
 {
-    const int tid = threadIdx.x, np = gridDim.x;
-    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
-    unsigned *cnt = a.cnt + (int64_t)b * a.Hk + h;
-    __shared__ int last_s;
     __syncthreads(); /* the block's atomics into bm are done */
-    for (int g = tid; g < a.G; g += blockDim.x) a.pm[(bq0 + g) * np + blockIdx.x] = rb_unord(bm[g]);
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last_s = atomicAdd(cnt, 1u) == (unsigned)np - 1;
-    __syncthreads();
-    if (!last_s) return; /* block-uniform */
-    __threadfence();
-    float *Ms = (float *)bm;
-    for (int g = tid >> 5; g < a.G; g += blockDim.x >> 5) { /* a warp per head, the maxima loaded at once */
-        float M = -INFINITY;
-        for (int p = tid & 31; p < np; p += 32) M = fmaxf(M, __ldcg(a.pm + (bq0 + g) * np + p));
-        M = warp_max(M);
-        if ((tid & 31) == 0) Ms[g] = M;
-    }
-    __syncthreads();
-    const skv_cuda_seq &sq = a.seqs[b];
-    const int64_t T = a.M + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
-    for (int g0 = 0; g0 < a.G; g0 += 4) {
-        const int gn = min(4, a.G - g0);
-        for (int64_t j0 = tid; j0 < T; j0 += kRbFinTok * (int64_t)blockDim.x) {
-            float x[4][kRbFinTok];
-#pragma unroll
-            for (int gg = 0; gg < 4; gg++)
-#pragma unroll
-                for (int u = 0; u < kRbFinTok; u++) {
-                    const int64_t j = j0 + (int64_t)u * blockDim.x;
-                    x[gg][u] = gg < gn && j < T ? __ldcg(a.e + (bq0 + g0 + gg) * a.Tmax + j) : 0.0f;
-                }
-#pragma unroll
-            for (int gg = 0; gg < 4; gg++)
-#pragma unroll
-                for (int u = 0; u < kRbFinTok; u++) {
-                    const int64_t j = j0 + (int64_t)u * blockDim.x;
-                    if (gg < gn && j < T) a.e[(bq0 + g0 + gg) * a.Tmax + j] = skv_expf(SKV_SUB(x[gg][u], Ms[g0 + gg]));
-                }
-        }
-    }
-    if (tid == 0) *cnt = 0;
+    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
+    for (int g = threadIdx.x; g < a.G; g += blockDim.x) a.pm[(bq0 + g) * a.pms + blockIdx.x] = rb_unord(bm[g]);
 }
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
@@ -710,7 +654,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     const int g = lane >> 2, t4 = lane & 3;
     if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
         rb_resident(a, b, h);
-        rb_finish(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
+        rb_block_max(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
         return;
     }
     const int64_t mw = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * kRbTok + warp * 16; /* the warp's first token */
@@ -891,7 +835,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         __syncwarp();
         const int rr = lane & 15;
         rb_score_warp(a, b, h, mw, xs + (size_t)rr * xst, pos_s[warp][rr] >= 0, qs, bm);
-        rb_finish(a, b, h, bm);
+        rb_block_max(a, b, h, bm);
     } else {
         /* RoPE in registers: the keys of a lane's pairs, rotated, rounded to bf16 two at a time into the
            staging words (row g + 8 rs, word 4 nt + t = dims 8 nt + 2 t, + 1) */
@@ -992,7 +936,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         if (!a.e) return;
         const int rr = lane & 15;
         rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, pos_s[warp][rr] >= 0, qs, bm);
-        rb_finish(a, b, h, bm);
+        rb_block_max(a, b, h, bm);
     }
 }
 
@@ -1003,7 +947,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
         rb_resident(a, b, h);
-        rb_finish(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
+        rb_block_max(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
         return;
     }
     const int64_t m0 = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * 32;
@@ -1060,7 +1004,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
         rb_score_row(a, xs + (size_t)row * a.D, qs, g0, 1, bq0, sel0 + m0 + row, sv);
         for (int gg = 0; gg < 4 && g0 + gg < a.G; gg++) atomicMax(bm + g0 + gg, rb_ord(sv[gg]));
     }
-    rb_finish(a, b, h, bm);
+    rb_block_max(a, b, h, bm);
 }
 
 /* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
@@ -1260,6 +1204,42 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
 }
 
+/* Weights at decode: grid (ceil(Tmax / (kAtExTok 256)), Hq, B), 256 threads. M of query head hq of
+   sequence b is the max of the rebuild blocks' maxima pm[(b Hq + hq) pms + x], x < np (any order: M's
+   value is unique up to the sign of a zero, and e_j is the same either way; see skv_canonical_attend),
+   then e_j = skv_expf(s_j - M) in place for the block's kAtExTok x 256 tokens j < T (all loaded first). */
+constexpr int kAtExTok = 4;
+__global__ void __launch_bounds__(kAtLanes) canon_exp_kernel(const AttendArgs a)
+{
+    const int hq = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const skv_cuda_seq &sq = a.seqs[b];
+    const int64_t T = (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
+    const int64_t j0 = (int64_t)blockIdx.x * kAtExTok * kAtLanes + tid;
+    if ((int64_t)blockIdx.x * kAtExTok * kAtLanes >= T) return; /* block-uniform */
+    const int64_t bq = (int64_t)b * a.Hq + hq;
+    float *er = a.e + bq * a.Tmax;
+    __shared__ float M_s;
+    if (tid < 32) {
+        float M = -INFINITY;
+        for (int p = tid; p < a.np; p += 32) M = fmaxf(M, a.pm[bq * a.pms + p]);
+        M = warp_max(M);
+        if (tid == 0) M_s = M;
+    }
+    float x[kAtExTok];
+#pragma unroll
+    for (int u = 0; u < kAtExTok; u++) {
+        const int64_t j = j0 + (int64_t)u * kAtLanes;
+        x[u] = j < T ? er[j] : 0.0f;
+    }
+    __syncthreads();
+    const float M = M_s;
+#pragma unroll
+    for (int u = 0; u < kAtExTok; u++) {
+        const int64_t j = j0 + (int64_t)u * kAtLanes;
+        if (j < T) er[j] = skv_expf(SKV_SUB(x[u], M));
+    }
+}
+
 size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
 {
     return sizeof(float) * (size_t)G * D + 16 + sizeof(CSpan) * (size_t)(n_spans > SKV_N_SPANS ? n_spans : SKV_N_SPANS);
@@ -1311,13 +1291,23 @@ bool rb_tc(const RebuildArgs &a, int32_t G, size_t *smem)
     return *smem <= kRbSmemMax && a.Kp / 32 <= kRbKsMax;
 }
 
+/* Whether a rebuild launch takes the tensor-core kernel, and its dynamic shared memory if so. */
+bool rb_uses_tc(const RebuildArgs &a, size_t *smem) { return rb_tc(a, a.e ? a.G : 0, smem) && (a.wq || a.wq_seq); }
+
+/* Blocks per (sequence, KV head) of a rebuild launch (at decode: the rows of pm it writes). */
+int64_t rb_parts(const RebuildArgs &a)
+{
+    size_t smem;
+    return rb_blocks(a, rb_uses_tc(a, &smem) ? kRbTok : 32);
+}
+
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
     const int32_t G = a.e ? a.G : 0;
     size_t smem;
-    if (rb_tc(a, G, &smem) && (a.wq || a.wq_seq)) {
+    if (rb_uses_tc(a, &smem)) {
         const int rm = rb_rope_mode(a.R, a.interleaved);
         if (rm == 1) return launch_rebuild_rm<1>(st, a, B, smem);
         if (rm == 2) return launch_rebuild_rm<2>(st, a, B, smem);
@@ -1342,8 +1332,8 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
     return a;
 }
 
-/* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: P V
-   only (the rebuild's launch scored every span and left the weights). */
+/* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: the
+   weights from the scores and block maxima that the rebuild's launch left (canon_exp_kernel), P V. */
 cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
@@ -1359,8 +1349,12 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
                    dim3(kAtLanes), s1, st, false, a);
         if (e != cudaSuccess) return e;
         e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), 0, st, false, a);
-        if (e != cudaSuccess) return e;
+    } else {
+        if (a.Hq > kMaxGridYZ) return cudaErrorInvalidValue;
+        e = launch(canon_exp_kernel, dim3((unsigned)ceil_div64(T, kAtExTok * kAtLanes), (unsigned)a.Hq, (unsigned)B),
+                   dim3(kAtLanes), 0, st, false, a);
     }
+    if (e != cudaSuccess) return e;
     return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
                   dim3(kAtLanes), s2, st, false, a);
 }
@@ -1403,15 +1397,22 @@ cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, co
     return launch_rebuild(st, a, sh->B);
 }
 
-cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                          const skv_cuda_dws *ws)
+/* The decode step's rebuild launch. */
+static RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, const skv_cuda_dws *ws)
 {
     RebuildArgs a = rebuild_args(sh, seqs, ws->sel_ids, nullptr);
     a.wq_seq = skv_cuda_canon_uses_wq(sh, 1); /* the slots' W, prepared when it was written */
     a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
     a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
-    a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M), a.pm = ws->canon_pm, a.cnt = ws->canon_cnt;
-    return launch_rebuild(st, a, sh->B);
+    a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M), a.pm = ws->canon_pm;
+    a.pms = skv_cuda_canon_parts(sh->S, sh->c, ws->canon_tmax);
+    return a;
+}
+
+cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                          const skv_cuda_dws *ws)
+{
+    return launch_rebuild(st, decode_rebuild_args(sh, seqs, ws), sh->B);
 }
 
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
@@ -1425,6 +1426,8 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
+    const RebuildArgs r = decode_rebuild_args(sh, seqs, ws);
+    a.pm = r.pm, a.pms = r.pms, a.np = (int32_t)rb_parts(r);
     return launch_attend(st, a, sh->B, ws->canon_tmax);
 }
 
