@@ -208,12 +208,12 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
  * chunk-cache plan (unless step_bad). tiled: every landmark tensor is 16-byte aligned with D %
  * 8 == 0 (the cache's are). graph (or NULL): receives the score kernel's parameters for a
  * replay. ws->macc, cnt_e, cnt_sel must be zero on entry (they are left zero). *launches +=
- * kernels launched (NULL: not counted). Query groups above 64 heads are refused
- * (cudaErrorInvalidValue).
+ * kernels launched (NULL: not counted). scored (or NULL): recorded on st after step 1, when
+ * ws->io is published. Query groups above 64 heads are refused (cudaErrorInvalidValue).
  */
 cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
-                                 skv_cuda_score_node *graph, int *launches);
+                                 skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
 
 /* ---- attention (skv_cuda_attn.cu) -------------------------------------------------------- */
 
@@ -264,11 +264,17 @@ cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t
 /* Blocks per (sequence, KV head) that a decode step's canonical rebuild may launch, for S c selected
    tokens and rows of tmax tokens (the row length of ws->canon_pm). */
 int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax);
+/* The canonical scores of a decode step's resident tokens (every span but the selected one, docs/DESIGN.md
+   10.3 step 1) into ws->canon_e, and their maxima per query head into ws->canon_pm. Needs ws->io
+   published (after step 1 of skv_cuda_select_step), not the selection: the cache runs it on its side
+   stream beside steps 2 and 3. */
+cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                           const skv_cuda_dws *ws);
 /* The canonical rebuild of a decode step's selected keys (ws->sel_ids; W's fixed point from
    seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores
    them against ws->io's q on chip (the scores s_j of docs/DESIGN.md 10.3 step 1) into
-   ws->canon_e at the selected span's places; the launch's first blocks score the other spans, and
-   every block leaves its score maxima per query head in ws->canon_pm. */
+   ws->canon_e at the selected span's places; every block leaves its score maxima per query head in
+   ws->canon_pm. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild

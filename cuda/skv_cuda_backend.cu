@@ -397,7 +397,7 @@ static skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, in
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */
     const int tiled = D % 8 == 0 && ((uintptr_t)landmarks & 15) == 0;
-    if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, &io, tiled, 0, amax, NULL, NULL);
+    if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, &io, tiled, 0, amax, NULL, NULL, NULL);
     /* the selection is in the workspace: copy it out */
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(sel_idx, dws.sel_idx, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
@@ -559,6 +559,7 @@ typedef struct skv_cuda_cache {
     cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
     int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
     cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
+    cudaEvent_t scored_ev;          /* no timing: step 1 done (reproducible mode: the resident scores may start) */
     char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
@@ -686,8 +687,8 @@ static void skv_cuda_cache_close(void *bctx)
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < SKV_PE_N; j++)
             if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
-    cudaEvent_t evs[5] = {k->side_ev, k->fac_ev, k->off_ev, k->fork_ev, k->join_ev};
-    for (int j = 0; j < 5; j++)
+    cudaEvent_t evs[6] = {k->side_ev, k->fac_ev, k->off_ev, k->fork_ev, k->join_ev, k->scored_ev};
+    for (int j = 0; j < 6; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
     if (k->side) cudaStreamDestroy(k->side);
     if (k->cap) cudaStreamDestroy(k->cap);
@@ -792,6 +793,7 @@ static skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const 
         for (int j = 0; j < SKV_PE_N && e == cudaSuccess; j++) e = cudaEventCreate(&k->pset[i].e[j]);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->scored_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->side_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
@@ -1048,23 +1050,32 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
 {
     const skv_cuda_shape *sh = &k->sh;
     skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
-    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches));
+    const int repro = k->cfg.reproducible;
+    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
+    if (repro) {
+        /* the resident tokens' canonical scores on the side stream once step 1 has published the
+           step's tensors, beside the selection (which leaves most of the device idle) */
+        CK(cudaStreamWaitEvent(k->side, k->scored_ev, 0));
+        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &k->ws));
+        *launches += 1;
+    }
     if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
-    if (k->cfg.reproducible) {
+    if (repro) {
         /* the canonical rebuild of the selected keys into the workspace, then the canonical
            attention over the five spans; a host layer's missed chunks are fetched first (the
-           attention reads every selected value from the chunk cache), beside the rebuild */
+           attention reads every selected value from the chunk cache), beside the rebuild, on the
+           side stream after the resident scores */
         if (k->layer_host[layer]) {
             CK(cudaEventRecord(k->fork_ev, st));
             CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
             CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
             if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
-            CK(cudaEventRecord(k->join_ev, k->side));
             *launches += 1;
         }
+        CK(cudaEventRecord(k->join_ev, k->side));
         CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
-        if (k->layer_host[layer]) CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
         CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
         CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
         *launches += 4;

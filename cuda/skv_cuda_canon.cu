@@ -235,12 +235,12 @@ struct RebuildArgs {
     int32_t Hq, G, O;
     float scale;
     int64_t Tmax;
-    /* decode: the launch's first nx blocks of each (sequence, KV head) score the resident tokens (every
-       span but the selected one); block x leaves its score maxima per query head at pm[(b Hq + hq) pms + x]
-       (canon_exp_kernel reduces them) */
+    /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
+       one: canon_resident_kernel, pm columns col0 + x); rebuild block x leaves its score maxima per query
+       head at pm[(b Hq + hq) pms + x] (canon_exp_kernel reduces the row) */
     int32_t nx, gen_cap;
     float *pm;
-    int64_t pms;
+    int64_t pms, col0;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -401,7 +401,7 @@ __device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h
     }
 }
 
-/* Decode, the launch's first nx blocks of (b, h): the resident tokens (every span but the selected one,
+/* Decode, the nx blocks of (b, h) of canon_resident_kernel: the resident tokens (every span but the selected one,
    in the attention's token order) strided over those blocks, a thread per token: s_j of the group's
    query heads (at_score_row, 4 chains at a time) into e, each head's max into bm. smem: q [G][D]
    floats, then bm [G]. */
@@ -445,12 +445,22 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
     }
 }
 
-/* Decode, every block of (b, h) at its end (all threads): its score maxima bm [G] into pm. */
+/* Decode, every block of (b, h) at its end (all threads): its score maxima bm [G] into pm column
+   col0 + blockIdx.x. */
 __device__ __forceinline__ void rb_block_max(const RebuildArgs &a, int b, int h, const unsigned *bm)
 {
     __syncthreads(); /* the block's atomics into bm are done */
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
-    for (int g = threadIdx.x; g < a.G; g += blockDim.x) a.pm[(bq0 + g) * a.pms + blockIdx.x] = rb_unord(bm[g]);
+    for (int g = threadIdx.x; g < a.G; g += blockDim.x)
+        a.pm[(bq0 + g) * a.pms + a.col0 + blockIdx.x] = rb_unord(bm[g]);
+}
+
+/* Decode: the resident tokens' scores, grid (nx, Hk, B), 256 threads (rb_resident, then the block's
+   maxima). smem: q [G][D] floats, bm [G]. */
+__global__ void __launch_bounds__(kRbNT) canon_resident_kernel(const RebuildArgs a)
+{
+    rb_resident(a, blockIdx.z, blockIdx.y);
+    rb_block_max(a, blockIdx.z, blockIdx.y, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
 }
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
@@ -652,12 +662,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
-        rb_resident(a, b, h);
-        rb_block_max(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
-        return;
-    }
-    const int64_t mw = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * kRbTok + warp * 16; /* the warp's first token */
+    const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     const int NT = a.Dp / 8, xst = rb_xstride(a.Dp, RM);
@@ -945,12 +950,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
 __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    if (a.e && (int)blockIdx.x < a.nx) { /* block-uniform: a block of the resident tokens' scores */
-        rb_resident(a, b, h);
-        rb_block_max(a, b, h, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
-        return;
-    }
-    const int64_t m0 = (int64_t)(blockIdx.x - (a.e ? a.nx : 0)) * 32;
+    const int64_t m0 = (int64_t)blockIdx.x * 32;
     const skv_cuda_seq &sq = a.seqs[b];
     const uint16_t *w = (const uint16_t *)sq.w, *u = (const uint16_t *)sq.u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
@@ -1066,6 +1066,9 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         const int kind = a.seqs[b].vc_data ? 2 : 1;
         for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
     }
+    /* decode: launched as canon_exp_kernel's dependent; the spans and the selection above were final
+       before it, its weights are not */
+    if (a.seqs) pdl_wait();
     __syncthreads();
     const int ns = n_spans_s;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
@@ -1212,6 +1215,7 @@ constexpr int kAtExTok = 4;
 __global__ void __launch_bounds__(kAtLanes) canon_exp_kernel(const AttendArgs a)
 {
     const int hq = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    pdl_trigger(); /* P V's blocks may start their prologue */
     const skv_cuda_seq &sq = a.seqs[b];
     const int64_t T = (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
     const int64_t j0 = (int64_t)blockIdx.x * kAtExTok * kAtLanes + tid;
@@ -1251,13 +1255,11 @@ size_t at_smem(int32_t n_spans, int32_t S)
            (S > 0 && S <= kAtSelSmem ? sizeof(int32_t) * (size_t)S : 0);
 }
 
-/* Blocks of the resident tokens' scores per (sequence, KV head) at decode, for at most n_res of them
-   (the rest of the launch rebuilds the selected span's tiles; these blocks come first, so they run
-   beside the first wave). */
+/* Blocks of the resident tokens' scores per (sequence, KV head) at decode, for at most n_res of them. */
 int32_t rb_nx(int64_t n_res) { return (int32_t)(n_res < kRbNT ? 1 : n_res >= 8 * kRbNT ? 8 : ceil_div64(n_res, kRbNT)); }
 
 /* Blocks per (sequence, KV head) of a rebuild launch with tiles of tok tokens. */
-int64_t rb_blocks(const RebuildArgs &a, int tok) { return ceil_div64(a.M, tok) + (a.e ? a.nx : 0); }
+int64_t rb_blocks(const RebuildArgs &a, int tok) { return ceil_div64(a.M, tok); }
 
 template <int KS, int RM>
 cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
@@ -1294,8 +1296,9 @@ bool rb_tc(const RebuildArgs &a, int32_t G, size_t *smem)
 /* Whether a rebuild launch takes the tensor-core kernel, and its dynamic shared memory if so. */
 bool rb_uses_tc(const RebuildArgs &a, size_t *smem) { return rb_tc(a, a.e ? a.G : 0, smem) && (a.wq || a.wq_seq); }
 
-/* Blocks per (sequence, KV head) of a rebuild launch (at decode: the rows of pm it writes). */
-int64_t rb_parts(const RebuildArgs &a)
+/* Blocks per (sequence, KV head) of a rebuild launch (at decode: the pm columns it writes, before the
+   resident blocks' nx). */
+int64_t rb_tiles(const RebuildArgs &a)
 {
     size_t smem;
     return rb_blocks(a, rb_uses_tc(a, &smem) ? kRbTok : 32);
@@ -1356,7 +1359,7 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
     }
     if (e != cudaSuccess) return e;
     return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
-                  dim3(kAtLanes), s2, st, false, a);
+                  dim3(kAtLanes), s2, st, a.seqs != nullptr, a);
 }
 
 } /* namespace */
@@ -1369,7 +1372,7 @@ size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r)
 int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax)
 {
     const int64_t M = (int64_t)S * c;
-    return ceil_div64(M, 32) + rb_nx(tmax - M); /* the scalar kernel's tiles are the smaller */
+    return ceil_div64(M, 32) + rb_nx(tmax - M); /* the scalar kernel's tiles are the smaller; then the resident blocks */
 }
 
 int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode)
@@ -1415,6 +1418,20 @@ cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape 
     return launch_rebuild(st, decode_rebuild_args(sh, seqs, ws), sh->B);
 }
 
+cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                           const skv_cuda_dws *ws)
+{
+    RebuildArgs a = decode_rebuild_args(sh, seqs, ws);
+    if (sh->B <= 0) return cudaSuccess;
+    if (a.Hk > kMaxGridYZ || sh->B > kMaxGridYZ) return cudaErrorInvalidValue;
+    a.col0 = rb_tiles(a);
+    const size_t smem = sizeof(float) * (size_t)a.G * a.D + sizeof(unsigned) * (size_t)a.G;
+    cudaError_t e = allow_smem(canon_resident_kernel, smem);
+    if (e != cudaSuccess) return e;
+    return launch(canon_resident_kernel, dim3((unsigned)a.nx, (unsigned)a.Hk, (unsigned)sh->B), dim3(kRbNT), smem, st,
+                  false, a);
+}
+
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                          const skv_cuda_dws *ws)
 {
@@ -1427,7 +1444,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
     const RebuildArgs r = decode_rebuild_args(sh, seqs, ws);
-    a.pm = r.pm, a.pms = r.pms, a.np = (int32_t)rb_parts(r);
+    a.pm = r.pm, a.pms = r.pms, a.np = (int32_t)(rb_tiles(r) + r.nx);
     return launch_attend(st, a, sh->B, ws->canon_tmax);
 }
 

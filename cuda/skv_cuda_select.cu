@@ -1056,7 +1056,7 @@ static cudaError_t launch_score(cudaStream_t st, const ScoreArgs &a, bool tiled,
 
 cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
-                                 skv_cuda_score_node *graph, int *launches)
+                                 skv_cuda_score_node *graph, int *launches, cudaEvent_t scored)
 {
     if (sh->B <= 0 || sh->Hk <= 0 || sh->cand_max <= 0) return cudaSuccess;
     const int32_t G = sh->Hq / sh->Hk;
@@ -1085,6 +1085,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                     : G == 2 ? launch_score<2>(st, sa, tiled, node, args)
                     : G <= 4 ? launch_score<4>(st, sa, tiled, node, args)
                              : launch_score<8>(st, sa, tiled, node, args);
+    if (e == cudaSuccess && scored) e = cudaEventRecord(scored, st);
     if (e != cudaSuccess) return e;
     SelectArgs a;
     memset(&a, 0, sizeof a);
