@@ -1048,29 +1048,9 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
    registers, levels 128, 64, 32 there (P[k] + P[k + w]), 16 .. 1 by shuffles (lane t adds lane t + w);
    then out_d = N_d / Z. smem: xb [68][256] the tree's exchange, spans. */
 constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 68 values per lane */
-/* The pipelined walk: a lane's next kAtPipe tokens in flight by cp.async into a ring in shared memory
-   (rv [kAtPipe][kAtVQ][256] 16-byte pieces of the value rows, re [kAtPipe][kAtGC][256] weights),
-   which aliases xb (the tree's exchange, used after the walk). */
-constexpr int kAtPipe = 5;
 constexpr int kAtTok = 2;                    /* tokens of a lane in flight */
 constexpr int kAtVQ = kAtDC / 8;             /* uint4 pieces per value row */
 static_assert(kAtDC % 8 == 0, "whole uint4 pieces per value row");
-static_assert(kAtPipe * (kAtDC / 8 * 16 + kAtGC * 4) <= kAtNV * 4, "the ring fits in xb");
-
-/* One token of a lane's walk: z += e, N_d = fma(e, v_d, N_d) for the unit's heads (e = 0 past them). */
-__device__ __forceinline__ void at_accum(const uint4 (&raw)[kAtDC / 8], const float (&w)[kAtGC], float (&z)[kAtGC],
-                                         float (&acc)[kAtGC][kAtDC])
-{
-    float f[kAtDC];
-#pragma unroll
-    for (int qv = 0; qv < kAtDC / 8; qv++) bf16x8_to_f32(raw[qv], f + 8 * qv);
-#pragma unroll
-    for (int x = 0; x < kAtGC; x++) {
-        z[x] = SKV_ADD(z[x], w[x]);
-#pragma unroll
-        for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(w[x], f[y], acc[x][y]);
-    }
-}
 __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
@@ -1079,20 +1059,9 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * kAtLanes), 16);
     /* decode: the selection's chunks of (b, h), one coalesced read instead of a dependent load per token */
     int32_t *sel_s = a.seqs && a.S <= kAtSelSmem ? (int32_t *)(sp + kAtMaxSpans) : nullptr;
-    __shared__ int n_spans_s, pipe_s;
+    __shared__ int n_spans_s;
     __shared__ float res[kAtNV];
-    if (lane == 0) {
-        n_spans_s = at_spans(a, b, h, sp);
-        /* the pipelined walk copies 16-byte pieces: every value row 16-byte aligned */
-        bool ok = (D & 7) == 0;
-        for (int i = 0; i < n_spans_s; i++) {
-            if (sp[i].n == 0) continue;
-            const void *base = sp[i].kind == 0 ? (const void *)sp[i].v
-                               : sp[i].kind == 1 ? a.seqs[b].vstore : a.seqs[b].vc_data;
-            ok = ok && ((uintptr_t)base & 15) == 0 && (sp[i].kind != 0 || (sp[i].ts & 7) == 0);
-        }
-        pipe_s = ok;
-    }
+    if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
     if (sel_s) {
         const int kind = a.seqs[b].vc_data ? 2 : 1;
         for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
@@ -1102,9 +1071,6 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     if (a.seqs) pdl_wait();
     __syncthreads();
     const int ns = n_spans_s;
-    const bool pipe = pipe_s;
-    int64_t T = 0;
-    for (int i = 0; i < ns; i++) T += sp[i].n;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
     const bool dvec = d0 + kAtDC <= D;
     for (int gq = 0; gq < G; gq += kAtGC) {
@@ -1121,50 +1087,6 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         }
         int si = 0;
         int64_t base = 0;
-        if (pipe) {
-            /* the lane's tokens i = 0, 1, .. (j = lane + 256 i) kAtPipe ahead: one cp.async group per token
-               (empty past T); token i waits for its group, is added, and its slot takes token i + kAtPipe */
-            uint4 *rv = reinterpret_cast<uint4 *>(xb);
-            float *re = reinterpret_cast<float *>(rv + (size_t)kAtPipe * kAtVQ * kAtLanes);
-            auto issue = [&](int64_t i) {
-                const int64_t j = lane + i * kAtLanes;
-                const int slot = (int)(i % kAtPipe);
-                if (j < T) {
-                    at_seek(sp, ns, j, si, base);
-                    const uint16_t *v = at_vrow(a, sp[si], b, h, j - base, sel_s) + d0;
-#pragma unroll
-                    for (int qv = 0; qv < kAtVQ; qv++) {
-                        uint4 *dst = rv + ((size_t)slot * kAtVQ + qv) * kAtLanes + lane;
-                        if (d0 + 8 * qv + 8 <= D) cp_async16(dst, v + 8 * qv);
-                        else store_zero16(dst);
-                    }
-#pragma unroll
-                    for (int x = 0; x < kAtGC; x++) {
-                        float *dst = re + ((size_t)slot * kAtGC + x) * kAtLanes + lane;
-                        if (x < gn) cp_async4(dst, er[x] + j);
-                        else *dst = 0.0f;
-                    }
-                }
-                cp_async_commit();
-            };
-            const int64_t n_i = T > lane ? (T - 1 - lane) / kAtLanes + 1 : 0;
-#pragma unroll
-            for (int i = 0; i < kAtPipe; i++) issue(i);
-            for (int64_t i = 0; i < n_i; i++) {
-                cp_async_wait_group<kAtPipe - 1>();
-                const int slot = (int)(i % kAtPipe);
-                uint4 raw[kAtVQ];
-                float w[kAtGC];
-#pragma unroll
-                for (int qv = 0; qv < kAtVQ; qv++) raw[qv] = rv[((size_t)slot * kAtVQ + qv) * kAtLanes + lane];
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++) w[x] = re[((size_t)slot * kAtGC + x) * kAtLanes + lane];
-                at_accum(raw, w, z, acc);
-                issue(i + kAtPipe);
-            }
-            cp_async_wait_all();
-            __syncthreads(); /* every lane's ring reads are done before xb is written */
-        } else
         for (int64_t j = lane;; j += kAtTok * kAtLanes) {
             bool ok[kAtTok];
             const uint16_t *vr[kAtTok];
@@ -1200,7 +1122,15 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
 #pragma unroll
             for (int t = 0; t < kAtTok; t++) {
                 if (!ok[t]) break;
-                at_accum(raw[t], w[t], z, acc);
+                float f[kAtDC];
+#pragma unroll
+                for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[t][qv], f + 8 * qv);
+#pragma unroll
+                for (int x = 0; x < kAtGC; x++) {
+                    z[x] = SKV_ADD(z[x], w[t][x]);
+#pragma unroll
+                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(w[t][x], f[y], acc[x][y]);
+                }
             }
             if (!ok[kAtTok - 1]) break;
         }
