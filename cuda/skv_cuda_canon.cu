@@ -30,13 +30,18 @@
  *    stored: the warp scores its 16 tokens from the staging rows (lane: token
  *    lane mod 16, query heads lane / 16, + 2, ..; s_j = scale x the fmaf chain of
  *    skv_dot_bf16 in d order) into the workspace e [B, Hq, Tmax] at the selected
- *    span's places. r > 256 or shapes whose shared memory would not fit take
+ *    span's places, and each block its score maxima per query head into the
+ *    workspace's pm. r > 256 or shapes whose shared memory would not fit take
  *    canon_rebuild_scalar_kernel (int64 sums, the same values, the same scores).
- *  - attention: the scores of the other spans (at decode canon_weights_kernel's
- *    first pass, a thread per token; at op level canon_score_kernel, a thread per
- *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
- *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
- *    place, once per head; canon_attend_kernel, a block of 256 threads per (16 dims,
+ *  - attention: the scores of the other spans (at decode canon_resident_kernel, a
+ *    thread per token and the group's heads 4 chains at a time, on the cache's side
+ *    stream beside the selection, its maxima into pm too; at op level
+ *    canon_score_kernel, a thread per (token, KV head), every span); the weights
+ *    e_j = skv_expf(s_j - M) in place, once per head (at decode canon_exp_kernel, M
+ *    the max of the row of pm, a thread per 4 tokens; at op level
+ *    canon_weights_kernel, a block per (query head, sequence), M by a block max of
+ *    the T scores); canon_attend_kernel (at decode the exp kernel's programmatic
+ *    dependent: its spans and the selection staged before the weights are final), a block of 256 threads per (16 dims,
  *    a 32-byte sector of a value row; KV head, sequence), thread l = canonical lane
  *    l: per 4 query heads, lane l walks its tokens j = l, l + 256, ... in order, 2 in
  *    flight: z += e_j, N_d = fma(e_j, v_jd, N_d) for the block's 16 dims (the 4 heads
