@@ -169,7 +169,6 @@ typedef struct skv_cuda_dws {
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
     float *canon_e;              /* [B, Hq, canon_tmax] the canonical attention's scores, then weights */
-    float *canon_pm;             /* [B, Hq, skv_cuda_canon_parts] the rebuild blocks' score maxima */
     int64_t canon_tmax;          /* most tokens a query head attends to (skv_plan_max_tokens) */
 } skv_cuda_dws;
 
@@ -261,11 +260,8 @@ int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode);
    snapshot load), not per step. r > 256: cudaErrorInvalidValue. */
 cudaError_t skv_cuda_canon_wprep(cudaStream_t st, int32_t Hk, int32_t D, int32_t r, const skv_bf16 *w, void *wq);
 
-/* Blocks per (sequence, KV head) that a decode step's canonical rebuild may launch, for S c selected
-   tokens and rows of tmax tokens (the row length of ws->canon_pm). */
-int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax);
 /* The canonical scores of a decode step's resident tokens (every span but the selected one, docs/DESIGN.md
-   10.3 step 1) into ws->canon_e, and their maxima per query head into ws->canon_pm. Needs ws->io
+   10.3 step 1) into ws->canon_e. Needs ws->io
    published (after step 1 of skv_cuda_select_step), not the selection: the cache runs it on its side
    stream beside steps 2 and 3. */
 cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
@@ -273,8 +269,7 @@ cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape
 /* The canonical rebuild of a decode step's selected keys (ws->sel_ids; W's fixed point from
    seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores
    them against ws->io's q on chip (the scores s_j of docs/DESIGN.md 10.3 step 1) into
-   ws->canon_e at the selected span's places; every block leaves its score maxima per query head in
-   ws->canon_pm. */
+   ws->canon_e at the selected span's places. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild

@@ -345,17 +345,15 @@ static size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32
         SKV_REGION(mlist, int32_t, bk * S);
         SKV_REGION(pbuf, float, bq * S * c);
     }
-    if (canon_tmax > 0) { /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
+    if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
         SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
-        SKV_REGION(canon_pm, float, bq * (size_t)skv_cuda_canon_parts(S, c, canon_tmax));
-    }
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
         ws->it = it;
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
-        if (canon_tmax <= 0) ws->canon_e = ws->canon_pm = NULL;
+        if (canon_tmax <= 0) ws->canon_e = NULL;
     }
     return off;
 }

@@ -30,17 +30,14 @@
  *    stored: the warp scores its 16 tokens from the staging rows (lane: token
  *    lane mod 16, query heads lane / 16, + 2, ..; s_j = scale x the fmaf chain of
  *    skv_dot_bf16 in d order) into the workspace e [B, Hq, Tmax] at the selected
- *    span's places, and each block its score maxima per query head into the
- *    workspace's pm. r > 256 or shapes whose shared memory would not fit take
+ *    span's places. r > 256 or shapes whose shared memory would not fit take
  *    canon_rebuild_scalar_kernel (int64 sums, the same values, the same scores).
  *  - attention: the scores of the other spans (at decode canon_resident_kernel, a
  *    thread per token and the group's heads 4 chains at a time, on the cache's side
- *    stream beside the selection, its maxima into pm too; at op level
- *    canon_score_kernel, a thread per (token, KV head), every span); the weights
- *    e_j = skv_expf(s_j - M) in place, once per head (at decode canon_exp_kernel, M
- *    the max of the row of pm, a thread per 4 tokens; at op level
- *    canon_weights_kernel, a block per (query head, sequence), M by a block max of
- *    the T scores); canon_attend_kernel (at decode the exp kernel's programmatic
+ *    stream beside the selection; at op level canon_score_kernel, a thread per
+ *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
+ *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
+ *    place, once per head; canon_attend_kernel (at decode the weights kernel's programmatic
  *    dependent: its spans and the selection staged before the weights are final), a block of 256 threads per (16 dims,
  *    a 32-byte sector of a value row; KV head, sequence), thread l = canonical lane
  *    l: per 4 query heads, lane l walks its tokens j = l, l + 256, ... in order, 2 in
@@ -98,9 +95,6 @@ struct AttendArgs {
     const skv_cuda_io *io;
     const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
     int32_t O, c, S, gen_cap, vc_chunks;
-    const float *pm;        /* the rebuild blocks' score maxima: [B, Hq] rows of pms, np of them used */
-    int64_t pms;
-    int32_t np;
 };
 
 /* The five spans of (sequence b, KV head h) at decode into sp[] (skv_plan_spans; the selected span's
@@ -241,11 +235,8 @@ struct RebuildArgs {
     float scale;
     int64_t Tmax;
     /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
-       one: canon_resident_kernel, pm columns col0 + x); rebuild block x leaves its score maxima per query
-       head at pm[(b Hq + hq) pms + x] (canon_exp_kernel reduces the row) */
+       one: canon_resident_kernel) */
     int32_t nx, gen_cap;
-    float *pm;
-    int64_t pms, col0;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -295,14 +286,13 @@ struct SwRow {
 };
 
 /* Dynamic shared memory of the tensor-core rebuild for a shape (G: the query heads per KV head when it
-   scores, else 0; their q [G][D] and the block's maxima bm [G] follow the staging rows). */
+   scores, else 0; their q [G][D] follows the staging rows). */
 __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int32_t G, int32_t D, int rm)
 {
     return (size_t)2 * Kp * Dp                            /* W's B fragments, hi and lo */
            + sizeof(int) * (size_t)Dp                     /* ew */
            + 4 * (size_t)kRbTok * rb_xstride(Dp, rm)      /* per token: the float key (RM 0), the bf16 key */
-           + sizeof(float) * (size_t)G * D                /* q of the group's query heads */
-           + sizeof(unsigned) * (size_t)G;                /* bm: the block's maxima per query head */
+           + sizeof(float) * (size_t)G * D;               /* q of the group's query heads */
 }
 
 /* The position of selected token m (< S c) of (b, h) (ids: its chunk ids): a 32-bit division, as
@@ -340,10 +330,10 @@ __device__ __forceinline__ void rb_load_q(const RebuildArgs &a, int b, int h, fl
 
 /* Scores of up to 4 query heads g0, g0 + gs, .. (< G) against the key row x [D] (floats of bf16 keys, or
    the bf16 keys): per head the fmaf chain of skv_dot_bf16 over d in order (the 4 chains interleaved),
-   times scale, into e[(bq0 + g) Tmax + j] and s[gg]; s[gg] = -inf for heads past G. q: [G][D] floats. */
+   times scale, into e[(bq0 + g) Tmax + j]. q: [G][D] floats. */
 template <typename R>
 __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, const float *q, int g0, int gs,
-                                             int64_t bq0, int64_t j, float (&s)[4])
+                                             int64_t bq0, int64_t j)
 {
     const int D = a.D, G = a.G;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -368,57 +358,31 @@ __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, c
                 if (g0 + gs * gg < G) acc[gg] = SKV_FMA(q[(size_t)(g0 + gs * gg) * D + d], rb_key1(x, d), acc[gg]);
     }
 #pragma unroll
-    for (int gg = 0; gg < 4; gg++) {
-        s[gg] = -INFINITY;
-        if (g0 + gs * gg < G) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = s[gg] = SKV_MUL(acc[gg], a.scale);
-    }
+    for (int gg = 0; gg < 4; gg++)
+        if (g0 + gs * gg < G) a.e[(bq0 + g0 + gs * gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
 }
 
-/* An order-preserving image of a float as unsigned (x < y iff rb_ord(x) < rb_ord(y) for non-NaN x, y;
-   -0 just below +0), for the shared atomicMax of the block's maxima, and its inverse. */
-__device__ __forceinline__ unsigned rb_ord(float x)
-{
-    const unsigned u = __float_as_uint(x);
-    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
-}
-__device__ __forceinline__ float rb_unord(unsigned u) { return __uint_as_float((u & 0x80000000u) ? u & 0x7fffffffu : ~u); }
-
-/* The warp's scores at decode (the tensor-core rebuild): lane (token rr = lane mod 16 of the warp's 16,
-   live or not) takes the query heads lane / 16, + 2, + 4, .. of the group (rb_score_row, 4 chains at
-   a time), then each head's max over the warp's tokens into bm (one shared atomicMax per head). */
+/* The scores of a warp's live tokens at decode (the tensor-core rebuild): lane (token rr = lane mod 16)
+   takes the query heads lane / 16, + 2, + 4, .. of the group, 4 chains at a time (rb_score_row). */
 template <typename R>
-__device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h, int64_t mw, const R &x, bool live,
-                                              const float *qs, unsigned *bm)
+__device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h, int64_t mw, const R &x,
+                                              const float *qs)
 {
     const int lane = threadIdx.x & 31;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + (lane & 15);
-    for (int gb = 0; gb < a.G; gb += 8) { /* warp-uniform */
-        const int g0 = gb + (lane >> 4);
-        float s[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        if (live) rb_score_row(a, x, qs, g0, 2, bq0, j, s);
-#pragma unroll
-        for (int gg = 0; gg < 4; gg++) {
-            float m = s[gg];
-#pragma unroll
-            for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-            if ((lane & 15) == 0 && g0 + 2 * gg < a.G) atomicMax(bm + g0 + 2 * gg, rb_ord(m));
-        }
-    }
+    for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, x, qs, g0, 2, bq0, j);
 }
 
 /* Decode, the nx blocks of (b, h) of canon_resident_kernel: the resident tokens (every span but the selected one,
    in the attention's token order) strided over those blocks, a thread per token: s_j of the group's
-   query heads (at_score_row, 4 chains at a time) into e, each head's max into bm. smem: q [G][D]
-   floats, then bm [G]. */
+   query heads (at_score_row, 4 chains at a time) into e. smem: q [G][D] floats. */
 __device__ void rb_resident(const RebuildArgs &a, int b, int h)
 {
-    const int tid = threadIdx.x, lane = tid & 31;
+    const int tid = threadIdx.x;
     float *qs = (float *)skv_canon_smem;
-    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);
     __shared__ CSpan sp[SKV_N_SPANS];
     if (tid == 0) at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, sp);
     rb_load_q(a, b, h, qs);
-    for (int g = tid; g < a.G; g += blockDim.x) bm[g] = rb_ord(-INFINITY);
     __syncthreads();
     int64_t T = 0;
     for (int i = 0; i < SKV_N_SPANS; i++) T += sp[i].n;
@@ -426,46 +390,25 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
     const int64_t nres = T - nsel, bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
     int si = 0;
     int64_t base = 0;
-    for (int64_t r0 = (int64_t)blockIdx.x * kRbNT; r0 < nres; r0 += (int64_t)a.nx * kRbNT) { /* block-uniform */
-        const int64_t r = r0 + tid, j = r < sel0 ? r : r + nsel;
-        const bool ok = r < nres;
-        const uint16_t *k = nullptr;
-        if (ok) {
-            at_seek(sp, SKV_N_SPANS, j, si, base);
-            k = sp[si].k + (j - base) * sp[si].ts;
-        }
+    for (int64_t r = (int64_t)blockIdx.x * kRbNT + tid; r < nres; r += (int64_t)a.nx * kRbNT) {
+        const int64_t j = r < sel0 ? r : r + nsel;
+        at_seek(sp, SKV_N_SPANS, j, si, base);
+        const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
         for (int g0 = 0; g0 < a.G; g0 += 4) {
             const int gn = min(4, a.G - g0);
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (ok) at_score_row(k, qs + (size_t)g0 * a.D, a.D, gn, acc);
+            at_score_row(k, qs + (size_t)g0 * a.D, a.D, gn, acc);
 #pragma unroll
-            for (int gg = 0; gg < 4; gg++) {
-                if (gg >= gn) break;
-                float sv = -INFINITY;
-                if (ok) a.e[(bq0 + g0 + gg) * a.Tmax + j] = sv = SKV_MUL(acc[gg], a.scale);
-                sv = warp_max(sv);
-                if (lane == 0) atomicMax(bm + g0 + gg, rb_ord(sv));
-            }
+            for (int gg = 0; gg < 4; gg++)
+                if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
         }
     }
 }
 
-/* Decode, every block of (b, h) at its end (all threads): its score maxima bm [G] into pm column
-   col0 + blockIdx.x. */
-__device__ __forceinline__ void rb_block_max(const RebuildArgs &a, int b, int h, const unsigned *bm)
-{
-    __syncthreads(); /* the block's atomics into bm are done */
-    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G;
-    for (int g = threadIdx.x; g < a.G; g += blockDim.x)
-        a.pm[(bq0 + g) * a.pms + a.col0 + blockIdx.x] = rb_unord(bm[g]);
-}
-
-/* Decode: the resident tokens' scores, grid (nx, Hk, B), 256 threads (rb_resident, then the block's
-   maxima). smem: q [G][D] floats, bm [G]. */
+/* Decode: the resident tokens' scores, grid (nx, Hk, B), 256 threads (rb_resident). smem: q [G][D] floats. */
 __global__ void __launch_bounds__(kRbNT) canon_resident_kernel(const RebuildArgs a)
 {
     rb_resident(a, blockIdx.z, blockIdx.y);
-    rb_block_max(a, blockIdx.z, blockIdx.y, (unsigned *)(skv_canon_smem + sizeof(float) * (size_t)a.G * a.D));
 }
 
 /* t = x + 64 for x = skv_canon_rebuild_fix(h, e), e >= -113 (s = 2^(12 - e)): h 2^(12 - e) is |y| <= 2^13,
@@ -675,7 +618,6 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
     uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
-    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);                /* [G] when scoring */
     __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
@@ -730,10 +672,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
         cp_async_commit();
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
-        if (a.e) {
-            rb_load_q(a, b, h, qs);
-            for (int gq = tid; gq < a.G; gq += kRbNT) bm[gq] = rb_ord(-INFINITY);
-        }
+        if (a.e) rb_load_q(a, b, h, qs);
     }
     if (t4 == 0) {
         pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
@@ -844,8 +783,8 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         if (!a.e) return;
         __syncwarp();
         const int rr = lane & 15;
-        rb_score_warp(a, b, h, mw, xs + (size_t)rr * xst, pos_s[warp][rr] >= 0, qs, bm);
-        rb_block_max(a, b, h, bm);
+        if (pos_s[warp][rr] < 0) return;
+        rb_score_warp(a, b, h, mw, xs + (size_t)rr * xst, qs);
     } else {
         /* RoPE in registers: the keys of a lane's pairs, rotated, rounded to bf16 two at a time into the
            staging words (row g + 8 rs, word 4 nt + t = dims 8 nt + 2 t, + 1) */
@@ -945,8 +884,8 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         }
         if (!a.e) return;
         const int rr = lane & 15;
-        rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, pos_s[warp][rr] >= 0, qs, bm);
-        rb_block_max(a, b, h, bm);
+        if (pos_s[warp][rr] < 0) return;
+        rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, qs);
     }
 }
 
@@ -961,12 +900,8 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     int *ew = (int *)skv_canon_smem, *eu = ew + a.Dp;
     float *xs = (float *)(eu + 32), *qs = xs + (size_t)32 * a.D; /* qs [G][D] when scoring */
-    unsigned *bm = (unsigned *)(qs + (size_t)a.G * a.D);          /* [G] when scoring */
     rb_col_exps(a, w, h, ew);
-    if (a.e) {
-        rb_load_q(a, b, h, qs);
-        for (int g = tid; g < a.G; g += kRbNT) bm[g] = rb_ord(-INFINITY);
-    }
+    if (a.e) rb_load_q(a, b, h, qs);
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
         unsigned mx = 0;
@@ -1000,16 +935,13 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     }
     if (!a.e) return;
     __syncthreads();
-    /* the scores: a thread per (row, 4 query heads), their maxima into bm */
+    /* the scores: a thread per (row, 4 query heads) */
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, sel0 = rb_sel0(a, b);
     for (int unit = tid; unit < 32 * ((a.G + 3) / 4); unit += kRbNT) {
-        const int row = unit & 31, g0 = 4 * (unit >> 5);
+        const int row = unit & 31;
         if (m0 + row >= a.M) continue;
-        float sv[4];
-        rb_score_row(a, xs + (size_t)row * a.D, qs, g0, 1, bq0, sel0 + m0 + row, sv);
-        for (int gg = 0; gg < 4 && g0 + gg < a.G; gg++) atomicMax(bm + g0 + gg, rb_ord(sv[gg]));
+        rb_score_row(a, xs + (size_t)row * a.D, qs, 4 * (unit >> 5), 1, bq0, sel0 + m0 + row);
     }
-    rb_block_max(a, b, h, bm);
 }
 
 /* Scores at op level: grid (ceil(Tmax / 256), Hk, B), 256 threads; thread j of (b, h) computes s_j = scale x the
@@ -1071,7 +1003,7 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         const int kind = a.seqs[b].vc_data ? 2 : 1;
         for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
     }
-    /* decode: launched as canon_exp_kernel's dependent; the spans and the selection above were final
+    /* decode: launched as canon_weights_kernel's dependent; the spans and the selection above were final
        before it, its weights are not */
     if (a.seqs) pdl_wait();
     __syncthreads();
@@ -1173,11 +1105,11 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     }
 }
 
-/* Weights at op level (at decode the rebuild's last block of each (sequence, KV head) computes them):
-   grid (G, Hk, B), 256 threads, a block per query head hq = h G + blockIdx.x: M = the block's max of
-   the T scores (any order: see skv_canonical_attend), then e_j = skv_expf(s_j - M) in place, once per
-   head (the P V blocks of a group all read these; a thread keeps its first kAtWReg scores in registers
-   between the two passes). */
+/* Weights: grid (G, Hk, B), 256 threads, a block per query head hq = h G + blockIdx.x: M = the block's
+   max of the T scores (any order: see skv_canonical_attend), then e_j = skv_expf(s_j - M) in place,
+   once per head (the P V blocks of a group all read these; a thread keeps its first kAtWReg scores in
+   registers between the two passes). T: Tmax at op level; at decode sequence b's token count (every
+   score written by the rebuild and canon_resident_kernel before). */
 constexpr int kAtWReg = 12; /* scores per thread kept in registers (T <= 3072 at 256 threads) */
 __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArgs a)
 {
@@ -1185,7 +1117,9 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     const int64_t bq = (int64_t)b * a.Hq + (int64_t)h * a.G + blockIdx.x;
     float *er = a.e + bq * a.Tmax;
     __shared__ float red[kAtLanes / 32];
-    const int64_t T = a.Tmax;
+    pdl_trigger(); /* at decode P V's blocks may start their prologue */
+    const int64_t T = a.seqs ? (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, a.seqs[b].n_local, a.seqs[b].n_gen)
+                             : a.Tmax;
     /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
     float sv[kAtWReg];
     float mx = -INFINITY;
@@ -1210,43 +1144,6 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     }
 #pragma unroll 4
     for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
-}
-
-/* Weights at decode: grid (ceil(Tmax / (kAtExTok 256)), Hq, B), 256 threads. M of query head hq of
-   sequence b is the max of the rebuild blocks' maxima pm[(b Hq + hq) pms + x], x < np (any order: M's
-   value is unique up to the sign of a zero, and e_j is the same either way; see skv_canonical_attend),
-   then e_j = skv_expf(s_j - M) in place for the block's kAtExTok x 256 tokens j < T (all loaded first). */
-constexpr int kAtExTok = 4;
-__global__ void __launch_bounds__(kAtLanes) canon_exp_kernel(const AttendArgs a)
-{
-    const int hq = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-    pdl_trigger(); /* P V's blocks may start their prologue */
-    const skv_cuda_seq &sq = a.seqs[b];
-    const int64_t T = (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
-    const int64_t j0 = (int64_t)blockIdx.x * kAtExTok * kAtLanes + tid;
-    if ((int64_t)blockIdx.x * kAtExTok * kAtLanes >= T) return; /* block-uniform */
-    const int64_t bq = (int64_t)b * a.Hq + hq;
-    float *er = a.e + bq * a.Tmax;
-    __shared__ float M_s;
-    if (tid < 32) {
-        float M = -INFINITY;
-        for (int p = tid; p < a.np; p += 32) M = fmaxf(M, a.pm[bq * a.pms + p]);
-        M = warp_max(M);
-        if (tid == 0) M_s = M;
-    }
-    float x[kAtExTok];
-#pragma unroll
-    for (int u = 0; u < kAtExTok; u++) {
-        const int64_t j = j0 + (int64_t)u * kAtLanes;
-        x[u] = j < T ? er[j] : 0.0f;
-    }
-    __syncthreads();
-    const float M = M_s;
-#pragma unroll
-    for (int u = 0; u < kAtExTok; u++) {
-        const int64_t j = j0 + (int64_t)u * kAtLanes;
-        if (j < T) er[j] = skv_expf(SKV_SUB(x[u], M));
-    }
 }
 
 size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
@@ -1301,14 +1198,6 @@ bool rb_tc(const RebuildArgs &a, int32_t G, size_t *smem)
 /* Whether a rebuild launch takes the tensor-core kernel, and its dynamic shared memory if so. */
 bool rb_uses_tc(const RebuildArgs &a, size_t *smem) { return rb_tc(a, a.e ? a.G : 0, smem) && (a.wq || a.wq_seq); }
 
-/* Blocks per (sequence, KV head) of a rebuild launch (at decode: the pm columns it writes, before the
-   resident blocks' nx). */
-int64_t rb_tiles(const RebuildArgs &a)
-{
-    size_t smem;
-    return rb_blocks(a, rb_uses_tc(a, &smem) ? kRbTok : 32);
-}
-
 cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
 {
     if (a.M <= 0 || B <= 0) return cudaSuccess;
@@ -1321,8 +1210,7 @@ cudaError_t launch_rebuild(cudaStream_t st, const RebuildArgs &a, int32_t B)
         if (rm == 2) return launch_rebuild_rm<2>(st, a, B, smem);
         return launch_rebuild_rm<0>(st, a, B, smem);
     }
-    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)G * a.D) +
-                      sizeof(unsigned) * (size_t)G;
+    const size_t s2 = sizeof(int) * ((size_t)a.Dp + 32) + sizeof(float) * (32 * (size_t)a.D + (size_t)G * a.D);
     cudaError_t e = allow_smem(canon_rebuild_scalar_kernel, s2);
     if (e != cudaSuccess) return e;
     return launch(canon_rebuild_scalar_kernel, dim3((unsigned)rb_blocks(a, 32), (unsigned)a.Hk, (unsigned)B),
@@ -1341,7 +1229,7 @@ RebuildArgs rebuild_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs, con
 }
 
 /* Op level (seqs NULL): the scores of every span (canon_score_kernel), the weights, P V. Decode: the
-   weights from the scores and block maxima that the rebuild's launch left (canon_exp_kernel), P V. */
+   weights (the rebuild and canon_resident_kernel wrote the scores), P V. */
 cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64_t T)
 {
     if (a.Hk > kMaxGridYZ || B > kMaxGridYZ) return cudaErrorInvalidValue;
@@ -1356,12 +1244,8 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
         e = launch(canon_score_kernel, dim3((unsigned)ceil_div64(T, kAtLanes), (unsigned)a.Hk, (unsigned)B),
                    dim3(kAtLanes), s1, st, false, a);
         if (e != cudaSuccess) return e;
-        e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), 0, st, false, a);
-    } else {
-        if (a.Hq > kMaxGridYZ) return cudaErrorInvalidValue;
-        e = launch(canon_exp_kernel, dim3((unsigned)ceil_div64(T, kAtExTok * kAtLanes), (unsigned)a.Hq, (unsigned)B),
-                   dim3(kAtLanes), 0, st, false, a);
     }
+    e = launch(canon_weights_kernel, dim3((unsigned)a.G, (unsigned)a.Hk, (unsigned)B), dim3(kAtLanes), 0, st, false, a);
     if (e != cudaSuccess) return e;
     return launch(canon_attend_kernel, dim3((unsigned)((a.D + kAtDC - 1) / kAtDC), (unsigned)a.Hk, (unsigned)B),
                   dim3(kAtLanes), s2, st, a.seqs != nullptr, a);
@@ -1372,12 +1256,6 @@ cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int32_t B, int64
 size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r)
 {
     return wq_bytes(Hk, (r + 31) / 32 * 32, (D + 15) / 16 * 16);
-}
-
-int64_t skv_cuda_canon_parts(int32_t S, int32_t c, int64_t tmax)
-{
-    const int64_t M = (int64_t)S * c;
-    return ceil_div64(M, 32) + rb_nx(tmax - M); /* the scalar kernel's tiles are the smaller; then the resident blocks */
 }
 
 int skv_cuda_canon_uses_wq(const skv_cuda_shape *sh, int decode)
@@ -1412,8 +1290,7 @@ static RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_
     a.wq_seq = skv_cuda_canon_uses_wq(sh, 1); /* the slots' W, prepared when it was written */
     a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
     a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
-    a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M), a.pm = ws->canon_pm;
-    a.pms = skv_cuda_canon_parts(sh->S, sh->c, ws->canon_tmax);
+    a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M);
     return a;
 }
 
@@ -1429,8 +1306,7 @@ cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape
     RebuildArgs a = decode_rebuild_args(sh, seqs, ws);
     if (sh->B <= 0) return cudaSuccess;
     if (a.Hk > kMaxGridYZ || sh->B > kMaxGridYZ) return cudaErrorInvalidValue;
-    a.col0 = rb_tiles(a);
-    const size_t smem = sizeof(float) * (size_t)a.G * a.D + sizeof(unsigned) * (size_t)a.G;
+    const size_t smem = sizeof(float) * (size_t)a.G * a.D;
     cudaError_t e = allow_smem(canon_resident_kernel, smem);
     if (e != cudaSuccess) return e;
     return launch(canon_resident_kernel, dim3((unsigned)a.nx, (unsigned)a.Hk, (unsigned)sh->B), dim3(kRbNT), smem, st,
@@ -1448,8 +1324,6 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
-    const RebuildArgs r = decode_rebuild_args(sh, seqs, ws);
-    a.pm = r.pm, a.pms = r.pms, a.np = (int32_t)(rb_tiles(r) + r.nx);
     return launch_attend(st, a, sh->B, ws->canon_tmax);
 }
 
