@@ -22,7 +22,9 @@
 #             rebuild and attention, snapshots, test_contract's reproducible configurations, the
 #             fuzz_diff corpus with its cuda leg), then its cost against the default mode in one
 #             run: the factorization at 16k/64k/128k (factorize_repro.json) and the decode step
-#             at 128k x 8 and 32k x 1 (decode_repro.json); REPRO_PY=1 adds the Python tests on cuda
+#             at 128k x 8 and 32k x 1 (decode_repro.json), then REPRO_RUNS (5) more runs at 128k x 8
+#             with their ratios' median (decode_repro_runs.json, tests/gpu/repro_ratio.py); REPRO_PY=1
+#             adds the Python tests on cuda
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -268,6 +270,16 @@ if [ "$MODE" = repro ]; then
   stamp "decode step, default and reproducible mode in one run"
   timeout 300 $BIN/skv-bench decode --backend cuda --ctx 131072,32768 --batch 8,1 --placement device \
     --workload fresh --steps 20 --warmup 5 --reproducible --json > "$OUT/decode_repro.json"
+  # the ratio moves by several percent between runs: REPRO_RUNS more runs at 128k x 8, each with both
+  # modes, and their median (decode_repro_runs.json)
+  stamp "decode step at 128k x 8, ${REPRO_RUNS:-5} more runs of both modes"
+  rr=()
+  for i in $(seq "${REPRO_RUNS:-5}"); do
+    timeout 120 $BIN/skv-bench decode --backend cuda --ctx 131072 --batch 8 --placement device --workload fresh \
+      --steps 20 --warmup 5 --reproducible --json > "$TMP/rr_$i.json" && rr+=("$TMP/rr_$i.json")
+  done
+  python3 tests/gpu/repro_ratio.py "${rr[@]}" > "$OUT/decode_repro_runs.json"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio median', d.get('median_ratio'), 'range', d.get('min_ratio'), '..', d.get('max_ratio'), 'over', d.get('n'), 'runs')" "$OUT/decode_repro_runs.json"
 fi
 sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 stamp "done"
