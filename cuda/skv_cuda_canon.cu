@@ -37,8 +37,9 @@
  *    stream beside the selection; at op level canon_score_kernel, a thread per
  *    (token, KV head), every span); canon_weights_kernel, a block per (query head,
  *    sequence): M by a block max of the T scores, then e_j = skv_expf(s_j - M) in
- *    place, once per head; canon_attend_kernel (at decode the weights kernel's programmatic
- *    dependent: its spans and the selection staged before the weights are final), a block of 256 threads per (16 dims,
+ *    place, once per head; canon_attend_kernel (at decode the weights kernel's
+ *    programmatic dependent: its spans and the selection's chunks staged in shared
+ *    memory before the weights are final), a block of 256 threads per (16 dims,
  *    a 32-byte sector of a value row; KV head, sequence), thread l = canonical lane
  *    l: per 4 query heads, lane l walks its tokens j = l, l + 256, ... in order, 2 in
  *    flight: z += e_j, N_d = fma(e_j, v_jd, N_d) for the block's 16 dims (the 4 heads
