@@ -273,7 +273,7 @@ cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild
-   (the weights from its scores and maxima, then P V):
+   and skv_cuda_canon_decode_resident (the weights from their scores, then P V):
    q, k_new, v_new and out from ws->io, the selected tokens' scores from ws->canon_e, their values
    from the store or, for a host slot, from the chunk cache (so it must run after skv_cuda_fetch). */
 cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,

@@ -136,6 +136,15 @@ __device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
     return SKV_N_SPANS;
 }
 
+/* Selected token t (< S c < 2^31) -> its selection slot t / c and its row t mod c in the chunk, by a 32-bit
+   division (a 64-bit one is a long software routine, and this runs per token). */
+__device__ __forceinline__ uint32_t at_chunk_of(int64_t t, int32_t c, uint32_t &i)
+{
+    const uint32_t s = (uint32_t)t / (uint32_t)c;
+    i = (uint32_t)t - s * (uint32_t)c;
+    return s;
+}
+
 /* Where the values of selection slot s (< S) of (b, h) live: kind 1 (device slot) its candidate's index
    in the store, kind 2 (host slot) its chunk-cache entry. */
 __device__ __forceinline__ int32_t at_sel_chunk(const AttendArgs &a, int kind, int64_t bh, int64_t s)
@@ -151,8 +160,8 @@ __device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CS
 {
     if (s.kind == 0) return s.v + t * s.ts;
     const skv_cuda_seq &sq = a.seqs[b];
-    /* t < S c < 2^31: a 32-bit division (a 64-bit one is a long software routine per token) */
-    const uint32_t sel = (uint32_t)t / (uint32_t)a.c, i = (uint32_t)t - sel * (uint32_t)a.c;
+    uint32_t i;
+    const uint32_t sel = at_chunk_of(t, a.c, i);
     const int32_t ch = sel_s ? sel_s[sel] : at_sel_chunk(a, s.kind, (int64_t)b * a.Hk + h, sel);
     if (s.kind == 1) return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + ch) * a.c + i) * a.D;
     return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + ch) * a.c + i) * a.D;
@@ -200,6 +209,21 @@ __device__ __forceinline__ void at_score_row(const uint16_t *k, const float *q, 
             for (int gg = 0; gg < 4; gg++)
                 if (gg < gn) acc[gg] = SKV_FMA(q[(size_t)gg * D + d], f, acc[gg]);
         }
+    }
+}
+
+/* s_j = scale x the fmaf chain of skv_dot_bf16 of the key row k [D] for all G query heads qs [G][D]
+   (at_score_row, 4 chains at a time), into e[g Tmax + j] (e: the group's first row). */
+__device__ __forceinline__ void at_score_token(const uint16_t *k, const float *qs, int D, int G, float scale,
+                                               float *e, int64_t Tmax, int64_t j)
+{
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = min(4, G - g0);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        at_score_row(k, qs + (size_t)g0 * D, D, gn, acc);
+#pragma unroll
+        for (int gg = 0; gg < 4; gg++)
+            if (gg < gn) e[(g0 + gg) * Tmax + j] = SKV_MUL(acc[gg], scale);
     }
 }
 
@@ -296,12 +320,12 @@ __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int32_t G, int
            + sizeof(float) * (size_t)G * D;               /* q of the group's query heads */
 }
 
-/* The position of selected token m (< S c) of (b, h) (ids: its chunk ids): a 32-bit division, as
-   S c < 2^31 (a 64-bit one is a long software routine). */
+/* The position of selected token m (< S c) of (b, h) (ids: its chunk ids). */
 __device__ __forceinline__ int64_t rb_pos(const RebuildArgs &a, const int32_t *ids, int64_t m)
 {
-    const uint32_t ch = (uint32_t)m / (uint32_t)a.c;
-    return (int64_t)ids[ch] * a.c + ((uint32_t)m - ch * (uint32_t)a.c);
+    uint32_t i;
+    const uint32_t s = at_chunk_of(m, a.c, i);
+    return (int64_t)ids[s] * a.c + i;
 }
 
 /* The selected span's first token in the attention's token order (skv_plan_spans: outliers, local). */
@@ -376,7 +400,7 @@ __device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h
 
 /* Decode, the nx blocks of (b, h) of canon_resident_kernel: the resident tokens (every span but the selected one,
    in the attention's token order) strided over those blocks, a thread per token: s_j of the group's
-   query heads (at_score_row, 4 chains at a time) into e. smem: q [G][D] floats. */
+   query heads (at_score_token) into e. smem: q [G][D] floats. */
 __device__ void rb_resident(const RebuildArgs &a, int b, int h)
 {
     const int tid = threadIdx.x;
@@ -394,15 +418,7 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
     for (int64_t r = (int64_t)blockIdx.x * kRbNT + tid; r < nres; r += (int64_t)a.nx * kRbNT) {
         const int64_t j = r < sel0 ? r : r + nsel;
         at_seek(sp, SKV_N_SPANS, j, si, base);
-        const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
-        for (int g0 = 0; g0 < a.G; g0 += 4) {
-            const int gn = min(4, a.G - g0);
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            at_score_row(k, qs + (size_t)g0 * a.D, a.D, gn, acc);
-#pragma unroll
-            for (int gg = 0; gg < 4; gg++)
-                if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
-        }
+        at_score_token(sp[si].k + (j - base) * sp[si].ts, qs, a.D, a.G, a.scale, a.e + bq0 * a.Tmax, a.Tmax, j);
     }
 }
 
@@ -965,16 +981,8 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
     int si = 0;
     int64_t base = 0;
     if (!at_seek(sp, ns, j, si, base)) return;
-    const uint16_t *k = sp[si].k + (j - base) * sp[si].ts;
-    const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
-    for (int g0 = 0; g0 < G; g0 += 4) {
-        const int gn = min(4, G - g0);
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        at_score_row(k, qs + (size_t)g0 * D, D, gn, acc);
-#pragma unroll
-        for (int gg = 0; gg < 4; gg++)
-            if (gg < gn) a.e[(bq0 + g0 + gg) * a.Tmax + j] = SKV_MUL(acc[gg], a.scale);
-    }
+    at_score_token(sp[si].k + (j - base) * sp[si].ts, qs, D, G, a.scale, a.e + ((int64_t)b * a.Hq + (int64_t)h * G) * a.Tmax,
+                   a.Tmax, j);
 }
 
 /* P V: grid (ceil(D / 16), Hk, B), 256 threads (thread l = canonical lane l): the block owns 16 dims of

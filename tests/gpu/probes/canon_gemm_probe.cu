@@ -329,6 +329,18 @@ int main(int argc, char **argv)
         std::string name;
         std::function<void()> fn;
     };
+    /* each variant: the output poisoned, one call checked, then timed */
+    auto run_all = [&](const char *kind, const std::vector<variant> &vs, size_t out_bytes,
+                       const std::function<bool()> &check) {
+        for (auto &v : vs) {
+            CK(cudaMemsetAsync(out, 0xff, out_bytes, st));
+            v.fn();
+            const bool ok = check();
+            float med, mn;
+            timeit(st, reps, v.fn, &med, &mn);
+            line(kind, v.name, med, mn, ok);
+        }
+    };
     auto check_gx = [&]() {
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
@@ -386,14 +398,7 @@ int main(int argc, char **argv)
         {"skv_cc_mm_tc<4,2,1,1,16,4> 32x16 dmma", TC(4, 2, 1, 1, 16, 4, d, r, d, g, d, x, r, 0)},
         {"skv_cc_mm_tc<2,1,1,1,16,6> 16x8 dmma", TC(2, 1, 1, 1, 16, 6, d, r, d, g, d, x, r, 0)},
     };
-    for (auto &v : gx) {
-        CK(cudaMemsetAsync(out, 0xff, sizeof(double) * d * r, st));
-        v.fn();
-        bool ok = check_gx();
-        float med, mn;
-        timeit(st, reps, v.fn, &med, &mn);
-        line("G X", v.name, med, mn, ok);
-    }
+    run_all("G X", gx, sizeof(double) * d * r, check_gx);
     std::vector<variant> yy = {
         {"former skv_cc_gemm<2,2,8,8,32> 16x16", OLD(2, 2, 8, 8, 32, r, r, m, y, 1, r, y, r, 1, 1)},
         {"skv_cc_mm<2,2,8,8,32,4,2> 16x16", MM(2, 2, 8, 8, 32, 4, 2, r, r, m, y, r, y, r, 1)},
@@ -413,14 +418,7 @@ int main(int argc, char **argv)
         {"skv_cc_mm_tc<2,2,1,1,8,12> 16x16 dmma", TC(2, 2, 1, 1, 8, 12, r, r, m, y, r, y, r, 1)},
         {"skv_cc_mm_tc<1,1,1,1,16,8> 8x8 dmma", TC(1, 1, 1, 1, 16, 8, r, r, m, y, r, y, r, 1)},
     };
-    for (auto &v : yy) {
-        CK(cudaMemsetAsync(out, 0xff, sizeof(double) * r * r, st));
-        v.fn();
-        bool ok = check_yy();
-        float med, mn;
-        timeit(st, reps, v.fn, &med, &mn);
-        line("Y^T Y", v.name, med, mn, ok);
-    }
+    run_all("Y^T Y", yy, sizeof(double) * r * r, check_yy);
 
     /* ---- the int8 digits of one token block: 32768 rows of 65536 (F = 17, s = 3), d = 1024 ---- */
     {
