@@ -1071,7 +1071,7 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
             *launches += 1;
         }
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws, !ev && !k->layer_host[layer]));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
         CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));

@@ -262,6 +262,9 @@ struct RebuildArgs {
     /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
        one: canon_resident_kernel) */
     int32_t nx, gen_cap;
+    /* decode: launched as the selection's programmatic dependent (docs/DESIGN.md 10.4): the block's
+       W fragments and q load before pdl_wait, the selection's ids after it */
+    int32_t pdl;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -636,6 +639,19 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
     __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
+    /* W's fragments and exponents (one copy per block, in flight while the rows load) and q: none of
+       them written by the selection, so before pdl_wait */
+    {
+        const uint4 *src;
+        const int *ex;
+        rb_wq_at(a, b, h, src, ex);
+        const int n = 2 * a.Kp * a.Dp / 16;
+        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
+        cp_async_commit();
+        for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
+        if (a.e) rb_load_q(a, b, h, qs);
+    }
+    pdl_wait(); /* the selection's ids (a no-op unless launched as its dependent) */
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
     bool live[2];
@@ -679,17 +695,6 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
                     raw[rs][ks][hf] = make_uint2(v[0] | (v[1] << 16), v[2] | (v[3] << 16));
                 }
         }
-    }
-    /* W's fragments and exponents (one copy per block, overlapping the row loads) */
-    {
-        const uint4 *src;
-        const int *ex;
-        rb_wq_at(a, b, h, src, ex);
-        const int n = 2 * a.Kp * a.Dp / 16;
-        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
-        cp_async_commit();
-        for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
-        if (a.e) rb_load_q(a, b, h, qs);
     }
     if (t4 == 0) {
         pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
@@ -1178,7 +1183,7 @@ cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, 
     cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS, RM>, smem);
     if (e != cudaSuccess) return e;
     return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)rb_blocks(a, kRbTok), (unsigned)a.Hk, (unsigned)B),
-                  dim3(kRbNT), smem, st, false, a);
+                  dim3(kRbNT), smem, st, a.pdl != 0, a);
 }
 
 template <int RM>
@@ -1304,9 +1309,11 @@ static RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_
 }
 
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                          const skv_cuda_dws *ws)
+                                          const skv_cuda_dws *ws, int pdl)
 {
-    return launch_rebuild(st, decode_rebuild_args(sh, seqs, ws), sh->B);
+    RebuildArgs a = decode_rebuild_args(sh, seqs, ws);
+    a.pdl = pdl;
+    return launch_rebuild(st, a, sh->B);
 }
 
 cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
