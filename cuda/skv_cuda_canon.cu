@@ -990,6 +990,47 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
                    a.Tmax, j);
 }
 
+#ifndef SKV_AT_PREFETCH
+#define SKV_AT_PREFETCH 1
+#endif
+/* bytes [p, p + n) toward L2: one bulk prefetch where p and n are 16-byte multiples, else a line prefetch per 128 bytes */
+__device__ __forceinline__ void prefetch_l2_range(const void *p, uint32_t n)
+{
+    if ((((uintptr_t)p | n) & 15) == 0) {
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
+        return;
+    }
+    for (uint32_t o = 0; o < n; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)p + o));
+}
+
+/* Decode: the value rows P V will read for (b, h), toward L2 (part `part` of nparts of them, a piece per
+   thread: a selected chunk's c rows, or up to kAtPfBytes of another span's rows, contiguous in both). P V
+   walks its tokens a pass at a time, each pass waiting on its loads; issued here, the block just before
+   it, the rows stream in at HBM's rate while the weights are computed, and the walk's loads hit L2. Reads
+   only the selection's chunk indices: the values themselves are not read. sp: the spans (at_spans). */
+constexpr int64_t kAtPfBytes = 4096;
+__device__ void at_prefetch_values(const AttendArgs &a, int b, int h, int part, int nparts, const CSpan *sp,
+                                   const int32_t *sel_s)
+{
+    const int64_t row = (int64_t)a.D * 2, P = (int64_t)nparts * kAtLanes, k = (int64_t)part * kAtLanes + threadIdx.x;
+    int64_t item0 = 0; /* items are numbered across the spans; thread k takes k, k + P, .. */
+    for (int i = 0; i < SKV_N_SPANS; i++) {
+        const CSpan &s = sp[i];
+        if (s.n <= 0) continue;
+        const bool sel = s.kind != 0;
+        const int64_t bytes = s.n * row, piece = sel ? (int64_t)a.c * row : kAtPfBytes;
+        const int64_t n_items = sel ? s.n / a.c : (bytes + piece - 1) / piece;
+        if (sel || s.ts == a.D) /* (strided rows do not occur at decode) */
+            for (int64_t it = ((k - item0) % P + P) % P; it < n_items; it += P) {
+                if (sel)
+                    prefetch_l2_range(at_vrow(a, s, b, h, it * a.c, sel_s), (uint32_t)piece);
+                else
+                    prefetch_l2_range((const char *)s.v + it * piece, (uint32_t)min(piece, bytes - it * piece));
+            }
+        item0 += n_items;
+    }
+}
+
 /* P V: grid (ceil(D / 16), Hk, B), 256 threads (thread l = canonical lane l): the block owns 16 dims of
    every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
    left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 2 per pass (their value
@@ -1017,6 +1058,12 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         const int kind = a.seqs[b].vc_data ? 2 : 1;
         for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
     }
+#if SKV_AT_PREFETCH == 2
+    if (a.seqs) {
+        __syncthreads();
+        at_prefetch_values(a, b, h, blockIdx.x, gridDim.x, sp, sel_s);
+    }
+#endif
     /* decode: launched as canon_weights_kernel's dependent; the spans and the selection above were final
        before it, its weights are not */
     if (a.seqs) pdl_wait();
@@ -1132,6 +1179,14 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     float *er = a.e + bq * a.Tmax;
     __shared__ float red[kAtLanes / 32];
     pdl_trigger(); /* at decode P V's blocks may start their prologue */
+#if SKV_AT_PREFETCH == 1
+    if (a.seqs) {
+        __shared__ CSpan sp[SKV_N_SPANS];
+        if (tid == 0) at_spans(a, b, h, sp);
+        __syncthreads();
+        at_prefetch_values(a, b, h, blockIdx.x, gridDim.x, sp, nullptr);
+    }
+#endif
     const int64_t T = a.seqs ? (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, a.seqs[b].n_local, a.seqs[b].n_gen)
                              : a.Tmax;
     /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
