@@ -269,10 +269,9 @@ cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape
 /* The canonical rebuild of a decode step's selected keys (ws->sel_ids; W's fixed point from
    seqs[b].wq, prepared when the slot's W was written), which are not stored: the kernel scores
    them against ws->io's q on chip (the scores s_j of docs/DESIGN.md 10.3 step 1) into
-   ws->canon_e at the selected span's places. pdl: launched as the programmatic dependent of the
-   stream's previous kernel (the selection), whose ids it reads only after griddepcontrol.wait. */
+   ws->canon_e at the selected span's places. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                          const skv_cuda_dws *ws, int pdl);
+                                          const skv_cuda_dws *ws);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild
    and skv_cuda_canon_decode_resident (the weights from their scores, then P V):
    q, k_new, v_new and out from ws->io, the selected tokens' scores from ws->canon_e, their values

@@ -1042,9 +1042,6 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
  * into a capture. ev (or NULL): the step's event set, whose phase events are recorded.
  * node (or NULL): receives the score kernel's parameters (a capture).
  */
-#ifndef SKV_RB_PDL
-#define SKV_RB_PDL 1
-#endif
 static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int32_t layer, const skv_cuda_io *io,
                                         skv_cuda_evset *ev, skv_cuda_score_node *node, int *launches, char *msg,
                                         size_t cap)
@@ -1074,7 +1071,7 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
             *launches += 1;
         }
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws, SKV_RB_PDL && !ev && !k->layer_host[layer]));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
         CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));

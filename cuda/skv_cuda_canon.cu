@@ -154,19 +154,6 @@ __device__ __forceinline__ int32_t at_sel_chunk(const AttendArgs &a, int kind, i
     return e >= a.vc_chunks ? 0 : e; /* never out of range after a good selection step; keeps a bad step's reads in bounds */
 }
 
-/* Token t of span s: its value row (sel_s: the (b, h) row of at_sel_chunk in shared memory, or NULL). */
-__device__ __forceinline__ const uint16_t *at_vrow(const AttendArgs &a, const CSpan &s, int b, int h, int64_t t,
-                                                   const int32_t *sel_s)
-{
-    if (s.kind == 0) return s.v + t * s.ts;
-    const skv_cuda_seq &sq = a.seqs[b];
-    uint32_t i;
-    const uint32_t sel = at_chunk_of(t, a.c, i);
-    const int32_t ch = sel_s ? sel_s[sel] : at_sel_chunk(a, s.kind, (int64_t)b * a.Hk + h, sel);
-    if (s.kind == 1) return (const uint16_t *)sq.vstore + (((int64_t)h * sq.n_cand + ch) * a.c + i) * a.D;
-    return (const uint16_t *)sq.vc_data + (((int64_t)h * a.vc_chunks + ch) * a.c + i) * a.D;
-}
-
 /* The span walk of token j (spans in order): its span si and that span's first token base, advanced
    from the previous (si, base) (j only grows). */
 __device__ __forceinline__ bool at_seek(const CSpan *sp, int ns, int64_t j, int &si, int64_t &base)
@@ -262,9 +249,6 @@ struct RebuildArgs {
     /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
        one: canon_resident_kernel) */
     int32_t nx, gen_cap;
-    /* decode: launched as the selection's programmatic dependent (docs/DESIGN.md 10.4): the block's
-       W fragments and q load before pdl_wait, the selection's ids after it */
-    int32_t pdl;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -639,19 +623,6 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
     __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
-    /* W's fragments and exponents (one copy per block, in flight while the rows load) and q: none of
-       them written by the selection, so before pdl_wait */
-    {
-        const uint4 *src;
-        const int *ex;
-        rb_wq_at(a, b, h, src, ex);
-        const int n = 2 * a.Kp * a.Dp / 16;
-        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
-        cp_async_commit();
-        for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
-        if (a.e) rb_load_q(a, b, h, qs);
-    }
-    pdl_wait(); /* the selection's ids (a no-op unless launched as its dependent) */
     /* the two rows' positions, then every piece of both rows in flight */
     int64_t pos[2];
     bool live[2];
@@ -695,6 +666,17 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
                     raw[rs][ks][hf] = make_uint2(v[0] | (v[1] << 16), v[2] | (v[3] << 16));
                 }
         }
+    }
+    /* W's fragments and exponents (one copy per block, overlapping the row loads) */
+    {
+        const uint4 *src;
+        const int *ex;
+        rb_wq_at(a, b, h, src, ex);
+        const int n = 2 * a.Kp * a.Dp / 16;
+        for (int i = tid; i < n; i += kRbNT) cp_async16((void *)(Wf + i), src + i);
+        cp_async_commit();
+        for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
+        if (a.e) rb_load_q(a, b, h, qs);
     }
     if (t4 == 0) {
         pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
@@ -990,51 +972,11 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
                    a.Tmax, j);
 }
 
-#ifndef SKV_AT_PREFETCH
-#define SKV_AT_PREFETCH 1
-#endif
-/* bytes [p, p + n) toward L2: one bulk prefetch where p and n are 16-byte multiples, else a line prefetch per 128 bytes */
-__device__ __forceinline__ void prefetch_l2_range(const void *p, uint32_t n)
-{
-    if ((((uintptr_t)p | n) & 15) == 0) {
-        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
-        return;
-    }
-    for (uint32_t o = 0; o < n; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)p + o));
-}
-
-/* Decode: the value rows P V will read for (b, h), toward L2 (part `part` of nparts of them, a piece per
-   thread: a selected chunk's c rows, or up to kAtPfBytes of another span's rows, contiguous in both). P V
-   walks its tokens a pass at a time, each pass waiting on its loads; issued here, the block just before
-   it, the rows stream in at HBM's rate while the weights are computed, and the walk's loads hit L2. Reads
-   only the selection's chunk indices: the values themselves are not read. sp: the spans (at_spans). */
-constexpr int64_t kAtPfBytes = 4096;
-__device__ void at_prefetch_values(const AttendArgs &a, int b, int h, int part, int nparts, const CSpan *sp,
-                                   const int32_t *sel_s)
-{
-    const int64_t row = (int64_t)a.D * 2, P = (int64_t)nparts * kAtLanes, k = (int64_t)part * kAtLanes + threadIdx.x;
-    int64_t item0 = 0; /* items are numbered across the spans; thread k takes k, k + P, .. */
-    for (int i = 0; i < SKV_N_SPANS; i++) {
-        const CSpan &s = sp[i];
-        if (s.n <= 0) continue;
-        const bool sel = s.kind != 0;
-        const int64_t bytes = s.n * row, piece = sel ? (int64_t)a.c * row : kAtPfBytes;
-        const int64_t n_items = sel ? s.n / a.c : (bytes + piece - 1) / piece;
-        if (sel || s.ts == a.D) /* (strided rows do not occur at decode) */
-            for (int64_t it = ((k - item0) % P + P) % P; it < n_items; it += P) {
-                if (sel)
-                    prefetch_l2_range(at_vrow(a, s, b, h, it * a.c, sel_s), (uint32_t)piece);
-                else
-                    prefetch_l2_range((const char *)s.v + it * piece, (uint32_t)min(piece, bytes - it * piece));
-            }
-        item0 += n_items;
-    }
-}
-
 /* P V: grid (ceil(D / 16), Hk, B), 256 threads (thread l = canonical lane l): the block owns 16 dims of
    every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
-   left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, 2 per pass (their value
-   rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
+   left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, span by span (a span's
+   rows by a pointer step, the selected span's by its chunk slot and row, shifts where c is a power of
+   two), 2 per pass (their value rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
    adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 68
    values in xb, and warp w reduces values w, w + 8, ...: lane t holds lanes t + 32 i (i < 8) in
    registers, levels 128, 64, 32 there (P[k] + P[k + w]), 16 .. 1 by shuffles (lane t adds lane t + w);
@@ -1047,23 +989,21 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
     const int d0 = blockIdx.x * kAtDC;
-    float *xb = (float *)skv_canon_smem;                                  /* [kAtNV][kAtLanes] */
-    CSpan *sp = (CSpan *)align_up((size_t)(xb + (size_t)kAtNV * kAtLanes), 16);
+    /* shared memory at constant offsets of skv_canon_smem (at_smem), so that its reads stay shared loads */
+    constexpr size_t kSpOff = (sizeof(float) * kAtNV * kAtLanes + 15) / 16 * 16;
+    float *xb = (float *)skv_canon_smem;                          /* [kAtNV][kAtLanes] */
+    CSpan *sp = (CSpan *)(skv_canon_smem + kSpOff);
     /* decode: the selection's chunks of (b, h), one coalesced read instead of a dependent load per token */
-    int32_t *sel_s = a.seqs && a.S <= kAtSelSmem ? (int32_t *)(sp + kAtMaxSpans) : nullptr;
+    int32_t *sel_s = (int32_t *)(skv_canon_smem + kSpOff + sizeof(CSpan) * kAtMaxSpans);
+    const bool sel_sm = a.seqs && a.S <= kAtSelSmem;
+    const int64_t bh = (int64_t)b * a.Hk + h;
     __shared__ int n_spans_s;
     __shared__ float res[kAtNV];
     if (lane == 0) n_spans_s = at_spans(a, b, h, sp);
-    if (sel_s) {
+    if (sel_sm) {
         const int kind = a.seqs[b].vc_data ? 2 : 1;
-        for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, (int64_t)b * a.Hk + h, s);
+        for (int s = lane; s < a.S; s += kAtLanes) sel_s[s] = at_sel_chunk(a, kind, bh, s);
     }
-#if SKV_AT_PREFETCH == 2
-    if (a.seqs) {
-        __syncthreads();
-        at_prefetch_values(a, b, h, blockIdx.x, gridDim.x, sp, sel_s);
-    }
-#endif
     /* decode: launched as canon_weights_kernel's dependent; the spans and the selection above were final
        before it, its weights are not */
     if (a.seqs) pdl_wait();
@@ -1071,6 +1011,8 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
     const int ns = n_spans_s;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * G;
     const bool dvec = d0 + kAtDC <= D;
+    /* a selected token t's chunk slot t / c and row t mod c: by shifts where c is a power of two */
+    const uint32_t c = (uint32_t)a.c, cm = c - 1, c_log = (c & cm) == 0 ? (uint32_t)(__ffs((int)c) - 1) : 32u;
     for (int gq = 0; gq < G; gq += kAtGC) {
         const int gn = min(kAtGC, G - gq);
         const float *er[kAtGC];
@@ -1083,54 +1025,75 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
 #pragma unroll
             for (int y = 0; y < kAtDC; y++) acc[x][y] = 0.0f;
         }
-        int si = 0;
+        /* lane l's tokens j = l, l + 256, .. in order, span by span: in span si (tokens base .. base + n - 1)
+           its rows t = (l - base) mod 256, + 256, .., kAtTok of them in flight */
         int64_t base = 0;
-        for (int64_t j = lane;; j += kAtTok * kAtLanes) {
-            bool ok[kAtTok];
-            const uint16_t *vr[kAtTok];
-#pragma unroll
-            for (int t = 0; t < kAtTok; t++) {
-                const int64_t jt = j + t * kAtLanes;
-                ok[t] = at_seek(sp, ns, jt, si, base);
-                vr[t] = ok[t] ? at_vrow(a, sp[si], b, h, jt - base, sel_s) + d0 : nullptr;
+        for (int si = 0; si < ns; si++) {
+            const int64_t n = sp[si].n, ts = sp[si].ts;
+            const int kind = sp[si].kind;
+            const uint16_t *vb = sp[si].v; /* kind 0: the span's rows; else the head's chunks in the store or cache */
+            if (kind) {
+                const skv_cuda_seq &sq = a.seqs[b];
+                vb = kind == 1 ? (const uint16_t *)sq.vstore + (int64_t)h * sq.n_cand * a.c * D
+                               : (const uint16_t *)sq.vc_data + (int64_t)h * a.vc_chunks * a.c * D;
             }
-            float w[kAtTok][kAtGC];
-            uint4 raw[kAtTok][kAtVQ];
+            for (int64_t t = (int64_t)((lane - base) & (kAtLanes - 1)); t < n; t += kAtTok * kAtLanes) {
+                bool ok[kAtTok];
+                const uint16_t *vr[kAtTok];
 #pragma unroll
-            for (int t = 0; t < kAtTok; t++) {
+                for (int k = 0; k < kAtTok; k++) {
+                    const int64_t tk = t + k * kAtLanes;
+                    ok[k] = tk < n;
+                    if (!ok[k]) {
+                        vr[k] = nullptr;
+                    } else if (kind == 0) {
+                        vr[k] = vb + tk * ts + d0;
+                    } else {
+                        uint32_t sel, i;
+                        if (c_log < 32) sel = (uint32_t)tk >> c_log, i = (uint32_t)tk & cm;
+                        else sel = at_chunk_of(tk, a.c, i);
+                        const int32_t ch = sel_sm ? sel_s[sel] : at_sel_chunk(a, kind, bh, sel);
+                        vr[k] = vb + ((int64_t)ch * a.c + i) * D + d0;
+                    }
+                }
+                float w[kAtTok][kAtGC];
+                uint4 raw[kAtTok][kAtVQ];
 #pragma unroll
-                for (int x = 0; x < kAtGC; x++) w[t][x] = ok[t] && x < gn ? er[x][j + t * kAtLanes] : 0.0f;
+                for (int k = 0; k < kAtTok; k++) {
 #pragma unroll
-                for (int qv = 0; qv < kAtVQ; qv++) raw[t][qv] = make_uint4(0, 0, 0, 0);
-                if (!ok[t]) continue;
-                const uint16_t *v = vr[t];
-                if (dvec && ((uintptr_t)v & 15) == 0) {
+                    for (int x = 0; x < kAtGC; x++) w[k][x] = ok[k] && x < gn ? __ldg(er[x] + base + t + k * kAtLanes) : 0.0f;
 #pragma unroll
-                    for (int qv = 0; qv < kAtVQ; qv++) raw[t][qv] = reinterpret_cast<const uint4 *>(v)[qv];
-                } else {
+                    for (int qv = 0; qv < kAtVQ; qv++) raw[k][qv] = make_uint4(0, 0, 0, 0);
+                    if (!ok[k]) continue;
+                    const uint16_t *v = vr[k];
+                    if (dvec && ((uintptr_t)v & 15) == 0) {
 #pragma unroll
-                    for (int qv = 0; qv < kAtVQ; qv++) {
-                        uint32_t u[8];
+                        for (int qv = 0; qv < kAtVQ; qv++) raw[k][qv] = __ldg(reinterpret_cast<const uint4 *>(v) + qv);
+                    } else {
 #pragma unroll
-                        for (int y = 0; y < 8; y++) u[y] = d0 + 8 * qv + y < D ? v[8 * qv + y] : 0u;
-                        raw[t][qv] = make_uint4(u[0] | (u[1] << 16), u[2] | (u[3] << 16), u[4] | (u[5] << 16), u[6] | (u[7] << 16));
+                        for (int qv = 0; qv < kAtVQ; qv++) {
+                            uint32_t u[8];
+#pragma unroll
+                            for (int y = 0; y < 8; y++) u[y] = d0 + 8 * qv + y < D ? v[8 * qv + y] : 0u;
+                            raw[k][qv] = make_uint4(u[0] | (u[1] << 16), u[2] | (u[3] << 16), u[4] | (u[5] << 16), u[6] | (u[7] << 16));
+                        }
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < kAtTok; k++) {
+                    if (!ok[k]) break;
+                    float f[kAtDC];
+#pragma unroll
+                    for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[k][qv], f + 8 * qv);
+#pragma unroll
+                    for (int x = 0; x < kAtGC; x++) {
+                        z[x] = SKV_ADD(z[x], w[k][x]);
+#pragma unroll
+                        for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(w[k][x], f[y], acc[x][y]);
                     }
                 }
             }
-#pragma unroll
-            for (int t = 0; t < kAtTok; t++) {
-                if (!ok[t]) break;
-                float f[kAtDC];
-#pragma unroll
-                for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[t][qv], f + 8 * qv);
-#pragma unroll
-                for (int x = 0; x < kAtGC; x++) {
-                    z[x] = SKV_ADD(z[x], w[t][x]);
-#pragma unroll
-                    for (int y = 0; y < kAtDC; y++) acc[x][y] = SKV_FMA(w[t][x], f[y], acc[x][y]);
-                }
-            }
-            if (!ok[kAtTok - 1]) break;
+            base += n;
         }
         /* the fixed tree over the 256 lanes, a warp per value (one barrier before, one after) */
 #pragma unroll
@@ -1179,14 +1142,6 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     float *er = a.e + bq * a.Tmax;
     __shared__ float red[kAtLanes / 32];
     pdl_trigger(); /* at decode P V's blocks may start their prologue */
-#if SKV_AT_PREFETCH == 1
-    if (a.seqs) {
-        __shared__ CSpan sp[SKV_N_SPANS];
-        if (tid == 0) at_spans(a, b, h, sp);
-        __syncthreads();
-        at_prefetch_values(a, b, h, blockIdx.x, gridDim.x, sp, nullptr);
-    }
-#endif
     const int64_t T = a.seqs ? (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, a.seqs[b].n_local, a.seqs[b].n_gen)
                              : a.Tmax;
     /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
@@ -1238,7 +1193,7 @@ cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, 
     cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS, RM>, smem);
     if (e != cudaSuccess) return e;
     return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)rb_blocks(a, kRbTok), (unsigned)a.Hk, (unsigned)B),
-                  dim3(kRbNT), smem, st, a.pdl != 0, a);
+                  dim3(kRbNT), smem, st, false, a);
 }
 
 template <int RM>
@@ -1364,11 +1319,9 @@ static RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_
 }
 
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                          const skv_cuda_dws *ws, int pdl)
+                                          const skv_cuda_dws *ws)
 {
-    RebuildArgs a = decode_rebuild_args(sh, seqs, ws);
-    a.pdl = pdl;
-    return launch_rebuild(st, a, sh->B);
+    return launch_rebuild(st, decode_rebuild_args(sh, seqs, ws), sh->B);
 }
 
 cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
