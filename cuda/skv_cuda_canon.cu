@@ -54,6 +54,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "skv_cuda.h"
@@ -249,6 +250,9 @@ struct RebuildArgs {
     /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
        one: canon_resident_kernel) */
     int32_t nx, gen_cap;
+    /* decode, RoPE mode 1 with R == D and R % 32 == 0: each 16-token tile's dims split over two warps
+       (rb_split; tiles of 64 tokens per block) */
+    int32_t split;
 };
 
 /* One sequence's prepared W (Hk heads), in one region: [Hk] x [Kp/32][Dp/8][32 lanes][hi b0, hi b1,
@@ -378,11 +382,14 @@ __device__ __forceinline__ void rb_score_row(const RebuildArgs &a, const R &x, c
    takes the query heads lane / 16, + 2, + 4, .. of the group, 4 chains at a time (rb_score_row). */
 template <typename R>
 __device__ __forceinline__ void rb_score_warp(const RebuildArgs &a, int b, int h, int64_t mw, const R &x,
-                                              const float *qs)
+                                              const float *qs, int spl = 0, int hh = 0)
 {
     const int lane = threadIdx.x & 31;
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, j = rb_sel0(a, b) + mw + (lane & 15);
-    for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, x, qs, g0, 2, bq0, j);
+    if (spl) /* the two warps of a token set: warp hh takes heads 2 hh + lane / 16 + 4 i */
+        for (int g0 = (lane >> 4) + 2 * hh; g0 < a.G; g0 += 16) rb_score_row(a, x, qs, g0, 4, bq0, j);
+    else
+        for (int g0 = lane >> 4; g0 < a.G; g0 += 8) rb_score_row(a, x, qs, g0, 2, bq0, j);
 }
 
 /* Decode, the nx blocks of (b, h) of canon_resident_kernel: the resident tokens (every span but the selected one,
@@ -607,20 +614,26 @@ __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lan
    once, in place. RM 1, 2: RoPE on the fragments in registers (a lane holds both members of its
    pairs), bf16 by one conversion per two keys, into the staging rows as bf16. Then the live rows into
    k_out when set; with e set (decode), the scores of the warp's live tokens from the staging rows
-   (rb_score_row). smem: W's fragments, ew, the staging rows [128][rb_xstride] (floats or words),
+   (rb_score_row). a.split (RM 1, decode, R == D): tiles of 64 tokens, warps 2 ts and 2 ts + 1 both own
+   token set ts (both load and convert its rows), each takes half of the rotary pairs' tiles (np in
+   [hh NP/2, (hh + 1) NP/2)), a barrier, then each scores half of the heads. smem: W's fragments, ew, the staging rows [128][rb_xstride] (floats or words),
    q [G][D] float when scoring. */
-template <int KS, int RM>
+template <int KS, int RM, int SPL>
 __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int64_t mw = (int64_t)blockIdx.x * kRbTok + warp * 16; /* the warp's first token */
+    /* split (RM 1 at decode): warps 2 ts and 2 ts + 1 share token set ts (half hh of its dims each) */
+    static_assert(!SPL || RM == 1, "the split takes the rotary pairs of RoPE mode 1");
+    constexpr int spl = SPL;
+    const int ts = spl ? warp >> 1 : warp, hh = spl ? warp & 1 : 0;
+    const int64_t mw = (int64_t)blockIdx.x * (spl ? kRbTok / 2 : kRbTok) + ts * 16; /* the warp's first token */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     const int NT = a.Dp / 8, xst = rb_xstride(a.Dp, RM);
     const uint4 *Wf = reinterpret_cast<const uint4 *>(skv_canon_smem);
     int *ew = (int *)(skv_canon_smem + (size_t)2 * a.Kp * a.Dp);
-    uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)warp * 16 * xst; /* 4-byte units either way */
+    uint32_t *stage = (uint32_t *)(ew + a.Dp) + (size_t)ts * 16 * xst; /* 4-byte units either way */
     float *qs = (float *)(ew + a.Dp) + (size_t)kRbTok * xst;            /* [G][D] when scoring */
     __shared__ int32_t pos_s[kRbNT / 32][16]; /* a row's token position, -1 past M */
     /* the two rows' positions, then every piece of both rows in flight */
@@ -678,9 +691,9 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         for (int d = tid; d < a.Dp; d += kRbNT) ew[d] = ex[d];
         if (a.e) rb_load_q(a, b, h, qs);
     }
-    if (t4 == 0) {
-        pos_s[warp][g] = live[0] ? (int32_t)pos[0] : -1;
-        pos_s[warp][g + 8] = live[1] ? (int32_t)pos[1] : -1;
+    if (t4 == 0 && hh == 0) {
+        pos_s[ts][g] = live[0] ? (int32_t)pos[0] : -1;
+        pos_s[ts][g + 8] = live[1] ? (int32_t)pos[1] : -1;
     }
     /* fixed point: the rows' exponents (max over the quad), then the A fragments */
     uint32_t ah[KS][4], al[KS][4];
@@ -742,7 +755,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
            set: dims past R pass through; the pairs with the cos/sin rows of 8 tokens in flight */
         uint16_t *kw = a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D : nullptr;
         for (int rr = 0; rr < 16; rr++) {
-            if (pos_s[warp][rr] < 0) continue;
+            if (pos_s[ts][rr] < 0) continue;
             for (int d = a.R + lane; d < a.D; d += 32) {
                 const uint16_t o = skv_f32_to_bf16(xs[(size_t)rr * xst + d]);
                 xs[(size_t)rr * xst + d] = skv_bf16_to_f32(o);
@@ -755,7 +768,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
                 float cs[8][2], sn[8][2];
     #pragma unroll
                 for (int k = 0; k < 8; k++) {
-                    const int64_t p = pos_s[warp][r0 + k];
+                    const int64_t p = pos_s[ts][r0 + k];
     #pragma unroll
                     for (int x = 0; x < 2; x++) {
                         const int i = i0 + lane + 32 * x;
@@ -767,7 +780,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
     #pragma unroll
                 for (int k = 0; k < 8; k++) {
                     const int rr = r0 + k;
-                    if (pos_s[warp][rr] < 0) continue;
+                    if (pos_s[ts][rr] < 0) continue;
                     float *x = xs + (size_t)rr * xst;
     #pragma unroll
                     for (int xx = 0; xx < 2; xx++) {
@@ -787,7 +800,7 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         if (!a.e) return;
         __syncwarp();
         const int rr = lane & 15;
-        if (pos_s[warp][rr] < 0) return;
+        if (pos_s[ts][rr] < 0) return;
         rb_score_warp(a, b, h, mw, xs + (size_t)rr * xst, qs);
     } else {
         /* RoPE in registers: the keys of a lane's pairs, rotated, rounded to bf16 two at a time into the
@@ -800,15 +813,16 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         if constexpr (RM == 1) {
             /* tiles np and np + R/16: the pairs (i, i + R/2), i = 8 np + 2 t + cl; the next pair's cos/sin
                loaded while this one's sums run */
-            const int NP = a.R / 16;
+            const int NP = a.R / 16, np0 = spl ? hh * (NP / 2) : 0, np1 = spl ? np0 + NP / 2 : NP;
             float2 cn[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)}, sn[2] = {cn[0], cn[1]};
 #pragma unroll
             for (int rs = 0; rs < 2; rs++)
-                if (NP > 0) cn[rs] = __ldg((const float2 *)(cb[rs] + 2 * t4)), sn[rs] = __ldg((const float2 *)(sb[rs] + 2 * t4));
+                if (np1 > np0)
+                    cn[rs] = __ldg((const float2 *)(cb[rs] + 8 * np0 + 2 * t4)), sn[rs] = __ldg((const float2 *)(sb[rs] + 8 * np0 + 2 * t4));
 #pragma unroll 1
-            for (int np = 0; np < NP; np++) {
+            for (int np = np0; np < np1; np++) {
                 const float2 cc[2] = {cn[0], cn[1]}, ss[2] = {sn[0], sn[1]};
-                if (np + 1 < NP)
+                if (np + 1 < np1)
 #pragma unroll
                     for (int rs = 0; rs < 2; rs++) {
                         cn[rs] = __ldg((const float2 *)(cb[rs] + 8 * (np + 1) + 2 * t4));
@@ -868,11 +882,14 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
                 xw[(size_t)row * xst + ((4 * nt + t4) ^ rb_swz(row))] = rb_bf16x2(kv[2 * rs], kv[2 * rs + 1]);
             }
         }
-        __syncwarp();
+        if (spl) /* the other half's dims of the token set (block-uniform) */
+            __syncthreads();
+        else
+            __syncwarp();
         if (a.k_out) { /* the live rows to k_out, 8 bytes a lane where D % 4 == 0 */
             uint16_t *kw = (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + mw) * a.D;
             for (int rr = 0; rr < 16; rr++) {
-                if (pos_s[warp][rr] < 0) continue;
+                if (pos_s[ts][rr] < 0) continue;
                 const uint32_t *src = xw + (size_t)rr * xst;
                 const int sw = rb_swz(rr);
                 if ((a.D & 3) == 0)
@@ -888,8 +905,8 @@ __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_
         }
         if (!a.e) return;
         const int rr = lane & 15;
-        if (pos_s[warp][rr] < 0) return;
-        rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, qs);
+        if (pos_s[ts][rr] < 0) return;
+        rb_score_warp(a, b, h, mw, SwRow{xw + (size_t)rr * xst, rb_swz(rr)}, qs, spl, hh);
     }
 }
 
@@ -1190,10 +1207,13 @@ int64_t rb_blocks(const RebuildArgs &a, int tok) { return ceil_div64(a.M, tok); 
 template <int KS, int RM>
 cudaError_t launch_rebuild_tc(cudaStream_t st, const RebuildArgs &a, int32_t B, size_t smem)
 {
-    cudaError_t e = allow_smem(canon_rebuild_tc_kernel<KS, RM>, smem);
+    constexpr int RS = RM == 1 ? 1 : 0; /* the split's instantiation (only RoPE mode 1 has one) */
+    const bool spl = RS && a.split;
+    auto kernel = spl ? canon_rebuild_tc_kernel<KS, RM, RS> : canon_rebuild_tc_kernel<KS, RM, 0>;
+    cudaError_t e = allow_smem(kernel, smem);
     if (e != cudaSuccess) return e;
-    return launch(canon_rebuild_tc_kernel<KS, RM>, dim3((unsigned)rb_blocks(a, kRbTok), (unsigned)a.Hk, (unsigned)B),
-                  dim3(kRbNT), smem, st, false, a);
+    return launch(kernel, dim3((unsigned)rb_blocks(a, spl ? kRbTok / 2 : kRbTok), (unsigned)a.Hk, (unsigned)B), dim3(kRbNT),
+                  smem, st, false, a);
 }
 
 template <int RM>
@@ -1318,10 +1338,33 @@ static RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_
     return a;
 }
 
+/* Whether a decode rebuild splits each tile's dims over two warps (RebuildArgs::split): where the shape
+   allows it (RoPE mode 1 with R == D, R % 32 == 0, the tensor-core kernel) and the 128-token grid would
+   leave the device part idle (fewer blocks than two per multiprocessor, as at batch 1): a block's time is
+   then its warps' dependent chain, and each of the two warps runs half the sums and scores half the
+   heads. Where the grid fills the device the split only adds work (both warps load and convert the U
+   rows). SKV_CUDA_REBUILD_SPLIT = 0 or 1 overrides the grid test (the tests run both kernels). */
+static int rb_split(const RebuildArgs &a, int32_t B)
+{
+    size_t smem;
+    if (!rb_uses_tc(a, &smem) || rb_rope_mode(a.R, a.interleaved) != 1 || !a.e || a.k_out || a.R != a.D ||
+        a.R % 32 != 0 || a.Dp != a.D)
+        return 0;
+    static int env = -2; /* read once (a benign race: every reader computes the same value) */
+    if (env == -2) {
+        const char *v = getenv("SKV_CUDA_REBUILD_SPLIT");
+        env = v && (v[0] == '0' || v[0] == '1') && !v[1] ? v[0] - '0' : -1;
+    }
+    if (env >= 0) return env;
+    return rb_blocks(a, kRbTok) * a.Hk * B < 2 * (int64_t)num_sms();
+}
+
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws)
 {
-    return launch_rebuild(st, decode_rebuild_args(sh, seqs, ws), sh->B);
+    RebuildArgs a = decode_rebuild_args(sh, seqs, ws);
+    a.split = rb_split(a, sh->B);
+    return launch_rebuild(st, a, sh->B);
 }
 
 cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
