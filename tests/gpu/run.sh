@@ -176,6 +176,9 @@ case "$MODE" in
     [ -n "$DMMA" ] && run_test dmma_order_probe "$DMMA" 40000
     run_test test_canonical_factor $TBIN/test_canonical_factor
     run_test test_canonical_decode $TBIN/test_canonical_decode
+    # the decode rebuild's two forms, each forced where the shape allows it (automatic above)
+    run_test test_canonical_decode_split1 env SKV_CUDA_REBUILD_SPLIT=1 $TBIN/test_canonical_decode
+    run_test test_canonical_decode_split0 env SKV_CUDA_REBUILD_SPLIT=0 $TBIN/test_canonical_decode
     run_test test_snapshot $TBIN/test_snapshot
     run_test test_contract $TBIN/test_contract 40
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
