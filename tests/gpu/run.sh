@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU test and benchmark driver, run on the device machine from the repo root:
 #
-#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|pack]
+#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|repro|ab|pack]
 #
 #   quick     build; the GPU tests with short settings (test_snapshot's cuda round trips among
 #             them; the Python tests on cuda too:
@@ -25,6 +25,11 @@
 #             at 128k x 8 and 32k x 1 (decode_repro.json), then REPRO_RUNS (5) more runs at 128k x 8
 #             with their ratios' median (decode_repro_runs.json, tests/gpu/repro_ratio.py); REPRO_PY=1
 #             adds the Python tests on cuda
+#   ab        no build: the reproducible mode's decode cost of several builds alternated in one
+#             run, AB_DIRS="dirA dirB .." (each a pack of some commit, build/dev renamed), AB_ROUNDS
+#             (3) rounds over AB_SHAPES ("131072x8 131072x1", ctx x batch); per build and shape the
+#             runs' ratios and their median (ab.json, tests/gpu/repro_ratio.py). Variants measured
+#             this way: bench/results/h200-2026-12-03-repro-*.txt name their commits
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -45,8 +50,8 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize|repro|pack) ;;
-  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|pack)"; exit 2 ;;
+  quick|decode|full|prefill|sanitize|repro|ab|pack) ;;
+  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|pack)"; exit 2 ;;
 esac
 if [ "$MODE" = pack ]; then
   set -e
@@ -93,6 +98,32 @@ if ! printf '#include <lapacke.h>\n#include <cblas.h>\nint main(void){return 0;}
   fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+
+if [ "$MODE" = ab ]; then
+  [ -n "${AB_DIRS:-}" ] || { echo "ab: set AB_DIRS to the prebuilt directories to compare"; exit 2; }
+  for round in $(seq "${AB_ROUNDS:-3}"); do
+    for shape in ${AB_SHAPES:-131072x8 131072x1}; do
+      for d in $AB_DIRS; do
+        stamp "round $round, $shape, $d"
+        timeout 120 "$d/skv-bench" decode --backend cuda --ctx "${shape%x*}" --batch "${shape#*x}" --placement device \
+          --workload fresh --steps "${AB_STEPS:-20}" --warmup 5 --reproducible --json \
+          > "$TMP/ab_$(basename "$d")_${shape}_$round.json" 2>/dev/null || echo "  failed"
+      done
+    done
+  done
+  {
+    echo "{"
+    first=1
+    for d in $AB_DIRS; do for shape in ${AB_SHAPES:-131072x8 131072x1}; do
+      [ $first = 1 ] || echo ","; first=0
+      printf '"%s %s": ' "$(basename "$d")" "$shape"
+      python3 tests/gpu/repro_ratio.py "$TMP"/ab_"$(basename "$d")"_"${shape}"_*.json
+    done; done
+    echo "}"
+  } > "$OUT/ab.json"
+  python3 -c "import json,sys; [print(k, 'median', v.get('median_ratio'), 'ratios', [r['ratio'] for r in v['runs']], 'repro_ms', [r['reproducible_ms'] for r in v['runs']]) for k, v in json.load(open(sys.argv[1])).items()]" "$OUT/ab.json"
+  exit 0
+fi
 
 TBIN=build/tests BIN=build
 if [ -n "${PREBUILT:-}" ]; then
