@@ -250,8 +250,7 @@ struct RebuildArgs {
     /* decode: nx blocks per (sequence, KV head) score the resident tokens (every span but the selected
        one: canon_resident_kernel) */
     int32_t nx, gen_cap;
-    /* decode, RoPE mode 1 with R == D and R % 32 == 0: each 16-token tile's dims split over two warps
-       (rb_split; tiles of 64 tokens per block) */
+    /* decode: the split form of the RoPE-mode-1 kernel (rb_split; tiles of 64 tokens per block) */
     int32_t split;
 };
 
@@ -614,10 +613,10 @@ __device__ __forceinline__ void rb_tile(const uint4 *Wf, int NT, int nt, int lan
    once, in place. RM 1, 2: RoPE on the fragments in registers (a lane holds both members of its
    pairs), bf16 by one conversion per two keys, into the staging rows as bf16. Then the live rows into
    k_out when set; with e set (decode), the scores of the warp's live tokens from the staging rows
-   (rb_score_row). a.split (RM 1, decode, R == D): tiles of 64 tokens, warps 2 ts and 2 ts + 1 both own
-   token set ts (both load and convert its rows), each takes half of the rotary pairs' tiles (np in
-   [hh NP/2, (hh + 1) NP/2)), a barrier, then each scores half of the heads. smem: W's fragments, ew, the staging rows [128][rb_xstride] (floats or words),
-   q [G][D] float when scoring. */
+   (rb_score_row). SPL (RM 1, decode, R == D; rb_split): tiles of 64 tokens, warps 2 ts and 2 ts + 1 both
+   own token set ts (both load and convert its rows), each takes half of the rotary pairs' tiles (np in
+   [hh NP/2, (hh + 1) NP/2)), a barrier, then each scores half of the heads. smem: W's fragments, ew, the
+   staging rows [128][rb_xstride] (floats or words), q [G][D] float when scoring. */
 template <int KS, int RM, int SPL>
 __global__ void __launch_bounds__(kRbNT, RM ? SKV_RB_MINB : 2) canon_rebuild_tc_kernel(const RebuildArgs a)
 {
@@ -993,8 +992,8 @@ __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs 
    every query head of the group, 4 heads at a time, and reads the weights e_j that canon_weights_kernel
    left in the workspace. Lane l walks its tokens j = l, l + 256, ... in order, span by span (a span's
    rows by a pointer step, the selected span's by its chunk slot and row, shifts where c is a power of
-   two), 2 per pass (their value rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd, N_d). Every block of a group
-   adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 68
+   two), 2 per pass (their value rows and weights all loaded first): z = z + e_j, N_d = fma(e_j, v_jd,
+   N_d). Every block of a group adds the same e_j into z in the same order (the same Z). Then the fixed tree: every lane puts its 68
    values in xb, and warp w reduces values w, w + 8, ...: lane t holds lanes t + 32 i (i < 8) in
    registers, levels 128, 64, 32 there (P[k] + P[k + w]), 16 .. 1 by shuffles (lane t adds lane t + w);
    then out_d = N_d / Z. smem: xb [68][256] the tree's exchange, spans. */
