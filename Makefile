@@ -124,17 +124,13 @@ $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) -c $< -o $@
 
-$(BUILD)/obj/cuda/skv_cuda_select.o: cuda/skv_cuda_select.cu $(HDRS) | $(DEPS_STAMP)
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) $(NVCC_EXACT) -c $< -o $@
-
-$(BUILD)/obj/cuda/skv_cuda_canon.o: cuda/skv_cuda_canon.cu $(HDRS) | $(DEPS_STAMP)
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) $(NVCC_EXACT) -c $< -o $@
+# the files on the decision path (and the reproducible mode's exact kernels): no contraction
+CU_EXACT := cuda/skv_cuda_select.cu cuda/skv_cuda_canon.cu
+$(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_EXACT)): NVCC_FILE_FLAGS = $(NVCC_EXACT)
 
 $(BUILD)/obj/cuda/%.o: cuda/%.cu $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(NVCC_FILE_FLAGS) -c $< -o $@
 
 $(STATIC): $(LIB_OBJ)
 	@rm -f $@
