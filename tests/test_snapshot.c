@@ -712,7 +712,7 @@ int main(void)
     /* cuda (skips without a device). Across cuda and ref/cpu the state is shared but the decode
        kernels differ (cuda fuses the key rebuild into the attention), so outputs agree to float
        rounding, not bitwise: 1e-5 relative, the snapshot's promise (measured on an H200: at most
-       1.6e-6, bench/results/h200-2026-12-02-repro-run1.txt). cuda -> cuda: 1e-5 as well
+       1.6e-6 on 2026-12-02). cuda -> cuda: 1e-5 as well
        (placement alone moves outputs by at most 1e-6 there) */
     const double xb = 1e-5;
     roundtrip(&c, G, C, 1, 3, 0, 0, xb, g_seed + 11);
