@@ -32,6 +32,10 @@
  * around skv_decode + skv_cache_sync (ref, cpu). step_ms is the median over
  * --steps steps after --warmup steps.
  *
+ * digest: FNV-1a (64 bits) over every step's output (all B x Hq x D floats, copied back
+ * untimed) and the selections read for the overlap, in step order: two builds, backends or
+ * runs with the same digest made the same decisions and wrote the same output bits.
+ *
  * Per row also: overlap (the mean share of a KV head's selected chunks that
  * the previous step selected too, over up to 4 sequences and every head),
  * hit_rate (chunk-cache hits / lookups over the timed steps, host placement),
@@ -81,6 +85,13 @@ static void ddie(const char *what, skv_status st, skv_cache *cache)
     exit(1);
 }
 
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ULL;
+    return h;
+}
+
 static int parse_list(const char *s, int64_t *out)
 {
     int n = 0;
@@ -102,6 +113,7 @@ typedef struct {
     double select_ms, fetch_ms, rebuild_ms, attention_ms, prefill_ms;
     int64_t device_bytes, host_bytes;
     long needle_hits, needle_total;
+    uint64_t digest;
 } drow;
 
 typedef struct {
@@ -187,6 +199,7 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w, row->reproducible = reproducible;
         row->device_bytes = (int64_t)mi.device_bytes, row->host_bytes = (int64_t)mi.host_bytes;
         row->prefill_ms = pf[B / 2 < 4096 ? B / 2 : 4095];
+        row->digest = 14695981039346656037ULL;
         skv_stats s0, s1;
         double ov_sum = 0;
         long ov_n = 0;
@@ -231,10 +244,13 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
                 ms = dnow_ms() - h0;
             }
             if (i >= o->warmup) t[i - o->warmup] = ms;
+            skvt_dget(be, out, dout, qn * 4);
+            row->digest = fnv1a(row->digest, out, qn * 4);
             for (int b = 0; b < n_ov; b++)
                 for (int h = 0; h < Hk; h++) {
                     int32_t *pv = prev + ((size_t)b * Hk + h) * S;
                     if ((st = skv_cache_selected(cache, 0, b, h, cur))) ddie("skv_cache_selected", st, cache);
+                    row->digest = fnv1a(row->digest, cur, sizeof(int32_t) * (size_t)S);
                     if (i > 0) { /* both lists increase: a merge counts the common chunks */
                         int x = 0, y = 0, common = 0;
                         while (x < S && y < S) {
@@ -371,7 +387,8 @@ int bench_decode_main(int argc, char **argv)
                "stream; ref/cpu: host clock around skv_decode + skv_cache_sync); floor_ms: device placement, the "
                "bytes a step must read from device memory (hbm_mb) over hbm_gbs; host placement, the larger of that "
                "and the missed values (pcie_mb) over pcie_gbs; overlap: mean share of a head's selected chunks "
-               "selected at the previous step too; hit_rate: chunk-cache hits per lookup (host placement)\",\n"
+               "selected at the previous step too; hit_rate: chunk-cache hits per lookup (host placement); digest: FNV-1a of every step's output and "
+               "selections\",\n"
                " \"rows\": [",
                skv_backend_name(be), o.steps, o.warmup, o.drift, o.hbm_gbs, o.pcie_gbs);
         for (int i = 0; i < n; i++) {
@@ -382,12 +399,14 @@ int bench_decode_main(int argc, char **argv)
                    "\"pcie_mb\": %.2f, \"hit_rate\": %.4f, \"overlap\": %.4f, \"kernels_per_step\": %.2f, "
                    "\"select_ms\": %.4f, \"fetch_ms\": %.4f, \"rebuild_ms\": %.4f, \"attention_ms\": %.4f, "
                    "\"prefill_ms_per_sequence\": "
-                   "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld}",
+                   "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld, "
+                   "\"digest\": \"%016llx\"}",
                    i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload],
                    r->reproducible ? "reproducible" : "default", r->step_ms,
                    r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
                    r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->rebuild_ms, r->attention_ms, r->prefill_ms,
-                   (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total);
+                   (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total,
+                   (unsigned long long)r->digest);
         }
         printf("]}\n");
     } else {

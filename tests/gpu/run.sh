@@ -25,11 +25,13 @@
 #             at 128k x 8 and 32k x 1 (decode_repro.json), then REPRO_RUNS (5) more runs at 128k x 8
 #             with their ratios' median (decode_repro_runs.json, tests/gpu/repro_ratio.py); REPRO_PY=1
 #             adds the Python tests on cuda
-#   ab        no build: the reproducible mode's decode cost of several builds alternated in one
-#             run, AB_DIRS="dirA dirB .." (each a pack of some commit, build/dev renamed), AB_ROUNDS
-#             (3) rounds over AB_SHAPES ("131072x8 131072x1", ctx x batch); per build and shape the
-#             runs' ratios and their median (ab.json, tests/gpu/repro_ratio.py). Variants measured
-#             this way: bench/results/h200-2026-12-03-repro-*.txt name their commits
+#   ab        no build: several builds alternated in one run, AB_DIRS="dirA dirB .." (each a pack
+#             of some commit, build/dev renamed; the first is the baseline), AB_ROUNDS (3) rounds;
+#             per round and build the decode step in both modes at AB_SHAPES ("131072x8 131072x1",
+#             ctx x batch) and, unless AB_FACTOR=0, the factorization's default and canonical routes
+#             at AB_FACTOR_N (16384,65536,131072). ab.json (tests/gpu/ab_summary.py): per build the
+#             medians, their ratio to the baseline, and whether every build wrote the same decode
+#             digest (outputs and selections) and the same factorization error; exits 1 if not
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -101,28 +103,37 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 
 if [ "$MODE" = ab ]; then
   [ -n "${AB_DIRS:-}" ] || { echo "ab: set AB_DIRS to the prebuilt directories to compare"; exit 2; }
+  names=()
+  for d in $AB_DIRS; do names+=("$(basename "$d")"); done
   for round in $(seq "${AB_ROUNDS:-3}"); do
-    for shape in ${AB_SHAPES:-131072x8 131072x1}; do
-      for d in $AB_DIRS; do
-        stamp "round $round, $shape, $d"
-        timeout 120 "$d/skv-bench" decode --backend cuda --ctx "${shape%x*}" --batch "${shape#*x}" --placement device \
+    for d in $AB_DIRS; do
+      b=$(basename "$d")
+      stamp "round $round, $b: decode ${AB_SHAPES:-131072x8 131072x1}"
+      # every shape in one process: one json per build and round
+      for shape in ${AB_SHAPES:-131072x8 131072x1}; do
+        timeout 150 "$d/skv-bench" decode --backend cuda --ctx "${shape%x*}" --batch "${shape#*x}" --placement device \
           --workload fresh --steps "${AB_STEPS:-20}" --warmup 5 --reproducible --json \
-          > "$TMP/ab_$(basename "$d")_${shape}_$round.json" 2>/dev/null || echo "  failed"
+          > "$TMP/dec1_${b}_${shape}_$round.json" 2>/dev/null || echo "  $shape failed"
       done
+      python3 -c "import json,sys; print(json.dumps({'rows': [r for p in sys.argv[1:] for r in json.load(open(p))['rows']]}))" \
+        "$TMP"/dec1_"${b}"_*_"$round".json > "$TMP/dec_${b}_$round.json" || echo "  decode rows of $b failed"
+      if [ "${AB_FACTOR:-1}" = 1 ]; then
+        stamp "round $round, $b: factorization (default and canonical) at ${AB_FACTOR_N:-16384,65536,131072}"
+        timeout 200 "$d/skv-bench" factorize --backends cuda --route canonical --n "${AB_FACTOR_N:-16384,65536,131072}" \
+          --no-baseline --reps 5 --json > "$TMP/fac_${b}_$round.json" 2>/dev/null || echo "  failed"
+      fi
     done
   done
-  {
-    echo "{"
-    first=1
-    for d in $AB_DIRS; do for shape in ${AB_SHAPES:-131072x8 131072x1}; do
-      [ $first = 1 ] || echo ","; first=0
-      printf '"%s %s": ' "$(basename "$d")" "$shape"
-      python3 tests/gpu/repro_ratio.py "$TMP"/ab_"$(basename "$d")"_"${shape}"_*.json
-    done; done
-    echo "}"
-  } > "$OUT/ab.json"
-  python3 -c "import json,sys; [print(k, 'median', v.get('median_ratio'), 'ratios', [r['ratio'] for r in v['runs']], 'repro_ms', [r['reproducible_ms'] for r in v['runs']]) for k, v in json.load(open(sys.argv[1])).items()]" "$OUT/ab.json"
-  exit 0
+  python3 tests/gpu/ab_summary.py "$TMP" "${names[@]}" > "$OUT/ab.json"; rc=$?
+  python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d['rows']:
+    cells = ['%s %.4f%s' % (b, r[b]['median_ms'], ' (x%.3f)' % r[b]['ratio_to_first'] if 'ratio_to_first' in r[b] else '')
+             for b in d['builds'] if b in r]
+    print('%-48s %s  %s' % (r['what'], '  '.join(cells), 'same' if r.get('bitwise_same', r.get('same_error')) else 'DIFFERS'))
+print('all outputs the same across builds:', d['all_same'], ' failed runs:', d['failed_runs'])" "$OUT/ab.json"
+  exit $rc
 fi
 
 TBIN=build/tests BIN=build
