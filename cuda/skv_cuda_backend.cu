@@ -25,7 +25,6 @@ skv_status skv_cuda_err(cudaError_t e, const char *what, char *msg, size_t cap)
     return e == cudaErrorMemoryAllocation ? SKV_ERR_OUT_OF_MEMORY : SKV_ERR_DEVICE;
 }
 
-
 /* ---- infrastructure slots ------------------------------------------------------------------ */
 
 static skv_status skv_cuda_probe(char *msg, size_t cap)

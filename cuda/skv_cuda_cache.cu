@@ -16,8 +16,23 @@
  * the device and is advanced there, so nothing in the sequence depends on the
  * host; NaN/Inf inputs are found on the device and reported by cache_sync.
  *
- * Op-level slots run the same kernels with B = 1 on the legacy default
- * stream, allocate what they need, and synchronize before returning.
+ * The launchers each part runs (skv_cuda.h says which file holds each):
+ *   prefill (skv_cuda_cache_prefill)  skv_cuda_find_nonfinite, skv_cuda_rope (no
+ *       k_post given), skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the
+ *       outlier chunks; the candidates' values on a side stream), skv_cuda_factorize
+ *       and skv_cuda_f32_to_bf16 on another (and skv_cuda_canon_wprep, reproducible
+ *       mode; set_states runs it too)
+ *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3); then
+ *       skv_cuda_fetch (host slots, side stream), skv_cuda_attend,
+ *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
+ *       skv_cuda_canon_decode_resident (side stream), skv_cuda_fetch,
+ *       skv_cuda_canon_decode_rebuild, skv_cuda_canon_decode_attend,
+ *       skv_cuda_combine_append
+ *   decode (skv_cuda_cache_decode)  a layer's step is captured into a graph at its
+ *       first step (skv_cuda_capture_layer) and replayed after with the score node's
+ *       tensors updated (skv_cuda_score_node_set_io); one step in
+ *       SKV_CUDA_PHASE_EVERY, and a step inside the caller's capture, is launched
+ *       directly
  */
 #include <stdio.h>
 #include <stdlib.h>

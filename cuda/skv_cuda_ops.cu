@@ -13,8 +13,8 @@
  *   rebuild_keys                skv_cuda_rebuild
  *   rebuild_keys_canonical      skv_cuda_canon_wprep, skv_cuda_canon_rebuild
  *   gather_values               skv_cuda_gather (skv_cuda_copy.cu)
- *   sparse_attention,           skv_cuda_span_attention
- *   full_attention
+ *   sparse_attention,           skv_cuda_span_attention (its partials, then
+ *   full_attention              skv_cuda_combine of skv_cuda_combine.cu)
  *   sparse_attention_canonical  skv_cuda_canon_span_attention
  * (skv_cuda.h says which file holds each launcher.)
  */
