@@ -11,8 +11,11 @@
 # ANON; a kernel is known by the rest of its mangled name), the order of the functions and
 # of the files' cubins, and relocated operands (global symbols' addresses, should any
 # appear). Prints one line per function, "same", "differs" (its SASS), "res-only" (the
-# same SASS, other resource usage), "only in A" or "only in B", then a summary line;
-# exits 1 unless every function is the same.
+# same SASS, other resource usage), "only in A" or "only in B". The PTX the plugin also
+# carries (compute_90, compiled at load time on newer GPUs) is compared per function too,
+# with the label numbers (which follow a function's place in its file) normalised: only
+# the functions whose PTX differs are listed ("ptx-differs"). Ends with a summary line;
+# exits 1 unless every function is the same in both.
 #
 # Needs cuobjdump and nvdisasm (the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump and
 # nvidia-cuda-nvdisasm) on PATH, or CUOBJDUMP=/path/to/cuobjdump. No GPU needed.
@@ -30,6 +33,7 @@ for i in 1 2; do
   [ -f "$f" ] || { echo "sass_diff: no file $f" >&2; exit 2; }
   "$CUOBJDUMP" -sass "$f" > "$TMP/$i.sass"
   "$CUOBJDUMP" -res-usage "$f" > "$TMP/$i.res"
+  "$CUOBJDUMP" -ptx "$f" > "$TMP/$i.ptx"
 done
 python3 - "$TMP" "$1" "$2" <<'PY'
 import difflib, os, re, sys
@@ -82,7 +86,22 @@ def res(path):
             out[k] = ' '.join(line.split()); name = None
     return out
 
+INTERNAL = re.compile(r'\d+_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{6}')
+LABEL = re.compile(r'\$L__(BB|tmp|func_begin|func_end)\d+')
+
+def ptx(path):
+    text = LABEL.sub(r'$L__\1', INTERNAL.sub('INTERNAL', norm_name(open(path).read())))
+    funcs = {}
+    for part in re.split(r'\n(?=(?:\.visible |\.weak )?\.(?:entry|func) )', text)[1:]:
+        m = re.match(r'(?:\.visible |\.weak )?\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\S+?)\(', part)
+        if not m: continue
+        body = [l.strip() for l in part.split('\n}\n')[0].split('\n') if l.strip() and not l.strip().startswith('//')]
+        while body and body[-1] == '}': body.pop()
+        add(funcs, m.group(1), body)
+    return funcs
+
 A, B = sass(os.path.join(tmp, '1.sass')), sass(os.path.join(tmp, '2.sass'))
+PA, PB = ptx(os.path.join(tmp, '1.ptx')), ptx(os.path.join(tmp, '2.ptx'))
 RA, RB = res(os.path.join(tmp, '1.res')), res(os.path.join(tmp, '2.res'))
 show = os.environ.get('SASS_DIFF_SHOW') == '1'
 n = {'same': 0, 'differs': 0, 'res-only': 0, 'only in A': 0, 'only in B': 0}
@@ -98,8 +117,18 @@ for k in sorted(set(A) | set(B)):
         print('  resources A: %s\n  resources B: %s' % (RA.get(k), RB.get(k)))
     if st == 'differs' and show:
         sys.stdout.writelines(l + '\n' for l in difflib.unified_diff(A[k], B[k], 'A', 'B', lineterm='', n=2))
+p_same = 0
+for k in sorted(set(PA) | set(PB)):
+    if PA.get(k) == PB.get(k):
+        p_same += 1
+    else:
+        print('ptx-%s %s' % ('differs' if k in PA and k in PB else 'only-in-' + ('A' if k in PA else 'B'), k))
+        if show and k in PA and k in PB:
+            sys.stdout.writelines(l + '\n' for l in difflib.unified_diff(PA[k], PB[k], 'A', 'B', lineterm='', n=2))
+p_all = len(set(PA) | set(PB))
 print('sass_diff: %d functions: %d same, %d differ in SASS, %d in resource usage only, %d only in A (%s), '
-      '%d only in B (%s)' % (sum(n.values()), n['same'], n['differs'], n['res-only'], n['only in A'], name_a,
-                             n['only in B'], name_b))
-sys.exit(0 if n['same'] == sum(n.values()) else 1)
+      '%d only in B (%s); PTX: %d of %d functions the same'
+      % (sum(n.values()), n['same'], n['differs'], n['res-only'], n['only in A'], name_a, n['only in B'], name_b,
+         p_same, p_all))
+sys.exit(0 if n['same'] == sum(n.values()) and p_same == p_all else 1)
 PY
