@@ -1,12 +1,25 @@
 /*
  * skv_cuda.h - internal interface of the cuda backend (private to cuda/).
  *
- *   skv_cuda_backend.cu  the dispatch table, memory, the cache's streams, device
- *                        state, prefill/decode orchestration, op-level slots
- *   skv_cuda_select.cu   the decision path: RoPE, landmarks/outliers, and the
- *                        decode selection (scores, softmax, top-k, the chunk
- *                        cache's plan), built with --fmad=false and the shared
- *                        numerics of lib/skv_numerics.h
+ *   skv_cuda_backend.cu    the dispatch table (skv_cuda_fill_ops) and the
+ *                          infrastructure slots: probe, memory, copy2d, the input
+ *                          checks' wrappers; skv_cuda_err
+ *   skv_cuda_ops.cu        the op-level slots (B = 1, legacy stream, synchronous):
+ *                          wrappers of the launchers below
+ *   skv_cuda_cache.cu      the cache pipeline: the decode workspace's layout, open,
+ *                          close, prefill, a decode step's launch sequence, its graph
+ *                          capture and replay, sync, set_states
+ *   the decision path, built with --fmad=false and the shared numerics of
+ *   lib/skv_numerics.h (skv_cuda_exact.cuh states the rule):
+ *   skv_cuda_rope.cu       RoPE of prefill keys
+ *   skv_cuda_landmarks.cu  landmarks and outliers at prefill
+ *   skv_cuda_score.cu      decode step 1: landmark scores, their max, the step's
+ *                          input check
+ *   skv_cuda_select.cu     decode steps 2 and 3 (split or fused): e_j and Z, top-S,
+ *                          the chunk cache's plan; skv_cuda_select_step runs 1-3
+ *   skv_cuda_exact.cuh     what those four files share (grid cap, bf16 row loads,
+ *                          the group limit)
+ *   skv_cuda_topk.cuh      the exact block top-k (outliers, selection, victims)
  *   skv_cuda_attn.cu     the fused key rebuild + attention (step 4), the pass
  *                        for chunks fetched late, the op-level rebuild and
  *                        span attention
@@ -16,6 +29,7 @@
  *   skv_cuda_check.cu    input checks: non-finite values, out-of-range ids
  *   skv_cuda_factor.cu   the rank-r factorization (skv_cuda_chol.cuh: its r x r
  *                        Cholesky and solve)
+ *   skv_cuda_common.cuh  small device and launch helpers of every .cu file
  *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init): these
  *                        files build libshadowkv-cuda.so.0, which the library
  *                        opens at run time (lib/skv_cuda_loader.c)
@@ -72,6 +86,65 @@ void skv_cuda_note(const char *fmt, ...)
     ;
 /* Fills the cuda dispatch table (skv_cuda_backend.cu). */
 void skv_cuda_fill_ops(struct skv_backend_ops *ops);
+
+/* ---- the backend's host files (skv_cuda_backend.cu, skv_cuda_ops.cu, skv_cuda_cache.cu) ---- */
+
+/* A failed CUDA call as a status: SKV_ERR_OUT_OF_MEMORY or SKV_ERR_DEVICE, with a message in
+   msg (NULL: none) and for the library (skv_cuda_note); the error is cleared
+   (skv_cuda_backend.cu). */
+skv_status skv_cuda_err(cudaError_t e, const char *what, char *msg, size_t cap);
+
+/* Returns from the enclosing function with a status when a CUDA call fails (msg and cap in scope). */
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return skv_cuda_err(e_, #call, msg, cap);                           \
+    } while (0)
+
+/* The op-level slots (skv_cuda_ops.cu), as struct skv_backend_ops declares them. */
+void skv_cuda_op_release(void);
+skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, int32_t d, int32_t r, const skv_bf16 *a,
+                                 float *u, float *w);
+skv_status skv_cuda_rope_op(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t n_heads,
+                            int64_t pos0, const float *cos_tab, const float *sin_tab, const skv_bf16 *in,
+                            skv_bf16 *out);
+skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
+                                 const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
+                                 skv_bf16 *landmarks);
+skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+                                    float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                    const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
+                                    float *amax, skv_ws *ws);
+skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
+                               int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                               const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                               skv_bf16 *k_out, skv_ws *ws);
+skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
+                                         int32_t c, int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
+                                         const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
+                                         skv_bf16 *k_out, skv_ws *ws);
+skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
+                                                  const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
+                                                  float *out, skv_ws *ws);
+skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
+                              const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                        int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
+                                      int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
+
+/* The cache's slots (skv_cuda_cache.cu), as struct skv_backend_ops declares them. */
+size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay);
+void skv_cuda_cache_close(void *bctx);
+skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev,
+                               char *host, char *msg, size_t cap);
+skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
+                                  const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
+                                  skv_stats *stats, char *msg, size_t cap);
+skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
+                                 const skv_bf16 *vn, float *out, char *msg, size_t cap);
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
+skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */
 typedef struct skv_cuda_seq {
@@ -180,7 +253,17 @@ skv_cuda_items skv_cuda_span_items(int32_t B, int32_t Hq, int32_t Hk, int32_t D,
 int32_t skv_cuda_select_tiles(int32_t n);
 int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S);
 
-/* ---- decision path (skv_cuda_select.cu, --fmad=false) ------------------------------------ */
+/* The decode workspace carved from one allocation at base: its bytes (base NULL) or its
+   pointers (skv_cuda_cache.cu; the cache's, and the op-level score_select's own). it: the
+   attention items; host: whether any slot keeps its values on the host; canon_tmax: the
+   reproducible mode's row length (0: default mode). */
+size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax);
+/* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
+cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st);
+
+/* ---- decision path (--fmad=false: skv_cuda_rope.cu, skv_cuda_landmarks.cu, skv_cuda_score.cu,
+   skv_cuda_select.cu) ---------------------------------------------------------------------- */
 
 /* out = RoPE(in) for [n_tokens, n_heads, head_dim] at positions pos0.. (skv_rope_row_f32).
    in == out allowed. */
@@ -196,6 +279,14 @@ cudaError_t skv_cuda_landmarks_outliers(cudaStream_t st, int32_t n_chunks, int32
                                         int32_t head_dim, int32_t n_outliers, const skv_bf16 *k_post,
                                         int32_t *outlier_ids, int32_t *candidate_ids, skv_bf16 *landmarks,
                                         void *scratch);
+
+/* Step 1 of skv_cuda_select_step (skv_cuda_score.cu; the caller has checked the shape): the
+   scores into ws->scores, their max into ws->macc, s_0 into ws->s0; with io->k and io->v the
+   input check and the publication of *io (skv_cuda_select_step says which). graph (or NULL):
+   receives the score kernel's parameters. */
+cudaError_t skv_cuda_score(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                           const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer,
+                           skv_cuda_score_node *graph);
 
 /*
  * Steps 1-3 for io->q [B, Hq, D]: the selection of every (sequence, KV head) into

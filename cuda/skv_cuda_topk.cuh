@@ -1,7 +1,8 @@
 /*
  * skv_cuda_topk.cuh - the exact block-wide top-k of the decision path
  * (outliers at prefill, the selection and the chunk cache's victims at decode).
- * Included by skv_cuda_select.cu only (built with --fmad=false).
+ * Included by the decision path's files (skv_cuda_landmarks.cu, skv_cuda_score.cu,
+ * skv_cuda_select.cu; built with --fmad=false).
  */
 #ifndef SKV_CUDA_TOPK_CUH
 #define SKV_CUDA_TOPK_CUH

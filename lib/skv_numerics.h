@@ -16,10 +16,12 @@
  *    row (skv_cpu_rope_row), the chunk landmark score (skv_cpu_chunk_score)
  *    and the dot chains of the scores (skv_cpu_dot8x4) in AVX2 lanes; the
  *    softmax, skv_expf and the canonical sum are called from here.
- *  - cuda/skv_cuda_select.cu: the landmark kernel (mean and cos chains, the
- *    ordered min as a warp reduction), the score kernel's dot chains and max,
+ *  - cuda/ (the decision path's files, skv_cuda_exact.cuh): the landmark
+ *    kernel (skv_cuda_landmarks.cu: mean and cos chains, the ordered min as a
+ *    warp reduction), the score kernel's dot chains and max (skv_cuda_score.cu),
  *    the canonical sum's lanes and tree (expsum_kernel, selz_kernel,
- *    canon_tree), the group max and top-S (select_kernel, selz_kernel).
+ *    canon_tree) and the group max and top-S (select_kernel, selz_kernel), both
+ *    in skv_cuda_select.cu.
  * (cpu's attention exp, skv_cpu_exp8, follows skv_expf's method but is not on
  * the decision path: it is held to tolerances, not to these bits.)
  * The reproducible mode's rules (docs/DESIGN.md 10.2, 10.3) are here too:

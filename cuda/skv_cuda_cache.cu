@@ -1,0 +1,898 @@
+/*
+ * skv_cuda_cache.cu - the cache pipeline of the cuda backend: the slots cache_bytes,
+ * cache_open, cache_close, cache_prefill, cache_decode, cache_sync and cache_set_states
+ * (registered by skv_cuda_fill_ops), and the decode workspace's layout
+ * (skv_cuda_dws_layout, skv_cuda_dws_clear; the op-level score_select carves one too).
+ *
+ * A cache runs on its stream (config.cuda_stream; NULL = the legacy default
+ * stream). Everything it needs is allocated at create: the arenas (lib/), the
+ * decode workspace for the whole batch, the prefill scratch for
+ * max_prompt_len tokens, the factorization workspace, the per-(layer,
+ * sequence) descriptors on the device and a ring of timing events.
+ *
+ * Decode is a fixed launch sequence on the stream (no allocation, no
+ * synchronization): input check, scores, selection, rebuild, gather,
+ * attention, append. Per-step state (n_gen, the published selection) lives on
+ * the device and is advanced there, so nothing in the sequence depends on the
+ * host; NaN/Inf inputs are found on the device and reported by cache_sync.
+ *
+ * The launchers each part runs (skv_cuda.h says which file holds each):
+ *   prefill (skv_cuda_cache_prefill)  skv_cuda_find_nonfinite, skv_cuda_rope (no
+ *       k_post given), skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the
+ *       outlier chunks; the candidates' values on a side stream), skv_cuda_factorize
+ *       and skv_cuda_f32_to_bf16 on another (and skv_cuda_canon_wprep, reproducible
+ *       mode; set_states runs it too)
+ *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3); then
+ *       skv_cuda_fetch (host slots, side stream), skv_cuda_attend,
+ *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
+ *       skv_cuda_canon_decode_resident (side stream), skv_cuda_fetch,
+ *       skv_cuda_canon_decode_rebuild, skv_cuda_canon_decode_attend,
+ *       skv_cuda_combine_append
+ *   decode (skv_cuda_cache_decode)  a layer's step is captured into a graph at its
+ *       first step (skv_cuda_capture_layer) and replayed after with the score node's
+ *       tensors updated (skv_cuda_score_node_set_io); one step in
+ *       SKV_CUDA_PHASE_EVERY, and a step inside the caller's capture, is launched
+ *       directly
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "skv_cuda.h"
+#include "skv_internal.h"
+#include "skv_numerics.h"
+#include "skv_plan.h"
+
+/* ---- the decode workspace ----------------------------------------------------------------- */
+
+/*
+ * The decode workspace, carved from one allocation: its bytes (base NULL) or its pointers.
+ * it: the attention items; host: whether any slot keeps its values on the host (the chunk
+ * cache's lists and the deferred weights exist only then). Counters that the kernels expect
+ * zero (macc, cnt_e, cnt_sel, step_bad, cnt_done, vc_counts) come zeroed from
+ * skv_cuda_dws_clear.
+ */
+size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
+{
+    size_t off = 0;
+    const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
+    const int32_t pool_cap = skv_cuda_pool_cap(cand_max, S);
+#define SKV_REGION(field, type, count)                                                                 \
+    do {                                                                                               \
+        if (base) ws->field = (type *)(base + off);                                                    \
+        off += ((size_t)(count) * sizeof(type) + 255) & ~(size_t)255;                                  \
+    } while (0)
+    SKV_REGION(scores, float, bq * cand_max);
+    SKV_REGION(macc, unsigned, bq);
+    SKV_REGION(s0, float, bq);
+    SKV_REGION(Z, float, bq);
+    SKV_REGION(cnt_e, unsigned, bq);
+    SKV_REGION(cnt_sel, unsigned, bk);
+    SKV_REGION(pool, unsigned long long, bk * pool_cap);
+    SKV_REGION(sel_idx, int32_t, bk * S);
+    SKV_REGION(sel_ids, int32_t, bk * S);
+    SKV_REGION(part_acc, float, bq * it.n_items * D);
+    SKV_REGION(part_ml, float2, bq * it.n_items);
+    SKV_REGION(step_bad, int32_t, 1);
+    SKV_REGION(cnt_done, unsigned, 1);
+    SKV_REGION(first_bad, unsigned long long, 1);
+    SKV_REGION(vc_counts, unsigned long long, 2);
+    SKV_REGION(mcount, int32_t, bk);
+    SKV_REGION(io, skv_cuda_io, 1);
+    if (host) {
+        SKV_REGION(vsrc, int32_t, bk * S);
+        SKV_REGION(mlist, int32_t, bk * S);
+        SKV_REGION(pbuf, float, bq * S * c);
+    }
+    if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
+        SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
+#undef SKV_REGION
+    if (base) {
+        ws->pool_cap = pool_cap;
+        ws->it = it;
+        if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
+        ws->canon_tmax = canon_tmax;
+        if (canon_tmax <= 0) ws->canon_e = NULL;
+    }
+    return off;
+}
+
+/* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
+cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st)
+{
+    /* macc .. cnt_sel are the regions from macc to pool; step_bad .. vc_counts from step_bad to mcount */
+    cudaError_t e = cudaMemsetAsync(ws->macc, 0, (size_t)((char *)ws->pool - (char *)ws->macc), st);
+    if (e == cudaSuccess) e = cudaMemsetAsync(ws->step_bad, 0, (size_t)((char *)ws->mcount - (char *)ws->step_bad), st);
+    if (e == cudaSuccess) e = cudaMemsetAsync(ws->first_bad, 0xff, sizeof *ws->first_bad, st);
+    return e;
+}
+
+/* ---- the cache ------------------------------------------------------------------------------ */
+
+#define SKV_CUDA_RING 64 /* decode steps whose times can be in flight */
+/* Blocks of the prefill's value offload to a host store (writes to mapped host memory, bound
+   by PCIe): the rest of the GPU stays free for the caller's work. */
+#define SKV_CUDA_OFFLOAD_BLOCKS 8
+/* Steps whose phases are timed: one in this many (the phase events sit between kernels that
+   otherwise overlap their launch with the previous kernel's tail). */
+#define SKV_CUDA_PHASE_EVERY 16
+/* SKV_EV_REBUILT: after the canonical rebuild (reproducible mode), so that its time is decode_rebuild_ms */
+enum { SKV_EV_START, SKV_EV_SELECTED, SKV_EV_FETCHED, SKV_EV_REBUILT, SKV_EV_END, SKV_CUDA_EV };
+
+typedef struct {
+    cudaEvent_t e[SKV_CUDA_EV];
+    int used;   /* start and end recorded */
+    int phases; /* selected (and fetched, host layers) recorded too */
+    int fetch;
+    int rebuilt; /* SKV_EV_REBUILT recorded too (reproducible mode) */
+} skv_cuda_evset;
+
+/* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end) with wa..wb
+   around its wait for the previous prefill's side work, factorization f0..f1, offload
+   o0..o1. Two sets: a prefill harvests the set of the prefill before last. */
+enum { SKV_PE_M0, SKV_PE_M1, SKV_PE_M2, SKV_PE_M3, SKV_PE_F0, SKV_PE_F1, SKV_PE_O0, SKV_PE_O1, SKV_PE_WA, SKV_PE_WB,
+       SKV_PE_N };
+typedef struct {
+    cudaEvent_t e[SKV_PE_N];
+    int used;
+} skv_cuda_pset;
+
+/* A layer's decode step as a CUDA graph: captured at its first step, replayed after with the
+   score node's tensors updated (one launch instead of five to seven). */
+typedef struct {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cudaGraphNode_t score; /* the root kernel node, in graph */
+    int kernels;
+    skv_cuda_score_node node;
+} skv_cuda_layer_graph;
+
+typedef struct skv_cuda_cache {
+    skv_config cfg;
+    skv_layout lay;
+    cudaStream_t st;
+    cudaStream_t cap;               /* the layer graphs are captured here */
+    skv_cuda_layer_graph *graphs;   /* [L] */
+    cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
+    int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
+    cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
+    cudaEvent_t scored_ev;          /* no timing: step 1 done (reproducible mode: the resident scores may start) */
+    char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
+    skv_cuda_shape sh;
+    skv_cuda_seq *d_seqs; /* [L * B] on the device */
+    skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
+    unsigned char *layer_host; /* [L] 1: a sequence of the layer keeps its values on the host */
+    skv_cuda_dws ws;            /* the decode workspace */
+    unsigned long long vc_seen[2]; /* chunk-cache counts already added to the stats */
+    int64_t launches;           /* decode kernels since the last sync */
+    int64_t n_steps;            /* decode steps enqueued */
+    /* prefill workspace */
+    skv_bf16 *kp_tmp;
+    float *uf, *wf;
+    void *lm_scratch;
+    unsigned long long *flags, *h_flags; /* [3] device, pinned host */
+    skv_cuda_factor *fac;
+    /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
+       both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
+    cudaStream_t fst, ost;
+    cudaEvent_t side_ev, fac_ev, off_ev; /* no timing */
+    skv_bf16 *kstage, *vstage;
+    int staged;       /* fac_ev / off_ev were recorded: the staging buffers may be in use */
+    int side_pending; /* decode has not yet waited for the last prefill's side work */
+    unsigned long long fac_failures_seen;
+    skv_cuda_pset pset[2];
+    int pset_next;
+    /* timing */
+    skv_cuda_evset ring[SKV_CUDA_RING];
+    int ring_head;
+    skv_stats pending;
+    double phase_select_ms, phase_fetch_ms, phase_attention_ms, phase_rebuild_ms; /* over the phase-timed steps */
+    int64_t n_timed, n_phased, n_phased_fetch;
+    /* all cudaMalloc'ed blocks, freed at close */
+    void *blocks[24];
+    int n_blocks;
+} skv_cuda_cache;
+
+/* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
+typedef struct {
+    size_t dws, kp, uf, wf, lm, seqs, factor;
+    size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
+} skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
+
+static skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
+{
+    skv_cuda_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.B = cfg->batch_size, sh.Hq = cfg->n_q_heads, sh.Hk = cfg->n_kv_heads, sh.D = cfg->head_dim;
+    sh.c = cfg->chunk_size, sh.S = lay->S, sh.r = cfg->rank, sh.O = cfg->n_outlier_chunks;
+    sh.gen_cap = cfg->gen_capacity, sh.cand_max = lay->cand_max, sh.vc_chunks = lay->vc_chunks;
+    sh.rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh.interleaved = cfg->rope.interleaved;
+    sh.scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
+    return sh;
+}
+
+static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
+    return skv_cuda_decode_items(&sh, skv_plan_max_resident(c->n_outlier_chunks, c->chunk_size, lay->local_max,
+                                                            c->gen_capacity));
+}
+
+/* Row length of the canonical attention's weights: the most tokens a query head attends to in a
+   step of the reproducible mode; 0 (no such regions) in the default mode. */
+static int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay)
+{
+    if (!c->reproducible) return 0;
+    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+}
+
+static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_sizes z;
+    size_t Hk = (size_t)c->n_kv_heads, D = (size_t)c->head_dim, HkD = Hk * D;
+    size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank;
+    int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
+    skv_cuda_dws probe;
+    z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
+                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
+                                skv_cuda_canon_tmax(c, lay));
+    z.kp = n * HkD * sizeof(skv_bf16);
+    z.uf = n * r * sizeof(float);
+    z.wf = r * HkD * sizeof(float);
+    z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
+    z.seqs = (size_t)c->n_layers * (size_t)c->batch_size * sizeof(skv_cuda_seq);
+    z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
+    /* the reproducible mode's W in fixed point, per slot: prepared when the slot's W is written, read
+       by every decode step's rebuild (when that takes the tensor-core kernel) */
+    const skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
+    z.wq_slot = c->reproducible && skv_cuda_canon_uses_wq(&sh, 1)
+                    ? skv_cuda_canon_wq_bytes(c->n_kv_heads, c->head_dim, c->rank)
+                    : 0;
+    z.wq = (size_t)c->n_layers * (size_t)c->batch_size * z.wq_slot;
+    return z;
+}
+
+size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
+{
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + 3 * sizeof(unsigned long long);
+}
+
+static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
+{
+    void *p = NULL;
+    if (k->n_blocks >= (int)(sizeof k->blocks / sizeof k->blocks[0])) return NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    k->blocks[k->n_blocks++] = p;
+    return p;
+}
+
+void skv_cuda_cache_close(void *bctx)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    if (!k) return;
+    cudaStreamSynchronize(k->st);
+    if (k->fst) cudaStreamSynchronize(k->fst);
+    if (k->ost) cudaStreamSynchronize(k->ost);
+    if (k->side) cudaStreamSynchronize(k->side);
+    for (int i = 0; i < SKV_CUDA_RING; i++)
+        for (int j = 0; j < SKV_CUDA_EV; j++)
+            if (k->ring[i].e[j]) cudaEventDestroy(k->ring[i].e[j]);
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < SKV_PE_N; j++)
+            if (k->pset[i].e[j]) cudaEventDestroy(k->pset[i].e[j]);
+    cudaEvent_t evs[6] = {k->side_ev, k->fac_ev, k->off_ev, k->fork_ev, k->join_ev, k->scored_ev};
+    for (int j = 0; j < 6; j++)
+        if (evs[j]) cudaEventDestroy(evs[j]);
+    if (k->side) cudaStreamDestroy(k->side);
+    if (k->cap) cudaStreamDestroy(k->cap);
+    for (int l = 0; k->graphs && l < k->cfg.n_layers; l++) {
+        if (k->graphs[l].exec) cudaGraphExecDestroy(k->graphs[l].exec);
+        if (k->graphs[l].graph) cudaGraphDestroy(k->graphs[l].graph);
+    }
+    free(k->graphs);
+    skv_cuda_factor_destroy(k->fac);
+    if (k->fst) cudaStreamDestroy(k->fst);
+    if (k->ost) cudaStreamDestroy(k->ost);
+    for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
+    if (k->h_flags) cudaFreeHost(k->h_flags);
+    free(k->h_seqs);
+    free(k->layer_host);
+    (void)cudaGetLastError();
+    free(k);
+}
+
+skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev,
+                               char *host, char *msg, size_t cap)
+{
+    *bctx = NULL;
+    skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
+    if (!k) {
+        snprintf(msg, cap, "out of host memory");
+        return SKV_ERR_OUT_OF_MEMORY;
+    }
+    k->cfg = *cfg;
+    k->lay = *lay;
+    k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
+    k->st = (cudaStream_t)cfg->cuda_stream;
+    k->dev = dev;
+    skv_status st = SKV_OK;
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
+    const int has_host = lay->n_dev_slots < lay->n_slots;
+    char *dws_base, *wq_base = NULL;
+    k->sh = skv_cuda_shape_of(cfg, lay);
+    skv_cuda_shape *sh = &k->sh;
+    cudaError_t e = cudaHostGetDevicePointer((void **)&k->host_dev, host, 0);
+    if (e != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaHostGetDevicePointer(value store)", msg, cap);
+        goto fail;
+    }
+    if (B > 65535 || (int64_t)cfg->n_kv_heads * cfg->n_q_heads / cfg->n_kv_heads > 65535) {
+        snprintf(msg, cap, "cuda: batch_size = %d and n_q_heads = %d must be <= 65535", cfg->batch_size,
+                 cfg->n_q_heads);
+        st = SKV_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    if ((cfg->n_q_heads / cfg->n_kv_heads + 7) / 8 * 8 > 64) {
+        snprintf(msg, cap, "cuda: n_q_heads / n_kv_heads = %d: groups of at most 64 query heads per KV head",
+                 cfg->n_q_heads / cfg->n_kv_heads);
+        st = SKV_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    k->h_seqs = (skv_cuda_seq *)calloc(L * B, sizeof *k->h_seqs);
+    k->layer_host = (unsigned char *)calloc(L, 1);
+    k->graphs = (skv_cuda_layer_graph *)calloc(L, sizeof *k->graphs);
+    k->d_seqs = (skv_cuda_seq *)skv_cuda_cache_alloc(k, z.seqs);
+    dws_base = (char *)skv_cuda_cache_alloc(k, z.dws);
+    k->kp_tmp = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->kstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->vstage = (skv_bf16 *)skv_cuda_cache_alloc(k, z.kp);
+    k->uf = (float *)skv_cuda_cache_alloc(k, z.uf);
+    k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
+    k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
+    k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
+    if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        k->h_flags = NULL;
+    }
+    if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base)) {
+        snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
+                 skv_cuda_cache_bytes(cfg, lay));
+        st = SKV_ERR_OUT_OF_MEMORY;
+        goto fail;
+    }
+    skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
+                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
+                        skv_cuda_canon_tmax(cfg, lay));
+    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
+        goto fail;
+    }
+    if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->cap, cudaStreamNonBlocking)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
+        goto fail;
+    }
+    st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->fst,
+                                msg, cap);
+    if (st) goto fail;
+    for (int i = 0; i < SKV_CUDA_RING && e == cudaSuccess; i++)
+        for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->ring[i].e[j]);
+    for (int i = 0; i < 2 && e == cudaSuccess; i++)
+        for (int j = 0; j < SKV_PE_N && e == cudaSuccess; j++) e = cudaEventCreate(&k->pset[i].e[j]);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->scored_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->side_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
+        goto fail;
+    }
+    /* descriptors: fixed pointers now, sizes at prefill */
+    for (size_t l = 0; l < L; l++)
+        for (size_t b = 0; b < B; b++) {
+            size_t i = l * B + b;
+            char *sd = dev + i * lay->slot_device;
+            skv_cuda_seq *s = &k->h_seqs[i];
+            s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
+            s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
+            s->u = (const skv_bf16 *)(sd + lay->u);
+            s->w = (const skv_bf16 *)(sd + lay->w);
+            s->wq = wq_base ? (const signed char *)(wq_base + i * z.wq_slot) : NULL;
+            s->out_k = (const skv_bf16 *)(sd + lay->out_k);
+            s->out_v = (const skv_bf16 *)(sd + lay->out_v);
+            s->loc_k = (const skv_bf16 *)(sd + lay->loc_k);
+            s->loc_v = (const skv_bf16 *)(sd + lay->loc_v);
+            s->gen_k = (skv_bf16 *)(sd + lay->gen_k);
+            s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
+            s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
+            s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
+            if ((int64_t)i < lay->n_dev_slots) {
+                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + i * lay->slot_values);
+            } else {
+                const size_t hi = i - (size_t)lay->n_dev_slots;
+                char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
+                s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
+                s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
+                s->vc_slot_of = (int32_t *)(vc + lay->vc_slot_of);
+                s->vc_owner = (int32_t *)(vc + lay->vc_owner);
+                s->vc_stamp = (int32_t *)(vc + lay->vc_stamp);
+                k->layer_host[l] = 1;
+            }
+        }
+    /* every slot's prepared W is written before a decode reads it (decode needs every slot
+       prefilled or loaded); zeroed all the same, so that no byte of the cache is left undefined */
+    if (wq_base && (e = cudaMemset(wq_base, 0, z.wq)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset(prepared W)", msg, cap);
+        goto fail;
+    }
+    if ((e = cudaMemcpy(k->d_seqs, k->h_seqs, z.seqs, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemcpy(descriptors)", msg, cap);
+        goto fail;
+    }
+    sh->cos_tab = (const float *)(dev + lay->rope_cos);
+    sh->sin_tab = (const float *)(dev + lay->rope_sin);
+    /* the legacy-stream memsets and copies above must land before the cache's stream runs */
+    if ((e = cudaDeviceSynchronize()) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaDeviceSynchronize", msg, cap);
+        goto fail;
+    }
+    *bctx = k;
+    return SKV_OK;
+fail:
+    skv_cuda_cache_close(k);
+    return st;
+}
+
+static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0.0f;
+    }
+    return ms;
+}
+
+/* Adds a finished prefill's phase times to the pending stats (see skv_cuda_cache_prefill). */
+static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
+{
+    cudaEvent_t *e = p->e;
+    k->pending.prefill_rope_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M1]);
+    k->pending.prefill_landmarks_ms += skv_cuda_elapsed(e[SKV_PE_M1], e[SKV_PE_M2]);
+    k->pending.prefill_offload_ms +=
+        skv_cuda_elapsed(e[SKV_PE_M2], e[SKV_PE_M3]) + skv_cuda_elapsed(e[SKV_PE_O0], e[SKV_PE_O1]);
+    k->pending.prefill_factorize_ms += skv_cuda_elapsed(e[SKV_PE_F0], e[SKV_PE_F1]);
+    const double wait = skv_cuda_elapsed(e[SKV_PE_WA], e[SKV_PE_WB]);
+    k->pending.prefill_critical_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M3]) - wait;
+    k->pending.prefill_wait_ms += wait;
+    p->used = 0;
+}
+
+/*
+ * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
+ * check (one host synchronization, so bad input is refused before any work), copies of
+ * k_pre and v into the staging buffers, RoPE, landmarks and outliers, the exact chunks and
+ * the local window, an empty chunk cache for a host slot, the descriptor. Beside it, from
+ * the staged copies: the factorization on fst and the candidates' values on ost, into the
+ * device store or over PCIe into the host store. Nothing waits for them here: the next
+ * decode waits for both (events), the next prefill only before it overwrites the staging
+ * buffers. Returns when the cache's stream is done, so k_pre, v and k_post are free for the
+ * caller. Phase times are read later (skv_cuda_cache_sync).
+ */
+skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
+                                  const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
+                                  skv_stats *stats, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    const skv_config *g = &k->cfg;
+    const skv_layout *lay = &k->lay;
+    cudaStream_t st = k->st, fs = k->fst, os = k->ost;
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, O = g->n_outlier_chunks;
+    const int64_t HkD = (int64_t)Hk * D;
+    const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
+    size_t i = (size_t)layer * g->batch_size + seq;
+    char *sd = k->dev + i * lay->slot_device;
+    skv_cuda_seq *hs = &k->h_seqs[i];
+    const int host_slot = hs->vc_data != NULL;
+    (void)stats; /* times arrive at the next sync */
+
+    /* the timing set of the prefill before last: long finished (this stream waited for it) */
+    skv_cuda_pset *ps = &k->pset[k->pset_next];
+    if (ps->used) {
+        CK(cudaEventSynchronize(ps->e[SKV_PE_O1]));
+        CK(cudaEventSynchronize(ps->e[SKV_PE_F1]));
+        skv_cuda_take_prefill(k, ps);
+    }
+    CK(cudaEventRecord(ps->e[SKV_PE_M0], st));
+
+    /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
+    const skv_bf16 *in[3] = {k_pre, v, k_post};
+    static const char *const names[3] = {"k_pre", "v", "k_post"};
+    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
+    for (int t = 0; t < 3; t++)
+        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
+    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    for (int t = 0; t < 3; t++)
+        if (k->h_flags[t] != ~0ull) {
+            long long b = (long long)k->h_flags[t];
+            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
+                     b % D);
+            return SKV_ERR_NONFINITE;
+        }
+
+    /* stage k_pre and v once the previous prefill's side work is done with the buffers */
+    CK(cudaEventRecord(ps->e[SKV_PE_WA], st));
+    if (k->staged) {
+        CK(cudaStreamWaitEvent(st, k->fac_ev, 0));
+        CK(cudaStreamWaitEvent(st, k->off_ev, 0));
+    }
+    CK(cudaEventRecord(ps->e[SKV_PE_WB], st));
+    const size_t bytes = (size_t)n * HkD * sizeof(skv_bf16);
+    CK(cudaMemcpyAsync(k->kstage, k_pre, bytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
+
+    if (!k_post) {
+        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab,
+                         k->kstage, k->kp_tmp));
+        k_post = k->kp_tmp;
+    }
+    CK(cudaEventRecord(ps->e[SKV_PE_M1], st));
+    int32_t *out_ids = (int32_t *)(sd + lay->out_ids), *cand_ids = (int32_t *)(sd + lay->cand_ids);
+    CK(skv_cuda_landmarks_outliers(st, N, cs, Hk, D, O, k_post, out_ids, cand_ids,
+                                   (skv_bf16 *)(sd + lay->landmarks), k->lm_scratch));
+    CK(cudaEventRecord(ps->e[SKV_PE_M2], st));
+
+    /* exact outliers and the local window stay on the device */
+    if (O) {
+        CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k), 0));
+        CK(skv_cuda_gather_chunks(st, k->vstage, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v), 0));
+    }
+    if (n_local) {
+        size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
+        for (int32_t h = 0; h < Hk; h++) {
+            size_t src = ((size_t)N * cs * Hk + h) * D, dst = (size_t)h * n_local * D;
+            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_k) + dst, row, k_post + src, tok, row, n_local,
+                                 cudaMemcpyDeviceToDevice, st));
+            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_v) + dst, row, k->vstage + src, tok, row, n_local,
+                                 cudaMemcpyDeviceToDevice, st));
+        }
+    }
+    if (host_slot) /* an empty chunk cache: every index entry -1 */
+        CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, lay->vc_meta_bytes, st));
+    hs->n = n;
+    hs->n_cand = n_cand;
+    hs->n_local = n_local;
+    hs->n_gen = 0;
+    hs->has_sel = 0;
+    CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
+    CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
+    /* the side work starts once this stream's own work is done, so that it never delays it:
+       the candidate values on os (to the host store in a grid of at most offload_blocks
+       blocks: a full grid would hold every SM for the ~2.5 ms its PCIe writes take at 64k
+       tokens, and queue the kernels behind it; to the device store at full speed), and the
+       factorization on fs */
+    CK(cudaEventRecord(k->side_ev, st));
+    CK(cudaStreamWaitEvent(os, k->side_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
+    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand, (skv_bf16 *)hs->vstore,
+                              host_slot ? k->offload_blocks : 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
+    CK(cudaEventRecord(k->off_ev, os));
+    /* U and W of the slot, in bf16. Enqueued last, so the cache's stream does not idle while
+       the host issues the factorization's calls */
+    CK(cudaStreamWaitEvent(fs, k->side_ev, 0));
+    CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
+    skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
+                                      0, msg, cap);
+    if (s) return s;
+    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    /* the reproducible mode: W's fixed point for the decode's rebuild, once here instead of every step */
+    if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
+    CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
+    CK(cudaEventRecord(k->fac_ev, fs));
+
+    /* the caller's buffers are free once this stream is done with them (the side work reads the staged copies) */
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    ps->used = 1;
+    k->pset_next ^= 1;
+    k->staged = 1;
+    k->side_pending = 1;
+    return SKV_OK;
+}
+
+/* Adds a finished step's times: the whole step, and its phases when they were recorded. */
+static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
+{
+    k->pending.decode_step_ms += skv_cuda_elapsed(s->e[SKV_EV_START], s->e[SKV_EV_END]);
+    k->n_timed++;
+    if (s->phases) {
+        k->phase_select_ms += skv_cuda_elapsed(s->e[SKV_EV_START], s->e[SKV_EV_SELECTED]);
+        if (s->rebuilt) {
+            k->phase_rebuild_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_REBUILT]);
+            k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_REBUILT], s->e[SKV_EV_END]);
+        } else {
+            k->phase_attention_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_END]);
+        }
+        k->n_phased++;
+        if (s->fetch) {
+            k->phase_fetch_ms += skv_cuda_elapsed(s->e[SKV_EV_SELECTED], s->e[SKV_EV_FETCHED]);
+            k->n_phased_fetch++;
+        }
+    }
+    s->used = s->phases = s->fetch = s->rebuilt = 0;
+}
+
+/*
+ * The launch sequence of one decode step on stream st (skv_cuda.h lists the steps): direct, or
+ * into a capture. ev (or NULL): the step's event set, whose phase events are recorded.
+ * node (or NULL): receives the score kernel's parameters (a capture).
+ */
+static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int32_t layer, const skv_cuda_io *io,
+                                        skv_cuda_evset *ev, skv_cuda_score_node *node, int *launches, char *msg,
+                                        size_t cap)
+{
+    const skv_cuda_shape *sh = &k->sh;
+    skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
+    const int repro = k->cfg.reproducible;
+    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
+    if (repro) {
+        /* the resident tokens' canonical scores on the side stream once step 1 has published the
+           step's tensors, beside the selection (which leaves most of the device idle) */
+        CK(cudaStreamWaitEvent(k->side, k->scored_ev, 0));
+        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &k->ws));
+        *launches += 1;
+    }
+    if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+    if (repro) {
+        /* the canonical rebuild of the selected keys into the workspace, then the canonical
+           attention over the five spans; a host layer's missed chunks are fetched first (the
+           attention reads every selected value from the chunk cache), beside the rebuild, on the
+           side stream after the resident scores */
+        if (k->layer_host[layer]) {
+            CK(cudaEventRecord(k->fork_ev, st));
+            CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+            CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+            if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
+            *launches += 1;
+        }
+        CK(cudaEventRecord(k->join_ev, k->side));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
+        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
+        CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
+        *launches += 4;
+        return SKV_OK;
+    }
+    if (k->layer_host[layer]) {
+        /* the missed chunks come over PCIe on the side stream while everything else is attended */
+        CK(cudaEventRecord(k->fork_ev, st));
+        CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
+        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
+        CK(cudaEventRecord(k->join_ev, k->side));
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, 0));
+        CK(cudaStreamWaitEvent(st, k->join_ev, 0));
+        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
+        *launches += 3;
+    } else {
+        CK(skv_cuda_attend(st, sh, seqs, &k->ws, !ev));
+        *launches += 1;
+    }
+    CK(skv_cuda_combine(st, sh, seqs, &k->ws, NULL, 1));
+    *launches += 1;
+    return SKV_OK;
+}
+
+/* Captures layer's step on the capture stream into its graph (first step of the layer). */
+static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const skv_cuda_io *io, char *msg, size_t cap)
+{
+    skv_cuda_layer_graph *g = &k->graphs[layer];
+    int kernels = 0;
+    CK(cudaStreamBeginCapture(k->cap, cudaStreamCaptureModeThreadLocal));
+    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, NULL, &g->node, &kernels, msg, cap);
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(k->cap, &graph);
+    if (s) {
+        if (graph) cudaGraphDestroy(graph);
+        return s;
+    }
+    if (e != cudaSuccess) return skv_cuda_err(e, "cudaStreamEndCapture(decode step)", msg, cap);
+    size_t n_roots = 0;
+    cudaGraphNode_t roots[4];
+    e = cudaGraphGetRootNodes(graph, NULL, &n_roots);
+    if (e == cudaSuccess && (n_roots != 1 || (e = cudaGraphGetRootNodes(graph, roots, &n_roots)) != cudaSuccess)) {
+        if (e == cudaSuccess) e = cudaErrorInvalidValue; /* the score kernel must be the only root */
+    }
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (e != cudaSuccess) {
+        cudaGraphDestroy(graph);
+        g->exec = NULL;
+        return skv_cuda_err(e, "cudaGraphInstantiate(decode step)", msg, cap);
+    }
+    g->graph = graph;
+    g->score = roots[0];
+    g->kernels = kernels;
+    return SKV_OK;
+}
+
+skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
+                                 const skv_bf16 *vn, float *out, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    cudaStream_t st = k->st;
+    const skv_cuda_io io = {q, kn, vn, out};
+
+    /* events, unless the stream is being captured or the ring slot is still in flight (then this
+       step goes untimed: waiting for it would be a hidden synchronization) */
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CK(cudaStreamIsCapturing(st, &cs));
+    const int capturing = cs != cudaStreamCaptureStatusNone;
+    skv_cuda_evset *ev = &k->ring[k->ring_head];
+    if (ev->used && !capturing) { /* no event queries inside a capture */
+        cudaError_t q5 = cudaEventQuery(ev->e[SKV_EV_END]);
+        if (q5 == cudaSuccess) skv_cuda_take_times(k, ev);
+        else if (q5 == cudaErrorNotReady) (void)cudaGetLastError();
+        else return skv_cuda_err(q5, "cudaEventQuery", msg, cap);
+    }
+    const int timed = !capturing && !ev->used;
+    /* one step in SKV_CUDA_PHASE_EVERY is launched directly with phase events; the others replay
+       the layer's graph (a step inside the caller's capture is launched directly) */
+    const int phases = timed && k->n_steps % SKV_CUDA_PHASE_EVERY == 0;
+    if (k->side_pending) { /* the last prefills' factorization and value offload */
+        unsigned flags = capturing ? cudaEventWaitExternal : 0;
+        CK(cudaStreamWaitEvent(st, k->fac_ev, flags));
+        CK(cudaStreamWaitEvent(st, k->off_ev, flags));
+        k->side_pending = 0;
+    }
+    int launches = 0;
+    if (timed) CK(cudaEventRecord(ev->e[SKV_EV_START], st));
+    skv_cuda_layer_graph *g = &k->graphs[layer];
+    if (capturing || phases) {
+        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, phases ? ev : NULL, NULL, &launches, msg, cap);
+        if (s) return s;
+    } else {
+        if (!g->exec) {
+            skv_status s = skv_cuda_capture_layer(k, layer, &io, msg, cap);
+            if (s) return s;
+        } else {
+            skv_cuda_score_node_set_io(&g->node, &io);
+            CK(cudaGraphExecKernelNodeSetParams(g->exec, g->score, &g->node.params));
+        }
+        CK(cudaGraphLaunch(g->exec, st));
+        launches = g->kernels;
+    }
+    if (timed) {
+        CK(cudaEventRecord(ev->e[SKV_EV_END], st));
+        ev->used = 1;
+        ev->phases = phases;
+        ev->fetch = phases && k->layer_host[layer];
+        ev->rebuilt = phases && k->cfg.reproducible;
+        k->ring_head = (k->ring_head + 1) % SKV_CUDA_RING;
+    }
+    k->launches += launches;
+    k->n_steps++;
+    return SKV_OK;
+}
+
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    CK(cudaStreamSynchronize(k->st));
+    CK(cudaStreamSynchronize(k->side));
+    CK(cudaStreamSynchronize(k->fst));
+    CK(cudaStreamSynchronize(k->ost));
+    for (int i = 0; i < SKV_CUDA_RING; i++)
+        if (k->ring[i].used) skv_cuda_take_times(k, &k->ring[i]);
+    for (int i = 0; i < 2; i++)
+        if (k->pset[i].used) skv_cuda_take_prefill(k, &k->pset[i]);
+    /* the phases of the sampled steps, scaled to every timed step */
+    if (k->n_phased) {
+        const double f = (double)k->n_timed / (double)k->n_phased;
+        k->pending.decode_select_ms += k->phase_select_ms * f;
+        k->pending.decode_attention_ms += k->phase_attention_ms * f;
+        k->pending.decode_rebuild_ms += k->phase_rebuild_ms * f;
+    }
+    if (k->n_phased_fetch) k->pending.decode_fetch_ms += k->phase_fetch_ms * (double)k->n_timed / (double)k->n_phased;
+    k->phase_select_ms = k->phase_attention_ms = k->phase_fetch_ms = k->phase_rebuild_ms = 0;
+    k->n_timed = k->n_phased = k->n_phased_fetch = 0;
+    stats->prefill_rope_ms += k->pending.prefill_rope_ms;
+    stats->prefill_landmarks_ms += k->pending.prefill_landmarks_ms;
+    stats->prefill_offload_ms += k->pending.prefill_offload_ms;
+    stats->prefill_factorize_ms += k->pending.prefill_factorize_ms;
+    stats->prefill_critical_ms += k->pending.prefill_critical_ms;
+    stats->prefill_wait_ms += k->pending.prefill_wait_ms;
+    stats->decode_select_ms += k->pending.decode_select_ms;
+    stats->decode_fetch_ms += k->pending.decode_fetch_ms;
+    stats->decode_attention_ms += k->pending.decode_attention_ms;
+    stats->decode_rebuild_ms += k->pending.decode_rebuild_ms;
+    stats->decode_step_ms += k->pending.decode_step_ms;
+    stats->decode_launches += k->launches;
+    k->launches = 0;
+    memset(&k->pending, 0, sizeof k->pending);
+    unsigned long long vc[2];
+    CK(cudaMemcpy(vc, k->ws.vc_counts, sizeof vc, cudaMemcpyDeviceToHost));
+    stats->value_cache_hits += (int64_t)(vc[0] - k->vc_seen[0]);
+    stats->value_cache_misses += (int64_t)(vc[1] - k->vc_seen[1]);
+    k->vc_seen[0] = vc[0], k->vc_seen[1] = vc[1];
+    unsigned long long failures = 0, tag = ~0ull;
+    skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
+    if (fst_) return fst_;
+    if (failures > k->fac_failures_seen) {
+        k->fac_failures_seen = failures;
+        snprintf(msg, cap, "skv_prefill of layer %u, sequence %u: the factorization failed (a solver step "
+                           "reported an error); its keys are not usable",
+                 (unsigned)(tag >> 32), (unsigned)(tag & 0xffffffffu));
+        return SKV_ERR_NUMERICAL;
+    }
+    unsigned long long bad = ~0ull;
+    CK(cudaMemcpy(&bad, k->ws.first_bad, sizeof bad, cudaMemcpyDeviceToHost));
+    if (bad == ~0ull) return SKV_OK;
+    /* a step with NaN/Inf inputs changed nothing on the device: take n_gen and has_sel from there */
+    size_t L = (size_t)k->cfg.n_layers, B = (size_t)k->cfg.batch_size;
+    CK(cudaMemcpy(k->h_seqs, k->d_seqs, L * B * sizeof *k->h_seqs, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < L * B; i++) {
+        states[i].n_gen = k->h_seqs[i].n_gen;
+        states[i].has_selection = k->h_seqs[i].has_sel;
+    }
+    CK(cudaMemsetAsync(k->ws.first_bad, 0xff, sizeof *k->ws.first_bad, k->st));
+    CK(cudaStreamSynchronize(k->st));
+    int layer = (int)(bad >> 48), tensor = (int)((bad >> 40) & 0xff);
+    long long idx = (long long)(bad & ((1ull << 40) - 1));
+    int heads = tensor == 0 ? k->cfg.n_q_heads : k->cfg.n_kv_heads, D = k->cfg.head_dim;
+    static const char *const names[3] = {"q", "k", "v"};
+    snprintf(msg, cap,
+             "skv_decode on layer %d: %s[%lld][%lld][%lld] is NaN or Inf; that step was not applied (no token "
+             "appended, selection kept)",
+             layer, names[tensor < 3 ? tensor : 0], idx / ((long long)heads * D), idx / D % heads, idx % D);
+    return SKV_ERR_NONFINITE;
+}
+
+/*
+ * After skv_cache_load wrote a snapshot into the arenas of this fresh cache (lib/'s copy2d:
+ * synchronous copies on the legacy stream): the descriptors take each slot's shape and step
+ * state (n, n_cand, n_local, n_gen, has_sel: what the decode kernels read and advance on the
+ * device), the chunk caches of host-placed slots are emptied (index entries -1, as prefill
+ * leaves them), in the reproducible mode each prefilled slot's W is prepared for the decode's
+ * rebuild (skv_cuda_canon_wprep, as prefill does), and the host copies follow. Nothing has
+ * been enqueued on the cache yet (no prefill, no decode, no graph); returns when the device
+ * holds the new state.
+ */
+skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    const size_t n = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+    CK(cudaStreamSynchronize(k->st));
+    for (size_t i = 0; i < n; i++) {
+        skv_cuda_seq *hs = &k->h_seqs[i];
+        const skv_seq_state *s = &states[i];
+        hs->n = s->prefilled ? s->n : 0;
+        hs->n_cand = s->prefilled ? s->n_cand : 0;
+        hs->n_local = s->prefilled ? s->n_local : 0;
+        hs->n_gen = s->prefilled ? s->n_gen : 0;
+        hs->has_sel = s->prefilled ? s->has_selection : 0;
+        if (hs->vc_data) CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, k->lay.vc_meta_bytes, k->st));
+        /* the snapshot wrote W: its fixed point for the decode's rebuild, as a prefill prepares it */
+        if (s->prefilled && hs->wq)
+            CK(skv_cuda_canon_wprep(k->st, k->cfg.n_kv_heads, k->cfg.head_dim, k->cfg.rank, hs->w, (void *)hs->wq));
+    }
+    CK(cudaMemcpyAsync(k->d_seqs, k->h_seqs, n * sizeof *k->h_seqs, cudaMemcpyHostToDevice, k->st));
+    CK(cudaStreamSynchronize(k->st));
+    CK(cudaGetLastError());
+    return SKV_OK;
+}
