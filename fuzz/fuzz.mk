@@ -63,7 +63,7 @@ FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=all
 FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -fno-omit-frame-pointer -ffp-contract=off \
                -Iinclude -Ilib $(DEPS_INC) -fopenmp $(FUZZ_SAN)
 FUZZ_LIBS   := $(DEPS_LIB) -llapacke -lopenblas -lm -fopenmp -lpthread -ldl
-FUZZ_LIB_SRC := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) cuda/skv_cuda_stub.c
+FUZZ_LIB_SRC := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c)
 FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_BUILD)/obj/%.o,$(FUZZ_LIB_SRC))
 FUZZ_LIB     := $(FUZZ_BUILD)/libshadowkv-fuzz.a
 FUZZ_BIN     := $(patsubst %,$(FUZZ_BUILD)/%,$(FUZZ_HARNESSES))
