@@ -9,7 +9,8 @@
 #                              every fuzzer for FUZZ_TIME s, FUZZ_JOBS at a time; new inputs in
 #                              build-fuzz/corpus/<h>, crashes in fuzz/regressions/<h>/
 #   make fuzz-corpus           merges build-fuzz/corpus/<h> into a minimized fuzz/corpus/<h>,
-#                              at most FUZZ_CORPUS_MAX files (the largest are kept)
+#                              at most FUZZ_CORPUS_MAX files (the largest are kept), plus the
+#                              inputs named cpu-checked-* (make fuzz-cpu-seeds), kept as they are
 #
 # <h> is the harness file's base name: fuzz/fuzz_config.c -> fuzz_config.
 
@@ -26,6 +27,18 @@ fuzz_replay_args = fuzz/corpus/$(1) $(wildcard fuzz/regressions/$(1))
 $(BUILD)/fuzz/replay_%: fuzz/%.c $(FUZZ_DEPS_SRC) $(STATIC)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Ifuzz $< fuzz/fuzz_common.c fuzz/replay.c $(STATIC) $(LIBS) -o $@
+
+# Inputs that check a cpu output (fuzz/seek_cpu.c), for a corpus whose replay reports none:
+#   make fuzz-cpu-seeds FUZZ_HARNESS=fuzz_op_full_attention [FUZZ_SEEDS=4 FUZZ_SEED=1]
+FUZZ_SEEDS ?= 4
+FUZZ_SEED  ?= 1
+.PHONY: fuzz-cpu-seeds
+$(BUILD)/fuzz/seek_cpu_%: fuzz/%.c fuzz/seek_cpu.c $(FUZZ_DEPS_SRC) $(STATIC)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Ifuzz $< fuzz/fuzz_common.c fuzz/seek_cpu.c $(STATIC) $(LIBS) -o $@
+fuzz-cpu-seeds: $(BUILD)/fuzz/seek_cpu_$(FUZZ_HARNESS)
+	@[ -n "$(FUZZ_HARNESS)" ] || { echo "make fuzz-cpu-seeds: set FUZZ_HARNESS"; exit 1; }
+	$(BUILD)/fuzz/seek_cpu_$(FUZZ_HARNESS) fuzz/corpus/$(FUZZ_HARNESS) $(FUZZ_SEEDS) $(FUZZ_SEED)
 
 # The seed corpus of fuzz_load: small valid snapshots and mutations (fuzz/gen_load_seeds.c).
 .PHONY: fuzz-load-seeds
@@ -128,15 +141,19 @@ fuzz-run: $(FUZZ_BIN)
 	  printf '%-28s execs %10s  cov %6s  ft %7s%s\n' $$h "$${execs:-?}" "$${cov:-?}" "$${ft:-?}" "$$crash"; \
 	done; [ $$bad -eq 0 ]
 
-# Minimizes the union of the committed seeds and what fuzz-run found into fuzz/corpus/<h>.
+# Minimizes the union of the committed seeds and what fuzz-run found into fuzz/corpus/<h>;
+# the cpu-checked-* inputs stay (a merge keeps coverage, and checking cpu adds none).
 fuzz-corpus: $(FUZZ_BIN)
 	@for h in $(FUZZ_HARNESSES); do \
 	  rm -rf $(FUZZ_BUILD)/merge/$$h; mkdir -p $(FUZZ_BUILD)/merge/$$h $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h; \
 	  $(FUZZ_ENV) $(FUZZ_BUILD)/$$h -merge=1 -max_len=$(FUZZ_MAXLEN) -timeout=10 -rss_limit_mb=2048 \
 	    $(FUZZ_BUILD)/merge/$$h fuzz/corpus/$$h $(FUZZ_BUILD)/corpus/$$h > $(FUZZ_BUILD)/$$h.merge.log 2>&1 || \
 	    { echo "fuzz-corpus: merge of $$h failed (see $(FUZZ_BUILD)/$$h.merge.log)"; exit 1; }; \
+	  rm -rf $(FUZZ_BUILD)/keep/$$h; mkdir -p $(FUZZ_BUILD)/keep/$$h; \
+	  cp fuzz/corpus/$$h/cpu-checked-* $(FUZZ_BUILD)/keep/$$h/ 2>/dev/null; \
 	  rm -rf fuzz/corpus/$$h && cp -r $(FUZZ_BUILD)/merge/$$h fuzz/corpus/$$h; \
 	  (cd fuzz/corpus/$$h && ls -S | tail -n +$$(($(FUZZ_CORPUS_MAX) + 1)) | xargs -r rm -f); \
+	  cp $(FUZZ_BUILD)/keep/$$h/* fuzz/corpus/$$h/ 2>/dev/null; \
 	  echo "fuzz-corpus: $$h: $$(ls fuzz/corpus/$$h | wc -l) files"; \
 	done
 

@@ -73,6 +73,15 @@ void *skvf_guarded_alloc(size_t bytes);
 void skvf_guarded_check(const void *p, const char *what);
 void skvf_guarded_free(void *p, const char *what);
 
+/* ---- output checks --------------------------------------------------------------------- */
+
+/* Outputs compared with an oracle so far: skvf_checked[0] on ref, [1] on cpu. A harness calls
+   skvf_note_checked once per successful call whose output it compared with an oracle (more
+   than "written" or "finite"). The replay driver prints the counts and fails when a harness
+   checked outputs but none on cpu: such a corpus lets a wrong cpu kernel pass. */
+extern long skvf_checked[2];
+void skvf_note_checked(skv_backend be);
+
 /* ---- cache fingerprint ----------------------------------------------------------------- */
 
 /* A hash of everything a caller can observe of a cache without changing it: config,
