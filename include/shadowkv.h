@@ -346,7 +346,9 @@ SKV_API const char *skv_cache_last_error(const skv_cache *cache);
  * 3.4e38) would overflow float scores, landmark norms or attention sums; they
  * are refused like NaN and Inf, with SKV_ERR_NONFINITE and a message naming the
  * element and its value, before anything is stored. ref and cpu check it;
- * cuda checks NaN/Inf on the device but not yet this magnitude.
+ * cuda checks NaN/Inf on the device but not yet this magnitude. The op-level
+ * calls that take the same data (skv_op_factorize, skv_op_sparse_attention,
+ * skv_op_full_attention) refuse the same values the same way.
  */
 #define SKV_MAX_INPUT_MAGNITUDE 4294967296.0f
 
@@ -589,6 +591,19 @@ SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv
 /* argument error.                                                          */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * The input bound of the op-level calls. skv_op_factorize(_route),
+ * skv_op_sparse_attention(_canonical) and skv_op_full_attention refuse what
+ * skv_prefill and skv_decode refuse: on ref and cpu NaN, Inf and
+ * |x| > SKV_MAX_INPUT_MAGNITUDE (SKV_ERR_NONFINITE; the message names the
+ * argument, the element and, for a finite one, its value and the limit), on
+ * cuda NaN and Inf. What they accept cannot overflow: their outputs are finite
+ * (attention: for a scale with scale * head_dim * 2^64 below FLT_MAX). skv_op_rope,
+ * skv_op_landmarks_outliers, skv_op_score_select and skv_op_rebuild_keys refuse
+ * NaN and Inf only; beyond SKV_MAX_INPUT_MAGNITUDE they compute in float as
+ * given, and their outputs may hold Inf or NaN where that overflows.
+ */
+
 /**
  * Number of floats in each of the cos and sin tables for n_positions
  * positions: n_positions * R/2, R the rotary dim. 0 on invalid input.
@@ -608,7 +623,8 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  * U W close to the best rank-r approximation (docs/DESIGN.md section 6). Compare
  * backends on the product U W only. Requires 1 <= r <= min(n, d) and
  * n <= 2^31 (anything larger is refused with SKV_ERR_INVALID_ARGUMENT);
- * a NaN or Inf in a is refused before any work. Routes (docs/usage.md, "The key
+ * NaN, Inf or (ref, cpu) |a| > SKV_MAX_INPUT_MAGNITUDE is refused with
+ * SKV_ERR_NONFINITE before any work; on SKV_OK u and w are finite. Routes (docs/usage.md, "The key
  * factorization"): ref the double Gram + dsyevr; cpu and cuda a subspace
  * iteration on the Gram matrix with an automatic double-Gram fallback, or
  * the Gram + eigensolver route for shapes it does not take (SKV_FACTORIZE_AUTO;
@@ -726,6 +742,10 @@ typedef struct skv_kv_span {
  * Attention of one token's queries q [Hq, D] over the union of spans
  * (float accumulation, stable softmax), GQA: query head i uses KV head
  * i / (Hq/Hk). out [Hq, D] float. At least one token in total.
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE
+ * (NaN, Inf or, on ref and cpu, |x| > SKV_MAX_INPUT_MAGNITUDE in q or in an
+ * element a span reads; the message names q or the span, token, head and
+ * element), SKV_ERR_OUT_OF_MEMORY. out is untouched on error.
  */
 SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
                                    int32_t head_dim, float scale, const skv_bf16 *q,
@@ -746,7 +766,8 @@ SKV_API skv_status skv_op_sparse_attention_canonical(skv_backend backend, int32_
 /**
  * Dense attention of q [Hq, D] over n_tokens keys/values [n_tokens, Hk, D]
  * (the prompt layout). out [Hq, D] float. The baseline sparse decode is
- * compared against.
+ * compared against. Errors as skv_op_sparse_attention (NONFINITE names q, k
+ * or v and the flat index).
  */
 SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
                                  int32_t head_dim, float scale, const skv_bf16 *q,
