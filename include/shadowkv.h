@@ -561,7 +561,9 @@ SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap
  * tolerances of the backends involved (bitwise equal with config.reproducible = 1).
  * cfg NULL: the snapshot's config with backend SKV_BACKEND_AUTO (SKV_BACKEND applies)
  * and the default runtime fields (n_threads, cuda_stream, value_device_bytes,
- * value_cache_chunks as skv_config_default gives them). cfg non-NULL: its runtime fields
+ * value_cache_chunks as skv_config_default gives them); the cache is as large as the
+ * snapshot's config says, whatever the file's size: skv_snapshot_config tells how large
+ * before loading, and says how a caller bounds it. cfg non-NULL: its runtime fields
  * (backend, n_threads, cuda_stream, value_device_bytes, value_cache_chunks) are used,
  * and every model field (n_layers, n_q_heads, n_kv_heads, head_dim, rank, chunk_size,
  * budget, n_outlier_chunks, n_local_chunks, rope.*, attn_scale, batch_size,
@@ -582,6 +584,36 @@ SKV_API skv_status skv_cache_load(const char *path, const skv_config *cfg, skv_c
 
 /** skv_cache_load from the size bytes at buf (not kept after the call). */
 SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv_config *cfg, skv_cache **out);
+
+/**
+ * Reads the config of the snapshot file at path without loading it: only its preamble and
+ * CONF section (the first 132 bytes, their checksum checked; the slots are not read, so a
+ * snapshot it accepts may still fail skv_cache_load with SKV_ERR_FORMAT). Allocates nothing
+ * that grows with the snapshot's config.
+ * cfg (may be NULL): cfg->struct_size must hold the caller's sizeof(skv_config), as
+ * skv_config_default() sets it; on SKV_OK the first struct_size bytes of *cfg hold the
+ * config skv_cache_load(path, NULL, ...) creates the cache with: the snapshot's model
+ * fields, backend SKV_BACKEND_AUTO and the default runtime fields.
+ * device_bytes, host_bytes (either may be NULL): skv_cache_memory of that config, the
+ * memory that load allocates for the cache (a config with other runtime fields, another
+ * backend or value placement, holds what skv_cache_memory says of it).
+ * A snapshot of a few KB can describe a cache of many GB (an empty cache with a large
+ * max_prompt_len, batch_size or gen_capacity is a valid one), and skv_cache_load with cfg
+ * NULL allocates whatever it describes. A caller that loads snapshots it did not write
+ * bounds that: it calls skv_snapshot_config, compares device_bytes + host_bytes with its
+ * limit, and passes the config it got (runtime fields changed as it likes) to
+ * skv_cache_load; a file that changed in between then fails with SKV_ERR_INVALID_CONFIG
+ * (the model fields must equal the snapshot's) instead of allocating more.
+ * Errors: SKV_ERR_NULL_POINTER (path), SKV_ERR_INVALID_ARGUMENT (cfg->struct_size),
+ * SKV_ERR_IO, SKV_ERR_FORMAT (as skv_cache_load reports the preamble and CONF: the message
+ * names the section, field and byte offset), SKV_ERR_SIZE_OVERFLOW and SKV_ERR_INVALID_CONFIG
+ * (a cache of that config: as skv_cache_memory). Nothing is written on error.
+ */
+SKV_API skv_status skv_snapshot_config(const char *path, skv_config *cfg, size_t *device_bytes, size_t *host_bytes);
+
+/** skv_snapshot_config of the size bytes at buf (SKV_ERR_NULL_POINTER for a NULL buf). */
+SKV_API skv_status skv_snapshot_config_buffer(const void *buf, size_t size, skv_config *cfg, size_t *device_bytes,
+                                              size_t *host_bytes);
 
 /* ------------------------------------------------------------------------ */
 /* Op-level API: one function per dispatch slot, explicit backend.          */
