@@ -1,6 +1,6 @@
 /*
- * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/ (zstd's
- * tests/fuzz layout): a data producer that carves bounded parameters and
+ * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/: a data
+ * producer that carves bounded parameters and
  * tensors out of the fuzz input, the invariants every harness asserts, and a
  * cache fingerprint to prove "after any error the cache is unchanged".
  *

@@ -1,5 +1,5 @@
 /*
- * replay.c - runs a harness without libFuzzer (zstd's regression driver):
+ * replay.c - runs a harness without libFuzzer (the regression driver):
  *   replay_<harness> PATH...
  * Each PATH is a file or a directory (read recursively, files sorted by name so
  * runs are deterministic). Every file's bytes go through LLVMFuzzerTestOneInput
