@@ -1,8 +1,8 @@
 /*
- * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/: a data
- * producer that carves bounded parameters and
- * tensors out of the fuzz input, the invariants every harness asserts, and a
- * cache fingerprint to prove "after any error the cache is unchanged".
+ * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/: a data producer
+ * that carves bounded parameters and tensors out of the fuzz input, the
+ * invariants every harness asserts, and a cache fingerprint to prove "after
+ * any error the cache is unchanged".
  *
  * Every harness defines LLVMFuzzerTestOneInput(data, size). Built two ways:
  *  - `make fuzz`: clang -fsanitize=fuzzer,address,undefined (libFuzzer main);
