@@ -91,18 +91,21 @@ all: lib $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(TEST_BIN)
 lib: $(STATIC) $(SHARED) $(PLUGINS)
 
 # ---- system packages (a fresh Debian machine has none of these) -------------
-# Installs what is missing through apt-get, once; a no-op when present.
+# Installs what is missing through apt-get, once; a no-op when present. With CC=clang
+# (make CC=clang BUILD=build-clang check: the library builds with clang as well as gcc)
+# also clang and its OpenMP runtime.
+DEPS_PKGS := libopenblas-dev liblapacke-dev pkg-config $(if $(findstring clang,$(notdir $(CC))),clang libomp-dev)
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	@mkdir -p $(BUILD)
 	@if printf '#include <cblas.h>\n#include <lapacke.h>\nint main(void){return 0;}\n' | \
 	    $(CC) $(DEPS_INC) -x c - -o $(BUILD)/.depprobe $(DEPS_LIB) -llapacke -lopenblas -fopenmp >/dev/null 2>&1 && \
 	    { command -v pkg-config >/dev/null 2>&1 || [ -n "$(SKV_DEPS)" ]; }; then :; else \
-	  echo "make: installing libopenblas-dev liblapacke-dev pkg-config (apt-get)"; \
+	  echo "make: installing $(DEPS_PKGS) (apt-get)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libopenblas-dev liblapacke-dev pkg-config >/dev/null || \
-	  { echo "make: could not install libopenblas-dev liblapacke-dev pkg-config"; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(DEPS_PKGS) >/dev/null || \
+	  { echo "make: could not install $(DEPS_PKGS)"; exit 1; }; \
 	fi
 	@rm -f $(BUILD)/.depprobe
 	@touch $@

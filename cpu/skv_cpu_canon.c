@@ -114,8 +114,32 @@ SKV_CPU_AVX2 static void skv_cc_chol(int32_t p, const double *c, double s, doubl
     }
 }
 
-/* X = Y L^-T (skv_canon_ref_solve, x may alias y): 8 rows at a time, lanes across rows, each
-   element's chain over k in order. buf: per thread [p][8]. */
+/* Rows [t0, t0 + rows) of X = Y L^-T (rows <= 8), lanes across the rows, each element's chain over
+   k in order. b: [p][8]. */
+SKV_CPU_AVX2 static void skv_cc_solve8(int32_t t0, int32_t rows, int32_t p, const double *l, const double *y,
+                                       double *x, double *b)
+{
+    for (int32_t j = 0; j < p; j++)
+        for (int i = 0; i < 8; i++) b[(size_t)j * 8 + i] = i < rows ? y[(size_t)(t0 + i) * p + j] : 0.0;
+    for (int32_t j = 0; j < p; j++) {
+        const double *lj = l + (size_t)j * p;
+        __m256d a0 = _mm256_loadu_pd(b + (size_t)j * 8), a1 = _mm256_loadu_pd(b + (size_t)j * 8 + 4);
+        for (int32_t k = 0; k < j; k++) {
+            __m256d nl = _mm256_broadcast_sd(lj + k);
+            a0 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8), nl, a0);
+            a1 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8 + 4), nl, a1);
+        }
+        __m256d dj = _mm256_broadcast_sd(lj + j);
+        _mm256_storeu_pd(b + (size_t)j * 8, _mm256_div_pd(a0, dj));
+        _mm256_storeu_pd(b + (size_t)j * 8 + 4, _mm256_div_pd(a1, dj));
+    }
+    for (int i = 0; i < rows; i++)
+        for (int32_t j = 0; j < p; j++) x[(size_t)(t0 + i) * p + j] = b[(size_t)j * 8 + i];
+}
+
+/* X = Y L^-T (skv_canon_ref_solve, x may alias y): threads over blocks of 8 rows. buf: per thread
+   [p][8]. The parallel region holds no vector code of its own (clang does not give the region's
+   body the function's target attribute): each block is one call of the AVX2 kernel above. */
 SKV_CPU_AVX2 static void skv_cc_solve(int32_t m, int32_t p, const double *l, const double *y, double *x,
                                       double *buf)
 {
@@ -127,22 +151,7 @@ SKV_CPU_AVX2 static void skv_cc_solve(int32_t m, int32_t p, const double *l, con
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < nb; blk++) {
             int32_t t0 = (int32_t)blk * 8, rows = m - t0 < 8 ? m - t0 : 8;
-            for (int32_t j = 0; j < p; j++)
-                for (int i = 0; i < 8; i++) b[(size_t)j * 8 + i] = i < rows ? y[(size_t)(t0 + i) * p + j] : 0.0;
-            for (int32_t j = 0; j < p; j++) {
-                const double *lj = l + (size_t)j * p;
-                __m256d a0 = _mm256_loadu_pd(b + (size_t)j * 8), a1 = _mm256_loadu_pd(b + (size_t)j * 8 + 4);
-                for (int32_t k = 0; k < j; k++) {
-                    __m256d nl = _mm256_broadcast_sd(lj + k);
-                    a0 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8), nl, a0);
-                    a1 = _mm256_fnmadd_pd(_mm256_loadu_pd(b + (size_t)k * 8 + 4), nl, a1);
-                }
-                __m256d dj = _mm256_broadcast_sd(lj + j);
-                _mm256_storeu_pd(b + (size_t)j * 8, _mm256_div_pd(a0, dj));
-                _mm256_storeu_pd(b + (size_t)j * 8 + 4, _mm256_div_pd(a1, dj));
-            }
-            for (int i = 0; i < rows; i++)
-                for (int32_t j = 0; j < p; j++) x[(size_t)(t0 + i) * p + j] = b[(size_t)j * 8 + i];
+            skv_cc_solve8(t0, rows, p, l, y, x, b);
         }
     }
 }

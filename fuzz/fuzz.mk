@@ -8,8 +8,12 @@
 #   make fuzz-run FUZZ_TIME=180 FUZZ_JOBS=2
 #                              every fuzzer for FUZZ_TIME s, FUZZ_JOBS at a time; new inputs in
 #                              build-fuzz/corpus/<h>, crashes in fuzz/regressions/<h>/
+#                              (FUZZ_ARTIFACTS); a harness passes when it ran its corpus and
+#                              fuzzed on without a crash; ends with "N passed, N failed"
+#                              (harnesses). .ci/run runs it with FUZZ_TIME=10.
 #   make fuzz-corpus           merges build-fuzz/corpus/<h> into a minimized fuzz/corpus/<h>,
-#                              at most FUZZ_CORPUS_MAX files (the largest are kept)
+#                              at most FUZZ_CORPUS_MAX files (the largest are kept), plus the
+#                              inputs named cpu-checked-* (make fuzz-cpu-seeds), kept as they are
 #
 # <h> is the harness file's base name: fuzz/fuzz_config.c -> fuzz_config.
 
@@ -26,6 +30,18 @@ fuzz_replay_args = fuzz/corpus/$(1) $(wildcard fuzz/regressions/$(1))
 $(BUILD)/fuzz/replay_%: fuzz/%.c $(FUZZ_DEPS_SRC) $(STATIC)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Ifuzz $< fuzz/fuzz_common.c fuzz/replay.c $(STATIC) $(LIBS) -o $@
+
+# Inputs that check a cpu output (fuzz/seek_cpu.c), for a corpus whose replay reports none:
+#   make fuzz-cpu-seeds FUZZ_HARNESS=fuzz_op_full_attention [FUZZ_SEEDS=4 FUZZ_SEED=1]
+FUZZ_SEEDS ?= 4
+FUZZ_SEED  ?= 1
+.PHONY: fuzz-cpu-seeds
+$(BUILD)/fuzz/seek_cpu_%: fuzz/%.c fuzz/seek_cpu.c $(FUZZ_DEPS_SRC) $(STATIC)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALLCFLAGS) $(OMPFLAGS) -Ifuzz $< fuzz/fuzz_common.c fuzz/seek_cpu.c $(STATIC) $(LIBS) -o $@
+fuzz-cpu-seeds: $(BUILD)/fuzz/seek_cpu_$(FUZZ_HARNESS)
+	@[ -n "$(FUZZ_HARNESS)" ] || { echo "make fuzz-cpu-seeds: set FUZZ_HARNESS"; exit 1; }
+	$(BUILD)/fuzz/seek_cpu_$(FUZZ_HARNESS) fuzz/corpus/$(FUZZ_HARNESS) $(FUZZ_SEEDS) $(FUZZ_SEED)
 
 # The seed corpus of fuzz_load: small valid snapshots and mutations (fuzz/gen_load_seeds.c).
 .PHONY: fuzz-load-seeds
@@ -59,11 +75,13 @@ FUZZ_TIME   ?= 180
 FUZZ_JOBS   ?= 2
 FUZZ_MAXLEN ?= 4096
 FUZZ_CORPUS_MAX ?= 40
+# where fuzz-run puts the inputs that crash a harness (CI: a scratch folder)
+FUZZ_ARTIFACTS ?= fuzz/regressions
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=all
 FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -fno-omit-frame-pointer -ffp-contract=off \
                -Iinclude -Ilib $(DEPS_INC) -fopenmp $(FUZZ_SAN)
 FUZZ_LIBS   := $(DEPS_LIB) -llapacke -lopenblas -lm -fopenmp -lpthread -ldl
-FUZZ_LIB_SRC := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c) cuda/skv_cuda_stub.c
+FUZZ_LIB_SRC := $(wildcard lib/*.c) $(wildcard ref/*.c) $(wildcard cpu/*.c)
 FUZZ_LIB_OBJ := $(patsubst %.c,$(FUZZ_BUILD)/obj/%.o,$(FUZZ_LIB_SRC))
 FUZZ_LIB     := $(FUZZ_BUILD)/libshadowkv-fuzz.a
 FUZZ_BIN     := $(patsubst %,$(FUZZ_BUILD)/%,$(FUZZ_HARNESSES))
@@ -110,33 +128,43 @@ FUZZ_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=1
 fuzz-run: $(FUZZ_BIN)
 	@mkdir -p $(FUZZ_BUILD)/corpus
 	@printf '%s\n' $(FUZZ_HARNESSES) | xargs -P $(FUZZ_JOBS) -I{} sh -c '\
-	  h={}; mkdir -p $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h fuzz/regressions/$$h; \
+	  h={}; mkdir -p $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h $(FUZZ_ARTIFACTS)/$$h; \
 	  echo "fuzz-run: $$h for $(FUZZ_TIME) s"; \
 	  $(FUZZ_ENV) $(FUZZ_BUILD)/$$h -max_total_time=$(FUZZ_TIME) -max_len=$(FUZZ_MAXLEN) -timeout=10 \
-	    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=fuzz/regressions/$$h/ \
-	    $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h > $(FUZZ_BUILD)/$$h.log 2>&1 || \
-	    echo "fuzz-run: $$h FAILED (see $(FUZZ_BUILD)/$$h.log, inputs in fuzz/regressions/$$h/)"; \
-	  rmdir fuzz/regressions/$$h 2>/dev/null; true'
+	    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=$(FUZZ_ARTIFACTS)/$$h/ \
+	    $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h > $(FUZZ_BUILD)/$$h.log 2>&1; rc=$$?; echo $$rc > $(FUZZ_BUILD)/$$h.rc; \
+	  [ $$rc -eq 0 ] || echo "fuzz-run: $$h FAILED (see $(FUZZ_BUILD)/$$h.log, inputs in $(FUZZ_ARTIFACTS)/$$h/)"; \
+	  rmdir $(FUZZ_ARTIFACTS)/$$h 2>/dev/null; true'
 	@bad=0; for h in $(FUZZ_HARNESSES); do \
-	  log=$(FUZZ_BUILD)/$$h.log; \
+	  log=$(FUZZ_BUILD)/$$h.log; rc=$$(cat $(FUZZ_BUILD)/$$h.rc 2>/dev/null || echo 1); \
 	  line=$$(grep -E '^#[0-9]+' $$log | tail -n 1); \
 	  execs=$$(sed -n 's/^stat::number_of_executed_units: *//p' $$log | tail -n 1); \
 	  [ -n "$$execs" ] || execs=$$(printf '%s' "$$line" | sed -n 's/^#\([0-9]*\).*/\1/p'); \
 	  cov=$$(printf '%s' "$$line" | sed -n 's/.*cov: \([0-9]*\).*/\1/p'); \
 	  ft=$$(printf '%s' "$$line" | sed -n 's/.*ft: \([0-9]*\).*/\1/p'); \
-	  crash=; if grep -qE '^(==[0-9]+==ERROR|SUMMARY: |fuzz invariant violated|.*deadly signal)' $$log; then crash=" CRASH"; bad=1; fi; \
+	  crash=; if grep -qE '^(==[0-9]+==ERROR|SUMMARY: |fuzz invariant violated|.*deadly signal)' $$log; then crash=" CRASH"; \
+	  elif [ "$$rc" != 0 ]; then crash=" FAILED (exit $$rc)"; \
+	  elif ! grep -qE '^#[0-9]+[[:space:]]+INITED' $$log || ! grep -qE '^Done [0-9]+ runs' $$log; then \
+	    crash=" FAILED (did not get past its corpus)"; fi; \
+	  [ -z "$$crash" ] || bad=$$((bad + 1)); \
 	  printf '%-28s execs %10s  cov %6s  ft %7s%s\n' $$h "$${execs:-?}" "$${cov:-?}" "$${ft:-?}" "$$crash"; \
-	done; [ $$bad -eq 0 ]
+	done; \
+	echo "fuzz-run: every harness for $(FUZZ_TIME) s past its corpus"; \
+	echo "$$(( $(words $(FUZZ_HARNESSES)) - bad )) passed, $$bad failed"; [ $$bad -eq 0 ]
 
-# Minimizes the union of the committed seeds and what fuzz-run found into fuzz/corpus/<h>.
+# Minimizes the union of the committed seeds and what fuzz-run found into fuzz/corpus/<h>;
+# the cpu-checked-* inputs stay (a merge keeps coverage, and checking cpu adds none).
 fuzz-corpus: $(FUZZ_BIN)
 	@for h in $(FUZZ_HARNESSES); do \
 	  rm -rf $(FUZZ_BUILD)/merge/$$h; mkdir -p $(FUZZ_BUILD)/merge/$$h $(FUZZ_BUILD)/corpus/$$h fuzz/corpus/$$h; \
 	  $(FUZZ_ENV) $(FUZZ_BUILD)/$$h -merge=1 -max_len=$(FUZZ_MAXLEN) -timeout=10 -rss_limit_mb=2048 \
 	    $(FUZZ_BUILD)/merge/$$h fuzz/corpus/$$h $(FUZZ_BUILD)/corpus/$$h > $(FUZZ_BUILD)/$$h.merge.log 2>&1 || \
 	    { echo "fuzz-corpus: merge of $$h failed (see $(FUZZ_BUILD)/$$h.merge.log)"; exit 1; }; \
+	  rm -rf $(FUZZ_BUILD)/keep/$$h; mkdir -p $(FUZZ_BUILD)/keep/$$h; \
+	  cp fuzz/corpus/$$h/cpu-checked-* $(FUZZ_BUILD)/keep/$$h/ 2>/dev/null; \
 	  rm -rf fuzz/corpus/$$h && cp -r $(FUZZ_BUILD)/merge/$$h fuzz/corpus/$$h; \
 	  (cd fuzz/corpus/$$h && ls -S | tail -n +$$(($(FUZZ_CORPUS_MAX) + 1)) | xargs -r rm -f); \
+	  cp $(FUZZ_BUILD)/keep/$$h/* fuzz/corpus/$$h/ 2>/dev/null; \
 	  echo "fuzz-corpus: $$h: $$(ls fuzz/corpus/$$h | wc -l) files"; \
 	done
 

@@ -173,6 +173,12 @@ void skvf_clamp_magnitude(skv_bf16 *x, size_t n)
 
 skv_backend skvf_backend(skvf_data *d) { return skvf_bool(d) ? SKV_BACKEND_CPU : SKV_BACKEND_REF; }
 
+/* ---- output checks --------------------------------------------------------------------- */
+
+long skvf_checked[2];
+
+void skvf_note_checked(skv_backend be) { skvf_checked[be == SKV_BACKEND_CPU]++; }
+
 /* ---- invariants ---------------------------------------------------------------------- */
 
 void skvf_fail(const char *fmt, ...)
@@ -748,6 +754,7 @@ void skvf_check_decode(skv_cache *c, const skv_config *cfg, int32_t layer, const
                 const double bound = spread + ((double)(T + D + 64) * 2 * OU + 1e-6) * vmag + 1e-30;
                 if (fin && isfinite(bound)) {
                     ostats.outputs++;
+                    skvf_note_checked(skv_cache_backend(c));
                     ostats.worst_ratio = fmax(ostats.worst_ratio, sqrt(err2) / bound);
                     ostats.sum_rel_bound += ref2 > 0 ? fmin(bound / sqrt(ref2), 1e3) : 0.0;
                 }

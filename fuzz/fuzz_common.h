@@ -1,8 +1,8 @@
 /*
- * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/ (zstd's
- * tests/fuzz layout): a data producer that carves bounded parameters and
- * tensors out of the fuzz input, the invariants every harness asserts, and a
- * cache fingerprint to prove "after any error the cache is unchanged".
+ * fuzz_common.h - shared by the libFuzzer harnesses in fuzz/: a data producer
+ * that carves bounded parameters and tensors out of the fuzz input, the
+ * invariants every harness asserts, and a cache fingerprint to prove "after
+ * any error the cache is unchanged".
  *
  * Every harness defines LLVMFuzzerTestOneInput(data, size). Built two ways:
  *  - `make fuzz`: clang -fsanitize=fuzzer,address,undefined (libFuzzer main);
@@ -72,6 +72,15 @@ void skvf_check_status(skv_status st, const char *what);
 void *skvf_guarded_alloc(size_t bytes);
 void skvf_guarded_check(const void *p, const char *what);
 void skvf_guarded_free(void *p, const char *what);
+
+/* ---- output checks --------------------------------------------------------------------- */
+
+/* Outputs compared with an oracle so far: skvf_checked[0] on ref, [1] on cpu. A harness calls
+   skvf_note_checked once per successful call whose output it compared with an oracle (more
+   than "written" or "finite"). The replay driver prints the counts and fails when a harness
+   checked outputs but none on cpu: such a corpus lets a wrong cpu kernel pass. */
+extern long skvf_checked[2];
+void skvf_note_checked(skv_backend be);
 
 /* ---- cache fingerprint ----------------------------------------------------------------- */
 

@@ -1,5 +1,6 @@
 /*
- * fuzz_load.c - skv_cache_load_buffer on arbitrary bytes (docs/DESIGN.md section 11).
+ * fuzz_load.c - skv_cache_load_buffer and skv_snapshot_config_buffer on arbitrary bytes
+ * (docs/DESIGN.md section 11).
  *
  * Input: one mode byte, then the snapshot bytes. Mode bit 0: recompute every section's
  * CRC32C and the END section's file checksum before loading (so a mutated snapshot gets
@@ -16,6 +17,11 @@
  * introspection call answers, and, when every slot is prefilled and the next step has
  * room, one decode step of the layer that is behind succeeds. Configs needing more than
  * 64 MB are not loaded (the loader would rightly create them).
+ * skv_snapshot_config_buffer on the same bytes, before the load: a defined status; on
+ * success the model fields the CONF section spells, backend AUTO, and the bytes
+ * skv_cache_memory gives for that config; on failure nothing written, and a FORMAT failure
+ * means the load fails with FORMAT too; a successful load means the query succeeded and
+ * described the loaded cache (its model fields, and with cfg NULL its memory).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +93,18 @@ static skv_config conf_of(const uint8_t *s, size_t size, skv_backend be)
     return c;
 }
 
+/* Whether two configs hold the same model fields (floats bit for bit). */
+static int same_model(const skv_config *a, const skv_config *b)
+{
+    return a->n_layers == b->n_layers && a->n_q_heads == b->n_q_heads && a->n_kv_heads == b->n_kv_heads &&
+           a->head_dim == b->head_dim && a->rank == b->rank && a->chunk_size == b->chunk_size &&
+           a->budget == b->budget && a->n_outlier_chunks == b->n_outlier_chunks &&
+           a->n_local_chunks == b->n_local_chunks && memcmp(&a->rope, &b->rope, sizeof a->rope) == 0 &&
+           memcmp(&a->attn_scale, &b->attn_scale, sizeof a->attn_scale) == 0 && a->batch_size == b->batch_size &&
+           a->max_prompt_len == b->max_prompt_len && a->gen_capacity == b->gen_capacity &&
+           a->factorize == b->factorize && a->reproducible == b->reproducible;
+}
+
 /* A loaded cache is usable: it saves back to the loaded bytes, introspection answers, and the
    next decode step runs where the cache allows one. */
 static void check_usable(skv_cache *cache, const uint8_t *snap, size_t size)
@@ -140,13 +158,38 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int use_null = (mode & 2) && skv_backend_available(SKV_BACKEND_CUDA) != SKV_OK;
     size_t dev = 0, host = 0;
     const int has_conf = n >= 32 + 96, valid = has_conf && skv_cache_memory(&cfg, &dev, &host) == SKV_OK;
-    if (valid && dev + host > LOAD_LIMIT) { /* a legitimately large cache: not this harness's subject */
+    /* the config query: the CONF section alone (also of caches too large to load here) */
+    skv_config q = skv_config_default(), q0;
+    q.n_layers = -5; /* a sentinel: must stay on failure */
+    q0 = q;
+    size_t qdev = 1, qhost = 2;
+    const skv_status qs = skv_snapshot_config_buffer(s, n, &q, &qdev, &qhost);
+    skvf_check_status(qs, "skv_snapshot_config_buffer");
+    if (qs == SKV_OK) {
+        const skv_config spelled = conf_of(s, n, SKV_BACKEND_AUTO);
+        size_t d2 = 0, h2 = 0;
+        if (!has_conf || !same_model(&q, &spelled) || q.backend != SKV_BACKEND_AUTO || q.struct_size != sizeof q)
+            skvf_fail("skv_snapshot_config: the config is not the one the CONF section spells");
+        if (skv_cache_memory(&q, &d2, &h2) != SKV_OK || d2 != qdev || h2 != qhost)
+            skvf_fail("skv_snapshot_config: %zu + %zu bytes, skv_cache_memory of its config %zu + %zu", qdev, qhost, d2,
+                      h2);
+    } else {
+        if (memcmp(&q, &q0, sizeof q) != 0 || qdev != 1 || qhost != 2)
+            skvf_fail("skv_snapshot_config failed with %d but wrote an output", (int)qs);
+        if (qs != SKV_ERR_FORMAT && qs != SKV_ERR_SIZE_OVERFLOW && qs != SKV_ERR_INVALID_CONFIG)
+            skvf_fail("skv_snapshot_config failed with an undocumented status %s: %s", skv_status_string(qs),
+                      skv_last_error());
+    }
+    if (valid && dev + host > LOAD_LIMIT) { /* a legitimately large cache: not loaded here */
         free(s);
         return 0;
     }
     skv_cache *out = (skv_cache *)&cfg; /* must come back NULL on failure */
     skv_status st = skv_cache_load_buffer(s, n, use_null ? NULL : &cfg, &out);
     skvf_check_status(st, "skv_cache_load_buffer");
+    if (qs == SKV_ERR_FORMAT && st != SKV_ERR_FORMAT)
+        skvf_fail("skv_snapshot_config refused the CONF with SKV_ERR_FORMAT, the load returned %s",
+                  skv_status_string(st));
     if (st != SKV_OK) {
         if (out != NULL) skvf_fail("load failed with %d but *out is not NULL", (int)st);
         if (st != SKV_ERR_FORMAT && st != SKV_ERR_INVALID_CONFIG && st != SKV_ERR_SIZE_OVERFLOW &&
@@ -155,6 +198,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else {
         if (!out) skvf_fail("load succeeded with *out NULL");
         if (!valid) skvf_fail("a snapshot whose config does not validate was loaded");
+        if (qs != SKV_OK || !same_model(&q, skv_cache_config(out)))
+            skvf_fail("loaded, but skv_snapshot_config returned %d or another config", (int)qs);
+        size_t d2 = 0, h2 = 0;
+        if (use_null && (skv_cache_memory(skv_cache_config(out), &d2, &h2) != SKV_OK || d2 != qdev || h2 != qhost))
+            skvf_fail("loaded with cfg NULL: the cache holds %zu + %zu bytes, skv_snapshot_config said %zu + %zu", d2,
+                      h2, qdev, qhost);
         check_usable(out, s, n);
         skv_cache_free(out);
     }

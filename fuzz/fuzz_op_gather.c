@@ -81,6 +81,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                            block * sizeof(skv_bf16)))
                     skvf_fail("%s: v_out[h %d, s %d] is not store[h %d, idx %d] (%s)", OP, h, s, h,
                               I[(size_t)h * S + s], params);
+        skvf_note_checked(be);
     }
     skvf_buf_free(&store);
     skvf_buf_free(&idx);

@@ -132,6 +132,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 m++;
             }
         }
+        skvf_note_checked(be);
     }
     skvf_buf_free(&k);
     skvf_buf_free(&oid);

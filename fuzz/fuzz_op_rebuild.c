@@ -156,6 +156,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                       (double)skvf_bf16_f(y[ib]), ea, eb, params);
                     }
                 }
+        if (bounded) skvf_note_checked(be);
         skvf_buf out2;
         skvf_buf_out(&out2, "k_out2", out.bytes);
         st = skv_op_rebuild_keys(be, &rope, D, Hk, r, c, S, n, u.p, w.p, ids.p, cs.p, sn.p, out2.p);

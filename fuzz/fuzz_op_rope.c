@@ -189,6 +189,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                   (long long)t, h, ya, yb, ea, eb, params);
                 }
             }
+        if (bounded && nel && R) skvf_note_checked(be);
         /* determinism, and in == out gives the same bits */
         skvf_buf out2, io;
         skvf_buf_out(&out2, "out2", out.bytes);

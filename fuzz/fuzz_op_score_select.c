@@ -166,6 +166,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 }
             }
         }
+        skvf_note_checked(be);
     }
     skvf_buf_free(&q);
     skvf_buf_free(&lm);

@@ -120,6 +120,18 @@ static inline size_t skvf_bf16_count_bad(const skv_bf16 *x, size_t n)
     return bad;
 }
 
+/* What the host backends refuse in the data of skv_prefill, skv_decode, skv_op_factorize and
+   the attention ops: NaN, Inf or |x| > SKV_MAX_INPUT_MAGNITUDE (2^32, bf16 0x4F80). */
+static inline int skvf_bf16_refused(skv_bf16 h) { return (h & 0x7fffu) > 0x4f80u; }
+
+/* Number of refused values among x[0..n). */
+static inline size_t skvf_bf16_count_refused(const skv_bf16 *x, size_t n)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += skvf_bf16_refused(x[i]);
+    return bad;
+}
+
 /* max |x| over the finite values. */
 static inline double skvf_bf16_maxabs(const skv_bf16 *x, size_t n)
 {
@@ -230,8 +242,9 @@ static inline void skvf_rope_tables(const skv_rope_config *r, int32_t head_dim, 
  * recomputed in double (scratch s[n]). Unless they could overflow float (> 1e30), every
  * output element must be finite and within the range of the values it averages; when the
  * scores are modest (<= 1e3) it must also match the double-precision softmax average.
+ * Returns 1 when that last comparison ran (the output was checked against the reference).
  */
-static inline void skvf_check_attention_head(const char *op, const char *params, int32_t qi, const skv_bf16 *qv,
+static inline int skvf_check_attention_head(const char *op, const char *params, int32_t qi, const skv_bf16 *qv,
                                              const skv_bf16 *const *ktok, const skv_bf16 *const *vtok, int64_t n,
                                              int32_t D, float sc, const float *got, double *s)
 {
@@ -247,7 +260,7 @@ static inline void skvf_check_attention_head(const char *op, const char *params,
         if (ab * sc > sbound) sbound = ab * sc;
         if (s[t] > m) m = s[t];
     }
-    if (sbound > 1e30) return; /* float scores may overflow: the output is not checked */
+    if (sbound > 1e30) return 0; /* float scores may overflow: the output is not checked */
     for (int32_t e = 0; e < D; e++) {
         double lo = INFINITY, hi = -INFINITY, vmax = 0.0, num = 0.0, den = 0.0;
         for (int64_t t = 0; t < n; t++) {
@@ -268,6 +281,7 @@ static inline void skvf_check_attention_head(const char *op, const char *params,
                           params);
         }
     }
+    return sbound <= 1e3;
 }
 
 

@@ -1,5 +1,5 @@
 /*
- * replay.c - runs a harness without libFuzzer (zstd's regression driver):
+ * replay.c - runs a harness without libFuzzer (the regression driver):
  *   replay_<harness> PATH...
  * Each PATH is a file or a directory (read recursively, files sorted by name so
  * runs are deterministic). Every file's bytes go through LLVMFuzzerTestOneInput
@@ -7,6 +7,8 @@
  * corpus still exercises the harness). A violated invariant aborts (the
  * harness calls skvf_fail). A missing PATH fails the whole run before anything
  * runs ("0 passed, 1 failed"); an unreadable file counts as one failure.
+ * A harness that compares outputs with an oracle (skvf_note_checked) must do so on cpu
+ * for at least one input, else the run fails.
  * Last line: "N passed, F failed" (parsed by make check).
  */
 #include <dirent.h>
@@ -18,6 +20,7 @@
 #include <sys/stat.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+extern long skvf_checked[2]; /* fuzz_common.c */
 
 #define MAX_INPUT (1u << 20) /* corpus files are <= 4096 bytes; anything larger is cut */
 
@@ -154,6 +157,15 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) run_path(argv[i]);
     printf("replay %s: %ld inputs (%ld synthetic, %ld from files)\n", name, n_passed, n_synth,
            n_passed - n_synth);
+    if (skvf_checked[0] + skvf_checked[1] > 0) {
+        printf("replay %s: outputs checked against an oracle: %ld on ref, %ld on cpu\n", name, skvf_checked[0],
+               skvf_checked[1]);
+        if (skvf_checked[1] == 0) {
+            printf("replay %s: FAILED: no input checks an output on cpu (add some to fuzz/corpus/%s)\n", name,
+                   name);
+            n_failed++;
+        }
+    }
     printf("%ld passed, %ld failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
 }

@@ -346,7 +346,9 @@ SKV_API const char *skv_cache_last_error(const skv_cache *cache);
  * 3.4e38) would overflow float scores, landmark norms or attention sums; they
  * are refused like NaN and Inf, with SKV_ERR_NONFINITE and a message naming the
  * element and its value, before anything is stored. ref and cpu check it;
- * cuda checks NaN/Inf on the device but not yet this magnitude.
+ * cuda checks NaN/Inf on the device but not yet this magnitude. The op-level
+ * calls that take the same data (skv_op_factorize, skv_op_sparse_attention,
+ * skv_op_full_attention) refuse the same values the same way.
  */
 #define SKV_MAX_INPUT_MAGNITUDE 4294967296.0f
 
@@ -559,7 +561,9 @@ SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap
  * tolerances of the backends involved (bitwise equal with config.reproducible = 1).
  * cfg NULL: the snapshot's config with backend SKV_BACKEND_AUTO (SKV_BACKEND applies)
  * and the default runtime fields (n_threads, cuda_stream, value_device_bytes,
- * value_cache_chunks as skv_config_default gives them). cfg non-NULL: its runtime fields
+ * value_cache_chunks as skv_config_default gives them); the cache is as large as the
+ * snapshot's config says, whatever the file's size: skv_snapshot_config tells how large
+ * before loading, and says how a caller bounds it. cfg non-NULL: its runtime fields
  * (backend, n_threads, cuda_stream, value_device_bytes, value_cache_chunks) are used,
  * and every model field (n_layers, n_q_heads, n_kv_heads, head_dim, rank, chunk_size,
  * budget, n_outlier_chunks, n_local_chunks, rope.*, attn_scale, batch_size,
@@ -581,6 +585,36 @@ SKV_API skv_status skv_cache_load(const char *path, const skv_config *cfg, skv_c
 /** skv_cache_load from the size bytes at buf (not kept after the call). */
 SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv_config *cfg, skv_cache **out);
 
+/**
+ * Reads the config of the snapshot file at path without loading it: only its preamble and
+ * CONF section (the first 132 bytes, their checksum checked; the slots are not read, so a
+ * snapshot it accepts may still fail skv_cache_load with SKV_ERR_FORMAT). Allocates nothing
+ * that grows with the snapshot's config.
+ * cfg (may be NULL): cfg->struct_size must hold the caller's sizeof(skv_config), as
+ * skv_config_default() sets it; on SKV_OK the first struct_size bytes of *cfg hold the
+ * config skv_cache_load(path, NULL, ...) creates the cache with: the snapshot's model
+ * fields, backend SKV_BACKEND_AUTO and the default runtime fields.
+ * device_bytes, host_bytes (either may be NULL): skv_cache_memory of that config, the
+ * memory that load allocates for the cache (a config with other runtime fields, another
+ * backend or value placement, holds what skv_cache_memory says of it).
+ * A snapshot of a few KB can describe a cache of many GB (an empty cache with a large
+ * max_prompt_len, batch_size or gen_capacity is a valid one), and skv_cache_load with cfg
+ * NULL allocates whatever it describes. A caller that loads snapshots it did not write
+ * bounds that: it calls skv_snapshot_config, compares device_bytes + host_bytes with its
+ * limit, and passes the config it got (runtime fields changed as it likes) to
+ * skv_cache_load; a file that changed in between then fails with SKV_ERR_INVALID_CONFIG
+ * (the model fields must equal the snapshot's) instead of allocating more.
+ * Errors: SKV_ERR_NULL_POINTER (path), SKV_ERR_INVALID_ARGUMENT (cfg->struct_size),
+ * SKV_ERR_IO, SKV_ERR_FORMAT (as skv_cache_load reports the preamble and CONF: the message
+ * names the section, field and byte offset), SKV_ERR_SIZE_OVERFLOW and SKV_ERR_INVALID_CONFIG
+ * (a cache of that config: as skv_cache_memory). Nothing is written on error.
+ */
+SKV_API skv_status skv_snapshot_config(const char *path, skv_config *cfg, size_t *device_bytes, size_t *host_bytes);
+
+/** skv_snapshot_config of the size bytes at buf (SKV_ERR_NULL_POINTER for a NULL buf). */
+SKV_API skv_status skv_snapshot_config_buffer(const void *buf, size_t size, skv_config *cfg, size_t *device_bytes,
+                                              size_t *host_bytes);
+
 /* ------------------------------------------------------------------------ */
 /* Op-level API: one function per dispatch slot, explicit backend.          */
 /* Kernel developers run SKV_BACKEND_REF on the same inputs as their kernel.*/
@@ -588,6 +622,19 @@ SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv
 /* consulted here). Outputs are fully written on SKV_OK and untouched on an */
 /* argument error.                                                          */
 /* ------------------------------------------------------------------------ */
+
+/*
+ * The input bound of the op-level calls. skv_op_factorize(_route),
+ * skv_op_sparse_attention(_canonical) and skv_op_full_attention refuse what
+ * skv_prefill and skv_decode refuse: on ref and cpu NaN, Inf and
+ * |x| > SKV_MAX_INPUT_MAGNITUDE (SKV_ERR_NONFINITE; the message names the
+ * argument, the element and, for a finite one, its value and the limit), on
+ * cuda NaN and Inf. What they accept cannot overflow: their outputs are finite
+ * (attention: for a scale with scale * head_dim * 2^64 below FLT_MAX). skv_op_rope,
+ * skv_op_landmarks_outliers, skv_op_score_select and skv_op_rebuild_keys refuse
+ * NaN and Inf only; beyond SKV_MAX_INPUT_MAGNITUDE they compute in float as
+ * given, and their outputs may hold Inf or NaN where that overflows.
+ */
 
 /**
  * Number of floats in each of the cos and sin tables for n_positions
@@ -608,7 +655,8 @@ SKV_API skv_status skv_rope_table_build(const skv_rope_config *rope, int32_t hea
  * U W close to the best rank-r approximation (docs/DESIGN.md section 6). Compare
  * backends on the product U W only. Requires 1 <= r <= min(n, d) and
  * n <= 2^31 (anything larger is refused with SKV_ERR_INVALID_ARGUMENT);
- * a NaN or Inf in a is refused before any work. Routes (docs/usage.md, "The key
+ * NaN, Inf or (ref, cpu) |a| > SKV_MAX_INPUT_MAGNITUDE is refused with
+ * SKV_ERR_NONFINITE before any work; on SKV_OK u and w are finite. Routes (docs/usage.md, "The key
  * factorization"): ref the double Gram + dsyevr; cpu and cuda a subspace
  * iteration on the Gram matrix with an automatic double-Gram fallback, or
  * the Gram + eigensolver route for shapes it does not take (SKV_FACTORIZE_AUTO;
@@ -726,6 +774,10 @@ typedef struct skv_kv_span {
  * Attention of one token's queries q [Hq, D] over the union of spans
  * (float accumulation, stable softmax), GQA: query head i uses KV head
  * i / (Hq/Hk). out [Hq, D] float. At least one token in total.
+ * Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT, SKV_ERR_NONFINITE
+ * (NaN, Inf or, on ref and cpu, |x| > SKV_MAX_INPUT_MAGNITUDE in q or in an
+ * element a span reads; the message names q or the span, token, head and
+ * element), SKV_ERR_OUT_OF_MEMORY. out is untouched on error.
  */
 SKV_API skv_status skv_op_sparse_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
                                    int32_t head_dim, float scale, const skv_bf16 *q,
@@ -746,7 +798,8 @@ SKV_API skv_status skv_op_sparse_attention_canonical(skv_backend backend, int32_
 /**
  * Dense attention of q [Hq, D] over n_tokens keys/values [n_tokens, Hk, D]
  * (the prompt layout). out [Hq, D] float. The baseline sparse decode is
- * compared against.
+ * compared against. Errors as skv_op_sparse_attention (NONFINITE names q, k
+ * or v and the flat index).
  */
 SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
                                  int32_t head_dim, float scale, const skv_bf16 *q,

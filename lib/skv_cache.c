@@ -285,28 +285,6 @@ static skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, i
     return SKV_OK;
 }
 
-/*
- * First element of x[0..n) (host memory) with |x| > SKV_MAX_INPUT_MAGNITUDE, NaN and Inf
- * included (their magnitude bits are above it), or -1. One pass: |x| > lim iff the 16-bit
- * sum (x & 0x7fff) + (0x7fff - lim) has bit 15 set, ORed over whole blocks of 4096 (a fixed
- * trip count, which gcc -O2 vectorizes); a block that fires, and the tail, are searched.
- */
-static int64_t skv_first_bad(const skv_bf16 *x, int64_t n)
-{
-    const unsigned lim = skv_f32_to_bf16(SKV_MAX_INPUT_MAGNITUDE) & 0x7fffu; /* 0x4f80: exact, a power of two */
-    const uint16_t add = (uint16_t)(0x7fffu - lim);
-    int64_t lo = 0;
-    for (; lo + 4096 <= n; lo += 4096) {
-        const skv_bf16 *b = x + lo;
-        uint16_t bad = 0;
-        for (int i = 0; i < 4096; i++) bad |= (uint16_t)((b[i] & 0x7fffu) + add);
-        if (bad & 0x8000u) break;
-    }
-    for (int64_t i = lo; i < n; i++)
-        if ((unsigned)(x[i] & 0x7fffu) > lim) return i;
-    return -1;
-}
-
 /* NaN/Inf and magnitude check of a [tokens, heads, D] host tensor (ref, cpu); the message
    names the first bad element and, for a finite one, its value. */
 static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *what, const skv_bf16 *x,

@@ -40,6 +40,13 @@ void skv_backend_note(const char *fmt, ...)
     ;
 const char *skv_backend_detail(void);
 
+/*
+ * The input bound of the host backends (ref, cpu): the index of the first element of the
+ * host tensor x[0..n) with |x| > SKV_MAX_INPUT_MAGNITUDE, NaN and Inf included, or -1.
+ * Used by the cache's prefill and decode and by the op-level calls that take the same data.
+ */
+int64_t skv_first_bad(const skv_bf16 *x, int64_t n);
+
 /* a * b into *out; 0 on overflow. (Inline: the cuda backend, a separate shared
    object, uses them too.) */
 static inline int skv_mul_size(size_t a, size_t b, size_t *out)

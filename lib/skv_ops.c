@@ -3,15 +3,17 @@
  * happens before any output is written.
  */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "skv_internal.h"
+#include "skv_numerics.h"
 
-/* Resolves the backend and the slot; a NULL slot is SKV_ERR_UNSUPPORTED. */
+/* Resolves the backend (into got_) and the slot; a NULL slot is SKV_ERR_UNSUPPORTED. */
 #define SKV_GET_SLOT(fn, slot)                                                                     \
     const struct skv_backend_ops *ops;                                                             \
+    skv_backend got_;                                                                              \
     do {                                                                                           \
-        skv_backend got_;                                                                          \
         skv_status st_ = skv_backend_resolve(NULL, backend, &got_, &ops);                          \
         if (st_) return st_;                                                                       \
         if (!ops->slot)                                                                            \
@@ -41,6 +43,50 @@ static skv_status skv_finite(const struct skv_backend_ops *ops, const char *fn, 
     do {                                                                                           \
         skv_status stf_ = skv_finite(ops, fn, #x, x, (int64_t)(n));                                \
         if (stf_) return stf_;                                                                     \
+    } while (0)
+
+/*
+ * The input bound of skv_prefill and skv_decode, for the ops that take the same data
+ * (factorize, sparse and full attention): on the host backends (ref, cpu) the strided
+ * [n_a, n_b, len] tensor x (element (i, j, l) at x[i*s_a + j*s_b + l]) may hold no NaN, Inf
+ * or |x| > SKV_MAX_INPUT_MAGNITUDE (larger finite values overflow the float scores, sums and
+ * factors to Inf or NaN). The message names the argument, the element (flat index of a
+ * contiguous tensor; token, head and element of a span, whose i is the head and j the
+ * token) and, for a finite element, its value. cuda (device memory): the backend's NaN/Inf
+ * check only.
+ */
+static skv_status skv_bounded(const struct skv_backend_ops *ops, skv_backend got, const char *fn, const char *what,
+                              const skv_bf16 *x, int64_t n_a, int64_t s_a, int64_t n_b, int64_t s_b, int64_t len)
+{
+    int64_t i = 0, j = 0, l = -1;
+    if (got == SKV_BACKEND_CUDA) {
+        int64_t bad = -1;
+        if (ops->check_finite(x, n_a, s_a, n_b, s_b, len, &bad) == SKV_OK) return SKV_OK;
+        i = bad / len / n_b, j = bad / len % n_b, l = bad % len;
+    } else {
+        for (i = 0; i < n_a && l < 0; i++) {
+            for (j = 0; j < n_b; j++)
+                if ((l = skv_first_bad(x + i * s_a + j * s_b, len)) >= 0) break;
+            if (l >= 0) break;
+        }
+        if (l < 0) return SKV_OK;
+    }
+    char at[96];
+    if (n_a == 1 && n_b == 1) snprintf(at, sizeof at, "%s[%lld]", what, (long long)l);
+    else snprintf(at, sizeof at, "%s: token %lld head %lld element %lld", what, (long long)j, (long long)i, (long long)l);
+    const skv_bf16 e = got == SKV_BACKEND_CUDA ? 0x7f80 : x[i * s_a + j * s_b + l]; /* cuda: device memory */
+    if (!skv_bf16_isfinite(e)) return skv_fail(NULL, SKV_ERR_NONFINITE, "%s: %s is NaN or Inf", fn, at);
+    return skv_fail(NULL, SKV_ERR_NONFINITE,
+                    "%s: %s = %g is beyond the accepted magnitude SKV_MAX_INPUT_MAGNITUDE = 2^32 (larger values "
+                    "overflow float arithmetic)",
+                    fn, at, (double)skv_bf16_to_f32(e));
+}
+
+/* skv_bounded of a contiguous tensor of n elements named x. */
+#define SKV_BOUNDED(fn, x, n)                                                                      \
+    do {                                                                                           \
+        skv_status stb_ = skv_bounded(ops, got_, fn, #x, x, 1, 0, 1, 0, (int64_t)(n));             \
+        if (stb_) return stb_;                                                                     \
     } while (0)
 
 /* Gives a failing slot's status a message. */
@@ -84,7 +130,7 @@ SKV_API skv_status skv_op_factorize_route(skv_backend backend, skv_factorize_rou
     SKV_RANGE(fn, d, 1, 65536);
     SKV_RANGE(fn, r, 1, n < d ? n : d);
     SKV_GET_SLOT(fn, factorize);
-    SKV_FINITE(fn, a, n * d);
+    SKV_BOUNDED(fn, a, n * d);
     return skv_slot_result(fn, ops, ops->factorize(route, n, d, r, a, u, w));
 }
 
@@ -306,27 +352,24 @@ static skv_status skv_sparse_op(const char *fn, int canonical, skv_backend backe
     if (total < 1)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: the spans hold no token", fn);
     const struct skv_backend_ops *ops;
-    {
-        skv_backend got;
-        st = skv_backend_resolve(NULL, backend, &got, &ops);
-        if (st) return st;
-    }
+    skv_backend got_;
+    if ((st = skv_backend_resolve(NULL, backend, &got_, &ops))) return st;
     skv_status (*slot)(int32_t, int32_t, int32_t, float, const skv_bf16 *, int32_t, const skv_kv_span *, float *,
                        skv_ws *) = canonical ? ops->sparse_attention_canonical : ops->sparse_attention;
     if (!slot)
         return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", fn, ops->name,
                         canonical ? "sparse_attention_canonical" : "sparse_attention");
-    SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
+    SKV_BOUNDED(fn, q, (int64_t)n_q_heads * head_dim);
     for (int32_t i = 0; i < n_spans; i++) {
         const skv_kv_span *s = &spans[i];
-        int64_t bad;
+        char what[32];
         if (s->n_tokens == 0) continue;
-        for (int which = 0; which < 2; which++)
-            if (ops->check_finite(which ? s->v : s->k, n_kv_heads, s->head_stride, s->n_tokens, s->token_stride,
-                                  head_dim, &bad) != SKV_OK)
-                return skv_fail(NULL, SKV_ERR_NONFINITE, "%s: spans[%d].%s: token %lld head %d has NaN or Inf",
-                                fn, i, which ? "v" : "k", (long long)(bad / head_dim % s->n_tokens),
-                                (int)(bad / head_dim / s->n_tokens));
+        for (int which = 0; which < 2; which++) {
+            snprintf(what, sizeof what, "spans[%d].%s", (int)i, which ? "v" : "k");
+            if ((st = skv_bounded(ops, got_, fn, what, which ? s->v : s->k, n_kv_heads, s->head_stride, s->n_tokens,
+                                  s->token_stride, head_dim)))
+                return st;
+        }
     }
     skv_ws ws = {0};
     st = slot(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans, spans, out, &ws);
@@ -362,9 +405,9 @@ SKV_API skv_status skv_op_full_attention(skv_backend backend, int32_t n_q_heads,
     SKV_NONNULL(fn, v);
     SKV_RANGE(fn, n_tokens, 1, (int64_t)1 << 31);
     SKV_GET_SLOT(fn, full_attention);
-    SKV_FINITE(fn, q, (int64_t)n_q_heads * head_dim);
-    SKV_FINITE(fn, k, n_tokens * n_kv_heads * head_dim);
-    SKV_FINITE(fn, v, n_tokens * n_kv_heads * head_dim);
+    SKV_BOUNDED(fn, q, (int64_t)n_q_heads * head_dim);
+    SKV_BOUNDED(fn, k, n_tokens * n_kv_heads * head_dim);
+    SKV_BOUNDED(fn, v, n_tokens * n_kv_heads * head_dim);
     return skv_slot_result(fn, ops, ops->full_attention(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q,
                                n_tokens, k, v, out));
 }

@@ -68,6 +68,28 @@ const char *skv_backend_detail(void)
     return skv_tls_note_out;
 }
 
+/*
+ * First element of x[0..n) (host memory) with |x| > SKV_MAX_INPUT_MAGNITUDE, NaN and Inf
+ * included (their magnitude bits are above it), or -1. One pass: |x| > lim iff the 16-bit
+ * sum (x & 0x7fff) + (0x7fff - lim) has bit 15 set, ORed over whole blocks of 4096 (a fixed
+ * trip count, which gcc -O2 vectorizes); a block that fires, and the tail, are searched.
+ */
+int64_t skv_first_bad(const skv_bf16 *x, int64_t n)
+{
+    const unsigned lim = skv_f32_to_bf16(SKV_MAX_INPUT_MAGNITUDE) & 0x7fffu; /* 0x4f80: exact, a power of two */
+    const uint16_t add = (uint16_t)(0x7fffu - lim);
+    int64_t lo = 0;
+    for (; lo + 4096 <= n; lo += 4096) {
+        const skv_bf16 *b = x + lo;
+        uint16_t bad = 0;
+        for (int i = 0; i < 4096; i++) bad |= (uint16_t)((b[i] & 0x7fffu) + add);
+        if (bad & 0x8000u) break;
+    }
+    for (int64_t i = lo; i < n; i++)
+        if ((unsigned)(x[i] & 0x7fffu) > lim) return i;
+    return -1;
+}
+
 SKV_API skv_bf16 skv_bf16_from_float(float x) { return skv_f32_to_bf16(x); }
 SKV_API float skv_bf16_to_float(skv_bf16 x) { return skv_bf16_to_f32(x); }
 

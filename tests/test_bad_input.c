@@ -1918,6 +1918,126 @@ static void test_ops(skv_backend be)
     }
 }
 
+/* ---- op-level input bound: what prefill and decode refuse ---------------------------- */
+
+static int f32_all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+/*
+ * skv_op_factorize, skv_op_sparse_attention and skv_op_full_attention refuse a finite value
+ * beyond SKV_MAX_INPUT_MAGNITUDE on ref and cpu with SKV_ERR_NONFINITE, as skv_prefill and
+ * skv_decode do: the message names the argument, the element and the limit, and no output is
+ * written. Inputs at exactly +-2^32 are accepted and give finite outputs. Shapes, values and
+ * positions are fresh from the run's seed.
+ */
+static void test_ops_magnitude(skv_backend be)
+{
+    const char *bn = skv_backend_name(be);
+    {
+        const int64_t n = skvt_rng_range(&rng, 8, 96);
+        const int32_t d = (int32_t)skvt_rng_range(&rng, 2, 48), r = (int32_t)skvt_rng_range(&rng, 1, d < 8 ? d : 8);
+        const size_t na = (size_t)n * d;
+        skv_bf16 *a = rand_bf16(na, 1.0);
+        float *u = malloc((size_t)n * r * sizeof *u), *w = malloc((size_t)r * d * sizeof *w);
+        for (int kind = 0; kind < N_HUGE; kind++) {
+            const size_t pos = pick_pos(kind % 3, na);
+            skv_bf16 *b = dup_bf16(a, na);
+            b[pos] = huge_vals[kind];
+            memset(u, SENT, (size_t)n * r * sizeof *u);
+            memset(w, SENT, (size_t)r * d * sizeof *w);
+            LBL("[%s] skv_op_factorize n=%lld d=%d r=%d: %s at a[%zu]", bn, (long long)n, d, r, huge_names[kind], pos);
+            expect_err(skv_op_factorize(be, n, d, r, b, u, w), SKV_ERR_NONFINITE, NULL, "a", "SKV_MAX_INPUT_MAGNITUDE");
+            char where[48];
+            snprintf(where, sizeof where, "a[%zu] = ", pos);
+            expect_substr("factorize magnitude", where);
+            SKVT_CHECK(all_sent(u, (size_t)n * r * sizeof *u) && all_sent(w, (size_t)r * d * sizeof *w),
+                       "%s: outputs written", lbl);
+            free(b);
+        }
+        skv_bf16 *lim = at_limit(na);
+        LBL("[%s] skv_op_factorize n=%lld d=%d r=%d with elements at +-2^32", bn, (long long)n, d, r);
+        skv_status st = skv_op_factorize(be, n, d, r, lim, u, w);
+        SKVT_CHECK(st == SKV_OK || st == SKV_ERR_NUMERICAL, "%s: %s", lbl, skv_status_string(st));
+        if (st == SKV_OK)
+            SKVT_CHECK(f32_all_finite(u, (size_t)n * r) && f32_all_finite(w, (size_t)r * d), "%s: Inf/NaN in u or w",
+                       lbl);
+        free(lim);
+        free(a);
+        free(u);
+        free(w);
+    }
+    {
+        const int32_t hk = (int32_t)skvt_rng_range(&rng, 1, 3), hq = hk * (int32_t)skvt_rng_range(&rng, 1, 3);
+        const int32_t d = (int32_t)skvt_rng_range(&rng, 1, 40);
+        const int64_t t = skvt_rng_range(&rng, 1, 300);
+        const size_t nq = (size_t)hq * d, nkv = (size_t)t * hk * d;
+        skv_bf16 *q = rand_bf16(nq, 1.0), *k = rand_bf16(nkv, 1.0), *v = rand_bf16(nkv, 1.0);
+        float *out = malloc(nq * sizeof *out);
+        static const char *const tn[3] = {"q", "k", "v"};
+        for (int kind = 0; kind < N_HUGE; kind++)
+            for (int which = 0; which < 3; which++) {
+                const size_t nx = which ? nkv : nq, pos = pick_pos(kind % 3, nx);
+                skv_bf16 *b = dup_bf16(which == 0 ? q : which == 1 ? k : v, nx);
+                b[pos] = huge_vals[kind];
+                const skv_bf16 *a0 = which == 0 ? b : q, *a1 = which == 1 ? b : k, *a2 = which == 2 ? b : v;
+                char where[48];
+                snprintf(where, sizeof where, "%s[%zu] = ", tn[which], pos);
+                memset(out, SENT, nq * sizeof *out);
+                LBL("[%s] skv_op_full_attention Hq %d Hk %d D %d T %lld: %s at %s[%zu]", bn, hq, hk, d, (long long)t,
+                    huge_names[kind], tn[which], pos);
+                expect_err(skv_op_full_attention(be, hq, hk, d, 0.0f, a0, t, a1, a2, out), SKV_ERR_NONFINITE, NULL,
+                           tn[which], "SKV_MAX_INPUT_MAGNITUDE");
+                expect_substr("full attention magnitude", where);
+                SKVT_CHECK(all_sent(out, nq * sizeof *out), "%s: output written", lbl);
+                /* the same tokens as two head-major spans; the bad element in the second span's k or v */
+                const int64_t t0 = t / 2;
+                skv_bf16 *hm = malloc(nkv * sizeof *hm), *hv = malloc(nkv * sizeof *hv);
+                for (int32_t h = 0; h < hk; h++)
+                    for (int64_t j = 0; j < t; j++) {
+                        memcpy(hm + ((size_t)h * t + j) * d, a1 + ((size_t)j * hk + h) * d, (size_t)d * sizeof *hm);
+                        memcpy(hv + ((size_t)h * t + j) * d, a2 + ((size_t)j * hk + h) * d, (size_t)d * sizeof *hv);
+                    }
+                skv_kv_span sp[2] = {{hm, hv, t0, t * d, d}, {hm + t0 * d, hv + t0 * d, t - t0, t * d, d}};
+                memset(out, SENT, nq * sizeof *out);
+                LBL("[%s] skv_op_sparse_attention Hq %d Hk %d D %d T %lld: %s at %s[%zu]", bn, hq, hk, d,
+                    (long long)t, huge_names[kind], tn[which], pos);
+                expect_err(skv_op_sparse_attention(be, hq, hk, d, 0.0f, a0, 2, sp, out), SKV_ERR_NONFINITE, NULL,
+                           which ? "spans" : "q", "SKV_MAX_INPUT_MAGNITUDE");
+                if (which) {
+                    const int64_t tok = (int64_t)(pos / ((size_t)hk * d)), head = (int64_t)(pos / d % hk);
+                    snprintf(where, sizeof where, "spans[%d].%s: token %lld head %lld element %lld = ", tok >= t0,
+                             tn[which], (long long)(tok >= t0 ? tok - t0 : tok), (long long)head,
+                             (long long)(pos % d));
+                    expect_substr("sparse attention magnitude", where);
+                }
+                SKVT_CHECK(all_sent(out, nq * sizeof *out), "%s: output written", lbl);
+                free(hm);
+                free(hv);
+                free(b);
+            }
+        skv_bf16 *lq = at_limit(nq), *lk = at_limit(nkv), *lv = at_limit(nkv);
+        LBL("[%s] skv_op_full_attention Hq %d Hk %d D %d T %lld with elements at +-2^32", bn, hq, hk, d, (long long)t);
+        check_ok(skv_op_full_attention(be, hq, hk, d, 0.0f, lq, t, lk, lv, out), lbl);
+        SKVT_CHECK(f32_all_finite(out, nq), "%s: Inf/NaN in out", lbl);
+        skv_kv_span one = {lk, lv, t, d, (int64_t)hk * d};
+        LBL("[%s] skv_op_sparse_attention Hq %d Hk %d D %d T %lld with elements at +-2^32", bn, hq, hk, d,
+            (long long)t);
+        check_ok(skv_op_sparse_attention(be, hq, hk, d, 0.0f, lq, 1, &one, out), lbl);
+        SKVT_CHECK(f32_all_finite(out, nq), "%s: Inf/NaN in out", lbl);
+        free(lq);
+        free(lk);
+        free(lv);
+        free(q);
+        free(k);
+        free(v);
+        free(out);
+    }
+}
+
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -1938,6 +2058,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < 2; i++) {
         test_config(bes[i]);
         test_ops(bes[i]);
+        test_ops_magnitude(bes[i]);
         for (int round = 0; round < 2; round++) test_cache_states(bes[i]);
         test_limits(bes[i]);
     }

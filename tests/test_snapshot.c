@@ -693,6 +693,186 @@ static void test_reproducible(uint64_t seed)
             if (i != j || i == 1) roundtrip(&c, bes[i], bes[j], (i + j) % 2, 2, 0, j == 1, 0.0, seed + 10 * i + j);
 }
 
+/* ---- skv_snapshot_config: a snapshot's config and memory without loading it -------------- */
+
+/* Whether two configs hold the same model fields (what a snapshot keeps). */
+static int same_model(const skv_config *a, const skv_config *b)
+{
+    return a->n_layers == b->n_layers && a->n_q_heads == b->n_q_heads && a->n_kv_heads == b->n_kv_heads &&
+           a->head_dim == b->head_dim && a->rank == b->rank && a->chunk_size == b->chunk_size &&
+           a->budget == b->budget && a->n_outlier_chunks == b->n_outlier_chunks &&
+           a->n_local_chunks == b->n_local_chunks && memcmp(&a->rope, &b->rope, sizeof a->rope) == 0 &&
+           memcmp(&a->attn_scale, &b->attn_scale, sizeof a->attn_scale) == 0 && a->batch_size == b->batch_size &&
+           a->max_prompt_len == b->max_prompt_len && a->gen_capacity == b->gen_capacity &&
+           a->factorize == b->factorize && a->reproducible == b->reproducible;
+}
+
+/* A query that must fail with want and write nothing (cfg, sizes keep their sentinels). */
+static void query_fails(const unsigned char *buf, size_t size, skv_status want, const char *what)
+{
+    skv_config q, q0;
+    memset(&q, 0x5A, sizeof q);
+    q.struct_size = sizeof q;
+    q0 = q;
+    size_t dev = 7, host = 9;
+    skv_status st = skv_snapshot_config_buffer(buf, size, &q, &dev, &host);
+    SKVT_CHECK(st == want && *skv_last_error() && memcmp(&q, &q0, sizeof q) == 0 && dev == 7 && host == 9,
+               "%s: status %s (want %s), message \"%s\", outputs %s", what, skv_status_string(st),
+               skv_status_string(want), skv_last_error(), memcmp(&q, &q0, sizeof q) || dev != 7 || host != 9 ?
+               "written" : "untouched");
+}
+
+/*
+ * skv_snapshot_config(_buffer) on a snapshot of a random small config (fresh from the seed):
+ * the config skv_cache_load(NULL cfg) creates the cache with and skv_cache_memory of it, from
+ * the file and the buffer alike; that config loads the snapshot. Then the errors (NULL
+ * arguments, a bad struct_size, every truncation of the first 132 bytes, a flipped CONF byte,
+ * a missing file, a directory), and a snapshot whose max_prompt_len was edited (checksums
+ * recomputed): the query reports the cache it would create (GBs from a few KB) without
+ * creating it, and a load with the first query's config refuses it instead of allocating.
+ */
+static void test_snapshot_config(uint64_t seed)
+{
+    skvt_rng r;
+    skvt_rng_seed(&r, seed);
+    skv_config c = base_config();
+    c.n_layers = (int32_t)skvt_rng_range(&r, 1, MAXL);
+    c.batch_size = (int32_t)skvt_rng_range(&r, 1, MAXB);
+    c.max_prompt_len = skvt_rng_range(&r, 160, 512);
+    c.gen_capacity = (int32_t)skvt_rng_range(&r, 2, 40);
+    c.reproducible = (int32_t)skvt_rng_range(&r, 0, 1);
+    const skv_backend be = skvt_rng_range(&r, 0, 1) ? SKV_BACKEND_CPU : SKV_BACKEND_REF;
+    printf("  snapshot_config: L %d B %d max_prompt_len %lld gen_capacity %d reproducible %d on %s\n", c.n_layers,
+           c.batch_size, (long long)c.max_prompt_len, c.gen_capacity, c.reproducible, skv_backend_name(be));
+    world w;
+    world_init(&w, &c, seed);
+    skv_cache *a = world_cache(&w, be, SKV_VALUES_ALL_DEVICE);
+    unsigned char *snap = NULL, *m = NULL;
+    size_t size = 0;
+    char path[300];
+    snprintf(path, sizeof path, "%s/config-query.skv", g_dir);
+    if (!a) goto done;
+    decode_steps(a, &c, 0, (int)skvt_rng_range(&r, 0, 2));
+    if (!(snap = snapshot_of(a, &size))) goto done;
+    SKVT_CHECK_STATUS(skv_cache_save(a, path), SKV_OK, "save for the config query");
+
+    /* what the query gives: the load's config and its memory */
+    skv_config want;
+    SKVT_CHECK_STATUS(skv_config_init(&want, sizeof want), SKV_OK, "config_init");
+    {
+        const skv_config *held = skv_cache_config(a);
+        want.n_layers = held->n_layers, want.n_q_heads = held->n_q_heads, want.n_kv_heads = held->n_kv_heads;
+        want.head_dim = held->head_dim, want.rank = held->rank, want.chunk_size = held->chunk_size;
+        want.budget = held->budget, want.n_outlier_chunks = held->n_outlier_chunks;
+        want.n_local_chunks = held->n_local_chunks, want.rope = held->rope, want.attn_scale = held->attn_scale;
+        want.batch_size = held->batch_size, want.max_prompt_len = held->max_prompt_len;
+        want.gen_capacity = held->gen_capacity, want.factorize = held->factorize;
+        want.reproducible = held->reproducible;
+    }
+    size_t wdev = 0, whost = 0;
+    SKVT_CHECK_STATUS(skv_cache_memory(&want, &wdev, &whost), SKV_OK, "memory of the snapshot's config");
+    for (int from_file = 0; from_file < 2; from_file++) {
+        skv_config q = skv_config_default();
+        q.n_layers = 77; /* overwritten */
+        size_t dev = 0, host = 1;
+        skv_status st = from_file ? skv_snapshot_config(path, &q, &dev, &host)
+                                  : skv_snapshot_config_buffer(snap, size, &q, &dev, &host);
+        const char *src = from_file ? "file" : "buffer";
+        if (!SKVT_CHECK_STATUS(st, SKV_OK, src)) {
+            printf("  %s\n", skv_last_error());
+            continue;
+        }
+        SKVT_CHECK(same_model(&q, &want) && q.struct_size == sizeof q, "snapshot_config(%s): model fields differ",
+                   src);
+        SKVT_CHECK(q.backend == SKV_BACKEND_AUTO && q.n_threads == want.n_threads &&
+                       q.value_device_bytes == SKV_VALUES_ALL_DEVICE && q.value_cache_chunks == want.value_cache_chunks,
+                   "snapshot_config(%s): runtime fields are not the defaults", src);
+        SKVT_CHECK(dev == wdev && host == whost, "snapshot_config(%s): %zu + %zu bytes, skv_cache_memory says %zu + %zu",
+                   src, dev, host, wdev, whost);
+        SKVT_CHECK_STATUS(from_file ? skv_snapshot_config(path, NULL, NULL, NULL)
+                                    : skv_snapshot_config_buffer(snap, size, NULL, NULL, NULL),
+                          SKV_OK, "snapshot_config with every output NULL");
+        /* the queried config (runtime fields ours: skv_cache_memory of it is then the load's) loads the snapshot */
+        q.backend = be;
+        size_t qdev = 0, qhost = 0;
+        SKVT_CHECK_STATUS(skv_cache_memory(&q, &qdev, &qhost), SKV_OK, "memory of the queried config on be");
+        skv_cache *b = NULL;
+        SKVT_CHECK_STATUS(from_file ? skv_cache_load(path, &q, &b) : skv_cache_load_buffer(snap, size, &q, &b), SKV_OK,
+                          "load with the queried config");
+        if (b) {
+            size_t bdev = 0, bhost = 0;
+            SKVT_CHECK_STATUS(skv_cache_memory(skv_cache_config(b), &bdev, &bhost), SKV_OK, "memory of the loaded");
+            SKVT_CHECK(same_model(skv_cache_config(b), &want) && bdev == qdev && bhost == qhost,
+                       "the loaded cache is not the one the query described (%zu + %zu bytes, query %zu + %zu)", bdev,
+                       bhost, qdev, qhost);
+            compare_state(a, b, &c, "query then load");
+        }
+        skv_cache_free(b);
+    }
+
+    /* errors: nothing written */
+    {
+        skv_config q = skv_config_default();
+        SKVT_CHECK_STATUS(skv_snapshot_config(NULL, &q, NULL, NULL), SKV_ERR_NULL_POINTER, "snapshot_config(NULL path)");
+        SKVT_CHECK_STATUS(skv_snapshot_config_buffer(NULL, size, &q, NULL, NULL), SKV_ERR_NULL_POINTER,
+                          "snapshot_config_buffer(NULL buf)");
+        q.struct_size = 3;
+        SKVT_CHECK_STATUS(skv_snapshot_config_buffer(snap, size, &q, NULL, NULL), SKV_ERR_INVALID_ARGUMENT,
+                          "snapshot_config(struct_size 3)");
+        SKVT_CHECK(q.struct_size == 3 && q.n_layers == skv_config_default().n_layers, "struct_size 3: cfg written");
+        SKVT_CHECK(strstr(skv_last_error(), "struct_size") != NULL, "struct_size 3: message \"%s\"", skv_last_error());
+        char missing[320];
+        snprintf(missing, sizeof missing, "%s/no-such-snapshot", g_dir);
+        SKVT_CHECK_STATUS(skv_snapshot_config(missing, NULL, NULL, NULL), SKV_ERR_IO, "snapshot_config(missing file)");
+        SKVT_CHECK_STATUS(skv_snapshot_config(g_dir, NULL, NULL, NULL), SKV_ERR_IO, "snapshot_config(a directory)");
+    }
+    m = malloc(size);
+    for (size_t n = 0; n < 132; n++) {
+        char what[64];
+        snprintf(what, sizeof what, "snapshot_config of the first %zu bytes", n);
+        query_fails(snap, n, SKV_ERR_FORMAT, what);
+    }
+    for (int k = 0; k < 16; k++) {
+        const size_t i = (size_t)skvt_rng_range(&r, 0, 131);
+        memcpy(m, snap, size);
+        m[i] ^= (unsigned char)(1u << skvt_rng_range(&r, 0, 7));
+        char what[64];
+        snprintf(what, sizeof what, "snapshot_config, byte %zu of the first 132 flipped", i);
+        query_fails(m, size, SKV_ERR_FORMAT, what);
+    }
+
+    /* max_prompt_len edited (CONF bytes 108..115), checksums recomputed */
+    {
+        SKVT_CHECK(rd64(snap + 108) == (uint64_t)c.max_prompt_len, "max_prompt_len is not at byte 108 of the CONF");
+        skv_config q0 = skv_config_default();
+        SKVT_CHECK_STATUS(skv_snapshot_config_buffer(snap, size, &q0, NULL, NULL), SKV_OK, "query before the edit");
+        memcpy(m, snap, size);
+        const int64_t big = (int64_t)1 << skvt_rng_range(&r, 24, 28);
+        wr32(m + 108, (uint32_t)big);
+        wr32(m + 112, (uint32_t)((uint64_t)big >> 32));
+        fix_checksums(m, size);
+        skv_config q = skv_config_default(), e = want;
+        e.max_prompt_len = big;
+        size_t dev = 0, host = 0, edev = 0, ehost = 0;
+        SKVT_CHECK_STATUS(skv_cache_memory(&e, &edev, &ehost), SKV_OK, "memory of the edited config");
+        SKVT_CHECK_STATUS(skv_snapshot_config_buffer(m, size, &q, &dev, &host), SKV_OK, "query of the edited snapshot");
+        printf("  a %zu-byte snapshot with max_prompt_len %lld describes a cache of %.2f GB (the original %.2f MB)\n",
+               size, (long long)big, (double)(dev + host) / 1e9, (double)(wdev + whost) / 1e6);
+        SKVT_CHECK(q.max_prompt_len == big && dev == edev && host == ehost && dev + host > (size_t)1 << 30,
+                   "edited snapshot: max_prompt_len %lld, %zu + %zu bytes; want %lld, %zu + %zu (> 1 GiB)",
+                   (long long)q.max_prompt_len, dev, host, (long long)big, edev, ehost);
+        /* the bound: the config of the first query refuses the edited snapshot, nothing allocated */
+        q0.backend = be;
+        load_fails(m, size, &q0, SKV_ERR_INVALID_CONFIG, "max_prompt_len", "load of the edited snapshot, queried cfg");
+    }
+done:
+    unlink(path);
+    free(snap);
+    free(m);
+    skv_cache_free(a);
+    world_free(&w);
+}
+
 int main(void)
 {
     g_seed = skvt_base_seed("test_snapshot");
@@ -723,6 +903,7 @@ int main(void)
     roundtrip(&c, G, G, 1, 3, 0, 0, 1e-5, g_seed + 16);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
+    test_snapshot_config(g_seed + 40);
     rmdir(g_dir);
     return skvt_finish();
 }

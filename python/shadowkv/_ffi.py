@@ -170,6 +170,8 @@ _SIGNATURES = {
     "skv_cache_save_buffer": (c_int, [c_void_p, c_void_p, c_size_t, POINTER(c_size_t)]),
     "skv_cache_load": (c_int, [c_char_p, POINTER(Config), POINTER(c_void_p)]),
     "skv_cache_load_buffer": (c_int, [c_void_p, c_size_t, POINTER(Config), POINTER(c_void_p)]),
+    "skv_snapshot_config": (c_int, [c_char_p, POINTER(Config), POINTER(c_size_t), POINTER(c_size_t)]),
+    "skv_snapshot_config_buffer": (c_int, [c_void_p, c_size_t, POINTER(Config), POINTER(c_size_t), POINTER(c_size_t)]),
     "skv_rope_table_len": (c_size_t, [POINTER(RopeConfig), c_int32, c_int64]),
     "skv_rope_table_build": (c_int, [POINTER(RopeConfig), c_int32, c_int64, _P, _P]),
     "skv_op_factorize": (c_int, [c_int, c_int64, c_int32, c_int32, _P, _P, _P]),
