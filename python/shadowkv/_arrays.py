@@ -91,7 +91,7 @@ def check_kind_name(arrays: Optional[str]) -> Optional[str]:
 def _bf16_bits(a):
     """float32 numpy array -> uint16 bf16 bits, as skv_f32_to_bf16 rounds."""
     np = numpy_module()
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    u = np.asarray(a, dtype=np.float32, order="C").view(np.uint32)
     with np.errstate(over="ignore"):
         r = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
