@@ -259,29 +259,31 @@ asan-check:
 # the cuda plugin's archive (CUDA builds), and once more with every CUDA library hidden from
 # the dynamic loader (its cache and the plugin's run path ignored), where it must run on cpu
 # and report why cuda is unavailable. libshadowkv.so.0 must not need any CUDA library.
+# (SKV_DEPS builds add the tree's -L flags and keep LD_LIBRARY_PATH, which names the tree's
+# OpenBLAS and LAPACKE; libshadowkv itself is still found through the run path.)
 LDSO := $(firstword $(wildcard /lib64/ld-linux-x86-64.so.2 /lib/ld-linux-aarch64.so.1))
 link-check: lib
 	@rm -rf $(BUILD)/stage
 	@$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/$(BUILD)/stage >/dev/null
 	@echo "== link_example (installed copy in $(BUILD)/stage: the README's pkg-config lines, no LD_LIBRARY_PATH)"
-	@PKG_CONFIG_PATH=$(CURDIR)/$(BUILD)/stage/lib/pkgconfig; export PKG_CONFIG_PATH; unset LD_LIBRARY_PATH; \
+	@PKG_CONFIG_PATH=$(CURDIR)/$(BUILD)/stage/lib/pkgconfig; export PKG_CONFIG_PATH; $(if $(SKV_DEPS),,unset LD_LIBRARY_PATH;) \
 	  L=$$(pkg-config --variable=libdir shadowkv) && [ "$$L" = "$(CURDIR)/$(BUILD)/stage/lib" ] || \
 	    { echo "link-check: pkg-config gives libdir '$$L'"; exit 1; }; \
 	  if readelf -d $$L/libshadowkv.so.0 | grep NEEDED | grep -Ei 'cuda|cublas|cusolver'; then \
 	    echo "link-check: libshadowkv.so.0 needs a CUDA library"; exit 1; fi; \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example examples/link_example.c \
-	    $$(pkg-config --cflags --libs shadowkv) -Wl,-rpath,$$(pkg-config --variable=libdir shadowkv) && \
+	    $$(pkg-config --cflags --libs shadowkv) -Wl,-rpath,$$(pkg-config --variable=libdir shadowkv) $(DEPS_LIB) && \
 	  ./$(BUILD)/link_example && \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_static examples/link_example.c \
 	    $$(pkg-config --cflags shadowkv) $$(pkg-config --variable=libdir shadowkv)/libshadowkv.a \
-	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') && \
+	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') $(DEPS_LIB) && \
 	  ./$(BUILD)/link_example_static && \
 	  if [ -f $$L/libshadowkv-cuda.a ]; then \
 	    echo "== link_example fully static, the cuda plugin linked in (no CUDA_HOME needed)"; \
-	    env -u CUDA_HOME $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_cuda_static examples/link_example.c \
+	    $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_cuda_static examples/link_example.c \
 	      $$(pkg-config --cflags shadowkv) -Wl,--undefined=skv_cuda_plugin_init $$L/libshadowkv-cuda.a \
 	      $$L/libshadowkv.a $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') \
-	      $$(pkg-config --variable=cuda_libs shadowkv) && \
+	      $$(pkg-config --variable=cuda_libs shadowkv) $(DEPS_LIB) && \
 	    ./$(BUILD)/link_example_cuda_static; \
 	  fi && \
 	  if [ -n "$(LDSO)" ] && [ -z "$(SKV_DEPS)" ]; then \
