@@ -210,8 +210,8 @@ check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_
 # instead. pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
 VENV    ?= .venv
 SKV_PYTORCH ?= 0
-PY_PKGS := pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers)
-PY_MODS := pytest numpy ml_dtypes setuptools $(if $(filter 1,$(SKV_PYTORCH)),torch transformers)
+PY_PKGS := $(strip pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers))
+PY_MODS := $(strip pytest numpy ml_dtypes setuptools $(if $(filter 1,$(SKV_PYTORCH)),torch transformers))
 .PHONY: pyvenv pycheck
 pyvenv:
 	@if [ ! -x $(VENV)/bin/python ]; then \
