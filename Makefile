@@ -2,8 +2,11 @@
 #   make            build/libshadowkv.a, build/libshadowkv.so, tools
 #   make demo       install missing packages, build and run the demo (the main job)
 #   make check      install missing packages, build and run every test (C, then Python: pycheck)
+#                   SKV_PYTORCH=1 also installs torch + transformers for the torch and
+#                   Hugging Face tests (several GB; without it they skip: numpy + pytest only)
 #   make bench      build/skv-bench
-#   make install PREFIX=/usr/local
+#   make install PREFIX=/usr/local   (ldconfig for /usr and /usr/local as root; else it
+#                   prints the PKG_CONFIG_PATH and run-path lines a program needs)
 #
 # The exact-selection contract (docs/DESIGN.md section 5) needs IEEE arithmetic in
 # source order: -ffp-contract=off everywhere, and no fast-math flag of any kind.
@@ -203,11 +206,16 @@ check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_
 # ---- Python package tests (python/tests, pytest) on ref and cpu -----------------------------
 # They run in a virtual environment at $(VENV), created when missing and reused afterwards:
 # python3 -m venv (python3-venv comes from apt-get when missing), then pip installs
-# $(PY_PKGS) once, when one of them is missing. PyPI's torch wheel brings its CUDA
-# libraries (several GB); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the
-# CPU-only wheel instead. pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
+# $(PY_PKGS) once (again when the list changes or a module is missing): pytest, numpy,
+# ml_dtypes, setuptools (about 20 MB). The tests run on numpy arrays; those on torch tensors
+# and the Hugging Face tests skip unless torch is there. SKV_PYTORCH=1 adds torch and
+# transformers (.ci/run sets it): PyPI's torch wheel brings its CUDA libraries and triton
+# (several GB); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU-only wheel
+# instead. pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
 VENV    ?= .venv
-PY_PKGS := torch transformers pytest numpy setuptools
+SKV_PYTORCH ?= 0
+PY_PKGS := $(strip pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers))
+PY_MODS := $(strip pytest numpy ml_dtypes setuptools $(if $(filter 1,$(SKV_PYTORCH)),torch transformers))
 .PHONY: pyvenv pycheck
 pyvenv:
 	@if [ ! -x $(VENV)/bin/python ]; then \
@@ -218,17 +226,21 @@ pyvenv:
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq python3 python3-venv \
 	      >/dev/null && python3 -m venv $(VENV); } || { echo "make: could not create $(VENV)"; exit 1; }; \
 	fi
-	@if ! $(VENV)/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
-	    $(PY_PKGS) >/dev/null 2>&1; then \
-	  echo "make: installing $(PY_PKGS) into $(VENV) (pip, once)"; \
-	  $(if $(TORCH_INDEX_URL),$(VENV)/bin/pip install -q --index-url $(TORCH_INDEX_URL) torch &&) \
-	  $(VENV)/bin/pip install -q $(PY_PKGS) || { echo "make: pip install into $(VENV) failed"; exit 1; }; \
+	@if [ "$$(cat $(VENV)/.skv-py-pkgs 2>/dev/null)" != "$(PY_PKGS)" ] || \
+	    ! $(VENV)/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
+	    $(PY_MODS) >/dev/null 2>&1; then \
+	  echo "make: installing $(PY_PKGS) into $(VENV) (pip$(if $(filter 1,$(SKV_PYTORCH)),; torch with its CUDA wheels is several GB,))"; \
+	  $(if $(and $(filter 1,$(SKV_PYTORCH)),$(TORCH_INDEX_URL)),$(VENV)/bin/pip install -q --index-url $(TORCH_INDEX_URL) torch &&) \
+	  $(VENV)/bin/pip install -q $(foreach p,$(PY_PKGS),'$(p)') || { echo "make: pip install into $(VENV) failed"; exit 1; }; \
+	  echo "$(PY_PKGS)" > $(VENV)/.skv-py-pkgs; \
 	fi
 
+# -rfEx: failures, errors and xfails are listed; skips only counted (without torch, every
+# torch-tensor and Hugging Face test skips: the header line says so)
 pycheck: $(SHARED) $(PLUGINS) pyvenv
-	@echo "== python/tests ($(VENV)/bin/python, pytest, backends ref and cpu)"
+	@echo "== python/tests ($(VENV)/bin/python, pytest, backends ref and cpu; numpy arrays, and torch tensors where torch is installed)"
 	@SHADOWKV_LIBRARY=$(CURDIR)/$(SHARED) SKV_PY_BACKENDS=ref,cpu PYTHON=$(VENV)/bin/python \
-	  bash python/tests/run.sh -q -rfEsx -p no:cacheprovider python/tests
+	  bash python/tests/run.sh -q -rfEx -p no:cacheprovider python/tests
 
 # make asan-check: the whole CPU suite (tests and fuzz corpus replays) built with
 # AddressSanitizer + UndefinedBehaviorSanitizer, no recovery, LeakSanitizer on.
@@ -244,32 +256,50 @@ asan-check:
 	  FUZZ_REPLAY="$(patsubst $(BUILD)/%,build-asan/%,$(FUZZ_REPLAY_BIN))" \
 	  bash tests/run_all.sh $(patsubst $(BUILD)/%,build-asan/%,$(TEST_BIN))
 
-# Installs into a staging prefix and builds examples/link_example.c with
-# pkg-config only, then runs it: against the shared library, against the static
-# archive, and once more with every CUDA library hidden from the dynamic loader
-# (its cache and the plugin's run path ignored), where it must run on cpu and
-# report why cuda is unavailable. libshadowkv.so.0 must not need any CUDA library.
+# Installs into a staging prefix (a path no loader searches) and builds examples/link_example.c
+# with the README's lines only, as a user does: PKG_CONFIG_PATH names the prefix's pkgconfig,
+# the run-time path comes from pkg-config's libdir, and the programs run without
+# LD_LIBRARY_PATH: against the shared library, against the static archive, fully static with
+# the cuda plugin's archive (CUDA builds), and once more with every CUDA library hidden from
+# the dynamic loader (its cache and the plugin's run path ignored), where it must run on cpu
+# and report why cuda is unavailable. libshadowkv.so.0 must not need any CUDA library.
+# (SKV_DEPS builds add the tree's -L flags and keep LD_LIBRARY_PATH, which names the tree's
+# OpenBLAS and LAPACKE; libshadowkv itself is still found through the run path.)
 LDSO := $(firstword $(wildcard /lib64/ld-linux-x86-64.so.2 /lib/ld-linux-aarch64.so.1))
 link-check: lib
 	@rm -rf $(BUILD)/stage
 	@$(MAKE) --no-print-directory install PREFIX=$(CURDIR)/$(BUILD)/stage >/dev/null
-	@echo "== link_example (installed copy, pkg-config)"
-	@S=$(CURDIR)/$(BUILD)/stage/lib; PKG_CONFIG_PATH=$$S/pkgconfig; export PKG_CONFIG_PATH; \
-	  if readelf -d $$S/libshadowkv.so.0 | grep NEEDED | grep -Ei 'cuda|cublas|cusolver'; then \
+	@echo "== link_example (installed copy in $(BUILD)/stage: the README's pkg-config lines, no LD_LIBRARY_PATH)"
+	@PKG_CONFIG_PATH=$(CURDIR)/$(BUILD)/stage/lib/pkgconfig; export PKG_CONFIG_PATH; $(if $(SKV_DEPS),,unset LD_LIBRARY_PATH;) \
+	  L=$$(pkg-config --variable=libdir shadowkv) && [ "$$L" = "$(CURDIR)/$(BUILD)/stage/lib" ] || \
+	    { echo "link-check: pkg-config gives libdir '$$L'"; exit 1; }; \
+	  if readelf -d $$L/libshadowkv.so.0 | grep NEEDED | grep -Ei 'cuda|cublas|cusolver'; then \
 	    echo "link-check: libshadowkv.so.0 needs a CUDA library"; exit 1; fi; \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example examples/link_example.c \
-	    $$(pkg-config --cflags --libs shadowkv) && \
-	  LD_LIBRARY_PATH=$$S ./$(BUILD)/link_example && \
+	    $$(pkg-config --cflags --libs shadowkv) -Wl,-rpath,$$(pkg-config --variable=libdir shadowkv) $(DEPS_LIB) && \
+	  ./$(BUILD)/link_example && \
 	  $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_static examples/link_example.c \
-	    $$(pkg-config --cflags shadowkv) $$S/libshadowkv.a \
-	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') && \
+	    $$(pkg-config --cflags shadowkv) $$(pkg-config --variable=libdir shadowkv)/libshadowkv.a \
+	    $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') $(DEPS_LIB) && \
 	  ./$(BUILD)/link_example_static && \
+	  if [ -f $$L/libshadowkv-cuda.a ]; then \
+	    echo "== link_example fully static, the cuda plugin linked in (no CUDA_HOME needed)"; \
+	    $(CC) -std=c99 -Wall -Wextra -o $(BUILD)/link_example_cuda_static examples/link_example.c \
+	      $$(pkg-config --cflags shadowkv) -Wl,--undefined=skv_cuda_plugin_init $$L/libshadowkv-cuda.a \
+	      $$L/libshadowkv.a $$(pkg-config --libs --static shadowkv | sed 's/-lshadowkv//') \
+	      $$(pkg-config --variable=cuda_libs shadowkv) $(DEPS_LIB) && \
+	    ./$(BUILD)/link_example_cuda_static; \
+	  fi && \
 	  if [ -n "$(LDSO)" ] && [ -z "$(SKV_DEPS)" ]; then \
 	    echo "== link_example with the CUDA libraries hidden from the loader"; \
-	    env -u LD_LIBRARY_PATH $(LDSO) --inhibit-cache --inhibit-rpath $$S/libshadowkv-cuda.so.0 \
-	      --library-path $$S ./$(BUILD)/link_example --expect-no-cuda; \
+	    $(LDSO) --inhibit-cache --inhibit-rpath $$L/libshadowkv-cuda.so.0 \
+	      --library-path $$L ./$(BUILD)/link_example --expect-no-cuda; \
 	  fi
 
+# ldconfig: for a system prefix (/usr, /usr/local), when installing as root into the real
+# system (no DESTDIR), so the loader finds libshadowkv.so.0 at once. Any other prefix: the
+# lines a program needs are printed (README, "Linking").
+SYSTEM_PREFIXES := /usr /usr/local
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
 	install -m 644 include/shadowkv.h $(DESTDIR)$(PREFIX)/include/
@@ -278,8 +308,18 @@ install: lib
 	ln -sf libshadowkv.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv.so
 	$(if $(PLUGINS),install -m 755 $(PLUGIN) $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.so.0)
 	$(if $(PLUGINS),install -m 644 $(PLUGIN_STATIC) $(DESTDIR)$(PREFIX)/lib/)
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' shadowkv.pc.in \
-	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' -e 's|@CUDA_LIBS@|$(strip $(CUDA_LIBS))|' \
+	  shadowkv.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc
+	@if [ -z "$(DESTDIR)" ] && [ -n "$(filter $(patsubst %/,%,$(PREFIX)),$(SYSTEM_PREFIXES))" ] && \
+	    [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null 2>&1; then \
+	  echo "ldconfig"; ldconfig; \
+	elif [ -z "$(DESTDIR)" ] && [ -n "$(filter $(patsubst %/,%,$(PREFIX)),$(SYSTEM_PREFIXES))" ]; then \
+	  echo "make install: run ldconfig as root so the loader finds $(PREFIX)/lib/libshadowkv.so.0"; \
+	elif [ -z "$(DESTDIR)" ]; then \
+	  echo "make install: $(PREFIX) is not on the loader's or pkg-config's path; build programs with"; \
+	  echo "  export PKG_CONFIG_PATH=$(PREFIX)/lib/pkgconfig\$${PKG_CONFIG_PATH:+:\$$PKG_CONFIG_PATH}"; \
+	  echo "  cc app.c \$$(pkg-config --cflags --libs shadowkv) -Wl,-rpath,\$$(pkg-config --variable=libdir shadowkv)"; \
+	fi
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/include/shadowkv.h $(DESTDIR)$(PREFIX)/lib/libshadowkv.a \

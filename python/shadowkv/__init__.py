@@ -1,16 +1,26 @@
-"""shadowkv: PyTorch bindings of libshadowkv, the ShadowKV sparse-attention KV cache.
+"""shadowkv: Python bindings of libshadowkv, the ShadowKV sparse-attention KV cache.
 
-The binding is a thin ctypes layer over the library's C ABI (see _ffi.py): tensors
-pass as raw pointers, with no copy. CUDA tensors go to the cuda backend as device
-pointers; CPU tensors go to ref and cpu. torch.bfloat16 is the library's skv_bf16.
+The binding is a thin ctypes layer over the library's C ABI (see _ffi.py): arrays pass as raw
+pointers, with no copy. Arrays are torch tensors or numpy arrays (_arrays.py):
 
-    import torch, shadowkv
+- torch tensors: torch.bfloat16 is the library's skv_bf16; CPU tensors go to ref and cpu,
+  CUDA tensors to the cuda backend as device pointers.
+- numpy arrays (host memory: ref and cpu): bf16 arguments take ml_dtypes.bfloat16 arrays as
+  they are, uint16 arrays as bf16 bits, and float32 arrays rounded to bf16 as the library
+  rounds (as_bf16). Results are numpy arrays: float32, int32, and bf16 as ml_dtypes.bfloat16
+  when ml_dtypes is installed, else uint16 bf16 bits (as_float32 converts either).
+
+    import numpy as np, shadowkv
     cfg = shadowkv.config(n_layers=1, n_q_heads=8, n_kv_heads=2, head_dim=64, rank=32,
                           budget=256, max_prompt_len=4096, backend="cpu")
     cache = shadowkv.Cache(cfg)
-    cache.prefill(0, 0, k_pre, v)             # [n, Hk, D] bfloat16 each
+    cache.prefill(0, 0, k_pre, v)             # [n, Hk, D] bf16 (or float32 numpy) each
     out = cache.decode(0, q, k, v)            # q [B, Hq, D], k/v [B, Hk, D] -> out [B, Hq, D] float32
     cache.selected(0, 0, 0)                   # the chunk ids chosen for KV head 0
+
+A call's results are of the kind of its array arguments; a cache's introspection results of
+the kind it was last given (or `arrays=` at creation; by default torch when the program has
+imported torch, else numpy).
 
 A cuda cache runs on the torch stream that is current when it is created (or `stream=`);
 prefill and decode must be called with that stream current (they check), so torch's
@@ -18,8 +28,9 @@ work and the library's stay in stream order with no synchronization added.
 
 Every C status other than SKV_OK raises ShadowKVError with the library's message.
 Arguments are checked in Python first (shape, dtype, device, contiguity); those errors
-are TypeError or ValueError naming the argument. torch is imported only when a
-tensor is involved: version(), backend_available(), config() and memory() work without it.
+are TypeError or ValueError naming the argument. Neither torch nor numpy is imported until
+an array is involved: version(), backend_available(), config() and memory() need neither.
+torch is an extra: pip install 'shadowkv[torch]' (and 'shadowkv[hf]' for shadowkv.hf).
 """
 from __future__ import annotations
 
@@ -28,11 +39,12 @@ import os
 import struct
 from typing import Any, Optional, Sequence
 
-from . import _ffi
+from . import _arrays, _ffi
+from ._arrays import as_bf16, as_float32
 from ._ffi import Config, RopeConfig
 
 __all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "snapshot_config", "backend_available", "version",
-           "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE"]
+           "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE", "as_bf16", "as_float32"]
 
 VALUES_ALL_DEVICE = _ffi.VALUES_ALL_DEVICE
 
@@ -234,69 +246,30 @@ def snapshot_config(path: Any) -> Config:
 
 
 def _torch():
-    try:
-        import torch  # imported lazily: the package loads without torch for version queries
-    except ImportError as e:
-        raise ImportError("shadowkv: this call takes torch tensors; install torch (pip install torch)") from e
-    return torch
-
-
-def _device_for(backend: str):
-    """The torch device a backend's tensors live on (cuda: the current CUDA device)."""
-    torch = _torch()
-    if backend == "cuda":
-        if not torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _tensor(t: Any, name: str, shape: Sequence[int], dtype: Any, device: Any, allow_none: bool = False,
-            dims: str = ""):
-    """Checks a torch tensor argument: type, dtype, device, shape, contiguity. Returns its address
-    (None for None or an empty tensor). dims names the expected dimensions for messages."""
-    torch = _torch()
-    if t is None:
-        if allow_none:
-            return None
-        raise TypeError(f"{name}: a tensor is required, got None")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: dtype {t.dtype}, expected {dtype}")
-    device = torch.device(device)
-    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-        raise ValueError(f"{name}: on {t.device}, but this {'cache' if dims else 'call'} takes tensors on {device}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}" + (f" {dims}" if dims else ""))
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (stride {tuple(t.stride())}); pass {name}.contiguous()")
-    return t.data_ptr() if t.numel() else None
-
-
-def _ndim(t: Any, name: str, n: int, dims: str) -> None:
-    """Checks that t is a tensor with n dimensions (before its shape is used)."""
-    torch = _torch()
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor {dims}, got {type(t).__name__}")
-    if t.dim() != n:
-        raise ValueError(f"{name}: expected a {n}-d tensor {dims}, got shape {tuple(t.shape)}")
+    """torch, or an ImportError naming the extra to install."""
+    return _arrays.torch_module()
 
 
 class Cache:
     """A ShadowKV cache (skv_cache): prefill per (layer, sequence), decode per layer for the batch.
 
     Cache(cfg) or Cache(**fields) (fields as in config()). All memory is allocated here
-    (see memory()). Tensors are bfloat16 on the cache's device: the CPU for ref and cpu,
-    the CUDA device current at creation for cuda. On cuda, calls are enqueued on the torch
-    stream that was current at creation (or `stream`); prefill and decode refuse to run
-    while another stream is current. decode only enqueues; sync(), stats() and the
-    introspection calls wait for the cache's work, as the C API does.
+    (see memory()). Arrays are bf16 on the cache's device: torch CPU tensors or numpy arrays
+    for ref and cpu, torch tensors on the CUDA device current at creation for cuda. On cuda,
+    calls are enqueued on the torch stream that was current at creation (or `stream`); prefill
+    and decode refuse to run while another stream is current. decode only enqueues; sync(),
+    stats() and the introspection calls wait for the cache's work, as the C API does.
+
+    Introspection results (selected, outliers, candidates, landmarks) are of the kind of the
+    arrays last given to prefill or decode; before any, of the kind `arrays` names ("numpy" or
+    "torch"; by default torch when the program has imported torch, else numpy).
     """
 
-    def __init__(self, cfg: Optional[Config] = None, stream: Any = None, **fields: Any):
+    def __init__(self, cfg: Optional[Config] = None, stream: Any = None, arrays: Optional[str] = None,
+                 **fields: Any):
         self._handle = None
         self._lib = lib()
+        self._kind = _arrays.check_kind_name(arrays)
         if cfg is None:
             cfg = config(**fields)
         elif fields:
@@ -357,13 +330,14 @@ class Cache:
 
     @classmethod
     def load(cls, path: Any, config: Optional[Config] = None, backend: Optional[str] = None,
-             stream: Any = None) -> "Cache":
+             stream: Any = None, arrays: Optional[str] = None) -> "Cache":
         """A cache restored from a snapshot file (skv_cache_load), in the state it was saved in.
 
         config: None takes the snapshot's own config (snapshot_config(path)); a Config gives the
         runtime fields (backend, n_threads, value_device_bytes, value_cache_chunks) and must
         agree with the snapshot on every model field (else ShadowKVError SKV_ERR_INVALID_CONFIG
         naming the field). backend ("ref", "cpu", "cuda", "auto") overrides the config's.
+        arrays: the kind of introspection results before the first prefill or decode (see Cache).
         A corrupted, truncated or foreign file raises ShadowKVError (SKV_ERR_FORMAT) with the
         library's message naming the section and byte offset; an unreadable one SKV_ERR_IO.
         """
@@ -371,6 +345,7 @@ class Cache:
         self._handle = None
         self._lib = lib()
         self._stream = None
+        self._kind = _arrays.check_kind_name(arrays)
         p = os.fsencode(os.fspath(path))
         cfg = config if config is not None else _read_snapshot_config(path)
         h = ctypes.c_void_p()
@@ -439,22 +414,33 @@ class Cache:
                     c=c.chunk_size, O=c.n_outlier_chunks, S=c.budget // c.chunk_size)
 
     # -- prefill and decode -------------------------------------------------------------
+    def _arrays_of(self, x: Any, name: str, dims: str):
+        """The kind of x, the first array argument of prefill or decode: the kind this cache's
+        introspection gives from now on. numpy arrays are host memory: not for a cuda cache."""
+        K = _arrays.of(x, name, dims)
+        if K.name == "numpy" and self.backend == "cuda":
+            raise ValueError(f"{name}: a numpy array (host memory), but this cache runs on cuda, which takes "
+                             f"torch CUDA tensors on {self.device}")
+        self._kind = K.name
+        return K
+
     def prefill(self, layer: int, seq: int, k_pre, v, k_post=None) -> None:
         """Prefill of (layer, seq) with a prompt of n tokens at positions 0..n-1.
 
         k_pre: [n, Hk, D] pre-RoPE keys; v: [n, Hk, D] values; k_post: [n, Hk, D] post-RoPE
-        keys, or None to let the library apply its RoPE. bfloat16, contiguous, on the
-        cache's device. Raises ShadowKVError (e.g. SKV_ERR_PROMPT_TOO_SHORT) on a library error.
+        keys, or None to let the library apply its RoPE. bf16 (numpy: or float32, rounded),
+        contiguous, on the cache's device. Raises ShadowKVError (e.g. SKV_ERR_PROMPT_TOO_SHORT)
+        on a library error.
         """
-        torch = _torch()
         c = self.config
-        _ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
+        K = self._arrays_of(k_pre, "k_pre", "[n, Hk, D]")
+        K.ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
         n = k_pre.shape[0]
         shp = (n, c.n_kv_heads, c.head_dim)
         dims = f"= [n, Hk={c.n_kv_heads}, D={c.head_dim}]"
-        a = _tensor(k_pre, "k_pre", shp, torch.bfloat16, self.device, dims=dims)
-        b = _tensor(v, "v", shp, torch.bfloat16, self.device, dims=dims)
-        p = _tensor(k_post, "k_post", shp, torch.bfloat16, self.device, allow_none=True, dims=dims)
+        a = K.check(k_pre, "k_pre", shp, _arrays.BF16, self.device, dims=dims)
+        b = K.check(v, "v", shp, _arrays.BF16, self.device, dims=dims)
+        p = K.check(k_post, "k_post", shp, _arrays.BF16, self.device, allow_none=True, dims=dims)
         self._check_stream("prefill")
         _check(self._lib.skv_prefill(self._h(), layer, seq, n, a, b, p), "skv_prefill", self._handle)
 
@@ -462,18 +448,19 @@ class Cache:
         """One decode step of `layer` for the whole batch.
 
         q: [B, Hq, D] post-RoPE queries; k, v: [B, Hk, D] the new token's post-RoPE key and
-        value (bfloat16). Returns out [B, Hq, D] float32 (a new tensor, or `out`). On cuda the
-        step is only enqueued: out is written when the cache's stream reaches it.
+        value (bf16; numpy: or float32, rounded). Returns out [B, Hq, D] float32 (a new tensor or
+        array of q's kind, or `out`). On cuda the step is only enqueued: out is written when the
+        cache's stream reaches it.
         """
-        torch = _torch()
         c = self.config
         B, Hq, Hk, D = c.batch_size, c.n_q_heads, c.n_kv_heads, c.head_dim
-        qa = _tensor(q, "q", (B, Hq, D), torch.bfloat16, self.device, dims=f"= [B, Hq, D]")
-        ka = _tensor(k, "k", (B, Hk, D), torch.bfloat16, self.device, dims=f"= [B, Hk, D]")
-        va = _tensor(v, "v", (B, Hk, D), torch.bfloat16, self.device, dims=f"= [B, Hk, D]")
+        K = self._arrays_of(q, "q", "[B, Hq, D]")
+        qa = K.check(q, "q", (B, Hq, D), _arrays.BF16, self.device, dims="= [B, Hq, D]")
+        ka = K.check(k, "k", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
+        va = K.check(v, "v", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
         if out is None:
-            out = torch.empty((B, Hq, D), dtype=torch.float32, device=q.device)
-        oa = _tensor(out, "out", (B, Hq, D), torch.float32, self.device, dims=f"= [B, Hq, D]")
+            out = K.empty((B, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
+        oa = K.check(out, "out", (B, Hq, D), _arrays.F32, self.device, dims="= [B, Hq, D]", out=True)
         self._check_stream("decode")
         _check(self._lib.skv_decode(self._h(), layer, qa, ka, va, oa), "skv_decode", self._handle)
         return out
@@ -503,45 +490,51 @@ class Cache:
                "skv_cache_seq_info", self._handle)
         return {name: getattr(i, name) for name, _ in i._fields_}
 
-    def _per_head(self, fn, kv_head: Optional[int]):
-        torch = _torch()
+    def _results(self):
+        """The kind of introspection results: that of the arrays last given to prefill or decode,
+        else `arrays` of the constructor, else torch when imported, else numpy."""
+        return _arrays.by_name(self._kind or _arrays.default_kind())
+
+    def _per_head(self, K, fn, kv_head: Optional[int]):
         if kv_head is not None:
             return fn(kv_head)
-        return torch.stack([fn(h) for h in range(self.config.n_kv_heads)])
+        return K.stack([fn(h) for h in range(self.config.n_kv_heads)])
 
-    def _ids(self, fn: str, layer: int, seq: int, kv_head: int, count: int):
-        torch = _torch()
-        buf = torch.empty(max(count, 1), dtype=torch.int32)
-        _check(getattr(self._lib, fn)(self._h(), layer, seq, kv_head, buf.data_ptr()), fn, self._handle)
+    def _ids(self, K, fn: str, layer: int, seq: int, kv_head: int, count: int):
+        buf = K.empty(max(count, 1), _arrays.I32, "cpu")
+        _check(getattr(self._lib, fn)(self._h(), layer, seq, kv_head, K.addr(buf)), fn, self._handle)
         return buf[:count]
 
     def selected(self, layer: int, seq: int, kv_head: Optional[int] = None):
-        """Chunk ids selected at the last decode step of (layer, seq): an int32 CPU tensor of S ids,
-        increasing, for kv_head, or [Hk, S] for every KV head when kv_head is None."""
+        """Chunk ids selected at the last decode step of (layer, seq): int32 (a CPU tensor or a numpy
+        array) of S ids, increasing, for kv_head, or [Hk, S] for every KV head when kv_head is None."""
         S = self.config.budget // self.config.chunk_size
-        return self._per_head(lambda h: self._ids("skv_cache_selected", layer, seq, h, S), kv_head)
+        K = self._results()
+        return self._per_head(K, lambda h: self._ids(K, "skv_cache_selected", layer, seq, h, S), kv_head)
 
     def outliers(self, layer: int, seq: int, kv_head: Optional[int] = None):
-        """Outlier chunk ids of (layer, seq) (int32 CPU tensor of O, increasing; [Hk, O] for kv_head None)."""
+        """Outlier chunk ids of (layer, seq) (int32, O of them, increasing; [Hk, O] for kv_head None)."""
         O = self.config.n_outlier_chunks
-        return self._per_head(lambda h: self._ids("skv_cache_outliers", layer, seq, h, O), kv_head)
+        K = self._results()
+        return self._per_head(K, lambda h: self._ids(K, "skv_cache_outliers", layer, seq, h, O), kv_head)
 
     def candidates(self, layer: int, seq: int, kv_head: Optional[int] = None):
-        """Candidate chunk ids of (layer, seq) (int32 CPU tensor of N - O, increasing; [Hk, N-O] for None)."""
+        """Candidate chunk ids of (layer, seq) (int32, N - O of them, increasing; [Hk, N-O] for None)."""
         n = self.seq_info(layer, seq)["n_candidates"]
-        return self._per_head(lambda h: self._ids("skv_cache_candidates", layer, seq, h, n), kv_head)
+        K = self._results()
+        return self._per_head(K, lambda h: self._ids(K, "skv_cache_candidates", layer, seq, h, n), kv_head)
 
     def landmarks(self, layer: int, seq: int, kv_head: Optional[int] = None):
-        """bf16 landmarks of the candidates of (layer, seq): a [N - O, D] CPU tensor ([Hk, N-O, D] for None)."""
-        torch = _torch()
+        """bf16 landmarks of the candidates of (layer, seq): [N - O, D] on the host ([Hk, N-O, D] for None)."""
         n = self.seq_info(layer, seq)["n_candidates"]
+        K = self._results()
 
         def one(h):
-            buf = torch.empty((max(n, 1), self.config.head_dim), dtype=torch.bfloat16)
-            _check(self._lib.skv_cache_landmarks(self._h(), layer, seq, h, buf.data_ptr()), "skv_cache_landmarks",
+            buf = K.empty((max(n, 1), self.config.head_dim), _arrays.BF16, "cpu")
+            _check(self._lib.skv_cache_landmarks(self._h(), layer, seq, h, K.addr(buf)), "skv_cache_landmarks",
                    self._handle)
             return buf[:n]
-        return self._per_head(one, kv_head)
+        return self._per_head(K, one, kv_head)
 
 
 from . import ops  # noqa: E402  (ops uses the helpers above)

@@ -42,16 +42,17 @@ import ctypes
 import threading
 from typing import Any, Optional
 
-import torch
-
 try:
+    import torch
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.cache_utils import Cache as _HFCache
     from transformers.cache_utils import CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-except ImportError as e:  # pragma: no cover
-    raise ImportError("shadowkv.hf needs transformers (pip install transformers)") from e
+except ImportError as e:
+    from ._arrays import HF_EXTRA
+    raise ImportError(f"shadowkv.hf needs torch and transformers, which are not installed: {HF_EXTRA} "
+                      f"({e})") from e
 
 from . import Cache, ShadowKVError, _ffi, config as _skv_config, validate
 from . import ops

@@ -122,6 +122,44 @@ def test_version_and_names():
     assert os.path.exists(shadowkv.library_path())
 
 
+def _bf16_probe_values():
+    """float32 values that exercise the rounding: random magnitudes, ties to even both ways, the
+    largest finite values (rounding up to inf), subnormals, signed zeros, infinities and NaNs with
+    payloads and both signs (as float32 bit patterns)."""
+    import numpy as np
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(2000) * 10.0 ** rng.integers(-30, 30, 2000)).astype(np.float32)
+    special = np.array([0.0, -0.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, float("inf"), -float("inf"), 3.0e38, 3.4e38,
+                        -3.4e38, 1e-39, -1e-40, 1e-45], dtype=np.float32)
+    nan_bits = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FFF8000, 0x7F808000,
+                         0xFFFFFFFF], dtype=np.uint32)
+    tie_bits = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7F8000, 0x00008000, 0x80018000],
+                        dtype=np.uint32)
+    rnd_bits = rng.integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([x, special, nan_bits.view(np.float32), tie_bits.view(np.float32),
+                           rnd_bits.view(np.float32)])
+
+
+def test_bf16_numpy_rounding_matches_the_library():
+    """shadowkv.as_bf16 (what a float32 numpy argument goes through) gives skv_bf16_from_float's bits
+    for every value, NaNs included; as_float32 is skv_bf16_to_float."""
+    np = pytest.importorskip("numpy")
+    L = shadowkv.lib()
+    x = _bf16_probe_values()
+    got = shadowkv.as_bf16(x)
+    got_bits = got.view(np.uint16)
+    want = np.array([L.skv_bf16_from_float(float(v)) for v in x], dtype=np.uint16)
+    # ctypes passes a float32 NaN through a double: the payload survives (quiet bit set), as in C
+    bad = np.nonzero(got_bits != want)[0]
+    assert bad.size == 0, [(hex(int(x.view(np.uint32)[i])), hex(int(got_bits[i])), hex(int(want[i]))) for i in bad[:8]]
+    back = shadowkv.as_float32(got)
+    want_f = np.array([L.skv_bf16_to_float(int(b)) for b in want], dtype=np.float32)
+    assert np.array_equal(back.view(np.uint32), want_f.view(np.uint32))
+    # a uint16 array is taken as bf16 bits, in both directions
+    assert shadowkv.as_bf16(got_bits) is got_bits
+    assert np.array_equal(shadowkv.as_float32(got_bits).view(np.uint32), want_f.view(np.uint32))
+
+
 def test_bf16_matches_torch():
     """torch.bfloat16 is skv_bf16: the same bits for the same float (round to nearest even)."""
     torch = pytest.importorskip("torch")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 import shadowkv
@@ -54,6 +55,8 @@ def test_config_argument_errors():
         shadowkv.Cache({"n_layers": 1})
     with pytest.raises(TypeError, match="either a Config or fields"):
         shadowkv.Cache(small(), n_layers=2)
+    with pytest.raises(ValueError, match="arrays 'list'"):
+        shadowkv.Cache(small(), arrays="list")
 
 
 @pytest.mark.parametrize("field,value,status", [
@@ -100,18 +103,23 @@ def test_backends_available():
         shadowkv.backend_available("gpu")
 
 
-def test_cuda_unavailable_is_a_clear_error():
+def test_cuda_unavailable_is_a_clear_error(kind):
     if shadowkv.backend_available("cuda"):
         pytest.skip("cuda is available here")
     with pytest.raises(ShadowKVError) as e:
         shadowkv.Cache(small(backend="cuda"))
     assert e.value.status_name == "SKV_ERR_NO_DEVICE" and e.value.message  # the reason
-    torch = pytest.importorskip("torch")
     from shadowkv import ops
-    with pytest.raises(ShadowKVError) as e:
-        ops.full_attention(torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(3, 2, 32, dtype=torch.bfloat16),
-                           torch.zeros(3, 2, 32, dtype=torch.bfloat16), backend="cuda")
-    assert e.value.status_name == "SKV_ERR_NO_DEVICE"
+    from skvtest import Arrays
+    arr = Arrays(kind)
+    q, k = arr.bf16(np.zeros((4, 32), dtype=np.float32)), arr.bf16(np.zeros((3, 2, 32), dtype=np.float32))
+    if kind == "torch":
+        with pytest.raises(ShadowKVError) as e:
+            ops.full_attention(q, k, k, backend="cuda")
+        assert e.value.status_name == "SKV_ERR_NO_DEVICE"
+    else:  # numpy arrays are host memory: refused before the library is asked
+        with pytest.raises(ValueError, match="numpy array .* cuda, which takes torch CUDA tensors"):
+            ops.full_attention(q, k, k, backend="cuda")
 
 
 def test_auto_resolves():

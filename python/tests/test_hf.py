@@ -10,8 +10,8 @@ import math
 import warnings
 
 import pytest
-import torch
 
+torch = pytest.importorskip("torch")  # the [hf] extra: torch and transformers (make check SKV_PYTORCH=1)
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
 

@@ -1,17 +1,17 @@
 """Cache snapshots from Python: Cache.save / Cache.load (skv_cache_save / skv_cache_load,
-docs/DESIGN.md section 11). A cache saved on one backend and loaded on another continues with
-the same selections (bitwise) and outputs within 1e-5; a damaged file raises ShadowKVError
-with the library's message; a config that disagrees with the snapshot is refused by name."""
+docs/DESIGN.md section 11), with numpy arrays and with torch tensors. A cache saved on one
+backend and loaded on another continues with the same selections (bitwise) and outputs within
+1e-5; a damaged file raises ShadowKVError with the library's message; a config that disagrees
+with the snapshot is refused by name."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 import shadowkv
 from shadowkv import ShadowKVError
 
-from conftest import device_of
-from skvtest import Workload, small_config
+from skvtest import Arrays, Workload, small_config, to_np
 
 LENS = [150, 203]
 STEPS = 4
@@ -20,31 +20,30 @@ SAVED_AT = 2
 
 def _selections(cache):
     c = cache.config
-    return {(layer, b, h): cache.selected(layer, b, h).tolist()
+    return {(layer, b, h): to_np(cache.selected(layer, b, h)).tolist()
             for layer in range(c.n_layers) for b in range(c.batch_size) for h in range(c.n_kv_heads)}
 
 
-def _roundtrip(gen, tmp_path, src: str, dst: str):
+def _roundtrip(rng, kind, tmp_path, src: str, dst: str):
     for be in (src, dst):
         if not shadowkv.backend_available(be):
             pytest.skip(f"{be} backend not available here")
     cfg = small_config(src)
-    wl = Workload(gen, cfg, LENS, STEPS)
+    wl = Workload(rng, cfg, LENS, STEPS)
     a = shadowkv.Cache(cfg)
-    dev_a = device_of(src)
-    wl.prefill(a, dev_a)
+    arr_a, arr_b = Arrays(kind, src), Arrays(kind, dst)
+    wl.prefill(a, arr_a)
     for s in range(SAVED_AT):
         for layer in range(cfg.n_layers):
-            wl.decode(a, s, layer, dev_a)
+            wl.decode(a, s, layer, arr_a)
     path = tmp_path / "cache.snap"
     a.save(path)
     assert not [p for p in tmp_path.iterdir() if p.name != "cache.snap"], "a temporary file was left behind"
     snap_cfg = shadowkv.snapshot_config(path)
     for name in ("n_layers", "n_kv_heads", "head_dim", "rank", "budget", "max_prompt_len", "gen_capacity"):
         assert getattr(snap_cfg, name) == getattr(cfg, name), name
-    b = shadowkv.Cache.load(path, backend=dst)
+    b = shadowkv.Cache.load(path, backend=dst, arrays=kind)
     assert b.backend == dst
-    dev_b = device_of(dst)
     for layer in range(cfg.n_layers):
         for s in range(cfg.batch_size):
             ia, ib = a.seq_info(layer, s), b.seq_info(layer, s)
@@ -52,31 +51,48 @@ def _roundtrip(gen, tmp_path, src: str, dst: str):
     assert _selections(a) == _selections(b)
     for s in range(SAVED_AT, STEPS):
         for layer in range(cfg.n_layers):
-            oa = wl.decode(a, s, layer, dev_a)
-            ob = wl.decode(b, s, layer, dev_b)
-            err = ((oa - ob).abs().amax(-1) / oa.abs().amax(-1).clamp_min(1e-30)).max().item()
+            oa = wl.decode(a, s, layer, arr_a)
+            ob = wl.decode(b, s, layer, arr_b)
+            err = (np.abs(oa - ob).max(-1) / np.maximum(np.abs(oa).max(-1), 1e-30)).max()
             assert err <= 1e-5, f"step {s} layer {layer}: outputs differ by {err:.3g} relative"
         assert _selections(a) == _selections(b), f"step {s}: selections differ after the load"
     a.close()
     b.close()
 
 
-def test_roundtrip_cpu_to_ref(gen, tmp_path):
-    _roundtrip(gen, tmp_path, "cpu", "ref")
+def test_roundtrip_cpu_to_ref(rng, kind, tmp_path):
+    _roundtrip(rng, kind, tmp_path, "cpu", "ref")
 
 
-def test_roundtrip_ref_to_cpu(gen, tmp_path):
-    _roundtrip(gen, tmp_path, "ref", "cpu")
+def test_roundtrip_ref_to_cpu(rng, kind, tmp_path):
+    _roundtrip(rng, kind, tmp_path, "ref", "cpu")
+
+
+def test_loaded_cache_results_kind(rng, kind, tmp_path):
+    """A loaded cache's introspection, before any prefill or decode, gives the kind `arrays` names."""
+    cfg = small_config("cpu")
+    wl = Workload(rng, cfg, LENS, 1)
+    a = shadowkv.Cache(cfg)
+    wl.prefill(a, Arrays("numpy"))
+    wl.decode(a, 0, 0, Arrays("numpy"))
+    a.save(tmp_path / "c.snap")
+    b = shadowkv.Cache.load(tmp_path / "c.snap", arrays=kind)
+    sel = b.selected(0, 1)
+    assert type(sel).__module__.split(".")[0] == kind
+    assert np.array_equal(to_np(sel), a.selected(0, 1))
+    with pytest.raises(ValueError, match="arrays 'jax'"):
+        shadowkv.Cache.load(tmp_path / "c.snap", arrays="jax")
 
 
 @pytest.fixture
-def saved(gen, tmp_path):
+def saved(rng, tmp_path):
     cfg = small_config("cpu")
-    wl = Workload(gen, cfg, LENS, 1)
+    wl = Workload(rng, cfg, LENS, 1)
     cache = shadowkv.Cache(cfg)
-    wl.prefill(cache, torch.device("cpu"))
+    host = Arrays("numpy")
+    wl.prefill(cache, host)
     for layer in range(cfg.n_layers):
-        wl.decode(cache, 0, layer, torch.device("cpu"))
+        wl.decode(cache, 0, layer, host)
     path = tmp_path / "cache.snap"
     cache.save(path)
     cache.close()

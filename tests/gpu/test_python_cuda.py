@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"
 
 torch = pytest.importorskip("torch")
 
-from conftest import *  # noqa: E402,F401,F403  (the fixtures: seed, gen, device)
+from conftest import *  # noqa: E402,F401,F403  (the fixtures: seed, rng, gen, device, arr)
 from test_cache import *  # noqa: E402,F401,F403
 from test_ops import *  # noqa: E402,F401,F403
 from test_canonical_ops import *  # noqa: E402,F401,F403
@@ -34,11 +34,11 @@ if importlib.util.find_spec("transformers") is not None:
     from test_hf import *  # noqa: E402,F401,F403
 
 import shadowkv  # noqa: E402
-from skvtest import Workload, small_config  # noqa: E402
+from skvtest import Arrays, Workload, small_config  # noqa: E402
 
 # keep the backend-parametrized tests only (the others ran on the CPU already): those taking
 # `backend` or a fixture built on it
-_ON_BACKEND = {"backend", "device", "ready"}
+_ON_BACKEND = {"backend", "device", "ready", "arr"}
 for _name in [n for n, f in list(globals().items()) if n.startswith("test_") and callable(f)]:
     if not _ON_BACKEND & set(inspect.signature(globals()[_name]).parameters):
         del globals()[_name]
@@ -55,23 +55,33 @@ def backend(request):  # overrides conftest's: these tests run on cuda only
     return request.param
 
 
-def test_decode_step_captured_in_cuda_graph(backend, device, gen):
+@pytest.fixture(params=["torch"])
+def kind(request):  # overrides conftest's: cuda takes torch CUDA tensors (numpy arrays are host memory)
+    return request.param
+
+
+def _on_device(wl, step, device):
+    """q, k, v of every layer at `step` as CUDA tensors (copied before any timed or captured call)."""
+    arr = Arrays("torch", "cuda")
+    qkv = [wl.inputs(step, layer, arr) for layer in range(wl.cfg.n_layers)]
+    return [x[0] for x in qkv], [x[1] for x in qkv], [x[2] for x in qkv]
+
+
+def test_decode_step_captured_in_cuda_graph(backend, device, arr, rng):
     cfg = small_config(backend)
-    wl = Workload(gen, cfg, [150, 203], 3)
+    wl = Workload(rng, cfg, [150, 203], 3)
     L = cfg.n_layers
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # both caches run on `side`, the stream the graph is captured on
         direct, graphed = shadowkv.Cache(cfg), shadowkv.Cache(cfg)
         assert direct.stream.cuda_stream == side.cuda_stream
-        wl.prefill(direct, device)
-        wl.prefill(graphed, device)
+        wl.prefill(direct, arr)
+        wl.prefill(graphed, arr)
         for layer in range(L):  # step 0 directly on both (the library builds its per-layer graphs)
-            wl.decode(direct, 0, layer, device)
-            wl.decode(graphed, 0, layer, device)
+            wl.decode(direct, 0, layer, arr)
+            wl.decode(graphed, 0, layer, arr)
         # step 1: direct on one cache; captured into a torch CUDA graph on the other
-        q = [wl.q[1, layer].to(device) for layer in range(L)]
-        k = [wl.k[1, layer].to(device) for layer in range(L)]
-        v = [wl.vn[1, layer].to(device) for layer in range(L)]
+        q, k, v = _on_device(wl, 1, device)
         out_direct = [direct.decode(layer, q[layer], k[layer], v[layer]) for layer in range(L)]
         out_graph = [torch.full((cfg.batch_size, cfg.n_q_heads, cfg.head_dim), float("nan"), device=device)
                      for _ in range(L)]
@@ -92,23 +102,21 @@ def test_decode_step_captured_in_cuda_graph(backend, device, gen):
     # the cache goes on after the graph: step 2 directly on both, still equal
     with torch.cuda.stream(side):
         for layer in range(L):
-            a = wl.decode(direct, 2, layer, device)
-            b = wl.decode(graphed, 2, layer, device)
-            assert torch.equal(a, b)
+            a = wl.decode(direct, 2, layer, arr)
+            b = wl.decode(graphed, 2, layer, arr)
+            assert (a.view("uint32") == b.view("uint32")).all()
     assert graphed.seq_info(0, 0)["n_generated"] == 3
 
 
-def test_decode_does_no_torch_sync(backend, device, gen):
+def test_decode_does_no_torch_sync(backend, device, arr, rng):
     """torch's sync debug mode "error" raises on any synchronizing torch call: the binding's decode
     (checks, output allocation, the call) makes none."""
     cfg = small_config(backend)
-    wl = Workload(gen, cfg, [150, 203], 2)
+    wl = Workload(rng, cfg, [150, 203], 2)
     cache = shadowkv.Cache(cfg)
-    wl.prefill(cache, device)
+    wl.prefill(cache, arr)
     # the inputs are copied before: a blocking host-to-device copy is a synchronization itself
-    q = [wl.q[0, layer].to(device) for layer in range(cfg.n_layers)]
-    k = [wl.k[0, layer].to(device) for layer in range(cfg.n_layers)]
-    v = [wl.vn[0, layer].to(device) for layer in range(cfg.n_layers)]
+    q, k, v = _on_device(wl, 0, device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -119,13 +127,13 @@ def test_decode_does_no_torch_sync(backend, device, gen):
     assert out.device == device and torch.isfinite(out).all()
 
 
-def test_wrong_stream_is_refused(backend, device, gen):
+def test_wrong_stream_is_refused(backend, device, arr, rng):
     cfg = small_config(backend)
-    wl = Workload(gen, cfg, [150, 203], 1)
+    wl = Workload(rng, cfg, [150, 203], 1)
     cache = shadowkv.Cache(cfg)  # on the default stream
     with torch.cuda.stream(torch.cuda.Stream()):
         with pytest.raises(ValueError, match="this cache runs on"):
-            cache.prefill(0, 0, wl.k_pre[0, 0].to(device), wl.v[0, 0].to(device))
+            cache.prefill(0, 0, arr.bf16(wl.k_pre[0, 0]), arr.bf16(wl.v[0, 0]))
         with pytest.raises(ValueError, match="legacy default stream"):
-            shadowkv.ops.full_attention(wl.q[0, 0][0].to(device), wl.k_post[0, 0].to(device),
-                                        wl.v[0, 0].to(device), backend="cuda")
+            shadowkv.ops.full_attention(arr.bf16(wl.q[0, 0][0]), arr.bf16(wl.k_post[0, 0]),
+                                        arr.bf16(wl.v[0, 0]), backend="cuda")
