@@ -10,12 +10,11 @@
  *   skv_cuda_attn.cuh    what the attention files share: work items, the
  *                        shared-memory layout, the key rebuild of one tile,
  *                        AttendArgs and the resident spans
- *   skv_cuda_attend.cu   step 4 on the general kernel (attend_kernel), the
- *                        op-level span attention, the item plans
- *   skv_cuda_attend_mma.cu  step 4 on the fragment kernel (attend_mma_kernel:
- *                        D 128, G <= 8, r % 16 == 0, rotate-half RoPE)
+ *   skv_cuda_attend.cu   step 4 (attend_kernel; the common shape, D 128, G <= 8,
+ *                        r % 16 == 0, rotate-half RoPE: attend_mma_kernel),
+ *                        the op-level span attention and key rebuild
+ *                        (rebuild_kernel), the item plans
  *   skv_cuda_attend_missed.cu  the pass for chunks fetched late (host slots)
- *   skv_cuda_rebuild.cu  the op-level key rebuild (rebuild_kernel)
  *   skv_cuda_combine.cu  the combine of the partials and the append (step 5)
  *   skv_cuda_copy.cu     the fetch of missed chunks, the op-level gather, the
  *                        prefill's value offload, f32 -> bf16
@@ -234,7 +233,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
                                  skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
 
-/* ---- attention (skv_cuda_attend*.cu, skv_cuda_rebuild.cu) --------------------------------- */
+/* ---- attention (skv_cuda_attend.cu, skv_cuda_attend_missed.cu) ---------------------------- */
 
 /*
  * Step 4 of a decode: the partials of every item (q, k_new, v_new from ws->io). Host slots
@@ -243,11 +242,6 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
  */
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const skv_cuda_dws *ws, int pdl);
-
-/* Step 4 on the fragment kernel (skv_cuda_attend_mma.cu), for a decode whose items are fragment
-   items (ws->it.frag, seqs set): skv_cuda_attend calls it. */
-cudaError_t skv_cuda_attend_mma(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                const skv_cuda_dws *ws, int pdl);
 
 /* Adds the missed chunks' P V to the partials (after skv_cuda_fetch; skv_cuda_attend_missed.cu). */
 cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,

@@ -1,9 +1,9 @@
 /*
  * skv_cuda_attn.cuh - what the attention files of cuda/ share (skv_cuda_attend.cu,
- * skv_cuda_attend_mma.cu, skv_cuda_attend_missed.cu, skv_cuda_rebuild.cu): the work items and
- * the shared-memory layout of step 4, the key rebuild of one tile (U W_h on tensor or CUDA
- * cores, then RoPE), the kernels' arguments (AttendArgs) and the resident spans a range walks,
- * and the fragment kernel's shape test and layout. Header-only, in an anonymous namespace (each
+ * skv_cuda_attend_missed.cu): the work items and the shared-memory layout of step 4, the key
+ * rebuild of one tile (U W_h on tensor or CUDA cores, then RoPE), the kernels' arguments
+ * (AttendArgs) and the resident spans a range walks, and the fragment kernel's shape test and
+ * layout. Header-only, in an anonymous namespace (each
  * file has its own copy), included once per file after skv_cuda_common.cuh.
  *
  * Nothing here is on the exact-selection path (docs/DESIGN.md section 5): tensor
@@ -530,7 +530,7 @@ __device__ int att_resident_spans(const AttendArgs &a, int b, int h, AttSpan *sp
     return n;
 }
 
-/* ---- the fragment kernel's shape and shared-memory layout (skv_cuda_attend_mma.cu) ------------- */
+/* ---- the fragment kernel's shape and shared-memory layout (attend_mma_kernel) ------------------ */
 constexpr int kMmGroups = 4;
 constexpr int kMmGroupNT = 128;
 constexpr int kMmNT = kMmGroups * kMmGroupNT;

@@ -15,10 +15,12 @@ set -euo pipefail
 old=$1 new=$2 work=${3:-$(mktemp -d)}
 CUOBJDUMP=${CUOBJDUMP:-cuobjdump}
 mkdir -p "$work"
-"$CUOBJDUMP" -sass "$old" > "$work/old.sass"
-"$CUOBJDUMP" -sass "$new" > "$work/new.sass"
-"$CUOBJDUMP" -res-usage "$old" > "$work/old.res" 2>/dev/null || true
-"$CUOBJDUMP" -res-usage "$new" > "$work/new.res" 2>/dev/null || true
+if [ -z "${SASS_DIFF_REUSE:-}" ]; then # set: compare the dumps already in WORKDIR
+  "$CUOBJDUMP" -sass "$old" > "$work/old.sass"
+  "$CUOBJDUMP" -sass "$new" > "$work/new.sass"
+  "$CUOBJDUMP" -res-usage "$old" > "$work/old.res" 2>/dev/null || true
+  "$CUOBJDUMP" -res-usage "$new" > "$work/new.res" 2>/dev/null || true
+fi
 python3 - "$work" <<'PY'
 import re, sys, os
 work = sys.argv[1]
@@ -47,10 +49,11 @@ def split_sass(path):
             cur, body = norm_name(m.group(1)), []
             continue
         if cur is None: continue
-        if line.strip().startswith('.') or 'code for sm_' in line or not line.strip():
+        if not re.match(r'\s*/\*[0-9a-f]{4,}\*/', line):  # instructions only (not the fatbin headers)
             continue
         s = re.sub(r'/\*[0-9a-f]{4,}\*/', '', line)       # address
         s = re.sub(r'/\* 0x[0-9a-f]{16} \*/', '', s)     # encoding (its text is compared)
+        s = re.sub(r'_Z\w+', lambda m: norm_name(m.group(0)), s)
         s = ' '.join(s.split())
         if s: body.append(s)
     if cur: funcs.setdefault(cur, []).append(body)
@@ -70,13 +73,12 @@ def split_res(path):
 
 old, new = split_sass(work + '/old.sass'), split_sass(work + '/new.sass')
 ro, rn = split_res(work + '/old.res'), split_res(work + '/new.res')
-# the call targets of non-inlined device functions are absolute offsets: compare them by function-relative order only
 names = sorted(set(old) | set(new))
 bad = same = 0
 for n in names:
     if n not in old: print('only-new', n); bad += 1; continue
     if n not in new: print('only-old', n); bad += 1; continue
-    a = sorted(map(tuple, old[n])); b = sorted(map(tuple, new[n]))
+    a = sorted(map(tuple, old[n])); b = sorted(map(tuple, new[n]))  # each body in order; copies sorted
     if a == b and sorted(ro.get(n, [])) == sorted(rn.get(n, [])):
         print('same', n); same += 1
     else:
