@@ -35,7 +35,8 @@
  *   skv_cuda_factor_exact.cu  the EXACT route (cuSOLVER Xsyevd)
  *   skv_cuda_factor_canon.cu  the CANONICAL route (skv_cuda_canon_i8.h/.cuh,
  *                        _mm.cuh, _chol.cuh, _fix.cuh: its kernels)
- *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init): these
+ *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init) and its
+ *                        test hook (skv_cuda_test_rebuild_split): these
  *                        files build libshadowkv-cuda.so.0, which the library
  *                        opens at run time (lib/skv_cuda_loader.c)
  *

@@ -3,9 +3,9 @@
  * skv_cuda.h, reached from the cache's decode step in skv_cuda_backend.cu) on its two kernels:
  * the general one (attend_kernel<DT, GC>: any even D up to 1024, any G, any RoPE) and, for the
  * common shape, the fragment kernel (attend_mma_kernel, skv_cuda_items.frag); the op-level span
- * attention (skv_cuda_span_attention, the span_attention slot of the dispatch table: the general
+ * attention (skv_cuda_span_attention, the sparse_attention slot of the dispatch table: the general
  * kernel over the caller's spans, then skv_cuda_combine); the op-level key rebuild
- * (skv_cuda_rebuild, the rebuild slot of the dispatch table in the default mode: rebuild_kernel<DT>,
+ * (skv_cuda_rebuild, the rebuild_keys slot of the dispatch table: rebuild_kernel<DT>,
  * k_out [Hk, S*c, D] = RoPE(U W_h) of the given chunks with the tile rebuild of step 4); and the
  * work-item plans (skv_cuda_decode_items, skv_cuda_span_items). The three kernels share the tile
  * rebuild and the resident spans of skv_cuda_attn.cuh and stay in one file: compiled apart, the

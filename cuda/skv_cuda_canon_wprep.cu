@@ -1,8 +1,8 @@
 /*
  * skv_cuda_canon_wprep.cu - the reproducible mode's preparation of W (skv_cuda_canon_wprep; the
  * cache runs it when it writes a slot's W: prefill and snapshot load, in skv_cuda_backend.cu; the
- * op-level canonical rebuild, skv_cuda_canon_rebuild, needs it per call, run by the backend's
- * rebuild slot before it): canon_wprep_kernel, W_h's columns in the rebuild's fixed point (a block
+ * rebuild_keys_canonical slot of the dispatch table runs it per call before
+ * skv_cuda_canon_rebuild): canon_wprep_kernel, W_h's columns in the rebuild's fixed point (a block
  * reads its 16 columns once into shared memory), split as 128 hi + lo (hi in [-64, 64], lo in
  * [-64, 63]) and stored as the B fragments of mma m16n8k32 (16 bytes per lane), plus the columns'
  * exponents: the prepared form skv_cuda_canon_rebuild.cu's tensor-core kernel reads. Also its

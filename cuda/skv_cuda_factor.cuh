@@ -9,8 +9,7 @@
  *   skv_cuda_factor_fast.cu   the FAST route (steps 2-4 below; skv_cuda_chol.cuh: its Cholesky)
  *   skv_cuda_factor_exact.cu  the EXACT route
  *   skv_cuda_factor_canon.cu  the CANONICAL route (the reproducible mode)
- * Routes as in lib/skv_factor.h, Routes as in lib/skv_factor.h, the same math as
- * with the same math as the cpu backend's FAST route:
+ * Routes as in lib/skv_factor.h, the same math as the cpu backend's FAST route:
  *
  * FAST (n >= d, 2r <= d, r <= 160: every real prompt), all on the factor's
  * stream with no host synchronization (cusolverDnXsyevd is avoided: its
