@@ -33,8 +33,12 @@
  *   skv_cuda_factor_fast.cu  the FAST route (skv_cuda_chol.cuh: its r x r
  *                        Cholesky and solve)
  *   skv_cuda_factor_exact.cu  the EXACT route (cuSOLVER Xsyevd)
- *   skv_cuda_factor_canon.cu  the CANONICAL route (skv_cuda_canon_i8.h/.cuh,
- *                        _mm.cuh, _chol.cuh, _fix.cuh: its kernels)
+ *   skv_cuda_factor_canon.cu  the CANONICAL route; its kernels and plans:
+ *     skv_cuda_canon_i8.h, skv_cuda_canon_i8.cuh  the exact int8 Gram
+ *     skv_cuda_canon_mm.cuh    the fixed-order fp64 GEMMs (G X, Y^T Y)
+ *     skv_cuda_canon_chol.cuh  the fast Cholesky and solve
+ *     skv_cuda_canon_fix.cuh   the fixed point of A and U's scaling
+ *   skv_cuda_common.cuh  small device and launch helpers every .cu file shares
  *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init) and its
  *                        test hook (skv_cuda_test_rebuild_split): these
  *                        files build libshadowkv-cuda.so.0, which the library
