@@ -350,7 +350,6 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
     pdl_trigger();
 }
 
-
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p)
 {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
@@ -875,6 +874,25 @@ static cudaError_t launch_attend(cudaStream_t st, const AttendArgs &a, int B, in
                   a);
 }
 
+/* Step 4 on the fragment kernel (a decode whose items are fragment items, ws->it.frag). */
+static cudaError_t attend_mma(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                              const skv_cuda_dws *ws, int pdl)
+{
+    const AttendArgs a = attend_args(sh, seqs, ws);
+    /* one CTA per multiprocessor and about one item per group: (b, h) pairs split into
+       ranges of items, at least one item per group */
+    const int64_t pairs = (int64_t)sh->B * sh->Hk, n_items = ws->it.n_items;
+    int64_t split = num_sms() / pairs; /* CTAs per pair: one wave (one CTA per SM fits) */
+    if (split < 1) split = 1;
+    if (split > ceil_div64(n_items, kMmGroups)) split = ceil_div64(n_items, kMmGroups); /* a few items per group */
+    if (split < 1) split = 1;
+    const size_t smem = mm_layout(sh->r).bytes;
+    cudaError_t e = allow_smem(attend_mma_kernel, smem);
+    if (e != cudaSuccess) return e;
+    return launch(attend_mma_kernel, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
+                  st, pdl != 0, a, (int)split);
+}
+
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const skv_cuda_dws *ws, int pdl)
 {
@@ -903,24 +921,6 @@ cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int
     cudaError_t e = launch_attend(st, a, 1, ws->it.n_items, 0);
     if (e != cudaSuccess) return e;
     return skv_cuda_combine(st, &sh, NULL, ws, out, 1);
-}
-
-static cudaError_t attend_mma(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
-                                const skv_cuda_dws *ws, int pdl)
-{
-    const AttendArgs a = attend_args(sh, seqs, ws);
-    /* one CTA per multiprocessor and about one item per group: (b, h) pairs split into
-       ranges of items, at least one item per group */
-    const int64_t pairs = (int64_t)sh->B * sh->Hk, n_items = ws->it.n_items;
-    int64_t split = num_sms() / pairs; /* CTAs per pair: one wave (one CTA per SM fits) */
-    if (split < 1) split = 1;
-    if (split > ceil_div64(n_items, kMmGroups)) split = ceil_div64(n_items, kMmGroups); /* a few items per group */
-    if (split < 1) split = 1;
-    const size_t smem = mm_layout(sh->r).bytes;
-    cudaError_t e = allow_smem(attend_mma_kernel, smem);
-    if (e != cudaSuccess) return e;
-    return launch(attend_mma_kernel, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
-                  st, pdl != 0, a, (int)split);
 }
 
 template <int DT>

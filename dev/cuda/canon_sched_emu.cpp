@@ -22,7 +22,7 @@
 extern "C" {
 #include "skv_factor_canon.h"
 }
-#include "../../../cuda/skv_cuda_canon_mm.cuh" /* the configurations (host: the macros only) */
+#include "../../cuda/skv_cuda_canon_mm.cuh" /* the configurations (host: the macros only) */
 
 #define __fma_rn(a, b, c) fma((a), (b), (c))
 #define __ddiv_rn(a, b) ((a) / (b))
