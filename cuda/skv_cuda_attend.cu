@@ -387,7 +387,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 
 __device__ __forceinline__ void group_bar(int q) { asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "r"(kMmGroupNT) : "memory"); }
 
-__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 struct MmCtx {
     int b, h, n_sel;

@@ -404,7 +404,6 @@ __device__ __forceinline__ uint32_t rb_bf16x2(float lo, float hi)
 __device__ __forceinline__ uint32_t rb_hi8(int32_t t) { return (uint32_t)(t >> 7) & 0xffu; }
 __device__ __forceinline__ uint32_t rb_lo8(int32_t t) { return (uint32_t)((t & 127) - 64) & 0xffu; }
 
-__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
 {
