@@ -8,8 +8,8 @@
 #
 #   dev/sass_diff_b.sh OLD.so|OLD.a|OLD.o NEW.so|NEW.a|NEW.o [WORKDIR]
 #
-# Prints one line per function: "same NAME", "differs NAME", "only-old NAME", "only-new NAME",
-# then a count; exits 0 when every function is the same and both sides have the same set.
+# Prints one line per function: "same NAME", "differs NAME" (instructions), "resources NAME | OLD -> NEW"
+# (the same instructions, other resource usage), "only-old NAME", "only-new NAME", then a count; exits 0 when every function is the same and both sides have the same set.
 # Needs cuobjdump and nvdisasm on PATH (or CUOBJDUMP=...). Not part of the build.
 set -euo pipefail
 old=$1 new=$2 work=${3:-$(mktemp -d)}
@@ -79,10 +79,12 @@ for n in names:
     if n not in old: print('only-new', n); bad += 1; continue
     if n not in new: print('only-old', n); bad += 1; continue
     a = sorted(map(tuple, old[n])); b = sorted(map(tuple, new[n]))  # each body in order; copies sorted
-    if a == b and sorted(ro.get(n, [])) == sorted(rn.get(n, [])):
-        print('same', n); same += 1
-    else:
+    if a != b:
         print('differs', n); bad += 1
-print(f'{same} same, {bad} different or missing, of {len(names)} functions')
+    elif sorted(ro.get(n, [])) != sorted(rn.get(n, [])):  # the same instructions, other resources
+        print('resources', n, '|', ' / '.join(ro.get(n, [])), '->', ' / '.join(rn.get(n, []))); bad += 1
+    else:
+        print('same', n); same += 1
+print(f'{same} same, {bad} different (instructions or resources) or missing, of {len(names)} functions')
 sys.exit(1 if bad else 0)
 PY
