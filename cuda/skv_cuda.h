@@ -20,17 +20,41 @@
  *   skv_cuda_exact.cuh     what those four files share (grid cap, bf16 row loads,
  *                          the group limit)
  *   skv_cuda_topk.cuh      the exact block top-k (outliers, selection, victims)
- *   skv_cuda_attn.cu     the fused key rebuild + attention (step 4), the pass
- *                        for chunks fetched late, the op-level rebuild and
- *                        span attention
+ *   the attention:
+ *   skv_cuda_attn.cuh      what the attention files share: work items, the
+ *                          shared-memory layout, the key rebuild of one tile,
+ *                          AttendArgs and the resident spans
+ *   skv_cuda_attend.cu     step 4 (attend_kernel; the common shape, D 128, G <= 8,
+ *                          r % 16 == 0, rotate-half RoPE: attend_mma_kernel),
+ *                          the op-level span attention and key rebuild
+ *                          (rebuild_kernel), the item plans
+ *   skv_cuda_attend_missed.cu  the pass for chunks fetched late (host slots)
  *   skv_cuda_combine.cu  the combine of the partials and the append (step 5)
  *   skv_cuda_copy.cu     the fetch of missed chunks, the op-level gather, the
  *                        prefill's value offload, f32 -> bf16
  *   skv_cuda_check.cu    input checks: non-finite values, out-of-range ids
- *   skv_cuda_factor.cu   the rank-r factorization (skv_cuda_chol.cuh: its r x r
+ *   skv_cuda_canon_attn.cuh  what the reproducible mode's rebuild and attention
+ *                        files share (arguments, spans, fixed point, scoring)
+ *   skv_cuda_canon_wprep.cu  W's prepared form (fixed-point mma fragments)
+ *   skv_cuda_canon_rebuild.cu  the canonical key rebuild (op level; decode:
+ *                        with the selected keys' scores) and its split test hook
+ *   skv_cuda_canon_resident.cu  the canonical scores of the resident tokens
+ *   skv_cuda_canon_attend.cu  the canonical attention (weights, P V; op level:
+ *                        also the scores); the canon files build with --fmad=false
+ *   skv_cuda_factor.cuh  the factorization's workspace, shared by its files:
+ *   skv_cuda_factor.cu   create / destroy, skv_cuda_factorize (picks the route)
+ *   skv_cuda_factor_gram.cu  the blocked Gram of FAST and EXACT
+ *   skv_cuda_factor_fast.cu  the FAST route (skv_cuda_chol.cuh: its r x r
  *                        Cholesky and solve)
- *   skv_cuda_common.cuh  small device and launch helpers of every .cu file
- *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init): these
+ *   skv_cuda_factor_exact.cu  the EXACT route (cuSOLVER Xsyevd)
+ *   skv_cuda_factor_canon.cu  the CANONICAL route; its kernels and plans:
+ *     skv_cuda_canon_i8.h, skv_cuda_canon_i8.cuh  the exact int8 Gram
+ *     skv_cuda_canon_mm.cuh    the fixed-order fp64 GEMMs (G X, Y^T Y)
+ *     skv_cuda_canon_chol.cuh  the fast Cholesky and solve
+ *     skv_cuda_canon_fix.cuh   the fixed point of A and U's scaling
+ *   skv_cuda_common.cuh  small device and launch helpers every .cu file shares
+ *   skv_cuda_plugin.c    the plugin's entry point (skv_cuda_plugin_init) and its
+ *                        test hook (skv_cuda_test_rebuild_split): these
  *                        files build libshadowkv-cuda.so.0, which the library
  *                        opens at run time (lib/skv_cuda_loader.c)
  *
@@ -305,7 +329,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
                                  skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
 
-/* ---- attention (skv_cuda_attn.cu) -------------------------------------------------------- */
+/* ---- attention (skv_cuda_attend.cu, skv_cuda_attend_missed.cu) ---------------------------- */
 
 /*
  * Step 4 of a decode: the partials of every item (q, k_new, v_new from ws->io). Host slots
@@ -315,7 +339,7 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
 cudaError_t skv_cuda_attend(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                             const skv_cuda_dws *ws, int pdl);
 
-/* Adds the missed chunks' P V to the partials (after skv_cuda_fetch). */
+/* Adds the missed chunks' P V to the partials (after skv_cuda_fetch; skv_cuda_attend_missed.cu). */
 cudaError_t skv_cuda_attend_missed(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                    const skv_cuda_dws *ws);
 
@@ -330,7 +354,7 @@ cudaError_t skv_cuda_span_attention(cudaStream_t st, int32_t Hq, int32_t Hk, int
 cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                              const int32_t *chunk_ids, skv_bf16 *k_out);
 
-/* ---- the reproducible mode (skv_cuda_canon.cu, --fmad=false) ------------------------------ */
+/* ---- the reproducible mode (skv_cuda_canon_*.cu, --fmad=false) ---------------------------- */
 
 /* k_out [B, Hk, S*c, D]: the canonical rebuild (docs/DESIGN.md 10.2) of the chunks chunk_ids
    [B, Hk, S] from seqs[b].u, seqs[b].w, bit-identical to ref. Integer tensor cores (mma.sync int8)
@@ -363,6 +387,11 @@ cudaError_t skv_cuda_canon_decode_resident(cudaStream_t st, const skv_cuda_shape
    ws->canon_e at the selected span's places. */
 cudaError_t skv_cuda_canon_decode_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                           const skv_cuda_dws *ws);
+/* Test hook (skv_cuda_canon_rebuild.cu; exported by skv_cuda_plugin.c as skv_cuda_test_rebuild_split for
+   tests/test_canonical_decode.c --split=0|1): split 0 or 1 forces the decode rebuild's plain or split form
+   wherever the shape allows the split (both give the same bits); anything else restores the automatic
+   choice. Process-wide; meant to be set before a test's decode steps. */
+void skv_cuda_canon_test_split(int split);
 /* The canonical attention (docs/DESIGN.md 10.3) of a decode step, after skv_cuda_canon_decode_rebuild
    and skv_cuda_canon_decode_resident (the weights from their scores, then P V):
    q, k_new, v_new and out from ws->io, the selected tokens' scores from ws->canon_e, their values
@@ -419,7 +448,7 @@ cudaError_t skv_cuda_find_nonfinite(cudaStream_t st, const skv_bf16 *x, int64_t 
 cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_t n, int64_t lo, int64_t hi,
                                        unsigned long long *first_bad);
 
-/* ---- factorization (skv_cuda_factor.cu) -------------------------------------------------- */
+/* ---- factorization (skv_cuda_factor*.cu) ------------------------------------------------- */
 
 typedef struct skv_cuda_factor skv_cuda_factor;
 

@@ -2,7 +2,7 @@
  * skv_cuda_canon_chol.cuh - the small, latency-bound part of one shifted Cholesky QR pass of
  * the canonical factorization (lib/skv_factor_canon.h: skv_canon_ref_chol, skv_canon_ref_solve;
  * docs/DESIGN.md 10.1) for p <= 160, bit for bit the reference's. Included by
- * skv_cuda_canon.cuh (and by the timing probe tests/gpu/probes/canon_chol_probe.cu); it needs
+ * skv_cuda_factor_canon.cu (and by the timing probe dev/cuda/canon_chol_probe.cu); it needs
  * only skv_factor_canon.h.
  *
  * Both kernels follow one rule: every element's chain gets its fmas in order of k and no other
@@ -30,7 +30,7 @@
  *   divides it by L_kk itself (skv_cc_div with the Cholesky's reciprocal: the same bits), and
  *   every element j > k gets its fma.
  *
- * Measured on the H200 at p = 160 (tests/gpu/probes/canon_chol_probe.cu): the Cholesky 90 us
+ * Measured on the H200 at p = 160 (dev/cuda/canon_chol_probe.cu): the Cholesky 90 us
  * (the former two-barrier kernel about 220 us; 70 us with the bulk updates switched off, so the
  * column-to-column chain is most of it), the solve 19 us (73 us before the packed copy and
  * skv_cc_div). Variants that did not pay, kept in the history: publishing columns through a
@@ -59,7 +59,7 @@ static __host__ __device__ __forceinline__ size_t skv_cc_lp_count(int32_t p) { r
  * Markstein's theorem (y within relative 2^-53 of 1/b, q2 faithful, no underflow or overflow)
  * r2 = a - b q2 is exact and RN(q2 + r2 y) = RN(a/b). The ranges below keep every quantity
  * normal with room to spare; anything else (0, subnormal, huge, inf, NaN) takes __ddiv_rn.
- * tests/gpu/probes/canon_div_emu.cpp checks the sequence against the division on 2e8 pairs.
+ * dev/cuda/canon_div_emu.cpp checks the sequence against the division on 2e8 pairs.
  */
 static __device__ __forceinline__ double skv_cc_div_fast(double a, double b, double y)
 {

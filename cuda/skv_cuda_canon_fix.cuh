@@ -1,8 +1,8 @@
 /*
  * skv_cuda_canon_fix.cuh - the canonical route's element kernels around the exact products
  * (lib/skv_factor_canon.h steps 1 and 4): the fixed-point A in doubles (the DSYRK Gram and
- * step 4's T = X Y) and U's scaling. No dependence on the factor's state: skv_cuda_canon.cuh
- * launches them, tests/gpu/probes/canon_gemm_probe.cu times them and checks them.
+ * step 4's T = X Y) and U's scaling. No dependence on the factor's state: skv_cuda_factor_canon.cu
+ * launches them, dev/cuda/canon_gemm_probe.cu times them and checks them.
  */
 #ifndef SKV_CUDA_CANON_FIX_CUH
 #define SKV_CUDA_CANON_FIX_CUH

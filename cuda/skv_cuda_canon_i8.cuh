@@ -2,7 +2,7 @@
  * skv_cuda_canon_i8.cuh - the kernels of the canonical route's int8 exact Gram
  * (skv_cuda_canon_i8.h has the plan, the digits and the proofs): the digit planes of a token
  * block and the combine of the int32 products into S. No dependence on the factor's state:
- * skv_cuda_canon.cuh launches them (skv_cc_gram), tests/gpu/probes/canon_i8_probe.cu too.
+ * skv_cuda_factor_canon.cu launches them (skv_cc_gram), dev/cuda/canon_i8_probe.cu too.
  */
 #ifndef SKV_CUDA_CANON_I8_CUH
 #define SKV_CUDA_CANON_I8_CUH

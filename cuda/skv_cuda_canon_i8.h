@@ -1,7 +1,7 @@
 /*
  * skv_cuda_canon_i8.h - the canonical route's exact Gram S = X^T X (lib/skv_factor_canon.h step 2)
  * on int8 tensor cores, the plan and the integer helpers: host C99 and CUDA alike (the cuda
- * backend's skv_cuda_canon.cuh launches it; tests/gpu/probes/canon_i8_emul.c runs the same
+ * backend's skv_cuda_factor_canon.cu launches it; dev/cuda/canon_i8_emul.c runs the same
  * helpers on the host against a plain double S).
  *
  * Slicing. x = x_ti is an integer with |x| <= 2^(F+1) (step 1). Signed radix-128 digits:
@@ -47,12 +47,6 @@
 #include <stdint.h>
 
 #include "skv_factor_canon.h"
-
-/* 1: the exact Gram by fixed-point doubles and cuBLAS DSYRK (or DGEMM with SKV_CC_GRAM_GEMM),
-   the route's first implementation: the same bits, kept for comparison. */
-#ifndef SKV_CC_GRAM_DSYRK
-#define SKV_CC_GRAM_DSYRK 0
-#endif
 
 /* Rows per int32 accumulation (chunk): K 2^12 <= 2^31 - 1. */
 #define SKV_CC_I8_MAXK ((int64_t)524287)

@@ -3,8 +3,8 @@
  * triangle of Y^T Y (lib/skv_factor_canon.h step 3: skv_canon_ref_gx, skv_canon_ref_cross), each
  * output one fma chain in order of k from 0, by fma (skv_cc_mm) or on the fp64 tensor cores
  * (skv_cc_mm_tc, below; what the library launches where K % 4 == 0). No dependence on the factor's state:
- * skv_cuda_canon.cuh launches it, tests/gpu/probes/canon_gemm_probe.cu times it and checks it,
- * tests/gpu/probes/canon_sched_emu.cpp emulates its schedule on the host.
+ * skv_cuda_factor_canon.cu launches it, dev/cuda/canon_gemm_probe.cu times it and checks it,
+ * dev/cuda/canon_sched_emu.cpp emulates its schedule on the host.
  *
  * C [M, N] (row major, ldc) with C(i, j) = chain over k = 0..K-1 of fma(A(i, k), B(k, j), acc)
  * from acc = 0, where both operands are read k-major: A(i, k) = at[k lda + i] (A^T stored row
@@ -45,8 +45,8 @@
 
 #include <stdint.h>
 
-/* The configurations the library launches (tests/gpu/probes/canon_gemm_probe.cu times others;
-   tests/gpu/probes/canon_sched_emu.cpp emulates these), as skv_cc_mm's template arguments
+/* The configurations the library launches (dev/cuda/canon_gemm_probe.cu times others;
+   dev/cuda/canon_sched_emu.cpp emulates these), as skv_cc_mm's template arguments
    TM, TN, TY, TX, KT, NS, PD; the probe's fastest on the H200 (bench/results). G X at d = 1024,
    r = 160: 16 x 40 tiles of 64 threads (2 x 5 outputs each), 256 blocks. */
 #define SKV_CC_GX_CFG 2, 5, 8, 8, 16, 4, 2
@@ -230,7 +230,7 @@ static __global__ void __launch_bounds__(TY *TX)
 
 /* The same products on the fp64 tensor cores (skv_cc_mm_tc). mma.sync m8n8k4 f64 adds its four
    products into each accumulator as the chain acc = fma(a_k, b_k, acc) for k = 0, 1, 2, 3 in
-   order, rounding each: tests/gpu/probes/dmma_order_probe.cu compares chained mma k-steps with
+   order, rounding each: dev/cuda/dmma_order_probe.cu compares chained mma k-steps with
    that fma chain on random tiles (uniform, wide exponents, integer grids with a small tail,
    cancellation, subnormal products, signed zeros) and finds no difference on the H200; the
    canonical tests compare the route's U and W bit for bit with ref on every run. So k-steps of 4

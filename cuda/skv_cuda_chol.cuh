@@ -1,8 +1,8 @@
 /*
  * skv_cuda_chol.cuh - the r x r steps of the cuda factorization's FAST route (lib/skv_factor.h)
  * on the fp64 tensor cores: the shifted, floored Cholesky of C = Y^T Y (one thread block) and
- * the solve Y R^-1 = Y L^-T (a warp per 8 rows). Included by cuda/skv_cuda_factor.cu and by
- * the timing probe tests/gpu/probes/chol_probe.cu.
+ * the solve Y R^-1 = Y L^-T (a warp per 8 rows). Included by cuda/skv_cuda_factor_fast.cu and by
+ * the timing probe dev/cuda/chol_probe.cu.
  *
  * Both work on 8 x 8 tiles, p <= SKV_FACTOR_FAST_MAX_R padded to nt = ceil(p / 8) tiles:
  * the lower triangle of L in tiles (I, J), I >= J, tile t = I (I + 1) / 2 + J, row-major
@@ -132,9 +132,13 @@ __device__ __forceinline__ int skv_cf_chol8(double *a, double *z, double flr, in
  * on the tensor cores; warp 0 updates the next diagonal tile first and factors and inverts
  * it (skv_cf_chol8) while the others finish the trailing update. Two barriers per step.
  */
-static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
-    skv_cf_chol(double *__restrict__ c, int32_t p, int32_t d, int check, int scaled, const double *__restrict__ g,
-                double *__restrict__ lt, int *__restrict__ info)
+/* The body of skv_cf_chol. SKIP (dev/cuda/chol_probe.cu's timing breakdown only; the library's kernel
+   is SKIP = 0, where every test folds away): 1 skips the diagonal factorizations, 2 the trailing
+   updates, 3 both. */
+template <int SKIP>
+static __device__ __forceinline__ void skv_cf_chol_body(double *__restrict__ c, int32_t p, int32_t d, int check,
+                                                        int scaled, const double *__restrict__ g,
+                                                        double *__restrict__ lt, int *__restrict__ info)
 {
     extern __shared__ double sm[];
     __shared__ double red[SKV_CF_CHOL_THREADS / 32];
@@ -217,7 +221,7 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
     __syncthreads();
 
     const int r = lane >> 2, q2 = 2 * (lane & 3);
-    if (warp == 0) {
+    if (warp == 0 && !(SKIP & 1)) {
         const int bad = skv_cf_chol8(tl, dinv, flr, lane);
         if (bad && lane == 0) first_bad = bad;
     }
@@ -242,14 +246,16 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
                 double *aqq = tl + (size_t)skv_cf_tile(Q, Q) * 64;
                 const double *lqp = tl + (size_t)skv_cf_tile(Q, P) * 64;
                 double d0 = aqq[skv_cf_at(r, q2)], d1 = aqq[skv_cf_at(r, q2 + 1)];
-                skv_cf_mma_xzt(d0, d1, lqp, lqp, lane, -1.0);
+                if (!(SKIP & 2)) skv_cf_mma_xzt(d0, d1, lqp, lqp, lane, -1.0);
                 aqq[skv_cf_at(r, q2)] = d0;
                 aqq[skv_cf_at(r, q2 + 1)] = d1;
                 __syncwarp();
-                const int bad = skv_cf_chol8(aqq, dinv + (size_t)Q * 64, flr, lane);
-                if (bad && lane == 0 && first_bad == INT_MAX) first_bad = Q * 8 + bad;
+                if (!(SKIP & 1)) {
+                    const int bad = skv_cf_chol8(aqq, dinv + (size_t)Q * 64, flr, lane);
+                    if (bad && lane == 0 && first_bad == INT_MAX) first_bad = Q * 8 + bad;
+                }
             }
-        } else {
+        } else if (!(SKIP & 2)) {
             /* flattened order of the trailing tiles, column by column; index 0 is (P+1, P+1) */
             int J = P + 1, I = J + warp; /* index warp = 1 + (warp - 1) */
             while (J < nt && I >= nt) I += J + 1 - nt, J++;
@@ -290,6 +296,13 @@ static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
         for (int j = tid; j < p; j += NT) lt[SKV_CF_LT_DOUBLES(nt) + 1 + j] = dsc[j];
     }
     if (tid == 0) *info = first_bad == INT_MAX ? 0 : first_bad;
+}
+
+static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
+    skv_cf_chol(double *__restrict__ c, int32_t p, int32_t d, int check, int scaled, const double *__restrict__ g,
+                double *__restrict__ lt, int *__restrict__ info)
+{
+    skv_cf_chol_body<0>(c, p, d, check, scaled, g, lt, info);
 }
 
 /*

@@ -1,7 +1,7 @@
 /*
  * skv_cuda_combine.cu - step 5 of a decode (skv_cuda.h lists the steps) and the
  * end of an op-level span attention: the partials of every work item (max, sum,
- * unnormalized P V, written by skv_cuda_attn.cu) combined per query head in item
+ * unnormalized P V, written by skv_cuda_attend.cu) combined per query head in item
  * order, and at decode the append of the new token and the reset of the
  * per-step accumulators.
  *

@@ -1,7 +1,8 @@
 /*
  * skv_cuda_plugin.c - the entry point of the cuda backend's shared object
- * (libshadowkv-cuda.so.0; lib/skv_backend.h describes the interface). The only
- * symbol it exports is skv_cuda_plugin_init.
+ * (libshadowkv-cuda.so.0; lib/skv_backend.h describes the interface). It exports
+ * skv_cuda_plugin_init, and one test hook, skv_cuda_test_rebuild_split, that only the
+ * tests look up (not part of the library's interface).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 /* from skv_cuda.h, which a C file cannot include (it is C++ with the CUDA runtime) */
 void skv_cuda_note(const char *fmt, ...);
 void skv_cuda_fill_ops(struct skv_backend_ops *ops);
+void skv_cuda_canon_test_split(int split);
 
 static const skv_host_services *skv_cuda_host;
 
@@ -44,3 +46,8 @@ __attribute__((visibility("default"))) skv_status skv_cuda_plugin_init(const skv
     skv_cuda_fill_ops(ops);
     return SKV_OK;
 }
+
+/* Test hook: forces the reproducible decode rebuild's split form on (1) or off (0), or restores the
+   automatic choice (-1), see skv_cuda_canon_test_split. tests/test_canonical_decode.c --split=0|1 finds
+   it in the program (static link of the plugin's archive) or with dlsym in the opened plugin. */
+__attribute__((visibility("default"))) void skv_cuda_test_rebuild_split(int split) { skv_cuda_canon_test_split(split); }

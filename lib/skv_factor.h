@@ -1,7 +1,7 @@
 /*
  * skv_factor.h - the fast rank-r key factorization route of the cpu and cuda
  * backends (ref keeps its plain Gram + dsyevr route; cuda's kernels are in
- * cuda/skv_cuda_factor.cu). Host C99; compiles as CUDA too.
+ * cuda/skv_cuda_factor_fast.cu). Host C99; compiles as CUDA too.
  *
  * Goal: U [n, r], W [r, d] with U W = A Q Q^T for an orthonormal d x r basis Q
  * of (nearly) the top-r right singular subspace of A [n, d] (bf16), so that

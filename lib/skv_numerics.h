@@ -27,7 +27,7 @@
  * The reproducible mode's rules (docs/DESIGN.md 10.2, 10.3) are here too:
  * skv_canon_rebuild_ex/fix/key (the canonical key rebuild's fixed point and
  * rounding) and skv_canonical_attend (the canonical attention); ref calls them,
- * cpu (cpu/skv_cpu_decode_canon.c) and cuda (cuda/skv_cuda_canon.cu) run the
+ * cpu (cpu/skv_cpu_decode_canon.c) and cuda (cuda/skv_cuda_canon_*.cu) run the
  * same operations in other schedules, pinned by tests/test_canonical_decode.c.
  * Pinned by tests/test_numerics.c (these functions against independent
  * versions), tests/backend_ops.c (cpu and cuda ops vs ref, decisions and amax

@@ -16,11 +16,18 @@
  *     does not have it yet (SKV_ERR_UNSUPPORTED) that backend is a counted skip.
  *
  * Seeds: skvt_base_seed (SKV_SEED=N replays). Last line: "N passed, N failed[, N skipped]".
+ *
+ * --split=0 or --split=1 (cuda): forces the cuda decode rebuild's plain or split form wherever the
+ * shape allows the split (automatic otherwise; both must give ref's bits), through the plugin's
+ * test hook skv_cuda_test_rebuild_split: in the program when the plugin's archive is linked in,
+ * else looked up in the plugin the library opened (libshadowkv-cuda.so.0).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <dlfcn.h>
 
 #include "shadowkv.h"
 #include "skv_numerics.h"
@@ -549,10 +556,41 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
     for (int b = 0; b < 3; b++) free(outs[b]);
 }
 
-int main(void)
+/* The plugin's test hook (cuda/skv_cuda_plugin.c): defined here when the plugin's archive is linked in. */
+extern void skv_cuda_test_rebuild_split(int split) __attribute__((weak));
+
+/* --split=N: the hook called with N once the cuda backend is loaded; 0 if it cannot be found. */
+static int force_split(int split)
+{
+    void (*hook)(int) = skv_cuda_test_rebuild_split;
+    if (!hook) {
+        /* the library opened the plugin (skv_backend_available); this finds that copy, not another */
+        void *h = dlopen("libshadowkv-cuda.so.0", RTLD_NOW | RTLD_LOCAL);
+        union { void *p; void (*f)(int); } u = {h ? dlsym(h, "skv_cuda_test_rebuild_split") : NULL};
+        hook = u.f;
+    }
+    if (!hook) return 0;
+    hook(split);
+    return 1;
+}
+
+int main(int argc, char **argv)
 {
     uint64_t base = skvt_base_seed("test_canonical_decode");
     have_cuda = skv_backend_available(SKV_BACKEND_CUDA) == SKV_OK;
+    for (int i = 1; i < argc; i++) {
+        if ((strcmp(argv[i], "--split=0") == 0 || strcmp(argv[i], "--split=1") == 0) && have_cuda) {
+            if (!force_split(argv[i][8] - '0')) {
+                printf("test_canonical_decode: %s: the cuda plugin's test hook was not found\n", argv[i]);
+                return 1;
+            }
+            printf("test_canonical_decode: cuda decode rebuild forced to the %s form where allowed\n",
+                   argv[i][8] == '1' ? "split" : "plain");
+        } else if (strcmp(argv[i], "--split=0") != 0 && strcmp(argv[i], "--split=1") != 0) {
+            fprintf(stderr, "usage: test_canonical_decode [--split=0|--split=1]\n");
+            return 2;
+        }
+    }
     skvt_rng r;
     skvt_rng_seed(&r, base);
     fix_exhaustive();

@@ -18,7 +18,7 @@
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
 #   repro     build; the reproducible mode on cuda: the fp64 mma's element order
-#             (tests/gpu/probes/dmma_order_probe.cu), the canonical-route tests (factorization,
+#             (dev/cuda/dmma_order_probe.cu), the canonical-route tests (factorization,
 #             rebuild and attention, snapshots, test_contract's reproducible configurations, the
 #             fuzz_diff corpus with its cuda leg), then its cost against the default mode in one
 #             run: the factorization at 16k/64k/128k (factorize_repro.json) and the decode step
@@ -72,7 +72,7 @@ if [ "$MODE" = pack ]; then
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   cc $CFL -Ifuzz fuzz/replay.c fuzz/fuzz_diff.c fuzz/fuzz_common.c $LNK -o build/dev/replay_fuzz_diff
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 tests/gpu/probes/dmma_order_probe.cu -o build/dev/dmma_order_probe
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 dev/cuda/dmma_order_probe.cu -o build/dev/dmma_order_probe
   du -sh build/dev
   exit 0
 fi
@@ -214,13 +214,13 @@ case "$MODE" in
     # the fp64 mma's element order, which the canonical G X and Y^T Y rely on (skv_cc_mm_tc)
     DMMA=$BIN/dmma_order_probe
     [ -x "$DMMA" ] || { DMMA=$TMP/dmma_order_probe; nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 \
-      tests/gpu/probes/dmma_order_probe.cu -o "$DMMA" >/dev/null 2>&1 || DMMA=; }
+      dev/cuda/dmma_order_probe.cu -o "$DMMA" >/dev/null 2>&1 || DMMA=; }
     [ -n "$DMMA" ] && run_test dmma_order_probe "$DMMA" 40000
     run_test test_canonical_factor $TBIN/test_canonical_factor
     run_test test_canonical_decode $TBIN/test_canonical_decode
     # the decode rebuild's two forms, each forced where the shape allows it (automatic above)
-    run_test test_canonical_decode_split1 env SKV_CUDA_REBUILD_SPLIT=1 $TBIN/test_canonical_decode
-    run_test test_canonical_decode_split0 env SKV_CUDA_REBUILD_SPLIT=0 $TBIN/test_canonical_decode
+    run_test test_canonical_decode_split1 $TBIN/test_canonical_decode --split=1
+    run_test test_canonical_decode_split0 $TBIN/test_canonical_decode --split=0
     run_test test_snapshot $TBIN/test_snapshot
     run_test test_contract $TBIN/test_contract 40
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda

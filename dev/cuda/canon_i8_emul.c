@@ -1,7 +1,7 @@
 /*
  * canon_i8_emul.c - a host emulation of the cuda canonical route's int8 exact Gram
  * (cuda/skv_cuda_canon_i8.h, the kernels skv_cc_slice / skv_cc_combine and the int8 GEMMs of
- * skv_cc_gram in cuda/skv_cuda_canon.cuh), step for step in plain C: the same plan, the two
+ * skv_cc_gram in cuda/skv_cuda_factor_canon.cu), step for step in plain C: the same plan, the two
  * kernels transcribed as launched (grid, threads, shared-memory phases; the digit planes'
  * layout and zero padding, the char4 stores checked aligned and inside the plane; two plane
  * buffers where they fit, block j in buffer j mod 2, as skv_cc_gram chooses; sequentially,
@@ -10,7 +10,7 @@
  * is checked), beta = 1 within a chunk, the int64 combine into double. Compared bit for bit with
  * the plain double S = X^T X (the rule's step 2) and an int64 S. No GPU needed:
  *
- *   cc -std=c99 -O2 -ffp-contract=off -Iinclude -Ilib -Icuda tests/gpu/probes/canon_i8_emul.c -lm \
+ *   cc -std=c99 -O2 -ffp-contract=off -Iinclude -Ilib -Icuda dev/cuda/canon_i8_emul.c -lm \
  *     -o build/canon_i8_emul && build/canon_i8_emul
  *
  * Also skv_cc_colmax8 (16-byte column max) as launched against the plain column max, and the
@@ -329,7 +329,7 @@ static void case_(const char *what, int kind, int64_t n, int32_t d, size_t bytes
     free(x);
 }
 
-/* skv_cc_colmax8 (cuda/skv_cuda_canon.cuh) as launched, against the plain column max. */
+/* skv_cc_colmax8 (cuda/skv_cuda_factor_canon.cu) as launched, against the plain column max. */
 static void check_colmax8(int64_t n, int32_t d)
 {
     uint16_t *a = malloc(sizeof *a * (size_t)n * d);

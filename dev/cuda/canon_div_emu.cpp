@@ -7,7 +7,7 @@
  * (where RN(1/b) is least accurate), and the range edges (zero, tiny, huge: the __ddiv_rn path).
  * No GPU needed (~7 s for the default 2e8 cases):
  *
- *     g++ -std=c++17 -O2 -ffp-contract=off tests/gpu/probes/canon_div_emu.cpp -o build/canon_div_emu \
+ *     g++ -std=c++17 -O2 -ffp-contract=off dev/cuda/canon_div_emu.cpp -o build/canon_div_emu \
  *       && build/canon_div_emu [cases]
  */
 #include <cmath>

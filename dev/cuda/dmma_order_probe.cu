@@ -4,7 +4,7 @@
  * (lib/skv_factor_canon.h)? Chained k-steps of 4 from 0 against a thread's fma chain, on random tiles
  * with wide exponents, cancellation, subnormal products and signed zeros; prints the mismatches (and how many match other orders).
  *
- *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 tests/gpu/probes/dmma_order_probe.cu \
+ *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 dev/cuda/dmma_order_probe.cu \
  *     -o build/probe/dmma_order_probe && build/probe/dmma_order_probe [tiles]
  */
 #include <cuda_runtime.h>

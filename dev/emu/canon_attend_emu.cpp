@@ -1,4 +1,4 @@
-// Host emulation of the canonical attention kernels (cuda/skv_cuda_canon.cu) against skv_canonical_attend:
+// Host emulation of the canonical attention kernels (cuda/skv_cuda_canon_rebuild.cu, cuda/skv_cuda_canon_resident.cu, cuda/skv_cuda_canon_attend.cu) against skv_canonical_attend:
 // op level: canon_score_kernel (every span), canon_weights_kernel (max, skv_expf in place), canon_attend_kernel
 // (4 tokens of a lane per pass, the tree a warp per value); decode (span 2 the selected one): its scores as
 // canon_rebuild_tc_kernel's rb_score_row computes them (lane = token, heads lane/16 + 2i, 4 chains at a

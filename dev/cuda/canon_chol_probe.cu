@@ -9,7 +9,7 @@
  * shuffle, a shared load, and a 512-thread barrier.
  *
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
- *     tests/gpu/probes/canon_chol_probe.cu -o build/canon_chol_probe && build/canon_chol_probe
+ *     dev/cuda/canon_chol_probe.cu -o build/canon_chol_probe && build/canon_chol_probe
  */
 #include <cuda_runtime.h>
 #include <math.h>

@@ -12,7 +12,7 @@
  * after warm-up). Exit status 1 on any mismatch.
  *
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
- *     tests/gpu/probes/canon_gemm_probe.cu -o build/canon_gemm_probe && build/canon_gemm_probe [reps]
+ *     dev/cuda/canon_gemm_probe.cu -o build/canon_gemm_probe && build/canon_gemm_probe [reps]
  *
  * Default 100 timed launches per variant (a few seconds in all).
  */

@@ -3,9 +3,9 @@
  * (one shifted Cholesky of C = Y^T Y, p = 160, and the solve Y R^-1 for Y [1024, 160]).
  * Standalone, from the repository root (README.md in this directory):
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
- *     tests/gpu/probes/chol_probe.cu -lcublas -o build/chol_probe
+ *     dev/cuda/chol_probe.cu -lcublas -o build/chol_probe
  * It times the library's kernels (cuda/skv_cuda_chol.cuh), the library's Cholesky with parts
- * switched off (chol_skip.cuh, the probe's own copy), and superseded variants of the one-block
+ * switched off (the library's skv_cf_chol_body with SKIP set), and superseded variants of the one-block
  * right-looking tile Cholesky (tile shape, with or without the trailing update, the pivot's
  * reciprocal square root from libdevice or from a float seed plus Newton steps) and of the
  * warp-per-row solve, each with CUDA events over 200 back-to-back launches after warm-up
@@ -21,8 +21,19 @@
 #include <algorithm>
 #include <vector>
 
-#include "chol_skip.cuh" /* and skv_cuda_chol.cuh */
+#include "skv_cuda_chol.cuh"
 #include "probe_common.cuh"
+
+/* The library's Cholesky (skv_cf_chol_body of cuda/skv_cuda_chol.cuh, the body of skv_cf_chol) with
+   parts switched off, to time what is left: SKIP 1 skips the diagonal factorizations, 2 the trailing
+   updates, 3 both. */
+template <int SKIP>
+static __global__ void __launch_bounds__(SKV_CF_CHOL_THREADS, 1)
+    probe_chol_skip(double *__restrict__ c, int32_t p, int32_t d, int check, int scaled, const double *__restrict__ g,
+                    double *__restrict__ lt, int *__restrict__ info)
+{
+    skv_cf_chol_body<SKIP>(c, p, d, check, scaled, g, lt, info);
+}
 
 
 static const int P = 160, D = 1024;

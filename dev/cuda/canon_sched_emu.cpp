@@ -8,7 +8,7 @@
  * __fma_rn/__ddiv_rn/__dsqrt_rn are the IEEE operations the host's fma, / and sqrt are).
  * No GPU needed:
  *
- *     g++ -std=c++17 -O2 -ffp-contract=off -Iinclude -Ilib tests/gpu/probes/canon_sched_emu.cpp \
+ *     g++ -std=c++17 -O2 -ffp-contract=off -Iinclude -Ilib dev/cuda/canon_sched_emu.cpp \
  *       -o build/canon_sched_emu -lm && build/canon_sched_emu
  */
 #include <cmath>
@@ -22,7 +22,7 @@
 extern "C" {
 #include "skv_factor_canon.h"
 }
-#include "../../../cuda/skv_cuda_canon_mm.cuh" /* the configurations (host: the macros only) */
+#include "../../cuda/skv_cuda_canon_mm.cuh" /* the configurations (host: the macros only) */
 
 #define __fma_rn(a, b, c) fma((a), (b), (c))
 #define __ddiv_rn(a, b) ((a) / (b))
@@ -526,7 +526,7 @@ int main(int argc, char **argv)
             }
         };
         gx("library", emu_mm<SKV_CC_GX_CFG>);
-        /* the probe's other variants (tests/gpu/probes/canon_gemm_probe.cu) */
+        /* the probe's other variants (dev/cuda/canon_gemm_probe.cu) */
         gx("4x4 64x32", emu_mm<4, 4, 16, 8, 16, 4, 2>);
         gx("2x4 32x32", emu_mm<2, 4, 16, 8, 16, 4, 2>);
         gx("2x5 16x40", emu_mm<2, 5, 8, 8, 16, 4, 2>);

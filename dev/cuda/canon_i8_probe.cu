@@ -1,16 +1,17 @@
 /*
  * canon_i8_probe.cu - the canonical route's exact Gram S = X^T X at the benchmark shape, both
  * ways, on one GPU: the fixed-point doubles + cuBLAS DSYRK by token blocks (the route's first
- * implementation, SKV_CC_GRAM_DSYRK=1) and the int8 digits (cuda/skv_cuda_canon_i8.cuh, the
- * kernels the library launches), twice: one buffer of digit planes on one stream (skv_cc_gram's
- * earlier schedule, with the slice / GEMM / combine split of the time) and two buffers with the
- * slices on a second stream beside the previous block's GEMMs (skv_cc_gram's schedule now: the
- * same events, the same order). Checks both S bit for bit against DSYRK's (upper triangle),
+ * implementation, now the library's fallback skv_cc_gram_f64) and the int8 digits
+ * (cuda/skv_cuda_canon_i8.cuh, the kernels the library launches), twice: one buffer of digit
+ * planes on one stream (with the slice / GEMM / combine split of the time; the library's
+ * skv_cc_gram keeps one buffer) and two buffers with the slices on a second stream beside the
+ * previous block's GEMMs (the double-buffered variant it was measured against: the same events,
+ * the same order). Checks both S bit for bit against DSYRK's (upper triangle),
  * reports the largest int32 product entry (how close the sums came to 2^31) and the times
  * (cudaEvent, median of the reps).
  *
  *   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Iinclude -Ilib -Icuda \
- *     tests/gpu/probes/canon_i8_probe.cu -lcublas -o build/canon_i8_probe && build/canon_i8_probe [n] [d] [reps]
+ *     dev/cuda/canon_i8_probe.cu -lcublas -o build/canon_i8_probe && build/canon_i8_probe [n] [d] [reps]
  *
  * Default n = 65536, d = 1024, 5 reps; the scratch is 128 MiB (the factor's at n_max = 64k,
  * d = 1024), the DSYRK blocks 7084 rows (its canon_rows at r = 160).

@@ -1,4 +1,4 @@
-// What the cuda canonical-kernel emulators share: rb_score_row of cuda/skv_cuda_canon.cu on the host.
+// What the cuda canonical-kernel emulators share: rb_score_row of cuda/skv_cuda_canon_rebuild.cu on the host.
 #ifndef SKV_EMU_COMMON_H
 #define SKV_EMU_COMMON_H
 

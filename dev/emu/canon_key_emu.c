@@ -1,6 +1,6 @@
-/* canon_key_emu.c - rb_key_sums (cuda/skv_cuda_canon.cu) against the double of P = 2^14 c1 + 2^7 c2 + c3
+/* canon_key_emu.c - rb_key_sums (cuda/skv_cuda_canon_rebuild.cu) against the double of P = 2^14 c1 + 2^7 c2 + c3
  * on the host: the same words built from T = 2^7 c1 + c2 + (c3 >> 7), compared bit for bit with (double) P
- * on random and extreme sums. cc -std=c99 -O2 tests/emu/canon_key_emu.c -o build/canon_key_emu && build/canon_key_emu */
+ * on random and extreme sums. cc -std=c99 -O2 dev/emu/canon_key_emu.c -o build/canon_key_emu && build/canon_key_emu */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>

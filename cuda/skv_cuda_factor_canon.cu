@@ -1,8 +1,9 @@
 /*
- * skv_cuda_canon.cuh - the canonical factorization (route SKV_FACTORIZE_CANONICAL,
- * lib/skv_factor_canon.h, docs/DESIGN.md 10.1) on the cuda backend, bit for bit
- * ref's. Included by skv_cuda_factor.cu (it uses the factor's workspace and
- * its check macros). No host synchronization, no allocation. Everything runs
+ * skv_cuda_factor_canon.cu - the canonical factorization (route SKV_FACTORIZE_CANONICAL,
+ * lib/skv_factor_canon.h, docs/DESIGN.md 10.1; the reproducible mode's prefill and the op-level
+ * factorize slot with that route, through skv_cuda_factorize) on the cuda backend, bit for bit
+ * ref's: skv_cf_canonical, and skv_cf_canonical_smem (its kernels' shared memory, at create).
+ * It uses the factor's workspace and check macros (skv_cuda_factor.cuh). No host synchronization, no allocation. Everything runs
  * on the factor's stream f->st except the memory-bound writers of the token
  * blocks (the int8 digit planes of step 2, the fixed-point rows of step 4),
  * which run on the factor's second stream f->cc_side into two buffers while
@@ -15,10 +16,10 @@
  *   1. column scales: atomicMax of the bf16 magnitude bits per column (any order),
  *      e_i on the device;
  *   2. the exact S = X^T X on int8 tensor cores (skv_cuda_canon_i8.h: X split into
- *      s <= 4 signed 7-bit digits per token block, on the second stream into one of
- *      two plane buffers; s int8 GEMMs into int32 products, a combine kernel per
- *      chunk into S in double, both on f->st in block order, all exact); with
- *      SKV_CC_GRAM_DSYRK=1 (or where the int8 plan does not fit the scratch) per
+ *      s <= 4 signed 7-bit digits per token block, on the second stream into the
+ *      plane buffer; s int8 GEMMs into int32 products, a combine kernel per
+ *      chunk into S in double, both on f->st in block order, all exact); where the
+ *      int8 plan does not fit the scratch, or cuBLAS refuses the int8 GEMM, per
  *      token block (f->canon_rows rows) the fixed-point block in double
  *      (skv_canon_fix), then cuBLAS DSYRK accumulating S (beta = 1: exact, every
  *      partial sum an integer below 2^53), all on f->st, one buffer;
@@ -26,7 +27,7 @@
  *   3. the subspace iteration with the project's own fixed-order kernels: G X and
  *      Y^T Y (its lower triangle) on the fp64 tensor cores where K % 4 == 0
  *      (skv_cc_mm_tc: mma.sync m8n8k4 k-steps in order, each output the fma chain in
- *      order of k, tests/gpu/probes/dmma_order_probe.cu), else by a register-tiled
+ *      order of k, dev/cuda/dmma_order_probe.cu), else by a register-tiled
  *      fp64 SIMT GEMM with a cp.async stage ring and register prefetch (skv_cc_mm;
  *      both in skv_cuda_canon_mm.cuh; G X reads G's rows as its columns, G being
  *      symmetric bit for bit), the equilibration, trace, shift, floor and
@@ -43,9 +44,7 @@
  * The default cuBLAS math mode is kept (no fp64 emulation), so DSYRK/DGEMM are
  * IEEE fp64 (fma) products: exact here.
  */
-#ifndef SKV_CUDA_CANON_CUH
-#define SKV_CUDA_CANON_CUH
-
+#include "skv_cuda_factor.cuh"
 #include "skv_factor_canon.h"
 #include "skv_cuda_canon_i8.cuh"
 #include "skv_cuda_canon_chol.cuh"
@@ -114,15 +113,15 @@ static __global__ void skv_cc_scales(const unsigned *__restrict__ colmax, int32_
 }
 
 /* blk [rows, d] = the fixed-point rows of a. (An 8-columns-a-thread variant measured slower on the
-   H200: 47.8 against 27.3 us for 7084 x 1024, tests/gpu/probes/canon_gemm_probe.cu.) */
+   H200: 47.8 against 27.3 us for 7084 x 1024, dev/cuda/canon_gemm_probe.cu.) */
 static void skv_cc_fix_launch(const skv_bf16 *a, int64_t rows, int32_t d, const int32_t *e, int32_t F, double *blk,
                               cudaStream_t st)
 {
     skv_cc_fix<<<skv_cf_blocks(rows * d), SKV_CF_THREADS, 0, st>>>(a, rows, d, e, F, blk);
 }
 
-/* Step 2 by fixed-point doubles and cuBLAS DSYRK (DGEMM with SKV_CC_GRAM_GEMM), token blocks of
-   f->canon_rows rows in blk: S's upper triangle into g (column major). */
+/* Step 2 by fixed-point doubles and cuBLAS DSYRK (where the int8 Gram does not fit or is refused), token
+   blocks of f->canon_rows rows in blk: S's upper triangle into g (column major). */
 static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
                                   char *msg, size_t cap)
 {
@@ -132,15 +131,9 @@ static skv_status skv_cc_gram_f64(skv_cuda_factor *f, int64_t n, const skv_bf16 
         int64_t rows = n - t0 < f->canon_rows ? n - t0 : f->canon_rows;
         skv_cc_fix_launch(a + (size_t)t0 * d, rows, d, f->cc_e, F, blk, f->st);
         SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical fixed-point kernel");
-#if SKV_CC_GRAM_GEMM /* the full S by DGEMM: twice the flops, cuBLAS's fastest fp64 kernel */
-        SKV_CF_CHECK_BLAS(cublasDgemm(f->blas, CUBLAS_OP_N, CUBLAS_OP_T, d, d, (int)rows, &one, blk, d, blk, d,
-                                      t0 ? &one : &zero, g, d),
-                          "cublasDgemm (canonical exact Gram)");
-#else
         SKV_CF_CHECK_BLAS(cublasDsyrk(f->blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, d, (int)rows, &one, blk, d,
                                       t0 ? &one : &zero, g, d),
                           "cublasDsyrk (canonical exact Gram)");
-#endif
     }
     return SKV_OK;
 }
@@ -194,7 +187,6 @@ static skv_status skv_cc_blk_free(skv_cuda_factor *f, int64_t j, char *msg, size
     return SKV_OK;
 }
 
-#if !SKV_CC_GRAM_DSYRK
 /* Block j of the int8 Gram's digit planes (rows [j p.rows, + p.rows) of a), on the side stream
    into buffer j mod p.nbuf, between skv_cc_blk_before and skv_cc_blk_ready. */
 static skv_status skv_cc_slice_blk(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, const skv_cc_i8_plan *p,
@@ -210,36 +202,25 @@ static skv_status skv_cc_slice_blk(skv_cuda_factor *f, int64_t n, const skv_bf16
     SKV_CF_CHECK_CUDA(cudaGetLastError(), "canonical int8 digit kernel");
     return skv_cc_blk_ready(f, j, msg, cap);
 }
-#endif
 
 /* Step 2: S's upper triangle into g (column major, g[i + j d], i <= j), exact. By int8 tensor
    cores (skv_cuda_canon_i8.h) where the plan fits the scratch (always at d <= 1024 or so, see
-   SKV_CC_I8_GROW_CAP) and SKV_CC_GRAM_DSYRK is 0, else by skv_cc_gram_f64. Per token block of
+   SKV_CC_I8_GROW_CAP) and cuBLAS runs the int8 GEMM, else by skv_cc_gram_f64. Per token block of
    p.rows rows: the digit planes (one kernel, on the side stream), s int8 GEMMs [X_0 .. X_b]^T X_b
    into the int32 products (on f->st, beta = 1 within a chunk of p.chunk_rows rows); per chunk: the
-   combine into g (f->st, in block order). The schedule takes SKV_CC_GRAM_NBUF buffers of planes
-   where they fit (blocks of 1 / nbuf of the rows one buffer would hold): with two, the planes of
-   block j + 1 are written while block j's GEMMs run and those of block j + 2 wait for block j's
-   GEMMs (skv_cc_blk_*). One is the default: at n = 64k on the H200 (canon_i8_probe) two buffers
-   took 1.005 ms against 0.941 ms for one (the GEMMs on half the rows lose more than the overlap
-   gains). Starts with a
-   fork (the side stream after the scales e); returns with f->st after every slice (each is waited
-   on before its GEMMs). */
-#ifndef SKV_CC_GRAM_NBUF
-#define SKV_CC_GRAM_NBUF 1
-#endif
+   combine into g (f->st, in block order). One buffer of planes, so the planes of block j + 1 wait
+   for block j's GEMMs (skv_cc_blk_*): at n = 64k on the H200 (dev/cuda/canon_i8_probe.cu) two
+   buffers of half the rows, the planes of block j + 1 written while block j's GEMMs ran, took
+   1.005 ms against 0.941 ms for one (the GEMMs on half the rows lose more than the overlap
+   gains). Starts with a fork (the side stream after the scales e); returns with f->st after every
+   slice (each is waited on before its GEMMs). */
 static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, int32_t F, double *g, double *blk,
                               char *msg, size_t cap)
 {
-#if SKV_CC_GRAM_DSYRK
-    return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
-#else
     const int32_t d = f->d;
     const int sl = skv_cc_i8_slices(F);
     skv_cc_i8_plan p;
-    if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, SKV_CC_GRAM_NBUF, &p) &&
-        (SKV_CC_GRAM_NBUF == 1 || !skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p)))
-        return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
+    if (!skv_cc_i8_plan_bufs(d, sl, n, f->scratch_bytes, 1, &p)) return skv_cc_gram_f64(f, n, a, F, g, blk, msg, cap);
     int32_t *acc = (int32_t *)f->scratch;
     int8_t *planes = (int8_t *)f->scratch + p.planes_off;
     const int32_t one = 1, zero = 0;
@@ -278,7 +259,6 @@ static skv_status skv_cc_gram(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, 
         if (j + p.nbuf < nb && (s = skv_cc_slice_blk(f, n, a, F, &p, planes, j + p.nbuf, msg, cap)) != SKV_OK) return s;
     }
     return SKV_OK;
-#endif
 }
 
 /* g [d, d]: the cuBLAS upper triangle (column major: row i <= column j at g[i + j d]) of S, into G,
@@ -305,16 +285,7 @@ static __global__ void skv_cc_start(double *__restrict__ x, int32_t d, int32_t r
 
 /* ---- step 3 ----------------------------------------------------------------------------- */
 
-/* 1: the exact Gram by DGEMM (the full S) instead of DSYRK (its upper triangle); both exact,
-   the same bits: a build-time choice for timing only. */
-#ifndef SKV_CC_GRAM_GEMM
-#define SKV_CC_GRAM_GEMM 0
-#endif
-
 #define SKV_CC_CHOL_THREADS 1024
-/* The Cholesky keeps the packed lower triangle in shared memory up to this rank (~103 KiB at
-   160), in global memory (l itself) above. */
-#define SKV_CC_CHOL_SMEM_R 160
 
 static size_t skv_cc_chol_smem(int32_t p)
 {
@@ -622,7 +593,7 @@ static skv_status skv_cf_canonical_steps(skv_cuda_factor *f, int64_t n, const sk
    at entry and exit: the side stream's work waits on f->st (skv_cc_fork) and f->st, at the end,
    on all of it (skv_cc_join, also after an error, so that no kernel of this call still runs on
    the side stream once f->st has caught up). */
-static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
+skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16 *a, float *u, float *w, char *msg,
                                    size_t cap)
 {
     skv_status s = skv_cf_canonical_steps(f, n, a, u, w, msg, cap);
@@ -630,4 +601,20 @@ static skv_status skv_cf_canonical(skv_cuda_factor *f, int64_t n, const skv_bf16
     return s != SKV_OK ? s : j;
 }
 
-#endif
+skv_status skv_cf_canonical_smem(int32_t r, char *msg, size_t cap)
+{
+    skv_status s;
+    cudaError_t e = cudaFuncSetAttribute(skv_cc_chol, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)skv_cc_chol_smem(r < SKV_CC_CHOL_SMEM_R ? r : SKV_CC_CHOL_SMEM_R));
+    if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical Cholesky shared memory)", msg, cap)) != SKV_OK) return s;
+    /* the fast solve keeps L's packed lower triangle in shared memory (~101 KiB at r = 160); the
+       limit is per function, shared by every factor: its largest size whatever this r */
+    int fs = (int)skv_cc_fsolve_smem(32 * SKV_CC_FSOLVE_MAXQ);
+    e = cudaFuncSetAttribute(skv_cc_fsolve<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(skv_cc_fsolve<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, fs);
+    if ((s = skv_cf_cuda(e, "cudaFuncSetAttribute (canonical solve shared memory)", msg, cap)) != SKV_OK) return s;
+    return SKV_OK;
+}
