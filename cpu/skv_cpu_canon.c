@@ -17,7 +17,7 @@
 #include <cblas.h>
 #include <omp.h>
 
-#include "skv_cpu.h"
+#include "skv_cpu_ops.h"
 #include "skv_factor_canon.h"
 
 #if SKV_CPU_X86

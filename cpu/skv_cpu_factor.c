@@ -11,7 +11,8 @@
 #include <lapacke.h>
 #include <omp.h>
 
-#include "skv_cpu.h"
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 
 /* bf16 rows [rows, d] -> double (BLAS paths; serial: they run between BLAS calls). */
 static void skv_cpu_rows_f64(const skv_bf16 *a, int64_t rows, int32_t d, double *out)

@@ -7,6 +7,7 @@
  * Every output element is one fma chain over k in order.
  */
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 

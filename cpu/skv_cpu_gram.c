@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 /*

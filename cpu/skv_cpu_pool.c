@@ -26,7 +26,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "skv_cpu.h"
+#include "skv_cpu_base.h"
 
 #define SKV_CPU_POOL_MAX 256 /* helpers of one thread */
 #define SKV_CPU_SPIN 4000    /* polls of a helper between jobs (about 0.1-0.3 ms) before it sleeps */

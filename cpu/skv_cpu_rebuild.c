@@ -7,6 +7,8 @@
 
 #include <cblas.h>
 
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #if SKV_CPU_X86

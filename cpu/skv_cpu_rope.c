@@ -2,6 +2,7 @@
  * RoPE of bf16 rows: the rope slot, and the row function rebuild_keys uses.
  */
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 SKV_CPU_AVX2 static void skv_cpu_to_f32_avx2(const skv_bf16 *in, float *out, int64_t n)
