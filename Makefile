@@ -172,6 +172,10 @@ $(BUILD)/demo: examples/demo.c $(SYNTH_OBJ) examples/synth.h include/shadowkv.h 
 $(BUILD)/decode_loop: examples/decode_loop.c include/shadowkv.h $(STATIC) $(PLUGINS)
 	$(CC) $(EXCFLAGS) $< $(STATIC) $(PROG_LIBS) -o $@
 
+# the cpu prefill beside a private copy of the OpenMP runtime (bench/busy_prefill.sh runs it)
+$(BUILD)/beside_omp: bench/tools/beside_omp.c include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) -D_GNU_SOURCE $< $(STATIC) $(PROG_LIBS) -o $@
+
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
