@@ -40,7 +40,7 @@ if [ -x "$beside" ]; then
   set -- "${shape[@]}"
   while [ $# -gt 0 ]; do
     case "$1" in
-      --layers|--hq|--hk|--dim|--ctx|--rank) b+=("$1" "$2"); shift 2 ;;
+      --layers|--hq|--hk|--dim|--ctx|--rank|--budget) b+=("$1" "$2"); shift 2 ;;
       *) shift ;;
     esac
   done

@@ -82,7 +82,7 @@ SKV_CPU_AVX2 static void skv_cpu_gram_strip(int32_t d, int32_t js, int64_t kc, c
  * a tile's rows adjacent in memory) and is added into g at the end. Packing is
  * double-buffered: the items of block b are its strips (longest first) plus
  * slices packing block b+1 for threads that finish early, so there is one
- * barrier per block.
+ * job (skv_cpu_run) per block.
  */
 /* One job's state of skv_cpu_gram or skv_cpu_fgram (the block in progress; items by job). */
 typedef struct {

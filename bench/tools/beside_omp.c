@@ -5,7 +5,7 @@
  * parallel op between the library's calls).
  *
  *   make build/beside_omp
- *   build/beside_omp [--layers 30] [--hq 9] [--hk 3] [--dim 64] [--ctx 8192] [--rank 160]
+ *   build/beside_omp [--layers 30] [--hq 9] [--hk 3] [--dim 64] [--ctx 8192] [--rank 160] [--budget 2048]
  *                    [--rounds 3] [--op-ms 5] [--runtime PATH]
  *
  * The other runtime is a private copy of libgomp (PATH, default the
@@ -90,7 +90,7 @@ static int cmp_d(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    int layers = 30, hq = 9, hk = 3, dim = 64, rank = 160, rounds = 3;
+    int layers = 30, hq = 9, hk = 3, dim = 64, rank = 160, budget = 2048, rounds = 3;
     long ctx = 8192;
     double op_ms = 5.0;
     const char *runtime = NULL;
@@ -98,7 +98,7 @@ int main(int argc, char **argv)
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             puts("usage: beside_omp [--layers 30] [--hq 9] [--hk 3] [--dim 64] [--ctx 8192] [--rank 160] "
-                 "[--rounds 3] [--op-ms 5] [--runtime PATH]");
+                 "[--budget 2048] [--rounds 3] [--op-ms 5] [--runtime PATH]");
             return 0;
         }
         if (!v) {
@@ -112,6 +112,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--dim")) dim = atoi(v);
         else if (!strcmp(a, "--rank")) rank = atoi(v);
         else if (!strcmp(a, "--ctx")) ctx = atol(v);
+        else if (!strcmp(a, "--budget")) budget = atoi(v);
         else if (!strcmp(a, "--rounds")) rounds = atoi(v);
         else if (!strcmp(a, "--op-ms")) op_ms = atof(v);
         else if (!strcmp(a, "--runtime")) runtime = v;
@@ -137,6 +138,7 @@ int main(int argc, char **argv)
     skv_config cfg = skv_config_default();
     cfg.backend = SKV_BACKEND_CPU;
     cfg.n_layers = layers, cfg.n_q_heads = hq, cfg.n_kv_heads = hk, cfg.head_dim = dim, cfg.rank = rank;
+    cfg.budget = budget;
     cfg.batch_size = 1, cfg.max_prompt_len = ctx;
     skv_cache *cache = NULL;
     skv_status st;
