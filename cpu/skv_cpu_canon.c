@@ -208,11 +208,12 @@ typedef struct {
     int32_t d, r, F, Gb, nc; /* nc: column tiles of the Gram */
     const int32_t *e, *f;
     uint16_t *mxt; /* [threads][d] */
-    double *g, *blk, *y, *tb; /* tb: [threads][SKV_CC_ROWS][r] */
+    double *g, *blk, *y, *tb; /* tb: [threads][SKV_CC_UROWS][r] */
     float *u;
 } skv_cc_tok;
 
-#define SKV_CC_ROWS 256 /* rows per work item of the jobs over tokens */
+#define SKV_CC_ROWS 256 /* rows per work item of the jobs over tokens (steps 1 and 2) */
+#define SKV_CC_UROWS 64 /* rows per work item of U = X Y (step 4: per-thread buffers of this many rows) */
 #define SKV_CC_TILE 64  /* columns of a Gram tile */
 
 /* At most nt threads, no more than items (at least 1). */
@@ -270,9 +271,9 @@ static void skv_cc_tile_item(void *ctx, int64_t it, int t)
 static void skv_cc_u_item(void *ctx, int64_t it, int t)
 {
     const skv_cc_tok *c = ctx;
-    int64_t t0 = it * SKV_CC_ROWS, rows = c->n - t0 < SKV_CC_ROWS ? c->n - t0 : SKV_CC_ROWS;
+    int64_t t0 = it * SKV_CC_UROWS, rows = c->n - t0 < SKV_CC_UROWS ? c->n - t0 : SKV_CC_UROWS;
     int32_t d = c->d, r = c->r;
-    double *blk = c->blk + (size_t)t * SKV_CC_ROWS * d, *tb = c->tb + (size_t)t * SKV_CC_ROWS * r;
+    double *blk = c->blk + (size_t)t * SKV_CC_UROWS * d, *tb = c->tb + (size_t)t * SKV_CC_UROWS * r;
     skv_cc_fix_rows(c->a, t0, rows, d, c->e, c->F, blk);
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, r, d, 1.0, blk, d, c->y, r, 0.0, tb, r);
     for (int64_t k = 0; k < rows; k++)
@@ -289,13 +290,15 @@ skv_status skv_cpu_factorize_canonical(int64_t n, int32_t d, int32_t r, const sk
     int nt = skv_cc_team(skv_cpu_threads(), nrows);
     if (nb < 64) nb = 64;
     if (nb > n) nb = n;
-    size_t blk_rows = (size_t)nb > (size_t)nt * SKV_CC_ROWS ? (size_t)nb : (size_t)nt * SKV_CC_ROWS; /* step 4's too */
+    int64_t nurows = (n + SKV_CC_UROWS - 1) / SKV_CC_UROWS;
+    int ntu = skv_cc_team(skv_cpu_threads(), nurows); /* step 4's threads */
+    size_t blk_rows = (size_t)nb > (size_t)ntu * SKV_CC_UROWS ? (size_t)nb : (size_t)ntu * SKV_CC_UROWS; /* step 4's too */
     int32_t *e = malloc((size_t)d * sizeof *e), *f = malloc((size_t)r * sizeof *f);
     uint16_t *mxt = calloc((size_t)nt * d, sizeof *mxt);
     double *g = calloc((size_t)d * d, sizeof *g), *blk = malloc(blk_rows * d * sizeof *blk);
     double *q = malloc((size_t)d * r * sizeof *q), *y = malloc((size_t)d * r * sizeof *y);
     double *ws = malloc(((size_t)2 * r * r + r) * sizeof *ws);
-    double *tb = malloc((size_t)nt * SKV_CC_ROWS * r * sizeof *tb);
+    double *tb = malloc((size_t)ntu * SKV_CC_UROWS * r * sizeof *tb);
     double *buf = skv_cpu_alloc((size_t)skv_cpu_threads() * 8 * r * sizeof *buf); /* the solve's */
     skv_cc_tok c = {a, n, 0, 0, d, r, F, Gb, (d + SKV_CC_TILE - 1) / SKV_CC_TILE, e, f, mxt, g, blk, y, tb, u};
     skv_status st = SKV_OK;
@@ -334,7 +337,7 @@ skv_status skv_cpu_factorize_canonical(int64_t n, int32_t d, int32_t r, const sk
     for (int32_t j = 0; j < r; j++)
         for (int32_t i = 0; i < d; i++) w[(size_t)j * d + i] = (float)q[(size_t)i * r + j];
     skv_canon_ref_qfix(d, r, q, e, F, Gb, y, f);
-    skv_cpu_run(nt, nrows, skv_cc_u_item, &c);
+    skv_cpu_run(ntu, nurows, skv_cc_u_item, &c);
 done:
     free(e);
     free(f);
