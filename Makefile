@@ -180,6 +180,10 @@ $(BUILD)/demo: examples/demo.c $(SYNTH_OBJ) examples/synth.h include/shadowkv.h 
 $(BUILD)/decode_loop: examples/decode_loop.c include/shadowkv.h $(STATIC) $(PLUGINS)
 	$(CC) $(EXCFLAGS) $< $(STATIC) $(PROG_LIBS) -o $@
 
+# the cpu prefill beside a private copy of the OpenMP runtime (bench/busy_prefill.sh runs it)
+$(BUILD)/beside_omp: bench/tools/beside_omp.c include/shadowkv.h $(STATIC) $(PLUGINS)
+	$(CC) $(EXCFLAGS) -D_GNU_SOURCE $< $(STATIC) $(PROG_LIBS) -o $@
+
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@
@@ -194,15 +198,21 @@ demo: $(BUILD)/demo
 # themselves (build/decode_loop: exit status), the binaries that run the cpu
 # backend once more with SKV_CPU_SIMD=0 (its portable code: a CPU without
 # AVX2+FMA, or another architecture), the Python tests (make pycheck;
-# SKV_PYCHECK=0 leaves them out), then the install + pkg-config link check;
-# ends with the summed "N passed, N failed, N skipped".
+# SKV_PYCHECK=0 leaves them out), the signposts (make docs-check), then the install +
+# pkg-config link check; ends with the summed "N passed, N failed, N skipped".
 CPU_PORTABLE_BIN := $(filter-out %/test_numerics %/test_cuda,$(TEST_BIN))
 SKV_PYCHECK ?= 1
 PYCHECK := $(filter 1,$(SKV_PYCHECK))
 check: $(TEST_BIN) $(BUILD)/demo $(BUILD)/decode_loop $(BUILD)/skv-bench $(FUZZ_REPLAY_BIN) \
        $(if $(PYCHECK),$(SHARED) $(PLUGINS))
 	@FUZZ_REPLAY="$(FUZZ_REPLAY_BIN)" EXAMPLES="$(BUILD)/decode_loop" CPU_PORTABLE="$(CPU_PORTABLE_BIN)" \
-	  MAKE_ENTRIES="$(if $(PYCHECK),pycheck)" bash tests/run_all.sh $(TEST_BIN)
+	  MAKE_ENTRIES="docs-check $(if $(PYCHECK),pycheck)" bash tests/run_all.sh $(TEST_BIN)
+
+# the documents' paths, docs/DESIGN.md 9.9's op-by-backend table, the file maps of cuda/ and
+# cpu/, and no library file over 1000 lines (tests/check_docs.py)
+.PHONY: docs-check
+docs-check:
+	@python3 tests/check_docs.py
 
 # ---- Python package tests (python/tests, pytest) on ref and cpu -----------------------------
 # They run in a virtual environment at $(VENV), created when missing and reused afterwards:

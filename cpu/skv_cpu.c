@@ -1,73 +1,44 @@
 /*
  * cpu backend: the dispatch table, and the slots that only move or check
- * memory (check_finite, gather_values). See skv_cpu.h.
+ * memory (check_finite, gather_values). The top layer (skv_cpu_ops.h has the
+ * map of the layers).
  */
-#include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
-
-#include "skv_cpu.h"
-#include "skv_internal.h"
-
-/* ---- instruction set and threads ---------------------------------------------------------- */
-
-static int skv_cpu_simd_hw;   /* what the CPU has */
-static int skv_cpu_simd_env;  /* the cap SKV_CPU_SIMD sets (used while no explicit choice is made) */
-static int skv_cpu_simd_set = -1; /* skv_cpu_set_simd's cap; -1: none (atomic accesses) */
-static pthread_once_t skv_cpu_simd_once = PTHREAD_ONCE_INIT;
-
-static void skv_cpu_simd_init(void)
-{
-    const char *e = getenv("SKV_CPU_SIMD");
-    skv_cpu_simd_env = e && !strcmp(e, "0") ? 0 : e && !strcmp(e, "avx2") ? SKV_CPU_LEVEL_AVX2 : SKV_CPU_LEVEL_AVX512;
-#if SKV_CPU_X86
-    __builtin_cpu_init();
-    skv_cpu_simd_hw = !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ? 0
-                      : __builtin_cpu_supports("avx512f")                                 ? SKV_CPU_LEVEL_AVX512
-                                                                                          : SKV_CPU_LEVEL_AVX2;
-#endif
-}
-
-int skv_cpu_simd(void)
-{
-    pthread_once(&skv_cpu_simd_once, skv_cpu_simd_init);
-    int set = __atomic_load_n(&skv_cpu_simd_set, __ATOMIC_RELAXED);
-    int cap = set >= 0 ? set : skv_cpu_simd_env; /* an explicit choice wins over the environment */
-    return skv_cpu_simd_hw < cap ? skv_cpu_simd_hw : cap;
-}
-
-SKV_API skv_status skv_cpu_set_simd(int32_t level)
-{
-    if (level < -1 || level > SKV_CPU_LEVEL_AVX512)
-        return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT,
-                        "skv_cpu_set_simd: level = %d: expected -1 (default), 0, 1 (AVX2+FMA) or 2 (AVX-512)",
-                        (int)level);
-    __atomic_store_n(&skv_cpu_simd_set, level, __ATOMIC_RELAXED);
-    return SKV_OK;
-}
-
-SKV_API int32_t skv_cpu_simd_level(void) { return skv_cpu_simd(); }
-
-/* config.n_threads of the cache call in progress on this thread; 0 outside one. */
-static __thread int32_t skv_cpu_call_threads;
-
-/* lib/ calls this with config.n_threads when a prefill or decode starts on this thread and with 0
-   when it ends: the count goes to num_threads clauses and the decode helpers (skv_cpu_run); the
-   caller's OpenMP state is never touched. */
-static void skv_cpu_set_threads(int32_t n) { skv_cpu_call_threads = n > 0 ? n : 0; }
-
-int skv_cpu_threads(void) { return skv_cpu_call_threads > 0 ? skv_cpu_call_threads : omp_get_max_threads(); }
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 
 /* ---- check_finite, gather_values ------------------------------------------------------- */
 
-/* First non-finite index of a contiguous tensor; blocks in parallel, min of the first hits. */
+/* First non-finite index of a contiguous tensor; blocks in parallel (one job), min of the first hits. */
+typedef struct {
+    const skv_bf16 *x;
+    int64_t n;
+    int64_t first; /* atomic: the least first hit so far, n if none */
+} skv_cpu_check;
+
+#define SKV_CPU_CHECK_B ((int64_t)1 << 16) /* values per work item */
+
+static void skv_cpu_check_item(void *ctx, int64_t b, int t)
+{
+    skv_cpu_check *c = ctx;
+    (void)t;
+    int64_t lo = b * SKV_CPU_CHECK_B, hi = lo + SKV_CPU_CHECK_B < c->n ? lo + SKV_CPU_CHECK_B : c->n;
+    unsigned bad = 0;
+    for (int64_t i = lo; i < hi; i++) bad |= (c->x[i] & 0x7f80u) == 0x7f80u; /* vectorizes */
+    if (!bad) return;
+    for (int64_t i = lo; i < hi; i++)
+        if (!skv_bf16_isfinite(c->x[i])) {
+            int64_t cur = __atomic_load_n(&c->first, __ATOMIC_RELAXED);
+            while (i < cur && !__atomic_compare_exchange_n(&c->first, &cur, i, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            }
+            return;
+        }
+}
+
 static skv_status skv_cpu_check_contiguous(const skv_bf16 *x, int64_t n, int64_t *first_bad)
 {
-    const int64_t B = 1 << 16;
-    int64_t nb = (n + B - 1) / B, first = n;
-    if (n <= 4 * B) { /* lib/ also checks single rows: no OpenMP overhead for those */
+    if (n <= 4 * SKV_CPU_CHECK_B) { /* lib/ also checks single rows: no job for those */
         for (int64_t i = 0; i < n; i++)
             if (!skv_bf16_isfinite(x[i])) {
                 *first_bad = i;
@@ -75,20 +46,11 @@ static skv_status skv_cpu_check_contiguous(const skv_bf16 *x, int64_t n, int64_t
             }
         return SKV_OK;
     }
-#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) reduction(min : first)
-    for (int64_t b = 0; b < nb; b++) {
-        int64_t lo = b * B, hi = lo + B < n ? lo + B : n;
-        unsigned bad = 0;
-        for (int64_t i = lo; i < hi; i++) bad |= (x[i] & 0x7f80u) == 0x7f80u; /* vectorizes */
-        if (!bad) continue;
-        for (int64_t i = lo; i < hi; i++)
-            if (!skv_bf16_isfinite(x[i])) {
-                if (i < first) first = i;
-                break;
-            }
-    }
-    if (first == n) return SKV_OK;
-    *first_bad = first;
+    skv_cpu_check c = {x, n, n};
+    int64_t nb = (n + SKV_CPU_CHECK_B - 1) / SKV_CPU_CHECK_B;
+    skv_cpu_run(skv_cpu_team(nb), nb, skv_cpu_check_item, &c);
+    if (c.first == n) return SKV_OK;
+    *first_bad = c.first;
     return SKV_ERR_NONFINITE;
 }
 
@@ -145,7 +107,7 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
  */
 static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
 {
-    int nt = cfg->n_threads > 0 ? cfg->n_threads : omp_get_max_threads();
+    int nt = cfg->n_threads > 0 ? cfg->n_threads : skv_cpu_threads(); /* at create: no call in progress */
     size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, nt);
     size_t att = skv_cpu_attn_ws_bytes(cfg, max_attn_tokens, nt);
     size_t m = sel > reb ? sel : reb;
@@ -177,8 +139,3 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops)
     ops->full_attention = skv_cpu_full_attention;
 }
 
-void *skv_cpu_alloc(size_t bytes)
-{
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
-}

@@ -4,6 +4,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 /*

@@ -25,6 +25,8 @@
  */
 #include <string.h>
 
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #define SKV_CPU_CRB 16 /* rebuild: token rows per work item */

@@ -2,16 +2,16 @@
  * factorize: the route of lib/skv_factor.h, the canonical route
  * (skv_cpu_canon.c), and the EXACT route (double Gram,
  * LAPACK dsyevr, U = A V_r in double). OpenBLAS and LAPACK run from the
- * calling thread, never inside an OpenMP region (a pthreads OpenBLAS would
- * nest its own pool under ours), with OpenBLAS's own thread count.
+ * calling thread, on it alone (skv_cpu_blas_begin): the team's parallel loops
+ * run between those calls, and no thread waits for work by polling meanwhile.
  */
 #include <stdlib.h>
 
 #include <cblas.h>
 #include <lapacke.h>
-#include <omp.h>
 
-#include "skv_cpu.h"
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 
 /* bf16 rows [rows, d] -> double (BLAS paths; serial: they run between BLAS calls). */
 static void skv_cpu_rows_f64(const skv_bf16 *a, int64_t rows, int32_t d, double *out)
@@ -95,12 +95,33 @@ SKV_CPU_AVX2 static void skv_cpu_project_rows(int64_t n, int32_t d, int32_t r, c
     }
 }
 
+typedef struct {
+    int64_t n;
+    int32_t d, r;
+    const skv_bf16 *a;
+    const double *vb;
+    double *ap; /* [threads][d][6] */
+    float *u;
+} skv_cpu_proj;
+
+#define SKV_CPU_PROJ_ROWS 48 /* rows of u per work item, 8 slivers of 6 */
+
+SKV_CPU_AVX2 static void skv_cpu_proj_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_proj *p = ctx;
+    double *apt = p->ap + (size_t)t * 6 * p->d;
+    for (int64_t t0 = it * SKV_CPU_PROJ_ROWS; t0 < (it + 1) * SKV_CPU_PROJ_ROWS && t0 < p->n; t0 += 6)
+        skv_cpu_project_rows(p->n, p->d, p->r, p->a, p->vb, t0, apt, p->u);
+}
+
 /* g = A^T A (upper) by skv_cpu_gram, v its top eigenvectors, u = A v by the 6x8 kernel; A is streamed,
    so memory stays O(d^2 + block), not O(n d) doubles. */
 static skv_status skv_cpu_exact_simd(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u, double *g,
                                      double *v)
 {
-    int32_t nr = (r + 7) / 8, nt = skv_cpu_threads();
+    int32_t nr = (r + 7) / 8;
+    int64_t items = (n + SKV_CPU_PROJ_ROWS - 1) / SKV_CPU_PROJ_ROWS;
+    int nt = skv_cpu_team(items);
     double *vb = skv_cpu_alloc((size_t)nr * 8 * d * sizeof *vb);
     double *ap = skv_cpu_alloc((size_t)nt * 6 * d * sizeof *ap);
     skv_status st = vb && ap ? SKV_OK : SKV_ERR_OUT_OF_MEMORY;
@@ -111,12 +132,8 @@ static skv_status skv_cpu_exact_simd(int64_t n, int32_t d, int32_t r, const skv_
             for (int32_t k = 0; k < d; k++)
                 for (int32_t j = 0; j < 8; j++)
                     vb[((size_t)js * d + k) * 8 + j] = js * 8 + j < r ? v[(size_t)k * r + js * 8 + j] : 0.0;
-#pragma omp parallel num_threads(nt)
-        {
-            double *apt = ap + (size_t)omp_get_thread_num() * 6 * d;
-#pragma omp for schedule(static)
-            for (int64_t t0 = 0; t0 < n; t0 += 6) skv_cpu_project_rows(n, d, r, a, vb, t0, apt, u);
-        }
+        skv_cpu_proj p = {n, d, r, a, vb, ap, u};
+        skv_cpu_run(nt, items, skv_cpu_proj_item, &p);
     }
     free(vb);
     free(ap);
@@ -177,11 +194,13 @@ static skv_status skv_cpu_factorize_exact(int64_t n, int32_t d, int32_t r, const
 skv_status skv_cpu_factorize(skv_factorize_route mode, int64_t n, int32_t d, int32_t r, const skv_bf16 *a, float *u,
                              float *w)
 {
-    if (mode == SKV_FACTORIZE_CANONICAL) return skv_cpu_factorize_canonical(n, d, r, a, u, w);
 #if SKV_CPU_X86
-    if (skv_cpu_simd() && skv_factor_route_for(n, d, r, mode) == SKV_ROUTE_FAST)
-        return skv_cpu_factorize_fast(n, d, r, a, u, w, mode);
+    if (mode != SKV_FACTORIZE_CANONICAL && skv_cpu_simd() && skv_factor_route_for(n, d, r, mode) == SKV_ROUTE_FAST)
+        return skv_cpu_factorize_fast(n, d, r, a, u, w, mode); /* no BLAS */
 #endif
-    (void)mode;
-    return skv_cpu_factorize_exact(n, d, r, a, u, w);
+    skv_cpu_blas_begin();
+    skv_status st = mode == SKV_FACTORIZE_CANONICAL ? skv_cpu_factorize_canonical(n, d, r, a, u, w)
+                                                    : skv_cpu_factorize_exact(n, d, r, a, u, w);
+    skv_cpu_blas_end();
+    return st;
 }

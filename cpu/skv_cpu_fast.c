@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
-
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #if SKV_CPU_X86
@@ -28,41 +28,56 @@ typedef struct {
     double *ci;  /* [r, r] R^-1 (the check) */
     double *ct;  /* [r, r] R^T (the solve) */
     double *sb;  /* [nt][r][SKV_CPU_SOLVE_W] the solve's per-thread buffers */
-    int nt;      /* threads of the parallel regions that use per-thread buffers */
+    int nt;      /* threads of the jobs (skv_cpu_threads(); a job's team is at most that) */
     double *dsc; /* column scales of an equilibrated pass, or NULL */
 } skv_cpu_fx;
 
-/* y = (G X)^T = z G: fp32 (zf against gf) or double (z against gd). */
+/* y = (G X)^T = z G: fp32 (zf against gf) or double (z against gd); an item per strip of G. */
+typedef struct {
+    skv_cpu_fx *f;
+    int dbl;
+    const double *uu, *vv; /* skv_cpu_fx_chol's operands */
+    double *v;             /* skv_cpu_fx_solve's */
+} skv_cpu_fx_job;
+
+static void skv_cpu_fx_apply_item(void *ctx, int64_t item, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    skv_cpu_fx *f = j->f;
+    const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, is = (int32_t)item;
+    (void)t;
+    for (int32_t ig = 0; ig < ng; ig++) {
+        int32_t j0 = ig * 6, nj = skv_cpu_min(6, r - j0);
+        if (j->dbl) {
+            const double *ar[6];
+            double tt[48];
+            int32_t i0 = is * 8, ni = skv_cpu_min(8, d - i0);
+            for (int q = 0; q < 6; q++) ar[q] = f->z + (size_t)(j0 + skv_cpu_min(q, nj - 1)) * d;
+            skv_cpu_dkern_rows(d, ar, f->gd + (size_t)is * d * 8, tt);
+            for (int32_t q = 0; q < nj; q++)
+                for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + q) * d + i0 + i] = tt[q * 8 + i];
+        } else {
+            const float *ar[6];
+            float tt[96];
+            int32_t i0 = is * 16, ni = skv_cpu_min(16, d - i0);
+            for (int q = 0; q < 6; q++) ar[q] = f->zf + (size_t)(j0 + skv_cpu_min(q, nj - 1)) * d;
+            skv_cpu_skern_rows(d, ar, f->gf + (size_t)is * d * 16, tt);
+            for (int32_t q = 0; q < nj; q++)
+                for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + q) * d + i0 + i] = tt[q * 16 + i];
+        }
+    }
+}
+
 static void skv_cpu_fx_apply(skv_cpu_fx *f, int dbl)
 {
-    const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, ns = dbl ? (d + 7) / 8 : (d + 15) / 16;
-#pragma omp parallel for num_threads(f->nt) schedule(dynamic, 1)
-    for (int32_t is = 0; is < ns; is++)
-        for (int32_t ig = 0; ig < ng; ig++) {
-            int32_t j0 = ig * 6, nj = skv_cpu_min(6, r - j0);
-            if (dbl) {
-                const double *ar[6];
-                double t[48];
-                int32_t i0 = is * 8, ni = skv_cpu_min(8, d - i0);
-                for (int j = 0; j < 6; j++) ar[j] = f->z + (size_t)(j0 + skv_cpu_min(j, nj - 1)) * d;
-                skv_cpu_dkern_rows(d, ar, f->gd + (size_t)is * d * 8, t);
-                for (int32_t j = 0; j < nj; j++)
-                    for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + j) * d + i0 + i] = t[j * 8 + i];
-            } else {
-                const float *ar[6];
-                float t[96];
-                int32_t i0 = is * 16, ni = skv_cpu_min(16, d - i0);
-                for (int j = 0; j < 6; j++) ar[j] = f->zf + (size_t)(j0 + skv_cpu_min(j, nj - 1)) * d;
-                skv_cpu_skern_rows(d, ar, f->gf + (size_t)is * d * 16, t);
-                for (int32_t j = 0; j < nj; j++)
-                    for (int32_t i = 0; i < ni; i++) f->y[(size_t)(j0 + j) * d + i0 + i] = t[j * 16 + i];
-            }
-        }
+    const int32_t ns = dbl ? (f->d + 7) / 8 : (f->d + 15) / 16;
+    skv_cpu_fx_job j = {f, dbl, NULL, NULL, NULL};
+    skv_cpu_run(skv_cpu_team(ns), ns, skv_cpu_fx_apply_item, &j);
 }
 
 /*
  * Small dense kernels of the FAST route, serial and without BLAS (between
- * OpenMP regions; OpenBLAS would start its own threads for r = 160).
+ * the team's jobs; OpenBLAS would start its own threads for r = 160).
  * skv_cpu_chol: c (row-major, the upper triangle of a symmetric r x r matrix)
  * <- R (upper) with C = R^T R, right-looking, every pivot at least `floor`
  * (lib/skv_factor.h: SKV_FACTOR_PIVOT_FLOOR tr C), so it never fails.
@@ -114,34 +129,46 @@ SKV_CPU_AVX2 static void skv_cpu_trinv(const double *c, int32_t r, double *ri)
  */
 enum { SKV_CPU_SHIFT_QR, SKV_CPU_SHIFT_RQ };
 
+/* the right operand vv packed as 8-column slivers, one item per sliver */
+static void skv_cpu_fx_chol_pack(void *ctx, int64_t js, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    const int32_t d = j->f->d, r = j->f->r;
+    (void)t;
+    for (int32_t jj = 0; jj < 8; jj++) {
+        int32_t col = (int32_t)js * 8 + jj;
+        double *dst = j->f->yp + (size_t)js * d * 8 + jj;
+        if (col < r)
+            for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = j->vv[(size_t)col * d + p];
+        else
+            for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = 0.0;
+    }
+}
+
+/* one 6 x 8 tile of c on or above the diagonal */
+static void skv_cpu_fx_chol_tile(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    const int32_t d = j->f->d, r = j->f->r, n8 = (r + 7) / 8;
+    int32_t i0 = (int32_t)it / n8 * 6, j0 = (int32_t)it % n8 * 8, ni = skv_cpu_min(6, r - i0), nj = skv_cpu_min(8, r - j0);
+    double *c = j->f->c;
+    (void)t;
+    if (j0 + nj <= i0) return; /* strictly below the diagonal */
+    const double *ar[6];
+    double tt[48];
+    for (int i = 0; i < 6; i++) ar[i] = j->uu + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
+    skv_cpu_dkern_rows(d, ar, j->f->yp + (size_t)(j0 / 8) * d * 8, tt);
+    for (int32_t i = 0; i < ni; i++)
+        for (int32_t q = 0; q < nj; q++) c[(size_t)(i0 + i) * r + j0 + q] = tt[i * 8 + q];
+}
+
 static void skv_cpu_fx_chol(skv_cpu_fx *f, const double *uu, const double *vv, double diag, int shift)
 {
     const int32_t d = f->d, r = f->r, ng = (r + 5) / 6, n8 = (r + 7) / 8;
-    double *c = f->c, *yp = f->yp;
-#pragma omp parallel num_threads(f->nt)
-    {
-#pragma omp for schedule(static)
-        for (int32_t js = 0; js < n8; js++)
-            for (int32_t jj = 0; jj < 8; jj++) {
-                int32_t j = js * 8 + jj;
-                double *dst = yp + (size_t)js * d * 8 + jj;
-                if (j < r)
-                    for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = vv[(size_t)j * d + p];
-                else
-                    for (int32_t p = 0; p < d; p++) dst[(size_t)p * 8] = 0.0;
-            }
-#pragma omp for schedule(dynamic, 1)
-        for (int32_t it = 0; it < ng * n8; it++) {
-            int32_t i0 = it / n8 * 6, j0 = it % n8 * 8, ni = skv_cpu_min(6, r - i0), nj = skv_cpu_min(8, r - j0);
-            if (j0 + nj <= i0) continue; /* strictly below the diagonal */
-            const double *ar[6];
-            double t[48];
-            for (int i = 0; i < 6; i++) ar[i] = uu + (size_t)(i0 + skv_cpu_min(i, ni - 1)) * d;
-            skv_cpu_dkern_rows(d, ar, yp + (size_t)(j0 / 8) * d * 8, t);
-            for (int32_t i = 0; i < ni; i++)
-                for (int32_t j = 0; j < nj; j++) c[(size_t)(i0 + i) * r + j0 + j] = t[i * 8 + j];
-        }
-    }
+    double *c = f->c;
+    skv_cpu_fx_job job = {f, 0, uu, vv, NULL};
+    skv_cpu_run(skv_cpu_team(n8), n8, skv_cpu_fx_chol_pack, &job);
+    skv_cpu_run(skv_cpu_team((int64_t)ng * n8), (int64_t)ng * n8, skv_cpu_fx_chol_tile, &job);
     double tr = 0.0;
     if (f->dsc) { /* column equilibration: C <- D C D, D = diag(C)^-1/2 */
         for (int32_t i = 0; i < r; i++) {
@@ -235,18 +262,21 @@ SKV_CPU_AVX2 static void skv_cpu_fx_solve_chunk(skv_cpu_fx *f, double *v, const 
     }
 }
 
+static void skv_cpu_fx_solve_item(void *ctx, int64_t ch, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    skv_cpu_fx *f = j->f;
+    skv_cpu_fx_solve_chunk(f, j->v, f->ct, (int32_t)ch, f->sb + (size_t)t * f->r * SKV_CPU_SOLVE_W);
+}
+
 static void skv_cpu_fx_solve(skv_cpu_fx *f, double *v)
 {
     const int32_t d = f->d, r = f->r, nch = (d + SKV_CPU_SOLVE_W - 1) / SKV_CPU_SOLVE_W;
     double *ct = f->ct;
     for (int32_t k = 0; k < r; k++) /* ct [k][m] = R[m][k], m <= k: row k of R^T, contiguous */
         for (int32_t m = 0; m <= k; m++) ct[(size_t)k * r + m] = f->c[(size_t)m * r + k];
-#pragma omp parallel num_threads(f->nt)
-    {
-        double *buf = f->sb + (size_t)omp_get_thread_num() * r * SKV_CPU_SOLVE_W;
-#pragma omp for schedule(static)
-        for (int32_t ch = 0; ch < nch; ch++) skv_cpu_fx_solve_chunk(f, v, ct, ch, buf);
-    }
+    skv_cpu_fx_job j = {f, 0, NULL, NULL, v};
+    skv_cpu_run(skv_cpu_team(nch), nch, skv_cpu_fx_solve_item, &j);
 }
 
 /* v [r, d] <- orth(v^T)^T in place (shifted Cholesky QR, lib/skv_factor.h), f->zf = v in float. */
@@ -283,19 +313,39 @@ static void skv_cpu_fx_step(skv_cpu_fx *f, int dbl, int reuse, int single)
     f->z = f->y, f->y = t;
 }
 
-/* gf (dbl = 0) or gd (dbl = 1) from the full double G. */
+/* gf (dbl = 0) or gd (dbl = 1) from the full double G; an item per row p of G. */
+static void skv_cpu_fx_pack_g_item(void *ctx, int64_t p, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    skv_cpu_fx *f = j->f;
+    const int32_t d = f->d, w = j->dbl ? 8 : 16, ns = (d + w - 1) / w;
+    (void)t;
+    for (int32_t is = 0; is < ns; is++)
+        for (int32_t q = 0; q < w; q++) {
+            int32_t i = is * w + q;
+            double x = i < d ? f->g[(size_t)p * d + i] : 0.0;
+            if (j->dbl) f->gd[((size_t)is * d + p) * 8 + q] = x;
+            else f->gf[((size_t)is * d + p) * 16 + q] = (float)x;
+        }
+}
+
 static void skv_cpu_fx_pack_g(skv_cpu_fx *f, int dbl)
 {
-    const int32_t d = f->d, w = dbl ? 8 : 16, ns = (d + w - 1) / w;
-#pragma omp parallel for num_threads(f->nt) schedule(static)
-    for (int32_t p = 0; p < d; p++)
-        for (int32_t is = 0; is < ns; is++)
-            for (int32_t j = 0; j < w; j++) {
-                int32_t i = is * w + j;
-                double x = i < d ? f->g[(size_t)p * d + i] : 0.0;
-                if (dbl) f->gd[((size_t)is * d + p) * 8 + j] = x;
-                else f->gf[((size_t)is * d + p) * 16 + j] = (float)x;
-            }
+    skv_cpu_fx_job j = {f, dbl, NULL, NULL, NULL};
+    skv_cpu_run(skv_cpu_team(f->d), f->d, skv_cpu_fx_pack_g_item, &j);
+}
+
+/* z = X_0^T (and zf), an item per row j */
+static void skv_cpu_fx_start_item(void *ctx, int64_t jr, int t)
+{
+    const skv_cpu_fx_job *j = ctx;
+    skv_cpu_fx *f = j->f;
+    (void)t;
+    for (int32_t i = 0; i < f->d; i++) {
+        double x = skv_factor_start(i, (int32_t)jr, f->r);
+        f->z[(size_t)jr * f->d + i] = x;
+        f->zf[(size_t)jr * f->d + i] = (float)x;
+    }
 }
 
 #define SKV_CPU_URB 48 /* projection: rows per work item, 8 slivers of 6 */
@@ -334,6 +384,37 @@ SKV_CPU_AVX2 static void skv_cpu_fx_project_rows(int32_t d, int32_t r, const skv
     }
 }
 
+/* The projection's two jobs: Q packed (an item per 16-column sliver), then rows of u. */
+typedef struct {
+    int64_t n;
+    int32_t d, r;
+    const skv_bf16 *a;
+    const float *zf;
+    float scale, unscale;
+    float *qb, *abuf, *u;
+} skv_cpu_fx_proj;
+
+static void skv_cpu_fx_qpack_item(void *ctx, int64_t js, int t)
+{
+    const skv_cpu_fx_proj *P = ctx;
+    const int32_t d = P->d, r = P->r;
+    (void)t;
+    for (int32_t jj = 0; jj < 16; jj++) {
+        int32_t j = (int32_t)js * 16 + jj;
+        float *dst = P->qb + (size_t)js * d * 16 + jj;
+        for (int32_t p = 0; p < d; p++) dst[(size_t)p * 16] = j < r ? P->zf[(size_t)j * d + p] : 0.0f;
+    }
+}
+
+static void skv_cpu_fx_rows_item(void *ctx, int64_t b, int t)
+{
+    const skv_cpu_fx_proj *P = ctx;
+    int64_t t0 = b * SKV_CPU_URB;
+    int32_t rows = (int32_t)(P->n - t0 < SKV_CPU_URB ? P->n - t0 : SKV_CPU_URB);
+    skv_cpu_fx_project_rows(P->d, P->r, P->a, t0, rows, P->qb, P->scale, P->unscale,
+                            P->abuf + (size_t)t * SKV_CPU_URB * P->d, P->u);
+}
+
 /* u [n, r] = A Q in float: A rows scaled by `scale` (the fp32 Gram's power of two) and the result by
    `unscale`, Q^T = zf [r, d]; parallel over blocks of rows. */
 static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_bf16 *a, const float *zf,
@@ -341,32 +422,17 @@ static skv_status skv_cpu_fx_project(int64_t n, int32_t d, int32_t r, const skv_
 {
     const int32_t n16 = (r + 15) / 16;
     const int64_t nrb = (n + SKV_CPU_URB - 1) / SKV_CPU_URB;
-    float *qb = skv_cpu_alloc((size_t)n16 * d * 16 * sizeof *qb);
-    float *abuf = skv_cpu_alloc((size_t)nt * SKV_CPU_URB * d * sizeof *abuf);
-    if (!qb || !abuf) {
-        free(qb);
-        free(abuf);
+    skv_cpu_fx_proj P = {n, d, r, a, zf, scale, unscale, skv_cpu_alloc((size_t)n16 * d * 16 * sizeof *P.qb),
+                         skv_cpu_alloc((size_t)nt * SKV_CPU_URB * d * sizeof *P.abuf), u};
+    if (!P.qb || !P.abuf) {
+        free(P.qb);
+        free(P.abuf);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        float *ab = abuf + (size_t)omp_get_thread_num() * SKV_CPU_URB * d;
-#pragma omp for schedule(static)
-        for (int32_t js = 0; js < n16; js++)
-            for (int32_t jj = 0; jj < 16; jj++) {
-                int32_t j = js * 16 + jj;
-                float *dst = qb + (size_t)js * d * 16 + jj;
-                for (int32_t p = 0; p < d; p++) dst[(size_t)p * 16] = j < r ? zf[(size_t)j * d + p] : 0.0f;
-            }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nrb; b++) {
-            int64_t t0 = b * SKV_CPU_URB;
-            int32_t rows = (int32_t)(n - t0 < SKV_CPU_URB ? n - t0 : SKV_CPU_URB);
-            skv_cpu_fx_project_rows(d, r, a, t0, rows, qb, scale, unscale, ab, u);
-        }
-    }
-    free(qb);
-    free(abuf);
+    skv_cpu_run(skv_cpu_team(n16), n16, skv_cpu_fx_qpack_item, &P);
+    skv_cpu_run(skv_cpu_team(nrb), nrb, skv_cpu_fx_rows_item, &P);
+    free(P.qb);
+    free(P.abuf);
     return SKV_OK;
 }
 
@@ -432,13 +498,8 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
         for (int32_t i = 0; i < d; i++) delta += f.g[(size_t)i * d + i];
         delta *= SKV_FACTOR_GRAM_SHIFT32;
         skv_cpu_fx_pack_g(&f, 0);
-#pragma omp parallel for num_threads(f.nt) schedule(static)
-        for (int32_t j = 0; j < r; j++) /* z = X_0^T */
-            for (int32_t i = 0; i < d; i++) {
-                double x = skv_factor_start(i, j, r);
-                f.z[(size_t)j * d + i] = x;
-                f.zf[(size_t)j * d + i] = (float)x;
-            }
+        skv_cpu_fx_job j = {&f, 0, NULL, NULL, NULL};
+        skv_cpu_run(skv_cpu_team(r), r, skv_cpu_fx_start_item, &j); /* z = X_0^T */
     }
     for (int it = 1; !st && it <= SKV_FACTOR_ITERS; it++) {
         skv_cpu_fx_step(&f, dbl, reuse, it > SKV_FACTOR_TWO_PASS_ITERS);

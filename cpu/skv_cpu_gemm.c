@@ -3,10 +3,11 @@
  * products (factorize, rebuild_keys). Why not OpenBLAS there: the Debian
  * OpenBLAS 0.3.21 DYNAMIC_ARCH build detects this VM's Xeon as "Prescott" and
  * runs SSE3 kernels at ~1/5 of AVX2 speed (dsyrk 12 GFLOP/s on 2 cores); and
- * BLAS threads interleaved with OpenMP regions fight over the cores.
+ * BLAS threads interleaved with the backend's own fight over the cores.
  * Every output element is one fma chain over k in order.
  */
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 

@@ -5,9 +5,8 @@
  */
 #include <stdlib.h>
 
-#include <omp.h>
-
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 /*
@@ -83,8 +82,47 @@ SKV_CPU_AVX2 static void skv_cpu_gram_strip(int32_t d, int32_t js, int64_t kc, c
  * a tile's rows adjacent in memory) and is added into g at the end. Packing is
  * double-buffered: the items of block b are its strips (longest first) plus
  * slices packing block b+1 for threads that finish early, so there is one
- * barrier per block.
+ * job (skv_cpu_run) per block.
  */
+/* One job's state of skv_cpu_gram or skv_cpu_fgram (the block in progress; items by job). */
+typedef struct {
+    const skv_bf16 *a;
+    int64_t n, kc, kc1, t1; /* rows; rows of this block; rows and first row of the next one */
+    int32_t d, nb;          /* nb: strips */
+    float scale;            /* fgram */
+    void *xa, *xb, *ya, *yb; /* this block's packing, the next one's */
+    double *gs, *g;
+} skv_cpu_gram_job;
+
+SKV_CPU_AVX2 static void skv_cpu_gram_pack0(void *ctx, int64_t s, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    (void)t;
+    skv_cpu_gram_pack(j->a, j->d, 0, j->kc, (int)s, SKV_CPU_PACK_SLICES, j->xa, j->xb);
+}
+
+/* Items of block b: its strips (longest first), then slices packing block b + 1. */
+SKV_CPU_AVX2 static void skv_cpu_gram_block(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    (void)t;
+    if (it >= j->nb) skv_cpu_gram_pack(j->a, j->d, j->t1, j->kc1, (int)(it - j->nb), SKV_CPU_PACK_SLICES, j->ya, j->yb);
+    else skv_cpu_gram_strip(j->d, j->nb - 1 - (int32_t)it, j->kc, j->xa, j->xb, j->gs);
+}
+
+/* g += the accumulator: row i of the strips js >= i / 8 (the upper triangle) */
+static void skv_cpu_gram_add(void *ctx, int64_t i, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    int32_t d = j->d;
+    (void)t;
+    for (int32_t js = (int32_t)i / 8; js < j->nb; js++) {
+        int32_t j0 = js * 8, nj = skv_cpu_min(8, d - j0);
+        const double *src = j->gs + ((size_t)js * d + i) * 8;
+        for (int32_t q = 0; q < nj; q++) j->g[(size_t)i * d + j0 + q] += src[q];
+    }
+}
+
 skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
 {
     int32_t na = (d + 5) / 6, nb = (d + 7) / 8;
@@ -97,36 +135,20 @@ skv_status skv_cpu_gram(int64_t n, int32_t d, const skv_bf16 *a, double *g)
         free(gs);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel num_threads(skv_cpu_threads())
-    {
-        int64_t kc0 = n < SKV_CPU_KC ? n : SKV_CPU_KC;
-#pragma omp for schedule(static)
-        for (int s = 0; s < SKV_CPU_PACK_SLICES; s++)
-            skv_cpu_gram_pack(a, d, 0, kc0, s, SKV_CPU_PACK_SLICES, buf, buf + (size_t)na * SKV_CPU_XA_STRIDE(kc0));
-        for (int64_t blk = 0; blk < nblk; blk++) {
-            int64_t t0 = blk * SKV_CPU_KC, kc = n - t0 < SKV_CPU_KC ? n - t0 : SKV_CPU_KC;
-            int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_KC ? n - t1 : SKV_CPU_KC;
-            double *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
-            double *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
-            int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
-#pragma omp for schedule(dynamic, 1)
-            for (int32_t it = 0; it < nb + npack; it++) {
-                if (it >= nb) { /* pack a slice of the next block */
-                    skv_cpu_gram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, ya, yb);
-                    continue;
-                }
-                skv_cpu_gram_strip(d, nb - 1 - it, kc, xa, xb, gs);
-            }
-        }
-        /* g += the accumulator: row i of the strips js >= i / 8 (the upper triangle) */
-#pragma omp for schedule(static)
-        for (int32_t i = 0; i < d; i++)
-            for (int32_t js = i / 8; js < nb; js++) {
-                int32_t j0 = js * 8, nj = skv_cpu_min(8, d - j0);
-                const double *src = gs + ((size_t)js * d + i) * 8;
-                for (int32_t j = 0; j < nj; j++) g[(size_t)i * d + j0 + j] += src[j];
-            }
+    skv_cpu_gram_job j = {a, n, n < SKV_CPU_KC ? n : SKV_CPU_KC, 0, 0, d, nb, 1.0f, NULL, NULL, NULL, NULL, gs, g};
+    j.xa = buf, j.xb = buf + (size_t)na * SKV_CPU_XA_STRIDE(j.kc);
+    skv_cpu_run(skv_cpu_team(SKV_CPU_PACK_SLICES), SKV_CPU_PACK_SLICES, skv_cpu_gram_pack0, &j);
+    for (int64_t blk = 0; blk < nblk; blk++) { /* one job per block: its items, then the next block's */
+        int64_t t0 = blk * SKV_CPU_KC, kc = n - t0 < SKV_CPU_KC ? n - t0 : SKV_CPU_KC;
+        int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_KC ? n - t1 : SKV_CPU_KC;
+        double *xa = buf + (size_t)(blk & 1) * half, *ya = buf + (size_t)(~blk & 1) * half;
+        int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
+        j.kc = kc, j.kc1 = kc1, j.t1 = t1;
+        j.xa = xa, j.xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
+        j.ya = ya, j.yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
+        skv_cpu_run(skv_cpu_team(nb + npack), nb + npack, skv_cpu_gram_block, &j);
     }
+    skv_cpu_run(skv_cpu_team(d), d, skv_cpu_gram_add, &j);
     free(buf);
     free(gs);
     return SKV_OK;
@@ -153,17 +175,30 @@ SKV_CPU_AVX2 static unsigned skv_cpu_amax_block(const skv_bf16 *a, int64_t lo, i
  * of two is exact, so it changes nothing but the range: no fp32 product or sum
  * overflows (|a| up to 3.4e38) and small inputs stay normal.
  */
+typedef struct {
+    const skv_bf16 *a;
+    int64_t count;
+    unsigned m; /* atomic: the max so far */
+} skv_cpu_amax_job;
+
+#define SKV_CPU_AMAX_B ((int64_t)1 << 16) /* values per work item */
+
+static void skv_cpu_amax_item(void *ctx, int64_t b, int t)
+{
+    skv_cpu_amax_job *j = ctx;
+    (void)t;
+    int64_t lo = b * SKV_CPU_AMAX_B, hi = lo + SKV_CPU_AMAX_B < j->count ? lo + SKV_CPU_AMAX_B : j->count;
+    unsigned mb = skv_cpu_amax_block(j->a, lo, hi), cur = __atomic_load_n(&j->m, __ATOMIC_RELAXED);
+    while (mb > cur && !__atomic_compare_exchange_n(&j->m, &cur, mb, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 int skv_cpu_amax_exp(const skv_bf16 *a, int64_t count)
 {
-    const int64_t B = 1 << 16;
-    int64_t nb = (count + B - 1) / B;
-    unsigned m = 0;
-#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) reduction(max : m)
-    for (int64_t b = 0; b < nb; b++) {
-        unsigned mb = skv_cpu_amax_block(a, b * B, b * B + B < count ? b * B + B : count);
-        m = mb > m ? mb : m;
-    }
-    int e = (int)(m >> 7) & 0xff;
+    skv_cpu_amax_job j = {a, count, 0};
+    int64_t nb = (count + SKV_CPU_AMAX_B - 1) / SKV_CPU_AMAX_B;
+    skv_cpu_run(skv_cpu_team(nb), nb, skv_cpu_amax_item, &j);
+    int e = (int)(j.m >> 7) & 0xff;
     return e < 1 ? 1 : e;
 }
 
@@ -240,6 +275,38 @@ SKV_CPU_AVX2 static void skv_cpu_fgram_strip(int32_t d, int32_t js, int64_t kc, 
     }
 }
 
+SKV_CPU_AVX2 static void skv_cpu_fgram_pack0(void *ctx, int64_t s, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    (void)t;
+    skv_cpu_fgram_pack(j->a, j->d, 0, j->kc, (int)s, SKV_CPU_PACK_SLICES, j->scale, j->xa, j->xb);
+}
+
+SKV_CPU_AVX2 static void skv_cpu_fgram_block(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    (void)t;
+    if (it >= j->nb)
+        skv_cpu_fgram_pack(j->a, j->d, j->t1, j->kc1, (int)(it - j->nb), SKV_CPU_PACK_SLICES, j->scale, j->ya, j->yb);
+    else skv_cpu_fgram_strip(j->d, j->nb - 1 - (int32_t)it, j->kc, j->xa, j->xb, j->gs);
+}
+
+/* g: the 16 x 16 block bb = (ib, jb), ib <= jb, of the upper triangle and its mirror image */
+static void skv_cpu_fgram_out(void *ctx, int64_t bb, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    int32_t d = j->d, nb = j->nb, ib = (int32_t)bb / nb, jb = (int32_t)bb % nb;
+    const double *gs = j->gs;
+    (void)t;
+    if (ib > jb) return;
+    for (int32_t i = ib * 16; i < skv_cpu_min(ib * 16 + 16, d); i++)
+        for (int32_t q = jb * 16; q < skv_cpu_min(jb * 16 + 16, d); q++) {
+            double x = q >= i ? gs[((size_t)jb * d + i) * 16 + q % 16] : gs[((size_t)ib * d + q) * 16 + i % 16];
+            j->g[(size_t)i * d + q] = x;
+            j->g[(size_t)q * d + i] = x;
+        }
+}
+
 skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, double *g)
 {
     int32_t na = (d + 5) / 6, nb = (d + 15) / 16;
@@ -252,54 +319,41 @@ skv_status skv_cpu_fgram(int64_t n, int32_t d, const skv_bf16 *a, float scale, d
         free(gs);
         return SKV_ERR_OUT_OF_MEMORY;
     }
-#pragma omp parallel num_threads(skv_cpu_threads())
-    {
-        int64_t kc0 = n < SKV_CPU_FKC ? n : SKV_CPU_FKC;
-#pragma omp for schedule(static)
-        for (int s = 0; s < SKV_CPU_PACK_SLICES; s++)
-            skv_cpu_fgram_pack(a, d, 0, kc0, s, SKV_CPU_PACK_SLICES, scale, buf,
-                               buf + (size_t)na * SKV_CPU_XA_STRIDE(kc0));
-        for (int64_t blk = 0; blk < nblk; blk++) {
-            int64_t t0 = blk * SKV_CPU_FKC, kc = n - t0 < SKV_CPU_FKC ? n - t0 : SKV_CPU_FKC;
-            int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_FKC ? n - t1 : SKV_CPU_FKC;
-            float *xa = buf + (size_t)(blk & 1) * half, *xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
-            float *ya = buf + (size_t)(~blk & 1) * half, *yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
-            int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
-#pragma omp for schedule(dynamic, 1)
-            for (int32_t it = 0; it < nb + npack; it++) {
-                if (it >= nb) { /* pack a slice of the next block */
-                    skv_cpu_fgram_pack(a, d, t1, kc1, it - nb, SKV_CPU_PACK_SLICES, scale, ya, yb);
-                    continue;
-                }
-                skv_cpu_fgram_strip(d, nb - 1 - it, kc, xa, xb, gs);
-            }
-        }
-        /* g: 16 x 16 blocks (ib <= jb) of the upper triangle and their mirror images */
-#pragma omp for schedule(dynamic, 4)
-        for (int32_t bb = 0; bb < nb * nb; bb++) {
-            int32_t ib = bb / nb, jb = bb % nb;
-            if (ib > jb) continue;
-            for (int32_t i = ib * 16; i < skv_cpu_min(ib * 16 + 16, d); i++)
-                for (int32_t j = jb * 16; j < skv_cpu_min(jb * 16 + 16, d); j++) {
-                    double x = j >= i ? gs[((size_t)jb * d + i) * 16 + j % 16] : gs[((size_t)ib * d + j) * 16 + i % 16];
-                    g[(size_t)i * d + j] = x;
-                    g[(size_t)j * d + i] = x;
-                }
-        }
+    skv_cpu_gram_job j = {a, n, n < SKV_CPU_FKC ? n : SKV_CPU_FKC, 0, 0, d, nb, scale, NULL, NULL, NULL, NULL, gs, g};
+    j.xa = buf, j.xb = buf + (size_t)na * SKV_CPU_XA_STRIDE(j.kc);
+    skv_cpu_run(skv_cpu_team(SKV_CPU_PACK_SLICES), SKV_CPU_PACK_SLICES, skv_cpu_fgram_pack0, &j);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        int64_t t0 = blk * SKV_CPU_FKC, kc = n - t0 < SKV_CPU_FKC ? n - t0 : SKV_CPU_FKC;
+        int64_t t1 = t0 + kc, kc1 = n - t1 < SKV_CPU_FKC ? n - t1 : SKV_CPU_FKC;
+        float *xa = buf + (size_t)(blk & 1) * half, *ya = buf + (size_t)(~blk & 1) * half;
+        int npack = blk + 1 < nblk ? SKV_CPU_PACK_SLICES : 0;
+        j.kc = kc, j.kc1 = kc1, j.t1 = t1;
+        j.xa = xa, j.xb = xa + (size_t)na * SKV_CPU_XA_STRIDE(kc);
+        j.ya = ya, j.yb = ya + (size_t)na * SKV_CPU_XA_STRIDE(kc1);
+        skv_cpu_run(skv_cpu_team(nb + npack), nb + npack, skv_cpu_fgram_block, &j);
     }
+    skv_cpu_run(skv_cpu_team((int64_t)nb * nb), (int64_t)nb * nb, skv_cpu_fgram_out, &j);
     free(buf);
     free(gs);
     return SKV_OK;
 }
 
 /* Upper triangle -> lower (row-major symmetric d x d). */
+static void skv_cpu_mirror_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_gram_job *j = ctx;
+    int32_t d = j->d, i0 = (int32_t)it * 16, i1 = skv_cpu_min(i0 + 16, d);
+    double *g = j->g;
+    (void)t;
+    for (int32_t q = 0; q < i1; q++)
+        for (int32_t i = i0 > q + 1 ? i0 : q + 1; i < i1; i++) g[(size_t)i * d + q] = g[(size_t)q * d + i];
+}
+
 void skv_cpu_mirror(double *g, int32_t d)
 {
-#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(dynamic, 1)
-    for (int32_t i0 = 0; i0 < d; i0 += 16) {
-        int32_t i1 = skv_cpu_min(i0 + 16, d);
-        for (int32_t j = 0; j < i1; j++)
-            for (int32_t i = i0 > j + 1 ? i0 : j + 1; i < i1; i++) g[(size_t)i * d + j] = g[(size_t)j * d + i];
-    }
+    skv_cpu_gram_job j = {0};
+    j.d = d, j.g = g;
+    int64_t items = (d + 15) / 16;
+    skv_cpu_run(skv_cpu_team(items), items, skv_cpu_mirror_item, &j);
 }
 #endif

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #if SKV_CPU_X86
@@ -73,55 +74,73 @@ static float skv_cpu_chunk_score(const skv_bf16 *k, int64_t ts, int c, int D, fl
     return skv_chunk_landmark_score(k, ts, c, D, mean);
 }
 
+typedef struct {
+    int32_t N, c, Hk, D, O, n_cand;
+    const skv_bf16 *k_post;
+    int32_t *outlier_ids, *candidate_ids;
+    skv_bf16 *landmarks;
+    skv_bf16 *lm; /* every chunk's landmark, [Hk, N, D] */
+    float *key;
+    int32_t *scratch;
+    char *is_out;
+} skv_cpu_lmo;
+
+#define SKV_CPU_LM_CHUNKS 16 /* (chunk, head) pairs per work item of the first job */
+
+/* The first job: chunk scores and landmarks. Token-major input: chunk j of head h is c rows of stride Hk*D. */
+static void skv_cpu_lmo_score(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_lmo *L = ctx;
+    int64_t nh = (int64_t)L->Hk * L->N;
+    (void)t;
+    for (int64_t jh = it * SKV_CPU_LM_CHUNKS; jh < (it + 1) * SKV_CPU_LM_CHUNKS && jh < nh; jh++) {
+        int64_t j = jh / L->Hk, h = jh % L->Hk;
+        float mean[SKV_CPU_MAX_D];
+        float s = skv_cpu_chunk_score(L->k_post + ((size_t)j * L->c * L->Hk + h) * L->D, (int64_t)L->Hk * L->D, L->c,
+                                      L->D, mean);
+        L->key[h * L->N + j] = skv_outlier_key(s);
+        skv_bf16 *l = L->lm + ((size_t)h * L->N + j) * L->D;
+        for (int32_t d = 0; d < L->D; d++) l[d] = skv_f32_to_bf16(mean[d]);
+    }
+}
+
+/* The second job: head h's top-O outliers, the candidates and their landmarks in chunk order. */
+static void skv_cpu_lmo_head(void *ctx, int64_t h, int t)
+{
+    const skv_cpu_lmo *L = ctx;
+    int32_t N = L->N, O = L->O, D = L->D, n_cand = L->n_cand;
+    (void)t;
+    int32_t *oid = O > 0 ? L->outlier_ids + (size_t)h * O : NULL; /* may be NULL when O == 0 */
+    char *mark = L->is_out + (size_t)h * N;
+    if (O > 0) skv_topk_indices(L->key + (size_t)h * N, N, O, 1, L->scratch + (size_t)h * N, oid);
+    for (int32_t o = 0; o < O; o++) mark[oid[o]] = 1;
+    int32_t m = 0;
+    for (int32_t j = 0; j < N; j++) {
+        if (mark[j]) continue;
+        L->candidate_ids[(size_t)h * n_cand + m] = j;
+        memcpy(L->landmarks + ((size_t)h * n_cand + m) * D, L->lm + ((size_t)h * N + j) * D, (size_t)D * sizeof *L->lm);
+        m++;
+    }
+}
+
 skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
                                       const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
                                       skv_bf16 *landmarks)
 {
     if (N <= 0 || O < 0 || O >= N) return SKV_ERR_INVALID_ARGUMENT;
     size_t nh = (size_t)Hk * N;
-    skv_bf16 *lm = malloc(nh * D * sizeof *lm); /* every chunk's landmark, [Hk, N, D] */
-    float *key = malloc(nh * sizeof *key);
-    int32_t *scratch = malloc(nh * sizeof *scratch);
-    char *is_out = calloc(nh, 1);
-    if (!lm || !key || !scratch || !is_out) {
-        free(lm);
-        free(key);
-        free(scratch);
-        free(is_out);
-        return SKV_ERR_OUT_OF_MEMORY;
+    skv_cpu_lmo L = {N, c, Hk, D, O, N - O, k_post, outlier_ids, candidate_ids, landmarks,
+                     malloc(nh * D * sizeof *L.lm), malloc(nh * sizeof *L.key), malloc(nh * sizeof *L.scratch),
+                     calloc(nh, 1)};
+    if (L.lm && L.key && L.scratch && L.is_out) {
+        int64_t items = ((int64_t)nh + SKV_CPU_LM_CHUNKS - 1) / SKV_CPU_LM_CHUNKS;
+        skv_cpu_run(skv_cpu_team(items), items, skv_cpu_lmo_score, &L);
+        skv_cpu_run(skv_cpu_team(Hk), Hk, skv_cpu_lmo_head, &L);
     }
-    int32_t n_cand = N - O;
-#pragma omp parallel num_threads(skv_cpu_threads())
-    {
-        /* token-major input: chunk j of head h is c rows of stride Hk*D */
-#pragma omp for schedule(static)
-        for (int64_t jh = 0; jh < (int64_t)nh; jh++) {
-            int64_t j = jh / Hk, h = jh % Hk;
-            float mean[SKV_CPU_MAX_D];
-            float s = skv_cpu_chunk_score(k_post + ((size_t)j * c * Hk + h) * D, (int64_t)Hk * D, c, D, mean);
-            key[h * N + j] = skv_outlier_key(s);
-            skv_bf16 *l = lm + ((size_t)h * N + j) * D;
-            for (int32_t d = 0; d < D; d++) l[d] = skv_f32_to_bf16(mean[d]);
-        }
-#pragma omp for schedule(static)
-        for (int32_t h = 0; h < Hk; h++) {
-            int32_t *oid = O > 0 ? outlier_ids + (size_t)h * O : NULL; /* may be NULL when O == 0 */
-            char *mark = is_out + (size_t)h * N;
-            if (O > 0) skv_topk_indices(key + (size_t)h * N, N, O, 1, scratch + (size_t)h * N, oid);
-            for (int32_t o = 0; o < O; o++) mark[oid[o]] = 1;
-            int32_t m = 0;
-            for (int32_t j = 0; j < N; j++) {
-                if (mark[j]) continue;
-                candidate_ids[(size_t)h * n_cand + m] = j;
-                memcpy(landmarks + ((size_t)h * n_cand + m) * D, lm + ((size_t)h * N + j) * D, (size_t)D * sizeof *lm);
-                m++;
-            }
-        }
-    }
-    free(lm);
-    free(key);
-    free(scratch);
-    free(is_out);
-    return SKV_OK;
+    skv_status st = L.lm && L.key && L.scratch && L.is_out ? SKV_OK : SKV_ERR_OUT_OF_MEMORY;
+    free(L.lm);
+    free(L.key);
+    free(L.scratch);
+    free(L.is_out);
+    return st;
 }
-

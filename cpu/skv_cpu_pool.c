@@ -1,15 +1,18 @@
 /*
- * The decode slots' team: helper threads of the calling thread that take work
- * items beside it (skv_cpu_run). Each thread that runs decode work gets its
- * own helpers, created when first needed and ended when it exits.
+ * The cpu backend's team (layer 0, skv_cpu_base.h): helper threads of the
+ * calling thread that take work items beside it (skv_cpu_run). Every
+ * parallel loop of the backend, prefill and decode, runs here. Each thread
+ * that runs such work gets its own helpers, created when first needed and
+ * ended when it exits.
  *
  * Why not an OpenMP parallel region: a region ends only when every thread of
  * its team has arrived at its closing barrier, and on a machine whose cores
  * are busy with other work a team thread is often not running (the scheduler
  * gives its core to another process for a slice of milliseconds), so each of
- * the dozens of regions of a decode step waited for a slice, and OpenMP's
- * default waiting (spinning) spent the waiter's own share of the CPU doing
- * it. Here a job ends when its last item is done: the caller takes items
+ * the dozens of regions of a decode step or a factorization waited for a
+ * slice, and OpenMP's default waiting (spinning) spent the waiter's own share
+ * of the CPU doing it (a factorization's regions also ran beside OpenBLAS's
+ * threads, which wait for work by polling too: skv_cpu_blas_begin). Here a job ends when its last item is done: the caller takes items
  * itself from the start and never waits for a helper that has not started,
  * only for items in progress. Helpers spin briefly after a job, then sleep:
  * no thread burns a core while there is no work.
@@ -26,7 +29,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "skv_cpu.h"
+#include "skv_cpu_base.h"
 
 #define SKV_CPU_POOL_MAX 256 /* helpers of one thread */
 #define SKV_CPU_SPIN 4000    /* polls of a helper between jobs (about 0.1-0.3 ms) before it sleeps */

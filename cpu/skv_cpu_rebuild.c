@@ -7,6 +7,8 @@
 
 #include <cblas.h>
 
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #if SKV_CPU_X86
@@ -126,34 +128,69 @@ static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, i
 }
 #endif
 
-/* The portable code: U rows gathered as float, one OpenBLAS sgemm per head (W_h in place,
-   ldb = Hk*D), RoPE. */
+/* The portable code's three jobs: U rows gathered as float; one OpenBLAS sgemm per head (an item
+   each, on its thread alone: W_h in place, ldb = Hk*D); RoPE. */
+typedef struct {
+    const skv_rope_config *rope;
+    int32_t D, Hk, r, c, R;
+    int64_t M, rows;
+    const skv_bf16 *u;
+    const int32_t *chunk_ids;
+    const float *cos_tab, *sin_tab;
+    float *wf, *uf, *x;
+    skv_bf16 *k_out;
+} skv_cpu_reb_blas;
+
+#define SKV_CPU_RB_ROWS 64 /* rows per item of the gather and RoPE jobs */
+
+static void skv_cpu_reb_gather_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_reb_blas *B = ctx;
+    (void)t;
+    for (int64_t row = it * SKV_CPU_RB_ROWS; row < (it + 1) * SKV_CPU_RB_ROWS && row < B->rows; row++) {
+        int64_t tok = (int64_t)B->chunk_ids[row / B->c] * B->c + row % B->c; /* row = (h*S + s)*c + i */
+        skv_cpu_to_f32(B->u + (size_t)tok * B->r, B->uf + (size_t)row * B->r, B->r);
+    }
+}
+
+static void skv_cpu_reb_gemm_item(void *ctx, int64_t h, int t)
+{
+    const skv_cpu_reb_blas *B = ctx;
+    (void)t;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)B->M, B->D, B->r, 1.0f, B->uf + (size_t)h * B->M * B->r,
+                B->r, B->wf + (size_t)h * B->D, (int)((int64_t)B->Hk * B->D), 0.0f, B->x + (size_t)h * B->M * B->D, B->D);
+}
+
+static void skv_cpu_reb_rope_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_reb_blas *B = ctx;
+    int32_t h2 = B->R / 2;
+    (void)t;
+    for (int64_t row = it * SKV_CPU_RB_ROWS; row < (it + 1) * SKV_CPU_RB_ROWS && row < B->rows; row++) {
+        int64_t tok = (int64_t)B->chunk_ids[row / B->c] * B->c + row % B->c;
+        skv_cpu_rope_row(B->x + (size_t)row * B->D, B->D, B->R, B->rope->interleaved, B->cos_tab + tok * h2,
+                         B->sin_tab + tok * h2, B->k_out + (size_t)row * B->D);
+    }
+}
+
 static skv_status skv_cpu_rebuild_blas(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
-    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
     int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, rows = (int64_t)Hk * M;
-    int nt = skv_cpu_threads();
-    float *wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *wf);
-    float *uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *uf);
-    float *x = skv_ws_alloc(ws, (size_t)rows * D * sizeof *x);
-    if (!wf || !uf || !x) return SKV_ERR_OUT_OF_MEMORY;
-    skv_cpu_to_f32(w, wf, (int64_t)r * width);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t row = 0; row < rows; row++) { /* row = (h*S + s)*c + i */
-        int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
-        skv_cpu_to_f32(u + (size_t)t * r, uf + (size_t)row * r, r);
-    }
-    for (int32_t h = 0; h < Hk; h++)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, D, r, 1.0f, uf + (size_t)h * M * r, r,
-                    wf + (size_t)h * D, (int)width, 0.0f, x + (size_t)h * M * D, D);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t row = 0; row < rows; row++) {
-        int64_t t = (int64_t)chunk_ids[row / c] * c + row % c;
-        skv_cpu_rope_row(x + (size_t)row * D, D, R, rope->interleaved, cos_tab + t * h2, sin_tab + t * h2,
-                         k_out + (size_t)row * D);
-    }
+    int64_t items = (rows + SKV_CPU_RB_ROWS - 1) / SKV_CPU_RB_ROWS;
+    skv_cpu_reb_blas B = {rope, D, Hk, r, c, rope->rotary_dim ? rope->rotary_dim : D, M, rows, u, chunk_ids,
+                          cos_tab, sin_tab, NULL, NULL, NULL, k_out};
+    B.wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *B.wf);
+    B.uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *B.uf);
+    B.x = skv_ws_alloc(ws, (size_t)rows * D * sizeof *B.x);
+    if (!B.wf || !B.uf || !B.x) return SKV_ERR_OUT_OF_MEMORY;
+    skv_cpu_to_f32(w, B.wf, (int64_t)r * width);
+    skv_cpu_run(skv_cpu_team(items), items, skv_cpu_reb_gather_item, &B);
+    skv_cpu_blas_begin();
+    skv_cpu_run(skv_cpu_team(Hk), Hk, skv_cpu_reb_gemm_item, &B);
+    skv_cpu_blas_end();
+    skv_cpu_run(skv_cpu_team(items), items, skv_cpu_reb_rope_item, &B);
     return SKV_OK;
 }
 

@@ -2,6 +2,7 @@
  * RoPE of bf16 rows: the rope slot, and the row function rebuild_keys uses.
  */
 #include "skv_cpu_simd.h"
+#include "skv_cpu_kernels.h"
 
 #if SKV_CPU_X86
 SKV_CPU_AVX2 static void skv_cpu_to_f32_avx2(const skv_bf16 *in, float *out, int64_t n)
@@ -70,18 +71,37 @@ void skv_cpu_rope_row(const float *x, int D, int R, int interleaved, const float
     skv_rope_row_f32(x, D, R, interleaved, cs, sn, out);
 }
 
+typedef struct {
+    const skv_rope_config *rope;
+    int32_t D, H, R;
+    int64_t pos0, rows;
+    const float *cos_tab, *sin_tab;
+    const skv_bf16 *in;
+    skv_bf16 *out;
+} skv_cpu_rope_job;
+
+#define SKV_CPU_ROPE_ROWS 64 /* rows per work item */
+
+static void skv_cpu_rope_item(void *ctx, int64_t it, int t)
+{
+    const skv_cpu_rope_job *j = ctx;
+    int32_t D = j->D, h2 = j->R / 2;
+    (void)t;
+    for (int64_t row = it * SKV_CPU_ROPE_ROWS; row < (it + 1) * SKV_CPU_ROPE_ROWS && row < j->rows; row++) {
+        float x[SKV_CPU_MAX_D]; /* row converted first: in == out is allowed */
+        int64_t tok = row / j->H;
+        skv_cpu_to_f32(j->in + row * D, x, D);
+        skv_cpu_rope_row(x, D, j->R, j->rope->interleaved, j->cos_tab + (j->pos0 + tok) * h2,
+                         j->sin_tab + (j->pos0 + tok) * h2, j->out + row * D);
+    }
+}
+
 skv_status skv_cpu_rope(const skv_rope_config *rope, int32_t D, int64_t n_tokens, int32_t H, int64_t pos0,
                         const float *cos_tab, const float *sin_tab, const skv_bf16 *in, skv_bf16 *out)
 {
-    int32_t R = rope->rotary_dim ? rope->rotary_dim : D, h2 = R / 2;
-    int64_t rows = n_tokens * H;
-#pragma omp parallel for num_threads(skv_cpu_threads()) schedule(static) if (rows > 64)
-    for (int64_t row = 0; row < rows; row++) {
-        float x[SKV_CPU_MAX_D]; /* row converted first: in == out is allowed */
-        int64_t t = row / H;
-        skv_cpu_to_f32(in + row * D, x, D);
-        skv_cpu_rope_row(x, D, R, rope->interleaved, cos_tab + (pos0 + t) * h2, sin_tab + (pos0 + t) * h2,
-                         out + row * D);
-    }
+    skv_cpu_rope_job j = {rope, D, H, rope->rotary_dim ? rope->rotary_dim : D, pos0, n_tokens * H,
+                          cos_tab, sin_tab, in, out};
+    int64_t items = (j.rows + SKV_CPU_ROPE_ROWS - 1) / SKV_CPU_ROPE_ROWS;
+    skv_cpu_run(skv_cpu_team(items), items, skv_cpu_rope_item, &j);
     return SKV_OK;
 }

@@ -3,6 +3,8 @@
  */
 #include <string.h>
 
+#include "skv_cpu_kernels.h"
+#include "skv_cpu_ops.h"
 #include "skv_cpu_simd.h"
 
 #if SKV_CPU_X86

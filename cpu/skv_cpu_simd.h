@@ -1,12 +1,12 @@
 /*
  * skv_cpu_simd.h - AVX2 helpers of the cpu backend (bf16 loads and stores,
  * transposes, horizontal sums, the attention exp), private. For SKV_CPU_AVX2
- * functions only.
+ * functions only. Layer 0 (skv_cpu_ops.h has the map).
  */
 #ifndef SKV_CPU_SIMD_H
 #define SKV_CPU_SIMD_H
 
-#include "skv_cpu.h"
+#include "skv_cpu_base.h"
 
 #if SKV_CPU_X86
 #include <immintrin.h>

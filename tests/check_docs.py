@@ -5,7 +5,7 @@
    `bench/results/...`, `tests/check_docs.py`) exists; a path with * must match a file.
 2. docs/DESIGN.md section 9.9, the op-by-backend table: every cell of the form
    `dir/file`: `name` names a file that exists and holds that identifier.
-3. The file maps: cuda/skv_cuda.h names every file of cuda/, cpu/skv_cpu.h every file of cpu/.
+3. The file maps: cuda/skv_cuda.h names every file of cuda/, cpu/skv_cpu_ops.h every file of cpu/.
 4. No library source file (include/, lib/, ref/, cpu/, cuda/) is over 1,000 lines.
 
 Ends with "N passed, N failed" and exits non-zero on a failure.
@@ -76,7 +76,7 @@ if sec:
     check(cells >= 30, f"DESIGN 9.9 names only {cells} file: function cells")
 
 # 3. file maps
-for d, hdr in (("cuda", "cuda/skv_cuda.h"), ("cpu", "cpu/skv_cpu.h")):
+for d, hdr in (("cuda", "cuda/skv_cuda.h"), ("cpu", "cpu/skv_cpu_ops.h")):
     text = read(hdr)
     head = text[: text.find("*/")] if "*/" in text else text
     for f in sorted(os.listdir(os.path.join(ROOT, d))):

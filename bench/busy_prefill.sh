@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# bench/busy_prefill.sh - the cpu backend's prefill on a busy machine and
+# beside another OpenMP runtime in the same process; no OpenMP or OpenBLAS
+# environment variable is set.
+#
+#   bench/busy_prefill.sh [--rounds 3] [--busy 2] [--setsid] [--demo PATH] [--beside PATH]
+#                         [-- DEMO_ARGS...]
+#
+# 1. bench/busy_decode.sh --measure prefill: the demo's prefill (every layer's
+#    skv_prefill, summed) idle and with --busy loops, alternated --rounds
+#    times. DEMO_ARGS default to a SmolLM2-135M-like shape: 30 layers, 9 query
+#    heads, 3 KV heads, head dim 64, one 8192-token prompt (--share-layers:
+#    one workload, every layer prefilled with it).
+# 2. build/beside_omp (make build/beside_omp; --beside another build of it):
+#    the same shape's prefill alone and with a parallel region of a private
+#    copy of the OpenMP runtime before each layer (as a framework with its own
+#    runtime in the process would run), --rounds times. Skipped with a message
+#    when the program is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=3 beside=build/beside_omp
+pass=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) rounds=$2; pass+=("$1" "$2"); shift 2 ;;
+    --busy|--demo) pass+=("$1" "$2"); shift 2 ;;
+    --setsid) pass+=("$1"); shift ;;
+    --beside) beside=$2; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "busy_prefill.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+shape=(--layers 30 --hq 9 --hk 3 --dim 64 --ctx 8192 --share-layers)
+[ $# -gt 0 ] && shape=("$@")
+bench/busy_decode.sh --measure prefill --steps 1 "${pass[@]}" -- "${shape[@]}"
+if [ -x "$beside" ]; then
+  # beside_omp takes the shape options it knows (not --share-layers: it has one workload anyway)
+  b=()
+  set -- "${shape[@]}"
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --layers|--hq|--hk|--dim|--ctx|--rank|--budget) b+=("$1" "$2"); shift 2 ;;
+      *) shift ;;
+    esac
+  done
+  echo "beside another OpenMP runtime (loadavg $(cut -d' ' -f1-3 /proc/loadavg)):"
+  "$beside" --rounds "$rounds" "${b[@]}"
+else
+  echo "busy_prefill.sh: $beside missing (make build/beside_omp): the case beside another OpenMP runtime is skipped"
+fi
