@@ -221,8 +221,8 @@ docs-check:
 # ml_dtypes, setuptools (about 20 MB). The tests run on numpy arrays; those on torch tensors
 # and the Hugging Face tests skip unless torch is there. SKV_PYTORCH=1 adds torch and
 # transformers (.ci/run sets it): PyPI's torch wheel brings its CUDA libraries and triton
-# (several GB); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU-only wheel
-# instead. pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
+# (several GB); TORCH_INDEX_URL=<a package index> takes torch from that index instead (one
+# that serves a CPU-only build, say). pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
 VENV    ?= .venv
 SKV_PYTORCH ?= 0
 PY_PKGS := $(strip pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers))
