@@ -16,6 +16,9 @@
 #    copy of the OpenMP runtime before each layer (as a framework with its own
 #    runtime in the process would run), --rounds times. Skipped with a message
 #    when the program is missing.
+# 3. bench/beside_torch.py: the prefill at 2048 tokens in a Python process with
+#    torch, alone and with a torch matrix product between layers (PYTHON picks
+#    the interpreter; skipped when it has no torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=3 beside=build/beside_omp
@@ -27,7 +30,7 @@ while [ $# -gt 0 ]; do
     --setsid) pass+=("$1"); shift ;;
     --beside) beside=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "busy_prefill.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -48,4 +51,12 @@ if [ -x "$beside" ]; then
   "$beside" --rounds "$rounds" "${b[@]}"
 else
   echo "busy_prefill.sh: $beside missing (make build/beside_omp): the case beside another OpenMP runtime is skipped"
+fi
+# 3. beside torch in one Python process (bench/beside_torch.py), when $PYTHON (python3) has torch
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "beside torch in one process (loadavg $(cut -d' ' -f1-3 /proc/loadavg)):"
+  SHADOWKV_LIBRARY=${SHADOWKV_LIBRARY:-$PWD/build/libshadowkv.so} "$PY" bench/beside_torch.py --rounds "$rounds"
+else
+  echo "busy_prefill.sh: $PY has no torch: the case beside torch is skipped (PYTHON=.venv/bin/python after make check SKV_PYTORCH=1)"
 fi
