@@ -85,7 +85,9 @@ STATIC := $(BUILD)/libshadowkv.a
 SHARED := $(BUILD)/libshadowkv.so
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-# fuzz harnesses: corpus replays (run by make check), libFuzzer builds (make fuzz)
+# fuzz harnesses: corpus replays (run by make check), libFuzzer builds (make fuzz);
+# fuzz.mk's first explicit target (fuzz-cpu-seeds) must not become the goal of a plain make
+.DEFAULT_GOAL := all
 -include fuzz/fuzz.mk
 
 .PHONY: all lib demo check bench tests install uninstall clean deps link-check asan-check
