@@ -186,6 +186,11 @@ $(BUILD)/decode_loop: examples/decode_loop.c include/shadowkv.h $(STATIC) $(PLUG
 $(BUILD)/beside_omp: bench/tools/beside_omp.c include/shadowkv.h $(STATIC) $(PLUGINS)
 	$(CC) $(EXCFLAGS) -D_GNU_SOURCE $< $(STATIC) $(PROG_LIBS) -o $@
 
+# fixed CPU work on 1 and 2 threads, idle and beside busy loops: the floor of busy_prefill.sh's ratio
+$(BUILD)/fixed_work: bench/tools/fixed_work.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c99 -O2 $(WARN) $< -lpthread -o $@
+
 # TEST_CUDA_FLAGS: skv-bench factorize's cuSOLVER gesvd baseline (CUDA builds only)
 $(BUILD)/skv-bench: $(wildcard bench/*.c) $(COMMON_OBJ) $(COMMON_HDR) $(STATIC) $(PLUGINS)
 	$(CC) $(ALLCFLAGS) $(OMPFLAGS) $(TEST_CUDA_FLAGS) -Itests/common -Iexamples $(wildcard bench/*.c) $(COMMON_OBJ) $(STATIC) $(PROG_LIBS) -o $@

@@ -4,7 +4,7 @@
 # environment variable is set.
 #
 #   bench/busy_prefill.sh [--rounds 3] [--busy 2] [--setsid] [--demo PATH] [--beside PATH]
-#                         [-- DEMO_ARGS...]
+#                         [--floor PATH] [-- DEMO_ARGS...]
 #
 # 1. bench/busy_decode.sh --measure prefill: the demo's prefill (every layer's
 #    skv_prefill, summed) idle and with --busy loops, alternated --rounds
@@ -16,21 +16,31 @@
 #    copy of the OpenMP runtime before each layer (as a framework with its own
 #    runtime in the process would run), --rounds times. Skipped with a message
 #    when the program is missing.
-# 3. bench/beside_torch.py: the prefill at 2048 tokens in a Python process with
+# 3. build/fixed_work (make build/fixed_work; --floor another path): the
+#    machine's floor for the ratio of 1: fixed CPU work on 1 thread and on 2
+#    threads, idle and with the same number of busy loops (in its session:
+#    --setsid does not apply), --rounds times. A prefill mixes serial and
+#    parallel work; with as many loops as CPUs a fair scheduler keeps its
+#    ratio above about the lower of those two ratios (about 1.5 and 2 on 2
+#    CPUs with 2 loops), whatever the library does. Skipped with a message
+#    when the program is missing.
+# 4. bench/beside_torch.py: the prefill at 2048 tokens in a Python process with
 #    torch, alone and with a torch matrix product between layers (PYTHON picks
 #    the interpreter; skipped when it has no torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=3 beside=build/beside_omp
+rounds=3 busy=2 beside=build/beside_omp floor=build/fixed_work
 pass=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=$2; pass+=("$1" "$2"); shift 2 ;;
-    --busy|--demo) pass+=("$1" "$2"); shift 2 ;;
+    --busy) busy=$2; pass+=("$1" "$2"); shift 2 ;;
+    --demo) pass+=("$1" "$2"); shift 2 ;;
     --setsid) pass+=("$1"); shift ;;
     --beside) beside=$2; shift 2 ;;
+    --floor) floor=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "busy_prefill.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -52,7 +62,13 @@ if [ -x "$beside" ]; then
 else
   echo "busy_prefill.sh: $beside missing (make build/beside_omp): the case beside another OpenMP runtime is skipped"
 fi
-# 3. beside torch in one Python process (bench/beside_torch.py), when $PYTHON (python3) has torch
+if [ -x "$floor" ]; then
+  echo "the floor: fixed CPU work beside $busy busy loops (loadavg $(cut -d' ' -f1-3 /proc/loadavg)):"
+  "$floor" --busy "$busy" --rounds "$rounds"
+else
+  echo "busy_prefill.sh: $floor missing (make build/fixed_work): the floor is skipped"
+fi
+# 4. beside torch in one Python process (bench/beside_torch.py), when $PYTHON (python3) has torch
 PY=${PYTHON:-python3}
 if "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "beside torch in one process (loadavg $(cut -d' ' -f1-3 /proc/loadavg)):"
