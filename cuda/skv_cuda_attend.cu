@@ -10,7 +10,7 @@
  * work-item plans (skv_cuda_decode_items, skv_cuda_span_items). The three kernels share the tile
  * rebuild and the resident spans of skv_cuda_attn.cuh and stay in one file: compiled apart, the
  * compiler inlines those helpers differently and the fragment kernel's and rebuild_kernel's
- * machine code changes (dev/sass_diff_b.sh shows it).
+ * machine code changes (dev/sass_diff.sh shows it).
  *
  * One CTA (256 threads) per item: (item, KV head h x query-head chunk, sequence b). Items
  * [0, n_sel) are tiles of tt selected tokens: their keys are rebuilt from U W_h into shared

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "skv_numerics.h"
 #include "skv_snapshot.h"
 
 const unsigned char skv_snap_magic[8] = {'S', 'K', 'V', 'S', 'N', 'A', 'P', 0};
@@ -55,20 +56,7 @@ void skv_snap_crc_ready(void) { pthread_once(&snap_crc_once, snap_crc_init); }
 
 /* ---- little-endian fields ------------------------------------------------------------------ */
 
-/* A float's IEEE bit pattern. */
-static uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-/* The float of an IEEE bit pattern. */
-static float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+/* floats as their IEEE bit patterns: skv_bits_from_f32 and skv_f32_from_bits (skv_numerics.h) */
 
 /* Whether this host stores integers little-endian (then tensor data needs no byte swaps). */
 static int snap_host_le(void)
@@ -137,7 +125,7 @@ uint64_t skv_snap_field_get(const skv_config *c, const snap_field *f)
     if (f->type == F_F32) {
         float v;
         memcpy(&v, p, sizeof v);
-        return f32_bits(v);
+        return skv_bits_from_f32(v);
     }
     int32_t v; /* int32_t fields and the enums (int) alike: both 4 bytes, checked at compile time below */
     memcpy(&v, p, sizeof v);
@@ -152,7 +140,7 @@ void skv_snap_field_set(skv_config *c, const snap_field *f, uint64_t v)
         int64_t x = (int64_t)v;
         memcpy(p, &x, sizeof x);
     } else if (f->type == F_F32) {
-        float x = bits_f32((uint32_t)v);
+        float x = skv_f32_from_bits((uint32_t)v);
         memcpy(p, &x, sizeof x);
     } else {
         int32_t x = (int32_t)(uint32_t)v;
@@ -164,7 +152,7 @@ void skv_snap_field_set(skv_config *c, const snap_field *f, uint64_t v)
 void skv_snap_field_fmt(char *buf, size_t cap, const snap_field *f, uint64_t v)
 {
     if (f->type == F_F32)
-        snprintf(buf, cap, "%.9g (bits 0x%08x)", (double)bits_f32((uint32_t)v), (unsigned)(uint32_t)v);
+        snprintf(buf, cap, "%.9g (bits 0x%08x)", (double)skv_f32_from_bits((uint32_t)v), (unsigned)(uint32_t)v);
     else
         snprintf(buf, cap, "%lld", (long long)(int64_t)v);
 }
