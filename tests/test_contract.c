@@ -315,6 +315,18 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
  * the backends have run (OpenMP, BLAS, SIMD kernels), neither this thread nor
  * an OpenMP worker may have FTZ/DAZ set, and a subnormal product must survive.
  */
+#if defined(__x86_64__) || defined(__i386__)
+/* The cpu backend's own team (cpu/skv_cpu_base.h): a weak reference, so a build of this test
+   against the shared library (where the team is not exported) skips that part. */
+typedef void (*skv_cpu_item_fn)(void *ctx, int64_t item, int t);
+extern void skv_cpu_run(int nt, int64_t n, skv_cpu_item_fn fn, void *ctx) __attribute__((weak));
+static void csr_item(void *ctx, int64_t item, int t)
+{
+    (void)item, (void)t;
+    if (_mm_getcsr() & 0x8040u) __atomic_store_n((int *)ctx, 1, __ATOMIC_RELAXED);
+}
+#endif
+
 static void check_no_ftz(void)
 {
     volatile float tiny = 1e-38f, half = 0.5f;
@@ -324,6 +336,11 @@ static void check_no_ftz(void)
 #pragma omp parallel reduction(| : bad)
     bad |= (_mm_getcsr() & 0x8040u) != 0; /* FTZ (bit 15) or DAZ (bit 6) */
     SKVT_CHECK(!bad, "FTZ or DAZ set in MXCSR of this or an OpenMP worker thread");
+    if (skv_cpu_run) { /* the team's helpers run the cpu backend's parallel work */
+        int team_bad = 0;
+        skv_cpu_run(8, 256, csr_item, &team_bad);
+        SKVT_CHECK(!team_bad, "FTZ or DAZ set in MXCSR of a thread of the cpu backend's team");
+    }
 #endif
 }
 
