@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define SKV_VERSION_MAJOR 0
-#define SKV_VERSION_MINOR 2
+#define SKV_VERSION_MINOR 3
 #define SKV_VERSION_PATCH 0
 /** The header's version as one number: major * 10000 + minor * 100 + patch. */
 #define SKV_VERSION_NUMBER (SKV_VERSION_MAJOR * 10000 + SKV_VERSION_MINOR * 100 + SKV_VERSION_PATCH)
@@ -186,6 +186,25 @@ typedef enum skv_factorize_route {
 } skv_factorize_route;
 
 /**
+ * How many chunks a KV head selects at a decode step (docs/DESIGN.md section 4.5).
+ */
+typedef enum skv_select_mode {
+    SKV_SELECT_FIXED = 0, /**< S = budget / c chunks per KV head at every step (default) */
+    SKV_SELECT_MASS = 1   /**< per KV head and step, the fewest chunks (best first) whose
+                               group-max selection probabilities reach select_mass of their
+                               total, clamped to [select_min_chunks, min(S, N - O)]; the
+                               same on every backend, bit for bit */
+} skv_select_mode;
+
+/**
+ * config.budget = SKV_BUDGET_ALL: every candidate chunk is selected at every step
+ * (k = N - O per sequence; buffers are sized for the longest prompt). The keys are
+ * still rebuilt from the rank-r factors: this is the sparse path with nothing left
+ * out, not dense attention (see config.dense_layers for that).
+ */
+#define SKV_BUDGET_ALL ((int32_t)-1)
+
+/**
  * Cache configuration. Obtain it from skv_config_default() (or skv_config_init),
  * then change fields: struct_size must hold the size the caller was compiled with.
  * New fields are only ever appended, so a program built against an older header
@@ -198,9 +217,11 @@ typedef struct skv_config {
     int32_t n_q_heads;        /**< Hq; default 32 */
     int32_t n_kv_heads;       /**< Hk, divides Hq; default 8 */
     int32_t head_dim;         /**< D, even; default 128 */
-    int32_t rank;             /**< r of the key factorization; default 160 */
+    int32_t rank;             /**< r of the key factorization; default 160; 0: chosen per
+                                   (layer, sequence) by rank_error_target, up to rank_max */
     int32_t chunk_size;       /**< c tokens per chunk; default 8 */
-    int32_t budget;           /**< selected tokens per KV head, multiple of c; default 2048 */
+    int32_t budget;           /**< selected tokens per KV head, multiple of c (the cap in
+                                   SKV_SELECT_MASS); SKV_BUDGET_ALL: every candidate; default 2048 */
     int32_t n_outlier_chunks; /**< O; default 48 */
     int32_t n_local_chunks;   /**< Lc; default 4 */
     skv_rope_config rope;     /**< RoPE; defaults theta 500000, no scaling */
@@ -228,6 +249,25 @@ typedef struct skv_config {
                                    section 10; factorize must then be AUTO or CANONICAL and
                                    reads back as CANONICAL); 0 (default): the fastest routes,
                                    equal decisions, outputs within the documented tolerances */
+    /* --- 0.3: selection that follows the attention, dense layers, ranks per slot --- */
+    skv_select_mode select_mode; /**< how many chunks a KV head selects at a step (docs/DESIGN.md
+                                   section 4.5): SKV_SELECT_FIXED (default) S = budget / c;
+                                   SKV_SELECT_MASS the fewest chunks whose estimated attention
+                                   mass reaches select_mass, at least select_min_chunks and at
+                                   most min(S, N - O) */
+    float select_mass;        /**< SKV_SELECT_MASS: the target p, in (0, 1]; default 0.95 */
+    int32_t select_min_chunks;/**< SKV_SELECT_MASS: the floor, in [0, S]; default 0. Prompts need
+                                   only O + select_min_chunks context chunks in this mode */
+    int32_t rank_max;         /**< rank == 0: the largest rank a slot may take, in
+                                   [1, n_kv_heads * head_dim] (memory is sized for it); default 0 */
+    float rank_error_target;  /**< rank == 0: each (layer, sequence) takes the smallest rank r <=
+                                   rank_max whose relative reconstruction error of its pre-RoPE keys,
+                                   ||K - U_r W_r||_F / ||K||_F, is <= this (docs/DESIGN.md section
+                                   3.1); in (0, 1); default 0.1 */
+    uint64_t dense_layers;    /**< bit l set: layer l (< 64) is dense: it keeps its prompt's exact
+                                   post-RoPE keys and values on the device and every decode step
+                                   attends to all tokens (no factorization, landmarks, outliers or
+                                   selection); default 0 */
 } skv_config;
 
 /**
@@ -428,6 +468,10 @@ typedef struct skv_seq_info {
     int32_t n_generated;  /**< generated tokens appended so far */
     int32_t has_selection;/**< 1 once a decode step ran */
     int32_t values_on_device; /**< 1: values in device memory; 0: host store + chunk cache */
+    /* 0.3 */
+    int32_t rank;         /**< rank of this slot's factorization (config.rank, or the rank chosen
+                               when config.rank == 0; 0 before prefill and on a dense layer) */
+    int32_t dense;        /**< 1: a dense layer (config.dense_layers) */
 } skv_seq_info;
 
 /** Fills *info for (layer, seq). Errors: NULL pointer, out-of-range index. */
@@ -441,11 +485,18 @@ static inline skv_status skv_cache_seq_info(skv_cache *cache, int32_t layer, int
 
 /**
  * Chunk ids selected at the last decode step for (layer, seq, kv_head), in
- * increasing order, into ids[0..S). SKV_ERR_NO_SELECTION before the first step,
- * SKV_ERR_NOT_PREFILLED before prefill.
+ * increasing order, into ids[0..k), and -1 into ids[k..S), k being the head's
+ * count at that step (skv_cache_selected_count; S in the fixed mode; ids holds S
+ * entries, S = seq_info.n_selected). SKV_ERR_NO_SELECTION before the first step
+ * and on a dense layer, SKV_ERR_NOT_PREFILLED before prefill.
  */
 SKV_API skv_status skv_cache_selected(skv_cache *cache, int32_t layer, int32_t seq,
                               int32_t kv_head, int32_t *ids);
+
+/** The number k of chunks (layer, seq, kv_head) selected at the last decode step,
+    into *count. Errors as skv_cache_selected. */
+SKV_API skv_status skv_cache_selected_count(skv_cache *cache, int32_t layer, int32_t seq,
+                                    int32_t kv_head, int32_t *count);
 
 /** Outlier chunk ids of (layer, seq, kv_head), increasing, into ids[0..O). */
 SKV_API skv_status skv_cache_outliers(skv_cache *cache, int32_t layer, int32_t seq,
@@ -519,7 +570,36 @@ static inline skv_status skv_cache_stats(skv_cache *cache, skv_stats *stats)
     return skv_cache_stats_sized(cache, stats, sizeof *stats);
 }
 
-/** Zeroes the cache's phase timings. */
+/**
+ * Decode counters of one layer since create or skv_cache_stats_reset: what its
+ * steps attended to. One "head step" is one KV head of one sequence in one
+ * decode step; attended_tokens / context_tokens is the share of the context a
+ * head attended to. cuda counts on the device (read at the synchronization).
+ */
+typedef struct skv_layer_stats {
+    int64_t head_steps;      /**< (step, sequence, KV head) triples decoded */
+    int64_t attended_tokens; /**< tokens attended, summed over the head steps (outliers,
+                                  local window, selected chunks, generated, new) */
+    int64_t context_tokens;  /**< n + n_gen + 1 summed over the same head steps: the
+                                  tokens dense attention attends to */
+    int64_t selected_chunks; /**< chunks selected, summed over the head steps */
+    int32_t dense;           /**< 1: a dense layer */
+    int32_t rank_min;        /**< smallest rank over the layer's prefilled slots (0: none) */
+    int32_t rank_max;        /**< largest */
+    int32_t n_prefilled;     /**< prefilled slots of the layer */
+    double rank_mean;        /**< mean rank over them */
+} skv_layer_stats;
+
+/** Copies layer's counters into *stats (its first stats_size bytes). */
+SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *cache, int32_t layer, skv_layer_stats *stats,
+                                               size_t stats_size);
+/** skv_cache_layer_stats_sized with the caller's sizeof. */
+static inline skv_status skv_cache_layer_stats(skv_cache *cache, int32_t layer, skv_layer_stats *stats)
+{
+    return skv_cache_layer_stats_sized(cache, layer, stats, sizeof *stats);
+}
+
+/** Zeroes the cache's phase timings (and every layer's decode counters). */
 SKV_API skv_status skv_cache_stats_reset(skv_cache *cache);
 
 /* ------------------------------------------------------------------------ */
