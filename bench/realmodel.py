@@ -108,7 +108,7 @@ class Capture:
     """Records, in a forward pass, per layer: post-RoPE keys and values [Hk, T, D] and the queries of
     chosen positions [Hq, P, D] (bf16, as the model computed them), and pre-RoPE keys from k_proj."""
 
-    def __init__(self, model, q_positions):
+    def __init__(self, model, q_positions, k_pre=True):
         import torch
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -131,7 +131,7 @@ class Capture:
         cfg = model.config
         self.Hk = cfg.num_key_value_heads
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        for li, layer in enumerate(model.model.layers):
+        for li, layer in enumerate(model.model.layers if k_pre else []):
             def hook(mod, inp, out, li=li):
                 cap.k_pre[li] = out[0].detach().view(out.shape[1], cap.Hk, cap.D).transpose(0, 1).clone()
             self.hooks.append(layer.self_attn.k_proj.register_forward_hook(hook))
@@ -362,6 +362,504 @@ def mode_measure(args, tok, model, results):
                               outliers=args.outliers, budgets=budgets, masses=masses, rows=rows)
 
 
+# -- the library in the model's decode steps ----------------------------------------------------------
+EVAL = "skv_eval"
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class Runner:
+    """Runs the model one token at a time on a prompt's keys and values, with the attention of each
+    decode step from one of:
+      "sdpa":  the model's own attention (transformers' sdpa, bf16) over every stored token: dense;
+      "fp32":  exact attention in float32 over the same bf16 keys and values (the floor's reference);
+      "skv":   a libshadowkv cache filled from the prompt pass (set_cache).
+    The prompt pass is one ordinary dense forward (prefill); its per-layer post-RoPE keys and values
+    are kept, so any number of sparse settings reuse it and cost only their decode steps. With
+    metrics on, each "skv" step also records per layer the attention output's relative error against
+    exact fp32 dense attention, the share of that attention's mass the attended tokens hold, and the
+    attended tokens."""
+
+    def __init__(self, model):
+        torch = _torch()
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        self.model = model
+        hf = model.config
+        self.L = hf.num_hidden_layers
+        self.Hq = hf.num_attention_heads
+        self.Hk = hf.num_key_value_heads
+        self.D = getattr(hf, "head_dim", None) or hf.hidden_size // self.Hq
+        self.G = self.Hq // self.Hk
+        self.scale = self.D ** -0.5
+        self.kind = "sdpa"
+        self.skv = None
+        self.metrics = None
+        self.K = self.V = None
+        self.n = 0
+        self.pos = 0
+        AttentionInterface.register(EVAL, self._attention)
+        AttentionMaskInterface.register(EVAL, sdpa_mask)
+        self.torch = torch
+
+    # prompt pass
+    def prefill(self, ids, gen):
+        """The dense prompt pass over ids (positions 0..n-1): keeps every layer's post-RoPE keys and
+        values (room for gen more tokens); returns the last position's logits (float32)."""
+        torch = self.torch
+        n = len(ids)
+        cap = Capture(self.model, [], k_pre=False)
+        logits = cap.run(ids)[-1].float()
+        self.n = n
+        self.K = [torch.zeros(self.Hk, n + gen, self.D, dtype=torch.bfloat16) for _ in range(self.L)]
+        self.V = [torch.zeros(self.Hk, n + gen, self.D, dtype=torch.bfloat16) for _ in range(self.L)]
+        for li in range(self.L):
+            self.K[li][:, :n] = cap.k[li]
+            self.V[li][:, :n] = cap.v[li]
+        self._kpre = None
+        return logits
+
+    def prompt_kv(self, li):
+        """(k_pre, v, k_post) of layer li's prompt as [n, Hk, D] bf16: k_pre recovered from the
+        post-RoPE keys with the library's own RoPE tables (as shadowkv.hf does)."""
+        torch = self.torch
+        from shadowkv import ops
+        from shadowkv.hf import rope_config_for
+        import shadowkv
+        n, D = self.n, self.D
+        if self._kpre is None:
+            rope = shadowkv.config(rope=rope_config_for(self.model.config)).rope
+            cos, sin = ops.rope_tables(rope, D, n, arrays="torch")
+            self._kpre = (cos, sin)
+        cos, sin = self._kpre
+        k = self.K[li][:, :n].float()
+        h = D // 2
+        x1, x2 = k[..., :h], k[..., h:]
+        k_pre = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(torch.bfloat16)
+        tr = lambda x: x.transpose(0, 1).contiguous()
+        return tr(k_pre), tr(self.V[li][:, :n]), tr(self.K[li][:, :n])
+
+    def set_cache(self, fields, backend="cpu", gen=64):
+        """A libshadowkv cache for this prompt with config fields (model shape, RoPE, attn_scale, batch 1,
+        max_prompt_len = n filled in), prefilled on every layer from the prompt pass."""
+        import shadowkv
+        from shadowkv.hf import rope_config_for
+        self.close()
+        c = shadowkv.config(n_layers=self.L, n_q_heads=self.Hq, n_kv_heads=self.Hk, head_dim=self.D,
+                            rope=rope_config_for(self.model.config), attn_scale=self.scale, batch_size=1,
+                            max_prompt_len=self.n, gen_capacity=gen, backend=backend, **fields)
+        self.skv = shadowkv.Cache(c)
+        for li in range(self.L):
+            self.skv.prefill(li, 0, *self.prompt_kv(li))
+        return self.skv
+
+    def close(self):
+        if self.skv is not None:
+            self.skv.close()
+            self.skv = None
+
+    # decode
+    def step(self, token, pos):
+        """One decode step: token at position pos (>= n); returns the logits (float32 [vocab])."""
+        torch = self.torch
+        self.pos = pos
+        prev = self.model.config._attn_implementation
+        if prev != EVAL:
+            self.model.set_attn_implementation(EVAL)
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), use_cache=False)
+        return out.logits[0, -1].float()
+
+    def _exact(self, q, keys, vals):
+        """Exact fp32 attention of q [Hq, D] over keys/vals [Hk, T, D]: (out [Hk, G, D], probs [Hk, G, T])."""
+        torch = self.torch
+        qs = q.float().view(self.Hk, self.G, self.D)
+        p = torch.softmax(torch.einsum("hgd,htd->hgt", qs, keys.float()) * self.scale, dim=-1)
+        return torch.einsum("hgt,htd->hgd", p, vals.float()), p
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        torch = self.torch
+        li = module.layer_idx
+        if query.shape[2] != 1:  # not a decode step (the capture pass uses its own attention)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        t = self.pos
+        self.K[li][:, t] = key[0, :, 0]
+        self.V[li][:, t] = value[0, :, 0]
+        keys, vals = self.K[li][:, :t + 1], self.V[li][:, :t + 1]
+        q = query[0, :, 0]
+        if self.kind == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            out, _ = sdpa_attention_forward(module, query, keys[None], vals[None], None, scaling=scaling)
+            return out, None
+        if self.kind == "fp32":
+            o, _ = self._exact(q, keys, vals)
+            return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+        o = self.skv.decode(li, q[None].contiguous(), key[0, :, 0][None].contiguous(),
+                            value[0, :, 0][None].contiguous())[0]                      # [Hq, D] float32
+        if self.metrics is not None:
+            self._measure(li, q, keys, vals, o)
+        return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+
+    def _measure(self, li, q, keys, vals, o):
+        torch = self.torch
+        from shadowkv import ShadowKVError
+        ref, p = self._exact(q, keys, vals)
+        T = keys.shape[1]
+        info = self.skv.seq_info(li, 0)
+        c = self.skv.config.chunk_size
+        mask = torch.zeros(self.Hk, T, dtype=torch.bool)
+        N = info["n_chunks"]
+        mask[:, N * c:] = True
+        try:
+            sel = self.skv.selected(li, 0)                     # [Hk, S], -1 past a head's count
+            out = self.skv.outliers(li, 0) if info["n_outliers"] else torch.zeros(self.Hk, 0, dtype=torch.int32)
+            ar = torch.arange(c)
+            for h in range(self.Hk):
+                ids = torch.cat([sel[h][sel[h] >= 0], out[h]]).long()
+                mask[h, (ids[:, None] * c + ar).reshape(-1)] = True
+        except ShadowKVError:                                   # a dense layer: no selection
+            mask[:] = True
+        mass = (p * mask[:, None]).sum(-1)                      # [Hk, G]
+        err = (o.view(self.Hk, self.G, self.D) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30)
+        m = self.metrics[li]
+        m["steps"] += 1
+        m["mass"] += mass.mean().item()
+        m["mass_min"] = min(m["mass_min"], mass.min().item())
+        m["out_err"] += err.mean().item()
+        m["attended"] += mask.sum().item() / self.Hk
+        m["context"] += T
+
+    def metrics_on(self):
+        self.metrics = [dict(steps=0, mass=0.0, mass_min=1.0, out_err=0.0, attended=0.0, context=0)
+                        for _ in range(self.L)]
+
+    def metrics_summary(self):
+        out = []
+        for li, m in enumerate(self.metrics or []):
+            s = max(m["steps"], 1)
+            out.append(dict(layer=li, attn_mass=m["mass"] / s, attn_mass_min=m["mass_min"],
+                            out_rel_err=m["out_err"] / s, attended_tokens=m["attended"] / s,
+                            attended_share=m["attended"] / max(m["context"], 1)))
+        return out
+
+    def run_tokens(self, first_token, tokens, kind, cache_fields=None, backend="cpu", metrics=False):
+        """Decode steps from position n: first_token, then tokens (teacher-forced); returns the list of
+        logits (one per step) and the time. kind: "sdpa", "fp32" or "skv" (cache_fields: a setting)."""
+        t0 = time.time()
+        self.kind = kind
+        if kind == "skv":
+            self.set_cache(cache_fields, backend=backend, gen=len(tokens) + 1)
+        self.metrics = None
+        if metrics:
+            self.metrics_on()
+        t1 = time.time()
+        logits = []
+        seq = [first_token] + list(tokens)
+        for i, tok in enumerate(seq):
+            logits.append(self.step(tok, self.n + i))
+        return logits, dict(setup_s=t1 - t0, decode_s=time.time() - t1)
+
+    def greedy(self, first_token, n_new, kind, cache_fields=None, backend="cpu", stop=None):
+        """Greedy decoding from position n: returns the generated token ids."""
+        self.kind = kind
+        if kind == "skv":
+            self.set_cache(cache_fields, backend=backend, gen=n_new + 1)
+        self.metrics = None
+        out = []
+        tok = first_token
+        for i in range(n_new):
+            tok = int(self.step(tok, self.n + i).argmax())
+            out.append(tok)
+            if stop is not None and stop(out):
+                break
+        return out
+
+
+# -- settings --------------------------------------------------------------------------------------------
+# The sparse settings: name -> (logits-row mode, config fields). Fields the library in use does not know
+# (a newer config) make that setting skip with a message. "$ALL" for budget means every candidate chunk
+# (SKV_BUDGET_ALL where the library has it, else (N - O) c for the prompt).
+SCALED = dict(rank=96, chunk_size=8, n_outlier_chunks=4, n_local_chunks=4)  # measured; see scaled_defaults()
+
+
+def scaled_defaults(n_ctx, model=None, **kw):
+    """(source, fields): the model-scaled defaults, shadowkv.hf.scaled_config(model, n_ctx, **kw) where
+    the package has it, else the values measured on SmolLM2 (rank Hk*D/2, budget 12.5% of the context,
+    4 outlier chunks, 4 local chunks of 8 tokens; bench/realmodel.py measure)."""
+    try:
+        from shadowkv.hf import scaled_config
+    except ImportError:
+        scaled_config = None
+    if scaled_config is not None and model is not None:
+        return "scaled_config", dict(scaled_config(model, n_ctx, **kw))
+    if kw:
+        return None, None
+    return "measured", dict(SCALED, budget=max(64, 8 * round(n_ctx * 0.125 / 8)))
+
+
+def settings_table(names, n_ctx, model=None):
+    """[(name, mode, fields)] for the setting names:
+      default            the model-scaled defaults (fixed budget)
+      default-mass       the scaled defaults in select_mode "mass" (its p, floor and cap)
+      default-rank0      the scaled defaults with rank 0 (chosen per layer by the error target)
+      fixed-<tokens>     the scaled defaults with a fixed budget of <tokens>
+      mass-<p>           select_mode "mass" with target p, floor 1 chunk, no cap (budget "all")
+      rank-<r>           the scaled defaults with rank r; rank0-<e>: rank 0 with rank_error_target e
+      all                every chunk (budget "all")
+      dense<k>-<setting> <setting> with its first k layers dense (dense_layers)
+    Rows of a setting the library or package in use cannot express are skipped with a message."""
+    import re
+    out = []
+    for name in names:
+        nm = name
+        dense = 0
+        m = re.match(r"dense(\d+)-(.*)", nm)
+        if m:
+            dense, nm = int(m.group(1)), m.group(2)
+        src, base = scaled_defaults(n_ctx, model)
+        base = dict(base)
+        base.setdefault("select_mode", "fixed")
+        mode = "fixed"
+        if nm == "default":
+            pass
+        elif nm == "default-mass":
+            src, f = scaled_defaults(n_ctx, model, select_mode="mass")
+            base = f if f else dict(base, select_mode="mass", select_mass=0.95, select_min_chunks=1)
+            mode = "mass"
+        elif nm == "default-rank0":
+            src, f = scaled_defaults(n_ctx, model, adaptive_rank=True)
+            base = f if f else dict(base, rank=0, rank_max=144, rank_error_target=0.1)
+        elif nm.startswith("fixed-"):
+            base.update(budget=int(nm[6:]), select_mode="fixed")
+        elif nm.startswith("mass-"):
+            mode = "mass"
+            base.update(select_mode="mass", select_mass=float(nm[5:]), budget="all", select_min_chunks=1)
+        elif nm.startswith("rank0-"):
+            base.update(rank=0, rank_max=192, rank_error_target=float(nm[6:]))
+        elif nm.startswith("rank-"):
+            base.update(rank=int(nm[5:]))
+        elif nm == "all":
+            base.update(budget="all", select_mode="fixed")
+        else:
+            raise SystemExit(f"setting {name!r}: see settings_table for the names")
+        if dense:
+            base["dense_layers"] = (1 << dense) - 1
+        out.append((name, mode, base))
+    return out
+
+
+def resolve_fields(fields, n):
+    """(config fields for a prompt of n tokens, None) or (None, why) when the library's config or the
+    package cannot express them (budget "all" is computed as (N - O) c where the package lacks it;
+    select_mode "fixed" is dropped where the field does not exist)."""
+    import shadowkv
+    from shadowkv import _ffi
+    known = dict(_ffi.Config._fields_)
+    f = dict(fields)
+    if "select_mode" not in known and f.get("select_mode") == "fixed":
+        del f["select_mode"]
+    for k in f:
+        if k not in known:
+            return None, f"the library's config has no field {k!r} (not merged yet?)"
+    if f.get("budget") == "all" and not hasattr(shadowkv, "BUDGET_ALL"):
+        c, Lc, O = f["chunk_size"], f["n_local_chunks"], f["n_outlier_chunks"]
+        f["budget"] = (n // c - Lc - O) * c
+    return f, None
+
+
+def budget_of(f, n):
+    """The budget in tokens (budget "all": the prompt's candidates, (N - O) c)."""
+    if f.get("budget") in ("all", -1):
+        return (n // f["chunk_size"] - f["n_local_chunks"] - f["n_outlier_chunks"]) * f["chunk_size"]
+    return f["budget"]
+
+
+# -- passkey ---------------------------------------------------------------------------------------------
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.\n\n")
+LABELS = ["red", "blue", "green", "yellow", "silver", "golden", "purple", "orange"]
+
+
+def passkey_prompt(tok, length, depth, key, task="passkey", others=(), prime=True):
+    """Token ids of a passkey prompt of about `length` tokens: the chat template around INTRO, filler
+    sentences with the needle at `depth` (0..1 of the filler) and the question; the assistant's answer
+    primed with "The pass key is" so that every digit comes from a decode step. task "multikey": the
+    needle names a label ("The pass key for the red door is NNNNN."), `others` are (label, key, depth)
+    of further needles, and the question asks for the first label's key."""
+    if task == "passkey":
+        label = None
+        needles = [(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")]
+        question = "What is the pass key?"
+        answer = "The pass key is"
+    else:
+        label = LABELS[0]
+        needles = [(depth, f"The pass key for the {label} door is {key}. Remember it. ")]
+        needles += [(d, f"The pass key for the {lb} door is {k}. Remember it. ") for lb, k, d in others]
+        question = f"What is the pass key for the {label} door?"
+        answer = f"The pass key for the {label} door is"
+
+    def build(n_fill):
+        sent = FILLER.split(". ")
+        sents = [(s if s.endswith(".") else s + ".") + " " for s in sent if s.strip()]
+        body = [sents[i % len(sents)] for i in range(n_fill)]
+        for d, text in sorted(needles, key=lambda x: -x[0]):
+            body.insert(int(round(d * n_fill)), text)
+        user = INTRO + "".join(body) + "\n\n" + question
+        msgs = [{"role": "user", "content": user}]
+        s = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        if prime:
+            s += answer
+        return tok(s, add_special_tokens=False)["input_ids"]
+    lo, hi = 1, max(8, length)  # sentences: about 5 tokens each
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(build(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return build(lo)
+
+
+def answer_digits(tok, ids):
+    import re
+    m = re.search(r"\d{5}", tok.decode(ids).replace(" ", ""))
+    return m.group(0) if m else tok.decode(ids).strip()
+
+
+def mode_passkey(args, tok, model, results):
+    import random
+    runner = Runner(model)
+    lengths = [int(x) for x in (args.lengths or "2048,4096,7680").split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    tasks = args.tasks.split(",")
+    rng = random.Random(args.seed)
+    log(f"passkey: tasks {tasks}, lengths {lengths}, depths {depths}, {args.keys} keys per cell, seed {args.seed}, "
+        f"settings {args.settings}")
+    rows = results.setdefault("passkey", [])
+    details = results.setdefault("passkey_answers", [])
+    for task in tasks:
+        for n_target in lengths:
+            table = settings_table(args.settings.split(","), n_target, model)
+            for depth in depths:
+                cell = {name: [0, 0, None] for name, _, _ in table}  # correct, dense_correct, budget
+                dense_ok = 0
+                for ki in range(args.keys):
+                    key = f"{rng.randint(10000, 99999)}"
+                    others = []
+                    if task == "multikey":
+                        free = [d for d in (0.05, 0.25, 0.45, 0.65, 0.85, 0.95) if abs(d - depth) > 0.08]
+                        for j in range(args.n_needles - 1):
+                            others.append((LABELS[j + 1], f"{rng.randint(10000, 99999)}", free[(ki + 2 * j) % len(free)]))
+                    ids = passkey_prompt(tok, n_target, depth, key, task, others)
+                    t0 = time.time()
+                    runner.prefill(ids[:-1], gen=16)
+                    t1 = time.time()
+                    stop = lambda out: len(out) >= 8 or len(answer_digits(tok, out)) == 5 and answer_digits(tok, out).isdigit()
+                    dense = answer_digits(tok, runner.greedy(ids[-1], 8, "sdpa", stop=stop))
+                    dense_ok += dense == key
+                    t2 = time.time()
+                    line = [f"{task} n={len(ids)} depth={depth} key={key}: dense {dense} ({t1 - t0:.1f}+{t2 - t1:.1f} s)"]
+                    for name, mode, fields in table:
+                        f, why = resolve_fields(fields, len(ids) - 1)
+                        if f is None:
+                            cell[name][2] = "skip"
+                            continue
+                        ts = time.time()
+                        got = answer_digits(tok, runner.greedy(ids[-1], 8, "skv", f, backend=args.backend, stop=stop))
+                        runner.close()
+                        cell[name][0] += got == key
+                        cell[name][2] = budget_of(f, len(ids) - 1)
+                        details.append(dict(task=task, length=len(ids), depth=depth, key=key, dense=dense,
+                                            setting=name, answer=got))
+                        line.append(f"{name} {got} ({time.time() - ts:.1f} s)")
+                    log("; ".join(line))
+                for name, mode, fields in table:
+                    if cell[name][2] == "skip":
+                        continue
+                    rows.append(dict(task=task, length=n_target, depth=depth, setting=name, mode=mode,
+                                     budget=cell[name][2], default_budget=name == "default",
+                                     keys=args.keys, dense_correct=dense_ok, skv_correct=cell[name][0],
+                                     settings={k: v for k, v in fields.items()}, seed=args.seed))
+                save(results, args)
+
+
+# -- logits ----------------------------------------------------------------------------------------------
+def kl_top1(ref, got):
+    torch = _torch()
+    lp = torch.log_softmax(ref, -1)
+    lq = torch.log_softmax(got, -1)
+    kl = float((lp.exp() * (lp - lq)).sum())
+    return kl, int(ref.argmax()) == int(got.argmax())
+
+
+def mode_logits(args, tok, model, results):
+    runner = Runner(model)
+    lengths = [int(x) for x in (args.lengths or "4096,8128").split(",")]
+    S = args.steps
+    rows = results.setdefault("logits", [])
+    for n in lengths:
+        name, ids = text_tokens(tok, n, args.text)
+        log(f"logits: {name}, {n} tokens, {S} teacher-forced steps")
+        t0 = time.time()
+        runner.prefill(ids[:-1], gen=S + 1)
+        log(f"dense prompt pass {time.time() - t0:.1f} s")
+        # dense's tokens: greedy on the model's own (bf16 sdpa) attention
+        runner.kind = "sdpa"
+        toks = []
+        logits = []
+        tok_ = ids[-1]
+        for i in range(S):
+            lg = runner.step(tok_, runner.n + i)
+            logits.append(lg)
+            tok_ = int(lg.argmax())
+            toks.append(tok_)
+        forced = toks[:-1]
+        log(f"dense: {S} steps, text {tok.decode(toks[:24])!r}...")
+        base = dict(length=n, steps=S, text=name)
+
+        def row(mode, setting, got, extra):
+            kls, t1 = zip(*[kl_top1(r, g) for r, g in zip(logits, got)])
+            r = dict(base, mode=mode, setting=setting, kl_mean=sum(kls) / S, kl_max=max(kls),
+                     top1=sum(t1) / S, **extra)
+            rows.append(r)
+            log(f"  {setting:>16}: share {r.get('attended_share', 1.0):.3f} KL {r['kl_mean']:.4f} "
+                f"(max {r['kl_max']:.3f}) top1 {r['top1']:.3f}")
+            return r
+        rows.append(dict(base, mode="dense", setting="dense", attended_share=1.0, kl_mean=0.0, kl_max=0.0, top1=1.0))
+        got, tm = runner.run_tokens(ids[-1], forced, "fp32")
+        row("floor", "fp32-exact", got, dict(attended_share=1.0, note="exact fp32 attention vs the model's bf16 sdpa"))
+        for setting, mode, fields in settings_table(args.settings.split(","), n, model):
+            f, why = resolve_fields(fields, n - 1)
+            if f is None:
+                log(f"  {setting}: skipped: {why}")
+                continue
+            got, tm = runner.run_tokens(ids[-1], forced, "skv", f, backend=args.backend, metrics=True)
+            per = runner.metrics_summary()
+            runner.close()
+            att = sum(p["attended_share"] for p in per) / len(per)
+            row(mode, setting, got, dict(attended_share=att, budget=budget_of(f, n - 1), default_budget=setting == "default",
+                                         settings=fields, per_layer=per, timings=tm,
+                                         attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
+                                         out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
+        save(results, args)
+
+
+PASSKEY_SETTINGS = "default,default-mass,dense1-default"
+LOGITS_SETTINGS = ("default,default-mass,fixed-64,fixed-128,fixed-256,fixed-512,fixed-1024,mass-0.8,mass-0.9,"
+                   "mass-0.95,mass-0.98,mass-0.99,dense1-fixed-128,dense1-fixed-256,dense1-fixed-512,"
+                   "dense1-mass-0.8,dense1-mass-0.9,dense1-mass-0.95")
+
+
+def save(results, args):
+    with open(args.out_path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 # -- main ------------------------------------------------------------------------------------------
 def machine_name():
     return os.environ.get("SKV_MACHINE") or f"cpu-{os.cpu_count()}core"
@@ -380,10 +878,20 @@ def main(argv=None):
     ap.add_argument("--masses", default="0.8,0.9,0.95,0.98,0.99")
     ap.add_argument("--ranks", default="32,48,64,96,128", help="measure: ranks whose attention output error is measured")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated sparse settings (see settings_table); default: passkey "
+                    + PASSKEY_SETTINGS + "; logits " + LOGITS_SETTINGS)
+    ap.add_argument("--backend", default="cpu", help="the library's backend (ref, cpu, cuda)")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--keys", type=int, default=3, help="passkey: keys per (task, length, depth) cell")
+    ap.add_argument("--tasks", default="passkey,multikey")
+    ap.add_argument("--n-needles", type=int, default=4, help="multikey: needles in the haystack")
+    ap.add_argument("--seed", type=int, default=28)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(HERE, "results", f"{machine_name()}-{date}-realmodel.json")
+    args.out_path = out
     results = {}
     if os.path.exists(out):
         with open(out) as f:
@@ -395,6 +903,19 @@ def main(argv=None):
         if args.lengths is None:
             args.lengths = "2048,4096,8128"
         mode_measure(args, tok, model, results)
+    settings = args.settings
+    if args.mode in ("passkey", "all"):
+        args.settings = settings or PASSKEY_SETTINGS
+        mode_passkey(args, tok, model, results)
+    if args.mode in ("logits", "all"):
+        args.settings = settings or LOGITS_SETTINGS
+        mode_logits(args, tok, model, results)
+    # the scaled defaults' budget per context length (12.5% of the context for SmolLM2 at 2k-8k)
+    db = dict(results.get("default_budget") or {})
+    for r in results.get("logits", []) + results.get("passkey", []):
+        if r.get("default_budget"):
+            db[str(r["length"])] = r["budget"]
+    results["default_budget"] = db
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     log(f"wrote {out}")
