@@ -478,7 +478,9 @@ class Runner:
     def step(self, token, pos):
         """One decode step: token at position pos (>= n); returns the logits (float32 [vocab])."""
         torch = self.torch
+        from transformers import AttentionInterface
         self.pos = pos
+        AttentionInterface.register(EVAL, self._attention)  # this runner's (another may have registered since)
         prev = self.model.config._attn_implementation
         if prev != EVAL:
             self.model.set_attn_implementation(EVAL)

@@ -40,12 +40,15 @@ DEFAULT_LAYERS = "0,1,2,3,8,15,22,29"
 
 
 # -- record ----------------------------------------------------------------------------------------------
-def record(args):
+def record(args, tok=None, model=None):
+    """Records args.layers of SmolLM2 (args.n prompt tokens of args.text, args.steps decode steps) into
+    args.out; tok and model: an already loaded SmolLM2 (else loaded here)."""
     import numpy as np
     import torch
     sys.path.insert(0, HERE)
     import realmodel as rm
-    tok, model = rm.load_model(threads=args.threads)
+    if model is None:
+        tok, model = rm.load_model(threads=args.threads)
     layers = [int(x) for x in args.layers.split(",")]
     n, S = args.n, args.steps
     name, ids = rm.text_tokens(tok, n + S, args.text)
@@ -75,8 +78,11 @@ def record(args):
     from transformers import AttentionInterface
     AttentionInterface.register(rm.EVAL, spy)
     runner.kind = "sdpa"
-    for i in range(S):
-        runner.step(ids[n + i], n + i)
+    try:
+        for i in range(S):
+            runner.step(ids[n + i], n + i)
+    finally:
+        AttentionInterface.register(rm.EVAL, orig)
     for li in layers:
         for x in ("q", "k", "v"):
             arrays[f"{x}_{li}"] = bits(torch.stack(steps[li][x]))
