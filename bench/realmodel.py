@@ -285,13 +285,30 @@ def torch_cat(parts):
     return torch.cat(parts, dim=-1)
 
 
-def rank_output_error(cap, li, n, P, c, Lc, rope, scale, ranks, A):
+def outlier_chunks(k_post, n, c, Lc, O):
+    """[Hk, O] outlier chunk ids of a prompt of n tokens (the min-cosine rule of docs/DESIGN.md 3.5)."""
+    import torch
+    Hk, _, D = k_post.shape
+    N = n // c - Lc
+    ctx = k_post[:, :N * c].float().reshape(Hk, N, c, D)
+    mean = ctx.mean(2)
+    cosv = (ctx * mean[:, :, None]).sum(-1) / torch.clamp(ctx.norm(dim=-1) * mean.norm(dim=-1)[:, :, None], min=1e-8)
+    return torch.argsort(cosv.min(2).values, dim=1, stable=True)[:, :O]
+
+
+def rank_output_error(cap, li, n, P, c, Lc, rope, scale, ranks, A, O=0):
     """Per rank r: the relative error of the decode queries' attention output when every context key
-    (tokens [0, N c)) is the rank-r reconstruction of the pre-RoPE keys, roped (the local window, the
-    generated tokens exact), mean over heads and steps; and the keys' relative reconstruction error."""
+    (tokens [0, N c)) but those of the O outlier chunks of each KV head is the rank-r reconstruction
+    of the pre-RoPE keys, roped (outliers, the local window, the generated tokens exact, as in the
+    library), mean over heads and steps; and the keys' relative reconstruction error."""
     import torch
     Hk, _, D = cap.k[li].shape
     N = n // c - Lc
+    exact = torch.zeros(Hk, N * c, dtype=torch.bool)
+    if O:
+        oc = outlier_chunks(cap.k[li], n, c, Lc, O)
+        for h in range(Hk):
+            exact[h, (oc[h][:, None] * c + torch.arange(c)).reshape(-1)] = True
     U, Sv, Vh = torch.linalg.svd(A, full_matrices=False)
     cos, sin = rope
     kpost = cap.k[li][:, :n + P].float()
@@ -302,6 +319,7 @@ def rank_output_error(cap, li, n, P, c, Lc, rope, scale, ranks, A):
     for r in ranks:
         Ar = (U[:, :r] * Sv[:r]) @ Vh[:r]                                     # [n, Hk D]
         delta = (Ar - A).view(n, Hk, D).transpose(0, 1)[:, :N * c]           # pre-RoPE error of the context
+        delta = delta.masked_fill(exact[:, :, None], 0.0)
         kr = kpost.clone()
         kr[:, :N * c] += rope_apply(delta, cos[:N * c], sin[:N * c])
         kr = kr.to(torch.bfloat16).float()
@@ -345,16 +363,24 @@ def mode_measure(args, tok, model, results):
             A = cap.k_pre[li][:, :n].transpose(0, 1).reshape(n, -1).float()
             sv = torch.linalg.svdvals(A)
             r_all = ranks_for(sv, targets)
-            r_head = [ranks_for(torch.linalg.svdvals(cap.k_pre[li][h, :n].float()), targets) for h in range(cap.Hk)]
+            r_head = [] if args.rank_only else [ranks_for(torch.linalg.svdvals(cap.k_pre[li][h, :n].float()), targets) for h in range(cap.Hk)]
             idx = [qpos.index(p) for p in range(n, n + P)]
             sel = chunk_selection_stats(cap.k[li][:, :n + P], cap.v[li][:, :n + P], cap.q[li][:, idx], n, list(range(n, n + P)),
                                         args.chunk_size, args.local_chunks, args.outliers, budgets, masses, scale)
             rank_err = rank_output_error(cap, li, n, P, args.chunk_size, args.local_chunks, rope, scale,
-                                         [int(x) for x in args.ranks.split(",")], A)
+                                         [int(x) for x in args.ranks.split(",")], A, args.outliers)
+            if args.rank_only:
+                rows.append(dict(layer=li, length=n, rank_out_err=rank_err,
+                                 rank_for_err={str(t): r for t, r in zip(targets, r_all)}))
+                continue
             row = dict(layer=li, length=n, rank_out_err=rank_err, rank_for_err={str(t): r for t, r in zip(targets, r_all)},
                        rank_for_err_per_head=[{str(t): r for t, r in zip(targets, rh)} for rh in r_head], **sel)
             rows.append(row)
         last = [r for r in rows if r["layer"] == li]
+        if args.rank_only:
+            log(f"layer {li:2d}: " + "  ".join(f"n={r['length']} " + " ".join(
+                f"r{k}:{v['out_err']:.3f}" for k, v in r["rank_out_err"].items()) for r in last))
+            continue
         log(f"layer {li:2d}: " + "  ".join(
             f"n={r['length']} r10%={r['rank_for_err']['0.1']} rec@{budgets[len(budgets)//2]}="
             f"{r['budgets'][str(budgets[len(budgets)//2])]['recall']:.3f} need90={r['need90_share']:.3f}" for r in last))
@@ -896,6 +922,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="64,128,256,512,1024")
     ap.add_argument("--masses", default="0.8,0.9,0.95,0.98,0.99")
     ap.add_argument("--ranks", default="32,48,64,96,128", help="measure: ranks whose attention output error is measured")
+    ap.add_argument("--rank-only", action="store_true", help="measure: only the rank part")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--settings", default=None,
                     help="comma-separated sparse settings (see settings_table); default: passkey "
