@@ -728,20 +728,22 @@ LABELS = ["red", "blue", "green", "yellow", "silver", "golden", "purple", "orang
 
 def passkey_prompt(tok, length, depth, key, task="passkey", others=(), prime=True):
     """Token ids of a passkey prompt of about `length` tokens: the chat template around INTRO, filler
-    sentences with the needle at `depth` (0..1 of the filler) and the question; the assistant's answer
-    primed with "The pass key is" so that every digit comes from a decode step. task "multikey": the
+    sentences with the needle at `depth` (0..1 of the filler) and the question ("Reply with the 5-digit
+    number only": without it SmolLM2 explains what a pass key is); the assistant's answer primed with
+    "The pass key is". The prompt pass covers all tokens but the last, which is the first decode
+    step's input, so every token of the answer comes from a decode step. task "multikey": the
     needle names a label ("The pass key for the red door is NNNNN."), `others` are (label, key, depth)
     of further needles, and the question asks for the first label's key."""
     if task == "passkey":
         label = None
         needles = [(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")]
-        question = "What is the pass key?"
+        question = "What is the pass key? Reply with the 5-digit number only."
         answer = "The pass key is"
     else:
         label = LABELS[0]
         needles = [(depth, f"The pass key for the {label} door is {key}. Remember it. ")]
         needles += [(d, f"The pass key for the {lb} door is {k}. Remember it. ") for lb, k, d in others]
-        question = f"What is the pass key for the {label} door?"
+        question = f"What is the pass key for the {label} door? Reply with the 5-digit number only."
         answer = f"The pass key for the {label} door is"
 
     def build(n_fill):
