@@ -94,7 +94,12 @@ def natural_text(source="auto"):
 
 def text_tokens(tok, n, source="auto"):
     name, text = natural_text(source)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    chars = 6 * n + 1000
+    while True:  # tokenize a prefix long enough (the whole text takes a while)
+        ids = tok(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > n or chars >= len(text):
+            break
+        chars *= 2
     if len(ids) < n:
         raise SystemExit(f"the text {name} has {len(ids)} tokens, {n} needed")
     return name, ids[:n]

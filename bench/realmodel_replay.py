@@ -81,7 +81,7 @@ def record(args, tok=None, model=None):
         runner.step(ids[n + i], n + i)
     for li in layers:
         for x in ("q", "k", "v"):
-            arrays[f"{x}_{li}"] = bits(torch.stack(steps[li][x]))
+            arrays[f"step_{x}_{li}"] = bits(torch.stack(steps[li][x]))
     meta = dict(model=rm.GGUF_NAME, text=name, n=n, steps=S, layers=layers, n_layers_model=runner.L,
                 n_q_heads=runner.Hq, n_kv_heads=runner.Hk, head_dim=runner.D, attn_scale=runner.scale,
                 rope=__import__("shadowkv.hf", fromlist=["rope_config_for"]).rope_config_for(model.config),
@@ -181,7 +181,8 @@ def replay(args):
             for t in range(meta["steps"]):
                 hs_o, hs_s = hashlib.sha256(), hashlib.sha256()
                 for j, li in enumerate(layers):
-                    o = cache.decode(j, arr(f"q_{li}", t)[None], arr(f"k_{li}", t)[None], arr(f"v_{li}", t)[None])
+                    o = cache.decode(j, arr(f"step_q_{li}", t)[None], arr(f"step_k_{li}", t)[None],
+                                     arr(f"step_v_{li}", t)[None])
                     ob = np.ascontiguousarray(host(o)).astype(np.float32).tobytes()
                     h_out.update(ob)
                     hs_o.update(ob)
