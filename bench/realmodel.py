@@ -97,7 +97,7 @@ def text_tokens(tok, n, source="auto"):
     chars = 6 * n + 1000
     while True:  # tokenize a prefix long enough (the whole text takes a while)
         ids = tok(text[:chars], add_special_tokens=False)["input_ids"]
-        if len(ids) > n or chars >= len(text):
+        if len(ids) > n + 16 or chars >= len(text):  # the cut can only change the last tokens
             break
         chars *= 2
     if len(ids) < n:
