@@ -800,7 +800,7 @@ def mode_passkey(args, tok, model, results):
         for n_target in lengths:
             table = settings_table(args.settings.split(","), n_target, model)
             for depth in depths:
-                cell = {name: [0, 0, None] for name, _, _ in table}  # correct, dense_correct, budget
+                cell = {name: [0, 0, None] for name, _, _ in table}  # correct, agreeing with dense, budget
                 dense_ok = 0
                 for ki in range(args.keys):
                     key = f"{rng.randint(10000, 99999)}"
@@ -829,6 +829,7 @@ def mode_passkey(args, tok, model, results):
                         if runner.floor_raised:
                             fields["select_min_chunks"] = runner.floor_raised
                         cell[name][0] += got == key
+                        cell[name][1] += got == dense
                         cell[name][2] = budget_of(f, len(ids) - 1)
                         details.append(dict(task=task, length=len(ids), depth=depth, key=key, dense=dense,
                                             setting=name, answer=got))
@@ -840,6 +841,7 @@ def mode_passkey(args, tok, model, results):
                     rows.append(dict(task=task, length=n_target, depth=depth, setting=name, mode=mode,
                                      budget=cell[name][2], default_budget=name == "default",
                                      keys=args.keys, dense_correct=dense_ok, skv_correct=cell[name][0],
+                                     skv_agrees_dense=cell[name][1], n_needles=args.n_needles if task == "multikey" else 1,
                                      settings={k: v for k, v in fields.items()}, seed=args.seed))
                 save(results, args)
 
