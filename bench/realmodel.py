@@ -147,7 +147,7 @@ class Capture:
         self.model.set_attn_implementation(CAPTURE)
         try:
             with torch.no_grad():
-                out = self.model(torch.as_tensor([ids]), use_cache=False)
+                out = self.model(torch.as_tensor([ids]), use_cache=False, logits_to_keep=1)  # the last position only
         finally:
             self.model.set_attn_implementation(prev)
             for h in self.hooks:
