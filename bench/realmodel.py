@@ -12,6 +12,8 @@ Modes (run from the repository root; the library must be built for passkey/logit
             attention output's relative error and the attention mass the attended tokens hold;
             the floor (exact fp32 attention against the model's bf16 attention) beside them
   all       passkey + logits
+  report    markdown tables of a results file (--out), the mass mode's KL against fixed budgets at
+            equal attended share included
 
   python3 bench/realmodel.py measure --lengths 2048,4096,8128
   python3 bench/realmodel.py passkey --lengths 2048,4096,7680 --depths 0.1,0.3,0.5,0.7,0.9 --keys 3
@@ -909,6 +911,70 @@ def mode_logits(args, tok, model, results):
         save(results, args)
 
 
+def interp(xs, ys, x):
+    """Piecewise-linear y(x) over points sorted by x (None outside their range)."""
+    pts = sorted(zip(xs, ys))
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def report(results):
+    """Markdown tables of a results file: passkey accuracy per cell group, logits per setting, the
+    mass mode's KL against fixed budgets at equal attended share, and per-layer figures."""
+    out = []
+    pk = results.get("passkey", [])
+    if pk:
+        seen = {}
+        for r in pk:  # a re-run cell replaces the earlier row
+            seen[(r["task"], r["length"], r["depth"], r["setting"])] = r
+        pk = list(seen.values())
+        out.append("### Passkey (correct answers / keys; dense first)\n")
+        settings = sorted({r["setting"] for r in pk}, key=lambda x: (x != "default", x))
+        out.append("| task | length | depth | keys | dense | " + " | ".join(settings) + " |")
+        out.append("|---|---|---|---|---|" + "---|" * len(settings))
+        cells = sorted({(r["task"], r["length"], r["depth"]) for r in pk})
+        for c in cells:
+            rows = {r["setting"]: r for r in pk if (r["task"], r["length"], r["depth"]) == c}
+            any_ = next(iter(rows.values()))
+            out.append(f"| {c[0]} | {c[1]} | {c[2]} | {any_['keys']} | {any_['dense_correct']} | " + " | ".join(
+                f"{rows[s]['skv_correct']} ({rows[s]['skv_agrees_dense']} = dense)" if s in rows else "" for s in settings) + " |")
+        tot = {}
+        for r in pk:
+            t = tot.setdefault((r["task"], r["length"], r["setting"]), [0, 0, 0, 0])
+            t[0] += r["dense_correct"]; t[1] += r["skv_correct"]; t[2] += r["keys"]; t[3] += r.get("skv_agrees_dense", 0)
+        out.append("\n| task | length | setting | dense | shadowkv | agrees with dense |\n|---|---|---|---|---|---|")
+        for k in sorted(tot):
+            t = tot[k]
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | {t[0]}/{t[2]} | {t[1]}/{t[2]} | {t[3]}/{t[2]} |")
+    lg = results.get("logits", [])
+    for n in sorted({r["length"] for r in lg}):
+        rows = [r for r in lg if r["length"] == n]
+        out.append(f"\n### Logits at {n} tokens ({rows[0].get('steps')} teacher-forced steps on dense's tokens)\n")
+        out.append("| mode | setting | budget | attended share | KL mean | KL max | top-1 | attn mass (mean, min layer) | out rel err |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rows, key=lambda r: (r["mode"] not in ("dense", "floor"), r["mode"], r.get("attended_share", 1))):
+            per = r.get("per_layer") or []
+            mm = f"{r['attn_mass_mean']:.3f}, {min(p['attn_mass'] for p in per):.3f}" if per else ""
+            oe = f"{r['out_rel_err_mean']:.3f}" if per else ""
+            out.append(f"| {r['mode']} | {r['setting']} | {r.get('budget', '')} | {r.get('attended_share', 1):.3f} | "
+                       f"{r['kl_mean']:.4f} | {r.get('kl_max', 0):.3f} | {r['top1']:.3f} | {mm} | {oe} |")
+        fixed = [r for r in rows if r["mode"] == "fixed" and r["setting"].startswith("fixed-")]
+        for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-")):
+            cand = [r for r in rows if r["setting"].startswith(pref)]
+            if not cand or len(fixed) < 2:
+                continue
+            out.append(f"\n{fam} against fixed budgets at equal attended share ({n} tokens):\n")
+            out.append("| setting | share | KL | fixed KL at that share | ratio |\n|---|---|---|---|---|")
+            for r in sorted(cand, key=lambda r: r["attended_share"]):
+                f = interp([x["attended_share"] for x in fixed], [x["kl_mean"] for x in fixed], r["attended_share"])
+                ratio = f"{f / r['kl_mean']:.2f}x" if f and r["kl_mean"] > 0 else ""
+                out.append(f"| {r['setting']} | {r['attended_share']:.3f} | {r['kl_mean']:.4f} | "
+                           f"{'' if f is None else f'{f:.4f}'} | {ratio} |")
+    return "\n".join(out)
+
+
 PASSKEY_SETTINGS = "default,default-mass,dense1-default"
 LOGITS_SETTINGS = ("default,default-mass,fixed-64,fixed-128,fixed-256,fixed-512,fixed-1024,mass-0.8,mass-0.9,"
                    "mass-0.95,mass-0.98,mass-0.99,dense1-fixed-128,dense1-fixed-256,dense1-fixed-512,"
@@ -927,7 +993,7 @@ def machine_name():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all"])
+    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report"])
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=64, help="decode / teacher-forced steps")
     ap.add_argument("--text", default="auto", choices=["auto", "licenses", "pydoc"])
@@ -959,6 +1025,9 @@ def main(argv=None):
             results = json.load(f)
     results.setdefault("machine", dict(name=machine_name(), cpus=os.cpu_count(), platform=platform.platform(),
                                        python=platform.python_version()))
+    if args.mode == "report":
+        print(report(results))
+        return
     tok, model = load_model(threads=args.threads)
     if args.mode == "measure":
         if args.lengths is None:
