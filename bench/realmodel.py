@@ -546,11 +546,97 @@ class Runner:
         if self.kind == "fp32":
             o, _ = self._exact(q, keys, vals)
             return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+        if self.kind == "emu":
+            o = self._emulate(li, q, keys, vals)
+            return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
         o = self.skv.decode(li, q[None].contiguous(), key[0, :, 0][None].contiguous(),
                             value[0, :, 0][None].contiguous())[0]                      # [Hq, D] float32
         if self.metrics is not None:
             self._measure(li, q, keys, vals, o)
         return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+
+    # -- selection rules emulated in Python (exact keys: no rank truncation), to compare rules fast --
+    def set_emulation(self, rule):
+        """kind "emu": each decode step attends, per KV head, to the outliers, the local window, the
+        generated tokens and the candidate chunks a rule picks from the library's landmark scores
+        (sections 3.4-4.5), over exact keys (no rank truncation). rule: dict(kind="fixed", S=...) or
+        dict(kind="mass", p=..., floor=..., cap=..., group="max"|"mean", temp=1.0) or
+        dict(kind="topp", p=..., floor=..., cap=...): the fewest candidates whose estimated mass, with
+        the exact mass of the attended exact tokens in the same softmax, reaches p of the total;
+        dense=k: the first k layers dense. c = 8, Lc = 4, O = 4."""
+        torch = self.torch
+        c, Lc, O = rule.get("c", 8), rule.get("Lc", 4), rule.get("O", 4)
+        self.emu = dict(rule=rule, c=c, O=O, layers=[])
+        for li in range(self.L):
+            n = self.n
+            N = n // c - Lc
+            k = self.K[li][:, :N * c].float().view(self.Hk, N, c, self.D)
+            mean = k.mean(2)
+            cosv = (k * mean[:, :, None]).sum(-1) / torch.clamp(k.norm(dim=-1) * mean.norm(dim=-1)[:, :, None], min=1e-8)
+            out_ids = torch.argsort(cosv.min(2).values, dim=1, stable=True)[:, :O]
+            is_out = torch.zeros(self.Hk, N, dtype=torch.bool)
+            is_out.scatter_(1, out_ids, True)
+            self.emu["layers"].append(dict(N=N, lm=mean.to(torch.bfloat16).float(), is_out=is_out))
+        self.emu_stats = [dict(steps=0, attended=0.0, context=0) for _ in range(self.L)]
+
+    def _emulate(self, li, q, keys, vals):
+        torch = self.torch
+        e = self.emu
+        rule, c = e["rule"], e["c"]
+        T = keys.shape[1]
+        st = self.emu_stats[li]
+        if li < rule.get("dense", 0):
+            o, _ = self._exact(q, keys, vals)
+            st["steps"] += 1; st["attended"] += T; st["context"] += T
+            return o
+        lay = e["layers"][li]
+        N, lm, is_out = lay["N"], lay["lm"], lay["is_out"]
+        G, Hk = self.G, self.Hk
+        qs = q.float().view(Hk, G, self.D)
+        s = torch.einsum("hgd,hnd->hgn", qs, lm) * self.scale / rule.get("temp", 1.0)
+        s = s.masked_fill(is_out[:, None], float("-inf"))
+        n_cand = N - e["O"]
+        logits = torch.einsum("hgd,htd->hgt", qs, keys.float()) * self.scale   # exact, for attention
+        mask = torch.zeros(Hk, T, dtype=torch.bool)
+        mask[:, N * c:] = True
+        ar = torch.arange(c)
+        for h in range(Hk):
+            oc = is_out[h].nonzero()[:, 0]
+            mask[h, (oc[:, None] * c + ar).reshape(-1)] = True
+        if rule["kind"] == "fixed":
+            a = torch.softmax(s, -1).max(1).values
+            order = torch.argsort(-a, dim=1, stable=True)
+            ks = [min(rule["S"], n_cand)] * Hk
+        elif rule["kind"] == "mass":
+            pr = torch.softmax(s, -1)
+            a = pr.max(1).values if rule.get("group", "max") == "max" else pr.mean(1)
+            order = torch.argsort(-a, dim=1, stable=True)
+            sa = torch.gather(a, 1, order)
+            cs = torch.cumsum(sa, 1)
+            cap = min(rule.get("cap", n_cand), n_cand)
+            ks = [max(min(int((cs[h] < rule["p"] * cs[h, -1]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
+                  for h in range(Hk)]
+        else:  # topp: candidates estimated as c * exp(landmark score), exact tokens exactly, one softmax
+            est = s + torch.log(torch.tensor(float(c)))                       # [Hk, G, N] log-mass per chunk
+            ex = logits.masked_fill(~mask[:, None], float("-inf"))            # exact attended tokens
+            M = torch.maximum(est.max(-1).values, ex.max(-1).values)          # [Hk, G]
+            me = torch.exp(est - M[..., None])
+            mx = torch.exp(ex - M[..., None]).sum(-1)
+            Z = me.sum(-1) + mx
+            a = (me / Z[..., None]).max(1).values                             # group max of estimated shares
+            base = (mx / Z).min(1).values                                     # the exact part, worst head
+            order = torch.argsort(-a, dim=1, stable=True)
+            cs = torch.cumsum(torch.gather(a, 1, order), 1)
+            cap = min(rule.get("cap", n_cand), n_cand)
+            ks = [max(min(int((base[h] + cs[h] < rule["p"]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
+                  for h in range(Hk)]
+        for h in range(Hk):
+            sel = order[h, :ks[h]]
+            mask[h, (sel[:, None] * c + ar).reshape(-1)] = True
+        w = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), -1)
+        o = torch.einsum("hgt,htd->hgd", w, vals.float())
+        st["steps"] += 1; st["attended"] += mask.sum().item() / Hk; st["context"] += T
+        return o
 
     def _measure(self, li, q, keys, vals, o):
         torch = self.torch
@@ -893,7 +979,14 @@ def mode_logits(args, tok, model, results):
         rows.append(dict(base, mode="dense", setting="dense", attended_share=1.0, kl_mean=0.0, kl_max=0.0, top1=1.0))
         got, tm = runner.run_tokens(ids[-1], forced, "fp32")
         row("floor", "fp32-exact", got, dict(attended_share=1.0, note="exact fp32 attention vs the model's bf16 sdpa"))
-        for setting, mode, fields in settings_table(args.settings.split(","), n, model):
+        for setting in [x for x in args.settings.split(",") if x.startswith("emu-")]:
+            rule = emu_rule(setting, n)
+            runner.set_emulation(rule)
+            got, tm = runner.run_tokens(ids[-1], forced, "emu")
+            att = sum(x["attended"] / max(x["context"], 1) for x in runner.emu_stats) / runner.L
+            row("emu-" + rule["kind"], setting, got, dict(attended_share=att, emulated=rule, timings=tm))
+        for setting, mode, fields in settings_table([x for x in args.settings.split(",") if not x.startswith("emu-")],
+                                                    n, model):
             f, why = resolve_fields(fields, n - 1)
             if f is None:
                 log(f"  {setting}: skipped: {why}")
@@ -909,6 +1002,30 @@ def mode_logits(args, tok, model, results):
                                          attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
                                          out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
         save(results, args)
+
+
+def emu_rule(name, n):
+    """An emulated rule from its name: emu-fixed-<tokens>, emu-mass-<p>[-mean][-t<temp>][-cap<tokens>]
+    [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)."""
+    parts = name.split("-")[1:]
+    kind = parts[0]
+    rule = dict(kind=kind)
+    if kind == "fixed":
+        rule["S"] = int(parts[1]) // 8
+    else:
+        rule["p"] = float(parts[1])
+    for x in parts[2:]:
+        if x == "mean":
+            rule["group"] = "mean"
+        elif x.startswith("t"):
+            rule["temp"] = float(x[1:])
+        elif x.startswith("cap"):
+            rule["cap"] = int(x[3:]) // 8
+        elif x.startswith("floor"):
+            rule["floor"] = int(x[5:]) // 8
+        elif x.startswith("d"):
+            rule["dense"] = int(x[1:])
+    return rule
 
 
 def interp(xs, ys, x):
