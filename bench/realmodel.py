@@ -585,7 +585,7 @@ class Runner:
         rule, c = e["rule"], e["c"]
         T = keys.shape[1]
         st = self.emu_stats[li]
-        if li < rule.get("dense", 0):
+        if li < rule.get("dense", 0) or rule.get("only", li) != li:
             o, _ = self._exact(q, keys, vals)
             st["steps"] += 1; st["attended"] += T; st["context"] += T
             return o
@@ -1006,7 +1006,8 @@ def mode_logits(args, tok, model, results):
 
 def emu_rule(name, n):
     """An emulated rule from its name: emu-fixed-<tokens>, emu-mass-<p>[-mean][-t<temp>][-cap<tokens>]
-    [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)."""
+    [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)
+    or "-only<l>" (layer l alone sparse: where the KL comes from)."""
     parts = name.split("-")[1:]
     kind = parts[0]
     rule = dict(kind=kind)
@@ -1025,6 +1026,8 @@ def emu_rule(name, n):
             rule["floor"] = int(x[5:]) // 8
         elif x.startswith("d"):
             rule["dense"] = int(x[1:])
+        elif x.startswith("only"):
+            rule["only"] = int(x[4:])
     return rule
 
 
