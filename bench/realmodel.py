@@ -607,6 +607,20 @@ class Runner:
             a = torch.softmax(s, -1).max(1).values
             order = torch.argsort(-a, dim=1, stable=True)
             ks = [min(rule["S"], n_cand)] * Hk
+        elif rule["kind"] == "mass" and rule.get("group") == "union":
+            # per query head the fewest chunks reaching p of its own softmax; the KV head takes the union
+            pr = torch.softmax(s, -1)                                            # [Hk, G, N]
+            po = torch.argsort(-pr, dim=-1, stable=True)
+            cs = torch.cumsum(torch.gather(pr, -1, po), -1)
+            kq = (cs < rule["p"]).sum(-1) + 1                                    # [Hk, G]
+            order_l, ks = [], []
+            cap = min(rule.get("cap", n_cand), n_cand)
+            for h in range(Hk):
+                u = torch.unique(torch.cat([po[h, g, :int(kq[h, g])] for g in range(G)]))
+                u = u[~is_out[h, u]]
+                order_l.append(u)
+                ks.append(min(len(u), cap))
+            order = None
         elif rule["kind"] == "mass":
             pr = torch.softmax(s, -1)
             a = pr.max(1).values if rule.get("group", "max") == "max" else pr.mean(1)
@@ -631,7 +645,7 @@ class Runner:
             ks = [max(min(int((base[h] + cs[h] < rule["p"]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
                   for h in range(Hk)]
         for h in range(Hk):
-            sel = order[h, :ks[h]]
+            sel = order[h, :ks[h]] if order is not None else order_l[h][:ks[h]]
             mask[h, (sel[:, None] * c + ar).reshape(-1)] = True
         w = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), -1)
         o = torch.einsum("hgt,htd->hgd", w, vals.float())
@@ -1005,7 +1019,7 @@ def mode_logits(args, tok, model, results):
 
 
 def emu_rule(name, n):
-    """An emulated rule from its name: emu-fixed-<tokens>, emu-mass-<p>[-mean][-t<temp>][-cap<tokens>]
+    """An emulated rule from its name: emu-fixed-<tokens>, emu-mass-<p>[-mean|-union][-t<temp>][-cap<tokens>]
     [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)
     or "-only<l>" (layer l alone sparse: where the KL comes from)."""
     parts = name.split("-")[1:]
@@ -1016,8 +1030,8 @@ def emu_rule(name, n):
     else:
         rule["p"] = float(parts[1])
     for x in parts[2:]:
-        if x == "mean":
-            rule["group"] = "mean"
+        if x in ("mean", "union"):
+            rule["group"] = x
         elif x.startswith("t"):
             rule["temp"] = float(x[1:])
         elif x.startswith("cap"):
