@@ -962,6 +962,7 @@ def mode_logits(args, tok, model, results):
     lengths = [int(x) for x in (args.lengths or "4096,8128").split(",")]
     S = args.steps
     rows = results.setdefault("logits", [])
+    emu_rows = results.setdefault("logits_emulated", [])  # rules emulated in Python (exact keys), not the library
     for n in lengths:
         name, ids = text_tokens(tok, n, args.text)
         log(f"logits: {name}, {n} tokens, {S} teacher-forced steps")
@@ -986,7 +987,7 @@ def mode_logits(args, tok, model, results):
             kls, t1 = zip(*[kl_top1(r, g) for r, g in zip(logits, got)])
             r = dict(base, mode=mode, setting=setting, kl_mean=sum(kls) / S, kl_max=max(kls),
                      top1=sum(t1) / S, **extra)
-            rows.append(r)
+            (emu_rows if mode.startswith("emu") else rows).append(r)
             log(f"  {setting:>16}: share {r.get('attended_share', 1.0):.3f} KL {r['kl_mean']:.4f} "
                 f"(max {r['kl_max']:.3f}) top1 {r['top1']:.3f}")
             return r
