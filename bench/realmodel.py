@@ -1083,10 +1083,18 @@ def report(results):
         for k in sorted(tot):
             t = tot[k]
             out.append(f"| {k[0]} | {k[1]} | {k[2]} | {t[0]}/{t[2]} | {t[1]}/{t[2]} | {t[3]}/{t[2]} |")
-    lg = results.get("logits", [])
+    import re
+    for key, title in (("logits", "Logits"), ("logits_emulated", "Emulated selection rules (Python, exact keys)")):
+        out += _report_logits(results.get(key, []), title)
+    return "\n".join(out)
+
+
+def _report_logits(lg, title):
+    import re
+    out = []
     for n in sorted({r["length"] for r in lg}):
         rows = [r for r in lg if r["length"] == n]
-        out.append(f"\n### Logits at {n} tokens ({rows[0].get('steps')} teacher-forced steps on dense's tokens)\n")
+        out.append(f"\n### {title} at {n} tokens ({rows[0].get('steps')} teacher-forced steps on dense's tokens)\n")
         out.append("| mode | setting | budget | attended share | KL mean | KL max | top-1 | attn mass (mean, min layer) | out rel err |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["mode"] not in ("dense", "floor"), r["mode"], r.get("attended_share", 1))):
@@ -1095,9 +1103,10 @@ def report(results):
             oe = f"{r['out_rel_err_mean']:.3f}" if per else ""
             out.append(f"| {r['mode']} | {r['setting']} | {r.get('budget', '')} | {r.get('attended_share', 1):.3f} | "
                        f"{r['kl_mean']:.4f} | {r.get('kl_max', 0):.3f} | {r['top1']:.3f} | {mm} | {oe} |")
-        fixed = [r for r in rows if r["mode"] == "fixed" and r["setting"].startswith("fixed-")]
-        for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-")):
-            cand = [r for r in rows if r["setting"].startswith(pref)]
+        fixed = [r for r in rows if re.fullmatch(r"(emu-)?fixed-\d+", r["setting"])]
+        for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-"),
+                          ("default mass", "default-mass"), ("emulated mass", "emu-mass-"), ("emulated top-p", "emu-topp-")):
+            cand = [r for r in rows if r["setting"].startswith(pref) and "only" not in r["setting"]]
             if not cand or len(fixed) < 2:
                 continue
             out.append(f"\n{fam} against fixed budgets at equal attended share ({n} tokens):\n")
@@ -1107,7 +1116,7 @@ def report(results):
                 ratio = f"{f / r['kl_mean']:.2f}x" if f and r["kl_mean"] > 0 else ""
                 out.append(f"| {r['setting']} | {r['attended_share']:.3f} | {r['kl_mean']:.4f} | "
                            f"{'' if f is None else f'{f:.4f}'} | {ratio} |")
-    return "\n".join(out)
+    return out
 
 
 PASSKEY_SETTINGS = "default,default-mass,dense1-default"
