@@ -603,7 +603,18 @@ class Runner:
         for h in range(Hk):
             oc = is_out[h].nonzero()[:, 0]
             mask[h, (oc[:, None] * c + ar).reshape(-1)] = True
-        if rule["kind"] == "fixed":
+        if rule["kind"] in ("oracle", "oracle-topp"):
+            # the exact attention's chunk masses (summed over the group): what no estimate can beat
+            w = torch.softmax(logits, -1)                                        # [Hk, G, T]
+            cm = w[:, :, :N * c].reshape(Hk, G, N, c).sum(-1).sum(1).masked_fill(is_out, -1.0)   # [Hk, N]
+            order = torch.argsort(-cm, dim=1, stable=True)
+            if rule["kind"] == "oracle":
+                ks = [min(rule["S"], n_cand)] * Hk
+            else:  # the fewest chunks with which the attended tokens hold p of the mass (group mean)
+                base = (w * mask[:, None]).sum(-1).sum(1)                         # [Hk] exact part, summed over G
+                cs = torch.cumsum(torch.gather(cm.clamp(min=0), 1, order), 1)
+                ks = [max(min(int((base[h] + cs[h] < rule["p"] * G).sum()) + 1, n_cand), 1) for h in range(Hk)]
+        elif rule["kind"] == "fixed":
             a = torch.softmax(s, -1).max(1).values
             order = torch.argsort(-a, dim=1, stable=True)
             ks = [min(rule["S"], n_cand)] * Hk
@@ -1020,13 +1031,16 @@ def mode_logits(args, tok, model, results):
 
 
 def emu_rule(name, n):
-    """An emulated rule from its name: emu-fixed-<tokens>, emu-mass-<p>[-mean|-union][-t<temp>][-cap<tokens>]
+    """An emulated rule from its name: emu-fixed-<tokens>, emu-oracle-<tokens> (the best chunks by exact
+    mass), emu-oracletopp-<p> (the fewest chunks by exact mass holding p of it), emu-mass-<p>[-mean|-union][-t<temp>][-cap<tokens>]
     [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)
     or "-only<l>" (layer l alone sparse: where the KL comes from)."""
     parts = name.split("-")[1:]
     kind = parts[0]
     rule = dict(kind=kind)
-    if kind == "fixed":
+    if kind == "oracletopp":
+        rule["kind"] = kind = "oracle-topp"
+    if kind in ("fixed", "oracle"):
         rule["S"] = int(parts[1]) // 8
     else:
         rule["p"] = float(parts[1])
