@@ -14,6 +14,7 @@ Modes (run from the repository root; the library must be built for passkey/logit
   all       passkey + logits
   report    markdown tables of a results file (--out), the mass mode's KL against fixed budgets at
             equal attended share included
+  merge     merge result files (runs of single modes or lengths) into --out
 
   python3 bench/realmodel.py measure --lengths 2048,4096,8128
   python3 bench/realmodel.py passkey --lengths 2048,4096,7680 --depths 0.1,0.3,0.5,0.7,0.9 --keys 3
@@ -1060,6 +1061,29 @@ def emu_rule(name, n):
     return rule
 
 
+ROW_KEYS = dict(passkey=("task", "length", "depth", "setting"), logits=("length", "setting"),
+                logits_emulated=("length", "setting"))
+
+
+def merge(results, paths):
+    """results with the rows of the files at paths added (a row replaces an earlier one of the same
+    cell and setting); other top-level entries: the last file's."""
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        for k, v in r.items():
+            if k in ROW_KEYS:
+                rows = {tuple(x.get(f) for f in ROW_KEYS[k]): x for x in results.get(k, [])}
+                for x in v:
+                    rows[tuple(x.get(f) for f in ROW_KEYS[k])] = x
+                results[k] = list(rows.values())
+            elif k == "default_budget":
+                results[k] = {**results.get(k, {}), **v}
+            else:
+                results[k] = v
+    return results
+
+
 def interp(xs, ys, x):
     """Piecewise-linear y(x) over points sorted by x (None outside their range)."""
     pts = sorted(zip(xs, ys))
@@ -1151,7 +1175,9 @@ def machine_name():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report"])
+    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report", "merge"])
+    ap.add_argument("inputs", nargs="*", help="merge: result files merged into --out (later rows replace earlier "
+                    "ones of the same cell and setting)")
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=64, help="decode / teacher-forced steps")
     ap.add_argument("--text", default="auto", choices=["auto", "licenses", "pydoc"])
@@ -1185,6 +1211,12 @@ def main(argv=None):
                                        python=platform.python_version()))
     if args.mode == "report":
         print(report(results))
+        return
+    if args.mode == "merge":
+        results = merge(results, args.inputs)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        log(f"merged {len(args.inputs)} files into {out}")
         return
     tok, model = load_model(threads=args.threads)
     if args.mode == "measure":
