@@ -1062,7 +1062,17 @@ def emu_rule(name, n):
 
 
 ROW_KEYS = dict(passkey=("task", "length", "depth", "setting"), logits=("length", "setting"),
-                logits_emulated=("length", "setting"))
+                logits_emulated=("length", "setting"), passkey_answers=("task", "length", "depth", "key", "setting"))
+
+
+def default_budgets(results):
+    """results["default_budget"]: the scaled defaults' budget per context length, from the rows."""
+    db = dict(results.get("default_budget") or {})
+    for r in results.get("logits", []) + results.get("passkey", []):
+        if r.get("default_budget"):
+            db[str(r["length"])] = r["budget"]
+    results["default_budget"] = db
+    return results
 
 
 def merge(results, paths):
@@ -1071,6 +1081,10 @@ def merge(results, paths):
     for p in paths:
         with open(p) as f:
             r = json.load(f)
+        emu = [x for x in r.get("logits", []) if str(x.get("mode", "")).startswith("emu")]
+        if emu:  # files written before emulated rows had their own list
+            r["logits"] = [x for x in r["logits"] if x not in emu]
+            r["logits_emulated"] = r.get("logits_emulated", []) + emu
         for k, v in r.items():
             if k in ROW_KEYS:
                 rows = {tuple(x.get(f) for f in ROW_KEYS[k]): x for x in results.get(k, [])}
@@ -1081,7 +1095,7 @@ def merge(results, paths):
                 results[k] = {**results.get(k, {}), **v}
             else:
                 results[k] = v
-    return results
+    return default_budgets(results)
 
 
 def interp(xs, ys, x):
@@ -1230,12 +1244,7 @@ def main(argv=None):
     if args.mode in ("logits", "all"):
         args.settings = settings or LOGITS_SETTINGS
         mode_logits(args, tok, model, results)
-    # the scaled defaults' budget per context length (12.5% of the context for SmolLM2 at 2k-8k)
-    db = dict(results.get("default_budget") or {})
-    for r in results.get("logits", []) + results.get("passkey", []):
-        if r.get("default_budget"):
-            db[str(r["length"])] = r["budget"]
-    results["default_budget"] = db
+    default_budgets(results)  # the scaled defaults' budget per context length
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     log(f"wrote {out}")
