@@ -577,7 +577,8 @@ class Runner:
             out_ids = torch.argsort(cosv.min(2).values, dim=1, stable=True)[:, :O]
             is_out = torch.zeros(self.Hk, N, dtype=torch.bool)
             is_out.scatter_(1, out_ids, True)
-            self.emu["layers"].append(dict(N=N, lm=mean.to(torch.bfloat16).float(), is_out=is_out))
+            self.emu["layers"].append(dict(N=N, lm=mean.to(torch.bfloat16).float(), is_out=is_out,
+                                           kmin=k.min(2).values, kmax=k.max(2).values))
         self.emu_stats = [dict(steps=0, attended=0.0, context=0) for _ in range(self.L)]
 
     def _emulate(self, li, q, keys, vals):
@@ -594,7 +595,11 @@ class Runner:
         N, lm, is_out = lay["N"], lay["lm"], lay["is_out"]
         G, Hk = self.G, self.Hk
         qs = q.float().view(Hk, G, self.D)
-        s = torch.einsum("hgd,hnd->hgn", qs, lm) * self.scale / rule.get("temp", 1.0)
+        if rule.get("est") == "quest":  # Quest's bound: per channel the larger of q*min and q*max of the chunk
+            s = torch.maximum(qs[:, :, None] * lay["kmin"][:, None], qs[:, :, None] * lay["kmax"][:, None]).sum(-1)
+            s = s * self.scale / rule.get("temp", 1.0)
+        else:
+            s = torch.einsum("hgd,hnd->hgn", qs, lm) * self.scale / rule.get("temp", 1.0)
         s = s.masked_fill(is_out[:, None], float("-inf"))
         n_cand = N - e["O"]
         logits = torch.einsum("hgd,htd->hgt", qs, keys.float()) * self.scale   # exact, for attention
@@ -1035,7 +1040,8 @@ def emu_rule(name, n):
     """An emulated rule from its name: emu-fixed-<tokens>, emu-oracle-<tokens> (the best chunks by exact
     mass), emu-oracletopp-<p> (the fewest chunks by exact mass holding p of it), emu-mass-<p>[-mean|-union][-t<temp>][-cap<tokens>]
     [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)
-    or "-only<l>" (layer l alone sparse: where the KL comes from)."""
+    or "-only<l>" (layer l alone sparse: where the KL comes from), or "-quest" (chunks scored by Quest's
+    per-channel min/max bound instead of the mean landmark)."""
     parts = name.split("-")[1:]
     kind = parts[0]
     rule = dict(kind=kind)
@@ -1056,6 +1062,8 @@ def emu_rule(name, n):
             rule["floor"] = int(x[5:]) // 8
         elif x.startswith("d"):
             rule["dense"] = int(x[1:])
+        elif x == "quest":
+            rule["est"] = "quest"
         elif x.startswith("only"):
             rule["only"] = int(x[4:])
     return rule
