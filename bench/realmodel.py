@@ -499,6 +499,10 @@ class Runner:
             self.floor_raised = need
             c.select_min_chunks = need
             self.skv = shadowkv.Cache(c)
+        try:
+            self.memory = shadowkv.memory(self.skv.config)  # the cache's bytes (rank, budget, dense layers)
+        except Exception:
+            self.memory = None
         for li in range(self.L):
             self.skv.prefill(li, 0, *self.prompt_kv(li))
         return self.skv
@@ -1030,7 +1034,7 @@ def mode_logits(args, tok, model, results):
             runner.close()
             att = sum(p["attended_share"] for p in per) / len(per)
             row(mode, setting, got, dict(attended_share=att, budget=budget_of(f, n - 1), default_budget=setting == "default",
-                                         settings=fields, per_layer=per, timings=tm,
+                                         settings=fields, per_layer=per, timings=tm, memory=runner.memory,
                                          attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
                                          out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
         save(results, args)
