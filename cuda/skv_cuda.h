@@ -135,25 +135,28 @@ skv_status skv_cuda_rope_op(const skv_rope_config *rope, int32_t D, int64_t n_to
 skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
                                  const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
                                  skv_bf16 *landmarks);
-skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, const skv_select_params *sp,
                                     float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                     const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
-                                    float *amax, skv_ws *ws);
+                                    float *amax, int32_t *counts, skv_ws *ws);
+/* counts / head_tokens non-NULL (lib/'s per-sequence decode, which a cuda cache never takes):
+   SKV_ERR_UNSUPPORTED with a note. */
 skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                               const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                               skv_bf16 *k_out, skv_ws *ws);
+                               const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                               const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                          int32_t c, int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                         const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                         skv_bf16 *k_out, skv_ws *ws);
+                                         const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                         const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                                   const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
-                                                  float *out, skv_ws *ws);
+                                                  const int64_t *head_tokens, float *out, skv_ws *ws);
 skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                              const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+                              const skv_bf16 *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
 skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                        int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+                                        int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                        float *out, skv_ws *ws);
 skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                       int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
 
@@ -167,7 +170,8 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
                                   skv_stats *stats, char *msg, size_t cap);
 skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
                                  const skv_bf16 *vn, float *out, char *msg, size_t cap);
-skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
+                               char *msg, size_t cap);
 skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */
@@ -186,14 +190,17 @@ typedef struct skv_cuda_seq {
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
     const skv_bf16 *loc_k, *loc_v; /* [Hk, n_local, D] local window */
     skv_bf16 *gen_k, *gen_v;       /* [Hk, gen_cap, D] generated tokens */
-    int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step */
+    int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step
+                                           (entries [k, S) of a head's row -1) */
+    int32_t *pub_sel_cnt;      /* [Hk] each head's count k at that step (NULL: a dense slot) */
     /* chunk cache of a host slot; vc_data NULL for a device slot */
     skv_bf16 *vc_data;         /* [Hk, E, c, D] */
     int32_t *vc_slot_of;       /* [Hk, cand_max] entry of each candidate (-1) */
     int32_t *vc_owner, *vc_stamp; /* [Hk, E] candidate held (-1), last step used (-1) */
     int64_t n;                 /* prompt length */
     int32_t n_cand;            /* N - O */
-    int32_t n_local;
+    int32_t n_local;           /* a dense slot: n (loc_k, loc_v are its whole prompt) */
+    int32_t dense;             /* 1: a dense layer's slot (no landmarks, factors, selection) */
     /* advanced on the device by the combine kernel */
     int32_t n_gen;
     int32_t has_sel;
@@ -210,12 +217,18 @@ typedef struct skv_cuda_shape {
     int32_t interleaved;
     float scale;         /* resolved softmax scale */
     const float *cos_tab, *sin_tab; /* device RoPE tables, rotary_dim/2 floats per position */
+    /* the selection count of each (sequence, KV head) (docs/DESIGN.md 4.5): cap = min(sel_cap,
+       n_cand); sel_mode SKV_SELECT_FIXED: k = cap; SKV_SELECT_MASS: the mass rule with sel_mass
+       and the floor min(sel_min, cap). sel_cap <= S (S is the stride of the selection rows). */
+    int32_t sel_mode, sel_cap, sel_min;
+    float sel_mass;
 } skv_cuda_shape;
 
 /* How a decode (or span) attention splits into work items per (sequence, query head). */
 typedef struct skv_cuda_items {
     int32_t tt;          /* tokens per tile */
-    int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) */
+    int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) (a head with k < S chunks
+                            leaves its items past k*c tokens empty) */
     int32_t n_res;       /* items over the resident spans (or the caller's spans) */
     int32_t n_items;     /* n_sel + n_res */
     int32_t frag;        /* every item is one tile and the shape has the fragment kernel */
@@ -252,7 +265,9 @@ typedef struct skv_cuda_dws {
     unsigned *cnt_sel;           /* [B, Hk] tiles of step 3 done (reset by the last) */
     unsigned long long *pool;    /* [B, Hk, pool_cap] tile winners: key << 32 | candidate */
     int32_t pool_cap;
-    int32_t *sel_idx, *sel_ids;  /* [B, Hk, S] */
+    int32_t *sel_idx, *sel_ids;  /* [B, Hk, S]: entries [k, S) of a row -1 */
+    int32_t *sel_cnt;            /* [B, Hk] the step's count k of each (sequence, KV head) */
+    float *mkey;                 /* [B, Hk, cand_max] SKV_SELECT_MASS, split path: the masses m_j (else NULL) */
     int32_t *vsrc;               /* [B, Hk, S] chunk-cache entry of each selected chunk; bit 31: missed */
     int32_t *mlist, *mcount;     /* [B, Hk, S] positions of the missed chunks, [B, Hk] their count */
     float *part_acc;             /* [B, Hq, n_items, D] */
@@ -262,6 +277,9 @@ typedef struct skv_cuda_dws {
     unsigned *cnt_done;          /* step-5 blocks done (reset by the last) */
     unsigned long long *first_bad; /* sticky first non-finite input, see skv_cuda_select_step */
     unsigned long long *vc_counts; /* [2] chunk-cache hits, misses (cumulative) */
+    unsigned long long *lstats;  /* NULL, or [4] the layer's counters (head_steps, attended_tokens,
+                                    context_tokens, selected_chunks; cumulative), added by step 5:
+                                    the cache points a copy of its workspace at each layer's row */
     skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
@@ -280,9 +298,10 @@ int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S);
 /* The decode workspace carved from one allocation at base: its bytes (base NULL) or its
    pointers (skv_cuda_cache.cu; the cache's, and the op-level score_select's own). it: the
    attention items; host: whether any slot keeps its values on the host; canon_tmax: the
-   reproducible mode's row length (0: default mode). */
+   reproducible mode's row length (0: default mode); mass: SKV_SELECT_MASS (the masses' region). */
 size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax);
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass);
+
 /* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
 cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st);
 

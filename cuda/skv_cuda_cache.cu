@@ -53,7 +53,7 @@
  * skv_cuda_dws_clear.
  */
 size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass)
 {
     size_t off = 0;
     const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
@@ -72,6 +72,7 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
     SKV_REGION(pool, unsigned long long, bk * pool_cap);
     SKV_REGION(sel_idx, int32_t, bk * S);
     SKV_REGION(sel_ids, int32_t, bk * S);
+    SKV_REGION(sel_cnt, int32_t, bk);
     SKV_REGION(part_acc, float, bq * it.n_items * D);
     SKV_REGION(part_ml, float2, bq * it.n_items);
     SKV_REGION(step_bad, int32_t, 1);
@@ -87,6 +88,8 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
     }
     if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
         SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
+    if (mass) /* SKV_SELECT_MASS: the candidates' masses for the split selection's A */
+        SKV_REGION(mkey, float, bk * cand_max);
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
@@ -94,6 +97,8 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
         if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
         ws->canon_tmax = canon_tmax;
         if (canon_tmax <= 0) ws->canon_e = NULL;
+        if (!mass) ws->mkey = NULL;
+        ws->lstats = NULL;
     }
     return off;
 }
@@ -160,10 +165,14 @@ typedef struct skv_cuda_cache {
     cudaEvent_t scored_ev;          /* no timing: step 1 done (reproducible mode: the resident scores may start) */
     char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
+    skv_cuda_shape shd;   /* a dense layer's shape: S = O = r = 0 (no selected span, no outliers) */
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
     skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
     unsigned char *layer_host; /* [L] 1: a sequence of the layer keeps its values on the host */
-    skv_cuda_dws ws;            /* the decode workspace */
+    skv_cuda_dws ws;            /* the decode workspace (a sparse layer's items) */
+    skv_cuda_dws wsd;           /* the same workspace with a dense layer's items (its resident spans hold the prompt) */
+    unsigned long long *lstats; /* [L, 4] the layers' counters on the device (cumulative; combine adds them) */
+    unsigned long long *lstats_seen; /* [L, 4] host: what sync has handed over */
     unsigned long long vc_seen[2]; /* chunk-cache counts already added to the stats */
     int64_t launches;           /* decode kernels since the last sync */
     int64_t n_steps;            /* decode steps enqueued */
@@ -196,7 +205,7 @@ typedef struct skv_cuda_cache {
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
-    size_t dws, kp, uf, wf, lm, seqs, factor;
+    size_t dws, kp, uf, wf, lm, seqs, factor, lstats;
     size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
@@ -209,8 +218,26 @@ static skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout 
     sh.gen_cap = cfg->gen_capacity, sh.cand_max = lay->cand_max, sh.vc_chunks = lay->vc_chunks;
     sh.rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh.interleaved = cfg->rope.interleaved;
     sh.scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
+    /* the count of each head (docs/DESIGN.md 4.5): SKV_BUDGET_ALL selects every candidate (S = cand_max,
+       cap = n_cand, the fixed rule); else cap = min(S, n_cand) by the configured mode */
+    sh.sel_mode = cfg->budget == SKV_BUDGET_ALL ? SKV_SELECT_FIXED : (int32_t)cfg->select_mode;
+    sh.sel_cap = lay->S;
+    sh.sel_min = cfg->select_min_chunks;
+    sh.sel_mass = cfg->select_mass;
     return sh;
 }
+
+/* A dense layer's shape: no outliers, no selected span, no factors (its prompt is the local window). */
+static skv_cuda_shape skv_cuda_dense_shape(const skv_cuda_shape *sh)
+{
+    skv_cuda_shape d = *sh;
+    d.S = 0, d.O = 0, d.r = 0, d.cand_max = 1, d.vc_chunks = 0;
+    d.sel_mode = SKV_SELECT_FIXED, d.sel_cap = 0, d.sel_min = 0;
+    return d;
+}
+
+/* Most resident tokens of a dense layer's step: its prompt, the generated tokens and the new one. */
+static int64_t skv_cuda_dense_resident(const skv_config *c) { return c->max_prompt_len + c->gen_capacity; }
 
 static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay)
 {
@@ -219,12 +246,34 @@ static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *l
                                                             c->gen_capacity));
 }
 
+/* Items of a dense layer's step (split over its prompt like any resident span). */
+static skv_cuda_items skv_cuda_dense_items_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
+    skv_cuda_shape d = skv_cuda_dense_shape(&sh);
+    return skv_cuda_decode_items(&d, skv_cuda_dense_resident(c));
+}
+
+/* The items the workspace is carved for: the most of a sparse and (with dense layers) a dense step. */
+static skv_cuda_items skv_cuda_ws_items_of(const skv_config *c, const skv_layout *lay)
+{
+    skv_cuda_items it = skv_cuda_items_of(c, lay);
+    if (lay->n_dense_layers > 0) {
+        const skv_cuda_items d = skv_cuda_dense_items_of(c, lay);
+        if (d.n_items > it.n_items) it.n_items = d.n_items;
+    }
+    return it;
+}
+
 /* Row length of the canonical attention's weights: the most tokens a query head attends to in a
-   step of the reproducible mode; 0 (no such regions) in the default mode. */
+   step of the reproducible mode (a dense layer's: its prompt, generated and new tokens); 0 (no such
+   regions) in the default mode. */
 static int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay)
 {
     if (!c->reproducible) return 0;
-    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+    int64_t t = skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+    if (lay->n_dense_layers > 0 && skv_cuda_dense_resident(c) > t) t = skv_cuda_dense_resident(c);
+    return t;
 }
 
 static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
@@ -235,8 +284,10 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
     int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
-                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
-                                skv_cuda_canon_tmax(c, lay));
+                                c->chunk_size, lay->cand_max, skv_cuda_ws_items_of(c, lay),
+                                lay->n_dev_slots < lay->n_sparse_slots, skv_cuda_canon_tmax(c, lay),
+                                skv_cuda_shape_of(c, lay).sel_mode == SKV_SELECT_MASS);
+    z.lstats = (size_t)c->n_layers * 4 * sizeof(unsigned long long);
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
@@ -256,7 +307,7 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
 size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + 3 * sizeof(unsigned long long);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + 3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -302,6 +353,7 @@ void skv_cuda_cache_close(void *bctx)
     if (k->h_flags) cudaFreeHost(k->h_flags);
     free(k->h_seqs);
     free(k->layer_host);
+    free(k->lstats_seen);
     (void)cudaGetLastError();
     free(k);
 }
@@ -323,7 +375,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     skv_status st = SKV_OK;
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
-    const int has_host = lay->n_dev_slots < lay->n_slots;
+    const int has_host = lay->n_dev_slots < lay->n_sparse_slots;
     char *dws_base, *wq_base = NULL;
     k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
@@ -356,22 +408,30 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    k->lstats = (unsigned long long *)skv_cuda_cache_alloc(k, z.lstats);
+    k->lstats_seen = (unsigned long long *)calloc(L * 4, sizeof(unsigned long long));
     if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
-        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base)) {
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
         goto fail;
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
-                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
-                        skv_cuda_canon_tmax(cfg, lay));
-    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
+                        cfg->chunk_size, lay->cand_max, skv_cuda_ws_items_of(cfg, lay), has_host,
+                        skv_cuda_canon_tmax(cfg, lay), sh->sel_mode == SKV_SELECT_MASS);
+    /* the regions are carved for the most items of either kind of layer; each kind keeps its own plan */
+    k->ws.it = skv_cuda_items_of(cfg, lay);
+    k->wsd = k->ws;
+    k->wsd.it = skv_cuda_dense_items_of(cfg, lay);
+    k->shd = skv_cuda_dense_shape(sh);
+    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess ||
+        (e = cudaMemset(k->lstats, 0, z.lstats)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
     }
@@ -403,8 +463,17 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     for (size_t l = 0; l < L; l++)
         for (size_t b = 0; b < B; b++) {
             size_t i = l * B + b;
-            char *sd = dev + i * lay->slot_device;
+            char *sd = dev + skv_layout_slot_offset(lay, (int32_t)l, (int32_t)b);
             skv_cuda_seq *s = &k->h_seqs[i];
+            if (skv_layout_dense(lay, (int32_t)l)) { /* the prompt's keys and values, the generated tokens */
+                s->dense = 1;
+                s->loc_k = (const skv_bf16 *)(sd + lay->dn_k);
+                s->loc_v = (const skv_bf16 *)(sd + lay->dn_v);
+                s->gen_k = (skv_bf16 *)(sd + lay->dn_gen_k);
+                s->gen_v = (skv_bf16 *)(sd + lay->dn_gen_v);
+                continue;
+            }
+            const int64_t j = skv_layout_sparse_index(lay, (int32_t)l, (int32_t)b); /* its value store's index */
             s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
             s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
             s->u = (const skv_bf16 *)(sd + lay->u);
@@ -418,10 +487,11 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
             s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
             s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
-            if ((int64_t)i < lay->n_dev_slots) {
-                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + i * lay->slot_values);
+            s->pub_sel_cnt = (int32_t *)(sd + lay->sel_cnt);
+            if (j < lay->n_dev_slots) {
+                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
             } else {
-                const size_t hi = i - (size_t)lay->n_dev_slots;
+                const size_t hi = (size_t)(j - lay->n_dev_slots);
                 char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
                 s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
                 s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
@@ -481,6 +551,58 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
 }
 
 /*
+ * Prefill of a dense layer's (layer, sequence): the finiteness check (one host synchronization), the
+ * prompt's post-RoPE keys (k_post, or the RoPE of k_pre) and its values into the slot's window
+ * [Hk, n, D] (head stride n D, like a local window), the descriptor (n_local = n, no candidates).
+ * No factorization, landmarks, outliers or value offload. Returns when the cache's stream is done.
+ */
+static skv_status skv_cuda_prefill_dense(skv_cuda_cache *k, int32_t layer, int32_t seq, int64_t n,
+                                         const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post, char *msg,
+                                         size_t cap)
+{
+    const skv_config *g = &k->cfg;
+    cudaStream_t st = k->st;
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim;
+    const int64_t HkD = (int64_t)Hk * D;
+    skv_cuda_seq *hs = &k->h_seqs[(size_t)layer * g->batch_size + seq];
+    const skv_bf16 *in[3] = {k_pre, v, k_post};
+    static const char *const names[3] = {"k_pre", "v", "k_post"};
+    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
+    for (int t = 0; t < 3; t++)
+        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
+    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    for (int t = 0; t < 3; t++)
+        if (k->h_flags[t] != ~0ull) {
+            long long b = (long long)k->h_flags[t];
+            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
+                     b % D);
+            return SKV_ERR_NONFINITE;
+        }
+    if (!k_post) { /* the library's RoPE of k_pre (kp_tmp is only used on this stream) */
+        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
+                         k->kp_tmp));
+        k_post = k->kp_tmp;
+    }
+    const size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
+    for (int32_t h = 0; h < Hk; h++) {
+        const size_t src = (size_t)h * D, dst = (size_t)h * n * D;
+        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_k + dst, row, k_post + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice,
+                             st));
+        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_v + dst, row, v + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice, st));
+    }
+    hs->n = n;
+    hs->n_cand = 0;
+    hs->n_local = (int32_t)n;
+    hs->n_gen = 0;
+    hs->has_sel = 0;
+    CK(cudaMemcpyAsync(k->d_seqs + ((size_t)layer * g->batch_size + seq), hs, sizeof *hs, cudaMemcpyHostToDevice, st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    return SKV_OK;
+}
+
+/*
  * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
  * check (one host synchronization, so bad input is refused before any work), copies of
  * k_pre and v into the staging buffers, RoPE, landmarks and outliers, the exact chunks and
@@ -503,10 +625,11 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     const int64_t HkD = (int64_t)Hk * D;
     const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
     size_t i = (size_t)layer * g->batch_size + seq;
-    char *sd = k->dev + i * lay->slot_device;
+    char *sd = k->dev + skv_layout_slot_offset(lay, layer, seq);
     skv_cuda_seq *hs = &k->h_seqs[i];
     const int host_slot = hs->vc_data != NULL;
     (void)stats; /* times arrive at the next sync */
+    if (hs->dense) return skv_cuda_prefill_dense(k, layer, seq, n, k_pre, v, k_post, msg, cap);
 
     /* the timing set of the prefill before last: long finished (this stream waited for it) */
     skv_cuda_pset *ps = &k->pset[k->pset_next];
@@ -649,12 +772,35 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
     const skv_cuda_shape *sh = &k->sh;
     skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
     const int repro = k->cfg.reproducible;
-    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
+    /* this layer's view of the workspace: its counters' row (and a dense layer's items) */
+    skv_cuda_dws ws = skv_layout_dense(&k->lay, layer) ? k->wsd : k->ws;
+    ws.lstats = k->lstats + (size_t)layer * 4;
+    if (skv_layout_dense(&k->lay, layer)) {
+        /* a dense layer: step 1 only checks and publishes the step's tensors (no candidates), then the
+           attention over the resident spans (the prompt, the generated tokens, the new one) */
+        const skv_cuda_shape *shd = &k->shd;
+        CK(skv_cuda_score(st, shd, seqs, &ws, io, 1, layer, node));
+        *launches += 1;
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+        if (repro) {
+            CK(skv_cuda_canon_decode_resident(st, shd, seqs, &ws));
+            if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
+            CK(skv_cuda_canon_decode_attend(st, shd, seqs, &ws));
+            CK(skv_cuda_combine_append(st, shd, seqs, &ws));
+            *launches += 4;
+            return SKV_OK;
+        }
+        CK(skv_cuda_attend(st, shd, seqs, &ws, !ev));
+        CK(skv_cuda_combine(st, shd, seqs, &ws, NULL, 1));
+        *launches += 2;
+        return SKV_OK;
+    }
+    CK(skv_cuda_select_step(st, sh, seqs, &ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
     if (repro) {
         /* the resident tokens' canonical scores on the side stream once step 1 has published the
            step's tensors, beside the selection (which leaves most of the device idle) */
         CK(cudaStreamWaitEvent(k->side, k->scored_ev, 0));
-        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &ws));
         *launches += 1;
     }
     if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
@@ -666,16 +812,16 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
         if (k->layer_host[layer]) {
             CK(cudaEventRecord(k->fork_ev, st));
             CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-            CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+            CK(skv_cuda_fetch(k->side, sh, seqs, &ws));
             if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
             *launches += 1;
         }
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
-        CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &ws));
+        CK(skv_cuda_combine_append(st, sh, seqs, &ws));
         *launches += 4;
         return SKV_OK;
     }
@@ -683,18 +829,18 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
         /* the missed chunks come over PCIe on the side stream while everything else is attended */
         CK(cudaEventRecord(k->fork_ev, st));
         CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+        CK(skv_cuda_fetch(k->side, sh, seqs, &ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, 0));
+        CK(skv_cuda_attend(st, sh, seqs, &ws, 0));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
+        CK(skv_cuda_attend_missed(st, sh, seqs, &ws));
         *launches += 3;
     } else {
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, !ev));
+        CK(skv_cuda_attend(st, sh, seqs, &ws, !ev));
         *launches += 1;
     }
-    CK(skv_cuda_combine(st, sh, seqs, &k->ws, NULL, 1));
+    CK(skv_cuda_combine(st, sh, seqs, &ws, NULL, 1));
     *launches += 1;
     return SKV_OK;
 }
@@ -790,7 +936,8 @@ skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, c
     return SKV_OK;
 }
 
-skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap)
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
+                               char *msg, size_t cap)
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     CK(cudaStreamSynchronize(k->st));
@@ -830,6 +977,28 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
     stats->value_cache_hits += (int64_t)(vc[0] - k->vc_seen[0]);
     stats->value_cache_misses += (int64_t)(vc[1] - k->vc_seen[1]);
     k->vc_seen[0] = vc[0], k->vc_seen[1] = vc[1];
+    /* the layers' counters since the last sync (the device's are cumulative) */
+    if (layer_stats) {
+        enum { SKV_LS_MAX = 64 * 4 }; /* chunks of the copy: no allocation here */
+        unsigned long long buf[SKV_LS_MAX];
+        const size_t total = (size_t)k->cfg.n_layers * 4;
+        for (size_t off = 0; off < total; off += SKV_LS_MAX) {
+            const size_t m = total - off < SKV_LS_MAX ? total - off : SKV_LS_MAX;
+            CK(cudaMemcpy(buf, k->lstats + off, m * sizeof *buf, cudaMemcpyDeviceToHost));
+            for (size_t x = 0; x < m; x++) {
+                const size_t q = off + x;
+                const int64_t d = (int64_t)(buf[x] - k->lstats_seen[q]);
+                k->lstats_seen[q] = buf[x];
+                skv_layer_stats *ls = &layer_stats[q / 4];
+                switch (q % 4) {
+                case 0: ls->head_steps += d; break;
+                case 1: ls->attended_tokens += d; break;
+                case 2: ls->context_tokens += d; break;
+                default: ls->selected_chunks += d; break;
+                }
+            }
+        }
+    }
     unsigned long long failures = 0, tag = ~0ull;
     skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
     if (fst_) return fst_;
@@ -882,10 +1051,11 @@ skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, ch
         skv_cuda_seq *hs = &k->h_seqs[i];
         const skv_seq_state *s = &states[i];
         hs->n = s->prefilled ? s->n : 0;
-        hs->n_cand = s->prefilled ? s->n_cand : 0;
-        hs->n_local = s->prefilled ? s->n_local : 0;
+        hs->n_cand = s->prefilled && !hs->dense ? s->n_cand : 0;
+        hs->n_local = s->prefilled ? (hs->dense ? (int32_t)s->n : s->n_local) : 0;
         hs->n_gen = s->prefilled ? s->n_gen : 0;
         hs->has_sel = s->prefilled ? s->has_selection : 0;
+        if (hs->dense) continue; /* its window and generated tokens are in the arena; nothing else to prepare */
         if (hs->vc_data) CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, k->lay.vc_meta_bytes, k->st));
         /* the snapshot wrote W: its fixed point for the decode's rebuild, as a prefill prepares it */
         if (s->prefilled && hs->wq)
