@@ -805,6 +805,21 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
                                float *amax);
 
 /**
+ * skv_op_score_select with the count of SKV_SELECT_MASS (docs/DESIGN.md section 4.5):
+ * per KV head h, the fewest of the min(n_select, n_cand) best candidates whose
+ * group-max probabilities reach select_mass of their total, at least
+ * min(select_min_chunks, n_select, n_cand): k_h into counts[h], the k_h candidate
+ * indices (increasing) into sel_idx[h*n_select .. +k_h) and -1 into the rest of the row;
+ * sel_ids likewise. The same on every backend, bit for bit. Requires n_select >= 1,
+ * select_mass in (0, 1], 0 <= select_min_chunks <= n_select; counts [Hk] non-NULL.
+ */
+SKV_API skv_status skv_op_score_select_mass(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                            int32_t head_dim, int32_t n_cand, int32_t n_select, float select_mass,
+                                            int32_t select_min_chunks, float scale, const skv_bf16 *q,
+                                            const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                                            int32_t *sel_idx, int32_t *sel_ids, float *amax, int32_t *counts);
+
+/**
  * Rebuilds post-RoPE keys of selected chunks from the factorization.
  *  u        [n, r] bf16, w [r, Hk*D] bf16 (n >= (max chunk id + 1) * c)
  *  chunk_ids[Hk, S]            chunk id j: tokens j*c .. j*c+c-1 at those positions

@@ -84,11 +84,18 @@ skv_status skv_backend_resolve(char *errbuf, skv_backend want, skv_backend *got,
 
 skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay);
 
+/* Whether this process can start the n_threads - 1 worker threads that n_threads asks of a
+   backend (skv_cache_create; lib/skv_util.c). */
+skv_status skv_probe_threads(int32_t n_threads);
+
 /*
  * The structs of the public API that grow by appending fields. The smallest size
  * each ever had (its first published layout) is the least a caller may pass.
  */
 #define SKV_CONFIG_MIN_SIZE offsetof(skv_config, reproducible) /* 0.1.0 ended at factorize */
+/* 0.2 ended at reproducible: its size, the struct's alignment padding included */
+#define SKV_CONFIG_V02_SIZE \
+    ((offsetof(skv_config, select_mode) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
 #define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
 #define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)
@@ -116,6 +123,7 @@ typedef struct skv_cache_parts {
     const struct skv_backend_ops *ops;
     char *dev, *host;       /* the device and host arenas */
     skv_seq_state *slots;   /* [n_layers * batch_size], slot i = layer * batch_size + seq */
+    skv_layer_stats *layer_stats; /* [n_layers] decode counters (the counter fields only) */
     void *bctx;             /* the backend's cache state (cache-level slots), or NULL */
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;

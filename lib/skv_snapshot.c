@@ -29,20 +29,22 @@
 
 #include "skv_snapshot.h"
 
-/* Slot i's value store: in the device arena or the host arena, as the cache placed it. */
+/* Slot i's value store (a sparse slot's): in the device arena or the host arena, as the cache placed it. */
 static char *snap_value_store(const skv_cache_parts *p, size_t i)
 {
-    if ((int64_t)i < p->lay->n_dev_slots) return p->dev + p->lay->dev_values + i * p->lay->slot_values;
-    return p->host + (i - (size_t)p->lay->n_dev_slots) * p->lay->slot_host;
+    const int32_t B = p->cfg->batch_size;
+    const size_t j = (size_t)skv_layout_sparse_index(p->lay, (int32_t)(i / B), (int32_t)(i % B));
+    if ((int64_t)j < p->lay->n_dev_slots) return p->dev + p->lay->dev_values + j * p->lay->slot_values;
+    return p->host + (j - (size_t)p->lay->n_dev_slots) * p->lay->slot_host;
 }
 
 /* Start of a tensor's region in the arenas of slot i. */
 static char *snap_region(const skv_cache_parts *p, size_t i, const snap_tensor *t)
 {
+    const int32_t B = p->cfg->batch_size;
     if (t->where == R_VALUES) return snap_value_store(p, i);
-    return p->dev + i * p->lay->slot_device + t->region;
+    return p->dev + skv_layout_slot_offset(p->lay, (int32_t)(i / B), (int32_t)(i % B)) + t->region;
 }
-
 
 /* ---- writer ------------------------------------------------------------------------------- */
 
@@ -489,7 +491,7 @@ static skv_status snap_load(snap_in *in, const skv_config *cfg, skv_cache **out)
             goto done;
         }
     } else {
-        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_slots; i++)
+        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_sparse_slots; i++)
             memset(p.dev + p.lay->dev_vcache + (size_t)(i - p.lay->n_dev_slots) * p.lay->slot_vcache +
                        p.lay->vc_slot_of,
                    0xff, p.lay->vc_meta_bytes);
