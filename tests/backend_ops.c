@@ -75,6 +75,8 @@ typedef struct tcase {
     int32_t d, r, hq, hk, D, c, N, O, S, R, inter, llama3, flags;
     float scale;
     const int64_t *spans; /* sparse only, optional: S span lengths */
+    float mass;           /* score: > 0 runs skv_op_score_select_mass with this target (floor minc) */
+    int32_t minc;
 } tcase;
 
 /* the decode step of the sparse perf case: outliers 48*8, local window (4
@@ -119,6 +121,19 @@ static const tcase cases[] = {
     {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 2000, .S = 256},
     {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 77},
     {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .flags = F_MINIMAL},
+    /* SKV_SELECT_MASS (skv_op_score_select_mass): counts, sets and amax bitwise; the cuda kernels'
+       paths: one CTA per (KV head) (N <= 32768 with many heads), the tiled split (few heads, N > 4096),
+       the ordered walk past its first batch of 2048 ranks (k > 2048), a cap above n_cand */
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 64, .mass = 0.9f},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 256, .mass = 0.5f, .minc = 3},
+    {OP_SCORE, INIT_NEEDLE, 0, .hq = 8, .hk = 8, .D = 256, .N = 500, .S = 16, .mass = 0.95f},
+    {OP_SCORE, INIT_HUGE, 0, .hq = 16, .hk = 4, .D = 128, .N = 700, .S = 50, .mass = 0.99f, .minc = 50},
+    {OP_SCORE, INIT_TINY, 0, .hq = 32, .hk = 8, .D = 128, .N = 300, .S = 100, .mass = 1.0f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 100, .mass = 0.8f, .minc = 90},
+    {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 10000, .S = 3000, .mass = 0.999f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 64, .hk = 64, .D = 64, .N = 5000, .S = 3000, .mass = 0.999f, .scale = 0.02f},
+    {OP_SCORE, INIT_TIES, 0, .hq = 8, .hk = 1, .D = 64, .N = 9000, .S = 4500, .mass = 0.7f, .scale = 0.3f},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .mass = 0.9f, .flags = F_MINIMAL},
     /* rebuild keys: float accumulation order is free, bf16 output:
        1e-6 allows 1 bf16 ulp (2^-8 relative) on ~5% of the elements */
     {OP_REBUILD, INIT_NORMAL, 1e-6, .n = 4096, .r = 160, .hk = 8, .D = 128, .c = 8, .S = 32, .R = 128},
@@ -184,6 +199,7 @@ typedef struct tensor {
     void *host; /* inputs: the data; outputs: ref's result once ref ran */
     int cmp;    /* outputs only */
     int absent; /* passed as NULL */
+    int neg1;   /* outputs: -1 is a value (the rows' tails of a mass selection), not the poison */
 } tensor;
 
 #define MAX_IN 8
@@ -471,6 +487,10 @@ static void make_problem(const tcase *tc, problem *p)
         add_out(p, "sel_idx", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, 0);
         add_out(p, "sel_ids", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, minimal);
         add_out(p, "amax", T_F32, (size_t)tc->hk * N, CMP_EXACT, minimal);
+        if (tc->mass > 0) { /* -1 past each head's count: the comparison with ref covers those entries */
+            add_out(p, "counts", T_I32, (size_t)tc->hk, CMP_EXACT, 0);
+            p->out[0].neg1 = p->out[1].neg1 = 1;
+        }
         break;
     }
     case OP_REBUILD: {
@@ -569,6 +589,10 @@ static void params_string(const tcase *tc, char *s, size_t cap)
     case OP_SCORE:
         snprintf(s, cap, "Hq=%d,Hk=%d,D=%d,cand=%d,S=%d,scale=%g%s", tc->hq, tc->hk, tc->D, tc->N, tc->S,
                  (double)tc->scale, tc->flags & F_MINIMAL ? ",minimal" : "");
+        if (tc->mass > 0) {
+            size_t l = strlen(s);
+            snprintf(s + l, cap - l, ",mass=%g,min=%d", (double)tc->mass, tc->minc);
+        }
         break;
     case OP_REBUILD:
         snprintf(s, cap, "n=%lld,r=%d,Hk=%d,D=%d,c=%d,S=%d,R=%d,inter=%d,llama3=%d", (long long)tc->n, tc->r, tc->hk,
@@ -612,6 +636,9 @@ static skv_status call_op(skv_backend be, const tcase *tc, problem *p, run *r)
     case OP_LANDMARKS:
         return skv_op_landmarks_outliers(be, tc->N, tc->c, tc->hk, tc->D, tc->O, in[0], out[0], out[1], out[2]);
     case OP_SCORE:
+        if (tc->mass > 0)
+            return skv_op_score_select_mass(be, tc->hq, tc->hk, tc->D, tc->N, tc->S, tc->mass, tc->minc, tc->scale,
+                                            in[0], in[1], in[2], out[0], out[1], out[2], out[3]);
         return skv_op_score_select(be, tc->hq, tc->hk, tc->D, tc->N, tc->S, tc->scale, in[0], in[1], in[2], out[0],
                                    out[1], out[2]);
     case OP_REBUILD:
@@ -680,7 +707,8 @@ static int self_checks(problem *p, run *r, char *msg, size_t cap)
         for (size_t e = 0; e < p->out[i].n; e++) {
             int poison = 1;
             for (size_t k = 0; k < es; k++) poison &= b[e * es + k] == 0xFF;
-            if (poison) return snprintf(msg, cap, "output %s[%zu] never written (poison)", p->out[i].name, e), 0;
+            if (poison && !p->out[i].neg1)
+                return snprintf(msg, cap, "output %s[%zu] never written (poison)", p->out[i].name, e), 0;
             if (p->out[i].type != T_I32 && !isfinite(elem(b, p->out[i].type, e)))
                 return snprintf(msg, cap, "output %s[%zu] = %g not finite", p->out[i].name, e,
                                 elem(b, p->out[i].type, e)),

@@ -9,6 +9,9 @@
  * be the top-S of the ref's group-max probabilities under (value desc, index
  * asc), recomputed here with a plain sort.
  *
+ * Configurations also take the 0.3 selection modes and dense layers (apply_modes): the
+ * selection counts and the per-layer counters must be bitwise ref's too.
+ *
  * Every fourth configuration runs with config.reproducible = 1 (docs/DESIGN.md
  * section 10): there the decode outputs must be bitwise equal to ref's too.
  * Where a backend cannot prefill in that mode yet (SKV_ERR_UNSUPPORTED: no
@@ -62,6 +65,26 @@ static void random_case(skvt_rng *r, contract_case *cc)
     for (int b = 0; b < c.batch_size; b++) cc->n[b] = skvt_rng_range(r, min_n, c.max_prompt_len);
     cc->steps = 3;
     cc->cfg = c;
+}
+
+/*
+ * The 0.3 selection modes and dense layers (docs/DESIGN.md 4.5, 4.7), chosen by the configuration's
+ * index (no draws: the other configurations stay as they were): i % 5 == 1 SKV_SELECT_MASS (target and
+ * floor from i, the budget its cap), i % 5 == 2 SKV_BUDGET_ALL, i % 6 == 3 dense layers (layer 0, or
+ * every layer when there is one). Counts, sets and the per-layer counters must be bitwise ref's.
+ */
+static void apply_modes(int i, contract_case *cc)
+{
+    static const float masses[] = {0.5f, 0.8f, 0.9f, 0.95f, 0.99f, 1.0f};
+    skv_config *c = &cc->cfg;
+    if (i % 5 == 1) {
+        c->select_mode = SKV_SELECT_MASS;
+        c->select_mass = masses[(i / 5) % 6];
+        c->select_min_chunks = (i / 5) % 3 < c->budget / c->chunk_size ? (i / 5) % 3 : 0;
+    } else if (i % 5 == 2) {
+        c->budget = SKV_BUDGET_ALL;
+    }
+    if (i % 6 == 3) c->dense_layers = 1; /* layer 0 (with i % 4 == 3: the reproducible mode too) */
 }
 
 /*
@@ -243,10 +266,17 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                 for (int h = 0; h < c.n_kv_heads && ok; h++) {
                     skv_seq_info info;
                     const char *call = "skv_cache_seq_info";
+                    const int dense = (int)((c.dense_layers >> l) & 1u);
                     st = skv_cache_seq_info(cache, l, b, &info);
-                    if (!st && (!info.prefilled || !info.has_selection || info.n_selected != c.budget / c.chunk_size ||
-                                info.n_outliers != c.n_outlier_chunks || info.n_candidates < info.n_selected ||
-                                info.n_generated != s + 1)) {
+                    /* S: budget / c, the longest prompt's candidates for SKV_BUDGET_ALL, 0 on a dense layer */
+                    const int32_t want_S = dense ? 0
+                                           : c.budget == SKV_BUDGET_ALL
+                                               ? (int32_t)(c.max_prompt_len / c.chunk_size - c.n_local_chunks - c.n_outlier_chunks)
+                                               : c.budget / c.chunk_size;
+                    if (!st && (!info.prefilled || !info.has_selection || info.n_selected != want_S ||
+                                info.n_outliers != (dense ? 0 : c.n_outlier_chunks) || info.dense != dense ||
+                                (!dense && c.budget != SKV_BUDGET_ALL && info.n_candidates < info.n_selected) ||
+                                (dense && info.n_local != cc->n[b]) || info.n_generated != s + 1)) {
                         snprintf(intro_err, sizeof intro_err,
                                  "seq_info(%d, %d) after step %d: prefilled %d has_selection %d S %d O %d candidates %d "
                                  "generated %d",
@@ -255,11 +285,41 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                         ok = 0;
                         break;
                     }
+                    if (!st && dense) { /* no selection on a dense layer: refused, naming it */
+                        int32_t cnt = -1;
+                        call = "skv_cache_selected_count (dense layer)";
+                        st = skv_cache_selected_count(cache, l, b, h, &cnt);
+                        st = st == SKV_ERR_NO_SELECTION ? SKV_OK : SKV_ERR_INTERNAL;
+                        if (!st) blob_put(log, &info.n_local, sizeof info.n_local);
+                        want_len += sizeof info.n_local;
+                        if (st) {
+                            snprintf(intro_err, sizeof intro_err, "%s(layer %d, seq %d, head %d) after step %d: not refused",
+                                     call, l, b, h, s);
+                            ok = 0;
+                        }
+                        continue;
+                    }
                     if (!st) {
                         call = "skv_cache_selected";
                         st = skv_cache_selected(cache, l, b, h, ids);
                         if (!st) blob_put(log, ids, (size_t)info.n_selected * 4);
                         want_len += (size_t)info.n_selected * 4;
+                    }
+                    if (!st) { /* the count: ids[0..k) selected, ids[k..S) -1 */
+                        int32_t cnt = -1;
+                        call = "skv_cache_selected_count";
+                        st = skv_cache_selected_count(cache, l, b, h, &cnt);
+                        if (!st && (cnt < 1 || cnt > info.n_selected || cnt > info.n_candidates ||
+                                    (c.select_mode == SKV_SELECT_FIXED && c.budget != SKV_BUDGET_ALL && cnt != info.n_selected) ||
+                                    (c.budget == SKV_BUDGET_ALL && cnt != info.n_candidates) ||
+                                    (cnt < info.n_selected && ids[cnt] != -1) || ids[cnt - 1] < 0)) {
+                            snprintf(intro_err, sizeof intro_err, "count %d of (%d, %d, %d) after step %d: S %d, candidates %d",
+                                     cnt, l, b, h, s, info.n_selected, info.n_candidates);
+                            ok = 0;
+                            break;
+                        }
+                        if (!st) blob_put(log, &cnt, sizeof cnt);
+                        want_len += sizeof cnt;
                     }
                     if (!st && s == 0) {
                         call = "skv_cache_outliers";
@@ -284,6 +344,32 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     }
                 }
         }
+    /* the per-layer counters (docs/DESIGN.md 4.7): the same on every backend (they count decisions) */
+    for (int l = 0; l < c.n_layers && ok; l++) {
+        skv_layer_stats ls;
+        memset(&ls, 0, sizeof ls);
+        st = skv_cache_layer_stats(cache, l, &ls);
+        if (st) {
+            snprintf(intro_err, sizeof intro_err, "skv_cache_layer_stats(%d): %s (%s)", l, skv_status_string(st),
+                     skv_cache_last_error(cache));
+            ok = 0;
+            break;
+        }
+        const int64_t want_steps = (int64_t)cc->steps * c.batch_size * c.n_kv_heads;
+        if (ls.head_steps != want_steps || ls.dense != (int)((c.dense_layers >> l) & 1u) ||
+            ls.attended_tokens > ls.context_tokens || (ls.dense && ls.attended_tokens != ls.context_tokens) ||
+            (ls.dense && ls.selected_chunks != 0) || ls.n_prefilled != c.batch_size) {
+            snprintf(intro_err, sizeof intro_err,
+                     "layer_stats(%d): head_steps %lld (want %lld) attended %lld context %lld selected %lld dense %d "
+                     "prefilled %d", l, (long long)ls.head_steps, (long long)want_steps, (long long)ls.attended_tokens,
+                     (long long)ls.context_tokens, (long long)ls.selected_chunks, ls.dense, ls.n_prefilled);
+            ok = 0;
+            break;
+        }
+        const int64_t v[4] = {ls.head_steps, ls.attended_tokens, ls.context_tokens, ls.selected_chunks};
+        blob_put(log, v, sizeof v);
+        want_len += sizeof v;
+    }
     if (*intro_err) SKVT_CHECK(0, "%s: introspection failed: %s", skv_backend_name(be), intro_err);
     else if (ok) SKVT_CHECK(log->len == want_len && want_len > 0, "%s: decision log holds %zu bytes, the sizes say %zu",
                             skv_backend_name(be), log->len, want_len);
@@ -361,13 +447,16 @@ int main(int argc, char **argv)
         contract_case cc;
         random_case(&r, &cc);
         cc.cfg.reproducible = i % 4 == 3; /* no draw: the other configurations stay as they were */
+        apply_modes(i, &cc);
         uint64_t case_seed = skvt_rng_u64(&r);
         const skv_config *c = &cc.cfg;
-        char desc[256];
-        snprintf(desc, sizeof desc, "config %d%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
+        char desc[320];
+        snprintf(desc, sizeof desc, "config %d%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rope(R=%d,il=%d,l3=%d) "
+                 "select %s%.2f/%d dense %#llx n=%lld..",
                  i, c->reproducible ? " (reproducible)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
-                 c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rope.rotary_dim,
-                 c->rope.interleaved, c->rope.llama3_scaling, (long long)cc.n[0]);
+                 c->budget == SKV_BUDGET_ALL ? -1 : c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rope.rotary_dim,
+                 c->rope.interleaved, c->rope.llama3_scaling, c->select_mode == SKV_SELECT_MASS ? "mass " : "fixed ",
+                 (double)c->select_mass, c->select_min_chunks, (unsigned long long)c->dense_layers, (long long)cc.n[0]);
         size_t qn = (size_t)c->batch_size * c->n_q_heads * c->head_dim;
         int n_out = cc.steps * c->n_layers;
         float *ref_out[16], *oth_out[16];

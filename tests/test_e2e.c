@@ -32,6 +32,7 @@
  * Typical values: e_oracle ~0.06, e_sel ~0.064, e_sparse ~0.066.
  * A failure's message names the step, layer, sequence and backend, and what
  * was compared with what.
+ * Then a dense layer and SKV_SELECT_MASS (test_dense_mass).
  * SKV_VERBOSE=1 prints one line per measurement.
  */
 #include <stdlib.h>
@@ -66,6 +67,170 @@ static void *stage_in(skv_backend be, const void *host, size_t bytes)
     void *dev = skvt_dbuf(be, (void *)host, bytes);
     skvt_dput(be, dev, host, bytes);
     return dev;
+}
+
+/*
+ * Dense layers and SKV_SELECT_MASS end to end (docs/DESIGN.md 4.5, 4.7): layer 0 dense, layer 1
+ * sparse with the mass rule (p = 0.95, the budget its cap), on every available backend. Dense
+ * layer: every backend's output against dense attention with the exact keys <= 1e-3 (it attends
+ * to the stored exact keys and values: only float rounding is left), and against ref's <= 2e-3;
+ * its counters attend to the whole context. Mass layer: counts and sets equal to ref's, the
+ * needle chunk selected, the output against attention with exact keys over its own selection
+ * <= 0.05 (the main test's own-selection bound) and against ref's within the main test's
+ * cross-backend bound.
+ */
+static void test_dense_mass(uint64_t seed)
+{
+    enum { ST = 6 };
+    skv_config cfg = skv_config_default();
+    cfg.n_layers = 2;
+    cfg.n_q_heads = 8;
+    cfg.n_kv_heads = 2;
+    cfg.head_dim = 128;
+    cfg.rank = 96;
+    cfg.budget = 512;
+    cfg.batch_size = BATCH;
+    cfg.max_prompt_len = 9216;
+    cfg.gen_capacity = ST;
+    cfg.dense_layers = 1;
+    cfg.select_mode = SKV_SELECT_MASS;
+    cfg.select_mass = 0.95f;
+    cfg.select_min_chunks = 1;
+    const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
+    const size_t HD = (size_t)Hq * D;
+    const skv_backend want[NBE] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
+    skv_cache *cache[NBE] = {NULL};
+    skv_backend be[NBE];
+    int nbe = 0;
+    for (int i = 0; i < NBE; i++) {
+        if (skv_backend_available(want[i]) != SKV_OK) continue;
+        cfg.backend = want[i];
+        skv_status st = skv_cache_create(&cfg, &cache[nbe]);
+        if (!SKVT_CHECK(st == SKV_OK, "dense/mass: create %s: %s %s", skv_backend_name(want[i]), skv_status_string(st),
+                        skv_last_error()))
+            goto out;
+        be[nbe++] = want[i];
+    }
+    skvs_workload wl;
+    if (!SKVT_CHECK_STATUS(skvs_workload_init(&wl, &cfg, ctx[BATCH - 1] + ST, SKV_BACKEND_REF), SKV_OK, "workload"))
+        goto out;
+    static skvs_seq seq[2][BATCH];
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) {
+            skv_status st = skvs_seq_generate(&seq[l][b], &wl, ctx[b], ST, 1, seed * 7919u + (uint64_t)(l * BATCH + b));
+            SKVT_CHECK_STATUS(st, SKV_OK, "dense/mass: generate");
+            const size_t bytes = sizeof(skv_bf16) * (size_t)ctx[b] * Hk * D;
+            for (int i = 0; i < nbe; i++) {
+                skv_bf16 *dk_pre = stage_in(be[i], seq[l][b].k_pre, bytes), *dv_pre = stage_in(be[i], seq[l][b].v, bytes);
+                st = skv_prefill(cache[i], l, b, ctx[b], dk_pre, dv_pre, NULL);
+                skvt_dfree(be[i], dk_pre, seq[l][b].k_pre);
+                skvt_dfree(be[i], dv_pre, seq[l][b].v);
+                SKVT_CHECK(st == SKV_OK, "dense/mass: prefill %s l%d b%d: %s %s", skv_backend_name(be[i]), l, b,
+                           skv_status_string(st), skv_cache_last_error(cache[i]));
+            }
+        }
+    /* the reference's always-kept tokens come from the sparse layer (layer 1; the dense layer's reference is
+       dense attention, which they do not enter) */
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) {
+            SKVT_CHECK_STATUS(skvs_seq_attach(&seq[l][b], cache[0], 1, b), SKV_OK, "dense/mass: attach");
+            SKVT_CHECK_STATUS(skvs_seq_release(&seq[l][b]), SKV_OK, "dense/mass: release");
+        }
+    if (skvt_counts_g.failed) goto out_seq;
+    skv_bf16 *q = malloc(sizeof(skv_bf16) * BATCH * HD), *k = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
+    skv_bf16 *v = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
+    float *out[NBE], *full = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
+    int32_t *ids = malloc(sizeof(int32_t) * NBE * Hk * S), cnt[NBE][8];
+    const size_t q_bytes = sizeof(skv_bf16) * BATCH * HD, kv_bytes = sizeof(skv_bf16) * BATCH * Hk * D,
+                 out_bytes = sizeof(float) * BATCH * HD;
+    skv_bf16 *dq[NBE], *dk[NBE], *dv[NBE];
+    float *dout[NBE];
+    for (int i = 0; i < nbe; i++) {
+        out[i] = malloc(out_bytes);
+        dq[i] = skvt_dbuf(be[i], q, q_bytes), dk[i] = skvt_dbuf(be[i], k, kv_bytes), dv[i] = skvt_dbuf(be[i], v, kv_bytes);
+        dout[i] = skvt_dbuf(be[i], out[i], out_bytes);
+    }
+    double worst_dense = 0, worst_dense_x = 0, worst_own = 0, sum_k = 0;
+    int n_k = 0;
+    for (int s = 0; s < ST; s++)
+        for (int l = 0; l < 2; l++) {
+            int32_t needle[BATCH];
+            for (int b = 0; b < BATCH; b++)
+                SKVT_CHECK_STATUS(skvs_step(&seq[l][b], q + b * HD, k + b * Hk * D, v + b * Hk * D, &needle[b]), SKV_OK,
+                                  "dense/mass: step");
+            for (int i = 0; i < nbe; i++) {
+                skvt_dput(be[i], dq[i], q, q_bytes), skvt_dput(be[i], dk[i], k, kv_bytes), skvt_dput(be[i], dv[i], v, kv_bytes);
+                skv_status st = skv_decode(cache[i], l, dq[i], dk[i], dv[i], dout[i]);
+                if (st == SKV_OK) st = skv_cache_sync(cache[i]);
+                SKVT_CHECK(st == SKV_OK, "dense/mass: decode %s: %s %s", skv_backend_name(be[i]), skv_status_string(st),
+                           skv_cache_last_error(cache[i]));
+                skvt_dget(be[i], out[i], dout[i], out_bytes);
+            }
+            for (int b = 0; b < BATCH; b++) {
+                for (int i = 0; i < nbe && l == 1; i++)
+                    for (int h = 0; h < Hk; h++) {
+                        int32_t *row = ids + (i * Hk + h) * S;
+                        SKVT_CHECK_STATUS(skv_cache_selected(cache[i], 1, b, h, row), SKV_OK, "dense/mass: selected");
+                        SKVT_CHECK_STATUS(skv_cache_selected_count(cache[i], 1, b, h, &cnt[i][h]), SKV_OK,
+                                          "dense/mass: selected_count");
+                        if (i == 0) sum_k += cnt[0][h], n_k++;
+                        SKVT_CHECK(contains(row, cnt[i][h], needle[b]),
+                                   "dense/mass: %s step %d seq %d head %d: needle chunk %d not among its %d chunks",
+                                   skv_backend_name(be[i]), s, b, h, needle[b], cnt[i][h]);
+                        if (i)
+                            SKVT_CHECK(cnt[i][h] == cnt[0][h] && !memcmp(ids + h * S, row, sizeof(int32_t) * S),
+                                       "dense/mass: step %d seq %d head %d: %s selects %d chunks, ref %d, or other ones",
+                                       s, b, h, skv_backend_name(be[i]), cnt[i][h], cnt[0][h]);
+                    }
+                skv_status st = skvs_reference(&seq[l][b], s + 1, q + b * HD, needle[b], l == 1 ? ids : NULL, full, NULL,
+                                               l == 1 ? exact : NULL, NULL);
+                SKVT_CHECK_STATUS(st, SKV_OK, "dense/mass: reference");
+                for (int i = 0; i < nbe; i++) {
+                    const float *o = out[i] + b * HD;
+                    const double x = i ? skvs_rel_err(o, out[0] + b * HD, HD) : 0.0;
+                    if (l == 0) {
+                        const double e = skvs_rel_err(o, full, HD);
+                        worst_dense = dmax(worst_dense, e), worst_dense_x = dmax(worst_dense_x, x);
+                        SKVT_CHECK(e <= 1e-3, "dense/mass: %s step %d seq %d: dense layer vs dense attention rel err %.3g > 1e-3",
+                                   skv_backend_name(be[i]), s, b, e);
+                        SKVT_CHECK(x <= 2e-3, "dense/mass: %s step %d seq %d: dense layer vs ref rel err %.3g > 2e-3",
+                                   skv_backend_name(be[i]), s, b, x);
+                    } else {
+                        const double own = skvs_rel_err(o, exact, HD), own_ref = skvs_rel_err(out[0] + b * HD, exact, HD);
+                        worst_own = dmax(worst_own, own);
+                        SKVT_CHECK(own <= 0.05, "dense/mass: %s step %d seq %d: mass layer vs exact keys and values over "
+                                   "its own selection rel err %.4f > 0.05", skv_backend_name(be[i]), s, b, own);
+                        SKVT_CHECK(x <= 2e-3 + own + own_ref, "dense/mass: %s step %d seq %d: mass layer vs ref rel err %.3g "
+                                   "> %.3g", skv_backend_name(be[i]), s, b, x, 2e-3 + own + own_ref);
+                    }
+                }
+            }
+        }
+    for (int i = 0; i < nbe; i++) { /* the dense layer attends to every token; both layers counted their steps */
+        skv_layer_stats ls0, ls1;
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache[i], 0, &ls0), SKV_OK, "dense/mass: layer_stats 0");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache[i], 1, &ls1), SKV_OK, "dense/mass: layer_stats 1");
+        SKVT_CHECK(ls0.dense == 1 && ls0.attended_tokens == ls0.context_tokens && ls0.head_steps == (int64_t)ST * BATCH * Hk &&
+                       ls1.dense == 0 && ls1.head_steps == ls0.head_steps && ls1.attended_tokens < ls1.context_tokens,
+                   "dense/mass: %s layer stats: dense %d/%d, head steps %lld/%lld, attended %lld of %lld, %lld of %lld",
+                   skv_backend_name(be[i]), ls0.dense, ls1.dense, (long long)ls0.head_steps, (long long)ls1.head_steps,
+                   (long long)ls0.attended_tokens, (long long)ls0.context_tokens, (long long)ls1.attended_tokens,
+                   (long long)ls1.context_tokens);
+    }
+    printf("dense/mass: dense layer vs dense attention worst rel err %.3g (vs ref %.3g); mass layer mean count %.1f "
+           "of %d, worst own-selection error %.4f\n", worst_dense, worst_dense_x, n_k ? sum_k / n_k : 0.0, S, worst_own);
+    for (int i = 0; i < nbe; i++) {
+        skvt_dfree(be[i], dq[i], q), skvt_dfree(be[i], dk[i], k), skvt_dfree(be[i], dv[i], v);
+        skvt_dfree(be[i], dout[i], out[i]);
+        free(out[i]);
+    }
+    free(q), free(k), free(v), free(full), free(exact), free(ids);
+out_seq:
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) skvs_seq_free(&seq[l][b]);
+    skvs_workload_free(&wl);
+out:
+    for (int i = 0; i < nbe; i++) skv_cache_free(cache[i]);
 }
 
 int main(void)
@@ -285,5 +450,6 @@ int main(void)
     }
     skvs_workload_free(&wl);
     free(q), free(k), free(v), free(full), free(orac), free(exact), free(sel), free(rec_q), free(rec_sel);
+    test_dense_mass(seed);
     return skvt_finish();
 }
