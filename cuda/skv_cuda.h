@@ -6,9 +6,11 @@
  *                          checks' wrappers; skv_cuda_err
  *   skv_cuda_ops.cu        the op-level slots (B = 1, legacy stream, synchronous):
  *                          wrappers of the launchers below
- *   skv_cuda_cache.cu      the cache pipeline: the decode workspace's layout, open,
- *                          close, prefill, a decode step's launch sequence, its graph
- *                          capture and replay, sync, set_states
+ *   skv_cuda_cache.cu      the cache pipeline: open, close, prefill (a dense
+ *                          layer's too), a decode step's launch sequence, its graph
+ *                          capture and replay, sync (the layers' counters), set_states
+ *   skv_cuda_workspace.cu  the decode workspace's layout, the cache's shapes (a
+ *                          sparse and a dense layer's) and their attention items
  *   the decision path, built with --fmad=false and the shared numerics of
  *   lib/skv_numerics.h (skv_cuda_exact.cuh states the rule):
  *   skv_cuda_rope.cu       RoPE of prefill keys
@@ -65,9 +67,13 @@
  *   2 expsum   e_j = skv_expf(s_j - M) in place; the last block of each query
  *              head adds them canonically (Z)
  *   3 select   a_j, the top-S per tile of candidates; the last tile of each
- *              (sequence, KV head) merges the tiles' winners, publishes the
- *              selection and, for a host-placed slot, runs the chunk cache's
- *              rule (skv_plan.h): hits, misses, the entries they replace
+ *              (sequence, KV head) merges the tiles' winners, takes the head's
+ *              count k (S, n_cand for SKV_BUDGET_ALL, or SKV_SELECT_MASS's
+ *              mass rule: A by the canonical sum, the best candidates walked in
+ *              order in batches of 2048 ranks, one thread adding their masses),
+ *              publishes the selection (-1 past k) and the count and, for a
+ *              host-placed slot, runs the chunk cache's rule (skv_plan.h) on the
+ *              k chunks: hits, misses, the entries they replace
  *   (2+3 fused: with at most 32768 candidates and enough (sequence, KV head)
  *    pairs to fill the GPU, one CTA per pair does both, with the same
  *    arithmetic: 4 kernels per step)
@@ -78,7 +84,15 @@
  *              G <= 8, r % 16 == 0, rotate-half RoPE) runs a kernel that keeps
  *              W_h in shared memory and every product in mma fragments
  *   5 combine  the partials of each query head in item order -> out; the new
- *              token is appended, and the sequence marked as having a selection
+ *              token is appended, the sequence marked as having a selection, and
+ *              the layer's counters (skv_layer_stats) advanced on the device
+ * Step 4's selected items past a head's k c tokens are empty partials (the
+ * reproducible mode's rebuild and attention likewise take k c tokens per head;
+ * its score rows keep room for S c, the tokens after a head's selected ones
+ * sitting (S - k) c further on). A dense layer (config.dense_layers) runs step 1
+ * with no candidates (the input check and the publication of the step's tensors),
+ * no steps 2-3, and step 4 over its resident spans, the prompt being its local
+ * window (skv_cuda_cache.cu's dense shape and items).
  * Host-placed slots add, on a side stream, the fetch of the missed chunks into
  * the chunk cache (it runs while step 4 attends everything else) and a short
  * pass that adds the missed chunks' P V once they arrived. Steps 2-5 use
@@ -304,6 +318,19 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
 
 /* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
 cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st);
+
+/* A cache's shapes and items (skv_cuda_workspace.cu), from a validated config and its layout. */
+skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay); /* a sparse layer's (no tables) */
+/* A dense layer's shape: S = O = r = 0, no candidates (its prompt is the local window). */
+skv_cuda_shape skv_cuda_dense_shape(const skv_cuda_shape *sh);
+/* Most resident tokens of a dense layer's step: max_prompt_len + gen_capacity. */
+int64_t skv_cuda_dense_resident(const skv_config *c);
+skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay);       /* a sparse layer's step */
+skv_cuda_items skv_cuda_dense_items_of(const skv_config *c, const skv_layout *lay); /* a dense layer's step */
+/* The items the workspace is carved for: the most of either kind (with dense layers). */
+skv_cuda_items skv_cuda_ws_items_of(const skv_config *c, const skv_layout *lay);
+/* The reproducible mode's score row length (0 in the default mode). */
+int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay);
 
 /* ---- decision path (--fmad=false: skv_cuda_rope.cu, skv_cuda_landmarks.cu, skv_cuda_score.cu,
    skv_cuda_select.cu) ---------------------------------------------------------------------- */

@@ -236,9 +236,9 @@ __device__ int32_t mass_walk(int32_t n, int32_t cap, float target, int32_t floor
     for (int32_t lo = 0; lo < cap; lo += kMsBatch) {
         const int32_t hi = min(cap, lo + kMsBatch), nb = hi - lo;
         uint32_t T1, need1, T2, need2;
+        if (tid == 0) sm.mcnt = 0; /* the thresholds' barriers order this before the appends */
         radix_threshold<NT>(lo, hist_pass, sm.tk, &T1, &need1);
         radix_threshold<NT>(hi, hist_pass, sm.tk, &T2, &need2);
-        if (tid == 0) sm.mcnt = 0;
         /* the members of the batch: in the top hi, not in the top lo (ordered counts of the items
            equal to each threshold, contiguous ownership as ordered_compaction) */
         const int32_t per = (int32_t)ceil_div64(n, NT);
