@@ -501,7 +501,7 @@ static void test_errors(uint64_t seed)
     memset(m + size, 0, 64);
     load_fails(m, size + 1, NULL, SKV_ERR_FORMAT, "END", "one byte after the END section");
     /* version, older and newer, checksums recomputed: the version check must be what fires */
-    const uint32_t versions[] = {0, 2, 0xffffffffu};
+    const uint32_t versions[] = {0, 3, 0xffffffffu};
     for (int i = 0; i < 3; i++) {
         memcpy(m, snap, size);
         wr32(m + 8, versions[i]);
@@ -527,7 +527,7 @@ static void test_errors(uint64_t seed)
         skv_seq_info info;
         skv_cache_seq_info(a, 0, 0, &info);
         const size_t Hk = (size_t)c.n_kv_heads, D = (size_t)c.head_dim, rk = (size_t)c.rank;
-        const size_t cand = s0 + 40 + ((size_t)info.n * rk + rk * Hk * D + Hk * (size_t)info.n_candidates * D) * 2;
+        const size_t cand = s0 + 48 + ((size_t)info.n * rk + rk * Hk * D + Hk * (size_t)info.n_candidates * D) * 2;
         memcpy(m, snap, size);
         wr32(m + cand, (uint32_t)info.n_chunks); /* one past the last chunk */
         fix_checksums(m, size);
