@@ -1737,6 +1737,32 @@ static void test_ops(skv_backend be)
                 free(b);
             }
         }
+        /* skv_op_score_select_mass: its own arguments */
+        {
+            int32_t cnt[H];
+            const struct { int32_t s, fl; float p; int null_counts; const char *w; } mb[] = {
+                {S, 0, 0.0f, 0, "select_mass"},      {S, 0, -0.5f, 0, "select_mass"},
+                {S, 0, 1.5f, 0, "select_mass"},      {S, 0, NAN, 0, "select_mass"},
+                {S, -1, 0.9f, 0, "select_min_chunks"}, {S, S + 1, 0.9f, 0, "select_min_chunks"},
+                {0, 0, 0.9f, 0, "n_select"},         {S, 0, 0.9f, 1, "counts"}};
+            for (size_t i = 0; i < sizeof mb / sizeof mb[0]; i++) {
+                memset(sidx, SENT, sizeof sidx);
+                memset(cnt, SENT, sizeof cnt);
+                LBL("[%s] skv_op_score_select_mass bad %s", bn, mb[i].w);
+                expect_err(skv_op_score_select_mass(be, HQ4, H, DD, NCD, mb[i].s, mb[i].p, mb[i].fl, 0.0f, q, lmk, cid,
+                                                    sidx, sids, NULL, mb[i].null_counts ? NULL : cnt),
+                           mb[i].null_counts ? SKV_ERR_NULL_POINTER : SKV_ERR_INVALID_ARGUMENT, NULL, mb[i].w, NULL);
+                SKVT_CHECK(all_sent(sidx, sizeof sidx) && all_sent(cnt, sizeof cnt), "%s: outputs written", lbl);
+            }
+            int32_t big_idx[H * (NCD + 3)];
+            LBL("[%s] skv_op_score_select_mass n_select > n_cand, floor = n_select (valid: k = n_cand)", bn);
+            check_ok(skv_op_score_select_mass(be, HQ4, H, DD, NCD, NCD + 3, 0.5f, NCD + 3, 0.0f, q, lmk, NULL, big_idx,
+                                              NULL, NULL, cnt),
+                     lbl);
+            SKVT_CHECK(cnt[0] == NCD && cnt[1] == NCD && big_idx[NCD] == -1 && big_idx[NCD + 2] == -1 &&
+                           big_idx[NCD + 3 + NCD - 1] == NCD - 1,
+                       "%s: counts %d %d", lbl, cnt[0], cnt[1]);
+        }
         LBL("[%s] skv_op_score_select candidate_ids, sel_ids, amax NULL (valid)", bn);
         check_ok(skv_op_score_select(be, HQ4, H, DD, NCD, S, 0.0f, q, lmk, NULL, sidx, NULL, NULL),
                           lbl);
