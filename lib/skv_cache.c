@@ -124,7 +124,7 @@ SKV_API skv_status skv_cache_memory_info_sized(const skv_config *cfg, skv_memory
     info->value_store_bytes = lay.slot_values;
     info->value_cache_bytes = lay.slot_vcache;
     info->device_value_slots = lay.n_dev_slots;
-    info->host_value_slots = lay.n_slots - lay.n_dev_slots;
+    info->host_value_slots = lay.n_sparse_slots - lay.n_dev_slots; /* dense slots hold no value store */
     info->value_cache_chunks = lay.vc_chunks;
     skv_copy_sized(out, out_size, info, sizeof *info);
     return SKV_OK;
