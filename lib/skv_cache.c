@@ -45,7 +45,10 @@ static const size_t B2 = sizeof(skv_bf16);
 /* Most tokens one decode attention call sees (the decode plan). */
 static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
 {
-    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+    const int64_t sparse = skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max,
+                                               c->gen_capacity);
+    const int64_t dense = lay->n_dense_layers ? c->max_prompt_len + c->gen_capacity : 0; /* the whole prompt */
+    return sparse > dense ? sparse : dense;
 }
 
 /* Value store [Hk, cand_max, c, D] of sparse slot j (skv_layout_sparse_index): device arena for the
@@ -121,7 +124,7 @@ SKV_API skv_status skv_cache_memory_info_sized(const skv_config *cfg, skv_memory
     info->value_store_bytes = lay.slot_values;
     info->value_cache_bytes = lay.slot_vcache;
     info->device_value_slots = lay.n_dev_slots;
-    info->host_value_slots = lay.n_slots - lay.n_dev_slots;
+    info->host_value_slots = lay.n_sparse_slots - lay.n_dev_slots; /* dense slots hold no value store */
     info->value_cache_chunks = lay.vc_chunks;
     skv_copy_sized(out, out_size, info, sizeof *info);
     return SKV_OK;

@@ -32,9 +32,18 @@
  * Typical values: e_oracle ~0.06, e_sel ~0.064, e_sparse ~0.066.
  * A failure's message names the step, layer, sequence and backend, and what
  * was compared with what.
- * Then a dense layer and SKV_SELECT_MASS (test_dense_mass).
  * SKV_VERBOSE=1 prints one line per measurement.
+ *
+ * Dense layers and the per-layer counters (check_dense_layers): a 2-layer cache with
+ * layer 0 dense (config.dense_layers), the fixed and the mass selection, both modes of
+ * config.reproducible, on ref and cpu: every step's output of the dense layer against
+ * skv_op_full_attention over the exact keys (the given post-RoPE keys, or the library's
+ * RoPE of k_pre) within 1e-5 relative, ref and cpu bitwise equal in the reproducible mode,
+ * and skv_cache_layer_stats against the counts recomputed here from seq_info and
+ * skv_cache_selected_count; the decode allocates nothing. Then test_dense_mass_backends: a
+ * dense layer and the mass rule on the synthetic workload on every backend, cuda included.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -69,9 +78,162 @@ static void *stage_in(skv_backend be, const void *host, size_t bytes)
     return dev;
 }
 
+static double rel_err_f(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* The dense-layer and layer-stats checks described at the top (ref and cpu). */
+static void check_dense_layers(uint64_t seed)
+{
+    enum { DL = 2, DB = 2, DSTEPS = 5 };
+    const int64_t dn[DB] = {203, 77}; /* the second is too short for a sparse layer: fine for a dense one */
+    skv_config c = skv_config_default();
+    c.n_layers = DL, c.n_q_heads = 8, c.n_kv_heads = 2, c.head_dim = 64, c.rank = 24, c.chunk_size = 8;
+    c.budget = 48, c.n_outlier_chunks = 2, c.n_local_chunks = 1, c.batch_size = DB, c.max_prompt_len = 256;
+    c.gen_capacity = DSTEPS, c.dense_layers = 1, c.rope.theta = 10000.0f;
+    const int Hq = c.n_q_heads, Hk = c.n_kv_heads, D = c.head_dim;
+    const size_t row = (size_t)Hk * D, HD = (size_t)Hq * D, total = (size_t)c.max_prompt_len + DSTEPS;
+    skvt_rng r;
+    skvt_rng_seed(&r, seed ^ 0xd0e5e1a7ull);
+    /* per layer and sequence: prompt k_pre, v, the exact post-RoPE keys; the steps' q, k, v */
+    skv_bf16 *kpre = malloc(DL * DB * total * row * 2), *kpost = malloc(DL * DB * total * row * 2);
+    skv_bf16 *vv = malloc(DL * DB * total * row * 2), *q = malloc(DSTEPS * DL * DB * HD * 2);
+    float *cos_t = malloc(total * D / 2 * 4), *sin_t = malloc(total * D / 2 * 4), *full = malloc(HD * 4);
+    float *outs[2][2]; /* [reproducible][backend] : [mode][step][layer][B * HD] */
+    skv_rope_table_build(&c.rope, D, (int64_t)total, cos_t, sin_t);
+    for (int i = 0; i < DL * DB; i++) {
+        skv_bf16 *kp = kpre + i * total * row;
+        skvt_fill_bf16_normal(&r, kp, total * row, 1.0);
+        skvt_fill_bf16_normal(&r, vv + i * total * row, total * row, 1.0);
+        SKVT_CHECK_STATUS(skv_op_rope(SKV_BACKEND_REF, &c.rope, D, (int64_t)total, Hk, 0, cos_t, sin_t, kp,
+                                      kpost + i * total * row),
+                          SKV_OK, "rope of the dense test's keys");
+    }
+    skvt_fill_bf16_normal(&r, q, DSTEPS * DL * DB * HD, 1.5);
+    skv_bf16 *sk = malloc(DB * row * 2), *sv = malloc(DB * row * 2);
+    float *out = malloc(DB * HD * 4);
+    for (int rep = 0; rep < 2; rep++)
+        for (int bi = 0; bi < 2; bi++) outs[rep][bi] = calloc((size_t)2 * DSTEPS * DL * DB * HD, 4);
+    const skv_backend bes[2] = {SKV_BACKEND_REF, SKV_BACKEND_CPU};
+    double worst = 0;
+    for (int rep = 0; rep < 2; rep++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int bi = 0; bi < 2; bi++) {
+                skv_config g = c;
+                g.reproducible = rep;
+                g.backend = bes[bi];
+                g.select_mode = mode ? SKV_SELECT_MASS : SKV_SELECT_FIXED;
+                g.select_mass = 0.7f;
+                skv_cache *k = NULL;
+                if (!SKVT_CHECK_STATUS(skv_cache_create(&g, &k), SKV_OK, "create (dense layers)")) {
+                    printf("  %s\n", skv_last_error());
+                    continue;
+                }
+                const char *bn = skv_backend_name(bes[bi]);
+                for (int l = 0; l < DL; l++)
+                    for (int b = 0; b < DB; b++) {
+                        const size_t i = (size_t)(l * DB + b) * total * row;
+                        /* sparse layer 1 takes the first prompt for both sequences (the second is too short) */
+                        const int64_t n = l == 0 ? dn[b] : dn[0];
+                        skv_status st = skv_prefill(k, l, b, n, kpre + i, vv + i, b == 0 ? kpost + i : NULL);
+                        if (!SKVT_CHECK_STATUS(st, SKV_OK, "prefill (dense layers)")) printf("  %s\n", skv_cache_last_error(k));
+                    }
+                skv_layer_stats want[DL];
+                memset(want, 0, sizeof want);
+                for (int s = 0; s < DSTEPS; s++)
+                    for (int l = 0; l < DL; l++) {
+                        for (int b = 0; b < DB; b++) {
+                            const size_t i = (size_t)(l * DB + b) * total * row;
+                            const int64_t n = l == 0 ? dn[b] : dn[0];
+                            memcpy(sk + b * row, kpost + i + (size_t)(n + s) * row, row * 2);
+                            memcpy(sv + b * row, vv + i + (size_t)(n + s) * row, row * 2);
+                        }
+                        const skv_bf16 *qs = q + (size_t)(s * DL + l) * DB * HD;
+                        skv_status st = skv_decode(k, l, qs, sk, sv, out);
+                        if (!SKVT_CHECK_STATUS(st, SKV_OK, "decode (dense layers)")) {
+                            printf("  %s\n", skv_cache_last_error(k));
+                            continue;
+                        }
+                        memcpy(outs[rep][bi] + ((size_t)(mode * DSTEPS + s) * DL + l) * DB * HD, out, DB * HD * 4);
+                        for (int b = 0; b < DB; b++) {
+                            skv_seq_info info;
+                            skv_cache_seq_info(k, l, b, &info);
+                            const int64_t n = info.n, ctx_tokens = n + s + 1;
+                            for (int h = 0; h < Hk; h++) {
+                                int32_t kh = 0;
+                                want[l].head_steps++;
+                                want[l].context_tokens += ctx_tokens;
+                                if (l == 0) {
+                                    want[l].attended_tokens += ctx_tokens;
+                                    continue;
+                                }
+                                SKVT_CHECK_STATUS(skv_cache_selected_count(k, l, b, h, &kh), SKV_OK, "selected_count");
+                                want[l].selected_chunks += kh;
+                                want[l].attended_tokens +=
+                                    (int64_t)c.n_outlier_chunks * c.chunk_size + info.n_local + (int64_t)kh * c.chunk_size + s + 1;
+                            }
+                            if (l != 0) continue;
+                            /* the dense layer: full attention over the exact keys and values of n + s + 1 tokens */
+                            const size_t i = (size_t)(l * DB + b) * total * row;
+                            st = skv_op_full_attention(SKV_BACKEND_REF, Hq, Hk, D, 0.0f, qs + b * HD, n + s + 1, kpost + i,
+                                                       vv + i, full);
+                            SKVT_CHECK_STATUS(st, SKV_OK, "full_attention");
+                            const double e = rel_err_f(out + b * HD, full, HD);
+                            worst = e > worst ? e : worst;
+                            SKVT_CHECK(e <= 1e-5,
+                                       "%s%s, %s selection: dense layer 0, sequence %d (keys %s), step %d: output vs "
+                                       "full attention on the exact keys, rel err %.3g > 1e-5",
+                                       bn, rep ? " reproducible" : "", mode ? "mass" : "fixed", b,
+                                       b == 0 ? "given post-RoPE" : "the library's RoPE", s, e);
+                        }
+                    }
+                for (int l = 0; l < DL; l++) {
+                    skv_layer_stats ls;
+                    SKVT_CHECK_STATUS(skv_cache_layer_stats(k, l, &ls), SKV_OK, "layer_stats");
+                    SKVT_CHECK(ls.head_steps == want[l].head_steps && ls.context_tokens == want[l].context_tokens &&
+                                   ls.attended_tokens == want[l].attended_tokens &&
+                                   ls.selected_chunks == want[l].selected_chunks && ls.dense == (l == 0) &&
+                                   ls.n_prefilled == DB && ls.rank_min == (l ? c.rank : 0) &&
+                                   ls.rank_max == (l ? c.rank : 0) && ls.rank_mean == (l ? c.rank : 0),
+                               "%s%s %s: layer %d stats: head_steps %lld/%lld attended %lld/%lld context %lld/%lld "
+                               "selected %lld/%lld dense %d prefilled %d rank %d..%d mean %g",
+                               bn, rep ? " reproducible" : "", mode ? "mass" : "fixed", l, (long long)ls.head_steps,
+                               (long long)want[l].head_steps, (long long)ls.attended_tokens,
+                               (long long)want[l].attended_tokens, (long long)ls.context_tokens,
+                               (long long)want[l].context_tokens, (long long)ls.selected_chunks,
+                               (long long)want[l].selected_chunks, ls.dense, ls.n_prefilled, ls.rank_min, ls.rank_max,
+                               ls.rank_mean);
+                    if (mode) SKVT_CHECK(l == 0 || ls.attended_tokens < ls.context_tokens, "mass: attended all");
+                }
+                skv_stats st;
+                skv_cache_stats(k, &st);
+                SKVT_CHECK(st.decode_allocations == 0, "%s: %lld decode allocations with a dense layer", bn,
+                           (long long)st.decode_allocations);
+                SKVT_CHECK_STATUS(skv_cache_stats_reset(k), SKV_OK, "stats_reset");
+                skv_layer_stats ls;
+                skv_cache_layer_stats(k, 1, &ls);
+                SKVT_CHECK(ls.head_steps == 0 && ls.attended_tokens == 0 && ls.n_prefilled == DB,
+                           "stats_reset zeroes the layer counters (not the ranks)");
+                skv_cache_free(k);
+            }
+    SKVT_CHECK(memcmp(outs[1][0], outs[1][1], (size_t)2 * DSTEPS * DL * DB * HD * 4) == 0,
+               "reproducible: ref and cpu outputs (dense layer 0, sparse layer 1; fixed and mass selection) differ");
+    printf("dense layer 0 vs full attention on exact keys: max rel err %.3g\n", worst);
+    for (int rep = 0; rep < 2; rep++)
+        for (int bi = 0; bi < 2; bi++) free(outs[rep][bi]);
+    free(kpre), free(kpost), free(vv), free(q), free(cos_t), free(sin_t), free(full), free(sk), free(sv), free(out);
+}
+
 /*
- * Dense layers and SKV_SELECT_MASS end to end (docs/DESIGN.md 4.5, 4.7): layer 0 dense, layer 1
- * sparse with the mass rule (p = 0.95, the budget its cap), on every available backend. Dense
+ * Dense layers and SKV_SELECT_MASS end to end on every available backend, cuda included (its
+ * tensors staged in device memory; docs/DESIGN.md 4.5, 4.7): layer 0 dense, layer 1 sparse with
+ * the mass rule (p = 0.95, the budget its cap), the synthetic workload above. Dense
  * layer: every backend's output against dense attention with the exact keys <= 1e-3 (it attends
  * to the stored exact keys and values: only float rounding is left), and against ref's <= 2e-3;
  * its counters attend to the whole context. Mass layer: counts and sets equal to ref's, the
@@ -79,7 +241,7 @@ static void *stage_in(skv_backend be, const void *host, size_t bytes)
  * <= 0.05 (the main test's own-selection bound) and against ref's within the main test's
  * cross-backend bound.
  */
-static void test_dense_mass(uint64_t seed)
+static void test_dense_mass_backends(uint64_t seed)
 {
     enum { ST = 6 };
     skv_config cfg = skv_config_default();
@@ -241,6 +403,7 @@ int main(void)
         unsetenv("SKV_BACKEND");
     }
     int verbose = getenv("SKV_VERBOSE") != NULL;
+    check_dense_layers(seed);
     skv_config cfg = skv_config_default();
     cfg.n_layers = LAYERS;
     cfg.n_q_heads = 8;
@@ -450,6 +613,6 @@ int main(void)
     }
     skvs_workload_free(&wl);
     free(q), free(k), free(v), free(full), free(orac), free(exact), free(sel), free(rec_q), free(rec_sel);
-    test_dense_mass(seed);
+    test_dense_mass_backends(seed);
     return skvt_finish();
 }
