@@ -507,9 +507,9 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                      (long long)ls.attended_tokens, (long long)ls.context_tokens, (long long)ls.selected_chunks, ls.dense);
             break;
         }
-        const int64_t v[4] = {ls.head_steps, ls.attended_tokens, ls.context_tokens, ls.selected_chunks};
-        blob_put(log, v, sizeof v);
-        want_len += sizeof v;
+        const int64_t counters[4] = {ls.head_steps, ls.attended_tokens, ls.context_tokens, ls.selected_chunks};
+        blob_put(log, counters, sizeof counters);
+        want_len += sizeof counters;
     }
     if (*intro_err) SKVT_CHECK(0, "%s: introspection failed: %s", skv_backend_name(be), intro_err);
     else if (ok) SKVT_CHECK(log->len == want_len && want_len > 0, "%s: decision log holds %zu bytes, the sizes say %zu",
