@@ -535,6 +535,10 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
             c.n_layers = 2;
             c.dense_layers = m == 5 ? 3 : 1;
         }
+        /* the rank within the mode's shortest valid prompt (O + max(1, floor) + Lc chunks) */
+        const int need = c.select_mode == SKV_SELECT_MASS && c.select_min_chunks > 1 ? c.select_min_chunks : 1;
+        const int short_n = (c.n_outlier_chunks + need + c.n_local_chunks) * c.chunk_size;
+        if (c.rank > short_n) c.rank = short_n;
     }
     if (trial % 2) /* the smallest valid value budget: host-placed values (and the chunk cache) on cuda */
         for (c.value_device_bytes = 0; skv_config_validate(&c) != SKV_OK && c.value_device_bytes < (1 << 30);)
