@@ -136,6 +136,10 @@ static const tcase cases[] = {
        per KV head with many heads, and counts past the first 2048 ranks of the ordered walk */
     {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 10000, .S = 3000, .mass = 0.999f},
     {OP_SCORE, INIT_NORMAL, 0, .hq = 64, .hk = 64, .D = 64, .N = 5000, .S = 3000, .scale = 0.02f, .mass = 0.999f},
+    /* near-uniform probabilities (a tiny scale): counts of about half the candidates, past the
+       walk's first batch (fused path) and its second (split path) */
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 64, .hk = 64, .D = 64, .N = 5000, .S = 3000, .scale = 1e-6f, .mass = 0.5f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 32, .hk = 8, .D = 128, .N = 10000, .S = 6000, .scale = 1e-6f, .mass = 0.5f},
     {OP_SCORE, INIT_TIES, 0, .hq = 8, .hk = 1, .D = 64, .N = 9000, .S = 4500, .scale = 0.3f, .mass = 0.7f},
     /* rebuild keys: float accumulation order is free, bf16 output:
        1e-6 allows 1 bf16 ulp (2^-8 relative) on ~5% of the elements */
