@@ -876,9 +876,9 @@ SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_
     static const char fn[] = "skv_cache_layer_stats";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
     if (!stats) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: stats is NULL", fn);
-    if (stats_size < sizeof(skv_layer_stats))
+    if (stats_size < SKV_LAYER_STATS_MIN_SIZE)
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: stats_size = %zu, below the first skv_layer_stats's %zu",
-                        fn, stats_size, sizeof(skv_layer_stats));
+                        fn, stats_size, (size_t)SKV_LAYER_STATS_MIN_SIZE);
     skv_status st = skv_check_index(c, fn, layer, 0);
     if (st) return st;
     if ((st = skv_cache_sync(c))) return st;
