@@ -14,7 +14,8 @@
  *    missed chunks' P.V is added after their transfer).
  *  - The chunk cache's hit and miss counts equal an independent simulation of
  *    its rule (least recently used entry, ties to the lower entry) on every
- *    backend; drifting queries make them hit.
+ *    backend; drifting queries make them hit. Also with SKV_SELECT_MASS, where a
+ *    head's step looks up only its k selected chunks (skv_cache_selected_count).
  *  - skv_seq_info.values_on_device tells the placement.
  * Seeds are printed; SKV_SEED=N replays a run.
  */
@@ -186,12 +187,14 @@ static skv_cache *make_cache(world *wd, int64_t budget)
 
 
 /* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel */
-static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_t *hits_out, int64_t *miss_out)
+static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int mass, int64_t *hits_out,
+                             int64_t *miss_out)
 {
     world wd;
     memset(&wd, 0, sizeof wd);
     wd.cfg = base_config();
     wd.cfg.head_dim = head_dim;
+    if (mass) wd.cfg.select_mode = SKV_SELECT_MASS, wd.cfg.select_mass = 0.7f, wd.cfg.select_min_chunks = 2;
     wd.be = be;
     skvt_rng r;
     skvt_rng_seed(&r, seed);
@@ -254,6 +257,7 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
     for (size_t i = 0; i < qn; i++) qf[i] = (float)skvt_rng_normal(&r);
     double worst = 0;
     int exact_fail = 0;
+    int64_t mixed_lookups = 0; /* the counts of the mixed cache's host slots */
     for (int step = 0; step < STEPS; step++) {
         /* drift: mostly the last query (hits), now and then a fresh one (misses) */
         const double a = step % 6 == 5 ? 0.0 : 0.93, bnoise = sqrt(1 - a * a);
@@ -294,14 +298,18 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
                     skv_seq_info info;
                     skv_cache_seq_info(cache[0], l, b, &info);
                     skv_cache_candidates(cache[0], l, b, h, cand);
-                    int32_t ci[256];
-                    for (int s = 0, m = 0; s < S; s++) {
+                    int32_t ci[256], kh = -1;
+                    SKVT_CHECK_STATUS(skv_cache_selected_count(cache[0], l, b, h, &kh), SKV_OK, "selected_count");
+                    SKVT_CHECK(kh >= 1 && kh <= S && (mass || kh == S), "count %d of S = %d", kh, S);
+                    if (kh < 1 || kh > S) kh = S;
+                    for (int s = 0, m = 0; s < kh; s++) {
                         while (cand[m] != sel[0][s]) m++;
                         ci[s] = m;
                     }
-                    int32_t hits = sim_step(&sim[l][b][h], ci, S, step);
+                    int32_t hits = sim_step(&sim[l][b][h], ci, kh, step);
                     sim_hits += hits;
-                    sim_miss += S - hits;
+                    sim_miss += kh - hits;
+                    if ((int64_t)l * B + b >= want_dev[2]) mixed_lookups += kh;
                 }
         }
     }
@@ -322,13 +330,13 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
                    (long long)sim_miss);
         SKVT_CHECK(sim_hits > 0 && sim_miss > 0, "the workload should both hit and miss: %lld hits, %lld misses",
                    (long long)sim_hits, (long long)sim_miss);
-        SKVT_CHECK(st[2].value_cache_hits + st[2].value_cache_misses ==
-                       (int64_t)STEPS * (slots - 3) * Hk * S,
+        SKVT_CHECK(st[2].value_cache_hits + st[2].value_cache_misses == mixed_lookups &&
+                       (mass || mixed_lookups == (int64_t)STEPS * (slots - 3) * Hk * S),
                    "%s mixed: %lld lookups, want %lld", skv_backend_name(be),
-                   (long long)(st[2].value_cache_hits + st[2].value_cache_misses),
-                   (long long)STEPS * (slots - 3) * Hk * S);
-        printf("%s: chunk cache %lld hits, %lld misses (all-host)\n", skv_backend_name(be),
-               (long long)st[1].value_cache_hits, (long long)st[1].value_cache_misses);
+                   (long long)(st[2].value_cache_hits + st[2].value_cache_misses), (long long)mixed_lookups);
+        printf("%s%s: chunk cache %lld hits, %lld misses (all-host), %lld lookups (mixed)\n", skv_backend_name(be),
+               mass ? " (mass)" : "", (long long)st[1].value_cache_hits, (long long)st[1].value_cache_misses,
+               (long long)mixed_lookups);
         *hits_out = st[1].value_cache_hits;
         *miss_out = st[1].value_cache_misses;
     }
@@ -352,15 +360,16 @@ int main(void)
     test_split();
     const skv_backend bes[3] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     static const int dims[2] = {64, 128};
-    for (int di = 0; di < 2; di++) {
+    for (int dm = 0; dm < 3; dm++) { /* head_dim 64 and 128; 64 with SKV_SELECT_MASS */
+        const int di = dm % 2, mass = dm == 2;
         int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
-        printf("head_dim %d\n", dims[di]);
+        printf("head_dim %d%s\n", dims[di], mass ? ", SKV_SELECT_MASS" : "");
         for (int i = 0; i < 3; i++) {
             if (skv_backend_available(bes[i]) != SKV_OK) {
                 skvt_skip("cuda backend not available on this machine");
                 continue;
             }
-            test_equivalence(bes[i], seed + (uint64_t)di, dims[di], &hits[i], &miss[i]);
+            test_equivalence(bes[i], seed + (uint64_t)dm, dims[di], mass, &hits[i], &miss[i]);
         }
         for (int i = 1; i < 3; i++)
             if (hits[i] >= 0)
