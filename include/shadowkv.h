@@ -331,8 +331,9 @@ typedef struct skv_memory_info {
     size_t host_bytes;          /**< the host value stores, as skv_cache_memory */
     size_t value_store_bytes;   /**< one slot's whole value store (N_max - O chunks per KV head) */
     size_t value_cache_bytes;   /**< one host slot's chunk cache with its index (device) */
-    int64_t device_value_slots; /**< (layer, sequence) slots whose values live on the device */
-    int64_t host_value_slots;   /**< slots whose values live in the host store */
+    int64_t device_value_slots; /**< (layer, sequence) slots of sparse layers whose values live on the
+                                     device (a dense layer's slots keep theirs there, not counted) */
+    int64_t host_value_slots;   /**< slots of sparse layers whose values live in the host store */
     int32_t value_cache_chunks; /**< chunk-cache entries per KV head of a host slot (resolved) */
 } skv_memory_info;
 

@@ -67,6 +67,8 @@ typedef struct skv_layout {
     int32_t S;          /* selected chunks per KV head: budget / c, or cand_max for SKV_BUDGET_ALL
                            (the stride of every per-head selection row) */
     int32_t cand_max;   /* N_max - O */
+    int32_t min_cand;   /* N - O a sparse layer's prompt needs: S (fixed), max(1, select_min_chunks)
+                           (SKV_SELECT_MASS), 1 (SKV_BUDGET_ALL) */
     int32_t local_max;  /* (Lc + 1) * c - 1 */
     int32_t vc_chunks;  /* chunk-cache entries per KV head of a host slot (resolved) */
     int32_t batch;      /* B = batch_size */
@@ -95,6 +97,13 @@ typedef struct skv_layout {
     size_t dev_values, dev_vcache;
     size_t device_total, host_total;
 } skv_layout;
+
+/* The candidates (N - O) a sparse layer's prompt must have, for S chunks per head. */
+static inline int64_t skv_min_candidates(const skv_config *cfg, int64_t S)
+{
+    if (cfg->select_mode == SKV_SELECT_MASS) return cfg->select_min_chunks > 1 ? cfg->select_min_chunks : 1;
+    return cfg->budget == SKV_BUDGET_ALL ? 1 : S;
+}
 
 /* 1 if layer is dense (bit layer of config.dense_layers). */
 static inline int skv_layout_dense(const skv_layout *lay, int32_t layer)

@@ -371,10 +371,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
     const int32_t r = g->rank;
     if (sl->dense) return skv_prefill_dense(c, layer, seq, n, k_pre, v, k_post);
-    /* candidates a prompt must have: S (fixed), 1 (every candidate), max(1, floor) (mass) */
-    const int32_t need = g->select_mode == SKV_SELECT_MASS ? (g->select_min_chunks > 1 ? g->select_min_chunks : 1)
-                         : g->budget == SKV_BUDGET_ALL ? 1
-                                                       : c->lay.S;
+    const int32_t need = c->lay.min_cand; /* S (fixed), max(1, floor) (mass), 1 (every candidate) */
     const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
     if (N < (int64_t)O + need)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
@@ -876,9 +873,9 @@ SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_
     static const char fn[] = "skv_cache_layer_stats";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
     if (!stats) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: stats is NULL", fn);
-    if (stats_size < sizeof(skv_layer_stats))
+    if (stats_size < SKV_LAYER_STATS_MIN_SIZE)
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: stats_size = %zu, below the first skv_layer_stats's %zu",
-                        fn, stats_size, sizeof(skv_layer_stats));
+                        fn, stats_size, (size_t)SKV_LAYER_STATS_MIN_SIZE);
     skv_status st = skv_check_index(c, fn, layer, 0);
     if (st) return st;
     if ((st = skv_cache_sync(c))) return st;

@@ -218,22 +218,21 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     /* S: budget / c, or every candidate of the longest prompt (SKV_BUDGET_ALL); computed in 64 bits */
     const int64_t cand_max = cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks - cfg->n_outlier_chunks;
     const int64_t S = cfg->budget == SKV_BUDGET_ALL ? cand_max : cfg->budget / cfg->chunk_size;
+    if (cfg->budget == SKV_BUDGET_ALL && cand_max < 1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "budget = SKV_BUDGET_ALL with max_prompt_len = %lld: (O + 1 + Lc) * c = %lld tokens are needed "
+                        "for one candidate chunk",
+                        (long long)cfg->max_prompt_len,
+                        (long long)(((int64_t)cfg->n_outlier_chunks + 1 + cfg->n_local_chunks) * cfg->chunk_size));
     if (cfg->select_mode == SKV_SELECT_MASS && (cfg->select_min_chunks < 0 || cfg->select_min_chunks > S))
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "select_min_chunks = %d: must be in [0, S = %lld] (S = budget / chunk_size, or N_max - O for "
                         "SKV_BUDGET_ALL)",
                         cfg->select_min_chunks, (long long)S);
-    /* smallest valid prompt of a sparse layer: O + (chunks it must be able to select) + Lc chunks */
-    const int64_t need = cfg->budget == SKV_BUDGET_ALL || cfg->select_mode == SKV_SELECT_MASS
-                             ? (cfg->select_mode == SKV_SELECT_MASS && cfg->select_min_chunks > 1 ? cfg->select_min_chunks : 1)
-                             : S;
+    /* smallest valid prompt of a sparse layer: O + (candidates it must have) + Lc chunks */
+    const int64_t need = skv_min_candidates(cfg, S);
     int64_t min_chunks = (int64_t)cfg->n_outlier_chunks + need + cfg->n_local_chunks;
     int64_t min_prompt = min_chunks * cfg->chunk_size;
-    if (cfg->budget == SKV_BUDGET_ALL && cand_max < 1)
-        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                        "budget = SKV_BUDGET_ALL with max_prompt_len = %lld: (O + 1 + Lc) * c = %lld tokens are needed "
-                        "for one candidate chunk",
-                        (long long)cfg->max_prompt_len, (long long)min_prompt);
     if (min_prompt > cfg->max_prompt_len)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "max_prompt_len = %lld < (O + %s + Lc) * c = %lld: no prompt could be prefilled",
@@ -246,8 +245,12 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if (cfg->rank > width || cfg->rank > min_prompt)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "rank = %d: must be <= n_kv_heads * head_dim = %lld and <= the shortest "
-                        "valid prompt (O + S + Lc) * c = %lld",
-                        cfg->rank, (long long)width, (long long)min_prompt);
+                        "valid prompt (O + %s + Lc) * c = %lld",
+                        cfg->rank, (long long)width,
+                        cfg->select_mode == SKV_SELECT_MASS ? "max(1, select_min_chunks)"
+                        : cfg->budget == SKV_BUDGET_ALL     ? "1"
+                                                            : "S",
+                        (long long)min_prompt);
     return SKV_OK;
 }
 
@@ -299,6 +302,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -
                               cfg->n_outlier_chunks);
     lay->S = cfg->budget == SKV_BUDGET_ALL ? lay->cand_max : cfg->budget / cfg->chunk_size;
+    lay->min_cand = (int32_t)skv_min_candidates(cfg, lay->S);
     lay->batch = cfg->batch_size;
     lay->dense_layers = cfg->dense_layers;
     lay->n_dense_layers = skv_layout_dense_below(lay, cfg->n_layers);

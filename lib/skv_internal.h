@@ -97,7 +97,10 @@ skv_status skv_probe_threads(int32_t n_threads);
 #define SKV_CONFIG_V02_SIZE \
     ((offsetof(skv_config, select_mode) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
-#define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
+/* 0.1 and 0.2 ended at values_on_device (0.3 added rank and dense): that size, padding included */
+#define SKV_SEQ_INFO_MIN_SIZE \
+    ((offsetof(skv_seq_info, rank) + _Alignof(skv_seq_info) - 1) / _Alignof(skv_seq_info) * _Alignof(skv_seq_info))
+#define SKV_LAYER_STATS_MIN_SIZE sizeof(skv_layer_stats)
 #define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)
 
 /* A caller's config (cfg->struct_size bytes of it) completed with the defaults of

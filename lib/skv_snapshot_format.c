@@ -253,10 +253,7 @@ int skv_snap_check_state(const skv_config *g, const skv_layout *lay, const skv_s
     }
     if (g->rank > 0 ? s->rank != g->rank : (s->rank < 1 || s->rank > g->rank_max))
         return snprintf(why, cap, "rank = %d: config rank = %d, rank_max = %d", s->rank, g->rank, g->rank_max), 0;
-    const int64_t need = g->select_mode == SKV_SELECT_MASS ? (g->select_min_chunks > 1 ? g->select_min_chunks : 1)
-                         : g->budget == SKV_BUDGET_ALL     ? 1
-                                                           : lay->S;
-    const int64_t c = g->chunk_size, lo = ((int64_t)g->n_outlier_chunks + need + g->n_local_chunks) * c;
+    const int64_t c = g->chunk_size, lo = ((int64_t)g->n_outlier_chunks + lay->min_cand + g->n_local_chunks) * c;
     if (s->n < lo || s->n < s->rank || s->n > g->max_prompt_len)
         return snprintf(why, cap,
                         "n = %lld: a prefilled prompt has between max(%lld, rank = %d) and max_prompt_len = %lld tokens",

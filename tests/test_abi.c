@@ -151,6 +151,21 @@ int main(void)
         ok = 1;
         for (size_t j = sizeof(skv_seq_info); j < sizeof ib; j++) ok &= ib[j] == 0xA5;
         SKVT_CHECK(ok, "seq_info_sized wrote past the caller's size");
+        /* a caller built against 0.2: its skv_seq_info ended at values_on_device */
+        const size_t al = _Alignof(skv_seq_info), v02 = (offsetof(skv_seq_info, rank) + al - 1) / al * al;
+        memset(ib, 0xA5, sizeof ib);
+        SKVT_CHECK_STATUS(skv_cache_seq_info_sized(cache, 0, 0, (skv_seq_info *)ib, v02), SKV_OK, "seq_info_sized(0.2)");
+        ok = 1;
+        for (size_t j = v02; j < sizeof ib; j++) ok &= ib[j] == 0xA5;
+        SKVT_CHECK(ok, "seq_info_sized(0.2 size) wrote past the caller's size");
+        SKVT_CHECK_STATUS(skv_cache_seq_info_sized(cache, 0, 0, (skv_seq_info *)ib, v02 - 4), SKV_ERR_INVALID_ARGUMENT,
+                          "seq_info_sized(below the first skv_seq_info)");
+        skv_layer_stats ls;
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, 0, &ls), SKV_OK, "layer_stats");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats_sized(cache, 0, &ls, sizeof ls - 8), SKV_ERR_INVALID_ARGUMENT,
+                          "layer_stats_sized(smaller)");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, c.n_layers, &ls), SKV_ERR_INVALID_ARGUMENT, "layer_stats(layer)");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, 0, NULL), SKV_ERR_NULL_POINTER, "layer_stats(NULL)");
         skv_cache_free(cache);
     }
     unsigned char mb[sizeof(skv_memory_info) + 8];

@@ -181,6 +181,8 @@ _SIGNATURES = {
     "skv_op_landmarks_outliers": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, _P, _P, _P, _P]),
     "skv_op_score_select": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, c_float, _P, _P, _P, _P, _P,
                                     _P]),
+    "skv_op_score_select_mass": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, c_float, c_int32,
+                                         c_float, _P, _P, _P, _P, _P, _P, _P]),
     "skv_op_rebuild_keys": (c_int, [c_int, POINTER(RopeConfig), c_int32, c_int32, c_int32, c_int32, c_int32, c_int64,
                                     _P, _P, _P, _P, _P, _P]),
     "skv_op_rebuild_keys_canonical": (c_int, [c_int, POINTER(RopeConfig), c_int32, c_int32, c_int32, c_int32, c_int32,
