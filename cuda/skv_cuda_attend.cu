@@ -854,7 +854,10 @@ skv_cuda_items skv_cuda_decode_items(const skv_cuda_shape *sh, int64_t max_resid
     const int64_t one = ceil_div64(max_resident, it.tt); /* items of one tile each */
     it.frag = mm_shape_ok(sh) && it.tt == kMmTT && one <= kMmMaxRes;
     int64_t r = it.frag ? one : ceil_div64(max_resident, 4 * (int64_t)it.tt);
-    it.n_res = (int32_t)(r < 1 ? 1 : it.frag ? r : r > 64 ? 64 : r);
+    /* at most 64 ranges of resident tokens, or 256 for a dense layer's step (S = 0: its prompt is resident,
+       the work of a dense decode step, split over the tokens like the selected span) */
+    const int64_t cap = sh->S == 0 ? 256 : 64;
+    it.n_res = (int32_t)(r < 1 ? 1 : it.frag ? r : r > cap ? cap : r);
     it.n_items = it.n_sel + it.n_res;
     return it;
 }
