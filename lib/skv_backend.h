@@ -77,11 +77,17 @@ typedef struct skv_layout {
 } skv_layout;
 
 /* Host-side bookkeeping of one (layer, sequence) of a cache. */
+/* The rank a cache's factors are sized for: config.rank, or rank_max when rank == 0 (a rank
+   per slot, chosen at prefill; docs/DESIGN.md 3.1). */
+static inline int32_t skv_cfg_rank(const skv_config *cfg) { return cfg->rank ? cfg->rank : cfg->rank_max; }
+
 typedef struct skv_seq_state {
     int32_t prefilled;
     int32_t has_selection;
     int64_t n;
     int32_t n_chunks, n_cand, n_local, n_gen;
+    int32_t rank; /* the slot's rank (config.rank, or the one chosen at prefill when it is 0); cuda
+                     refreshes it at cache_sync, since its prefill chooses on the device */
 } skv_seq_state;
 
 struct skv_backend_ops {

@@ -14,6 +14,7 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 #include "skv_plan.h"
+#include "skv_rank.h"
 
 typedef skv_seq_state skv_slot;
 
@@ -310,6 +311,44 @@ static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what
 
 /* ---- prefill -------------------------------------------------------------------------- */
 
+/*
+ * config.rank == 0 (docs/DESIGN.md 3.1): from the float factors uf [n, m], wf [m, Hk D] at
+ * m = rank_max, the slot's rank r by skv_rank.h's rule (e_i, T and the stopping rule by the
+ * canonical sums in both modes), and the factors stored in bf16 with the columns of U and the
+ * rows of W in the stable order of non-increasing e, places r.. zero. ref and cpu (host memory).
+ */
+static skv_status skv_rank_store(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
+                                 const float *uf, const float *wf, int32_t *rank)
+{
+    const skv_config *g = &c->cfg;
+    const int32_t m = g->rank_max;
+    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim;
+    float *e = malloc((size_t)m * 2 * sizeof *e);
+    int32_t *src = malloc((size_t)m * sizeof *src);
+    if (!e || !src) {
+        free(e);
+        free(src);
+        return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "skv_prefill: out of memory for the rank choice (rank_max = %d)",
+                        m);
+    }
+    float *es = e + m;
+    for (int32_t i = 0; i < m; i++) e[i] = skv_rank_col_energy(uf, n, m, i);
+    for (int32_t i = 0; i < m; i++) src[skv_rank_position(e, m, i)] = i;
+    for (int32_t p = 0; p < m; p++) es[p] = e[src[p]];
+    const float T = skv_rank_total_energy(k_pre, (int64_t)n * (int64_t)HkD);
+    const int32_t r = skv_rank_pick(es, m, T, g->rank_error_target);
+    skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
+    for (int64_t t = 0; t < n; t++)
+        for (int32_t p = 0; p < m; p++)
+            u[(size_t)t * m + p] = p < r ? skv_f32_to_bf16(uf[(size_t)t * m + src[p]]) : 0;
+    for (int32_t p = 0; p < m; p++)
+        for (size_t d = 0; d < HkD; d++) w[(size_t)p * HkD + d] = p < r ? skv_f32_to_bf16(wf[(size_t)src[p] * HkD + d]) : 0;
+    free(e);
+    free(src);
+    *rank = r;
+    return SKV_OK;
+}
+
 /* The last act of a successful prefill: the slot's shape and the phase times. */
 static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N, int32_t n_cand, int32_t n_local,
                                 const skv_stats *t)
@@ -351,7 +390,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: a prompt length must be >= 0", fn,
                         (long long)n);
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
-    const int32_t S = c->lay.S, r = g->rank;
+    const int32_t S = c->lay.S, r = skv_cfg_rank(g);
     const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
     if (N < (int64_t)O + S)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
@@ -359,6 +398,11 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
                         "that leaves %lld context chunks, need O + S = %d (at least %lld tokens)",
                         fn, (long long)n, (long long)(n / cs), cs, g->n_local_chunks, (long long)(N > 0 ? N : 0),
                         O + S, (long long)(O + S + g->n_local_chunks) * cs);
+    if (n < r)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                        "%s: n = %lld tokens are fewer than the %s = %d of the key factorization (it needs "
+                        "n >= %s)",
+                        fn, (long long)n, g->rank ? "rank" : "rank_max (rank = 0)", r, g->rank ? "rank" : "rank_max");
     if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
         if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
@@ -371,10 +415,12 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
         if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = g->rank; /* 0: chosen on the device, refreshed by cache_sync */
         return SKV_OK;
     }
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
+    int32_t slot_rank = r;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
     float *wf = ops->mem_alloc((size_t)r * HkD * sizeof(float), SKV_MEM_DEVICE);
     int32_t *ids = malloc(((size_t)Hk * O + (size_t)Hk * n_cand) * sizeof *ids);
@@ -402,7 +448,10 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = skv_slot_failed(c, fn, "factorize", st);
         goto done;
     }
-    {
+    if (g->rank == 0) { /* the slot's rank (section 3.1), its columns ordered by energy, the rest zero */
+        st = skv_rank_store(c, layer, seq, n, k_pre, uf, wf, &slot_rank);
+        if (st) goto done;
+    } else {
         skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
         for (size_t i = 0; i < (size_t)n * r; i++) u[i] = skv_f32_to_bf16(uf[i]);
         for (size_t i = 0; i < (size_t)r * HkD; i++) w[i] = skv_f32_to_bf16(wf[i]);
@@ -456,6 +505,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         t.prefill_offload_ms = t4 - t3;
         t.prefill_critical_ms = t4 - t0;
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = slot_rank;
     }
 done:
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
@@ -569,7 +619,7 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
         t_sel += skv_now_ms() - t;
         t = skv_now_ms();
         st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
-            &g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16), sids,
+            &g->rope, D, Hk, skv_cfg_rank(g), cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16), sids,
             cos_t, sin_t, ks, &c->ws);
         c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
@@ -697,6 +747,7 @@ SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t
         info.n_local = sl->n_local;
         info.n_generated = sl->n_gen;
         info.has_selection = sl->has_selection;
+        info.rank = sl->rank;
     }
     skv_copy_sized(out, out_size, &info, sizeof info);
     return SKV_OK;
@@ -788,4 +839,66 @@ void skv_cache_parts_get(skv_cache *c, skv_cache_parts *p)
     p->slots = c->slots;
     p->bctx = c->bctx;
     p->err = c->err;
+}
+
+/* ---- ranks (config.rank == 0, docs/DESIGN.md 3.1) ----------------------------------------- */
+
+/* Rank min / max / mean over the layer's prefilled slots (skv_internal.h). */
+void skv_cache_layer_ranks(const skv_cache *c, int32_t layer, int32_t *rank_min, int32_t *rank_max,
+                           int32_t *n_prefilled, double *rank_mean)
+{
+    int32_t lo = 0, hi = 0, np = 0;
+    double sum = 0.0;
+    for (int32_t b = 0; b < c->cfg.batch_size; b++) {
+        const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+        if (!sl->prefilled) continue;
+        if (!np || sl->rank < lo) lo = sl->rank;
+        if (!np || sl->rank > hi) hi = sl->rank;
+        sum += (double)sl->rank;
+        np++;
+    }
+    *rank_min = lo;
+    *rank_max = hi;
+    *n_prefilled = np;
+    *rank_mean = np ? sum / (double)np : 0.0;
+}
+
+/*
+ * The ranks of loaded slots (skv_internal.h): config.rank, or with rank == 0 one past the last
+ * row of the slot's stored W [rank_max, Hk D] with a nonzero element (at least 1). A snapshot
+ * does not store the rank: prefill stores rows r.. of W as zeros, and rows below r are rows of
+ * the factorization's orthonormal basis, never all zero in bf16.
+ */
+skv_status skv_cache_recount_ranks(const skv_cache_parts *p, skv_seq_state *states)
+{
+    const skv_config *g = p->cfg;
+    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim, m = (size_t)skv_cfg_rank(g);
+    skv_bf16 *row = NULL;
+    if (g->rank == 0 && !(row = malloc(HkD * B2)))
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_load: out of memory for a row of W");
+    for (int64_t i = 0; i < p->lay->n_slots; i++) {
+        if (!states[i].prefilled) continue;
+        if (g->rank) {
+            states[i].rank = g->rank;
+            continue;
+        }
+        const skv_bf16 *w = (const skv_bf16 *)(p->dev + (size_t)i * p->lay->slot_device + p->lay->w);
+        int32_t r = 1;
+        for (size_t q = m; q-- > 1;) {
+            skv_status st = p->ops->copy2d(row, 0, w + q * HkD, 0, HkD * B2, 1);
+            if (st) {
+                free(row);
+                return skv_fail(NULL, st, "skv_cache_load: reading W of slot %lld failed", (long long)i);
+            }
+            size_t d = 0;
+            while (d < HkD && !(row[d] & 0x7fff)) d++;
+            if (d < HkD) {
+                r = (int32_t)q + 1;
+                break;
+            }
+        }
+        states[i].rank = r;
+    }
+    free(row);
+    return SKV_OK;
 }

@@ -40,6 +40,8 @@ static skv_config skv_defaults(void)
     c.value_cache_chunks = 0;
     c.factorize = SKV_FACTORIZE_AUTO;
     c.reproducible = 0;
+    c.rank_max = 0;            /* rank == 0 only */
+    c.rank_error_target = 0.1f;
     return c;
 }
 
@@ -52,8 +54,16 @@ SKV_API const char *skv_version_string(void)
     return SKV_STR(SKV_VERSION_MAJOR) "." SKV_STR(SKV_VERSION_MINOR) "." SKV_STR(SKV_VERSION_PATCH);
 }
 
-/* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible. */
-static int skv_config_size_ok(size_t size) { return size == SKV_CONFIG_MIN_SIZE || size == sizeof(skv_config); }
+/* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible (its sizeof,
+   padding included), 0.3 the fields after it. */
+struct skv_config_align { char c; skv_config x; };
+#define SKV_CONFIG_ALIGN offsetof(struct skv_config_align, x)
+#define SKV_CONFIG_02_SIZE \
+    ((offsetof(skv_config, reproducible) + sizeof(int32_t) + SKV_CONFIG_ALIGN - 1) / SKV_CONFIG_ALIGN * SKV_CONFIG_ALIGN)
+static int skv_config_size_ok(size_t size)
+{
+    return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_02_SIZE || size == sizeof(skv_config);
+}
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
 {
@@ -129,7 +139,9 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     POSITIVE(n_q_heads)
     POSITIVE(n_kv_heads)
     POSITIVE(head_dim)
-    POSITIVE(rank)
+    if (cfg->rank < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "rank = %d: must be >= 1, or 0 (a rank per slot, up to rank_max)", cfg->rank);
     POSITIVE(chunk_size)
     POSITIVE(budget)
     POSITIVE(batch_size)
@@ -200,12 +212,23 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "max_prompt_len = %lld < (O + S + Lc) * c = %lld: no prompt could be prefilled",
                         (long long)cfg->max_prompt_len, (long long)min_prompt);
+    /* the rank against the key width only; against the prompt at prefill (SKV_ERR_PROMPT_TOO_SHORT) */
     int64_t width = (int64_t)cfg->n_kv_heads * cfg->head_dim;
-    if (cfg->rank > width || cfg->rank > min_prompt)
+    if (cfg->rank > width)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                        "rank = %d: must be <= n_kv_heads * head_dim = %lld and <= the shortest "
-                        "valid prompt (O + S + Lc) * c = %lld",
-                        cfg->rank, (long long)width, (long long)min_prompt);
+                        "rank = %d: must be <= n_kv_heads * head_dim = %lld (a prompt shorter than the rank "
+                        "is refused at prefill)",
+                        cfg->rank, (long long)width);
+    if (cfg->rank == 0) {
+        if (cfg->rank_max < 1 || cfg->rank_max > width)
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_max = %d: with rank = 0 it must be in [1, n_kv_heads * head_dim = %lld]",
+                            cfg->rank_max, (long long)width);
+        if (!(cfg->rank_error_target > 0.0f && cfg->rank_error_target < 1.0f))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_error_target = %g: with rank = 0 it must be in (0, 1)",
+                            (double)cfg->rank_error_target);
+    }
     return SKV_OK;
 }
 
@@ -252,7 +275,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     if (st) return st;
     memset(lay, 0, sizeof *lay);
     size_t c = (size_t)cfg->chunk_size, D = (size_t)cfg->head_dim, Hk = (size_t)cfg->n_kv_heads;
-    size_t r = (size_t)cfg->rank, O = (size_t)cfg->n_outlier_chunks;
+    size_t r = (size_t)skv_cfg_rank(cfg), O = (size_t)cfg->n_outlier_chunks;
     size_t nmax = (size_t)cfg->max_prompt_len, cap = (size_t)cfg->gen_capacity;
     lay->S = cfg->budget / cfg->chunk_size;
     lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -

@@ -90,7 +90,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
  */
 #define SKV_CONFIG_MIN_SIZE offsetof(skv_config, reproducible) /* 0.1.0 ended at factorize */
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
-#define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
+#define SKV_SEQ_INFO_MIN_SIZE offsetof(skv_seq_info, rank) /* 0.1 and 0.2 ended at values_on_device */
 #define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)
 
 /* A caller's config (cfg->struct_size bytes of it) completed with the defaults of
@@ -120,6 +120,14 @@ typedef struct skv_cache_parts {
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;
 void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
+/* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_cache.c). Rank min / max / mean over the prefilled
+   slots of layer (0, 0, 0 when none) and their count, from the host states: call after
+   skv_cache_sync (cuda refreshes the ranks there). */
+void skv_cache_layer_ranks(const skv_cache *cache, int32_t layer, int32_t *rank_min, int32_t *rank_max,
+                           int32_t *n_prefilled, double *rank_mean);
+/* The rank of every prefilled slot of a loaded snapshot into states[].rank, from the factors
+   already in the arenas (docs/DESIGN.md 11.5). */
+skv_status skv_cache_recount_ranks(const skv_cache_parts *parts, skv_seq_state *states);
 
 #ifdef __cplusplus
 }

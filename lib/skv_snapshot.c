@@ -480,6 +480,7 @@ static skv_status snap_load(snap_in *in, const skv_config *cfg, skv_cache **out)
     if ((st = skv_snap_in_rewind(in)) || (st = skv_snap_in_header(in, &snap, &lay))) goto done;
     memset(states, 0, (size_t)lay.n_slots * sizeof *states);
     if ((st = in_body(in, p.cfg, p.lay, &p, states, stage))) goto done;
+    if ((st = skv_cache_recount_ranks(&p, states))) goto done; /* ranks are not stored (11.5) */
     /* publish: the states, then the backend's own copy of them; the chunk caches start empty */
     memcpy(p.slots, states, (size_t)lay.n_slots * sizeof *states);
     if (p.ops->cache_set_states) {
