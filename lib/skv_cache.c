@@ -14,7 +14,6 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 #include "skv_plan.h"
-#include "skv_rank.h"
 
 typedef skv_seq_state skv_slot;
 
@@ -311,44 +310,6 @@ static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what
 
 /* ---- prefill -------------------------------------------------------------------------- */
 
-/*
- * config.rank == 0 (docs/DESIGN.md 3.1): from the float factors uf [n, m], wf [m, Hk D] at
- * m = rank_max, the slot's rank r by skv_rank.h's rule (e_i, T and the stopping rule by the
- * canonical sums in both modes), and the factors stored in bf16 with the columns of U and the
- * rows of W in the stable order of non-increasing e, places r.. zero. ref and cpu (host memory).
- */
-static skv_status skv_rank_store(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
-                                 const float *uf, const float *wf, int32_t *rank)
-{
-    const skv_config *g = &c->cfg;
-    const int32_t m = g->rank_max;
-    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim;
-    float *e = malloc((size_t)m * 2 * sizeof *e);
-    int32_t *src = malloc((size_t)m * sizeof *src);
-    if (!e || !src) {
-        free(e);
-        free(src);
-        return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "skv_prefill: out of memory for the rank choice (rank_max = %d)",
-                        m);
-    }
-    float *es = e + m;
-    for (int32_t i = 0; i < m; i++) e[i] = skv_rank_col_energy(uf, n, m, i);
-    for (int32_t i = 0; i < m; i++) src[skv_rank_position(e, m, i)] = i;
-    for (int32_t p = 0; p < m; p++) es[p] = e[src[p]];
-    const float T = skv_rank_total_energy(k_pre, (int64_t)n * (int64_t)HkD);
-    const int32_t r = skv_rank_pick(es, m, T, g->rank_error_target);
-    skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
-    for (int64_t t = 0; t < n; t++)
-        for (int32_t p = 0; p < m; p++)
-            u[(size_t)t * m + p] = p < r ? skv_f32_to_bf16(uf[(size_t)t * m + src[p]]) : 0;
-    for (int32_t p = 0; p < m; p++)
-        for (size_t d = 0; d < HkD; d++) w[(size_t)p * HkD + d] = p < r ? skv_f32_to_bf16(wf[(size_t)src[p] * HkD + d]) : 0;
-    free(e);
-    free(src);
-    *rank = r;
-    return SKV_OK;
-}
-
 /* The last act of a successful prefill: the slot's shape and the phase times. */
 static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N, int32_t n_cand, int32_t n_local,
                                 const skv_stats *t)
@@ -449,7 +410,8 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         goto done;
     }
     if (g->rank == 0) { /* the slot's rank (section 3.1), its columns ordered by energy, the rest zero */
-        st = skv_rank_store(c, layer, seq, n, k_pre, uf, wf, &slot_rank);
+        st = skv_rank_store(c->err, g, n, k_pre, uf, wf, DEV(c, layer, seq, u, skv_bf16), DEV(c, layer, seq, w, skv_bf16),
+                            &slot_rank);
         if (st) goto done;
     } else {
         skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
@@ -839,66 +801,4 @@ void skv_cache_parts_get(skv_cache *c, skv_cache_parts *p)
     p->slots = c->slots;
     p->bctx = c->bctx;
     p->err = c->err;
-}
-
-/* ---- ranks (config.rank == 0, docs/DESIGN.md 3.1) ----------------------------------------- */
-
-/* Rank min / max / mean over the layer's prefilled slots (skv_internal.h). */
-void skv_cache_layer_ranks(const skv_cache *c, int32_t layer, int32_t *rank_min, int32_t *rank_max,
-                           int32_t *n_prefilled, double *rank_mean)
-{
-    int32_t lo = 0, hi = 0, np = 0;
-    double sum = 0.0;
-    for (int32_t b = 0; b < c->cfg.batch_size; b++) {
-        const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-        if (!sl->prefilled) continue;
-        if (!np || sl->rank < lo) lo = sl->rank;
-        if (!np || sl->rank > hi) hi = sl->rank;
-        sum += (double)sl->rank;
-        np++;
-    }
-    *rank_min = lo;
-    *rank_max = hi;
-    *n_prefilled = np;
-    *rank_mean = np ? sum / (double)np : 0.0;
-}
-
-/*
- * The ranks of loaded slots (skv_internal.h): config.rank, or with rank == 0 one past the last
- * row of the slot's stored W [rank_max, Hk D] with a nonzero element (at least 1). A snapshot
- * does not store the rank: prefill stores rows r.. of W as zeros, and rows below r are rows of
- * the factorization's orthonormal basis, never all zero in bf16.
- */
-skv_status skv_cache_recount_ranks(const skv_cache_parts *p, skv_seq_state *states)
-{
-    const skv_config *g = p->cfg;
-    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim, m = (size_t)skv_cfg_rank(g);
-    skv_bf16 *row = NULL;
-    if (g->rank == 0 && !(row = malloc(HkD * B2)))
-        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_load: out of memory for a row of W");
-    for (int64_t i = 0; i < p->lay->n_slots; i++) {
-        if (!states[i].prefilled) continue;
-        if (g->rank) {
-            states[i].rank = g->rank;
-            continue;
-        }
-        const skv_bf16 *w = (const skv_bf16 *)(p->dev + (size_t)i * p->lay->slot_device + p->lay->w);
-        int32_t r = 1;
-        for (size_t q = m; q-- > 1;) {
-            skv_status st = p->ops->copy2d(row, 0, w + q * HkD, 0, HkD * B2, 1);
-            if (st) {
-                free(row);
-                return skv_fail(NULL, st, "skv_cache_load: reading W of slot %lld failed", (long long)i);
-            }
-            size_t d = 0;
-            while (d < HkD && !(row[d] & 0x7fff)) d++;
-            if (d < HkD) {
-                r = (int32_t)q + 1;
-                break;
-            }
-        }
-        states[i].rank = r;
-    }
-    free(row);
-    return SKV_OK;
 }

@@ -120,10 +120,16 @@ typedef struct skv_cache_parts {
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;
 void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
-/* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_cache.c). Rank min / max / mean over the prefilled
-   slots of layer (0, 0, 0 when none) and their count, from the host states: call after
-   skv_cache_sync (cuda refreshes the ranks there). */
-void skv_cache_layer_ranks(const skv_cache *cache, int32_t layer, int32_t *rank_min, int32_t *rank_max,
+/* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_rank.c). From the float factors uf [n, m],
+   wf [m, Hk D] at m = rank_max of k_pre: the slot's rank into *rank and the factors in bf16 into
+   u [n, m], w [m, Hk D] (host memory: ref, cpu), columns of U and rows of W in the stable order
+   of non-increasing energy, places r.. zero. */
+skv_status skv_rank_store(char *errbuf, const skv_config *cfg, int64_t n, const skv_bf16 *k_pre, const float *uf,
+                          const float *wf, skv_bf16 *u, skv_bf16 *w, int32_t *rank);
+/* Rank min / max / mean over the prefilled slots of layer (0, 0, 0 when none) and their count,
+   from the host states: call after skv_cache_sync (cuda refreshes the ranks there). For
+   skv_cache_layer_stats. */
+void skv_cache_layer_ranks(skv_cache *cache, int32_t layer, int32_t *rank_min, int32_t *rank_max,
                            int32_t *n_prefilled, double *rank_mean);
 /* The rank of every prefilled slot of a loaded snapshot into states[].rank, from the factors
    already in the arenas (docs/DESIGN.md 11.5). */
