@@ -76,11 +76,11 @@ typedef struct skv_layout {
     size_t device_total, host_total;
 } skv_layout;
 
-/* Host-side bookkeeping of one (layer, sequence) of a cache. */
 /* The rank a cache's factors are sized for: config.rank, or rank_max when rank == 0 (a rank
    per slot, chosen at prefill; docs/DESIGN.md 3.1). */
 static inline int32_t skv_cfg_rank(const skv_config *cfg) { return cfg->rank ? cfg->rank : cfg->rank_max; }
 
+/* Host-side bookkeeping of one (layer, sequence) of a cache. */
 typedef struct skv_seq_state {
     int32_t prefilled;
     int32_t has_selection;
