@@ -407,6 +407,10 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
     }
+    if (k->d_rank && (e = cudaMemset(k->d_rank, 0, L * B * sizeof *k->d_rank)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset(ranks)", msg, cap); /* a slot without a factorization reads 0 */
+        goto fail;
+    }
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess ||
