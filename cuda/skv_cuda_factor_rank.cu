@@ -7,7 +7,7 @@
  *
  * e_i: one block of 256 threads per column, thread k the canonical lane k (tokens t = k, k + 256,
  * ... in order, each square one rounding), then skv_canonical_sum's tree: the bits of
- * lib/skv_rank.h's skv_rank_col_energy. T in the reproducible mode: the same 256 lanes over A's
+ * lib/skv_rank.h's skv_rank_col_energies. T in the reproducible mode: the same 256 lanes over A's
  * n * Hk * D elements in one block (skv_rank_total_energy's bits); in the default mode a sum in
  * double over a fixed partition (deterministic, not the canonical bits: the default mode's ranks
  * are held to the rule, not to ref's bits, since its factors differ anyway). The order and the

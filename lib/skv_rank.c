@@ -11,16 +11,18 @@ skv_status skv_rank_store(char *errbuf, const skv_config *g, int64_t n, const sk
 {
     const int32_t m = g->rank_max;
     const size_t HkD = (size_t)g->n_kv_heads * g->head_dim;
-    float *e = malloc((size_t)m * 2 * sizeof *e);
+    float *e = malloc((size_t)m * 2 * sizeof *e), *P = malloc((size_t)SKV_CANON_LANES * m * sizeof *P);
     int32_t *src = malloc((size_t)m * sizeof *src);
-    if (!e || !src) {
+    if (!e || !P || !src) {
         free(e);
+        free(P);
         free(src);
         return skv_fail(errbuf, SKV_ERR_OUT_OF_MEMORY,
                         "skv_prefill: out of memory for the rank choice (rank_max = %d)", m);
     }
     float *es = e + m;
-    for (int32_t i = 0; i < m; i++) e[i] = skv_rank_col_energy(uf, n, m, i);
+    skv_rank_col_energies(uf, n, m, P, e);
+    free(P);
     for (int32_t i = 0; i < m; i++) src[skv_rank_position(e, m, i)] = i;
     for (int32_t p = 0; p < m; p++) es[p] = e[src[p]];
     const float T = skv_rank_total_energy(k_pre, n * (int64_t)HkD);

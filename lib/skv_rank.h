@@ -7,7 +7,7 @@
  *
  * With U [n, m] and W [m, d] of a factorization at m = rank_max and A the
  * pre-RoPE keys [n, d]:
- *   e_i = the canonical sum over t of U[t,i] * U[t,i]    (skv_rank_col_energy)
+ *   e_i = the canonical sum over t of U[t,i] * U[t,i]    (skv_rank_col_energies)
  *   T   = the canonical sum over A's elements of x * x   (skv_rank_total_energy)
  * (each product one float rounding; skv_canonical_sum's 256 lanes and tree).
  * Columns go in the stable order of non-increasing e (skv_rank_position), and
@@ -43,18 +43,20 @@ SKV_HD int32_t skv_rank_pick(const float *es, int32_t m, float T, float target)
 }
 
 #if !defined(__CUDACC__)
-/* e_i of column i of U [n, m] (row-major, float). */
-static inline float skv_rank_col_energy(const float *u, int64_t n, int32_t m, int32_t i)
+/* e_0 .. e_{m-1} of U [n, m] (row-major, float) in one pass over U: P [256 * m] is scratch
+   (lane k of column i at P[k * m + i]; each lane adds its rows in order, as skv_canonical_sum). */
+static inline void skv_rank_col_energies(const float *u, int64_t n, int32_t m, float *P, float *e)
 {
-    float P[SKV_CANON_LANES];
-    for (int k = 0; k < SKV_CANON_LANES; k++) P[k] = 0.0f;
+    for (int64_t x = 0; x < (int64_t)SKV_CANON_LANES * m; x++) P[x] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
-        const float x = u[t * m + i];
-        P[t & (SKV_CANON_LANES - 1)] = SKV_ADD(P[t & (SKV_CANON_LANES - 1)], SKV_MUL(x, x));
+        float *lane = P + (t & (SKV_CANON_LANES - 1)) * (int64_t)m;
+        const float *row = u + t * m;
+        for (int32_t i = 0; i < m; i++) lane[i] = SKV_ADD(lane[i], SKV_MUL(row[i], row[i]));
     }
     for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
-        for (int k = 0; k < w; k++) P[k] = SKV_ADD(P[k], P[k + w]);
-    return P[0];
+        for (int k = 0; k < w; k++)
+            for (int32_t i = 0; i < m; i++) P[k * (int64_t)m + i] = SKV_ADD(P[k * (int64_t)m + i], P[(k + w) * (int64_t)m + i]);
+    for (int32_t i = 0; i < m; i++) e[i] = P[i];
 }
 
 /* T of A [count] bf16 bits (row-major [n, d] as one sequence). */
