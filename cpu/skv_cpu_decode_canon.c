@@ -566,8 +566,8 @@ skv_status skv_cpu_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D,
 size_t skv_cpu_canon_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt)
 {
     const size_t Hk = (size_t)cfg->n_kv_heads, Dp = (size_t)skv_cpu_canon_dp(cfg->head_dim);
-    const size_t reb = SKV_WS_BYTES(sizeof(int16_t) * Hk * (size_t)skv_cpu_canon_rp(cfg->rank) * Dp +
-                                        (size_t)nt * skv_cpu_canon_thread_bytes(cfg->rank, cfg->head_dim) +
+    const size_t reb = SKV_WS_BYTES(sizeof(int16_t) * Hk * (size_t)skv_cpu_canon_rp(skv_cfg_rank(cfg)) * Dp +
+                                        (size_t)nt * skv_cpu_canon_thread_bytes(skv_cfg_rank(cfg), cfg->head_dim) +
                                         sizeof(int32_t) * Hk * Dp, 3);
     const size_t att = SKV_WS_BYTES(sizeof(float) * (size_t)nt * skv_cpu_canon_att_floats(max_tokens, cfg->head_dim), 1);
     return reb > att ? reb : att;

@@ -219,7 +219,7 @@ skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t 
 /* skv_ws_alloc bytes of one call for a cache's config (S chunks per head), nt threads. */
 size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int32_t S, int nt)
 {
-    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
+    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)skv_cfg_rank(cfg), f = sizeof(float);
     if (skv_cpu_simd()) {
         size_t Dpw = (D + 31) / 32 * 32; /* the padded width of either kernel */
         return SKV_WS_BYTES(f * (Hk * Dpw * r + (size_t)nt * (SKV_CPU_RB * (r + Dpw) + Dpw * r)) +

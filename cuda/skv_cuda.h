@@ -49,6 +49,8 @@
  *   skv_cuda_factor_fast.cu  the FAST route (skv_cuda_chol.cuh: its r x r
  *                        Cholesky and solve)
  *   skv_cuda_factor_exact.cu  the EXACT route (cuSOLVER Xsyevd)
+ *   skv_cuda_factor_rank.cu  config.rank == 0: the slot's rank from the factors at
+ *                        rank_max, their columns ordered by energy (on the device)
  *   skv_cuda_factor_canon.cu  the CANONICAL route; its kernels and plans:
  *     skv_cuda_canon_i8.h, skv_cuda_canon_i8.cuh  the exact int8 Gram
  *     skv_cuda_canon_mm.cuh    the fixed-order fp64 GEMMs (G X, Y^T Y)
@@ -481,6 +483,16 @@ cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t
 
 /* y[i] = skv_f32_to_bf16(x[i]). */
 cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
+
+/* config.rank == 0 (skv_cuda_factor_rank.cu, docs/DESIGN.md 3.1). Scratch bytes for rank_max = m. */
+size_t skv_cuda_rank_scratch_bytes(int32_t m);
+/* From the float factors u [n, m], w [m, d] of a [n, d] (the pre-RoPE keys), on stream st: the
+   slot's rank into *slot_rank (device memory) and the factors in bf16 into u_out, w_out, columns
+   of U and rows of W ordered by non-increasing energy (stable), places r.. zero. Nothing waits
+   on the host. */
+cudaError_t skv_cuda_rank_store(cudaStream_t st, int reproducible, float target, const skv_bf16 *a, int64_t n,
+                                int64_t d, int32_t m, const float *u, const float *w, void *scratch,
+                                int32_t *slot_rank, skv_bf16 *u_out, skv_bf16 *w_out);
 
 /* ---- input checks (skv_cuda_check.cu) ---------------------------------------------------- */
 

@@ -116,6 +116,12 @@ typedef struct skv_cuda_cache {
     void *lm_scratch;
     unsigned long long *flags, *h_flags; /* [3] device, pinned host */
     skv_cuda_factor *fac;
+    /* config.rank == 0: cfg.rank holds rank_max (the size of the factors); each slot's rank is
+       chosen on fst into d_rank and copied to h_rank at the next sync */
+    int choose_rank;
+    float rank_target;
+    int32_t *d_rank, *h_rank; /* [L * B] */
+    void *rank_scratch;
     /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
        both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
     cudaStream_t fst, ost;
@@ -133,7 +139,7 @@ typedef struct skv_cuda_cache {
     double phase_select_ms, phase_fetch_ms, phase_attention_ms, phase_rebuild_ms; /* over the phase-timed steps */
     int64_t n_timed, n_phased, n_phased_fetch;
     /* all cudaMalloc'ed blocks, freed at close */
-    void *blocks[24];
+    void *blocks[26];
     int n_blocks;
 } skv_cuda_cache;
 
@@ -141,10 +147,20 @@ typedef struct skv_cuda_cache {
 typedef struct {
     size_t dws, kp, uf, wf, lm, seqs, factor, lstats;
     size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
+    size_t rank;        /* rank == 0: the rank choice's scratch and the slots' ranks; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
-static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
+/* The config as the cache's kernels see it: rank == 0 sizes everything for rank_max. */
+static skv_config skv_cuda_sized_cfg(const skv_config *c)
 {
+    skv_config e = *c;
+    e.rank = skv_cfg_rank(c);
+    return e;
+}
+
+static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *lay)
+{
+    const skv_config ce = skv_cuda_sized_cfg(c0), *c = &ce;
     skv_cuda_sizes z;
     size_t Hk = (size_t)c->n_kv_heads, D = (size_t)c->head_dim, HkD = Hk * D;
     size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank;
@@ -168,13 +184,16 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
                     ? skv_cuda_canon_wq_bytes(c->n_kv_heads, c->head_dim, c->rank)
                     : 0;
     z.wq = (size_t)c->n_layers * (size_t)c->batch_size * z.wq_slot;
+    z.rank = c0->rank ? 0
+                      : (skv_cuda_rank_scratch_bytes(c->rank) + 255) / 256 * 256 +
+                            (size_t)c->n_layers * (size_t)c->batch_size * sizeof(int32_t);
     return z;
 }
 
 size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + 3 * sizeof(unsigned long long);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + z.rank + 3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -221,6 +240,7 @@ void skv_cuda_cache_close(void *bctx)
     free(k->h_seqs);
     free(k->layer_host);
     free(k->lstats_seen);
+    free(k->h_rank);
     (void)cudaGetLastError();
     free(k);
 }
@@ -234,13 +254,18 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         snprintf(msg, cap, "out of host memory");
         return SKV_ERR_OUT_OF_MEMORY;
     }
+    const skv_config *cfg0 = cfg;
+    const skv_config sized = skv_cuda_sized_cfg(cfg0);
+    k->choose_rank = cfg0->rank == 0;
+    k->rank_target = cfg0->rank_error_target;
+    cfg = &sized; /* from here on, rank is the factors' size (rank_max when rank == 0) */
     k->cfg = *cfg;
     k->lay = *lay;
     k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
     skv_status st = SKV_OK;
-    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg0, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
     const int has_host = lay->n_dev_slots < lay->n_sparse_slots;
     char *dws_base, *wq_base = NULL;
@@ -278,14 +303,21 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->lstats = (unsigned long long *)skv_cuda_cache_alloc(k, z.lstats);
     k->lstats_seen = (unsigned long long *)calloc(L * 4, sizeof(unsigned long long));
     if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
+    if (z.rank) {
+        char *rb = (char *)skv_cuda_cache_alloc(k, z.rank);
+        k->rank_scratch = rb;
+        k->d_rank = rb ? (int32_t *)(rb + (skv_cuda_rank_scratch_bytes(cfg->rank) + 255) / 256 * 256) : NULL;
+        k->h_rank = (int32_t *)calloc(L * B, sizeof *k->h_rank);
+    }
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
-        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen) {
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen ||
+        (z.rank && (!k->rank_scratch || !k->h_rank))) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
-                 skv_cuda_cache_bytes(cfg, lay));
+                 skv_cuda_cache_bytes(cfg0, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
         goto fail;
     }
@@ -300,6 +332,10 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess ||
         (e = cudaMemset(k->lstats, 0, z.lstats)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
+        goto fail;
+    }
+    if (k->d_rank && (e = cudaMemset(k->d_rank, 0, L * B * sizeof *k->d_rank)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset(ranks)", msg, cap); /* a slot without a factorization reads 0 */
         goto fail;
     }
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
@@ -588,8 +624,13 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
                                       0, msg, cap);
     if (s) return s;
-    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
-    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync */
+        CK(skv_cuda_rank_store(fs, g->reproducible, k->rank_target, k->kstage, n, HkD, g->rank, k->uf, k->wf,
+                               k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
+    } else {
+        CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+        CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    }
     /* the reproducible mode: W's fixed point for the decode's rebuild, once here instead of every step */
     if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
     CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
@@ -866,6 +907,12 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
             }
         }
     }
+    if (k->choose_rank) { /* the ranks the prefills chose on the device (rank == 0) */
+        const size_t nsl = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+        CK(cudaMemcpy(k->h_rank, k->d_rank, nsl * sizeof *k->h_rank, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < nsl; i++)
+            if (states[i].prefilled) states[i].rank = k->h_rank[i];
+    }
     unsigned long long failures = 0, tag = ~0ull;
     skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
     if (fst_) return fst_;
@@ -929,6 +976,10 @@ skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, ch
             CK(skv_cuda_canon_wprep(k->st, k->cfg.n_kv_heads, k->cfg.head_dim, k->cfg.rank, hs->w, (void *)hs->wq));
     }
     CK(cudaMemcpyAsync(k->d_seqs, k->h_seqs, n * sizeof *k->h_seqs, cudaMemcpyHostToDevice, k->st));
+    if (k->choose_rank) { /* the loaded ranks (lib/ recounted them from W), which the next sync reads back */
+        for (size_t i = 0; i < n; i++) k->h_rank[i] = states[i].prefilled ? states[i].rank : 0;
+        CK(cudaMemcpyAsync(k->d_rank, k->h_rank, n * sizeof *k->h_rank, cudaMemcpyHostToDevice, k->st));
+    }
     CK(cudaStreamSynchronize(k->st));
     CK(cudaGetLastError());
     return SKV_OK;

@@ -138,6 +138,9 @@ static inline size_t skv_layout_slot_offset(const skv_layout *lay, int32_t layer
         return lay->dense_base + (size_t)skv_layout_dense_index(lay, layer, seq) * lay->slot_dense;
     return (size_t)skv_layout_sparse_index(lay, layer, seq) * lay->slot_device;
 }
+/* The rank a cache's factors are sized for: config.rank, or rank_max when rank == 0 (a rank
+   per slot, chosen at prefill; docs/DESIGN.md 3.1). */
+static inline int32_t skv_cfg_rank(const skv_config *cfg) { return cfg->rank ? cfg->rank : cfg->rank_max; }
 
 /* Host-side bookkeeping of one (layer, sequence) of a cache. */
 typedef struct skv_seq_state {
@@ -148,7 +151,8 @@ typedef struct skv_seq_state {
     int32_t dense; /* 1: a dense layer's slot (set at create, kept by load): n_chunks = n_cand = 0,
                       n_local = n once prefilled */
     int32_t rank;  /* the slot's factorization rank once prefilled (config.rank; chosen per slot
-                      when config.rank == 0); 0 before prefill and for a dense slot */
+                      when config.rank == 0); 0 before prefill and for a dense slot; cuda
+                      refreshes it at cache_sync, since its prefill chooses on the device */
 } skv_seq_state;
 
 /*

@@ -369,7 +369,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: a prompt length must be >= 0", fn,
                         (long long)n);
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
-    const int32_t r = g->rank;
+    const int32_t r = skv_cfg_rank(g); /* the factors' size: rank, or rank_max */
     if (sl->dense) return skv_prefill_dense(c, layer, seq, n, k_pre, v, k_post);
     const int32_t need = c->lay.min_cand; /* S (fixed), max(1, floor) (mass), 1 (every candidate) */
     const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
@@ -382,6 +382,11 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
                         : g->budget == SKV_BUDGET_ALL     ? "1"
                                                           : "S",
                         O + need, (long long)(O + need + g->n_local_chunks) * cs);
+    if (n < r)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                        "%s: n = %lld tokens are fewer than the %s = %d of the key factorization (it needs "
+                        "n >= %s)",
+                        fn, (long long)n, g->rank ? "rank" : "rank_max (rank = 0)", r, g->rank ? "rank" : "rank_max");
     if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
         if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
@@ -394,10 +399,12 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
         if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = g->rank; /* 0: chosen on the device, refreshed by cache_sync */
         return SKV_OK;
     }
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
+    int32_t slot_rank = r;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
     float *wf = ops->mem_alloc((size_t)r * HkD * sizeof(float), SKV_MEM_DEVICE);
     int32_t *ids = malloc(((size_t)Hk * O + (size_t)Hk * n_cand) * sizeof *ids);
@@ -425,7 +432,11 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = skv_slot_failed(c, fn, "factorize", st);
         goto done;
     }
-    {
+    if (g->rank == 0) { /* the slot's rank (section 3.1), its columns ordered by energy, the rest zero */
+        st = skv_rank_store(c->err, g, n, k_pre, uf, wf, DEV(c, layer, seq, u, skv_bf16), DEV(c, layer, seq, w, skv_bf16),
+                            &slot_rank);
+        if (st) goto done;
+    } else {
         skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
         for (size_t i = 0; i < (size_t)n * r; i++) u[i] = skv_f32_to_bf16(uf[i]);
         for (size_t i = 0; i < (size_t)r * HkD; i++) w[i] = skv_f32_to_bf16(wf[i]);
@@ -479,6 +490,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         t.prefill_offload_ms = t4 - t3;
         t.prefill_critical_ms = t4 - t0;
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = slot_rank;
     }
 done:
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
@@ -649,7 +661,7 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
             t_sel += skv_now_ms() - t;
             t = skv_now_ms();
             st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
-                &g->rope, D, Hk, sl->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16),
+                &g->rope, D, Hk, skv_cfg_rank(g), cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16),
                 sids, cnt, cos_t, sin_t, ks, &c->ws);
             c->stats.decode_allocations += skv_ws_reset(&c->ws);
             if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
@@ -777,6 +789,7 @@ SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t
         info.n_local = sl->n_local;
         info.n_generated = sl->n_gen;
         info.has_selection = sl->has_selection;
+        info.rank = sl->rank;
     }
     skv_copy_sized(out, out_size, &info, sizeof info);
     return SKV_OK;

@@ -139,7 +139,9 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     POSITIVE(n_q_heads)
     POSITIVE(n_kv_heads)
     POSITIVE(head_dim)
-    POSITIVE(rank)
+    if (cfg->rank < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "rank = %d: must be >= 1, or 0 (a rank per slot, up to rank_max)", cfg->rank);
     POSITIVE(chunk_size)
     if (cfg->budget < 1 && cfg->budget != SKV_BUDGET_ALL)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
@@ -241,16 +243,23 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
                         : cfg->budget == SKV_BUDGET_ALL     ? "1"
                                                             : "S",
                         (long long)min_prompt);
+    /* the rank against the key width only; against the prompt at prefill (SKV_ERR_PROMPT_TOO_SHORT) */
     int64_t width = (int64_t)cfg->n_kv_heads * cfg->head_dim;
-    if (cfg->rank > width || cfg->rank > min_prompt)
+    if (cfg->rank > width)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                        "rank = %d: must be <= n_kv_heads * head_dim = %lld and <= the shortest "
-                        "valid prompt (O + %s + Lc) * c = %lld",
-                        cfg->rank, (long long)width,
-                        cfg->select_mode == SKV_SELECT_MASS ? "max(1, select_min_chunks)"
-                        : cfg->budget == SKV_BUDGET_ALL     ? "1"
-                                                            : "S",
-                        (long long)min_prompt);
+                        "rank = %d: must be <= n_kv_heads * head_dim = %lld (a prompt shorter than the rank "
+                        "is refused at prefill)",
+                        cfg->rank, (long long)width);
+    if (cfg->rank == 0) {
+        if (cfg->rank_max < 1 || cfg->rank_max > width)
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_max = %d: with rank = 0 it must be in [1, n_kv_heads * head_dim = %lld]",
+                            cfg->rank_max, (long long)width);
+        if (!(cfg->rank_error_target > 0.0f && cfg->rank_error_target < 1.0f))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_error_target = %g: with rank = 0 it must be in (0, 1)",
+                            (double)cfg->rank_error_target);
+    }
     return SKV_OK;
 }
 
@@ -297,7 +306,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     if (st) return st;
     memset(lay, 0, sizeof *lay);
     size_t c = (size_t)cfg->chunk_size, D = (size_t)cfg->head_dim, Hk = (size_t)cfg->n_kv_heads;
-    size_t r = (size_t)cfg->rank, O = (size_t)cfg->n_outlier_chunks;
+    size_t r = (size_t)skv_cfg_rank(cfg), O = (size_t)cfg->n_outlier_chunks;
     size_t nmax = (size_t)cfg->max_prompt_len, cap = (size_t)cfg->gen_capacity;
     lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -
                               cfg->n_outlier_chunks);

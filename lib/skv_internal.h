@@ -131,6 +131,12 @@ typedef struct skv_cache_parts {
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;
 void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
+/* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_rank.c). From the float factors uf [n, m],
+   wf [m, Hk D] at m = rank_max of k_pre: the slot's rank into *rank and the factors in bf16 into
+   u [n, m], w [m, Hk D] (host memory: ref, cpu), columns of U and rows of W in the stable order
+   of non-increasing energy, places r.. zero. */
+skv_status skv_rank_store(char *errbuf, const skv_config *cfg, int64_t n, const skv_bf16 *k_pre, const float *uf,
+                          const float *wf, skv_bf16 *u, skv_bf16 *w, int32_t *rank);
 
 #ifdef __cplusplus
 }

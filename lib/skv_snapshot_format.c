@@ -185,7 +185,7 @@ static void snap_normalize(skv_config *c)
  */
 int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, uint32_t v, snap_tensor *t)
 {
-    const size_t Hk = (size_t)g->n_kv_heads, D = (size_t)g->head_dim, r = (size_t)s->rank, c = (size_t)g->chunk_size;
+    const size_t Hk = (size_t)g->n_kv_heads, D = (size_t)g->head_dim, r = (size_t)skv_cfg_rank(g), c = (size_t)g->chunk_size;
     const size_t O = (size_t)g->n_outlier_chunks, S = (size_t)lay->S, cap = (size_t)g->gen_capacity;
     const size_t n = (size_t)s->n, nc = (size_t)s->n_cand, nl = (size_t)s->n_local, ng = (size_t)s->n_gen;
     int k = 0;

@@ -296,7 +296,7 @@ static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, i
     (void)max_attn_tokens;
     size_t m = SKV_WS_BYTES((size_t)4 * cand_max * sizeof(float), 3);
     if (cfg->reproducible) {
-        size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, cfg->rank), b = skv_ref_canon_attn_bytes(cfg->head_dim);
+        size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, skv_cfg_rank(cfg)), b = skv_ref_canon_attn_bytes(cfg->head_dim);
         if (a > m) m = a;
         if (b > m) m = b;
     }

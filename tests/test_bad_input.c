@@ -16,8 +16,9 @@
  * Cases:
  *  - config: every invalid field through skv_config_validate, skv_cache_memory
  *    (outputs untouched) and skv_cache_create (*out = NULL): zero/negative
- *    sizes, Hq % Hk, odd/huge head_dim, budget % c, rank too large (both
- *    bounds), max_prompt_len too small / too large, gen_capacity too large,
+ *    sizes, Hq % Hk, odd/huge head_dim, budget % c, rank above Hk * D (a rank
+ *    above the shortest valid prompt validates), rank 0 with rank_max or
+ *    rank_error_target out of range, max_prompt_len too small / too large, gen_capacity too large,
  *    negative O/Lc/n_threads, n_threads above SKV_MAX_THREADS, rope (theta,
  *    rotary_dim, interleaved, llama3_scaling and its factors), attn_scale,
  *    backend enum, size overflow, an unallocatable (beyond the address space)
@@ -485,8 +486,17 @@ static void test_config(skv_backend be)
     CFGCASE(c_.chunk_size = 7, IC, "budget", "7");
     /* rank > Hk * D (the shortest prompt is longer than Hk * D here) */
     CFGCASE(c_.n_outlier_chunks = 20; c_.max_prompt_len = 1024; c_.rank = HK * HD + 1, IC, "rank", "129");
-    /* rank > the shortest valid prompt (O + S + Lc) * c = 112 < Hk * D = 128 */
-    CFGCASE(c_.rank = MINP + 1, IC, "rank", "113");
+    /* rank > the shortest valid prompt (O + S + Lc) * c = 112 but <= Hk * D = 128: valid (a prompt
+       shorter than the rank is refused at prefill: test_rank) */
+    {
+        skv_config c = base;
+        c.rank = MINP + 1;
+        LBL("rank = %d > the shortest valid prompt validates [%s]", MINP + 1, skv_backend_name(be));
+        check_ok(skv_config_validate(&c), lbl);
+    }
+    /* rank = 0: a rank per slot, which needs rank_max and rank_error_target in range */
+    CFGCASE(c_.rank = 0; c_.rank_max = HK * HD + 1, IC, "rank_max", "129");
+    CFGCASE(c_.rank = 0; c_.rank_max = 8; c_.rank_error_target = 1.0f, IC, "rank_error_target", "1");
     CFGCASE(c_.rank = INT32_MAX, IC, "rank", "2147483647");
     /* max_prompt_len too small for O + S + Lc chunks, too large */
     CFGCASE(c_.max_prompt_len = MINP - 1, IC, "max_prompt_len", "111");

@@ -23,6 +23,11 @@
  * Where a backend cannot prefill in that mode yet (SKV_ERR_UNSUPPORTED: no
  * canonical factorization), that configuration is a counted skip.
  *
+ * Every fifth configuration (i % 5 == 2) takes config.rank = 0 with rank_max the
+ * drawn rank (docs/DESIGN.md 3.1): each slot's seq_info.rank must lie in
+ * [1, rank_max], and where the configuration is also reproducible the ranks
+ * join the decision log, so they must equal ref's bit for bit.
+ *
  *   build/tests/test_contract [n_configs]      SKV_SEED=... to replay
  *
  * Progress: a line on stderr every 10 configurations or 10 s, whichever
@@ -115,7 +120,8 @@ static void mode_case(int i, uint64_t seed, contract_case *cc)
 static void make_prompt(skvt_rng *r, const skv_config *c, int64_t n, skv_bf16 *k, skv_bf16 *v)
 {
     size_t row = (size_t)c->n_kv_heads * c->head_dim;
-    int r0 = c->rank < 8 ? c->rank : 8;
+    const int rr = c->rank ? c->rank : c->rank_max; /* rank 0: the factors' size */
+    int r0 = rr < 8 ? rr : 8;
     double *basis = malloc((size_t)r0 * row * sizeof *basis), z[8];
     for (size_t i = 0; i < (size_t)r0 * row; i++) basis[i] = skvt_rng_normal(r);
     for (int64_t t = 0; t < n; t++) {
@@ -469,6 +475,19 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                         }
                         want_len += 4 + (size_t)info.n_selected * 4;
                     }
+                    if (!st && s == 0 && h == 0) { /* the slot's rank: bitwise in the reproducible mode */
+                        const int32_t rk = info.rank;
+                        if (c.rank ? rk != c.rank : (rk < 1 || rk > c.rank_max)) {
+                            snprintf(intro_err, sizeof intro_err, "seq_info(%d, %d): rank %d (config rank %d, rank_max %d)",
+                                     l, b, rk, c.rank, c.rank_max);
+                            ok = 0;
+                            break;
+                        }
+                        if (c.reproducible) {
+                            blob_put(log, &rk, 4);
+                            want_len += 4;
+                        }
+                    }
                     if (!st && s == 0) {
                         call = "skv_cache_outliers";
                         st = skv_cache_outliers(cache, l, b, h, ids);
@@ -590,14 +609,19 @@ int main(int argc, char **argv)
         random_case(&r, &cc);
         cc.cfg.reproducible = i % 4 == 3; /* no draw: the other configurations stay as they were */
         mode_case(i, seed, &cc);
+        if (i % 5 == 2) { /* a rank per slot (DESIGN 3.1) up to the drawn rank; no draw either */
+            cc.cfg.rank_max = cc.cfg.rank;
+            cc.cfg.rank = 0;
+            cc.cfg.rank_error_target = 0.1f;
+        }
         uint64_t case_seed = skvt_rng_u64(&r);
         const skv_config *c = &cc.cfg;
         char desc[256];
-        snprintf(desc, sizeof desc, "config %d%s%s%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
+        snprintf(desc, sizeof desc, "config %d%s%s%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rank_max=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
                  i, c->reproducible ? " (reproducible)" : "",
                  c->select_mode == SKV_SELECT_MASS ? " (mass)" : c->budget == SKV_BUDGET_ALL ? " (all)" : "",
                  c->dense_layers ? " (dense 0)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
-                 c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rope.rotary_dim,
+                 c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rank_max, c->rope.rotary_dim,
                  c->rope.interleaved, c->rope.llama3_scaling, (long long)cc.n[0]);
         size_t qn = (size_t)c->batch_size * c->n_q_heads * c->head_dim;
         int n_out = cc.steps * c->n_layers;
