@@ -434,7 +434,7 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     if (!st && (!info.prefilled || !info.has_selection || info.n_selected != (dense ? 0 : S_cfg) ||
                                 info.n_outliers != (dense ? 0 : c.n_outlier_chunks) ||
                                 (fixed && info.n_candidates < info.n_selected) || info.dense != dense ||
-                                info.rank != (dense ? 0 : c.rank) || (dense && info.n_local != cc->n[b]) ||
+                                (dense ? info.rank != 0 : c.rank ? info.rank != c.rank : (info.rank < 1 || info.rank > c.rank_max)) || (dense && info.n_local != cc->n[b]) ||
                                 info.n_generated != s + 1)) {
                         snprintf(intro_err, sizeof intro_err,
                                  "seq_info(%d, %d) after step %d: prefilled %d has_selection %d S %d O %d candidates %d "
@@ -477,7 +477,7 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     }
                     if (!st && s == 0 && h == 0) { /* the slot's rank: bitwise in the reproducible mode */
                         const int32_t rk = info.rank;
-                        if (c.rank ? rk != c.rank : (rk < 1 || rk > c.rank_max)) {
+                        if (dense ? rk != 0 : c.rank ? rk != c.rank : (rk < 1 || rk > c.rank_max)) {
                             snprintf(intro_err, sizeof intro_err, "seq_info(%d, %d): rank %d (config rank %d, rank_max %d)",
                                      l, b, rk, c.rank, c.rank_max);
                             ok = 0;
