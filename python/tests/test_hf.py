@@ -197,7 +197,7 @@ def test_not_a_llama():
     with torch.random.fork_rng(devices=[]):
         gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0,
                                           eos_token_id=0))
-    with pytest.raises(TypeError, match=r"Llama-family models .*GPT2LMHeadModel with model_type 'gpt2'"):
+    with pytest.raises(TypeError, match=r"model_type 'gpt2': ShadowKVCache is tested with"):
         ShadowKVCache(gpt2)
 
 
@@ -207,8 +207,7 @@ def test_bad_use(backend, device, gen):
     with pytest.raises(ValueError, match=r"a batch of 2 sequences is larger than the cache \(batch_size=1\)"):
         model.generate(ids, max_new_tokens=3, do_sample=False,
                        **cache_arg(full_budget_cache(model, backend, batch_size=1)))
-    with pytest.raises(ValueError, match=r"a prompt of 100 tokens is shorter than the sparse budget needs: at least .*"
-                                         r"= 160 tokens"):
+    with pytest.raises(ValueError, match=r"a prompt of 100 tokens is shorter than the config needs: at least 160 tokens"):
         model.generate(ids[:, :100], max_new_tokens=3, do_sample=False,
                        **cache_arg(full_budget_cache(model, backend, 2)))
     mask = torch.ones_like(ids)
@@ -230,7 +229,7 @@ def test_bad_use(backend, device, gen):
         model(ids, **cache_arg(cache), use_cache=True)
     # a cache after a failed call is reset and reused
     cache = full_budget_cache(model, backend, 2)
-    with pytest.raises(NotImplementedError, match="one at a time"):
+    with pytest.raises(RuntimeError, match="second prefill"):
         with torch.no_grad():
             model(ids, **cache_arg(cache), use_cache=True)
             model(ids[:, :2], **cache_arg(cache), use_cache=True)
