@@ -1,40 +1,60 @@
 """shadowkv.hf: a Hugging Face transformers Cache whose decode attention runs through libshadowkv.
 
     from transformers import AutoModelForCausalLM
-    from shadowkv.hf import ShadowKVCache
+    from shadowkv.hf import ShadowKVCache, scaled_config
 
     model = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B", torch_dtype=torch.bfloat16).cuda()
-    cache = ShadowKVCache(model, batch_size=1, gen_capacity=256)   # budget, rank, ...: config() fields
+    cache = ShadowKVCache(model, batch_size=1, gen_capacity=256,   # fields: rank, budget, ... (config())
+                          **scaled_config(model, context_len=8192))
     out = model.generate(input_ids, max_new_tokens=256, cache=cache)  # past_key_values=cache on 5.17
     cache.selected(layer=0, seq=0)                                   # [Hk, S] chunk ids of the last step
 
-How it works (Llama-family models, transformers 5; tested with 5.17 and 5.24. 5.24 takes the cache
-as `cache=`, with `past_key_values=` a deprecated alias; 5.17 only as `past_key_values=`):
+Model families (SUPPORTED_MODEL_TYPES, each tested with random weights): Llama (any GQA group, head
+dims up to the library's 1024), Mistral (no sliding window shorter than the context), Qwen2 (q/k/v
+bias), Phi-3 (fused qkv, partial rotary). transformers 5; tested with 5.17, 5.24 and 5.25 (5.24 takes
+the cache as `cache=`, with `past_key_values=` a deprecated alias; 5.17 only as `past_key_values=`).
+
+How it works:
 
 - The prompt's forward pass is ordinary dense attention (sdpa) over the prompt's own keys. On
   the way, `update()` prefills every (layer, sequence) of a libshadowkv cache: the library gets
   the post-RoPE keys the model computed (`k_post`, used exactly for landmarks, outliers and
   the local window) and the pre-RoPE keys for the rank-r factorization. The pre-RoPE keys are
   recovered by rotating the post-RoPE keys back, in float32, with the library's own RoPE
-  tables. We chose this over capturing k_proj's output with a hook: it needs no hooks on the
-  model, it sees any transformation the model applies between k_proj and RoPE, and since the
+  tables (over dims [0, rotary_dim); the dims after a partial rotary pass through). We chose
+  this over capturing k_proj's output with a hook: it needs no hooks on the model, it sees any
+  transformation the model applies between k_proj and RoPE (bias, a key norm), and since the
   library rebuilds selected keys as RoPE(U W) with those same tables, the rebuilt keys
   reproduce the model's post-RoPE keys up to the rank-r truncation and bf16 rounding, even
   where transformers' float32 cos/sin differ from the library's double-built tables at long
   positions, or where a model cast with .to(torch.bfloat16) has had its inv_freq buffer rounded
   to bf16 (transformers then ropes with frequencies off by up to 2^-9 relative). The mapping of
-  the model's RoPE (theta, Llama-3 scaling) to the library's config still matters: it is what
-  makes the recovered keys the model's pre-RoPE keys, whose low rank the factorization relies on.
+  the model's RoPE (rope_config_for: theta, partial rotary, Llama-3 scaling) to the library's
+  config still matters: it is what makes the recovered keys the model's pre-RoPE keys, whose
+  low rank the factorization relies on.
+- `prefill_from(kv)` does the same from keys and values already computed (a DynamicCache after a
+  dense prefill, or per-layer (k_post, v) tensors): one dense prefill, several sparse caches.
 - Each decode step (one new token per sequence) goes through `skv_decode`: `update()` keeps the
-  new token's key and value, and the attention function registered as "shadowkv" (which the
-  cache sets on the model) hands them with the query to the library. For anything that is not
-  a decode step of a ShadowKVCache, "shadowkv" attention is transformers' sdpa.
+  new token's key and value, and the attention function registered as "shadowkv"
+  (shadowkv_attention; registered only where that name is free, so a user's wrapper of it stays)
+  hands them with the query to the library. For anything that is not a decode step of a
+  ShadowKVCache, "shadowkv" attention is transformers' sdpa.
+
+A model of your own (allow_model_type=True) works when its attention layers hand post-RoPE keys
+[B, Hk, T, D] to Cache.update and call the attention function config._attn_implementation names;
+its RoPE is rotate-half over the first rotary_dim dims (default or Llama-3 scaling) at positions
+0..n-1; and every layer attends causally to the whole context with scale attn_scale. Check it with
+budget="all" and rank = Hk*D: the logits then equal dense attention's within bf16 tolerance
+(docs/usage.md, "Hugging Face models").
 
 The libshadowkv cache is created at the first prefill, for the batch and prompt length it
 sees (at most `batch_size` sequences; `max_prompt_len` defaults to that prompt's length), on
 the backend that matches the model's device when `backend="auto"` (cuda for a CUDA model,
-else cpu). Not supported (a clear exception): padded batches (all prompts must have the same
-length), feeding the prompt in several chunks, beam search and other cache reordering, crop.
+else cpu). Refused with an exception naming the field: a model the cache cannot serve
+(check_model: sliding-window layers shorter than the context, head_dim over the limit, an
+unknown RoPE scaling), a prompt shorter than min_prompt_len, generation past gen_capacity, a
+second prompt into a running cache (reset() first), padded batches (all prompts must have the
+same length), feeding the prompt in several chunks, beam search and other cache reordering, crop.
 """
 from __future__ import annotations
 
