@@ -234,7 +234,8 @@ def memory(cfg: Config) -> dict:
     return {name: getattr(info, name) for name, _ in info._fields_}
 
 
-# The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian.
+# The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian. Version 2
+# appends the 0.3 fields (select_mode .. dense_layers); a version 1 file leaves them at their defaults.
 _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("head_dim", "i"), ("rank", "i"),
                 ("chunk_size", "i"), ("budget", "i"), ("n_outlier_chunks", "i"), ("n_local_chunks", "i"),
                 ("rope.theta", "f"), ("rope.rotary_dim", "i"), ("rope.interleaved", "i"),
@@ -242,22 +243,29 @@ _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("he
                 ("rope.high_freq_factor", "f"), ("rope.original_max_position", "i"), ("attn_scale", "f"),
                 ("batch_size", "i"), ("max_prompt_len", "q"), ("gen_capacity", "i"), ("factorize", "i"),
                 ("reproducible", "i")]
-_SNAP_CONF = "<" + "".join(t for _, t in _SNAP_FIELDS)
+_SNAP_FIELDS_V2 = _SNAP_FIELDS + [("select_mode", "i"), ("select_mass", "f"), ("select_min_chunks", "i"),
+                                  ("rank_max", "i"), ("rank_error_target", "f"), ("dense_layers", "Q")]
+_SNAP_CONF = {1: "<" + "".join(t for _, t in _SNAP_FIELDS), 2: "<" + "".join(t for _, t in _SNAP_FIELDS_V2)}
+_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2}
 
 
 def _read_snapshot_config(path: Any) -> Optional[Config]:
-    """The config a snapshot file holds, or None when its header cannot be read as version 1."""
+    """The config a snapshot file holds, or None when its header cannot be read as version 1 or 2."""
     try:
         with open(path, "rb") as f:
-            head = f.read(32 + struct.calcsize(_SNAP_CONF))
+            head = f.read(32 + struct.calcsize(_SNAP_CONF[2]))
     except OSError:
         return None
-    if len(head) < 32 + struct.calcsize(_SNAP_CONF) or head[:8] != b"SKVSNAP\0":
+    if len(head) < 32 or head[:8] != b"SKVSNAP\0" or head[16:20] != b"CONF":
         return None
-    if struct.unpack_from("<II", head, 8) != (1, 0) or head[16:20] != b"CONF":
+    version, flags = struct.unpack_from("<II", head, 8)
+    if version not in _SNAP_CONF or flags != 0:
+        return None
+    fmt = _SNAP_CONF[version]
+    if len(head) < 32 + struct.calcsize(fmt) or struct.unpack_from("<Q", head, 24)[0] != struct.calcsize(fmt):
         return None
     c = config()
-    for (name, _), v in zip(_SNAP_FIELDS, struct.unpack_from(_SNAP_CONF, head, 32)):
+    for (name, _), v in zip(_SNAP_FIELDS_OF[version], struct.unpack_from(fmt, head, 32)):
         if name.startswith("rope."):
             setattr(c.rope, name[5:], v)
         else:
@@ -269,10 +277,10 @@ def _read_snapshot_config(path: Any) -> Optional[Config]:
 def snapshot_config(path: Any) -> Config:
     """The config stored in a snapshot file (its model fields; the runtime fields at their
     defaults, backend auto): what Cache.load(path) creates the cache from. Raises ValueError
-    when the file does not start with a version 1 snapshot header (Cache.load then says why)."""
+    when the file does not start with a version 1 or 2 snapshot header (Cache.load then says why)."""
     c = _read_snapshot_config(path)
     if c is None:
-        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 shadowkv snapshot header")
+        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 or 2 shadowkv snapshot header")
     return c
 
 
