@@ -163,7 +163,7 @@ def test_library_defaults_of_the_new_fields():
                                        "(rank checked against the prompt, budget 'all') comes with it")
 def test_rank_is_checked_against_the_prompt_not_the_config():
     # rank 192 with budget 128 was refused at validation ("the shortest valid prompt = 184")
-    c = small(n_kv_heads=8, head_dim=32, rank=192, budget=128, chunk_size=8, n_outlier_chunks=4, n_local_chunks=2,
+    c = small(n_q_heads=8, n_kv_heads=8, head_dim=32, rank=192, budget=128, chunk_size=8, n_outlier_chunks=4, n_local_chunks=2,
               max_prompt_len=4096)
     shadowkv.validate(c)
     shadowkv.validate(small(budget="all"))
