@@ -183,12 +183,13 @@ def test_partial_rotary_mapping():
 def test_mistral_sliding_window(backend):
     """A window at least the context is served; a shorter one is refused, naming sliding_window."""
     model = build("mistral", 6)
+    fields = {**full_budget(model), "rank": 16}
     model.config.sliding_window = 4096
-    ShadowKVCache(model, backend=backend, max_prompt_len=T, gen_capacity=16, **full_budget(model))
+    ShadowKVCache(model, backend=backend, max_prompt_len=T, gen_capacity=16, **fields)
     model.config.sliding_window = 256
     with pytest.raises(ValueError, match="sliding_window 256"):
-        ShadowKVCache(model, backend=backend, max_prompt_len=T, gen_capacity=16, **full_budget(model))
-    cache = ShadowKVCache(model, backend=backend, gen_capacity=16, **full_budget(model))  # length unknown yet
+        ShadowKVCache(model, backend=backend, max_prompt_len=T, gen_capacity=16, **fields)
+    cache = ShadowKVCache(model, backend=backend, gen_capacity=16, **fields)  # length unknown yet
     ids = torch.zeros((1, T), dtype=torch.long)
     with pytest.raises(ValueError, match="sliding_window 256"):
         with torch.no_grad():
