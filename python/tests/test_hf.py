@@ -368,3 +368,20 @@ def test_dense_layers_and_mass_mode(backend, device, gen):
     assert all(2 <= k <= 12 for k in counts)
     for h, k in enumerate(counts):
         assert cache.selected(1, 0, h).shape == (k,)
+
+
+@NEEDS_03
+def test_rank_per_slot(backend, device, gen):
+    """rank 0: each (layer, sequence) takes its own rank up to rank_max; seq_info and layer_stats report it."""
+    model = tiny_llama(13, device)
+    hf = model.config
+    ids = prompt(gen, 1, 200, device)
+    cache = ShadowKVCache(model, backend=backend, rank=0, rank_max=hf.num_key_value_heads * hf.head_dim,
+                          rank_error_target=0.3, budget=64, chunk_size=8, n_outlier_chunks=4, n_local_chunks=2,
+                          gen_capacity=8)
+    model.generate(ids, max_new_tokens=2, do_sample=False, **cache_arg(cache))
+    for layer in range(hf.num_hidden_layers):
+        r = cache.seq_info(layer, 0)["rank"]
+        st = cache.layer_stats(layer)
+        assert 1 <= r <= hf.num_key_value_heads * hf.head_dim
+        assert st["n_prefilled"] == 1 and st["rank_min"] == st["rank_max"] == r and st["rank_mean"] == r
