@@ -75,7 +75,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot \
+  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   cc $CFL -Ifuzz fuzz/replay.c fuzz/fuzz_diff.c fuzz/fuzz_common.c $LNK -o build/dev/replay_fuzz_diff
@@ -149,7 +149,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode"
+TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -244,7 +244,8 @@ case "$MODE" in
     run_test test_placement $TBIN/test_placement
     run_test test_canonical_decode $TBIN/test_canonical_decode
     run_test test_e2e $TBIN/test_e2e
-    run_test test_snapshot $TBIN/test_snapshot ;;
+    run_test test_snapshot $TBIN/test_snapshot
+    run_test test_rank $TBIN/test_rank ;;
 esac
 
 decode_bench() {
