@@ -239,6 +239,7 @@ case "$MODE" in
     memcheck test_placement
     memcheck backend_ops -b cuda ;;
   modes)
+    run_test test_cuda $TBIN/test_cuda
     run_test test_contract $TBIN/test_contract 40
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     run_test test_placement $TBIN/test_placement
