@@ -70,7 +70,7 @@
  *              head adds them canonically (Z)
  *   3 select   a_j, the top-S per tile of candidates; the last tile of each
  *              (sequence, KV head) merges the tiles' winners, takes the head's
- *              count k (S, n_cand for SKV_BUDGET_ALL, or SKV_SELECT_MASS's
+ *              count k (cap = min(S, n_cand): the fixed mode's, or SKV_SELECT_MASS's
  *              mass rule: A by the canonical sum, the best candidates walked in
  *              order in batches of 2048 ranks, one thread adding their masses),
  *              publishes the selection (-1 past k) and the count and, for a

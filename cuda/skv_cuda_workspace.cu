@@ -90,9 +90,10 @@ skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
     sh.gen_cap = cfg->gen_capacity, sh.cand_max = lay->cand_max, sh.vc_chunks = lay->vc_chunks;
     sh.rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh.interleaved = cfg->rope.interleaved;
     sh.scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
-    /* the count of each head (docs/DESIGN.md 4.5): SKV_BUDGET_ALL selects every candidate (S = cand_max,
-       cap = n_cand, the fixed rule); else cap = min(S, n_cand) by the configured mode */
-    sh.sel_mode = cfg->budget == SKV_BUDGET_ALL ? SKV_SELECT_FIXED : (int32_t)cfg->select_mode;
+    /* the count of each head (docs/DESIGN.md 4.5): cap = min(S, n_cand) by the configured mode, as lib/
+       runs it for ref and cpu (SKV_BUDGET_ALL: S = cand_max, so cap = n_cand; the fixed mode then takes
+       every candidate, the mass mode its rule up to them) */
+    sh.sel_mode = (int32_t)cfg->select_mode;
     sh.sel_cap = lay->S;
     sh.sel_min = cfg->select_min_chunks;
     sh.sel_mass = cfg->select_mass;

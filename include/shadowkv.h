@@ -198,7 +198,8 @@ typedef enum skv_select_mode {
 
 /**
  * config.budget = SKV_BUDGET_ALL: every candidate chunk is selected at every step
- * (k = N - O per sequence; buffers are sized for the longest prompt). The keys are
+ * (k = N - O per sequence; buffers are sized for the longest prompt). With
+ * SKV_SELECT_MASS the mass rule runs with that cap, min(S, N - O) = N - O. The keys are
  * still rebuilt from the rank-r factors: this is the sparse path with nothing left
  * out, not dense attention (see config.dense_layers for that).
  */

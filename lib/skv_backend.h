@@ -158,7 +158,8 @@ typedef struct skv_seq_state {
 /*
  * How a score_select call picks each KV head's count k (docs/DESIGN.md section 4.5).
  * lib/ fills it per sequence: cap = min(S, n_cand), stride = S (lay.S),
- * floor = min(select_min_chunks, cap). SKV_BUDGET_ALL is mode FIXED with cap = n_cand.
+ * floor = min(select_min_chunks, cap). SKV_BUDGET_ALL: S = cand_max, so cap = n_cand (every
+ * candidate in the fixed mode; the mass rule up to them in the mass mode).
  */
 typedef struct skv_select_params {
     int32_t mode;   /* SKV_SELECT_FIXED: k = cap; SKV_SELECT_MASS: the mass rule (skv_select_head) */

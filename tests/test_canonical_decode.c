@@ -572,8 +572,18 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
         size_t bad = per;
         for (size_t i = 0; i < per && bad == per; i++)
             if (memcmp(&outs[0][i], &outs[b][i], 4)) bad = i;
-        SKVT_CHECK(bad == per, "cache trial %d: %s output %zu = %.9g, ref %.9g", trial, be_names[b], bad,
-                   bad < per ? outs[b][bad] : 0.0, bad < per ? outs[0][bad] : 0.0);
+        if (!SKVT_CHECK(bad == per, "cache trial %d: %s output %zu = %.9g, ref %.9g", trial, be_names[b], bad,
+                        bad < per ? outs[b][bad] : 0.0, bad < per ? outs[0][bad] : 0.0)) {
+            const size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim;
+            printf("  (step %zu, layer %zu, sequence %zu, query head %zu, dim %zu) of layers %d, batch %d, Hk %d, "
+                   "Hq %d, D %d, c %d, budget %d, O %d, Lc %d, rank %d, select_mode %d (p %g, floor %d), "
+                   "dense_layers %llu, values %s, n[0] %lld\n",
+                   bad / qn / (size_t)c.n_layers, bad / qn % (size_t)c.n_layers, bad % qn / ((size_t)c.n_q_heads * c.head_dim),
+                   bad % ((size_t)c.n_q_heads * c.head_dim) / (size_t)c.head_dim, bad % (size_t)c.head_dim, c.n_layers,
+                   c.batch_size, c.n_kv_heads, c.n_q_heads, c.head_dim, c.chunk_size, c.budget, c.n_outlier_chunks,
+                   c.n_local_chunks, c.rank, (int)c.select_mode, (double)c.select_mass, c.select_min_chunks,
+                   (unsigned long long)c.dense_layers, trial % 2 ? "host-placed" : "on the device", (long long)n[0]);
+        }
     }
     for (int b = 0; b < 3; b++) free(outs[b]);
 }

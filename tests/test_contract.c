@@ -308,10 +308,37 @@ static void check_mass_rule(skvt_rng *r)
             skvt_dget(be, ids2, di, (size_t)Hk * S * 4);
             skvt_dget(be, cnt2, dn, sizeof cnt2);
             skvt_dget(be, amax2, da, (size_t)Hk * n_cand * 4);
-            SKVT_CHECK(memcmp(cnt, cnt2, sizeof cnt) == 0 && memcmp(sel, sel2, (size_t)Hk * S * 4) == 0 &&
-                           memcmp(ids, ids2, (size_t)Hk * S * 4) == 0 && memcmp(amax, amax2, (size_t)Hk * n_cand * 4) == 0,
-                       "%s vs ref: score_select_mass trial %d (n_cand %d S %d p %g floor %d): counts, sets or amax differ",
-                       skv_backend_name(be), trial, n_cand, S, (double)p, fl);
+            /* counts, sets and ids bitwise; amax bitwise with a NaN matching any NaN (the payload of a
+               NaN probability is not part of the contract: an Inf - Inf gives the platform's default
+               NaN, 0xffc00000 on x86 and 0x7fffffff on cuda; its selection key is -1 on both) */
+            int bad_h = -1, bad_j = -1;
+            const char *what = NULL;
+            for (int h = 0; h < Hk && !what; h++) {
+                if (cnt[h] != cnt2[h]) {
+                    what = "count", bad_h = h;
+                    break;
+                }
+                for (int j = 0; j < S && !what; j++)
+                    if (sel[(size_t)h * S + j] != sel2[(size_t)h * S + j]) what = "sel_idx", bad_h = h, bad_j = j;
+                    else if (ids[(size_t)h * S + j] != ids2[(size_t)h * S + j]) what = "sel_ids", bad_h = h, bad_j = j;
+                for (int j = 0; j < n_cand && !what; j++) {
+                    const float x = amax[(size_t)h * n_cand + j], y = amax2[(size_t)h * n_cand + j];
+                    if (memcmp(&x, &y, 4) != 0 && !(x != x && y != y)) what = "amax", bad_h = h, bad_j = j;
+                }
+            }
+            if (!SKVT_CHECK(!what, "%s vs ref: score_select_mass trial %d (n_cand %d S %d p %g floor %d): %s differs",
+                            skv_backend_name(be), trial, n_cand, S, (double)p, fl, what ? what : "") &&
+                bad_h >= 0) {
+                const size_t hs = (size_t)bad_h * S + (size_t)bad_j, ha = (size_t)bad_h * n_cand + (size_t)bad_j;
+                const int in_s = bad_j >= 0 && bad_j < S, in_a = bad_j >= 0 && bad_j < n_cand;
+                uint32_t xa = 0, ya = 0;
+                if (in_a) memcpy(&xa, amax2 + ha, 4), memcpy(&ya, amax + ha, 4);
+                printf("  first difference: head %d, entry %d: count %d (ref %d); sel_idx %d (ref %d), sel_ids %d "
+                       "(ref %d); amax %.9g = 0x%08x (ref %.9g = 0x%08x)\n",
+                       bad_h, bad_j, cnt2[bad_h], cnt[bad_h], in_s ? sel2[hs] : 0, in_s ? sel[hs] : 0,
+                       in_s ? ids2[hs] : 0, in_s ? ids[hs] : 0, in_a ? (double)amax2[ha] : 0.0, xa,
+                       in_a ? (double)amax[ha] : 0.0, ya);
+            }
             skvt_dfree(be, dq, q);
             skvt_dfree(be, dL, L);
             skvt_dfree(be, dc, cand);

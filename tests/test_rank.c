@@ -118,6 +118,14 @@ typedef struct {
 
 static size_t out_len(void) { return (size_t)STEPS * L * B * 2 * HK * D; }
 
+/* A device copy of host data on cuda (skvt_dbuf allocates only), the host pointer itself elsewhere. */
+static void *dcopy(skv_backend be, void *host, size_t bytes)
+{
+    void *d = skvt_dbuf(be, host, bytes);
+    skvt_dput(be, d, host, bytes);
+    return d;
+}
+
 static skv_cache *prefill_cache(skv_backend be, int repro, const inputs *in)
 {
     skv_config c = base_cfg(be, repro);
@@ -130,7 +138,7 @@ static skv_cache *prefill_cache(skv_backend be, int repro, const inputs *in)
     if (!SKVT_CHECK_STATUS(st, SKV_OK, "create")) return NULL;
     for (int s = 0; s < L * B; s++) {
         const size_t bytes = (size_t)NTOK * DW * 2;
-        void *dk = skvt_dbuf(be, in->k[s], bytes), *dv = skvt_dbuf(be, in->v[s], bytes);
+        void *dk = dcopy(be, in->k[s], bytes), *dv = dcopy(be, in->v[s], bytes);
         st = skv_prefill(cache, s / B, s % B, NTOK, dk, dv, NULL);
         SKVT_CHECK(st == SKV_OK, "%s: prefill of slot %d: %s", skv_backend_name(be), s, skv_cache_last_error(cache));
         skvt_dfree(be, dk, in->k[s]);
@@ -180,8 +188,8 @@ static void run(skv_backend be, int repro, const inputs *in, run_result *res)
     res->out = skvt_xmalloc(out_len() * sizeof(float));
     for (int t = 0; t < STEPS; t++)
         for (int l = 0; l < L; l++) {
-            void *dq = skvt_dbuf(be, in->q[t][l], qn * 2), *dk = skvt_dbuf(be, in->kn[t][l], (size_t)B * DW * 2);
-            void *dv = skvt_dbuf(be, in->vn[t][l], (size_t)B * DW * 2);
+            void *dq = dcopy(be, in->q[t][l], qn * 2), *dk = dcopy(be, in->kn[t][l], (size_t)B * DW * 2);
+            void *dv = dcopy(be, in->vn[t][l], (size_t)B * DW * 2);
             float *host = res->out + ((size_t)t * L + l) * qn;
             float *dout = skvt_dbuf(be, host, qn * 4);
             skv_status st = skv_decode(cache, l, dq, dk, dv, dout);
@@ -396,7 +404,7 @@ static void test_errors(void)
             if (!SKVT_CHECK(skv_cache_create(&g, &cache) == SKV_OK, "%s: rank 192, budget 128: %s",
                             skv_backend_name(bes[b]), skv_last_error()))
                 continue;
-            void *dk = skvt_dbuf(bes[b], k, (size_t)n * w * 2), *dv = skvt_dbuf(bes[b], v, (size_t)n * w * 2);
+            void *dk = dcopy(bes[b], k, (size_t)n * w * 2), *dv = dcopy(bes[b], v, (size_t)n * w * 2);
             skv_status st = skv_prefill(cache, 0, 0, 184, dk, dv, NULL);
             const char *m = skv_cache_last_error(cache);
             SKVT_CHECK(st == SKV_ERR_PROMPT_TOO_SHORT && strstr(m, "n = 184") &&
@@ -436,7 +444,7 @@ static void report_routes(void)
     for (size_t b = 0; b < 3; b++) {
         if (skv_backend_available(bes[b]) != SKV_OK) continue;
         for (size_t q = 0; q < 5; q++) {
-            void *da = skvt_dbuf(bes[b], a, (size_t)n * d * 2);
+            void *da = dcopy(bes[b], a, (size_t)n * d * 2);
             float *du = skvt_dbuf(bes[b], u, (size_t)n * rk * 4), *dw = skvt_dbuf(bes[b], w, (size_t)rk * d * 4);
             skv_status st = skv_op_factorize_route(bes[b], routes[q], n, d, rk, da, du, dw);
             skvt_dget(bes[b], u, du, (size_t)n * rk * 4);

@@ -634,17 +634,17 @@ def _slots_per_head(c: Config) -> int:
 
 def min_prompt_len(cfg: Config, layer: Optional[int] = None) -> int:
     """The shortest prompt cfg's (sparse) slots take, in tokens: (O + k_min + Lc) * c, where k_min
-    is S = budget / c in the fixed mode, max(1, select_min_chunks) in select_mode "mass" and 1
-    with budget "all"; at least the rank (rank_max when rank is 0), since the factorization
-    needs n >= r. layer: a layer of cfg.dense_layers needs 1 token."""
+    is S = budget / c in the fixed mode, max(1, select_min_chunks) in select_mode "mass" (with any
+    budget) and 1 with budget "all" in the fixed mode; at least the rank (rank_max when rank is 0),
+    since the factorization needs n >= r. layer: a layer of cfg.dense_layers needs 1 token."""
     _check_config(cfg)
     if layer is not None and layer < 64 and (cfg.dense_layers >> layer) & 1:
         return 1
     c = cfg.chunk_size
-    if cfg.budget == _ffi.BUDGET_ALL:
-        k_min = 1
-    elif cfg.select_mode == _ffi.SELECT_MODES["mass"]:
+    if cfg.select_mode == _ffi.SELECT_MODES["mass"]:
         k_min = max(1, cfg.select_min_chunks)
+    elif cfg.budget == _ffi.BUDGET_ALL:
+        k_min = 1
     else:
         k_min = cfg.budget // c if c > 0 else 0
     n = (cfg.n_outlier_chunks + k_min + cfg.n_local_chunks) * c
