@@ -12,6 +12,9 @@ Modes (run from the repository root; the library must be built for passkey/logit
             attention output's relative error and the attention mass the attended tokens hold;
             the floor (exact fp32 attention against the model's bf16 attention) beside them
   all       passkey + logits
+  report    markdown tables of a results file (--out), the mass mode's KL against fixed budgets at
+            equal attended share included
+  merge     merge result files (runs of single modes or lengths) into --out
 
   python3 bench/realmodel.py measure --lengths 2048,4096,8128
   python3 bench/realmodel.py passkey --lengths 2048,4096,7680 --depths 0.1,0.3,0.5,0.7,0.9 --keys 3
@@ -147,7 +150,7 @@ class Capture:
         self.model.set_attn_implementation(CAPTURE)
         try:
             with torch.no_grad():
-                out = self.model(torch.as_tensor([ids]), use_cache=False)
+                out = self.model(torch.as_tensor([ids]), use_cache=False, logits_to_keep=1)  # the last position only
         finally:
             self.model.set_attn_implementation(prev)
             for h in self.hooks:
@@ -496,6 +499,10 @@ class Runner:
             self.floor_raised = need
             c.select_min_chunks = need
             self.skv = shadowkv.Cache(c)
+        try:
+            self.memory = shadowkv.memory(self.skv.config)  # the cache's bytes (rank, budget, dense layers)
+        except Exception:
+            self.memory = None
         for li in range(self.L):
             self.skv.prefill(li, 0, *self.prompt_kv(li))
         return self.skv
@@ -544,11 +551,127 @@ class Runner:
         if self.kind == "fp32":
             o, _ = self._exact(q, keys, vals)
             return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+        if self.kind == "emu":
+            o = self._emulate(li, q, keys, vals)
+            return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
         o = self.skv.decode(li, q[None].contiguous(), key[0, :, 0][None].contiguous(),
                             value[0, :, 0][None].contiguous())[0]                      # [Hq, D] float32
         if self.metrics is not None:
             self._measure(li, q, keys, vals, o)
         return o.reshape(1, 1, self.Hq, self.D).to(query.dtype), None
+
+    # -- selection rules emulated in Python (exact keys: no rank truncation), to compare rules fast --
+    def set_emulation(self, rule):
+        """kind "emu": each decode step attends, per KV head, to the outliers, the local window, the
+        generated tokens and the candidate chunks a rule picks from the library's landmark scores
+        (sections 3.4-4.5), over exact keys (no rank truncation). rule: dict(kind="fixed", S=...) or
+        dict(kind="mass", p=..., floor=..., cap=..., group="max"|"mean", temp=1.0) or
+        dict(kind="topp", p=..., floor=..., cap=...): the fewest candidates whose estimated mass, with
+        the exact mass of the attended exact tokens in the same softmax, reaches p of the total;
+        dense=k: the first k layers dense. c = 8, Lc = 4, O = 4."""
+        torch = self.torch
+        c, Lc, O = rule.get("c", 8), rule.get("Lc", 4), rule.get("O", 4)
+        self.emu = dict(rule=rule, c=c, O=O, layers=[])
+        for li in range(self.L):
+            n = self.n
+            N = n // c - Lc
+            k = self.K[li][:, :N * c].float().view(self.Hk, N, c, self.D)
+            mean = k.mean(2)
+            cosv = (k * mean[:, :, None]).sum(-1) / torch.clamp(k.norm(dim=-1) * mean.norm(dim=-1)[:, :, None], min=1e-8)
+            out_ids = torch.argsort(cosv.min(2).values, dim=1, stable=True)[:, :O]
+            is_out = torch.zeros(self.Hk, N, dtype=torch.bool)
+            is_out.scatter_(1, out_ids, True)
+            self.emu["layers"].append(dict(N=N, lm=mean.to(torch.bfloat16).float(), is_out=is_out,
+                                           kmin=k.min(2).values, kmax=k.max(2).values))
+        self.emu_stats = [dict(steps=0, attended=0.0, context=0) for _ in range(self.L)]
+
+    def _emulate(self, li, q, keys, vals):
+        torch = self.torch
+        e = self.emu
+        rule, c = e["rule"], e["c"]
+        T = keys.shape[1]
+        st = self.emu_stats[li]
+        if li < rule.get("dense", 0) or rule.get("only", li) != li:
+            o, _ = self._exact(q, keys, vals)
+            st["steps"] += 1; st["attended"] += T; st["context"] += T
+            return o
+        lay = e["layers"][li]
+        N, lm, is_out = lay["N"], lay["lm"], lay["is_out"]
+        G, Hk = self.G, self.Hk
+        qs = q.float().view(Hk, G, self.D)
+        if rule.get("est") == "quest":  # Quest's bound: per channel the larger of q*min and q*max of the chunk
+            s = torch.maximum(qs[:, :, None] * lay["kmin"][:, None], qs[:, :, None] * lay["kmax"][:, None]).sum(-1)
+            s = s * self.scale / rule.get("temp", 1.0)
+        else:
+            s = torch.einsum("hgd,hnd->hgn", qs, lm) * self.scale / rule.get("temp", 1.0)
+        s = s.masked_fill(is_out[:, None], float("-inf"))
+        n_cand = N - e["O"]
+        logits = torch.einsum("hgd,htd->hgt", qs, keys.float()) * self.scale   # exact, for attention
+        mask = torch.zeros(Hk, T, dtype=torch.bool)
+        mask[:, N * c:] = True
+        ar = torch.arange(c)
+        for h in range(Hk):
+            oc = is_out[h].nonzero()[:, 0]
+            mask[h, (oc[:, None] * c + ar).reshape(-1)] = True
+        if rule["kind"] in ("oracle", "oracle-topp"):
+            # the exact attention's chunk masses (summed over the group): what no estimate can beat
+            w = torch.softmax(logits, -1)                                        # [Hk, G, T]
+            cm = w[:, :, :N * c].reshape(Hk, G, N, c).sum(-1).sum(1).masked_fill(is_out, -1.0)   # [Hk, N]
+            order = torch.argsort(-cm, dim=1, stable=True)
+            if rule["kind"] == "oracle":
+                ks = [min(rule["S"], n_cand)] * Hk
+            else:  # the fewest chunks with which the attended tokens hold p of the mass (group mean)
+                base = (w * mask[:, None]).sum(-1).sum(1)                         # [Hk] exact part, summed over G
+                cs = torch.cumsum(torch.gather(cm.clamp(min=0), 1, order), 1)
+                ks = [max(min(int((base[h] + cs[h] < rule["p"] * G).sum()) + 1, n_cand), 1) for h in range(Hk)]
+        elif rule["kind"] == "fixed":
+            a = torch.softmax(s, -1).max(1).values
+            order = torch.argsort(-a, dim=1, stable=True)
+            ks = [min(rule["S"], n_cand)] * Hk
+        elif rule["kind"] == "mass" and rule.get("group") == "union":
+            # per query head the fewest chunks reaching p of its own softmax; the KV head takes the union
+            pr = torch.softmax(s, -1)                                            # [Hk, G, N]
+            po = torch.argsort(-pr, dim=-1, stable=True)
+            cs = torch.cumsum(torch.gather(pr, -1, po), -1)
+            kq = (cs < rule["p"]).sum(-1) + 1                                    # [Hk, G]
+            order_l, ks = [], []
+            cap = min(rule.get("cap", n_cand), n_cand)
+            for h in range(Hk):
+                u = torch.unique(torch.cat([po[h, g, :int(kq[h, g])] for g in range(G)]))
+                u = u[~is_out[h, u]]
+                order_l.append(u)
+                ks.append(min(len(u), cap))
+            order = None
+        elif rule["kind"] == "mass":
+            pr = torch.softmax(s, -1)
+            a = pr.max(1).values if rule.get("group", "max") == "max" else pr.mean(1)
+            order = torch.argsort(-a, dim=1, stable=True)
+            sa = torch.gather(a, 1, order)
+            cs = torch.cumsum(sa, 1)
+            cap = min(rule.get("cap", n_cand), n_cand)
+            ks = [max(min(int((cs[h] < rule["p"] * cs[h, -1]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
+                  for h in range(Hk)]
+        else:  # topp: candidates estimated as c * exp(landmark score), exact tokens exactly, one softmax
+            est = s + torch.log(torch.tensor(float(c)))                       # [Hk, G, N] log-mass per chunk
+            ex = logits.masked_fill(~mask[:, None], float("-inf"))            # exact attended tokens
+            M = torch.maximum(est.max(-1).values, ex.max(-1).values)          # [Hk, G]
+            me = torch.exp(est - M[..., None])
+            mx = torch.exp(ex - M[..., None]).sum(-1)
+            Z = me.sum(-1) + mx
+            a = (me / Z[..., None]).max(1).values                             # group max of estimated shares
+            base = (mx / Z).min(1).values                                     # the exact part, worst head
+            order = torch.argsort(-a, dim=1, stable=True)
+            cs = torch.cumsum(torch.gather(a, 1, order), 1)
+            cap = min(rule.get("cap", n_cand), n_cand)
+            ks = [max(min(int((base[h] + cs[h] < rule["p"]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
+                  for h in range(Hk)]
+        for h in range(Hk):
+            sel = order[h, :ks[h]] if order is not None else order_l[h][:ks[h]]
+            mask[h, (sel[:, None] * c + ar).reshape(-1)] = True
+        w = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), -1)
+        o = torch.einsum("hgt,htd->hgd", w, vals.float())
+        st["steps"] += 1; st["attended"] += mask.sum().item() / Hk; st["context"] += T
+        return o
 
     def _measure(self, li, q, keys, vals, o):
         torch = self.torch
@@ -860,6 +983,7 @@ def mode_logits(args, tok, model, results):
     lengths = [int(x) for x in (args.lengths or "4096,8128").split(",")]
     S = args.steps
     rows = results.setdefault("logits", [])
+    emu_rows = results.setdefault("logits_emulated", [])  # rules emulated in Python (exact keys), not the library
     for n in lengths:
         name, ids = text_tokens(tok, n, args.text)
         log(f"logits: {name}, {n} tokens, {S} teacher-forced steps")
@@ -884,14 +1008,21 @@ def mode_logits(args, tok, model, results):
             kls, t1 = zip(*[kl_top1(r, g) for r, g in zip(logits, got)])
             r = dict(base, mode=mode, setting=setting, kl_mean=sum(kls) / S, kl_max=max(kls),
                      top1=sum(t1) / S, **extra)
-            rows.append(r)
+            (emu_rows if mode.startswith("emu") else rows).append(r)
             log(f"  {setting:>16}: share {r.get('attended_share', 1.0):.3f} KL {r['kl_mean']:.4f} "
                 f"(max {r['kl_max']:.3f}) top1 {r['top1']:.3f}")
             return r
         rows.append(dict(base, mode="dense", setting="dense", attended_share=1.0, kl_mean=0.0, kl_max=0.0, top1=1.0))
         got, tm = runner.run_tokens(ids[-1], forced, "fp32")
         row("floor", "fp32-exact", got, dict(attended_share=1.0, note="exact fp32 attention vs the model's bf16 sdpa"))
-        for setting, mode, fields in settings_table(args.settings.split(","), n, model):
+        for setting in [x for x in args.settings.split(",") if x.startswith("emu-")]:
+            rule = emu_rule(setting, n)
+            runner.set_emulation(rule)
+            got, tm = runner.run_tokens(ids[-1], forced, "emu")
+            att = sum(x["attended"] / max(x["context"], 1) for x in runner.emu_stats) / runner.L
+            row("emu-" + rule["kind"], setting, got, dict(attended_share=att, emulated=rule, timings=tm))
+        for setting, mode, fields in settings_table([x for x in args.settings.split(",") if not x.startswith("emu-")],
+                                                    n, model):
             f, why = resolve_fields(fields, n - 1)
             if f is None:
                 log(f"  {setting}: skipped: {why}")
@@ -903,10 +1034,153 @@ def mode_logits(args, tok, model, results):
             runner.close()
             att = sum(p["attended_share"] for p in per) / len(per)
             row(mode, setting, got, dict(attended_share=att, budget=budget_of(f, n - 1), default_budget=setting == "default",
-                                         settings=fields, per_layer=per, timings=tm,
+                                         settings=fields, per_layer=per, timings=tm, memory=runner.memory,
                                          attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
                                          out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
         save(results, args)
+
+
+def emu_rule(name, n):
+    """An emulated rule from its name: emu-fixed-<tokens>, emu-oracle-<tokens> (the best chunks by exact
+    mass), emu-oracletopp-<p> (the fewest chunks by exact mass holding p of it), emu-mass-<p>[-mean|-union][-t<temp>][-cap<tokens>]
+    [-floor<tokens>], emu-topp-<p>[-cap..][-floor..], each with an optional "-d<k>" (first k layers dense)
+    or "-only<l>" (layer l alone sparse: where the KL comes from), or "-quest" (chunks scored by Quest's
+    per-channel min/max bound instead of the mean landmark)."""
+    parts = name.split("-")[1:]
+    kind = parts[0]
+    rule = dict(kind=kind)
+    if kind == "oracletopp":
+        rule["kind"] = kind = "oracle-topp"
+    if kind in ("fixed", "oracle"):
+        rule["S"] = int(parts[1]) // 8
+    else:
+        rule["p"] = float(parts[1])
+    for x in parts[2:]:
+        if x in ("mean", "union"):
+            rule["group"] = x
+        elif x.startswith("t"):
+            rule["temp"] = float(x[1:])
+        elif x.startswith("cap"):
+            rule["cap"] = int(x[3:]) // 8
+        elif x.startswith("floor"):
+            rule["floor"] = int(x[5:]) // 8
+        elif x.startswith("d"):
+            rule["dense"] = int(x[1:])
+        elif x == "quest":
+            rule["est"] = "quest"
+        elif x.startswith("only"):
+            rule["only"] = int(x[4:])
+    return rule
+
+
+ROW_KEYS = dict(passkey=("task", "length", "depth", "setting"), logits=("length", "setting"),
+                logits_emulated=("length", "setting"), passkey_answers=("task", "length", "depth", "key", "setting"))
+
+
+def default_budgets(results):
+    """results["default_budget"]: the scaled defaults' budget per context length, from the rows."""
+    db = dict(results.get("default_budget") or {})
+    for r in results.get("logits", []) + results.get("passkey", []):
+        if r.get("default_budget"):
+            db[str(r["length"])] = r["budget"]
+    results["default_budget"] = db
+    return results
+
+
+def merge(results, paths):
+    """results with the rows of the files at paths added (a row replaces an earlier one of the same
+    cell and setting); other top-level entries: the last file's."""
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        emu = [x for x in r.get("logits", []) if str(x.get("mode", "")).startswith("emu")]
+        if emu:  # files written before emulated rows had their own list
+            r["logits"] = [x for x in r["logits"] if x not in emu]
+            r["logits_emulated"] = r.get("logits_emulated", []) + emu
+        for k, v in r.items():
+            if k in ROW_KEYS:
+                rows = {tuple(x.get(f) for f in ROW_KEYS[k]): x for x in results.get(k, [])}
+                for x in v:
+                    rows[tuple(x.get(f) for f in ROW_KEYS[k])] = x
+                results[k] = list(rows.values())
+            elif k == "default_budget":
+                results[k] = {**results.get(k, {}), **v}
+            else:
+                results[k] = v
+    return default_budgets(results)
+
+
+def interp(xs, ys, x):
+    """Piecewise-linear y(x) over points sorted by x (None outside their range)."""
+    pts = sorted(zip(xs, ys))
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def report(results):
+    """Markdown tables of a results file: passkey accuracy per cell group, logits per setting, the
+    mass mode's KL against fixed budgets at equal attended share, and per-layer figures."""
+    out = []
+    pk = results.get("passkey", [])
+    if pk:
+        seen = {}
+        for r in pk:  # a re-run cell replaces the earlier row
+            seen[(r["task"], r["length"], r["depth"], r["setting"])] = r
+        pk = list(seen.values())
+        out.append("### Passkey (correct answers / keys; dense first)\n")
+        settings = sorted({r["setting"] for r in pk}, key=lambda x: (x != "default", x))
+        out.append("| task | length | depth | keys | dense | " + " | ".join(settings) + " |")
+        out.append("|---|---|---|---|---|" + "---|" * len(settings))
+        cells = sorted({(r["task"], r["length"], r["depth"]) for r in pk})
+        for c in cells:
+            rows = {r["setting"]: r for r in pk if (r["task"], r["length"], r["depth"]) == c}
+            any_ = next(iter(rows.values()))
+            out.append(f"| {c[0]} | {c[1]} | {c[2]} | {any_['keys']} | {any_['dense_correct']} | " + " | ".join(
+                f"{rows[s]['skv_correct']} ({rows[s]['skv_agrees_dense']} = dense)" if s in rows else "" for s in settings) + " |")
+        tot = {}
+        for r in pk:
+            t = tot.setdefault((r["task"], r["length"], r["setting"]), [0, 0, 0, 0])
+            t[0] += r["dense_correct"]; t[1] += r["skv_correct"]; t[2] += r["keys"]; t[3] += r.get("skv_agrees_dense", 0)
+        out.append("\n| task | length | setting | dense | shadowkv | agrees with dense |\n|---|---|---|---|---|---|")
+        for k in sorted(tot):
+            t = tot[k]
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | {t[0]}/{t[2]} | {t[1]}/{t[2]} | {t[3]}/{t[2]} |")
+    import re
+    for key, title in (("logits", "Logits"), ("logits_emulated", "Emulated selection rules (Python, exact keys)")):
+        out += _report_logits(results.get(key, []), title)
+    return "\n".join(out)
+
+
+def _report_logits(lg, title):
+    import re
+    out = []
+    for n in sorted({r["length"] for r in lg}):
+        rows = [r for r in lg if r["length"] == n]
+        out.append(f"\n### {title} at {n} tokens ({rows[0].get('steps')} teacher-forced steps on dense's tokens)\n")
+        out.append("| mode | setting | budget | attended share | KL mean | KL max | top-1 | attn mass (mean, min layer) | out rel err |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rows, key=lambda r: (r["mode"] not in ("dense", "floor"), r["mode"], r.get("attended_share", 1))):
+            per = r.get("per_layer") or []
+            mm = f"{r['attn_mass_mean']:.3f}, {min(p['attn_mass'] for p in per):.3f}" if per else ""
+            oe = f"{r['out_rel_err_mean']:.3f}" if per else ""
+            out.append(f"| {r['mode']} | {r['setting']} | {r.get('budget', '')} | {r.get('attended_share', 1):.3f} | "
+                       f"{r['kl_mean']:.4f} | {r.get('kl_max', 0):.3f} | {r['top1']:.3f} | {mm} | {oe} |")
+        fixed = [r for r in rows if re.fullmatch(r"(emu-)?fixed-\d+", r["setting"])]
+        for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-"),
+                          ("default mass", "default-mass"), ("emulated mass", "emu-mass-"), ("emulated top-p", "emu-topp-")):
+            cand = [r for r in rows if r["setting"].startswith(pref) and "only" not in r["setting"]]
+            if not cand or len(fixed) < 2:
+                continue
+            out.append(f"\n{fam} against fixed budgets at equal attended share ({n} tokens):\n")
+            out.append("| setting | share | KL | fixed KL at that share | ratio |\n|---|---|---|---|---|")
+            for r in sorted(cand, key=lambda r: r["attended_share"]):
+                f = interp([x["attended_share"] for x in fixed], [x["kl_mean"] for x in fixed], r["attended_share"])
+                ratio = f"{f / r['kl_mean']:.2f}x" if f and r["kl_mean"] > 0 else ""
+                out.append(f"| {r['setting']} | {r['attended_share']:.3f} | {r['kl_mean']:.4f} | "
+                           f"{'' if f is None else f'{f:.4f}'} | {ratio} |")
+    return out
 
 
 PASSKEY_SETTINGS = "default,default-mass,dense1-default"
@@ -927,7 +1201,9 @@ def machine_name():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all"])
+    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report", "merge"])
+    ap.add_argument("inputs", nargs="*", help="merge: result files merged into --out (later rows replace earlier "
+                    "ones of the same cell and setting)")
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=64, help="decode / teacher-forced steps")
     ap.add_argument("--text", default="auto", choices=["auto", "licenses", "pydoc"])
@@ -959,6 +1235,15 @@ def main(argv=None):
             results = json.load(f)
     results.setdefault("machine", dict(name=machine_name(), cpus=os.cpu_count(), platform=platform.platform(),
                                        python=platform.python_version()))
+    if args.mode == "report":
+        print(report(results))
+        return
+    if args.mode == "merge":
+        results = merge(results, args.inputs)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        log(f"merged {len(args.inputs)} files into {out}")
+        return
     tok, model = load_model(threads=args.threads)
     if args.mode == "measure":
         if args.lengths is None:
@@ -971,12 +1256,7 @@ def main(argv=None):
     if args.mode in ("logits", "all"):
         args.settings = settings or LOGITS_SETTINGS
         mode_logits(args, tok, model, results)
-    # the scaled defaults' budget per context length (12.5% of the context for SmolLM2 at 2k-8k)
-    db = dict(results.get("default_budget") or {})
-    for r in results.get("logits", []) + results.get("passkey", []):
-        if r.get("default_budget"):
-            db[str(r["length"])] = r["budget"]
-    results["default_budget"] = db
+    default_budgets(results)  # the scaled defaults' budget per context length
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     log(f"wrote {out}")
