@@ -1077,6 +1077,18 @@ ROW_KEYS = dict(passkey=("task", "length", "depth", "setting"), logits=("length"
                 logits_emulated=("length", "setting"), passkey_answers=("task", "length", "depth", "key", "setting"))
 
 
+def curve_of(setting):
+    """The plot curve of a logits row's setting: fixed, mass, dense1-fixed, dense1-mass (the budget or
+    target swept), rank (the default budget at another rank), default, default-mass, floor, dense."""
+    import re
+    m = re.fullmatch(r"(dense\d+-)?(fixed|mass)-[\d.]+", setting)
+    if m:
+        return (m.group(1) or "") + m.group(2)
+    if setting.startswith("rank"):
+        return "rank"
+    return {"fp32-exact": "floor"}.get(setting, setting)
+
+
 def default_budgets(results):
     """results["default_budget"]: the scaled defaults' budget per context length, from the rows."""
     db = dict(results.get("default_budget") or {})
@@ -1103,6 +1115,9 @@ def merge(results, paths):
                 for x in v:
                     rows[tuple(x.get(f) for f in ROW_KEYS[k])] = x
                 results[k] = list(rows.values())
+                if k == "logits":
+                    for x in results[k]:
+                        x["curve"] = curve_of(x["setting"])
             elif k == "default_budget":
                 results[k] = {**results.get(k, {}), **v}
             else:
