@@ -1083,7 +1083,7 @@ def emu_rule(name, n):
     return rule
 
 
-ROW_KEYS = dict(passkey=("task", "length", "depth", "setting"), logits=("length", "setting"),
+ROW_KEYS = dict(passkey=("task", "length", "depth", "setting", "seed"), logits=("length", "setting"),
                 logits_emulated=("length", "setting"), passkey_answers=("task", "length", "depth", "key", "setting"))
 
 
@@ -1152,26 +1152,26 @@ def report(results):
     if pk:
         seen = {}
         for r in pk:  # a re-run cell replaces the earlier row
-            seen[(r["task"], r["length"], r["depth"], r["setting"])] = r
+            seen[(r["task"], r["length"], r["depth"], r["setting"], r.get("seed"))] = r
         pk = list(seen.values())
         out.append("### Passkey (correct answers / keys; dense first)\n")
         settings = sorted({r["setting"] for r in pk}, key=lambda x: (x != "default", x))
-        out.append("| task | length | depth | keys | dense | " + " | ".join(settings) + " |")
-        out.append("|---|---|---|---|---|" + "---|" * len(settings))
-        cells = sorted({(r["task"], r["length"], r["depth"]) for r in pk})
+        out.append("| task | length | depth | seed | keys | dense | " + " | ".join(settings) + " |")
+        out.append("|---|---|---|---|---|---|" + "---|" * len(settings))
+        cells = sorted({(r["task"], r["length"], r["depth"], r.get("seed") or 0) for r in pk})
         for c in cells:
-            rows = {r["setting"]: r for r in pk if (r["task"], r["length"], r["depth"]) == c}
+            rows = {r["setting"]: r for r in pk if (r["task"], r["length"], r["depth"], r.get("seed") or 0) == c}
             any_ = next(iter(rows.values()))
-            out.append(f"| {c[0]} | {c[1]} | {c[2]} | {any_['keys']} | {any_['dense_correct']} | " + " | ".join(
+            out.append(f"| {c[0]} | {c[1]} | {c[2]} | {c[3]} | {any_['keys']} | {any_['dense_correct']} | " + " | ".join(
                 f"{rows[s]['skv_correct']} ({rows[s]['skv_agrees_dense']} = dense)" if s in rows else "" for s in settings) + " |")
         tot = {}
         for r in pk:
-            t = tot.setdefault((r["task"], r["length"], r["setting"]), [0, 0, 0, 0])
+            t = tot.setdefault((r["task"], r["length"], r["setting"], r.get("seed")), [0, 0, 0, 0])
             t[0] += r["dense_correct"]; t[1] += r["skv_correct"]; t[2] += r["keys"]; t[3] += r.get("skv_agrees_dense", 0)
-        out.append("\n| task | length | setting | dense | shadowkv | agrees with dense |\n|---|---|---|---|---|---|")
-        for k in sorted(tot):
+        out.append("\n| task | length | setting | seed | dense | shadowkv | agrees with dense |\n|---|---|---|---|---|---|---|")
+        for k in sorted(tot, key=lambda k: (k[0], k[1], k[3] or 0, k[2])):
             t = tot[k]
-            out.append(f"| {k[0]} | {k[1]} | {k[2]} | {t[0]}/{t[2]} | {t[1]}/{t[2]} | {t[3]}/{t[2]} |")
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {t[0]}/{t[2]} | {t[1]}/{t[2]} | {t[3]}/{t[2]} |")
     import re
     for key, title in (("logits", "Logits"), ("logits_emulated", "Emulated selection rules (Python, exact keys)")):
         out += _report_logits(results.get(key, []), title)
