@@ -453,6 +453,31 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
     p->used = 0;
 }
 
+/* Prefill's input check on the cache's stream (so the caller's writes are ordered before): NaN
+   or Inf in k_pre, v or k_post is SKV_ERR_NONFINITE naming the first element. Synchronizes. */
+static skv_status skv_cuda_prefill_finite(skv_cuda_cache *k, int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v,
+                                          const skv_bf16 *k_post, char *msg, size_t cap)
+{
+    cudaStream_t st = k->st;
+    const int32_t Hk = k->cfg.n_kv_heads, D = k->cfg.head_dim;
+    const int64_t HkD = (int64_t)Hk * D;
+    const skv_bf16 *in[3] = {k_pre, v, k_post};
+    static const char *const names[3] = {"k_pre", "v", "k_post"};
+    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
+    for (int t = 0; t < 3; t++)
+        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
+    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    for (int t = 0; t < 3; t++)
+        if (k->h_flags[t] != ~0ull) {
+            long long b = (long long)k->h_flags[t];
+            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
+                     b % D);
+            return SKV_ERR_NONFINITE;
+        }
+    return SKV_OK;
+}
+
 /*
  * Prefill of a dense layer's (layer, sequence): the finiteness check (one host synchronization), the
  * prompt's post-RoPE keys (k_post, or the RoPE of k_pre) and its values into the slot's window
@@ -468,20 +493,10 @@ static skv_status skv_cuda_prefill_dense(skv_cuda_cache *k, int32_t layer, int32
     const int32_t Hk = g->n_kv_heads, D = g->head_dim;
     const int64_t HkD = (int64_t)Hk * D;
     skv_cuda_seq *hs = &k->h_seqs[(size_t)layer * g->batch_size + seq];
-    const skv_bf16 *in[3] = {k_pre, v, k_post};
-    static const char *const names[3] = {"k_pre", "v", "k_post"};
-    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
-    for (int t = 0; t < 3; t++)
-        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
-    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
-    CK(cudaStreamSynchronize(st));
-    for (int t = 0; t < 3; t++)
-        if (k->h_flags[t] != ~0ull) {
-            long long b = (long long)k->h_flags[t];
-            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
-                     b % D);
-            return SKV_ERR_NONFINITE;
-        }
+    {
+        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
+        if (fs_) return fs_;
+    }
     if (!k_post) { /* the library's RoPE of k_pre (kp_tmp is only used on this stream) */
         CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
                          k->kp_tmp));
@@ -544,20 +559,10 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     CK(cudaEventRecord(ps->e[SKV_PE_M0], st));
 
     /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
-    const skv_bf16 *in[3] = {k_pre, v, k_post};
-    static const char *const names[3] = {"k_pre", "v", "k_post"};
-    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
-    for (int t = 0; t < 3; t++)
-        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
-    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
-    CK(cudaStreamSynchronize(st));
-    for (int t = 0; t < 3; t++)
-        if (k->h_flags[t] != ~0ull) {
-            long long b = (long long)k->h_flags[t];
-            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
-                     b % D);
-            return SKV_ERR_NONFINITE;
-        }
+    {
+        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
+        if (fs_) return fs_;
+    }
 
     /* stage k_pre and v once the previous prefill's side work is done with the buffers */
     CK(cudaEventRecord(ps->e[SKV_PE_WA], st));
