@@ -17,7 +17,14 @@
  *   build/skv-bench decode [--backend cuda] [--ctx ...] [--batch ...]
  *       [--placement device,host] [--workload fresh,drift] [--steps 30]
  *       [--warmup 5] [--drift 0.92] [--big-batch 1] [--hbm-gbs 4200]
- *       [--pcie-gbs 55] [--reproducible] [--json]
+ *       [--pcie-gbs 55] [--reproducible] [--select fixed,mass,all,dense]
+ *       [--select-mass 0.95] [--select-min 0] [--json]
+ *
+ * --select runs every (ctx, batch, placement) once per selection: the fixed budget (default),
+ * SKV_SELECT_MASS (target --select-mass, floor --select-min, the budget its cap), SKV_BUDGET_ALL,
+ * a dense layer (config.dense_layers; device placement only). Rows then carry chunks_per_head and
+ * attended_share (skv_cache_layer_stats over the timed steps), so the new modes' cost can be set
+ * against the fixed budget's in one run.
  *
  * --reproducible runs every (ctx, batch, placement) twice, in the default mode
  * and with config.reproducible = 1 (the canonical rebuild and attention,
@@ -106,9 +113,15 @@ enum { WL_FRESH, WL_DRIFT, N_WL };
 static const char *const pl_name[N_PL] = {"device", "host"};
 static const char *const wl_name[N_WL] = {"fresh", "drift"};
 
+/* --select: how the one layer selects (docs/DESIGN.md 4.5): the fixed budget, the mass rule (its cap the
+   budget), every candidate (SKV_BUDGET_ALL), or a dense layer (config.dense_layers) */
+enum { SV_FIXED, SV_MASS, SV_ALL, SV_DENSE, N_SV };
+static const char *const sv_name[N_SV] = {"fixed", "mass", "all", "dense"};
+
 typedef struct {
     int64_t ctx;
-    int B, placement, workload, reproducible;
+    int B, placement, workload, reproducible, variant;
+    double sel_mean, attended_share; /* mean chunks per head step, attended / context tokens (layer stats) */
     double step_ms, step_min_ms, floor_ms, hbm_mb, pcie_mb, hit_rate, overlap, kernels_per_step;
     double select_ms, fetch_ms, rebuild_ms, attention_ms, prefill_ms;
     int64_t device_bytes, host_bytes;
@@ -119,6 +132,8 @@ typedef struct {
 typedef struct {
     int steps, warmup;
     double drift, hbm_gbs, pcie_gbs;
+    double mass;     /* --select-mass */
+    int min_chunks;  /* --select-min */
 } dopts;
 
 /* The step's bytes from device memory (hbm_mb) and, for host placement, over PCIe (the missed
@@ -126,7 +141,7 @@ typedef struct {
 static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t n_local, double n_gen, double misses)
 {
     const double B = row->B, Hk = cfg->n_kv_heads, D = cfg->head_dim, c = cfg->chunk_size, r = cfg->rank;
-    const double S = cfg->budget / cfg->chunk_size, O = cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
+    const double S = row->sel_mean, O = row->variant == SV_DENSE ? 0 : cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
     const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * S * c * r * 2, vals = B * Hk * S * c * D * 2;
     const double res = B * Hk * (O * c + n_local + n_gen + 1) * D * 2 * 2, qo = B * Hq * D * 6;
     const double missed = row->placement == PL_HOST ? misses * c * D * 2 : 0;
@@ -135,7 +150,7 @@ static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t
 }
 
 static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, int64_t ctx, int B, int placement,
-                      int reproducible, const dopts *o, const int *want_wl, drow *rows, int *n_rows)
+                      int reproducible, int variant, const dopts *o, const int *want_wl, drow *rows, int *n_rows)
 {
     skv_config cfg = wl->cfg;
     cfg.reproducible = reproducible;
@@ -143,15 +158,26 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
     cfg.batch_size = B;
     cfg.gen_capacity = N_WL * per_wl;
     cfg.backend = be;
-    const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
+    if (variant == SV_MASS) {
+        cfg.select_mode = SKV_SELECT_MASS;
+        cfg.select_mass = (float)o->mass;
+        cfg.select_min_chunks = o->min_chunks;
+    } else if (variant == SV_ALL) {
+        cfg.budget = SKV_BUDGET_ALL;
+    } else if (variant == SV_DENSE) {
+        cfg.dense_layers = 1;
+    }
+    const int dense = variant == SV_DENSE;
+    const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim;
     skv_memory_info mi;
     skv_status st;
     if ((st = skv_cache_memory_info(&cfg, &mi))) ddie("skv_cache_memory_info", st, NULL);
     if (placement == PL_HOST) cfg.value_device_bytes = (int64_t)(mi.host_value_slots + mi.device_value_slots) *
                                                        (int64_t)mi.value_cache_bytes;
     if ((st = skv_cache_memory_info(&cfg, &mi))) ddie("skv_cache_memory_info", st, NULL);
-    fprintf(stderr, "skv-bench decode: ctx %lld batch %d %s%s: %.2f GB device, %.2f GB host\n", (long long)ctx, B,
-            pl_name[placement], reproducible ? " reproducible" : "", mi.device_bytes / 1e9, mi.host_bytes / 1e9);
+    fprintf(stderr, "skv-bench decode: ctx %lld batch %d %s%s, select %s: %.2f GB device, %.2f GB host\n",
+            (long long)ctx, B, pl_name[placement], reproducible ? " reproducible" : "", sv_name[variant],
+            mi.device_bytes / 1e9, mi.host_bytes / 1e9);
     skv_cache *cache = NULL;
     double t0 = dnow_ms();
     if ((st = skv_cache_create(&cfg, &cache))) ddie("skv_cache_create", st, NULL);
@@ -174,12 +200,14 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
     skvt_dfree(be, dv, seq->v);
     skv_seq_info info;
     if ((st = skv_cache_seq_info(cache, 0, 0, &info))) ddie("seq_info", st, cache);
+    const int S = dense ? 0 : info.n_selected; /* the selection rows' stride (budget / c, or N - O for all) */
 
     const size_t qn = (size_t)B * Hq * D, kn = (size_t)B * Hk * D;
     skv_bf16 *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
     float *qf = malloc(qn * sizeof(float)), *out = malloc(qn * 4);
     const int n_ov = B < MAX_OVERLAP_SEQS ? B : MAX_OVERLAP_SEQS;
-    int32_t *prev = malloc(sizeof(int32_t) * (size_t)n_ov * Hk * S), *cur = malloc(sizeof(int32_t) * (size_t)S);
+    int32_t *prev = malloc(sizeof(int32_t) * ((size_t)n_ov * Hk * S + 1)), *cur = malloc(sizeof(int32_t) * ((size_t)S + 1));
+    int32_t *prev_k = calloc((size_t)n_ov * Hk + 1, sizeof(int32_t));
     skv_bf16 *dq = skvt_dbuf(be, q, qn * 2), *dkn = skvt_dbuf(be, k, kn * 2), *dvn = skvt_dbuf(be, v, kn * 2);
     float *dout = skvt_dbuf(be, out, qn * 4);
     double *t = malloc(sizeof(double) * (size_t)o->steps);
@@ -197,6 +225,8 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         drow *row = &rows[(*n_rows)++];
         memset(row, 0, sizeof *row);
         row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w, row->reproducible = reproducible;
+        row->variant = variant;
+        skv_layer_stats l0, l1;
         row->device_bytes = (int64_t)mi.device_bytes, row->host_bytes = (int64_t)mi.host_bytes;
         row->prefill_ms = pf[B / 2 < 4096 ? B / 2 : 4095];
         row->digest = 14695981039346656037ULL;
@@ -223,7 +253,8 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
             skvt_dput(be, dq, q, qn * 2);
             skvt_dput(be, dkn, k, kn * 2);
             skvt_dput(be, dvn, v, kn * 2);
-            if (i == o->warmup && (st = skv_cache_stats(cache, &s0))) ddie("stats", st, cache);
+            if (i == o->warmup && ((st = skv_cache_stats(cache, &s0)) || (st = skv_cache_layer_stats(cache, 0, &l0))))
+                ddie("stats", st, cache);
             double ms = 0;
 #ifdef SKV_HAVE_CUDA
             if (be == SKV_BACKEND_CUDA) {
@@ -246,27 +277,34 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
             if (i >= o->warmup) t[i - o->warmup] = ms;
             skvt_dget(be, out, dout, qn * 4);
             row->digest = fnv1a(row->digest, out, qn * 4);
-            for (int b = 0; b < n_ov; b++)
+            for (int b = 0; b < n_ov && !dense; b++) /* a dense layer has no selection */
                 for (int h = 0; h < Hk; h++) {
-                    int32_t *pv = prev + ((size_t)b * Hk + h) * S;
+                    int32_t *pv = prev + ((size_t)b * Hk + h) * S, kc = 0, *pk = prev_k + (size_t)b * Hk + h;
                     if ((st = skv_cache_selected(cache, 0, b, h, cur))) ddie("skv_cache_selected", st, cache);
+                    if ((st = skv_cache_selected_count(cache, 0, b, h, &kc))) ddie("skv_cache_selected_count", st, cache);
                     row->digest = fnv1a(row->digest, cur, sizeof(int32_t) * (size_t)S);
                     if (i > 0) { /* both lists increase: a merge counts the common chunks */
                         int x = 0, y = 0, common = 0;
-                        while (x < S && y < S) {
+                        while (x < kc && y < *pk) {
                             if (cur[x] == pv[y]) common++, x++, y++;
                             else if (cur[x] < pv[y]) x++;
                             else y++;
                         }
-                        if (i > o->warmup) ov_sum += (double)common / S, ov_n++;
+                        if (i > o->warmup) ov_sum += (double)common / kc, ov_n++;
                     }
                     if (i >= o->warmup && b == 0)
-                        for (int j = 0; j < S; j++) row->needle_hits += cur[j] == needle;
+                        for (int j = 0; j < kc; j++) row->needle_hits += cur[j] == needle;
                     if (i >= o->warmup && b == 0) row->needle_total++;
                     memcpy(pv, cur, sizeof(int32_t) * (size_t)S);
+                    *pk = kc;
                 }
         }
-        if ((st = skv_cache_stats(cache, &s1))) ddie("stats", st, cache);
+        if ((st = skv_cache_stats(cache, &s1)) || (st = skv_cache_layer_stats(cache, 0, &l1))) ddie("stats", st, cache);
+        {
+            const double hs = (double)(l1.head_steps - l0.head_steps), ctx_t = (double)(l1.context_tokens - l0.context_tokens);
+            row->sel_mean = hs > 0 ? (double)(l1.selected_chunks - l0.selected_chunks) / hs : 0;
+            row->attended_share = ctx_t > 0 ? (double)(l1.attended_tokens - l0.attended_tokens) / ctx_t : 0;
+        }
         qsort(t, (size_t)o->steps, sizeof *t, dcmp);
         row->step_ms = t[o->steps / 2];
         row->step_min_ms = t[0];
@@ -286,11 +324,12 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
                      f_pcie = row->pcie_mb * 1e6 / (o->pcie_gbs * 1e9) * 1e3;
         row->floor_ms = f_hbm > f_pcie ? f_hbm : f_pcie;
         fprintf(stderr,
-                "skv-bench decode: %s ctx %lld batch %d %s %s%s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
-                "hit rate %.2f, %.1f kernels/step\n",
+                "skv-bench decode: %s ctx %lld batch %d %s %s%s select %s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
+                "hit rate %.2f, %.1f kernels/step, %.1f chunks per head, attended %.4f of the context\n",
                 skv_backend_name(be), (long long)ctx, B, pl_name[placement], wl_name[w],
-                reproducible ? " reproducible" : "", row->step_ms, row->floor_ms,
-                row->step_ms / row->floor_ms, row->overlap, row->hit_rate, row->kernels_per_step);
+                reproducible ? " reproducible" : "", sv_name[variant], row->step_ms, row->floor_ms,
+                row->step_ms / row->floor_ms, row->overlap, row->hit_rate, row->kernels_per_step, row->sel_mean,
+                row->attended_share);
     }
 #ifdef SKV_HAVE_CUDA
     if (be == SKV_BACKEND_CUDA) cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
@@ -299,7 +338,7 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
     skvt_dfree(be, dkn, k);
     skvt_dfree(be, dvn, v);
     skvt_dfree(be, dout, out);
-    free(q), free(k), free(v), free(qf), free(out), free(prev), free(cur), free(t);
+    free(q), free(k), free(v), free(qf), free(out), free(prev), free(cur), free(prev_k), free(t);
     skv_cache_free(cache);
 }
 
@@ -308,7 +347,8 @@ int bench_decode_main(int argc, char **argv)
     int64_t ctxs[MAXV] = {32768, 131072, 1048576}, batches[MAXV] = {1, 8, 32};
     int n_ctx = 3, n_b = 3, json = 0, big_batch = 1, both_modes = 0;
     int want_pl[N_PL] = {1, 1}, want_wl[N_WL] = {1, 1};
-    dopts o = {30, 5, 0.92, 4200, 55};
+    dopts o = {30, 5, 0.92, 4200, 55, 0.95, 0};
+    int want_sv[N_SV] = {1, 0, 0, 0};
     skv_backend be = SKV_BACKEND_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -322,6 +362,12 @@ int bench_decode_main(int argc, char **argv)
         else if (!strcmp(a, "--big-batch")) big_batch = atoi(v), i++;
         else if (!strcmp(a, "--hbm-gbs")) o.hbm_gbs = atof(v), i++;
         else if (!strcmp(a, "--pcie-gbs")) o.pcie_gbs = atof(v), i++;
+        else if (!strcmp(a, "--select-mass")) o.mass = atof(v), i++;
+        else if (!strcmp(a, "--select-min")) o.min_chunks = atoi(v), i++;
+        else if (!strcmp(a, "--select")) {
+            for (int x = 0; x < N_SV; x++) want_sv[x] = strstr(v, sv_name[x]) != NULL;
+            i++;
+        }
         else if (!strcmp(a, "--placement") || !strcmp(a, "--workload")) {
             int pl = !strcmp(a, "--placement");
             int *want = pl ? want_pl : want_wl;
@@ -336,13 +382,18 @@ int bench_decode_main(int argc, char **argv)
             if (strcmp(a, "--help")) fprintf(stderr, "skv-bench decode: unknown option '%s'\n", a);
             printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
-                   "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--reproducible] [--json]\n"
-                   "  --reproducible  also run each cache with config.reproducible = 1 and print both modes\n");
+                   "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--reproducible] "
+                   "[--select fixed,mass,all,dense] [--select-mass 0.95] [--select-min 0] [--json]\n"
+                   "  --reproducible  also run each cache with config.reproducible = 1 and print both modes\n"
+                   "  --select        the layer's selection, one cache each: the fixed budget (default), SKV_SELECT_MASS\n"
+                   "                  (target --select-mass, floor --select-min, the budget its cap), SKV_BUDGET_ALL,\n"
+                   "                  or a dense layer (config.dense_layers; device placement only)\n");
             return strcmp(a, "--help") ? 2 : 0;
         }
     }
     if (o.steps < 1 || o.warmup < 1 || n_ctx < 1 || n_b < 1 || !(o.drift >= 0 && o.drift < 1) ||
-        !(want_pl[0] || want_pl[1]) || !(want_wl[0] || want_wl[1])) {
+        !(want_pl[0] || want_pl[1]) || !(want_wl[0] || want_wl[1]) ||
+        !(want_sv[0] || want_sv[1] || want_sv[2] || want_sv[3]) || !(o.mass > 0 && o.mass <= 1)) {
         fprintf(stderr, "skv-bench decode: --steps >= 1, --warmup >= 1, 0 <= --drift < 1, non-empty lists\n");
         return 2;
     }
@@ -355,7 +406,7 @@ int bench_decode_main(int argc, char **argv)
     be = skv_cache_backend(c);
     skv_cache_free(c);
 
-    drow rows[MAXV * MAXV * N_PL * N_WL * 2];
+    static drow rows[MAXV * MAXV * N_PL * N_WL * 2 * N_SV];
     int n = 0;
     const int total = N_WL * (o.warmup + o.steps);
     for (int i = 0; i < n_ctx; i++) {
@@ -372,9 +423,11 @@ int bench_decode_main(int argc, char **argv)
                 (dnow_ms() - t0) / 1e3);
         for (int j = 0; j < n_b; j++) {
             if (ctx > 131072 && batches[j] > big_batch) continue;
-            for (int p = 0; p < N_PL; p++)
-                for (int m = 0; m <= both_modes; m++)
-                    if (want_pl[p]) run_cache(be, &wl, &seq, ctx, (int)batches[j], p, m, &o, want_wl, rows, &n);
+            for (int x = 0; x < N_SV; x++)
+                for (int p = 0; p < N_PL; p++)
+                    for (int m = 0; m <= both_modes; m++)
+                        if (want_sv[x] && want_pl[p] && !(x == SV_DENSE && p == PL_HOST))
+                            run_cache(be, &wl, &seq, ctx, (int)batches[j], p, m, x, &o, want_wl, rows, &n);
         }
         skvs_seq_free(&seq);
         skvs_workload_free(&wl);
@@ -394,7 +447,8 @@ int bench_decode_main(int argc, char **argv)
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
             printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"placement\": \"%s\", \"workload\": \"%s\", "
-                   "\"mode\": \"%s\", \"step_ms\": %.4f, "
+                   "\"mode\": \"%s\", \"select\": \"%s\", \"select_mass\": %.4f, \"chunks_per_head\": %.2f, "
+                   "\"attended_share\": %.5f, \"step_ms\": %.4f, "
                    "\"step_min_ms\": %.4f, \"floor_ms\": %.4f, \"step_over_floor\": %.3f, \"hbm_mb\": %.2f, "
                    "\"pcie_mb\": %.2f, \"hit_rate\": %.4f, \"overlap\": %.4f, \"kernels_per_step\": %.2f, "
                    "\"select_ms\": %.4f, \"fetch_ms\": %.4f, \"rebuild_ms\": %.4f, \"attention_ms\": %.4f, "
@@ -402,27 +456,30 @@ int bench_decode_main(int argc, char **argv)
                    "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld, "
                    "\"digest\": \"%016llx\"}",
                    i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload],
-                   r->reproducible ? "reproducible" : "default", r->step_ms,
-                   r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
+                   r->reproducible ? "reproducible" : "default", sv_name[r->variant],
+                   r->variant == SV_MASS ? o.mass : 0.0, r->sel_mean, r->attended_share, r->step_ms, r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
                    r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->rebuild_ms, r->attention_ms, r->prefill_ms,
                    (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total,
                    (unsigned long long)r->digest);
         }
         printf("]}\n");
     } else {
-        printf("%-6s %8s %6s %-7s %-6s %-5s %10s %10s %8s %8s %8s %8s %9s\n", "backend", "ctx", "batch", "place",
-               "load", "mode", "step_ms", "floor_ms", "x_floor", "overlap", "hit", "kernels", "x_default");
+        printf("%-6s %8s %6s %-7s %-6s %-5s %-6s %8s %8s %10s %10s %8s %8s %8s %8s %9s\n", "backend", "ctx", "batch",
+               "place", "load", "mode", "select", "chunks", "share", "step_ms", "floor_ms", "x_floor", "overlap", "hit",
+               "kernels", "x_default");
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
             /* the default-mode row of the same (ctx, batch, placement, workload), if any */
             const drow *d = NULL;
             for (int j = 0; j < n && r->reproducible; j++)
                 if (!rows[j].reproducible && rows[j].ctx == r->ctx && rows[j].B == r->B &&
-                    rows[j].placement == r->placement && rows[j].workload == r->workload)
+                    rows[j].placement == r->placement && rows[j].workload == r->workload &&
+                    rows[j].variant == r->variant)
                     d = &rows[j];
-            printf("%-6s %8lld %6d %-7s %-6s %-5s %10.4f %10.4f %8.2f %8.2f %8.2f %8.1f", skv_backend_name(be),
-                   (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload], r->reproducible ? "repro" : "dflt",
-                   r->step_ms, r->floor_ms, r->step_ms / r->floor_ms, r->overlap, r->hit_rate, r->kernels_per_step);
+            printf("%-6s %8lld %6d %-7s %-6s %-5s %-6s %8.1f %8.4f %10.4f %10.4f %8.2f %8.2f %8.2f %8.1f",
+                   skv_backend_name(be), (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload],
+                   r->reproducible ? "repro" : "dflt", sv_name[r->variant], r->sel_mean, r->attended_share, r->step_ms,
+                   r->floor_ms, r->step_ms / r->floor_ms, r->overlap, r->hit_rate, r->kernels_per_step);
             if (d) printf(" %9.3f\n", r->step_ms / d->step_ms);
             else printf(" %9s\n", "-");
         }

@@ -1029,12 +1029,22 @@ def mode_logits(args, tok, model, results):
                 continue
             got, tm = runner.run_tokens(ids[-1], forced, "skv", f, backend=args.backend, metrics=True)
             per = runner.metrics_summary()
+            ranks = None
+            try:  # the rank of each layer's slot (chosen per layer when rank = 0)
+                ranks = [int(runner.skv.seq_info(li, 0)["rank"]) for li in range(runner.L)]
+            except Exception:
+                pass
             if runner.floor_raised:
                 fields = dict(fields, select_min_chunks=runner.floor_raised)
             runner.close()
             att = sum(p["attended_share"] for p in per) / len(per)
             row(mode, setting, got, dict(attended_share=att, budget=budget_of(f, n - 1), default_budget=setting == "default",
                                          settings=fields, per_layer=per, timings=tm, memory=runner.memory,
+                                         ranks=ranks, rank_mean=(sum(ranks) / len(ranks)) if ranks else None,
+                                         # the factors the chosen ranks need (U [n, r] and W [r, Hk D], bf16): what a
+                                         # cache sized per rank would hold; the cache itself holds rank_max
+                                         factor_bytes_chosen=(sum(2 * r_ * ((n - 1) + model.config.num_key_value_heads *
+                                                                            runner.D) for r_ in ranks) if ranks else None),
                                          attn_mass_mean=sum(p["attn_mass"] for p in per) / len(per),
                                          out_rel_err_mean=sum(p["out_rel_err"] for p in per) / len(per)))
         save(results, args)

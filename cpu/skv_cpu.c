@@ -72,7 +72,7 @@ typedef struct {
     size_t block; /* values per chunk: c * D */
     int32_t S, n_store;
     const skv_bf16 *store;
-    const int32_t *idx;
+    const int32_t *idx, *counts;
     skv_bf16 *v_out;
 } skv_cpu_gather;
 
@@ -83,20 +83,24 @@ static void skv_cpu_gather_item(void *ctx, int64_t it, int t)
     const skv_cpu_gather *g = ctx;
     (void)t;
     for (int64_t hs = it * SKV_CPU_GATHER_ITEM; hs < (it + 1) * SKV_CPU_GATHER_ITEM; hs++)
-        memcpy(g->v_out + hs * g->block, g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->block,
-               g->block * sizeof *g->store);
+        if (!g->counts || hs % g->S < g->counts[hs / g->S]) /* past a head's count: not read */
+            memcpy(g->v_out + hs * g->block, g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->block,
+                   g->block * sizeof *g->store);
 }
 
 static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                                        const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+                                        const skv_bf16 *store, const int32_t *idx, const int32_t *counts,
+                                        skv_bf16 *v_out)
 {
-    skv_cpu_gather g = {(size_t)c * D, S, n_store, store, idx, v_out};
+    skv_cpu_gather g = {(size_t)c * D, S, n_store, store, idx, counts, v_out};
     int64_t n = (int64_t)Hk * S, full = n / SKV_CPU_GATHER_ITEM;
     /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies in parallel. */
     if ((size_t)n * g.block * sizeof *store > ((size_t)8 << 20)) skv_cpu_run(skv_cpu_team(full), full, skv_cpu_gather_item, &g);
     else full = 0;
     for (int64_t hs = full * SKV_CPU_GATHER_ITEM; hs < n; hs++)
-        memcpy(v_out + hs * g.block, store + ((size_t)(hs / S) * n_store + idx[hs]) * g.block, g.block * sizeof *store);
+        if (!counts || hs % S < counts[hs / S])
+            memcpy(v_out + hs * g.block, store + ((size_t)(hs / S) * n_store + idx[hs]) * g.block,
+                   g.block * sizeof *store);
     return SKV_OK;
 }
 
@@ -108,7 +112,8 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
 static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
 {
     int nt = cfg->n_threads > 0 ? cfg->n_threads : skv_cpu_threads(); /* at create: no call in progress */
-    size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, nt);
+    const int32_t S = cfg->budget == SKV_BUDGET_ALL ? cand_max : cfg->budget / cfg->chunk_size;
+    size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, S, nt);
     size_t att = skv_cpu_attn_ws_bytes(cfg, max_attn_tokens, nt);
     size_t m = sel > reb ? sel : reb;
     if (cfg->reproducible) {

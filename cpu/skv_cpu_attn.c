@@ -22,7 +22,9 @@ struct skv_cpu_attn {
     float scale;
     const float *qf;        /* [Hq, Dp], zero padded */
     const skv_kv_span *spans;
-    const int64_t *off;     /* span start offsets in the concatenated token list */
+    int32_t n_spans;
+    const int64_t *off;     /* per KV head h, off[h*(n_spans+2) ..]: span start offsets in its concatenated
+                               token list (head_tokens), then its total, then a sentinel */
     float *part;            /* per item: [G] m, [G] l, [G][Dp] acc */
 };
 
@@ -31,11 +33,12 @@ static void skv_cpu_attn_rows(const struct skv_cpu_attn *A, int32_t h, int64_t t
                               const skv_bf16 **vp)
 {
     int sp = 0;
+    const int64_t *off = A->off + (size_t)h * (A->n_spans + 2);
     for (int32_t i = 0; i < nt; i++) {
         int64_t t = t0 + i;
-        while (A->off[sp + 1] <= t) sp++;
+        while (off[sp + 1] <= t) sp++;
         const skv_kv_span *s = &A->spans[sp];
-        int64_t o = h * s->head_stride + (t - A->off[sp]) * s->token_stride;
+        int64_t o = h * s->head_stride + (t - off[sp]) * s->token_stride;
         kp[i] = s->k + o;
         vp[i] = s->v + o;
     }
@@ -233,10 +236,15 @@ static void skv_cpu_att_item(void *ctx, int64_t it, int t)
 {
     const skv_cpu_att *c = ctx;
     int32_t G = c->A.G;
-    int64_t h = it / c->nblk, b = it % c->nblk, t0 = b * SKV_CPU_BT, t1 = t0 + SKV_CPU_BT < c->T ? t0 + SKV_CPU_BT : c->T;
+    int64_t h = it / c->nblk, b = it % c->nblk, Th = c->A.off[(size_t)h * (c->A.n_spans + 2) + c->A.n_spans];
+    int64_t t0 = b * SKV_CPU_BT, t1 = t0 + SKV_CPU_BT < Th ? t0 + SKV_CPU_BT : Th;
     float *sc = c->sc + (size_t)t * G * SKV_CPU_BT;
     struct skv_cpu_attn A = c->A;
     A.part = c->part + (size_t)it * c->item_sz;
+    if (t0 >= Th) { /* past this head's tokens (head_tokens): an empty block, weight 0 in the merge */
+        for (int32_t g = 0; g < G; g++) A.part[g] = -INFINITY, A.part[G + g] = 0.0f;
+        memset(A.part + 2 * G, 0, (size_t)G * A.Dp * sizeof *A.part);
+    } else
 #if SKV_CPU_X86
     if (c->simd) skv_cpu_attn_item_avx2(&A, (int32_t)h, t0, t1, sc);
     else
@@ -249,17 +257,24 @@ static void skv_cpu_att_item(void *ctx, int64_t it, int t)
 /* One job of (head, block) items (skv_cpu_run), no barrier inside: the item that completes a head's
    last block merges that head. */
 skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                    int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
+                                    int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                    float *out, skv_ws *ws)
 {
     int32_t G = Hq / Hk, Dp = (D + 7) / 8 * 8;
-    int64_t off[SKV_MAX_SPANS + 2];
-    off[0] = 0;
-    for (int32_t s = 0; s < n_spans; s++) off[s + 1] = off[s] + spans[s].n_tokens;
-    off[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
-    int64_t T = off[n_spans], nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
+    int64_t *off = skv_ws_alloc(ws, (size_t)Hk * (n_spans + 2) * sizeof *off), T = 0;
+    if (!off) return SKV_ERR_OUT_OF_MEMORY;
+    for (int32_t h = 0; h < Hk; h++) {
+        int64_t *oh = off + (size_t)h * (n_spans + 2);
+        oh[0] = 0;
+        for (int32_t s = 0; s < n_spans; s++)
+            oh[s + 1] = oh[s] + (head_tokens ? head_tokens[(size_t)s * Hk + h] : spans[s].n_tokens);
+        if (oh[n_spans] > T) T = oh[n_spans];
+        oh[n_spans + 1] = INT64_MAX; /* sentinel: span scans never run past the end */
+    }
+    int64_t nblk = (T + SKV_CPU_BT - 1) / SKV_CPU_BT, items = (int64_t)Hk * nblk;
     int nt = skv_cpu_team(items);
-    skv_cpu_att c = {{G, D, Dp, scale, NULL, spans, off, NULL}, T, nblk, (size_t)G * (2 + Dp), skv_cpu_simd(),
-                     NULL, NULL, out, NULL};
+    skv_cpu_att c = {{G, D, Dp, scale, NULL, spans, n_spans, off, NULL}, T, nblk, (size_t)G * (2 + Dp),
+                     skv_cpu_simd(), NULL, NULL, out, NULL};
     float *qf = skv_ws_alloc(ws, (size_t)Hq * Dp * sizeof *qf);
     c.part = skv_ws_alloc(ws, (size_t)items * c.item_sz * sizeof *c.part);
     c.sc = skv_ws_alloc(ws, (size_t)nt * G * SKV_CPU_BT * sizeof *c.sc);
@@ -278,7 +293,7 @@ skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
     skv_ws ws = {0}; /* outside the decode path: plain allocations */
-    skv_status st = skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out, &ws);
+    skv_status st = skv_cpu_sparse_attention(Hq, Hk, D, scale, q, 1, &span, NULL, out, &ws);
     skv_ws_reset(&ws);
     return st;
 }
@@ -289,5 +304,5 @@ size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt)
     size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, G = Hq / Hk;
     size_t Dp = (D + 7) / 8 * 8, items = Hk * (size_t)((max_tokens + SKV_CPU_BT - 1) / SKV_CPU_BT);
     return SKV_WS_BYTES(sizeof(float) * (Hq * Dp + items * G * (2 + Dp) + (size_t)nt * G * SKV_CPU_BT) +
-                            sizeof(int32_t) * Hk, 4);
+                            sizeof(int32_t) * Hk + sizeof(int64_t) * Hk * (SKV_MAX_SPANS + 2), 5);
 }

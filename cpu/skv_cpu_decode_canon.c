@@ -53,7 +53,7 @@ typedef struct {
     int32_t D, Hk, r, c, S, Dp, rp;
     int64_t M, nrb;
     const skv_bf16 *u, *w;
-    const int32_t *chunk_ids;
+    const int32_t *chunk_ids, *counts;
     const float *cos_tab, *sin_tab;
     skv_bf16 *k_out;
     int16_t *wp;       /* [Hk][rp / 2][Dp][2] fixed-point W_h columns, q-paired */
@@ -336,7 +336,9 @@ static void skv_cpu_canon_rows(void *ctx, int64_t it, int t)
     const int32_t D = c->D, r = c->r, Dp = c->Dp, rp = c->rp, R = c->rope->rotary_dim ? c->rope->rotary_dim : D,
                   h2 = R / 2;
     const int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_CRB;
-    const int32_t rows = (int32_t)(c->M - m0 < SKV_CPU_CRB ? c->M - m0 : SKV_CPU_CRB), rows4 = (rows + 3) / 4 * 4;
+    const int64_t lim = c->counts ? (int64_t)c->counts[h] * c->c : c->M; /* the head's rows */
+    if (m0 >= lim) return;
+    const int32_t rows = (int32_t)(lim - m0 < SKV_CPU_CRB ? lim - m0 : SKV_CPU_CRB), rows4 = (rows + 3) / 4 * 4;
     int16_t *xu = (int16_t *)(c->buf + (size_t)t * c->per_thread);
     double *P = (double *)((char *)xu + skv_cpu_canon_xu_bytes(r));
     float x[SKV_CPU_MAX_D];
@@ -392,13 +394,13 @@ static void skv_cpu_canon_rows(void *ctx, int64_t it, int t)
 
 skv_status skv_cpu_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                           int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                          const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                          skv_bf16 *k_out, skv_ws *ws)
+                                          const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                          const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     (void)n;
     const int32_t Dp = skv_cpu_canon_dp(D), rp = skv_cpu_canon_rp(r);
     const int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_CRB - 1) / SKV_CPU_CRB;
-    skv_cpu_canon_reb job = {rope, D, Hk, r, c, S, Dp, rp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out,
+    skv_cpu_canon_reb job = {rope, D, Hk, r, c, S, Dp, rp, M, nrb, u, w, chunk_ids, counts, cos_tab, sin_tab, k_out,
                              NULL, NULL, NULL, skv_cpu_canon_thread_bytes(r, D), 0};
 #if SKV_CPU_X86
     job.kern = skv_cpu_canon_vnni() ? 2 : skv_cpu_simd() ? 1 : 0;
@@ -420,6 +422,8 @@ typedef struct {
     float scale;
     const skv_bf16 *q;
     const skv_kv_span *spans;
+    const int64_t *head_tokens; /* NULL, or [n_spans][Hk] */
+    int32_t Hk;
     int64_t T;
     float *out;
     float *buf;        /* per thread: e [T], lanes [256][Dp] */
@@ -507,8 +511,19 @@ SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_canon_head_avx2(const 
 /* Item i: query head i. */
 static void skv_cpu_canon_head(void *ctx, int64_t i, int t)
 {
-    const skv_cpu_canon_att *c = ctx;
-    float *e = c->buf + (size_t)t * c->per_thread, *N = e + (c->T + 15) / 16 * 16;
+    const skv_cpu_canon_att *c0 = ctx;
+    float *e = c0->buf + (size_t)t * c0->per_thread, *N = e + (c0->T + 15) / 16 * 16;
+    const int64_t h = i / c0->G;
+    /* the spans as head h sees them (head_tokens), and their total */
+    skv_kv_span hs[SKV_MAX_SPANS];
+    skv_cpu_canon_att ch = *c0, *c = &ch;
+    ch.T = 0;
+    for (int32_t sp = 0; sp < c0->n_spans; sp++) {
+        hs[sp] = c0->spans[sp];
+        if (c0->head_tokens) hs[sp].n_tokens = c0->head_tokens[(size_t)sp * c0->Hk + h];
+        ch.T += hs[sp].n_tokens;
+    }
+    ch.spans = hs;
 #if SKV_CPU_X86
     if (skv_cpu_simd()) {
         skv_cpu_canon_head_avx2(c, i, e, N);
@@ -516,7 +531,6 @@ static void skv_cpu_canon_head(void *ctx, int64_t i, int t)
     }
 #endif
     skv_canon_span cs[SKV_MAX_SPANS];
-    const int64_t h = i / c->G;
     for (int32_t sp = 0; sp < c->n_spans; sp++) {
         const skv_kv_span *s = &c->spans[sp];
         cs[sp].n_tokens = s->n_tokens, cs[sp].token_stride = s->token_stride;
@@ -533,11 +547,12 @@ static size_t skv_cpu_canon_att_floats(int64_t T, int32_t D)
 }
 
 skv_status skv_cpu_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                              int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
+                                              int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                              float *out, skv_ws *ws)
 {
-    int64_t T = 0;
+    int64_t T = 0; /* the most tokens of a head: the scratch of one item */
     for (int32_t s = 0; s < n_spans; s++) T += spans[s].n_tokens;
-    skv_cpu_canon_att c = {Hq / Hk, D, skv_cpu_canon_adp(D), n_spans, scale, q, spans, T, out, NULL,
+    skv_cpu_canon_att c = {Hq / Hk, D, skv_cpu_canon_adp(D), n_spans, scale, q, spans, head_tokens, Hk, T, out, NULL,
                            skv_cpu_canon_att_floats(T, D)};
     const int nt = skv_cpu_team(Hq);
     c.buf = skv_ws_alloc(ws, (size_t)nt * c.per_thread * sizeof *c.buf);
@@ -551,8 +566,8 @@ skv_status skv_cpu_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D,
 size_t skv_cpu_canon_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt)
 {
     const size_t Hk = (size_t)cfg->n_kv_heads, Dp = (size_t)skv_cpu_canon_dp(cfg->head_dim);
-    const size_t reb = SKV_WS_BYTES(sizeof(int16_t) * Hk * (size_t)skv_cpu_canon_rp(cfg->rank) * Dp +
-                                        (size_t)nt * skv_cpu_canon_thread_bytes(cfg->rank, cfg->head_dim) +
+    const size_t reb = SKV_WS_BYTES(sizeof(int16_t) * Hk * (size_t)skv_cpu_canon_rp(skv_cfg_rank(cfg)) * Dp +
+                                        (size_t)nt * skv_cpu_canon_thread_bytes(skv_cfg_rank(cfg), cfg->head_dim) +
                                         sizeof(int32_t) * Hk * Dp, 3);
     const size_t att = SKV_WS_BYTES(sizeof(float) * (size_t)nt * skv_cpu_canon_att_floats(max_tokens, cfg->head_dim), 1);
     return reb > att ? reb : att;

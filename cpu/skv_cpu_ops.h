@@ -55,30 +55,33 @@ skv_status skv_cpu_factorize_fast(int64_t n, int32_t d, int32_t r, const skv_bf1
 skv_status skv_cpu_landmarks_outliers(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
                                       const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
                                       skv_bf16 *landmarks);
-skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S, float scale,
-                                const skv_bf16 *q, const skv_bf16 *landmarks, const int32_t *candidate_ids,
-                                int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws);
+skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, const skv_select_params *sp,
+                                float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids, float *amax,
+                                int32_t *counts, skv_ws *ws);
 skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                 int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                skv_bf16 *k_out, skv_ws *ws);
+                                const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cpu_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                    int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+                                    int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                    float *out, skv_ws *ws);
 skv_status skv_cpu_full_attention(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                   int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
 
 /* The reproducible mode's canonical rebuild and attention (skv_cpu_decode_canon.c). */
 skv_status skv_cpu_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                           int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                          const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                          skv_bf16 *k_out, skv_ws *ws);
+                                          const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                          const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cpu_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                              int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+                                              int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                              float *out, skv_ws *ws);
 
 /* skv_ws_alloc bytes of one call of the decode slots for a cache's config (nt: its thread count). */
 size_t skv_cpu_canon_ws_bytes(const skv_config *cfg, int64_t max_tokens, int nt);
 size_t skv_cpu_select_ws_bytes(const skv_config *cfg, int32_t cand_max);
-size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt);
+size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int32_t S, int nt);
 size_t skv_cpu_attn_ws_bytes(const skv_config *cfg, int64_t max_attn_tokens, int nt);
 
 #endif /* SKV_CPU_OPS_H */

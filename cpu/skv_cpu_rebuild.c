@@ -72,7 +72,7 @@ typedef struct {
     int32_t D, Hk, r, c, S, nw, Dp;
     int64_t M, nrb;
     const skv_bf16 *u, *w;
-    const int32_t *chunk_ids;
+    const int32_t *chunk_ids, *counts;
     const float *cos_tab, *sin_tab;
     skv_bf16 *k_out;
     float *wb;         /* every head's W, packed: [Hk][Dp * r] */
@@ -99,22 +99,25 @@ static void skv_cpu_reb_item(void *ctx, int64_t it, int t)
     }
     it -= c->Hk;
     int64_t h = it / c->nrb, m0 = it % c->nrb * SKV_CPU_RB;
+    const int64_t lim = c->counts ? (int64_t)c->counts[h] * c->c : c->M; /* the head's rows */
+    if (m0 >= lim) return;
     float *ap = c->buf + (size_t)t * c->per_thread, *x = ap + (size_t)SKV_CPU_RB * c->r, *wb = x + (size_t)SKV_CPU_RB * c->Dp;
     if (__atomic_load_n(&c->ready[h], __ATOMIC_ACQUIRE)) wb = c->wb + (size_t)h * wsz;
     else if (c->packed[t] != h) skv_cpu_pack_w(c->D, c->Hk, c->r, c->nw, h, c->w, wb), c->packed[t] = h;
-    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, c->nw, h, m0, (int32_t)(c->M - m0 < SKV_CPU_RB ? c->M - m0 : SKV_CPU_RB),
+    skv_cpu_rebuild_rows(c->rope, c->D, c->r, c->c, c->S, c->nw, h, m0, (int32_t)(lim - m0 < SKV_CPU_RB ? lim - m0 : SKV_CPU_RB),
                          c->u, wb, c->chunk_ids, c->cos_tab, c->sin_tab, ap, x, c->k_out);
 }
 
 /* One job (skv_cpu_run): the W packing items, then the row items. */
 static skv_status skv_cpu_rebuild_simd(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+                                       const int32_t *counts, const float *cos_tab, const float *sin_tab,
+                                       skv_bf16 *k_out, skv_ws *ws)
 {
     int32_t nw = skv_cpu_rebuild_nw(D), Dp = (D + nw - 1) / nw * nw;
     int64_t M = (int64_t)S * c, nrb = (M + SKV_CPU_RB - 1) / SKV_CPU_RB, items = Hk + (int64_t)Hk * nrb;
     int nt = skv_cpu_team(items);
-    skv_cpu_reb job = {rope, D, Hk, r, c, S, nw, Dp, M, nrb, u, w, chunk_ids, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
+    skv_cpu_reb job = {rope, D, Hk, r, c, S, nw, Dp, M, nrb, u, w, chunk_ids, counts, cos_tab, sin_tab, k_out, NULL, NULL, NULL,
                        (size_t)SKV_CPU_RB * r + (size_t)SKV_CPU_RB * Dp + (size_t)Dp * r, NULL};
     job.wb = skv_ws_alloc(ws, (size_t)Hk * Dp * r * sizeof *job.wb);
     job.ready = skv_ws_alloc(ws, (size_t)Hk * sizeof *job.ready);
@@ -135,7 +138,7 @@ typedef struct {
     int32_t D, Hk, r, c, R;
     int64_t M, rows;
     const skv_bf16 *u;
-    const int32_t *chunk_ids;
+    const int32_t *chunk_ids, *counts;
     const float *cos_tab, *sin_tab;
     float *wf, *uf, *x;
     skv_bf16 *k_out;
@@ -148,6 +151,10 @@ static void skv_cpu_reb_gather_item(void *ctx, int64_t it, int t)
     const skv_cpu_reb_blas *B = ctx;
     (void)t;
     for (int64_t row = it * SKV_CPU_RB_ROWS; row < (it + 1) * SKV_CPU_RB_ROWS && row < B->rows; row++) {
+        if (B->counts && row % B->M >= (int64_t)B->counts[row / B->M] * B->c) { /* past the head's count */
+            memset(B->uf + (size_t)row * B->r, 0, (size_t)B->r * sizeof *B->uf);
+            continue;
+        }
         int64_t tok = (int64_t)B->chunk_ids[row / B->c] * B->c + row % B->c; /* row = (h*S + s)*c + i */
         skv_cpu_to_f32(B->u + (size_t)tok * B->r, B->uf + (size_t)row * B->r, B->r);
     }
@@ -167,6 +174,7 @@ static void skv_cpu_reb_rope_item(void *ctx, int64_t it, int t)
     int32_t h2 = B->R / 2;
     (void)t;
     for (int64_t row = it * SKV_CPU_RB_ROWS; row < (it + 1) * SKV_CPU_RB_ROWS && row < B->rows; row++) {
+        if (B->counts && row % B->M >= (int64_t)B->counts[row / B->M] * B->c) continue;
         int64_t tok = (int64_t)B->chunk_ids[row / B->c] * B->c + row % B->c;
         skv_cpu_rope_row(B->x + (size_t)row * B->D, B->D, B->R, B->rope->interleaved, B->cos_tab + tok * h2,
                          B->sin_tab + tok * h2, B->k_out + (size_t)row * B->D);
@@ -175,11 +183,12 @@ static void skv_cpu_reb_rope_item(void *ctx, int64_t it, int t)
 
 static skv_status skv_cpu_rebuild_blas(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                        int32_t S, const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
-                                       const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
+                                       const int32_t *counts, const float *cos_tab, const float *sin_tab,
+                                       skv_bf16 *k_out, skv_ws *ws)
 {
     int64_t M = (int64_t)S * c, width = (int64_t)Hk * D, rows = (int64_t)Hk * M;
     int64_t items = (rows + SKV_CPU_RB_ROWS - 1) / SKV_CPU_RB_ROWS;
-    skv_cpu_reb_blas B = {rope, D, Hk, r, c, rope->rotary_dim ? rope->rotary_dim : D, M, rows, u, chunk_ids,
+    skv_cpu_reb_blas B = {rope, D, Hk, r, c, rope->rotary_dim ? rope->rotary_dim : D, M, rows, u, chunk_ids, counts,
                           cos_tab, sin_tab, NULL, NULL, NULL, k_out};
     B.wf = skv_ws_alloc(ws, (size_t)r * width * sizeof *B.wf);
     B.uf = skv_ws_alloc(ws, (size_t)rows * r * sizeof *B.uf);
@@ -196,26 +205,26 @@ static skv_status skv_cpu_rebuild_blas(const skv_rope_config *rope, int32_t D, i
 
 skv_status skv_cpu_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                 int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                skv_bf16 *k_out, skv_ws *ws)
+                                const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     (void)n;
 #if SKV_CPU_X86
     if (skv_cpu_simd())
-        return skv_cpu_rebuild_simd(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+        return skv_cpu_rebuild_simd(rope, D, Hk, r, c, S, u, w, chunk_ids, counts, cos_tab, sin_tab, k_out, ws);
 #endif
-    return skv_cpu_rebuild_blas(rope, D, Hk, r, c, S, u, w, chunk_ids, cos_tab, sin_tab, k_out, ws);
+    return skv_cpu_rebuild_blas(rope, D, Hk, r, c, S, u, w, chunk_ids, counts, cos_tab, sin_tab, k_out, ws);
 }
 
-/* skv_ws_alloc bytes of one call for a cache's config, nt threads. */
-size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int nt)
+/* skv_ws_alloc bytes of one call for a cache's config (S chunks per head), nt threads. */
+size_t skv_cpu_rebuild_ws_bytes(const skv_config *cfg, int32_t S, int nt)
 {
-    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)cfg->rank, f = sizeof(float);
+    size_t Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim, r = (size_t)skv_cfg_rank(cfg), f = sizeof(float);
     if (skv_cpu_simd()) {
         size_t Dpw = (D + 31) / 32 * 32; /* the padded width of either kernel */
         return SKV_WS_BYTES(f * (Hk * Dpw * r + (size_t)nt * (SKV_CPU_RB * (r + Dpw) + Dpw * r)) +
                                 sizeof(int32_t) * Hk + sizeof(int64_t) * (size_t)nt, 4);
     }
-    size_t M = (size_t)cfg->budget; /* S * c tokens per head */
+    size_t M = (size_t)S * (size_t)cfg->chunk_size; /* S * c tokens per head */
     return SKV_WS_BYTES(f * (r * Hk * D + Hk * M * r + Hk * M * D), 3);
 }

@@ -72,11 +72,12 @@ SKV_CPU_AVX2 __attribute__((flatten)) static void skv_cpu_softmax_fma(float *s, 
 #define SKV_CPU_SEL_JB 64 /* candidates per work item */
 
 typedef struct {
-    int32_t G, G4, NG, D, n_cand, S, nblk, simd;
+    int32_t G, G4, NG, D, n_cand, nblk, simd;
+    const skv_select_params *sp;
     float scale;
     const skv_bf16 *landmarks;
     const int32_t *candidate_ids;
-    int32_t *sel_idx, *sel_ids;
+    int32_t *sel_idx, *sel_ids, *counts;
     float *amax, *s, *qf, *a;
     int32_t *scratch, *done;
 } skv_cpu_sel;
@@ -84,7 +85,7 @@ typedef struct {
 static void skv_cpu_sel_item(void *ctx, int64_t it, int t)
 {
     const skv_cpu_sel *c = ctx;
-    const int32_t G = c->G, G4 = c->G4, NG = c->NG, D = c->D, n_cand = c->n_cand, S = c->S, nblk = c->nblk;
+    const int32_t G = c->G, G4 = c->G4, NG = c->NG, D = c->D, n_cand = c->n_cand, S = c->sp->stride, nblk = c->nblk;
     const int32_t b = (int32_t)(it % nblk), g4 = (int32_t)(it / nblk % NG), h = (int32_t)(it / nblk / NG);
     const int32_t j0 = b * SKV_CPU_SEL_JB, j1 = skv_cpu_min(j0 + SKV_CPU_SEL_JB, n_cand);
     const skv_bf16 *L = c->landmarks + (size_t)h * n_cand * D;
@@ -120,23 +121,26 @@ static void skv_cpu_sel_item(void *ctx, int64_t it, int t)
         for (j = 0; j < n_cand; j++)
             if (sh[(size_t)g * n_cand + j] > ah[j]) ah[j] = sh[(size_t)g * n_cand + j];
     if (c->amax) memcpy(c->amax + (size_t)h * n_cand, ah, (size_t)n_cand * sizeof *ah);
-    skv_select_head(ah, n_cand, S, c->scratch + (size_t)h * n_cand, c->sel_idx + (size_t)h * S,
-                    c->candidate_ids ? c->candidate_ids + (size_t)h * n_cand : NULL,
-                    c->sel_ids ? c->sel_ids + (size_t)h * S : NULL);
+    const int32_t k = skv_select_head(ah, n_cand, c->sp, c->scratch + (size_t)2 * h * n_cand,
+                                      c->sel_idx + (size_t)h * S,
+                                      c->candidate_ids ? c->candidate_ids + (size_t)h * n_cand : NULL,
+                                      c->sel_ids ? c->sel_ids + (size_t)h * S : NULL);
+    if (c->counts) c->counts[h] = k;
 }
 
-skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S, float scale,
-                                const skv_bf16 *q, const skv_bf16 *landmarks, const int32_t *candidate_ids,
-                                int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws)
+skv_status skv_cpu_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, const skv_select_params *sp,
+                                float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
+                                const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids, float *amax,
+                                int32_t *counts, skv_ws *ws)
 {
-    skv_cpu_sel c = {Hq / Hk, 0, 0, D, n_cand, S, (n_cand + SKV_CPU_SEL_JB - 1) / SKV_CPU_SEL_JB, skv_cpu_simd(),
-                     scale, landmarks, candidate_ids, sel_idx, sel_ids, amax, NULL, NULL, NULL, NULL, NULL};
+    skv_cpu_sel c = {Hq / Hk, 0, 0, D, n_cand, (n_cand + SKV_CPU_SEL_JB - 1) / SKV_CPU_SEL_JB, skv_cpu_simd(), sp,
+                     scale, landmarks, candidate_ids, sel_idx, sel_ids, counts, amax, NULL, NULL, NULL, NULL, NULL};
     c.G4 = (c.G + 3) / 4 * 4, c.NG = c.G4 / 4; /* queries padded to groups of 4 (zero rows) */
     const int64_t items = (int64_t)Hk * c.NG * c.nblk;
     c.s = skv_ws_alloc(ws, (size_t)Hk * c.G4 * n_cand * sizeof *c.s); /* scores, then probabilities */
     c.qf = skv_ws_alloc(ws, (size_t)Hk * c.G4 * D * sizeof *c.qf);
     c.a = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *c.a);
-    c.scratch = skv_ws_alloc(ws, (size_t)Hk * n_cand * sizeof *c.scratch);
+    c.scratch = skv_ws_alloc(ws, (size_t)2 * Hk * n_cand * sizeof *c.scratch); /* skv_select_head's, per head */
     c.done = skv_ws_alloc(ws, (size_t)Hk * (c.NG + 1) * sizeof *c.done); /* blocks per row, rows per head */
     if (!c.s || !c.qf || !c.a || !c.scratch || !c.done) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
     memset(c.qf, 0, (size_t)Hk * c.G4 * D * sizeof *c.qf);
@@ -152,5 +156,5 @@ size_t skv_cpu_select_ws_bytes(const skv_config *cfg, int32_t cand_max)
 {
     size_t Hq = (size_t)cfg->n_q_heads, Hk = (size_t)cfg->n_kv_heads, D = (size_t)cfg->head_dim;
     size_t n = (size_t)cand_max, G4 = (Hq / Hk + 3) / 4 * 4;
-    return SKV_WS_BYTES(sizeof(float) * (Hk * G4 * n + Hk * G4 * D + 2 * Hk * n) + sizeof(int32_t) * Hk * (G4 / 4 + 1), 5);
+    return SKV_WS_BYTES(sizeof(float) * (Hk * G4 * n + Hk * G4 * D + 3 * Hk * n) + sizeof(int32_t) * Hk * (G4 / 4 + 1), 5);
 }

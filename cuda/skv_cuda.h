@@ -6,9 +6,11 @@
  *                          checks' wrappers; skv_cuda_err
  *   skv_cuda_ops.cu        the op-level slots (B = 1, legacy stream, synchronous):
  *                          wrappers of the launchers below
- *   skv_cuda_cache.cu      the cache pipeline: the decode workspace's layout, open,
- *                          close, prefill, a decode step's launch sequence, its graph
- *                          capture and replay, sync, set_states
+ *   skv_cuda_cache.cu      the cache pipeline: open, close, prefill (a dense
+ *                          layer's too), a decode step's launch sequence, its graph
+ *                          capture and replay, sync (the layers' counters), set_states
+ *   skv_cuda_workspace.cu  the decode workspace's layout, the cache's shapes (a
+ *                          sparse and a dense layer's) and their attention items
  *   the decision path, built with --fmad=false and the shared numerics of
  *   lib/skv_numerics.h (skv_cuda_exact.cuh states the rule):
  *   skv_cuda_rope.cu       RoPE of prefill keys
@@ -47,6 +49,8 @@
  *   skv_cuda_factor_fast.cu  the FAST route (skv_cuda_chol.cuh: its r x r
  *                        Cholesky and solve)
  *   skv_cuda_factor_exact.cu  the EXACT route (cuSOLVER Xsyevd)
+ *   skv_cuda_factor_rank.cu  config.rank == 0: the slot's rank from the factors at
+ *                        rank_max, their columns ordered by energy (on the device)
  *   skv_cuda_factor_canon.cu  the CANONICAL route; its kernels and plans:
  *     skv_cuda_canon_i8.h, skv_cuda_canon_i8.cuh  the exact int8 Gram
  *     skv_cuda_canon_mm.cuh    the fixed-order fp64 GEMMs (G X, Y^T Y)
@@ -65,9 +69,13 @@
  *   2 expsum   e_j = skv_expf(s_j - M) in place; the last block of each query
  *              head adds them canonically (Z)
  *   3 select   a_j, the top-S per tile of candidates; the last tile of each
- *              (sequence, KV head) merges the tiles' winners, publishes the
- *              selection and, for a host-placed slot, runs the chunk cache's
- *              rule (skv_plan.h): hits, misses, the entries they replace
+ *              (sequence, KV head) merges the tiles' winners, takes the head's
+ *              count k (cap = min(S, n_cand): the fixed mode's, or SKV_SELECT_MASS's
+ *              mass rule: A by the canonical sum, the best candidates walked in
+ *              order in batches of 2048 ranks, one thread adding their masses),
+ *              publishes the selection (-1 past k) and the count and, for a
+ *              host-placed slot, runs the chunk cache's rule (skv_plan.h) on the
+ *              k chunks: hits, misses, the entries they replace
  *   (2+3 fused: with at most 32768 candidates and enough (sequence, KV head)
  *    pairs to fill the GPU, one CTA per pair does both, with the same
  *    arithmetic: 4 kernels per step)
@@ -78,7 +86,15 @@
  *              G <= 8, r % 16 == 0, rotate-half RoPE) runs a kernel that keeps
  *              W_h in shared memory and every product in mma fragments
  *   5 combine  the partials of each query head in item order -> out; the new
- *              token is appended, and the sequence marked as having a selection
+ *              token is appended, the sequence marked as having a selection, and
+ *              the layer's counters (skv_layer_stats) advanced on the device
+ * Step 4's selected items past a head's k c tokens are empty partials (the
+ * reproducible mode's rebuild and attention likewise take k c tokens per head;
+ * its score rows keep room for S c, the tokens after a head's selected ones
+ * sitting (S - k) c further on). A dense layer (config.dense_layers) runs step 1
+ * with no candidates (the input check and the publication of the step's tensors),
+ * no steps 2-3, and step 4 over its resident spans, the prompt being its local
+ * window (skv_cuda_cache.cu's dense shape and items).
  * Host-placed slots add, on a side stream, the fetch of the missed chunks into
  * the chunk cache (it runs while step 4 attends everything else) and a short
  * pass that adds the missed chunks' P V once they arrived. Steps 2-5 use
@@ -135,25 +151,28 @@ skv_status skv_cuda_rope_op(const skv_rope_config *rope, int32_t D, int64_t n_to
 skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_t D, int32_t O,
                                  const skv_bf16 *k_post, int32_t *outlier_ids, int32_t *candidate_ids,
                                  skv_bf16 *landmarks);
-skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, const skv_select_params *sp,
                                     float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                     const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
-                                    float *amax, skv_ws *ws);
+                                    float *amax, int32_t *counts, skv_ws *ws);
+/* counts / head_tokens non-NULL (lib/'s per-sequence decode, which a cuda cache never takes):
+   SKV_ERR_UNSUPPORTED with a note. */
 skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                               const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                               skv_bf16 *k_out, skv_ws *ws);
+                               const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                               const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                          int32_t c, int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                         const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                         skv_bf16 *k_out, skv_ws *ws);
+                                         const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                         const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
 skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                                   const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
-                                                  float *out, skv_ws *ws);
+                                                  const int64_t *head_tokens, float *out, skv_ws *ws);
 skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                              const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+                              const skv_bf16 *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
 skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                        int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws);
+                                        int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                        float *out, skv_ws *ws);
 skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                       int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out);
 
@@ -167,7 +186,8 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
                                   skv_stats *stats, char *msg, size_t cap);
 skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
                                  const skv_bf16 *vn, float *out, char *msg, size_t cap);
-skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
+                               char *msg, size_t cap);
 skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */
@@ -186,14 +206,17 @@ typedef struct skv_cuda_seq {
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
     const skv_bf16 *loc_k, *loc_v; /* [Hk, n_local, D] local window */
     skv_bf16 *gen_k, *gen_v;       /* [Hk, gen_cap, D] generated tokens */
-    int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step */
+    int32_t *pub_sel_idx, *pub_sel_ids; /* [Hk, S] selection published by the last good step
+                                           (entries [k, S) of a head's row -1) */
+    int32_t *pub_sel_cnt;      /* [Hk] each head's count k at that step (NULL: a dense slot) */
     /* chunk cache of a host slot; vc_data NULL for a device slot */
     skv_bf16 *vc_data;         /* [Hk, E, c, D] */
     int32_t *vc_slot_of;       /* [Hk, cand_max] entry of each candidate (-1) */
     int32_t *vc_owner, *vc_stamp; /* [Hk, E] candidate held (-1), last step used (-1) */
     int64_t n;                 /* prompt length */
     int32_t n_cand;            /* N - O */
-    int32_t n_local;
+    int32_t n_local;           /* a dense slot: n (loc_k, loc_v are its whole prompt) */
+    int32_t dense;             /* 1: a dense layer's slot (no landmarks, factors, selection) */
     /* advanced on the device by the combine kernel */
     int32_t n_gen;
     int32_t has_sel;
@@ -210,12 +233,18 @@ typedef struct skv_cuda_shape {
     int32_t interleaved;
     float scale;         /* resolved softmax scale */
     const float *cos_tab, *sin_tab; /* device RoPE tables, rotary_dim/2 floats per position */
+    /* the selection count of each (sequence, KV head) (docs/DESIGN.md 4.5): cap = min(sel_cap,
+       n_cand); sel_mode SKV_SELECT_FIXED: k = cap; SKV_SELECT_MASS: the mass rule with sel_mass
+       and the floor min(sel_min, cap). sel_cap <= S (S is the stride of the selection rows). */
+    int32_t sel_mode, sel_cap, sel_min;
+    float sel_mass;
 } skv_cuda_shape;
 
 /* How a decode (or span) attention splits into work items per (sequence, query head). */
 typedef struct skv_cuda_items {
     int32_t tt;          /* tokens per tile */
-    int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) */
+    int32_t n_sel;       /* items over the selected span: ceil(S*c / tt) (a head with k < S chunks
+                            leaves its items past k*c tokens empty) */
     int32_t n_res;       /* items over the resident spans (or the caller's spans) */
     int32_t n_items;     /* n_sel + n_res */
     int32_t frag;        /* every item is one tile and the shape has the fragment kernel */
@@ -252,7 +281,9 @@ typedef struct skv_cuda_dws {
     unsigned *cnt_sel;           /* [B, Hk] tiles of step 3 done (reset by the last) */
     unsigned long long *pool;    /* [B, Hk, pool_cap] tile winners: key << 32 | candidate */
     int32_t pool_cap;
-    int32_t *sel_idx, *sel_ids;  /* [B, Hk, S] */
+    int32_t *sel_idx, *sel_ids;  /* [B, Hk, S]: entries [k, S) of a row -1 */
+    int32_t *sel_cnt;            /* [B, Hk] the step's count k of each (sequence, KV head) */
+    float *mkey;                 /* [B, Hk, cand_max] SKV_SELECT_MASS, split path: the masses m_j (else NULL) */
     int32_t *vsrc;               /* [B, Hk, S] chunk-cache entry of each selected chunk; bit 31: missed */
     int32_t *mlist, *mcount;     /* [B, Hk, S] positions of the missed chunks, [B, Hk] their count */
     float *part_acc;             /* [B, Hq, n_items, D] */
@@ -262,6 +293,9 @@ typedef struct skv_cuda_dws {
     unsigned *cnt_done;          /* step-5 blocks done (reset by the last) */
     unsigned long long *first_bad; /* sticky first non-finite input, see skv_cuda_select_step */
     unsigned long long *vc_counts; /* [2] chunk-cache hits, misses (cumulative) */
+    unsigned long long *lstats;  /* NULL, or [4] the layer's counters (head_steps, attended_tokens,
+                                    context_tokens, selected_chunks; cumulative), added by step 5:
+                                    the cache points a copy of its workspace at each layer's row */
     skv_cuda_io *io;             /* the step's tensors, published by step 1 for steps 4 and 5 */
     skv_cuda_items it;
     /* reproducible mode only (NULL otherwise) */
@@ -280,11 +314,25 @@ int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S);
 /* The decode workspace carved from one allocation at base: its bytes (base NULL) or its
    pointers (skv_cuda_cache.cu; the cache's, and the op-level score_select's own). it: the
    attention items; host: whether any slot keeps its values on the host; canon_tmax: the
-   reproducible mode's row length (0: default mode). */
+   reproducible mode's row length (0: default mode); mass: SKV_SELECT_MASS (the masses' region). */
 size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax);
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass);
+
 /* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
 cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st);
+
+/* A cache's shapes and items (skv_cuda_workspace.cu), from a validated config and its layout. */
+skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay); /* a sparse layer's (no tables) */
+/* A dense layer's shape: S = O = r = 0, no candidates (its prompt is the local window). */
+skv_cuda_shape skv_cuda_dense_shape(const skv_cuda_shape *sh);
+/* Most resident tokens of a dense layer's step: max_prompt_len + gen_capacity. */
+int64_t skv_cuda_dense_resident(const skv_config *c);
+skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay);       /* a sparse layer's step */
+skv_cuda_items skv_cuda_dense_items_of(const skv_config *c, const skv_layout *lay); /* a dense layer's step */
+/* The items the workspace is carved for: the most of either kind (with dense layers). */
+skv_cuda_items skv_cuda_ws_items_of(const skv_config *c, const skv_layout *lay);
+/* The reproducible mode's score row length (0 in the default mode). */
+int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay);
 
 /* ---- decision path (--fmad=false: skv_cuda_rope.cu, skv_cuda_landmarks.cu, skv_cuda_score.cu,
    skv_cuda_select.cu) ---------------------------------------------------------------------- */
@@ -435,6 +483,16 @@ cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t
 
 /* y[i] = skv_f32_to_bf16(x[i]). */
 cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);
+
+/* config.rank == 0 (skv_cuda_factor_rank.cu, docs/DESIGN.md 3.1). Scratch bytes for rank_max = m. */
+size_t skv_cuda_rank_scratch_bytes(int32_t m);
+/* From the float factors u [n, m], w [m, d] of a [n, d] (the pre-RoPE keys), on stream st: the
+   slot's rank into *slot_rank (device memory) and the factors in bf16 into u_out, w_out, columns
+   of U and rows of W ordered by non-increasing energy (stable), places r.. zero. Nothing waits
+   on the host. */
+cudaError_t skv_cuda_rank_store(cudaStream_t st, int reproducible, float target, const skv_bf16 *a, int64_t n,
+                                int64_t d, int32_t m, const float *u, const float *w, void *scratch,
+                                int32_t *slot_rank, skv_bf16 *u_out, skv_bf16 *w_out);
 
 /* ---- input checks (skv_cuda_check.cu) ---------------------------------------------------- */
 

@@ -264,7 +264,15 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
         const skv_cuda_seq &sq = a.seqs[b];
         const int32_t c = sh.c, S = sh.S;
         const int64_t SC = (int64_t)S * c, t0 = (int64_t)item * TT, bh = (int64_t)b * a.Hk + h;
-        const int nvalid = (int)(SC - t0 < TT ? SC - t0 : TT);
+        const int64_t KC = att_sel_tokens(a, b, h); /* this head's selected tokens (<= SC) */
+        const int nvalid = (int)(KC - t0 < TT ? KC - t0 : TT);
+        if (nvalid <= 0) { /* past the head's k chunks: an empty partial (block-uniform) */
+            cp_async_wait_all(); /* W_h's copies, if issued */
+            for (int i = tid; i < GC * D; i += kAtNT) acc_out[(i / D) * acc_stride + i % D] = 0.0f;
+            if (tid < GC) ml_out[tid * ml_stride] = make_float2(-INFINITY, 0.0f);
+            pdl_trigger();
+            return;
+        }
         const bool host = sq.vc_data != nullptr;
         if (tid < TT) {
             int64_t pos = -1;
@@ -402,10 +410,19 @@ struct MmRow {
     int miss;
 };
 
-/* An item with nothing to load: a resident item past the resident tokens (all later ones are too). */
-__device__ __forceinline__ bool mm_empty(const MmCtx &c, int item)
+/* The selected tokens k c of the CTA's (b, h): waits for the selection (the count comes from step 3). */
+__device__ __forceinline__ int64_t mm_sel_tokens(const AttendArgs &a, const MmCtx &c)
 {
-    return item >= c.n_sel && (int64_t)(item - c.n_sel) * kMmTT >= c.T;
+    pdl_wait();
+    return att_sel_tokens(a, c.b, c.h);
+}
+
+/* An item with nothing to load: a resident item past the resident tokens (all later ones are too),
+   or a selected item past the head's k chunks (its test waits for the selection). */
+__device__ __forceinline__ bool mm_empty(const AttendArgs &a, const MmCtx &c, int item)
+{
+    if (item < c.n_sel) return (int64_t)item * kMmTT >= mm_sel_tokens(a, c);
+    return (int64_t)(item - c.n_sel) * kMmTT >= c.T;
 }
 
 /* The sources of row `row` of item `item` (the selection lookups; no shared memory written). */
@@ -422,7 +439,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
         const int32_t cc = sh.c, S = sh.S;
         const int32_t ts = item * kMmTT + row;
         const int64_t bh = (int64_t)c.b * a.Hk + c.h;
-        if (ts < S * cc) {
+        if (ts < att_sel_tokens(a, c.b, c.h)) { /* the head's k chunks (k <= S) */
             const int32_t s = ts / cc, i = ts - s * cc;
             m.pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
             m.uk = sq.u + m.pos * sh.r;
@@ -586,7 +603,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     bool issued = false;
     for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
         const int item = mm_item(c, x, split, nr_x, pi);
-        if (mm_empty(c, item)) {
+        if (mm_empty(a, c, item)) {
             /* an empty resident item (the generated region not yet filled): an empty partial,
                no loads and no barrier (group-uniform) */
             float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * kMmD;
@@ -606,7 +623,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         const int nx = pi + kMmGroups < n_x ? mm_item(c, x, split, nr_x, pi + kMmGroups) : -1;
         /* not across the step from resident to selected items: that lookup waits for the
            selection, and this item does not */
-        const bool has_nx = nx >= 0 && !mm_empty(c, nx) && !(item >= c.n_sel && nx < c.n_sel);
+        const bool has_nx = nx >= 0 && !(item >= c.n_sel && nx < c.n_sel) && !mm_empty(a, c, nx);
         issued = has_nx;
         MmRow mn;
         if (has_nx) mn = mm_lookup(a, c, nx, row, sp_s);
@@ -618,7 +635,8 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         int nvalid;
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         if (sel) {
-            nvalid = (int)(SC - (int64_t)item * kMmTT < kMmTT ? SC - (int64_t)item * kMmTT : kMmTT);
+            const int64_t KC = att_sel_tokens(a, c.b, c.h); /* read after the selection: mm_empty waited */
+            nvalid = (int)(KC - (int64_t)item * kMmTT < kMmTT ? KC - (int64_t)item * kMmTT : kMmTT);
             /* rebuild: acc[j] = rows 16w + (g, g + 8), columns 8j + 2t, +1 */
             float acc[16][4];
 #pragma unroll
@@ -836,7 +854,10 @@ skv_cuda_items skv_cuda_decode_items(const skv_cuda_shape *sh, int64_t max_resid
     const int64_t one = ceil_div64(max_resident, it.tt); /* items of one tile each */
     it.frag = mm_shape_ok(sh) && it.tt == kMmTT && one <= kMmMaxRes;
     int64_t r = it.frag ? one : ceil_div64(max_resident, 4 * (int64_t)it.tt);
-    it.n_res = (int32_t)(r < 1 ? 1 : it.frag ? r : r > 64 ? 64 : r);
+    /* at most 64 ranges of resident tokens, or 256 for a dense layer's step (S = 0: its prompt is resident,
+       the work of a dense decode step, split over the tokens like the selected span) */
+    const int64_t cap = sh->S == 0 ? 256 : 64;
+    it.n_res = (int32_t)(r < 1 ? 1 : it.frag ? r : r > cap ? cap : r);
     it.n_items = it.n_sel + it.n_res;
     return it;
 }

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
     if (!sq.vc_data) return; /* block-uniform */
     const int32_t c = sh.c, S = sh.S;
     const int64_t SC = (int64_t)S * c, t0 = (int64_t)item * TT, bh = (int64_t)b * a.Hk + h;
-    const int nvalid = (int)(SC - t0 < TT ? SC - t0 : TT);
+    const int64_t KC = att_sel_tokens(a, b, h); /* the head's k chunks (this pass runs after step 4) */
+    const int nvalid = (int)(KC - t0 < TT ? KC - t0 : TT);
     if (tid == 0) {
         int m = 0;
         for (int t = 0; t < nvalid; t++) {

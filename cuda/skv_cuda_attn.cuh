@@ -476,12 +476,20 @@ struct AttendArgs {
     const skv_cuda_seq *seqs;
     skv_cuda_shape sh;
     const int32_t *sel_idx, *sel_ids, *vsrc; /* [B, Hk, S] */
+    const int32_t *sel_cnt;           /* [B, Hk] the step's count k of each head (written by step 3) */
     float *pbuf;                      /* [B, Hq, S*c]: host pass only, else NULL */
     /* op-level spans (seqs == NULL) */
     int32_t n_spans;
     skv_kv_span spans[SKV_MAX_SPANS];
     const skv_cuda_io *io;            /* decode: q, k_new, v_new from here (step 1 published them) */
 };
+
+/* The selected tokens k c of (sequence b, KV head h) at this step (the step's count, read after the
+   selection: the caller has waited for it). */
+__device__ __forceinline__ int64_t att_sel_tokens(const AttendArgs &a, int b, int h)
+{
+    return (int64_t)__ldcg(a.sel_cnt + (int64_t)b * a.Hk + h) * a.sh.c;
+}
 
 /* One non-empty span as a range walks it: tokens [start, end) of the concatenation. */
 struct AttSpan {
@@ -572,11 +580,12 @@ typedef void (*AttendKernel)(const AttendArgs);
 inline int att_gc(int G) { return G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1; }
 
 /* The fragment kernel's shapes: D = 128, r % 16 == 0 with its shared memory within the
-   opt-in limit, G <= 8, rotate-half RoPE over all of D. */
+   opt-in limit, G <= 8, rotate-half RoPE over all of D (r = 0: a dense layer's shape, no
+   selected items). */
 inline bool mm_shape_ok(const skv_cuda_shape *sh)
 {
     const int G = sh->Hq / sh->Hk;
-    return sh->D == kMmD && sh->r > 0 && sh->r % 16 == 0 && mm_layout(sh->r).bytes <= kMmSmemMax && G >= 1 &&
+    return sh->D == kMmD && sh->r >= 0 && sh->r % 16 == 0 && mm_layout(sh->r).bytes <= kMmSmemMax && G >= 1 &&
            G <= kMmMaxG && !sh->interleaved && sh->rotary_dim == sh->D && sh->Hk <= 65535 && sh->B <= 65535;
 }
 
@@ -594,7 +603,7 @@ inline AttendArgs attend_args(const skv_cuda_shape *sh, const skv_cuda_seq *seqs
     a.it = ws->it;
     a.seqs = seqs;
     a.sh = *sh;
-    a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids, a.vsrc = ws->vsrc;
+    a.sel_idx = ws->sel_idx, a.sel_ids = ws->sel_ids, a.vsrc = ws->vsrc, a.sel_cnt = ws->sel_cnt;
     a.pbuf = ws->pbuf;
     return a;
 }

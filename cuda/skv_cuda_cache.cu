@@ -1,8 +1,8 @@
 /*
  * skv_cuda_cache.cu - the cache pipeline of the cuda backend: the slots cache_bytes,
  * cache_open, cache_close, cache_prefill, cache_decode, cache_sync and cache_set_states
- * (registered by skv_cuda_fill_ops), and the decode workspace's layout
- * (skv_cuda_dws_layout, skv_cuda_dws_clear; the op-level score_select carves one too).
+ * (registered by skv_cuda_fill_ops). The decode workspace's layout and the cache's shapes
+ * and items are in skv_cuda_workspace.cu.
  *
  * A cache runs on its stream (config.cuda_stream; NULL = the legacy default
  * stream). Everything it needs is allocated at create: the arenas (lib/), the
@@ -27,7 +27,11 @@
  *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
  *       skv_cuda_canon_decode_resident (side stream), skv_cuda_fetch,
  *       skv_cuda_canon_decode_rebuild, skv_cuda_canon_decode_attend,
- *       skv_cuda_combine_append
+ *       skv_cuda_combine_append; a dense layer's step: skv_cuda_score (no candidates),
+ *       skv_cuda_attend, skv_cuda_combine (reproducible: skv_cuda_canon_decode_resident,
+ *       skv_cuda_canon_decode_attend, skv_cuda_combine_append)
+ *   a dense layer's prefill (skv_cuda_prefill_dense)  skv_cuda_find_nonfinite,
+ *       skv_cuda_rope (no k_post given), the prompt into the slot's window
  *   decode (skv_cuda_cache_decode)  a layer's step is captured into a graph at its
  *       first step (skv_cuda_capture_layer) and replayed after with the score node's
  *       tensors updated (skv_cuda_score_node_set_io); one step in
@@ -42,71 +46,6 @@
 #include "skv_internal.h"
 #include "skv_numerics.h"
 #include "skv_plan.h"
-
-/* ---- the decode workspace ----------------------------------------------------------------- */
-
-/*
- * The decode workspace, carved from one allocation: its bytes (base NULL) or its pointers.
- * it: the attention items; host: whether any slot keeps its values on the host (the chunk
- * cache's lists and the deferred weights exist only then). Counters that the kernels expect
- * zero (macc, cnt_e, cnt_sel, step_bad, cnt_done, vc_counts) come zeroed from
- * skv_cuda_dws_clear.
- */
-size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax)
-{
-    size_t off = 0;
-    const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
-    const int32_t pool_cap = skv_cuda_pool_cap(cand_max, S);
-#define SKV_REGION(field, type, count)                                                                 \
-    do {                                                                                               \
-        if (base) ws->field = (type *)(base + off);                                                    \
-        off += ((size_t)(count) * sizeof(type) + 255) & ~(size_t)255;                                  \
-    } while (0)
-    SKV_REGION(scores, float, bq * cand_max);
-    SKV_REGION(macc, unsigned, bq);
-    SKV_REGION(s0, float, bq);
-    SKV_REGION(Z, float, bq);
-    SKV_REGION(cnt_e, unsigned, bq);
-    SKV_REGION(cnt_sel, unsigned, bk);
-    SKV_REGION(pool, unsigned long long, bk * pool_cap);
-    SKV_REGION(sel_idx, int32_t, bk * S);
-    SKV_REGION(sel_ids, int32_t, bk * S);
-    SKV_REGION(part_acc, float, bq * it.n_items * D);
-    SKV_REGION(part_ml, float2, bq * it.n_items);
-    SKV_REGION(step_bad, int32_t, 1);
-    SKV_REGION(cnt_done, unsigned, 1);
-    SKV_REGION(first_bad, unsigned long long, 1);
-    SKV_REGION(vc_counts, unsigned long long, 2);
-    SKV_REGION(mcount, int32_t, bk);
-    SKV_REGION(io, skv_cuda_io, 1);
-    if (host) {
-        SKV_REGION(vsrc, int32_t, bk * S);
-        SKV_REGION(mlist, int32_t, bk * S);
-        SKV_REGION(pbuf, float, bq * S * c);
-    }
-    if (canon_tmax > 0) /* the reproducible mode: the attention's scores and weights (W's fixed point is per slot) */
-        SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
-#undef SKV_REGION
-    if (base) {
-        ws->pool_cap = pool_cap;
-        ws->it = it;
-        if (!host) ws->vsrc = ws->mlist = NULL, ws->pbuf = NULL;
-        ws->canon_tmax = canon_tmax;
-        if (canon_tmax <= 0) ws->canon_e = NULL;
-    }
-    return off;
-}
-
-/* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
-cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st)
-{
-    /* macc .. cnt_sel are the regions from macc to pool; step_bad .. vc_counts from step_bad to mcount */
-    cudaError_t e = cudaMemsetAsync(ws->macc, 0, (size_t)((char *)ws->pool - (char *)ws->macc), st);
-    if (e == cudaSuccess) e = cudaMemsetAsync(ws->step_bad, 0, (size_t)((char *)ws->mcount - (char *)ws->step_bad), st);
-    if (e == cudaSuccess) e = cudaMemsetAsync(ws->first_bad, 0xff, sizeof *ws->first_bad, st);
-    return e;
-}
 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
@@ -160,10 +99,14 @@ typedef struct skv_cuda_cache {
     cudaEvent_t scored_ev;          /* no timing: step 1 done (reproducible mode: the resident scores may start) */
     char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
     skv_cuda_shape sh;
+    skv_cuda_shape shd;   /* a dense layer's shape: S = O = r = 0 (no selected span, no outliers) */
     skv_cuda_seq *d_seqs; /* [L * B] on the device */
     skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
     unsigned char *layer_host; /* [L] 1: a sequence of the layer keeps its values on the host */
-    skv_cuda_dws ws;            /* the decode workspace */
+    skv_cuda_dws ws;            /* the decode workspace (a sparse layer's items) */
+    skv_cuda_dws wsd;           /* the same workspace with a dense layer's items (its resident spans hold the prompt) */
+    unsigned long long *lstats; /* [L, 4] the layers' counters on the device (cumulative; combine adds them) */
+    unsigned long long *lstats_seen; /* [L, 4] host: what sync has handed over */
     unsigned long long vc_seen[2]; /* chunk-cache counts already added to the stats */
     int64_t launches;           /* decode kernels since the last sync */
     int64_t n_steps;            /* decode steps enqueued */
@@ -173,6 +116,12 @@ typedef struct skv_cuda_cache {
     void *lm_scratch;
     unsigned long long *flags, *h_flags; /* [3] device, pinned host */
     skv_cuda_factor *fac;
+    /* config.rank == 0: cfg.rank holds rank_max (the size of the factors); each slot's rank is
+       chosen on fst into d_rank and copied to h_rank at the next sync */
+    int choose_rank;
+    float rank_target;
+    int32_t *d_rank, *h_rank; /* [L * B] */
+    void *rank_scratch;
     /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
        both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
     cudaStream_t fst, ost;
@@ -190,53 +139,38 @@ typedef struct skv_cuda_cache {
     double phase_select_ms, phase_fetch_ms, phase_attention_ms, phase_rebuild_ms; /* over the phase-timed steps */
     int64_t n_timed, n_phased, n_phased_fetch;
     /* all cudaMalloc'ed blocks, freed at close */
-    void *blocks[24];
+    void *blocks[26];
     int n_blocks;
 } skv_cuda_cache;
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
-    size_t dws, kp, uf, wf, lm, seqs, factor;
+    size_t dws, kp, uf, wf, lm, seqs, factor, lstats;
     size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
+    size_t rank;        /* rank == 0: the rank choice's scratch and the slots' ranks; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
-static skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
+/* The config as the cache's kernels see it: rank == 0 sizes everything for rank_max. */
+static skv_config skv_cuda_sized_cfg(const skv_config *c)
 {
-    skv_cuda_shape sh;
-    memset(&sh, 0, sizeof sh);
-    sh.B = cfg->batch_size, sh.Hq = cfg->n_q_heads, sh.Hk = cfg->n_kv_heads, sh.D = cfg->head_dim;
-    sh.c = cfg->chunk_size, sh.S = lay->S, sh.r = cfg->rank, sh.O = cfg->n_outlier_chunks;
-    sh.gen_cap = cfg->gen_capacity, sh.cand_max = lay->cand_max, sh.vc_chunks = lay->vc_chunks;
-    sh.rotary_dim = skv_rotary_dim(&cfg->rope, cfg->head_dim), sh.interleaved = cfg->rope.interleaved;
-    sh.scale = skv_resolve_scale(cfg->attn_scale, cfg->head_dim);
-    return sh;
+    skv_config e = *c;
+    e.rank = skv_cfg_rank(c);
+    return e;
 }
 
-static skv_cuda_items skv_cuda_items_of(const skv_config *c, const skv_layout *lay)
+static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *lay)
 {
-    skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
-    return skv_cuda_decode_items(&sh, skv_plan_max_resident(c->n_outlier_chunks, c->chunk_size, lay->local_max,
-                                                            c->gen_capacity));
-}
-
-/* Row length of the canonical attention's weights: the most tokens a query head attends to in a
-   step of the reproducible mode; 0 (no such regions) in the default mode. */
-static int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay)
-{
-    if (!c->reproducible) return 0;
-    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
-}
-
-static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *lay)
-{
+    const skv_config ce = skv_cuda_sized_cfg(c0), *c = &ce;
     skv_cuda_sizes z;
     size_t Hk = (size_t)c->n_kv_heads, D = (size_t)c->head_dim, HkD = Hk * D;
     size_t n = (size_t)c->max_prompt_len, r = (size_t)c->rank;
     int32_t N_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks);
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
-                                c->chunk_size, lay->cand_max, skv_cuda_items_of(c, lay), lay->n_dev_slots < lay->n_slots,
-                                skv_cuda_canon_tmax(c, lay));
+                                c->chunk_size, lay->cand_max, skv_cuda_ws_items_of(c, lay),
+                                lay->n_dev_slots < lay->n_sparse_slots, skv_cuda_canon_tmax(c, lay),
+                                skv_cuda_shape_of(c, lay).sel_mode == SKV_SELECT_MASS);
+    z.lstats = (size_t)c->n_layers * 4 * sizeof(unsigned long long);
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
     z.wf = r * HkD * sizeof(float);
@@ -250,13 +184,16 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c, const skv_layout *l
                     ? skv_cuda_canon_wq_bytes(c->n_kv_heads, c->head_dim, c->rank)
                     : 0;
     z.wq = (size_t)c->n_layers * (size_t)c->batch_size * z.wq_slot;
+    z.rank = c0->rank ? 0
+                      : (skv_cuda_rank_scratch_bytes(c->rank) + 255) / 256 * 256 +
+                            (size_t)c->n_layers * (size_t)c->batch_size * sizeof(int32_t);
     return z;
 }
 
 size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + 3 * sizeof(unsigned long long);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + z.rank + 3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -302,6 +239,8 @@ void skv_cuda_cache_close(void *bctx)
     if (k->h_flags) cudaFreeHost(k->h_flags);
     free(k->h_seqs);
     free(k->layer_host);
+    free(k->lstats_seen);
+    free(k->h_rank);
     (void)cudaGetLastError();
     free(k);
 }
@@ -315,15 +254,20 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         snprintf(msg, cap, "out of host memory");
         return SKV_ERR_OUT_OF_MEMORY;
     }
+    const skv_config *cfg0 = cfg;
+    const skv_config sized = skv_cuda_sized_cfg(cfg0);
+    k->choose_rank = cfg0->rank == 0;
+    k->rank_target = cfg0->rank_error_target;
+    cfg = &sized; /* from here on, rank is the factors' size (rank_max when rank == 0) */
     k->cfg = *cfg;
     k->lay = *lay;
     k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
     skv_status st = SKV_OK;
-    skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
+    skv_cuda_sizes z = skv_cuda_sizes_of(cfg0, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
-    const int has_host = lay->n_dev_slots < lay->n_slots;
+    const int has_host = lay->n_dev_slots < lay->n_sparse_slots;
     char *dws_base, *wq_base = NULL;
     k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
@@ -356,23 +300,42 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->wf = (float *)skv_cuda_cache_alloc(k, z.wf);
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
+    k->lstats = (unsigned long long *)skv_cuda_cache_alloc(k, z.lstats);
+    k->lstats_seen = (unsigned long long *)calloc(L * 4, sizeof(unsigned long long));
     if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
+    if (z.rank) {
+        char *rb = (char *)skv_cuda_cache_alloc(k, z.rank);
+        k->rank_scratch = rb;
+        k->d_rank = rb ? (int32_t *)(rb + (skv_cuda_rank_scratch_bytes(cfg->rank) + 255) / 256 * 256) : NULL;
+        k->h_rank = (int32_t *)calloc(L * B, sizeof *k->h_rank);
+    }
     if (cudaHostAlloc((void **)&k->h_flags, 3 * sizeof(unsigned long long), cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         k->h_flags = NULL;
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
-        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base)) {
+        !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen ||
+        (z.rank && (!k->rank_scratch || !k->h_rank))) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
-                 skv_cuda_cache_bytes(cfg, lay));
+                 skv_cuda_cache_bytes(cfg0, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
         goto fail;
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
-                        cfg->chunk_size, lay->cand_max, skv_cuda_items_of(cfg, lay), has_host,
-                        skv_cuda_canon_tmax(cfg, lay));
-    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess) {
+                        cfg->chunk_size, lay->cand_max, skv_cuda_ws_items_of(cfg, lay), has_host,
+                        skv_cuda_canon_tmax(cfg, lay), sh->sel_mode == SKV_SELECT_MASS);
+    /* the regions are carved for the most items of either kind of layer; each kind keeps its own plan */
+    k->ws.it = skv_cuda_items_of(cfg, lay);
+    k->wsd = k->ws;
+    k->wsd.it = skv_cuda_dense_items_of(cfg, lay);
+    k->shd = skv_cuda_dense_shape(sh);
+    if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess ||
+        (e = cudaMemset(k->lstats, 0, z.lstats)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
+        goto fail;
+    }
+    if (k->d_rank && (e = cudaMemset(k->d_rank, 0, L * B * sizeof *k->d_rank)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaMemset(ranks)", msg, cap); /* a slot without a factorization reads 0 */
         goto fail;
     }
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
@@ -403,8 +366,17 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     for (size_t l = 0; l < L; l++)
         for (size_t b = 0; b < B; b++) {
             size_t i = l * B + b;
-            char *sd = dev + i * lay->slot_device;
+            char *sd = dev + skv_layout_slot_offset(lay, (int32_t)l, (int32_t)b);
             skv_cuda_seq *s = &k->h_seqs[i];
+            if (skv_layout_dense(lay, (int32_t)l)) { /* the prompt's keys and values, the generated tokens */
+                s->dense = 1;
+                s->loc_k = (const skv_bf16 *)(sd + lay->dn_k);
+                s->loc_v = (const skv_bf16 *)(sd + lay->dn_v);
+                s->gen_k = (skv_bf16 *)(sd + lay->dn_gen_k);
+                s->gen_v = (skv_bf16 *)(sd + lay->dn_gen_v);
+                continue;
+            }
+            const int64_t j = skv_layout_sparse_index(lay, (int32_t)l, (int32_t)b); /* its value store's index */
             s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
             s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
             s->u = (const skv_bf16 *)(sd + lay->u);
@@ -418,10 +390,11 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
             s->gen_v = (skv_bf16 *)(sd + lay->gen_v);
             s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
-            if ((int64_t)i < lay->n_dev_slots) {
-                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + i * lay->slot_values);
+            s->pub_sel_cnt = (int32_t *)(sd + lay->sel_cnt);
+            if (j < lay->n_dev_slots) {
+                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
             } else {
-                const size_t hi = i - (size_t)lay->n_dev_slots;
+                const size_t hi = (size_t)(j - lay->n_dev_slots);
                 char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
                 s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
                 s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
@@ -480,6 +453,73 @@ static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
     p->used = 0;
 }
 
+/* Prefill's input check on the cache's stream (so the caller's writes are ordered before): NaN
+   or Inf in k_pre, v or k_post is SKV_ERR_NONFINITE naming the first element. Synchronizes. */
+static skv_status skv_cuda_prefill_finite(skv_cuda_cache *k, int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v,
+                                          const skv_bf16 *k_post, char *msg, size_t cap)
+{
+    cudaStream_t st = k->st;
+    const int32_t Hk = k->cfg.n_kv_heads, D = k->cfg.head_dim;
+    const int64_t HkD = (int64_t)Hk * D;
+    const skv_bf16 *in[3] = {k_pre, v, k_post};
+    static const char *const names[3] = {"k_pre", "v", "k_post"};
+    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
+    for (int t = 0; t < 3; t++)
+        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
+    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    for (int t = 0; t < 3; t++)
+        if (k->h_flags[t] != ~0ull) {
+            long long b = (long long)k->h_flags[t];
+            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
+                     b % D);
+            return SKV_ERR_NONFINITE;
+        }
+    return SKV_OK;
+}
+
+/*
+ * Prefill of a dense layer's (layer, sequence): the finiteness check (one host synchronization), the
+ * prompt's post-RoPE keys (k_post, or the RoPE of k_pre) and its values into the slot's window
+ * [Hk, n, D] (head stride n D, like a local window), the descriptor (n_local = n, no candidates).
+ * No factorization, landmarks, outliers or value offload. Returns when the cache's stream is done.
+ */
+static skv_status skv_cuda_prefill_dense(skv_cuda_cache *k, int32_t layer, int32_t seq, int64_t n,
+                                         const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post, char *msg,
+                                         size_t cap)
+{
+    const skv_config *g = &k->cfg;
+    cudaStream_t st = k->st;
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim;
+    const int64_t HkD = (int64_t)Hk * D;
+    skv_cuda_seq *hs = &k->h_seqs[(size_t)layer * g->batch_size + seq];
+    {
+        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
+        if (fs_) return fs_;
+    }
+    if (!k_post) { /* the library's RoPE of k_pre (kp_tmp is only used on this stream) */
+        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
+                         k->kp_tmp));
+        k_post = k->kp_tmp;
+    }
+    const size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
+    for (int32_t h = 0; h < Hk; h++) {
+        const size_t src = (size_t)h * D, dst = (size_t)h * n * D;
+        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_k + dst, row, k_post + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice,
+                             st));
+        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_v + dst, row, v + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice, st));
+    }
+    hs->n = n;
+    hs->n_cand = 0;
+    hs->n_local = (int32_t)n;
+    hs->n_gen = 0;
+    hs->has_sel = 0;
+    CK(cudaMemcpyAsync(k->d_seqs + ((size_t)layer * g->batch_size + seq), hs, sizeof *hs, cudaMemcpyHostToDevice, st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    return SKV_OK;
+}
+
 /*
  * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
  * check (one host synchronization, so bad input is refused before any work), copies of
@@ -503,10 +543,11 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     const int64_t HkD = (int64_t)Hk * D;
     const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
     size_t i = (size_t)layer * g->batch_size + seq;
-    char *sd = k->dev + i * lay->slot_device;
+    char *sd = k->dev + skv_layout_slot_offset(lay, layer, seq);
     skv_cuda_seq *hs = &k->h_seqs[i];
     const int host_slot = hs->vc_data != NULL;
     (void)stats; /* times arrive at the next sync */
+    if (hs->dense) return skv_cuda_prefill_dense(k, layer, seq, n, k_pre, v, k_post, msg, cap);
 
     /* the timing set of the prefill before last: long finished (this stream waited for it) */
     skv_cuda_pset *ps = &k->pset[k->pset_next];
@@ -518,20 +559,10 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     CK(cudaEventRecord(ps->e[SKV_PE_M0], st));
 
     /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
-    const skv_bf16 *in[3] = {k_pre, v, k_post};
-    static const char *const names[3] = {"k_pre", "v", "k_post"};
-    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
-    for (int t = 0; t < 3; t++)
-        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
-    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
-    CK(cudaStreamSynchronize(st));
-    for (int t = 0; t < 3; t++)
-        if (k->h_flags[t] != ~0ull) {
-            long long b = (long long)k->h_flags[t];
-            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
-                     b % D);
-            return SKV_ERR_NONFINITE;
-        }
+    {
+        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
+        if (fs_) return fs_;
+    }
 
     /* stage k_pre and v once the previous prefill's side work is done with the buffers */
     CK(cudaEventRecord(ps->e[SKV_PE_WA], st));
@@ -598,8 +629,13 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
                                       0, msg, cap);
     if (s) return s;
-    CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
-    CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync */
+        CK(skv_cuda_rank_store(fs, g->reproducible, k->rank_target, k->kstage, n, HkD, g->rank, k->uf, k->wf,
+                               k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
+    } else {
+        CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
+        CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
+    }
     /* the reproducible mode: W's fixed point for the decode's rebuild, once here instead of every step */
     if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
     CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
@@ -649,12 +685,35 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
     const skv_cuda_shape *sh = &k->sh;
     skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
     const int repro = k->cfg.reproducible;
-    CK(skv_cuda_select_step(st, sh, seqs, &k->ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
+    /* this layer's view of the workspace: its counters' row (and a dense layer's items) */
+    skv_cuda_dws ws = skv_layout_dense(&k->lay, layer) ? k->wsd : k->ws;
+    ws.lstats = k->lstats + (size_t)layer * 4;
+    if (skv_layout_dense(&k->lay, layer)) {
+        /* a dense layer: step 1 only checks and publishes the step's tensors (no candidates), then the
+           attention over the resident spans (the prompt, the generated tokens, the new one) */
+        const skv_cuda_shape *shd = &k->shd;
+        CK(skv_cuda_score(st, shd, seqs, &ws, io, 1, layer, node));
+        *launches += 1;
+        if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
+        if (repro) {
+            CK(skv_cuda_canon_decode_resident(st, shd, seqs, &ws));
+            if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
+            CK(skv_cuda_canon_decode_attend(st, shd, seqs, &ws));
+            CK(skv_cuda_combine_append(st, shd, seqs, &ws));
+            *launches += 4;
+            return SKV_OK;
+        }
+        CK(skv_cuda_attend(st, shd, seqs, &ws, !ev));
+        CK(skv_cuda_combine(st, shd, seqs, &ws, NULL, 1));
+        *launches += 2;
+        return SKV_OK;
+    }
+    CK(skv_cuda_select_step(st, sh, seqs, &ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
     if (repro) {
         /* the resident tokens' canonical scores on the side stream once step 1 has published the
            step's tensors, beside the selection (which leaves most of the device idle) */
         CK(cudaStreamWaitEvent(k->side, k->scored_ev, 0));
-        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_resident(k->side, sh, seqs, &ws));
         *launches += 1;
     }
     if (ev) CK(cudaEventRecord(ev->e[SKV_EV_SELECTED], st));
@@ -666,16 +725,16 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
         if (k->layer_host[layer]) {
             CK(cudaEventRecord(k->fork_ev, st));
             CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-            CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+            CK(skv_cuda_fetch(k->side, sh, seqs, &ws));
             if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
             *launches += 1;
         }
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_rebuild(st, sh, seqs, &ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_REBUILT], st));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &k->ws));
-        CK(skv_cuda_combine_append(st, sh, seqs, &k->ws));
+        CK(skv_cuda_canon_decode_attend(st, sh, seqs, &ws));
+        CK(skv_cuda_combine_append(st, sh, seqs, &ws));
         *launches += 4;
         return SKV_OK;
     }
@@ -683,18 +742,18 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
         /* the missed chunks come over PCIe on the side stream while everything else is attended */
         CK(cudaEventRecord(k->fork_ev, st));
         CK(cudaStreamWaitEvent(k->side, k->fork_ev, 0));
-        CK(skv_cuda_fetch(k->side, sh, seqs, &k->ws));
+        CK(skv_cuda_fetch(k->side, sh, seqs, &ws));
         if (ev) CK(cudaEventRecord(ev->e[SKV_EV_FETCHED], k->side));
         CK(cudaEventRecord(k->join_ev, k->side));
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, 0));
+        CK(skv_cuda_attend(st, sh, seqs, &ws, 0));
         CK(cudaStreamWaitEvent(st, k->join_ev, 0));
-        CK(skv_cuda_attend_missed(st, sh, seqs, &k->ws));
+        CK(skv_cuda_attend_missed(st, sh, seqs, &ws));
         *launches += 3;
     } else {
-        CK(skv_cuda_attend(st, sh, seqs, &k->ws, !ev));
+        CK(skv_cuda_attend(st, sh, seqs, &ws, !ev));
         *launches += 1;
     }
-    CK(skv_cuda_combine(st, sh, seqs, &k->ws, NULL, 1));
+    CK(skv_cuda_combine(st, sh, seqs, &ws, NULL, 1));
     *launches += 1;
     return SKV_OK;
 }
@@ -790,7 +849,8 @@ skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, c
     return SKV_OK;
 }
 
-skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap)
+skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
+                               char *msg, size_t cap)
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     CK(cudaStreamSynchronize(k->st));
@@ -830,6 +890,34 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
     stats->value_cache_hits += (int64_t)(vc[0] - k->vc_seen[0]);
     stats->value_cache_misses += (int64_t)(vc[1] - k->vc_seen[1]);
     k->vc_seen[0] = vc[0], k->vc_seen[1] = vc[1];
+    /* the layers' counters since the last sync (the device's are cumulative) */
+    if (layer_stats) {
+        enum { SKV_LS_MAX = 64 * 4 }; /* chunks of the copy: no allocation here */
+        unsigned long long buf[SKV_LS_MAX];
+        const size_t total = (size_t)k->cfg.n_layers * 4;
+        for (size_t off = 0; off < total; off += SKV_LS_MAX) {
+            const size_t m = total - off < SKV_LS_MAX ? total - off : SKV_LS_MAX;
+            CK(cudaMemcpy(buf, k->lstats + off, m * sizeof *buf, cudaMemcpyDeviceToHost));
+            for (size_t x = 0; x < m; x++) {
+                const size_t q = off + x;
+                const int64_t d = (int64_t)(buf[x] - k->lstats_seen[q]);
+                k->lstats_seen[q] = buf[x];
+                skv_layer_stats *ls = &layer_stats[q / 4];
+                switch (q % 4) {
+                case 0: ls->head_steps += d; break;
+                case 1: ls->attended_tokens += d; break;
+                case 2: ls->context_tokens += d; break;
+                default: ls->selected_chunks += d; break;
+                }
+            }
+        }
+    }
+    if (k->choose_rank) { /* the ranks the prefills chose on the device (rank == 0) */
+        const size_t nsl = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+        CK(cudaMemcpy(k->h_rank, k->d_rank, nsl * sizeof *k->h_rank, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < nsl; i++)
+            if (states[i].prefilled) states[i].rank = k->h_rank[i];
+    }
     unsigned long long failures = 0, tag = ~0ull;
     skv_status fst_ = skv_cuda_factor_counts(k->fac, &failures, &tag, msg, cap);
     if (fst_) return fst_;
@@ -882,16 +970,21 @@ skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, ch
         skv_cuda_seq *hs = &k->h_seqs[i];
         const skv_seq_state *s = &states[i];
         hs->n = s->prefilled ? s->n : 0;
-        hs->n_cand = s->prefilled ? s->n_cand : 0;
-        hs->n_local = s->prefilled ? s->n_local : 0;
+        hs->n_cand = s->prefilled && !hs->dense ? s->n_cand : 0;
+        hs->n_local = s->prefilled ? (hs->dense ? (int32_t)s->n : s->n_local) : 0;
         hs->n_gen = s->prefilled ? s->n_gen : 0;
         hs->has_sel = s->prefilled ? s->has_selection : 0;
+        if (hs->dense) continue; /* its window and generated tokens are in the arena; nothing else to prepare */
         if (hs->vc_data) CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, k->lay.vc_meta_bytes, k->st));
         /* the snapshot wrote W: its fixed point for the decode's rebuild, as a prefill prepares it */
         if (s->prefilled && hs->wq)
             CK(skv_cuda_canon_wprep(k->st, k->cfg.n_kv_heads, k->cfg.head_dim, k->cfg.rank, hs->w, (void *)hs->wq));
     }
     CK(cudaMemcpyAsync(k->d_seqs, k->h_seqs, n * sizeof *k->h_seqs, cudaMemcpyHostToDevice, k->st));
+    if (k->choose_rank) { /* the loaded ranks (lib/ recounted them from W), which the next sync reads back */
+        for (size_t i = 0; i < n; i++) k->h_rank[i] = states[i].prefilled ? states[i].rank : 0;
+        CK(cudaMemcpyAsync(k->d_rank, k->h_rank, n * sizeof *k->h_rank, cudaMemcpyHostToDevice, k->st));
+    }
     CK(cudaStreamSynchronize(k->st));
     CK(cudaGetLastError());
     return SKV_OK;

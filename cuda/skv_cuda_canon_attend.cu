@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
 #pragma unroll
                 for (int k = 0; k < kAtTok; k++) {
 #pragma unroll
-                    for (int x = 0; x < kAtGC; x++) w[k][x] = ok[k] && x < gn ? __ldg(er[x] + base + t + k * kAtLanes) : 0.0f;
+                    for (int x = 0; x < kAtGC; x++) w[k][x] = ok[k] && x < gn ? __ldg(er[x] + sp[si].eb + t + k * kAtLanes) : 0.0f;
 #pragma unroll
                     for (int qv = 0; qv < kAtVQ; qv++) raw[k][qv] = make_uint4(0, 0, 0, 0);
                     if (!ok[k]) continue;
@@ -224,19 +224,28 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     float *er = a.e + bq * a.Tmax;
     __shared__ float red[kAtLanes / 32];
     pdl_trigger(); /* at decode P V's blocks may start their prologue */
-    const int64_t T = a.seqs ? (int64_t)a.S * a.c + skv_plan_resident_tokens(a.O, a.c, a.seqs[b].n_local, a.seqs[b].n_gen)
-                             : a.Tmax;
+    /* the head's T tokens j (logical: its own k c selected tokens) sit at e's places at(j): the selected span
+       has room for S c scores there, so the tokens after a head's k c selected ones are (S - k) c further on */
+    int64_t T = a.Tmax, jsel = T, gap = 0;
+    if (a.seqs) {
+        const skv_cuda_seq &sq = a.seqs[b];
+        const int64_t kc = (int64_t)(a.sel_cnt ? a.sel_cnt[(int64_t)b * a.Hk + h] : a.S) * a.c;
+        T = kc + skv_plan_resident_tokens(a.O, a.c, sq.n_local, sq.n_gen);
+        jsel = (int64_t)a.O * a.c + sq.n_local + kc;
+        gap = (int64_t)a.S * a.c - kc;
+    }
+    auto at = [=](int64_t j) { return j < jsel ? j : j + gap; };
     /* the thread's first kAtWReg scores stay in registers (all loaded at once) between the passes */
     float sv[kAtWReg];
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kAtWReg; i++) {
         const int64_t j = tid + (int64_t)i * kAtLanes;
-        sv[i] = j < T ? er[j] : -INFINITY;
+        sv[i] = j < T ? er[at(j)] : -INFINITY;
         mx = fmaxf(mx, sv[i]);
     }
 #pragma unroll 4
-    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) mx = fmaxf(mx, er[j]);
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) mx = fmaxf(mx, er[at(j)]);
     mx = warp_max(mx);
     if ((tid & 31) == 0) red[tid >> 5] = mx;
     __syncthreads();
@@ -246,10 +255,10 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
 #pragma unroll
     for (int i = 0; i < kAtWReg; i++) {
         const int64_t j = tid + (int64_t)i * kAtLanes;
-        if (j < T) er[j] = skv_expf(SKV_SUB(sv[i], M));
+        if (j < T) er[at(j)] = skv_expf(SKV_SUB(sv[i], M));
     }
 #pragma unroll 4
-    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[j] = skv_expf(SKV_SUB(er[j], M));
+    for (int64_t j = tid + (int64_t)kAtWReg * kAtLanes; j < T; j += kAtLanes) er[at(j)] = skv_expf(SKV_SUB(er[at(j)], M));
 }
 
 size_t at_score_smem(int32_t G, int32_t D, int32_t n_spans)
@@ -297,6 +306,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.Tmax = ws->canon_tmax, a.e = ws->canon_e;
     a.seqs = seqs, a.io = ws->io;
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
+    a.sel_cnt = sh->S > 0 ? ws->sel_cnt : NULL;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
     a.n_spans = SKV_N_SPANS;
     return launch_attend(st, a, sh->B, ws->canon_tmax);

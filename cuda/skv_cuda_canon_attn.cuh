@@ -38,6 +38,8 @@ constexpr int kAtSelSmem = 8192; /* P V stages a decode selection of up to this 
 struct CSpan {
     const uint16_t *k, *v;
     int64_t n, ts;
+    int64_t eb; /* the place of its first token's score in a row of e (decode: the selected span has room
+                   for S c tokens there, a head with k < S chunks uses its first k c) */
     int kind;
 };
 
@@ -55,16 +57,25 @@ struct AttendArgs {
     const skv_cuda_seq *seqs;
     const skv_cuda_io *io;
     const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
+    const int32_t *sel_cnt;        /* [B, Hk] the step's counts (NULL: S every head) */
     int32_t O, c, S, gen_cap, vc_chunks;
 };
 
 /* The five spans of (sequence b, KV head h) at decode into sp[] (skv_plan_spans; the selected span's
-   keys are not read: the rebuild scored them). */
+   keys are not read: the rebuild scored them), the selected one with kc tokens (k c: the head's count;
+   S c for the resident scores, which run before the selection), each span's scores at eb in e with
+   room for S c selected tokens. */
 __device__ void at_seq_spans(const skv_cuda_seq &sq, const skv_cuda_io *io, int b, int h, int32_t Hk, int32_t D,
-                             int32_t O, int32_t c, int32_t S, int32_t gen_cap, CSpan *sp)
+                             int32_t O, int32_t c, int32_t S, int32_t gen_cap, int64_t kc, CSpan *sp)
 {
     skv_span_shape sh[SKV_N_SPANS];
     skv_plan_spans(O, c, S, D, sq.n_local, sq.n_gen, gen_cap, sh);
+    int64_t eb = 0;
+    for (int i = 0; i < SKV_N_SPANS; i++) {
+        sp[i].eb = eb;
+        eb += sh[i].n_tokens;
+    }
+    sh[SKV_SPAN_SELECTED].n_tokens = kc;
     const uint16_t *k[SKV_N_SPANS] = {(const uint16_t *)sq.out_k, (const uint16_t *)sq.loc_k, nullptr,
                                       (const uint16_t *)sq.gen_k, (const uint16_t *)io->k + (int64_t)b * Hk * D};
     const uint16_t *v[SKV_N_SPANS] = {(const uint16_t *)sq.out_v, (const uint16_t *)sq.loc_v, nullptr,
@@ -82,8 +93,11 @@ __device__ void at_seq_spans(const skv_cuda_seq &sq, const skv_cuda_io *io, int 
 __device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
 {
     if (!a.seqs) {
+        int64_t eb = 0;
         for (int i = 0; i < a.n_spans; i++) {
             const skv_kv_span &s = a.spans[i];
+            sp[i].eb = eb;
+            eb += s.n_tokens;
             sp[i].n = s.n_tokens;
             sp[i].ts = s.token_stride;
             sp[i].k = s.n_tokens ? (const uint16_t *)s.k + h * s.head_stride : nullptr;
@@ -92,7 +106,8 @@ __device__ int at_spans(const AttendArgs &a, int b, int h, CSpan *sp)
         }
         return a.n_spans;
     }
-    at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, sp);
+    const int64_t kc = (int64_t)(a.sel_cnt ? a.sel_cnt[(int64_t)b * a.Hk + h] : a.S) * a.c;
+    at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, kc, sp);
     return SKV_N_SPANS;
 }
 
@@ -195,6 +210,8 @@ struct RebuildArgs {
     int32_t wq_seq;
     const skv_cuda_seq *seqs;  /* [B]: u, w (wq) */
     const int32_t *ids;        /* [B, Hk, S] chunk ids */
+    const int32_t *cnt;        /* [B, Hk] decode: the step's counts, head (b, h) rebuilds its first cnt c
+                                  tokens (NULL: M every head) */
     const float *cos_tab, *sin_tab;
     skv_bf16 *k_out;           /* [B, Hk, M, D] or NULL */
     /* decode (e set): the selected tokens' scores s_j = scale x skv_dot_bf16(q, k_j, D) of the group's
@@ -265,6 +282,12 @@ __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int32_t G, int
            + sizeof(int) * (size_t)Dp                     /* ew */
            + 4 * (size_t)kRbTok * rb_xstride(Dp, rm)      /* per token: the float key (RM 0), the bf16 key */
            + sizeof(float) * (size_t)G * D;               /* q of the group's query heads */
+}
+
+/* The tokens (b, h) rebuilds: its count's k c at decode, else M. */
+__device__ __forceinline__ int64_t rb_M(const RebuildArgs &a, int b, int h)
+{
+    return a.cnt ? (int64_t)a.cnt[(int64_t)b * a.Hk + h] * a.c : a.M;
 }
 
 /* The position of selected token m (< S c) of (b, h) (ids: its chunk ids). */
@@ -473,6 +496,7 @@ inline RebuildArgs decode_rebuild_args(const skv_cuda_shape *sh, const skv_cuda_
     RebuildArgs a = rebuild_args(sh, seqs, ws->sel_ids, nullptr);
     a.wq_seq = skv_cuda_canon_uses_wq(sh, 1); /* the slots' W, prepared when it was written */
     a.e = ws->canon_e, a.io = ws->io, a.Tmax = ws->canon_tmax;
+    a.cnt = ws->sel_cnt;
     a.Hq = sh->Hq, a.G = sh->Hq / sh->Hk, a.O = sh->O, a.scale = sh->scale;
     a.gen_cap = sh->gen_cap, a.nx = rb_nx(ws->canon_tmax - a.M);
     return a;

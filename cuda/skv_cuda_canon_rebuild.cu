@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
     constexpr int spl = SPL;
     const int ts = spl ? warp >> 1 : warp, hh = spl ? warp & 1 : 0;
     const int64_t mw = (int64_t)blockIdx.x * (spl ? kRbTok / 2 : kRbTok) + ts * 16; /* the warp's first token */
+    const int64_t Mb = rb_M(a, b, h); /* the tokens of (b, h): a head with k < S chunks leaves blocks idle */
+    if ((int64_t)blockIdx.x * (spl ? kRbTok / 2 : kRbTok) >= Mb) return; /* block-uniform */
     const uint16_t *u = (const uint16_t *)a.seqs[b].u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
     const int NT = a.Dp / 8, xst = rb_xstride(a.Dp, RM);
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(kRbNT, 2) canon_rebuild_tc_kernel(const Rebuil
 #pragma unroll
     for (int rs = 0; rs < 2; rs++) {
         const int64_t m = mw + g + 8 * rs;
-        live[rs] = m < a.M;
+        live[rs] = m < Mb;
         pos[rs] = live[rs] ? rb_pos(a, ids, m) : 0;
         /* the rows' cos/sin lines toward L2 now, for the RoPE after the sums */
         if (live[rs])
@@ -375,6 +377,8 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int64_t m0 = (int64_t)blockIdx.x * 32;
+    const int64_t Mb = rb_M(a, b, h);
+    if (m0 >= Mb) return; /* block-uniform */
     const skv_cuda_seq &sq = a.seqs[b];
     const uint16_t *w = (const uint16_t *)sq.w, *u = (const uint16_t *)sq.u;
     const int32_t *ids = a.ids + ((int64_t)b * a.Hk + h) * a.S;
@@ -385,7 +389,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
         unsigned mx = 0;
-        if (m < a.M) {
+        if (m < Mb) {
             const uint16_t *ur = u + rb_pos(a, ids, m) * a.r;
             for (int q = lane; q < a.r; q += 32) mx = max(mx, (unsigned)(ur[q] & 0x7fffu));
         }
@@ -397,7 +401,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     for (int idx = tid; idx < 32 * a.D; idx += kRbNT) {
         const int row = idx / a.D, d = idx - row * a.D;
         const int64_t m = m0 + row;
-        if (m >= a.M) continue;
+        if (m >= Mb) continue;
         const uint16_t *ur = u + rb_pos(a, ids, m) * a.r;
         int64_t P = 0;
         for (int q = 0; q < a.r; q++)
@@ -408,7 +412,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     __syncthreads();
     for (int row = warp; row < 32; row += kRbNT / 32) {
         const int64_t m = m0 + row;
-        if (m >= a.M) continue;
+        if (m >= Mb) continue;
         const int64_t t = rb_pos(a, ids, m);
         rb_rope_row(a, xs + (size_t)row * a.D, t,
                     a.k_out ? (uint16_t *)a.k_out + (((int64_t)b * a.Hk + h) * a.M + m) * a.D : nullptr, lane);
@@ -419,7 +423,7 @@ __global__ void __launch_bounds__(kRbNT) canon_rebuild_scalar_kernel(const Rebui
     const int64_t bq0 = (int64_t)b * a.Hq + (int64_t)h * a.G, sel0 = rb_sel0(a, b);
     for (int unit = tid; unit < 32 * ((a.G + 3) / 4); unit += kRbNT) {
         const int row = unit & 31;
-        if (m0 + row >= a.M) continue;
+        if (m0 + row >= Mb) continue;
         rb_score_row(a, xs + (size_t)row * a.D, qs, 4 * (unit >> 5), 1, bq0, sel0 + m0 + row);
     }
 }

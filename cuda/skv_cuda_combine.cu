@@ -39,7 +39,30 @@ struct CombineArgs {
     int32_t *step_bad;
     unsigned *cnt_done;
     int skip_out; /* 1: the output was written elsewhere (reproducible mode); only the resets and the append */
+    /* the layer's counters (NULL: none): per good step of sequence b, for its Hk heads */
+    unsigned long long *lstats;
+    const int32_t *sel_cnt;           /* [B, Hk] the step's counts (NULL: a dense layer, k = 0) */
+    int32_t oc;                       /* O c of the layer's shape */
+    int32_t c;
 };
+
+/* The layer's counters for a good step of sequence sq (n_gen before the step): head_steps,
+   attended_tokens (O c + n_local + k c + n_gen + 1 per head), context_tokens (n + n_gen + 1 per
+   head), selected_chunks (k per head); one thread. */
+__device__ void combine_count(const CombineArgs &a, const skv_cuda_seq *sq, int b, int32_t n_gen)
+{
+    unsigned long long att = 0, sel = 0;
+    for (int32_t h = 0; h < a.Hk; h++) {
+        const unsigned long long k = a.sel_cnt ? (unsigned long long)a.sel_cnt[(int64_t)b * a.Hk + h] : 0ull;
+        sel += k;
+        att += (unsigned long long)a.oc + (unsigned long long)sq->n_local + k * (unsigned long long)a.c +
+               (unsigned long long)n_gen + 1ull;
+    }
+    atomicAdd(&a.lstats[0], (unsigned long long)a.Hk);
+    atomicAdd(&a.lstats[1], att);
+    atomicAdd(&a.lstats[2], (unsigned long long)a.Hk * ((unsigned long long)sq->n + (unsigned long long)n_gen + 1ull));
+    atomicAdd(&a.lstats[3], sel);
+}
 
 /*
  * grid (Hq [+ 1], B). Block (qh, b): out = sum_i w_i acc_i / sum_i w_i l_i with
@@ -140,6 +163,7 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
             if (tid == 0) {
                 sq->n_gen = n_gen + 1;
                 sq->has_sel = 1;
+                if (a.lstats) combine_count(a, sq, b, n_gen);
             }
         }
     }
@@ -154,6 +178,15 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
             *a.cnt_done = 0;
         }
     }
+}
+
+/* The counters' arguments of a decode step (a layer with S = 0 is dense: no counts). */
+void combine_counters(CombineArgs *a, const skv_cuda_shape *sh, const skv_cuda_dws *ws)
+{
+    a->lstats = ws->lstats;
+    a->sel_cnt = sh->S > 0 ? ws->sel_cnt : NULL;
+    a->oc = sh->O * sh->c;
+    a->c = sh->c;
 }
 
 } /* namespace */
@@ -175,6 +208,7 @@ cudaError_t skv_cuda_combine(cudaStream_t st, const skv_cuda_shape *sh, skv_cuda
         a.macc = ws->macc;
         a.step_bad = ws->step_bad;
         a.cnt_done = ws->cnt_done;
+        combine_counters(&a, sh, ws);
     }
     const size_t smem = (size_t)a.n_items * (sizeof(float2) + sizeof(float)) + (size_t)(kCoNT / 32) * a.D * sizeof(float);
     cudaError_t e = allow_smem(combine_kernel, smem);
@@ -197,6 +231,7 @@ cudaError_t skv_cuda_combine_append(cudaStream_t st, const skv_cuda_shape *sh, s
     a.step_bad = ws->step_bad;
     a.cnt_done = ws->cnt_done;
     a.skip_out = 1;
+    combine_counters(&a, sh, ws);
     if (sh->Hq + 1 > 65535 || sh->B > 65535) return cudaErrorInvalidValue;
     return launch(combine_kernel, dim3((unsigned)(sh->Hq + 1), (unsigned)sh->B), dim3(kCoNT), 0, st, false, a);
 }

@@ -142,10 +142,10 @@ skv_status skv_cuda_landmarks_op(int32_t N, int32_t c, int32_t Hk, int32_t D, in
     return skv_cuda_op_end(&op, e, "landmarks_outliers");
 }
 
-skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
+skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, const skv_select_params *sp,
                                     float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
                                     const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
-                                    float *amax, skv_ws *ws)
+                                    float *amax, int32_t *counts, skv_ws *ws)
 {
     (void)ws;
     skv_cuda_op op = {{0}, 0};
@@ -154,28 +154,43 @@ skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n
     h.landmarks = landmarks;
     h.cand_ids = candidate_ids;
     h.n_cand = n_cand;
+    const int32_t S = sp->stride;
+    const int mass = sp->mode == SKV_SELECT_MASS;
     skv_cuda_shape sh;
     memset(&sh, 0, sizeof sh);
     sh.B = 1, sh.Hq = Hq, sh.Hk = Hk, sh.D = D, sh.S = S, sh.cand_max = n_cand, sh.scale = scale, sh.c = 1;
+    sh.sel_mode = mass ? SKV_SELECT_MASS : SKV_SELECT_FIXED, sh.sel_cap = sp->cap, sh.sel_min = sp->floor;
+    sh.sel_mass = sp->mass;
     skv_cuda_items it = {1, 0, 0, 0};
     skv_cuda_dws dws;
     memset(&dws, 0, sizeof dws);
-    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass);
     char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
-    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */
     const int tiled = D % 8 == 0 && ((uintptr_t)landmarks & 15) == 0;
     if (e == cudaSuccess) e = skv_cuda_select_step(0, &sh, d, &dws, &io, tiled, 0, amax, NULL, NULL, NULL);
-    /* the selection is in the workspace: copy it out */
+    /* the selection and the counts are in the workspace: copy them out */
     if (e == cudaSuccess)
-        e = cudaMemcpyAsync(sel_idx, dws.sel_idx, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
+        e = cudaMemcpyAsync(sel_idx, dws.sel_idx, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDefault, 0);
     if (e == cudaSuccess && sel_ids && candidate_ids)
-        e = cudaMemcpyAsync(sel_ids, dws.sel_ids, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDeviceToDevice, 0);
+        e = cudaMemcpyAsync(sel_ids, dws.sel_ids, (size_t)Hk * S * sizeof(int32_t), cudaMemcpyDefault, 0);
+    if (e == cudaSuccess && counts)
+        e = cudaMemcpyAsync(counts, dws.sel_cnt, (size_t)Hk * sizeof(int32_t), cudaMemcpyDefault, 0);
     return skv_cuda_op_end(&op, e, "score_select");
+}
+
+/* The per-head forms of the op slots (counts, head_tokens) are lib/'s own decode path for backends
+   without cache-level slots; the cuda backend runs them in its cache, so its op slots refuse them. */
+static skv_status skv_cuda_op_per_head(const char *what)
+{
+    skv_cuda_note("%s: the per-head form (counts or head_tokens) is not an op-level call of the cuda backend "
+                  "(its caches run it in their decode)", what);
+    return SKV_ERR_UNSUPPORTED;
 }
 
 /* The op-level rebuilds' set-up: the one sequence (u, w, n) on the device and its shape (B = 1). */
@@ -198,10 +213,11 @@ static skv_cuda_seq *skv_cuda_rebuild_setup(skv_cuda_op *op, const skv_rope_conf
 
 skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r, int32_t c,
                                int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                               const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                               skv_bf16 *k_out, skv_ws *ws)
+                               const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                               const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     (void)ws;
+    if (counts) return skv_cuda_op_per_head("rebuild_keys");
     skv_cuda_op op = {{0}, 0};
     skv_cuda_shape sh;
     skv_cuda_seq *d = skv_cuda_rebuild_setup(&op, rope, D, Hk, r, c, S, n, u, w, cos_tab, sin_tab, &sh);
@@ -212,10 +228,11 @@ skv_status skv_cuda_rebuild_op(const skv_rope_config *rope, int32_t D, int32_t H
 /* Op level: the canonical rebuild (B = 1, chunk_ids [Hk, S]). */
 skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                          int32_t c, int32_t S, int64_t n, const skv_bf16 *u, const skv_bf16 *w,
-                                         const int32_t *chunk_ids, const float *cos_tab, const float *sin_tab,
-                                         skv_bf16 *k_out, skv_ws *ws)
+                                         const int32_t *chunk_ids, const int32_t *counts, const float *cos_tab,
+                                         const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     (void)ws;
+    if (counts) return skv_cuda_op_per_head("rebuild_keys_canonical");
     skv_cuda_op op = {{0}, 0};
     skv_cuda_shape sh;
     skv_cuda_seq *d = skv_cuda_rebuild_setup(&op, rope, D, Hk, r, c, S, n, u, w, cos_tab, sin_tab, &sh);
@@ -235,9 +252,10 @@ skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D,
 /* Op level: the canonical attention (scratch: the Hq x T weights). */
 skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                                   const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
-                                                  float *out, skv_ws *ws)
+                                                  const int64_t *head_tokens, float *out, skv_ws *ws)
 {
     (void)ws;
+    if (head_tokens) return skv_cuda_op_per_head("sparse_attention_canonical");
     skv_cuda_op op = {{0}, 0};
     int64_t total = 0;
     for (int32_t i = 0; i < n_spans; i++) total += spans[i].n_tokens;
@@ -249,16 +267,19 @@ skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_
 }
 
 skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                              const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+                              const skv_bf16 *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out)
 {
+    if (counts) return skv_cuda_op_per_head("gather_values");
     skv_cuda_op op = {{0}, 0};
     return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, store, idx, v_out), "gather_values");
 }
 
 skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
-                                        int32_t n_spans, const skv_kv_span *spans, float *out, skv_ws *ws)
+                                        int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
+                                        float *out, skv_ws *ws)
 {
     (void)ws;
+    if (head_tokens) return skv_cuda_op_per_head("sparse_attention");
     skv_cuda_op op = {{0}, 0};
     int64_t total = 0;
     for (int32_t i = 0; i < n_spans; i++) total += spans[i].n_tokens;
@@ -279,5 +300,5 @@ skv_status skv_cuda_full_attention_op(int32_t Hq, int32_t Hk, int32_t D, float s
                                       int64_t n_tokens, const skv_bf16 *k, const skv_bf16 *v, float *out)
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
-    return skv_cuda_sparse_attention_op(Hq, Hk, D, scale, q, 1, &span, out, NULL);
+    return skv_cuda_sparse_attention_op(Hq, Hk, D, scale, q, 1, &span, NULL, out, NULL);
 }

@@ -587,8 +587,8 @@ skv_status skvs_reference(const skvs_seq *s, int32_t n_gen, const skv_bf16 *q, i
         for (int o = 0; o < O; o++)
             for (int64_t t = (int64_t)s->outliers[h * O + o] * c, e = t + c; t < e; t++) in[t] = 3;
         if (selected)
-            for (int i = 0; i < S; i++)
-                for (int64_t t = (int64_t)selected[h * S + i] * c, e = t + c; t < e; t++) in[t] |= 2;
+            for (int i = 0; i < S; i++) /* -1: past the head's count (SKV_SELECT_MASS) */
+                for (int64_t t = (int64_t)selected[h * S + i] * c, e = t + c; t >= 0 && t < e; t++) in[t] |= 2;
         int64_t m = 0;
         for (int64_t t = 0; t < ctx; t++) {
             if (in[t] & 1) continue;

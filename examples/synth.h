@@ -134,7 +134,7 @@ typedef struct skvs_ref_stats {
  *                a_t = max over the GQA group of the full softmax probability
  *                p_{i,t} (the library's rule, docs/DESIGN.md 4.4, applied per token);
  *  out_selected  the always-kept tokens plus the chunks in selected [Hk, S]
- *                (e.g. from skv_cache_selected): the library's selection with
+ *                (e.g. from skv_cache_selected; -1 entries are none): the library's selection with
  *                exact keys, which separates selection error from key-rebuild
  *                error. Ignored if selected is NULL.
  * needle: chunk id for needle_mass (or -1).

@@ -337,7 +337,9 @@ uint64_t skvf_fingerprint(skv_cache *cache)
             if (in.prefilled && (in.n_chunks < 0 || in.n_chunks > max_chunks || in.n_candidates < 0 ||
                                  in.n_candidates > in.n_chunks || in.n_outliers < 0 ||
                                  in.n_outliers > in.n_chunks || in.n_selected < 0 ||
-                                 in.n_selected > in.n_candidates))
+                                 /* S may exceed N - O in the mass mode and with SKV_BUDGET_ALL */
+                                 (cfg->select_mode == SKV_SELECT_FIXED && cfg->budget != SKV_BUDGET_ALL &&
+                                  in.n_selected > in.n_candidates)))
                 skvf_fail("fingerprint: seq_info(%d, %d) inconsistent: n = %lld N = %d cand = %d O = %d S = %d",
                           l, b, (long long)in.n, in.n_chunks, in.n_candidates, in.n_outliers,
                           in.n_selected);
@@ -356,6 +358,10 @@ uint64_t skvf_fingerprint(skv_cache *cache)
                 st = skv_cache_selected(cache, l, b, h, ids);
                 skvf_check_status(st, "fingerprint: skv_cache_selected");
                 fnv_ids(&f, st, ids, in.n_selected);
+                int32_t k = -1;
+                st = skv_cache_selected_count(cache, l, b, h, &k);
+                skvf_check_status(st, "fingerprint: skv_cache_selected_count");
+                fnv_ids(&f, st, &k, 1);
             }
         }
     free(ids);

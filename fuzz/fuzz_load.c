@@ -13,7 +13,8 @@
  * Asserts: the status is defined with a message; a failure is SKV_ERR_FORMAT,
  * SKV_ERR_INVALID_CONFIG (an explicit cfg that does not match), SKV_ERR_SIZE_OVERFLOW,
  * SKV_ERR_OUT_OF_MEMORY or SKV_ERR_UNSUPPORTED (create's refusal), and leaves *out NULL; a config that does not validate is never
- * loaded; a success gives a usable cache: it saves back to exactly the loaded bytes, every
+ * loaded; a success gives a usable cache: it saves back to exactly the loaded bytes (a version 1
+ * input: to a version 2 snapshot that loads and saves back to itself), every
  * introspection call answers, and, when every slot is prefilled and the next step has
  * room, one decode step of the layer that is behind succeeds. Configs needing more than
  * 64 MB are not loaded (the loader would rightly create them).
@@ -90,6 +91,13 @@ static skv_config conf_of(const uint8_t *s, size_t size, skv_backend be)
     c.gen_capacity = (int32_t)rd32(p + 84);
     c.factorize = (skv_factorize_route)(int32_t)rd32(p + 88);
     c.reproducible = (int32_t)rd32(p + 92);
+    if (rd32(s + 8) < 2 || size < 32 + 124) return c; /* version 1: the 0.3 fields keep their defaults */
+    c.select_mode = (skv_select_mode)(int32_t)rd32(p + 96);
+    u = rd32(p + 100), memcpy(&c.select_mass, &u, 4);
+    c.select_min_chunks = (int32_t)rd32(p + 104);
+    c.rank_max = (int32_t)rd32(p + 108);
+    u = rd32(p + 112), memcpy(&c.rank_error_target, &u, 4);
+    c.dense_layers = rd64(p + 116);
     return c;
 }
 
@@ -102,15 +110,31 @@ static int same_model(const skv_config *a, const skv_config *b)
            a->n_local_chunks == b->n_local_chunks && memcmp(&a->rope, &b->rope, sizeof a->rope) == 0 &&
            memcmp(&a->attn_scale, &b->attn_scale, sizeof a->attn_scale) == 0 && a->batch_size == b->batch_size &&
            a->max_prompt_len == b->max_prompt_len && a->gen_capacity == b->gen_capacity &&
-           a->factorize == b->factorize && a->reproducible == b->reproducible;
+           a->factorize == b->factorize && a->reproducible == b->reproducible && a->select_mode == b->select_mode &&
+           memcmp(&a->select_mass, &b->select_mass, 4) == 0 && a->select_min_chunks == b->select_min_chunks &&
+           a->rank_max == b->rank_max && memcmp(&a->rank_error_target, &b->rank_error_target, 4) == 0 &&
+           a->dense_layers == b->dense_layers;
 }
 
-/* A loaded cache is usable: it saves back to the loaded bytes, introspection answers, and the
-   next decode step runs where the cache allows one. */
+/* A loaded cache is usable: it saves back to the loaded bytes (a version 1 input: to a version 2
+   snapshot that loads and saves back to itself), introspection answers, and the next decode step
+   runs where the cache allows one. */
 static void check_usable(skv_cache *cache, const uint8_t *snap, size_t size)
 {
     size_t need = 0;
-    skv_status st = skv_cache_save_buffer(cache, NULL, 0, &need);
+    skv_status st;
+    uint8_t *v2 = NULL;
+    if (rd32(snap + 8) == 1) {
+        st = skv_cache_save_buffer(cache, NULL, 0, &need);
+        if (st != SKV_OK || !(v2 = malloc(need)) || skv_cache_save_buffer(cache, v2, need, &need) != SKV_OK)
+            skvf_fail("loaded version 1 snapshot: saving it failed (status %d)", (int)st);
+        skv_cache *again = NULL;
+        st = skv_cache_load_buffer(v2, need, NULL, &again);
+        if (st != SKV_OK) skvf_fail("a version 1 snapshot's version 2 save does not load: %s", skv_last_error());
+        skv_cache_free(again);
+        snap = v2, size = need;
+    }
+    st = skv_cache_save_buffer(cache, NULL, 0, &need);
     skvf_check_status(st, "skv_cache_save_buffer(query)");
     if (st != SKV_OK || need != size)
         skvf_fail("loaded cache: snapshot size %zu (status %d), the input was %zu bytes", need, (int)st, size);
@@ -120,6 +144,7 @@ static void check_usable(skv_cache *cache, const uint8_t *snap, size_t size)
     if (st != SKV_OK || memcmp(again, snap, size) != 0)
         skvf_fail("loaded cache: its snapshot is not the loaded bytes (status %d)", (int)st);
     free(again);
+    free(v2);
     (void)skvf_fingerprint(cache); /* every introspection call answers */
     const skv_config *g = skv_cache_config(cache);
     int32_t layer = 0, lo = g->gen_capacity, all = 1;
@@ -157,7 +182,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     skv_config cfg = conf_of(s, n, be);
     const int use_null = (mode & 2) && skv_backend_available(SKV_BACKEND_CUDA) != SKV_OK;
     size_t dev = 0, host = 0;
-    const int has_conf = n >= 32 + 96, valid = has_conf && skv_cache_memory(&cfg, &dev, &host) == SKV_OK;
+    const int has_conf = n >= 32 + (n >= 12 && rd32(s + 8) >= 2 ? 124 : 96), valid = has_conf && skv_cache_memory(&cfg, &dev, &host) == SKV_OK;
     /* the config query: the CONF section alone (also of caches too large to load here) */
     skv_config q = skv_config_default(), q0;
     q.n_layers = -5; /* a sentinel: must stay on failure */

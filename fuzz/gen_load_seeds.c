@@ -39,14 +39,17 @@ static void fill(skv_bf16 *x, size_t n, unsigned seed)
 }
 
 /* A tiny cache: L layers, B sequences, prompts of n tokens, `steps` decode steps, layers
-   [0, prefill_layers) prefilled. */
-static void seed(const char *dir, int L, int B, int64_t n, int steps, int prefill_layers, int host_values)
+   [0, prefill_layers) prefilled; v03: the 0.3 features (the mass selection with a floor, layer 0
+   dense; 2: every chunk instead). */
+static void seed(const char *dir, int L, int B, int64_t n, int steps, int prefill_layers, int host_values, int v03)
 {
     skv_config c = skv_config_default();
     c.n_layers = L, c.batch_size = B, c.n_q_heads = 2, c.n_kv_heads = 1, c.head_dim = 8, c.rank = 4;
     c.chunk_size = 2, c.budget = 4, c.n_outlier_chunks = 1, c.n_local_chunks = 1, c.max_prompt_len = 24;
     c.gen_capacity = 3, c.backend = SKV_BACKEND_REF;
     if (host_values) c.value_device_bytes = 0x4000;
+    if (v03 == 1) c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.6f, c.select_min_chunks = 1, c.dense_layers = 1;
+    if (v03 == 2) c.budget = SKV_BUDGET_ALL, c.dense_layers = 2;
     skv_cache *k = NULL;
     if (skv_cache_create(&c, &k)) {
         fprintf(stderr, "gen_load_seeds: create: %s\n", skv_last_error());
@@ -96,11 +99,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: gen_load_seeds DIR\n");
         return 2;
     }
-    seed(argv[1], 2, 1, 16, 1, 2, 0);
-    seed(argv[1], 1, 2, 18, 2, 1, 0);
-    seed(argv[1], 2, 1, 20, 0, 2, 1);
-    seed(argv[1], 2, 1, 16, 0, 1, 0); /* layer 1 not prefilled */
-    seed(argv[1], 1, 1, 24, 3, 1, 1); /* gen_capacity reached */
+    seed(argv[1], 2, 1, 16, 1, 2, 0, 0);
+    seed(argv[1], 1, 2, 18, 2, 1, 0, 0);
+    seed(argv[1], 2, 1, 20, 0, 2, 1, 0);
+    seed(argv[1], 2, 1, 16, 0, 1, 0, 0); /* layer 1 not prefilled */
+    seed(argv[1], 1, 1, 24, 3, 1, 1, 0); /* gen_capacity reached */
+    seed(argv[1], 2, 2, 14, 2, 2, 0, 1); /* the mass selection, a dense layer 0 */
+    seed(argv[1], 2, 1, 20, 1, 2, 1, 2); /* every chunk, a dense layer 1, host values */
     printf("gen_load_seeds: %d files in %s\n", n_written, argv[1]);
     return 0;
 }

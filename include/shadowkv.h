@@ -198,7 +198,8 @@ typedef enum skv_select_mode {
 
 /**
  * config.budget = SKV_BUDGET_ALL: every candidate chunk is selected at every step
- * (k = N - O per sequence; buffers are sized for the longest prompt). The keys are
+ * (k = N - O per sequence; buffers are sized for the longest prompt). With
+ * SKV_SELECT_MASS the mass rule runs with that cap, min(S, N - O) = N - O. The keys are
  * still rebuilt from the rank-r factors: this is the sparse path with nothing left
  * out, not dense attention (see config.dense_layers for that).
  */
@@ -331,8 +332,9 @@ typedef struct skv_memory_info {
     size_t host_bytes;          /**< the host value stores, as skv_cache_memory */
     size_t value_store_bytes;   /**< one slot's whole value store (N_max - O chunks per KV head) */
     size_t value_cache_bytes;   /**< one host slot's chunk cache with its index (device) */
-    int64_t device_value_slots; /**< (layer, sequence) slots whose values live on the device */
-    int64_t host_value_slots;   /**< slots whose values live in the host store */
+    int64_t device_value_slots; /**< (layer, sequence) slots of sparse layers whose values live on the
+                                     device (a dense layer's slots keep theirs there, not counted) */
+    int64_t host_value_slots;   /**< slots of sparse layers whose values live in the host store */
     int32_t value_cache_chunks; /**< chunk-cache entries per KV head of a host slot (resolved) */
 } skv_memory_info;
 
@@ -803,6 +805,21 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
                                const skv_bf16 *q, const skv_bf16 *landmarks,
                                const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
                                float *amax);
+
+/**
+ * skv_op_score_select with the count of SKV_SELECT_MASS (docs/DESIGN.md section 4.5):
+ * per KV head h, the fewest of the min(n_select, n_cand) best candidates whose
+ * group-max probabilities reach select_mass of their total, at least
+ * min(select_min_chunks, n_select, n_cand): k_h into counts[h], the k_h candidate
+ * indices (increasing) into sel_idx[h*n_select .. +k_h) and -1 into the rest of the row;
+ * sel_ids likewise. The same on every backend, bit for bit. Requires n_select >= 1,
+ * select_mass in (0, 1], 0 <= select_min_chunks <= n_select; counts [Hk] non-NULL.
+ */
+SKV_API skv_status skv_op_score_select_mass(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                            int32_t head_dim, int32_t n_cand, int32_t n_select, float select_mass,
+                                            int32_t select_min_chunks, float scale, const skv_bf16 *q,
+                                            const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                                            int32_t *sel_idx, int32_t *sel_ids, float *amax, int32_t *counts);
 
 /**
  * Rebuilds post-RoPE keys of selected chunks from the factorization.

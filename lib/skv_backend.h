@@ -48,33 +48,99 @@ int64_t skv_ws_reset(skv_ws *ws);
  * and of the shared regions. Computed once from a validated config; the memory
  * query and create use the same function, so they cannot disagree.
  *
- * Device arena: L*B uniform slots (slot_device bytes each), the shared regions,
- * then the value region: n_dev_slots whole value stores (slot_values bytes
- * each), then one chunk cache (slot_vcache bytes each) per host slot. Host
- * arena: one value store per host slot (slot_host bytes each). Slot i = layer
- * * B + seq keeps its values on the device iff i < n_dev_slots.
+ * Slot i = layer * B + seq (B = batch_size) indexes the states; where its bytes
+ * are depends on whether its layer is dense (config.dense_layers):
+ *  - a sparse slot is the j-th of the sparse slots, j = skv_layout_sparse_index
+ *    (the slots of sparse layers in slot order), at byte j * slot_device of the
+ *    device arena (regions u .. sel_cnt below);
+ *  - a dense slot is the j-th of the dense slots, j = skv_layout_dense_index, at
+ *    byte dense_base + j * slot_dense (regions dn_k .. dn_gen_v below).
+ * skv_layout_slot_offset gives either. Device arena: n_sparse_slots sparse slots,
+ * the n_dense_slots dense slots (from dense_base), the shared regions, then the
+ * value region: n_dev_slots whole value stores (slot_values bytes each), then one
+ * chunk cache (slot_vcache bytes each) per host-placed sparse slot. Host arena:
+ * one value store per host-placed sparse slot (slot_host bytes each). Value stores
+ * belong to sparse slots only: sparse slot j keeps its values on the device iff
+ * j < n_dev_slots (a dense slot keeps its values in its own regions).
  */
 typedef struct skv_layout {
-    int32_t S;          /* selected chunks per KV head */
+    int32_t S;          /* selected chunks per KV head: budget / c, or cand_max for SKV_BUDGET_ALL
+                           (the stride of every per-head selection row) */
     int32_t cand_max;   /* N_max - O */
+    int32_t min_cand;   /* N - O a sparse layer's prompt needs: S (fixed), max(1, select_min_chunks)
+                           (SKV_SELECT_MASS), 1 (SKV_BUDGET_ALL) */
     int32_t local_max;  /* (Lc + 1) * c - 1 */
     int32_t vc_chunks;  /* chunk-cache entries per KV head of a host slot (resolved) */
+    int32_t batch;      /* B = batch_size */
+    int32_t n_dense_layers; /* layers with their bit set in dense_layers */
+    uint64_t dense_layers;  /* config.dense_layers */
     int64_t n_positions;/* RoPE table rows: max_prompt_len + gen_capacity */
-    int64_t n_slots;    /* L * B */
-    int64_t n_dev_slots;/* slots whose values live on the device (the first ones) */
-    /* per-slot device offsets */
+    int64_t n_slots;    /* L * B (states) */
+    int64_t n_sparse_slots; /* (L - n_dense_layers) * B */
+    int64_t n_dense_slots;  /* n_dense_layers * B */
+    int64_t n_dev_slots;/* sparse slots whose values live on the device (the first ones) */
+    /* per-slot device offsets of a sparse slot; sel_cnt [Hk] int32: each head's count k at the
+       last step (S in the fixed mode; the rest of its sel_idx / sel_ids rows hold -1) */
     size_t u, w, landmarks, cand_ids, out_ids, out_k, out_v, loc_k, loc_v, gen_k, gen_v, sel_idx,
-        sel_ids, slot_device;
+        sel_ids, sel_cnt, slot_device;
+    /* per-slot device offsets of a dense slot: the prompt's exact post-RoPE keys and its values
+       [Hk, max_prompt_len, D] bf16 (head stride n * D for a prompt of n tokens, like loc_k), the
+       generated tokens [Hk, gen_capacity, D]; slot_dense bytes each, from dense_base */
+    size_t dn_k, dn_v, dn_gen_k, dn_gen_v, slot_dense, dense_base;
     /* value stores [Hk, cand_max, c, D]: device ones from dev_values, host ones from 0 of the host arena */
     size_t slot_values, slot_host;
     /* chunk cache of a host slot: data [Hk, vc_chunks, c, D] bf16, slot_of [Hk, cand_max],
        owner [Hk, vc_chunks], stamp [Hk, vc_chunks] int32 (metadata contiguous from vc_slot_of) */
     size_t vc_data, vc_slot_of, vc_owner, vc_stamp, vc_meta_bytes, slot_vcache;
-    /* shared device regions (after L*B slots) */
-    size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids;
+    /* shared device regions (after the slots); ws_sel_cnt [B, Hk] int32: the step's counts */
+    size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids, ws_sel_cnt;
     size_t dev_values, dev_vcache;
     size_t device_total, host_total;
 } skv_layout;
+
+/* The candidates (N - O) a sparse layer's prompt must have, for S chunks per head. */
+static inline int64_t skv_min_candidates(const skv_config *cfg, int64_t S)
+{
+    if (cfg->select_mode == SKV_SELECT_MASS) return cfg->select_min_chunks > 1 ? cfg->select_min_chunks : 1;
+    return cfg->budget == SKV_BUDGET_ALL ? 1 : S;
+}
+
+/* 1 if layer is dense (bit layer of config.dense_layers). */
+static inline int skv_layout_dense(const skv_layout *lay, int32_t layer)
+{
+    return layer >= 0 && layer < 64 && ((lay->dense_layers >> layer) & 1u);
+}
+/* Dense layers below layer. */
+static inline int32_t skv_layout_dense_below(const skv_layout *lay, int32_t layer)
+{
+    uint64_t m = layer >= 64 ? lay->dense_layers : (lay->dense_layers & (((uint64_t)1 << layer) - 1u));
+    int32_t n = 0;
+    for (; m; m &= m - 1) n++;
+    return n;
+}
+/* Index of (layer, seq) among the sparse slots (its value store's index); -1 for a dense layer. */
+static inline int64_t skv_layout_sparse_index(const skv_layout *lay, int32_t layer, int32_t seq)
+{
+    if (skv_layout_dense(lay, layer)) return -1;
+    return (int64_t)(layer - skv_layout_dense_below(lay, layer)) * lay->batch + seq;
+}
+/* Index of (layer, seq) among the dense slots; -1 for a sparse layer. */
+static inline int64_t skv_layout_dense_index(const skv_layout *lay, int32_t layer, int32_t seq)
+{
+    if (!skv_layout_dense(lay, layer)) return -1;
+    return (int64_t)skv_layout_dense_below(lay, layer) * lay->batch + seq;
+}
+/* Byte offset of slot (layer, seq) in the device arena (add lay->u etc. for a sparse slot,
+   lay->dn_k etc. for a dense one). */
+static inline size_t skv_layout_slot_offset(const skv_layout *lay, int32_t layer, int32_t seq)
+{
+    if (skv_layout_dense(lay, layer))
+        return lay->dense_base + (size_t)skv_layout_dense_index(lay, layer, seq) * lay->slot_dense;
+    return (size_t)skv_layout_sparse_index(lay, layer, seq) * lay->slot_device;
+}
+/* The rank a cache's factors are sized for: config.rank, or rank_max when rank == 0 (a rank
+   per slot, chosen at prefill; docs/DESIGN.md 3.1). */
+static inline int32_t skv_cfg_rank(const skv_config *cfg) { return cfg->rank ? cfg->rank : cfg->rank_max; }
 
 /* Host-side bookkeeping of one (layer, sequence) of a cache. */
 typedef struct skv_seq_state {
@@ -82,8 +148,61 @@ typedef struct skv_seq_state {
     int32_t has_selection;
     int64_t n;
     int32_t n_chunks, n_cand, n_local, n_gen;
+    int32_t dense; /* 1: a dense layer's slot (set at create, kept by load): n_chunks = n_cand = 0,
+                      n_local = n once prefilled */
+    int32_t rank;  /* the slot's factorization rank once prefilled (config.rank; chosen per slot
+                      when config.rank == 0); 0 before prefill and for a dense slot; cuda
+                      refreshes it at cache_sync, since its prefill chooses on the device */
 } skv_seq_state;
 
+/*
+ * How a score_select call picks each KV head's count k (docs/DESIGN.md section 4.5).
+ * lib/ fills it per sequence: cap = min(S, n_cand), stride = S (lay.S),
+ * floor = min(select_min_chunks, cap). SKV_BUDGET_ALL: S = cand_max, so cap = n_cand (every
+ * candidate in the fixed mode; the mass rule up to them in the mass mode).
+ */
+typedef struct skv_select_params {
+    int32_t mode;   /* SKV_SELECT_FIXED: k = cap; SKV_SELECT_MASS: the mass rule (skv_select_head) */
+    int32_t cap;    /* 1 <= cap <= n_cand */
+    int32_t stride; /* entries per KV head in sel_idx / sel_ids, >= cap; entries [k, stride) are -1 */
+    int32_t floor;  /* SKV_SELECT_MASS: 0 <= floor <= cap */
+    float mass;     /* SKV_SELECT_MASS: the target p in (0, 1] */
+} skv_select_params;
+
+/*
+ * What the 0.3 features (docs/DESIGN.md sections 4.5, 4.7, 8, 9) ask of a backend.
+ *
+ * Selection count (config.select_mode, config.budget = SKV_BUDGET_ALL): lay.S is the
+ * stride of every per-head selection row (budget / c, or cand_max for SKV_BUDGET_ALL).
+ * At a step of sequence b, head h of a sparse layer takes k_bh chunks:
+ *   cap = min(S, n_cand); FIXED: k = cap; MASS: the mass rule of skv_select_head with
+ *   floor = min(select_min_chunks, cap) and mass = select_mass.
+ * k and the set are decisions: bit for bit those of skv_select_head on every backend and
+ * in both modes. The step's selected span of head h has k_bh * c tokens (the rebuilt keys
+ * of its k chunks and their values); the other spans as before. Stored per slot: sel_idx /
+ * sel_ids rows [h*S, h*S + k) the selection in increasing order, [k, S) -1; sel_cnt[h] = k.
+ * The chunk cache of a host-placed slot runs skv_vcache_step on the k selected chunks of
+ * the head (hits + misses = k).
+ *
+ * Dense layers (config.dense_layers; skv_layout_dense): their slots are laid out apart
+ * (skv_layout_slot_offset; dn_* regions). Prefill (n_chunks = 0 from lib/, any
+ * 1 <= n <= max_prompt_len): the exact post-RoPE keys (k_post, or RoPE of k_pre) and the
+ * values of all n tokens into dn_k / dn_v with head stride n * D; nothing else. Decode:
+ * no scoring or selection; the attention over outliers 0, local window dn_k/dn_v (n
+ * tokens), selected 0, generated dn_gen_k/dn_gen_v (n_gen), the new token (appended to
+ * dn_gen_* after a good step); the reproducible mode's canonical attention as for any
+ * other spans. A dense slot has no value store and no chunk cache.
+ *
+ * Per-layer counters (skv_layer_stats): for each (step, sequence, KV head) of a layer:
+ * head_steps += 1; attended_tokens += O*c + n_local + k*c + n_gen + 1 (dense: n + n_gen + 1);
+ * context_tokens += n + n_gen + 1; selected_chunks += k (dense: 0); n_gen counted before the
+ * step's own token. Backends with cache_decode keep them (on the device, no extra
+ * synchronization) and hand them over in cache_sync; otherwise lib/ counts.
+ *
+ * Snapshots: sel_cnt is part of a sparse slot's saved state; a dense slot saves dn_k, dn_v
+ * (n tokens per head) and dn_gen_k, dn_gen_v (n_gen per head). cache_set_states gets
+ * states with dense set and rank filled; sel_cnt has been written into the arena.
+ */
 struct skv_backend_ops {
     const char *name;
 
@@ -134,20 +253,35 @@ struct skv_backend_ops {
                                      int32_t head_dim, int32_t n_outliers, const skv_bf16 *k_post,
                                      int32_t *outlier_ids, int32_t *candidate_ids,
                                      skv_bf16 *landmarks);
+    /* Per KV head h: k_h chunks by sp (skv_select_head defines the rule; every backend must
+       give the same k_h and set bit for bit), their candidate indices increasing into
+       sel_idx[h*stride .. +k_h) and -1 into the rest of the row (stride = sp->stride), chunk ids
+       likewise into sel_ids (when it and candidate_ids are non-NULL), k_h into counts[h] (when
+       non-NULL). amax [Hk, n_cand] as before. */
     skv_status (*score_select)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
-                               int32_t n_cand, int32_t n_select, float scale, const skv_bf16 *q,
+                               int32_t n_cand, const skv_select_params *sp, float scale, const skv_bf16 *q,
                                const skv_bf16 *landmarks, const int32_t *candidate_ids,
-                               int32_t *sel_idx, int32_t *sel_ids, float *amax, skv_ws *ws);
+                               int32_t *sel_idx, int32_t *sel_ids, float *amax, int32_t *counts, skv_ws *ws);
+    /* counts [Hk] or NULL: head h rebuilds only its first counts[h] chunks (chunk_ids rows keep
+       the stride n_select; entries past counts[h] may be -1 and are not read; k_out rows of head
+       h past counts[h] * chunk tokens are left as they are). NULL: n_select chunks every head. */
     skv_status (*rebuild_keys)(const skv_rope_config *rope, int32_t head_dim, int32_t n_kv_heads,
                                int32_t rank, int32_t chunk, int32_t n_select, int64_t n,
                                const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
-                               const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
+                               const int32_t *counts, const float *cos_tab, const float *sin_tab,
+                               skv_bf16 *k_out, skv_ws *ws);
+    /* counts as rebuild_keys (idx entries past counts[h] are not read). */
     skv_status (*gather_values)(int32_t n_kv_heads, int32_t head_dim, int32_t chunk,
                                 int32_t n_store, int32_t n_select, const skv_bf16 *store,
-                                const int32_t *idx, skv_bf16 *v_out);
+                                const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
+    /* head_tokens: NULL, or [n_spans][n_kv_heads]: span s has head_tokens[s*n_kv_heads + h]
+       tokens for KV head h (<= spans[s].n_tokens), in place of spans[s].n_tokens. The
+       attention of each head is then exactly the attention over its own spans (per-head
+       selected spans of SKV_SELECT_MASS / SKV_BUDGET_ALL; section 4.7). */
     skv_status (*sparse_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                    float scale, const skv_bf16 *q, int32_t n_spans,
-                                   const skv_kv_span *spans, float *out, skv_ws *ws);
+                                   const skv_kv_span *spans, const int64_t *head_tokens, float *out,
+                                   skv_ws *ws);
     /* The canonical rules of the reproducible mode (docs/DESIGN.md section 10): same
        arguments as rebuild_keys and sparse_attention, outputs bitwise equal on every
        backend. A cache with config.reproducible runs its decode through these (or, with
@@ -155,10 +289,11 @@ struct skv_backend_ops {
     skv_status (*rebuild_keys_canonical)(const skv_rope_config *rope, int32_t head_dim, int32_t n_kv_heads,
                                          int32_t rank, int32_t chunk, int32_t n_select, int64_t n,
                                          const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
-                                         const float *cos_tab, const float *sin_tab, skv_bf16 *k_out, skv_ws *ws);
+                                         const int32_t *counts, const float *cos_tab, const float *sin_tab,
+                                         skv_bf16 *k_out, skv_ws *ws);
     skv_status (*sparse_attention_canonical)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim, float scale,
                                              const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
-                                             float *out, skv_ws *ws);
+                                             const int64_t *head_tokens, float *out, skv_ws *ws);
     skv_status (*full_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                  float scale, const skv_bf16 *q, int64_t n_tokens,
                                  const skv_bf16 *k, const skv_bf16 *v, float *out);
@@ -182,10 +317,14 @@ struct skv_backend_ops {
        NaN/Inf on the device (an error is deferred to cache_sync). */
     skv_status (*cache_decode)(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
                                const skv_bf16 *v, float *out, char *msg, size_t cap);
-    /* Waits for the cache's work, adds the finished steps' phase times to *stats,
-       and reports a deferred error (then refreshes n_gen/has_selection of every
-       state from the device, since the failed step changed nothing there). */
-    skv_status (*cache_sync)(void *bctx, skv_seq_state *states, skv_stats *stats, char *msg, size_t cap);
+    /* Waits for the cache's work, adds the finished steps' phase times to *stats and
+       their per-layer counters to layer_stats[0 .. n_layers) (head_steps, attended_tokens,
+       context_tokens, selected_chunks only; the backend then restarts its own counters
+       from zero, so each step is added once), and reports a deferred error (then refreshes
+       n_gen/has_selection of every state from the device, since the failed step changed
+       nothing there). */
+    skv_status (*cache_sync)(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
+                             char *msg, size_t cap);
     /* After skv_cache_load wrote a snapshot's tensors into the arenas of a fresh cache (the
        cache's own copy2d; nothing else has run on it): makes the backend's per-slot state
        agree with states[0 .. L*B) (prompt shape, n_gen, has_selection), empties the chunk
@@ -213,7 +352,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 2
+#define SKV_PLUGIN_ABI 3
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 
@@ -247,12 +386,20 @@ void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, in
 
 /*
  * The end of score_select for one KV head: a[0..n_cand) (group-max
- * probabilities, overwritten with ordering keys) -> the S winners in
- * increasing index order in sel_idx, and their chunk ids in sel_ids when both
- * sel_ids and candidate_ids are non-NULL. scratch: n_cand int32.
+ * probabilities, overwritten with ordering keys key_j = skv_select_key(a_j)) ->
+ * the head's count k (returned) and its k winners in increasing index order in
+ * sel_idx[0..k), -1 in sel_idx[k..sp->stride), and their chunk ids likewise in
+ * sel_ids when both sel_ids and candidate_ids are non-NULL. The count:
+ *   FIXED: k = sp->cap.
+ *   MASS (docs/DESIGN.md section 4.5): m_j = fmaxf(key_j, 0); A = skv_canonical_sum(m);
+ *   target = sp->mass * A; t_1..t_cap the cap best candidates in the order of section 5.3
+ *   (larger key, then lower index); cum = 0, k = cap; for i = 1..cap: cum += m_{t_i};
+ *   if cum >= target { k = i; stop }; k = max(k, sp->floor). (skv_mass_count in
+ *   skv_numerics.h is steps 6-7, for device code.)
+ * scratch: 2 * n_cand int32.
  */
-void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int32_t *sel_idx,
-                     const int32_t *candidate_ids, int32_t *sel_ids);
+int32_t skv_select_head(float *a, int32_t n_cand, const skv_select_params *sp, int32_t *scratch, int32_t *sel_idx,
+                        const int32_t *candidate_ids, int32_t *sel_ids);
 
 /* Monotonic wall clock in milliseconds. */
 double skv_now_ms(void);

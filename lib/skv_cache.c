@@ -26,15 +26,18 @@ struct skv_cache {
     skv_slot *slots;/* [n_layers * batch_size] */
     skv_ws ws;      /* decode-slot scratch, allocated at create */
     int32_t *vc_scratch; /* chunk-cache bookkeeping of one KV head: 3 * vc_chunks + 2 * S */
+    int64_t *head_tokens; /* [SKV_N_SPANS][Hk]: the spans' token counts per KV head of a step */
     void *bctx;     /* backend's cache state (cache-level slots), or NULL */
     skv_stats stats;
+    skv_layer_stats *layer_stats; /* [n_layers]: the decode counters (dense and ranks filled when read) */
     char err[SKV_ERRMSG_CAP];
 };
 
 #define SLOT_INDEX(c, l, b) ((size_t)(l) * (size_t)(c)->cfg.batch_size + (size_t)(b))
-/* Typed pointer to a per-slot region of the device arena. */
+/* Typed pointer to a per-slot region of the device arena (field: a sparse slot's region, or a
+   dense slot's dn_* region). */
 #define DEV(c, l, b, field, type) \
-    ((type *)((c)->dev + SLOT_INDEX(c, l, b) * (c)->lay.slot_device + (c)->lay.field))
+    ((type *)((c)->dev + skv_layout_slot_offset(&(c)->lay, l, b) + (c)->lay.field))
 #define SHARED(c, field, type) ((type *)((c)->dev + (c)->lay.field))
 
 static const size_t B2 = sizeof(skv_bf16);
@@ -42,22 +45,29 @@ static const size_t B2 = sizeof(skv_bf16);
 /* Most tokens one decode attention call sees (the decode plan). */
 static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
 {
-    return skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max, c->gen_capacity);
+    const int64_t sparse = skv_plan_max_tokens(c->n_outlier_chunks, c->chunk_size, lay->S, lay->local_max,
+                                               c->gen_capacity);
+    const int64_t dense = lay->n_dense_layers ? c->max_prompt_len + c->gen_capacity : 0; /* the whole prompt */
+    return sparse > dense ? sparse : dense;
 }
 
-/* Value store [Hk, cand_max, c, D] of slot i: device arena for the first n_dev_slots, else host. */
-static skv_bf16 *skv_value_store(const skv_cache *c, size_t i)
+/* Value store [Hk, cand_max, c, D] of sparse slot j (skv_layout_sparse_index): device arena for the
+   first n_dev_slots, else host. */
+static skv_bf16 *skv_value_store(const skv_cache *c, size_t j)
 {
-    if ((int64_t)i < c->lay.n_dev_slots) return (skv_bf16 *)(c->dev + c->lay.dev_values + i * c->lay.slot_values);
-    return (skv_bf16 *)(c->host + (i - (size_t)c->lay.n_dev_slots) * c->lay.slot_host);
+    if ((int64_t)j < c->lay.n_dev_slots) return (skv_bf16 *)(c->dev + c->lay.dev_values + j * c->lay.slot_values);
+    return (skv_bf16 *)(c->host + (j - (size_t)c->lay.n_dev_slots) * c->lay.slot_host);
 }
 
-/* Chunk cache of host slot i (its base; regions at lay.vc_*), or NULL for a device slot. */
-static char *skv_value_cache(const skv_cache *c, size_t i)
+/* Chunk cache of host-placed sparse slot j (its base; regions at lay.vc_*), or NULL for a device slot. */
+static char *skv_value_cache(const skv_cache *c, size_t j)
 {
-    if ((int64_t)i < c->lay.n_dev_slots) return NULL;
-    return c->dev + c->lay.dev_vcache + (i - (size_t)c->lay.n_dev_slots) * c->lay.slot_vcache;
+    if ((int64_t)j < c->lay.n_dev_slots) return NULL;
+    return c->dev + c->lay.dev_vcache + (j - (size_t)c->lay.n_dev_slots) * c->lay.slot_vcache;
 }
+
+/* The sparse index of (layer, seq) (a sparse layer's). */
+#define VSLOT(c, l, b) ((size_t)skv_layout_sparse_index(&(c)->lay, l, b))
 
 /*
  * What create builds from *cfg: the config with the environment's backend
@@ -114,7 +124,7 @@ SKV_API skv_status skv_cache_memory_info_sized(const skv_config *cfg, skv_memory
     info->value_store_bytes = lay.slot_values;
     info->value_cache_bytes = lay.slot_vcache;
     info->device_value_slots = lay.n_dev_slots;
-    info->host_value_slots = lay.n_slots - lay.n_dev_slots;
+    info->host_value_slots = lay.n_sparse_slots - lay.n_dev_slots; /* dense slots hold no value store */
     info->value_cache_chunks = lay.vc_chunks;
     skv_copy_sized(out, out_size, info, sizeof *info);
     return SKV_OK;
@@ -129,63 +139,6 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
     if (device_bytes) *device_bytes = info.device_bytes;
     if (host_bytes) *host_bytes = info.host_bytes;
     return SKV_OK;
-}
-
-/* ---- thread probe ------------------------------------------------------------------------ */
-
-/* n_threads - 1 threads alive at once (what an OpenMP region of n_threads adds to the caller),
-   then released and joined. */
-typedef struct skv_probe {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int go;
-} skv_probe;
-
-static void *skv_probe_wait(void *arg)
-{
-    skv_probe *p = arg;
-    pthread_mutex_lock(&p->mu);
-    while (!p->go) pthread_cond_wait(&p->cv, &p->mu);
-    pthread_mutex_unlock(&p->mu);
-    return NULL;
-}
-
-/*
- * Whether this process can start the n_threads - 1 worker threads that n_threads asks of an
- * OpenMP backend. libgomp ends the process when it cannot create a thread; probing here turns
- * that into a status from create. (A probe, not a guarantee: the resources may change later.)
- */
-static skv_status skv_probe_threads(int32_t n_threads)
-{
-    if (n_threads <= 1) return SKV_OK;
-    pthread_t *t = malloc((size_t)(n_threads - 1) * sizeof *t);
-    if (!t) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of memory probing n_threads");
-    skv_probe p;
-    p.go = 0;
-    if (pthread_mutex_init(&p.mu, NULL)) {
-        free(t);
-        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_mutex_init failed");
-    }
-    if (pthread_cond_init(&p.cv, NULL)) {
-        pthread_mutex_destroy(&p.mu);
-        free(t);
-        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_cond_init failed");
-    }
-    int32_t started = 0, err = 0;
-    while (started < n_threads - 1 && !(err = pthread_create(&t[started], NULL, skv_probe_wait, &p))) started++;
-    pthread_mutex_lock(&p.mu);
-    p.go = 1;
-    pthread_cond_broadcast(&p.cv);
-    pthread_mutex_unlock(&p.mu);
-    for (int32_t i = 0; i < started; i++) pthread_join(t[i], NULL);
-    pthread_cond_destroy(&p.cv);
-    pthread_mutex_destroy(&p.mu);
-    free(t);
-    if (!err) return SKV_OK;
-    return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY,
-                    "skv_cache_create: n_threads = %d: this process could start only %d of the %d worker threads "
-                    "it needs (pthread_create: %s); lower n_threads (0 = the OpenMP default)",
-                    n_threads, started, n_threads - 1, strerror(err));
 }
 
 SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
@@ -218,9 +171,12 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     k->ws.cap = ws_bytes;
     k->ws.base = ws_bytes ? ops->mem_alloc(ws_bytes, SKV_MEM_DEVICE) : NULL;
     k->vc_scratch = malloc(((size_t)3 * lay.vc_chunks + (size_t)2 * lay.S) * sizeof *k->vc_scratch);
+    k->head_tokens = malloc((size_t)SKV_N_SPANS * c.n_kv_heads * sizeof *k->head_tokens);
+    k->layer_stats = calloc((size_t)c.n_layers, sizeof *k->layer_stats);
     size_t tab = skv_rope_table_len(&c.rope, c.head_dim, lay.n_positions);
     float *cs = malloc(tab * sizeof *cs), *sn = malloc(tab * sizeof *sn);
-    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !k->vc_scratch || !cs || !sn) {
+    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !k->vc_scratch || !k->head_tokens ||
+        !k->layer_stats || !cs || !sn) {
         free(cs);
         free(sn);
         skv_cache_free(k);
@@ -229,6 +185,7 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
                         "workspace %zu bytes)",
                         lay.device_total, lay.host_total, ws_bytes);
     }
+    for (size_t i = 0; i < n_slots; i++) k->slots[i].dense = skv_layout_dense(&lay, (int32_t)(i / c.batch_size));
     skv_rope_table_build(&c.rope, c.head_dim, lay.n_positions, cs, sn);
     st = ops->copy2d(SHARED(k, rope_cos, void), 0, cs, 0, tab * sizeof *cs, 1);
     if (!st) st = ops->copy2d(SHARED(k, rope_sin, void), 0, sn, 0, tab * sizeof *sn, 1);
@@ -260,6 +217,8 @@ SKV_API void skv_cache_free(skv_cache *cache)
     }
     free(cache->slots);
     free(cache->vc_scratch);
+    free(cache->head_tokens);
+    free(cache->layer_stats);
     free(cache);
 }
 
@@ -314,6 +273,7 @@ static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what
 static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N, int32_t n_cand, int32_t n_local,
                                 const skv_stats *t)
 {
+    sl->rank = sl->dense ? 0 : c->cfg.rank;
     sl->n = n;
     sl->n_chunks = N;
     sl->n_cand = n_cand;
@@ -327,6 +287,64 @@ static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N
     c->stats.prefill_offload_ms += t->prefill_offload_ms;
     c->stats.prefill_critical_ms += t->prefill_critical_ms;
     c->stats.n_prefill_calls++;
+}
+
+/*
+ * Prefill of a dense layer's slot (n >= 1 checked here): the exact post-RoPE keys (k_post, or
+ * the RoPE of k_pre) and the values of all n tokens into dn_k / dn_v, head stride n * D.
+ */
+static skv_status skv_prefill_dense(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
+                                    const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    static const char fn[] = "skv_prefill";
+    const skv_config *g = &c->cfg;
+    const struct skv_backend_ops *ops = c->ops;
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim;
+    skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
+    skv_status st;
+    if (n < 1)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                        "%s: n = %lld: layer %d is dense (config.dense_layers) and needs a prompt of at least 1 token",
+                        fn, (long long)n, layer);
+    if (!ops->cache_prefill) {
+        if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
+        if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
+        if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
+    }
+    skv_stats t = {0};
+    if (ops->cache_prefill) {
+        st = ops->cache_prefill(c->bctx, layer, seq, n, 0, k_pre, v, k_post, &t, c->err, sizeof c->err);
+        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        skv_publish_prefill(c, sl, n, 0, 0, (int32_t)n, &t);
+        return SKV_OK;
+    }
+    const double t0 = skv_now_ms();
+    const size_t row = (size_t)D * B2, tok = (size_t)Hk * D * B2;
+    skv_bf16 *kp_tmp = NULL;
+    if (!k_post) {
+        kp_tmp = ops->mem_alloc((size_t)n * Hk * D * B2, SKV_MEM_DEVICE);
+        if (!kp_tmp)
+            return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for prefill scratch (n = %lld)", fn,
+                            (long long)n);
+        st = ops->rope(&g->rope, D, n, Hk, 0, SHARED(c, rope_cos, float), SHARED(c, rope_sin, float), k_pre, kp_tmp);
+        if (st) {
+            ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
+            return skv_slot_failed(c, fn, "rope", st);
+        }
+        k_post = kp_tmp;
+    }
+    t.prefill_rope_ms = skv_now_ms() - t0;
+    skv_bf16 *dk = DEV(c, layer, seq, dn_k, skv_bf16), *dv = DEV(c, layer, seq, dn_v, skv_bf16);
+    st = SKV_OK;
+    for (int32_t h = 0; h < Hk && !st; h++) {
+        st = ops->copy2d(dk + (size_t)h * n * D, row, k_post + (size_t)h * D, tok, row, (size_t)n);
+        if (!st) st = ops->copy2d(dv + (size_t)h * n * D, row, v + (size_t)h * D, tok, row, (size_t)n);
+    }
+    ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
+    if (st) return skv_slot_failed(c, fn, "dense copy", st);
+    t.prefill_critical_ms = skv_now_ms() - t0;
+    skv_publish_prefill(c, sl, n, 0, 0, (int32_t)n, &t);
+    return SKV_OK;
 }
 
 static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
@@ -351,14 +369,24 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: a prompt length must be >= 0", fn,
                         (long long)n);
     const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
-    const int32_t S = c->lay.S, r = g->rank;
+    const int32_t r = skv_cfg_rank(g); /* the factors' size: rank, or rank_max */
+    if (sl->dense) return skv_prefill_dense(c, layer, seq, n, k_pre, v, k_post);
+    const int32_t need = c->lay.min_cand; /* S (fixed), max(1, floor) (mass), 1 (every candidate) */
     const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
-    if (N < (int64_t)O + S)
+    if (N < (int64_t)O + need)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
                         "%s: n = %lld tokens are %lld whole chunks of c = %d; after the Lc = %d local chunks "
-                        "that leaves %lld context chunks, need O + S = %d (at least %lld tokens)",
+                        "that leaves %lld context chunks, need O + %s = %d (at least %lld tokens)",
                         fn, (long long)n, (long long)(n / cs), cs, g->n_local_chunks, (long long)(N > 0 ? N : 0),
-                        O + S, (long long)(O + S + g->n_local_chunks) * cs);
+                        g->select_mode == SKV_SELECT_MASS ? "max(1, select_min_chunks)"
+                        : g->budget == SKV_BUDGET_ALL     ? "1"
+                                                          : "S",
+                        O + need, (long long)(O + need + g->n_local_chunks) * cs);
+    if (n < r)
+        return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                        "%s: n = %lld tokens are fewer than the %s = %d of the key factorization (it needs "
+                        "n >= %s)",
+                        fn, (long long)n, g->rank ? "rank" : "rank_max (rank = 0)", r, g->rank ? "rank" : "rank_max");
     if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
         if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
@@ -371,10 +399,12 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
         if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = g->rank; /* 0: chosen on the device, refreshed by cache_sync */
         return SKV_OK;
     }
     const size_t HkD = (size_t)Hk * D, row = (size_t)D * B2, tok = HkD * B2;
     skv_bf16 *kp_tmp = NULL;
+    int32_t slot_rank = r;
     float *uf = ops->mem_alloc((size_t)n * r * sizeof(float), SKV_MEM_DEVICE);
     float *wf = ops->mem_alloc((size_t)r * HkD * sizeof(float), SKV_MEM_DEVICE);
     int32_t *ids = malloc(((size_t)Hk * O + (size_t)Hk * n_cand) * sizeof *ids);
@@ -402,7 +432,11 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         st = skv_slot_failed(c, fn, "factorize", st);
         goto done;
     }
-    {
+    if (g->rank == 0) { /* the slot's rank (section 3.1), its columns ordered by energy, the rest zero */
+        st = skv_rank_store(c->err, g, n, k_pre, uf, wf, DEV(c, layer, seq, u, skv_bf16), DEV(c, layer, seq, w, skv_bf16),
+                            &slot_rank);
+        if (st) goto done;
+    } else {
         skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
         for (size_t i = 0; i < (size_t)n * r; i++) u[i] = skv_f32_to_bf16(uf[i]);
         for (size_t i = 0; i < (size_t)r * HkD; i++) w[i] = skv_f32_to_bf16(wf[i]);
@@ -423,7 +457,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
     if (!st) st = ops->copy2d(h_cand, 0, cand_ids, 0, (size_t)Hk * n_cand * sizeof *ids, 1);
     skv_bf16 *ok_ = DEV(c, layer, seq, out_k, skv_bf16), *ov = DEV(c, layer, seq, out_v, skv_bf16);
     skv_bf16 *lk = DEV(c, layer, seq, loc_k, skv_bf16), *lv = DEV(c, layer, seq, loc_v, skv_bf16);
-    skv_bf16 *vs = skv_value_store(c, SLOT_INDEX(c, layer, seq));
+    skv_bf16 *vs = skv_value_store(c, VSLOT(c, layer, seq));
     for (int32_t h = 0; h < Hk && !st; h++) {
         for (int32_t o = 0; o < O && !st; o++) {
             size_t src = ((size_t)h_out[(size_t)h * O + o] * cs * Hk + h) * D;
@@ -444,7 +478,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         goto done;
     }
     {   /* an empty chunk cache (host slots): every index entry -1 */
-        char *vc = skv_value_cache(c, SLOT_INDEX(c, layer, seq));
+        char *vc = skv_value_cache(c, VSLOT(c, layer, seq));
         if (vc) memset(vc + c->lay.vc_slot_of, 0xff, c->lay.vc_meta_bytes);
     }
     t4 = skv_now_ms();
@@ -456,6 +490,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         t.prefill_offload_ms = t4 - t3;
         t.prefill_critical_ms = t4 - t0;
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
+        sl->rank = slot_rank;
     }
 done:
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
@@ -478,25 +513,78 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
 /* ---- decode ---------------------------------------------------------------------------- */
 
 /*
- * The chunk cache of host slot i after a good step with selection sel [Hk, S]
- * (candidate indices): hits and misses by the rule of skv_vcache_step. ref and
- * cpu read every value from the store (both sides are host memory), so only
- * the index is kept; the cuda backend runs the same rule on the device.
+ * The chunk cache of host-placed sparse slot j after a good step with selection sel [Hk, S]
+ * (candidate indices; head h's first cnt[h]): hits and misses by the rule of skv_vcache_step.
+ * ref and cpu read every value from the store (both sides are host memory), so only the index
+ * is kept; the cuda backend runs the same rule on the device.
  */
-static void skv_vcache_account(skv_cache *c, size_t i, const int32_t *sel, int32_t step)
+static void skv_vcache_account(skv_cache *c, size_t j, const int32_t *sel, const int32_t *cnt, int32_t step)
 {
-    char *vc = skv_value_cache(c, i);
+    char *vc = skv_value_cache(c, j);
     if (!vc) return;
     const int32_t Hk = c->cfg.n_kv_heads, S = c->lay.S, E = c->lay.vc_chunks, cm = c->lay.cand_max;
     int32_t *entry = c->vc_scratch + 3 * (size_t)E, *miss = entry + S;
     for (int32_t h = 0; h < Hk; h++) {
         int32_t hits = skv_vcache_step((int32_t *)(vc + c->lay.vc_slot_of) + (size_t)h * cm,
                                        (int32_t *)(vc + c->lay.vc_owner) + (size_t)h * E,
-                                       (int32_t *)(vc + c->lay.vc_stamp) + (size_t)h * E, E, sel + (size_t)h * S, S,
-                                       step, entry, miss, c->vc_scratch);
+                                       (int32_t *)(vc + c->lay.vc_stamp) + (size_t)h * E, E, sel + (size_t)h * S,
+                                       cnt[h], step, entry, miss, c->vc_scratch);
         c->stats.value_cache_hits += hits;
-        c->stats.value_cache_misses += S - hits;
+        c->stats.value_cache_misses += cnt[h] - hits;
     }
+}
+
+/* Adds one step of (layer, sequence sl) to the layer's counters (cnt: each head's k; NULL dense). */
+static void skv_count_step(skv_cache *c, int32_t layer, const skv_slot *sl, const int32_t *cnt)
+{
+    skv_layer_stats *ls = &c->layer_stats[layer];
+    const int32_t Hk = c->cfg.n_kv_heads, cs = c->cfg.chunk_size;
+    const int64_t ctx = sl->n + sl->n_gen + 1;
+    for (int32_t h = 0; h < Hk; h++) {
+        const int64_t k = cnt ? cnt[h] : 0;
+        ls->head_steps++;
+        ls->context_tokens += ctx;
+        ls->selected_chunks += k;
+        ls->attended_tokens += cnt ? skv_plan_resident_tokens(c->cfg.n_outlier_chunks, cs, sl->n_local, sl->n_gen) + k * cs
+                                   : ctx;
+    }
+}
+
+/* The spans of a step of (layer, b) into spans[]; head_tokens of the step into *ht (NULL: the spans' own). */
+static void skv_step_spans(skv_cache *c, int32_t layer, int32_t b, const skv_bf16 *k, const skv_bf16 *v,
+                           const int32_t *cnt, int32_t cap, skv_kv_span spans[SKV_N_SPANS], const int64_t **ht)
+{
+    const skv_config *g = &c->cfg;
+    const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+    const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size;
+    const int dense = sl->dense;
+    skv_span_shape sh[SKV_N_SPANS];
+    skv_plan_spans(dense ? 0 : g->n_outlier_chunks, cs, dense ? 0 : c->lay.S, D, sl->n_local, sl->n_gen,
+                   g->gen_capacity, sh);
+    if (!dense) sh[SKV_SPAN_SELECTED].n_tokens = (int64_t)cap * cs; /* the stride stays S * c */
+    const skv_bf16 *sk[SKV_N_SPANS] = {NULL, NULL, SHARED(c, ws_k, skv_bf16), NULL, k + (size_t)b * Hk * D};
+    const skv_bf16 *sv[SKV_N_SPANS] = {NULL, NULL, SHARED(c, ws_v, skv_bf16), NULL, v + (size_t)b * Hk * D};
+    if (dense) {
+        sk[SKV_SPAN_LOCAL] = DEV(c, layer, b, dn_k, skv_bf16), sv[SKV_SPAN_LOCAL] = DEV(c, layer, b, dn_v, skv_bf16);
+        sk[SKV_SPAN_GENERATED] = DEV(c, layer, b, dn_gen_k, skv_bf16);
+        sv[SKV_SPAN_GENERATED] = DEV(c, layer, b, dn_gen_v, skv_bf16);
+    } else {
+        sk[SKV_SPAN_OUTLIERS] = DEV(c, layer, b, out_k, skv_bf16), sv[SKV_SPAN_OUTLIERS] = DEV(c, layer, b, out_v, skv_bf16);
+        sk[SKV_SPAN_LOCAL] = DEV(c, layer, b, loc_k, skv_bf16), sv[SKV_SPAN_LOCAL] = DEV(c, layer, b, loc_v, skv_bf16);
+        sk[SKV_SPAN_GENERATED] = DEV(c, layer, b, gen_k, skv_bf16);
+        sv[SKV_SPAN_GENERATED] = DEV(c, layer, b, gen_v, skv_bf16);
+    }
+    for (int i = 0; i < SKV_N_SPANS; i++) {
+        spans[i].k = sk[i], spans[i].v = sv[i];
+        spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
+    }
+    *ht = NULL;
+    if (dense || g->select_mode != SKV_SELECT_MASS) return;
+    /* the mass mode: head h's selected span has cnt[h] chunks */
+    for (int i = 0; i < SKV_N_SPANS; i++)
+        for (int32_t h = 0; h < Hk; h++)
+            c->head_tokens[(size_t)i * Hk + h] = i == SKV_SPAN_SELECTED ? (int64_t)cnt[h] * cs : spans[i].n_tokens;
+    *ht = c->head_tokens;
 }
 
 static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
@@ -512,7 +600,7 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
     const skv_config *g = &c->cfg;
     const struct skv_backend_ops *ops = c->ops;
     const int32_t B = g->batch_size, Hq = g->n_q_heads, Hk = g->n_kv_heads, D = g->head_dim;
-    const int32_t cs = g->chunk_size, S = c->lay.S, O = g->n_outlier_chunks, cap = g->gen_capacity;
+    const int32_t cs = g->chunk_size, S = c->lay.S, cap = g->gen_capacity;
     for (int32_t b = 0; b < B; b++)
         for (int32_t l = 0; l < g->n_layers; l++)
             if (!c->slots[SLOT_INDEX(c, l, b)].prefilled)
@@ -560,38 +648,35 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
         const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
         int32_t *sidx = SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S;
         int32_t *sids = SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S;
+        int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
         const skv_bf16 *qb = q + (size_t)b * Hq * D;
-        t = skv_now_ms();
-        st = ops->score_select(Hq, Hk, D, sl->n_cand, S, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
-                               DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, &c->ws);
-        c->stats.decode_allocations += skv_ws_reset(&c->ws);
-        if (st) return skv_slot_failed(c, fn, "score_select", st);
-        t_sel += skv_now_ms() - t;
-        t = skv_now_ms();
-        st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
-            &g->rope, D, Hk, g->rank, cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16), sids,
-            cos_t, sin_t, ks, &c->ws);
-        c->stats.decode_allocations += skv_ws_reset(&c->ws);
-        if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
-        t_reb += skv_now_ms() - t;
-        t = skv_now_ms();
-        st = ops->gather_values(Hk, D, cs, sl->n_cand, S, skv_value_store(c, SLOT_INDEX(c, layer, b)), sidx, vsel);
-        if (st) return skv_slot_failed(c, fn, "gather_values", st);
-        t_fet += skv_now_ms() - t;
-        t = skv_now_ms();
-        skv_span_shape sh[SKV_N_SPANS];
-        skv_plan_spans(O, cs, S, D, sl->n_local, sl->n_gen, cap, sh);
-        const skv_bf16 *sk[SKV_N_SPANS] = {DEV(c, layer, b, out_k, skv_bf16), DEV(c, layer, b, loc_k, skv_bf16), ks,
-                                           DEV(c, layer, b, gen_k, skv_bf16), k + (size_t)b * Hk * D};
-        const skv_bf16 *sv[SKV_N_SPANS] = {DEV(c, layer, b, out_v, skv_bf16), DEV(c, layer, b, loc_v, skv_bf16), vsel,
-                                           DEV(c, layer, b, gen_v, skv_bf16), v + (size_t)b * Hk * D};
-        skv_kv_span spans[SKV_N_SPANS]; /* the new token is appended only when the whole step succeeded */
-        for (int i = 0; i < SKV_N_SPANS; i++) {
-            spans[i].k = sk[i], spans[i].v = sv[i];
-            spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
+        skv_select_params sp = {g->select_mode, sl->n_cand < S ? sl->n_cand : S, S, 0, g->select_mass};
+        sp.floor = g->select_min_chunks < sp.cap ? g->select_min_chunks : sp.cap;
+        if (!sl->dense) {
+            t = skv_now_ms();
+            st = ops->score_select(Hq, Hk, D, sl->n_cand, &sp, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
+                                   DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, cnt, &c->ws);
+            c->stats.decode_allocations += skv_ws_reset(&c->ws);
+            if (st) return skv_slot_failed(c, fn, "score_select", st);
+            t_sel += skv_now_ms() - t;
+            t = skv_now_ms();
+            st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
+                &g->rope, D, Hk, skv_cfg_rank(g), cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16),
+                sids, cnt, cos_t, sin_t, ks, &c->ws);
+            c->stats.decode_allocations += skv_ws_reset(&c->ws);
+            if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
+            t_reb += skv_now_ms() - t;
+            t = skv_now_ms();
+            st = ops->gather_values(Hk, D, cs, sl->n_cand, S, skv_value_store(c, VSLOT(c, layer, b)), sidx, cnt, vsel);
+            if (st) return skv_slot_failed(c, fn, "gather_values", st);
+            t_fet += skv_now_ms() - t;
         }
+        t = skv_now_ms();
+        skv_kv_span spans[SKV_N_SPANS]; /* the new token is appended only when the whole step succeeded */
+        const int64_t *ht;
+        skv_step_spans(c, layer, b, k, v, cnt, sp.cap, spans, &ht);
         st = (g->reproducible ? ops->sparse_attention_canonical : ops->sparse_attention)(
-            Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, out + (size_t)b * Hq * D, &c->ws);
+            Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, ht, out + (size_t)b * Hq * D, &c->ws);
         c->stats.decode_allocations += skv_ws_reset(&c->ws);
         if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
         t_att += skv_now_ms() - t;
@@ -600,22 +685,26 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
     t = skv_now_ms();
     for (int32_t b = 0; b < B && !st; b++) {
         skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+        const int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
         size_t row = (size_t)D * B2, hs = (size_t)cap * D * B2;
-        st = ops->copy2d(DEV(c, layer, b, gen_k, skv_bf16) + (size_t)sl->n_gen * D, hs, k + (size_t)b * Hk * D,
-                         row, row, (size_t)Hk);
-        if (!st)
-            st = ops->copy2d(DEV(c, layer, b, gen_v, skv_bf16) + (size_t)sl->n_gen * D, hs,
-                             v + (size_t)b * Hk * D, row, row, (size_t)Hk);
+        skv_bf16 *gk = sl->dense ? DEV(c, layer, b, dn_gen_k, skv_bf16) : DEV(c, layer, b, gen_k, skv_bf16);
+        skv_bf16 *gv = sl->dense ? DEV(c, layer, b, dn_gen_v, skv_bf16) : DEV(c, layer, b, gen_v, skv_bf16);
+        st = ops->copy2d(gk + (size_t)sl->n_gen * D, hs, k + (size_t)b * Hk * D, row, row, (size_t)Hk);
+        if (!st) st = ops->copy2d(gv + (size_t)sl->n_gen * D, hs, v + (size_t)b * Hk * D, row, row, (size_t)Hk);
         size_t sel_bytes = (size_t)Hk * S * sizeof(int32_t);
-        if (!st)
+        if (!st && !sl->dense)
             st = ops->copy2d(DEV(c, layer, b, sel_idx, int32_t), 0,
                              SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
-        if (!st)
+        if (!st && !sl->dense)
             st = ops->copy2d(DEV(c, layer, b, sel_ids, int32_t), 0,
                              SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
+        if (!st && !sl->dense)
+            st = ops->copy2d(DEV(c, layer, b, sel_cnt, int32_t), 0, cnt, 0, (size_t)Hk * sizeof(int32_t), 1);
         if (st) return skv_slot_failed(c, fn, "append copy", st);
-        skv_vcache_account(c, SLOT_INDEX(c, layer, b), SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S,
-                           sl->n_gen);
+        if (!sl->dense)
+            skv_vcache_account(c, VSLOT(c, layer, b), SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S, cnt,
+                               sl->n_gen);
+        skv_count_step(c, layer, sl, sl->dense ? NULL : cnt);
         sl->n_gen++;
         sl->has_selection = 1;
     }
@@ -644,7 +733,7 @@ SKV_API skv_status skv_cache_sync(skv_cache *c)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_sync: cache is NULL");
     if (!c->ops->cache_sync) return SKV_OK;
-    skv_status st = c->ops->cache_sync(c->bctx, c->slots, &c->stats, c->err, sizeof c->err);
+    skv_status st = c->ops->cache_sync(c->bctx, c->slots, &c->stats, c->layer_stats, c->err, sizeof c->err);
     if (st) return skv_fail(c->err, st, "%s", skv_cache_last_error(c));
     return SKV_OK;
 }
@@ -687,16 +776,20 @@ SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t
     skv_seq_info info;
     memset(&info, 0, sizeof info);
     info.prefilled = sl->prefilled;
-    info.n_outliers = c->cfg.n_outlier_chunks;
-    info.n_selected = c->lay.S;
-    info.values_on_device = (int64_t)SLOT_INDEX(c, layer, seq) < c->lay.n_dev_slots;
+    info.dense = sl->dense;
+    info.n_outliers = sl->dense ? 0 : c->cfg.n_outlier_chunks;
+    info.n_selected = sl->dense ? 0 : c->lay.S;
+    /* a dense slot keeps its values in device memory */
+    info.values_on_device = sl->dense || skv_layout_sparse_index(&c->lay, layer, seq) < c->lay.n_dev_slots;
     if (sl->prefilled) {
+        info.rank = sl->rank;
         info.n = sl->n;
         info.n_chunks = sl->n_chunks;
         info.n_candidates = sl->n_cand;
         info.n_local = sl->n_local;
         info.n_generated = sl->n_gen;
         info.has_selection = sl->has_selection;
+        info.rank = sl->rank;
     }
     skv_copy_sized(out, out_size, &info, sizeof info);
     return SKV_OK;
@@ -706,21 +799,42 @@ SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t
 static skv_status skv_read_head_row(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                     size_t region, size_t row_bytes, void *dst)
 {
-    const char *src = c->dev + SLOT_INDEX(c, layer, seq) * c->lay.slot_device + region;
+    const char *src = c->dev + skv_layout_slot_offset(&c->lay, layer, seq) + region;
     if (!row_bytes) return SKV_OK;
     return c->ops->copy2d(dst, 0, src + (size_t)kv_head * row_bytes, 0, row_bytes, 1);
+}
+
+/* The checks of skv_cache_selected(_count): a sparse layer's slot with a selection. */
+static skv_status skv_selection_check(skv_cache *c, const char *fn, int32_t layer, int32_t seq, int32_t kv_head,
+                                      const void *dst, const char *dst_name)
+{
+    const skv_slot *sl;
+    skv_status st = skv_intro_check(c, fn, layer, seq, kv_head, dst, dst_name, &sl);
+    if (st) return st;
+    if (sl->dense)
+        return skv_fail(c->err, SKV_ERR_NO_SELECTION,
+                        "%s: layer %d is dense (config.dense_layers): its steps attend to every token and select "
+                        "no chunks",
+                        fn, layer);
+    if (!sl->has_selection)
+        return skv_fail(c->err, SKV_ERR_NO_SELECTION, "%s: no decode step has run for layer %d", fn, layer);
+    return SKV_OK;
 }
 
 SKV_API skv_status skv_cache_selected(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                       int32_t *ids)
 {
-    const skv_slot *sl;
-    skv_status st = skv_intro_check(c, "skv_cache_selected", layer, seq, kv_head, ids, "ids", &sl);
+    skv_status st = skv_selection_check(c, "skv_cache_selected", layer, seq, kv_head, ids, "ids");
     if (st) return st;
-    if (!sl->has_selection)
-        return skv_fail(c->err, SKV_ERR_NO_SELECTION,
-                        "skv_cache_selected: no decode step has run for layer %d", layer);
     return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_ids, (size_t)c->lay.S * sizeof *ids, ids);
+}
+
+SKV_API skv_status skv_cache_selected_count(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                            int32_t *count)
+{
+    skv_status st = skv_selection_check(c, "skv_cache_selected_count", layer, seq, kv_head, count, "count");
+    if (st) return st;
+    return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_cnt, sizeof *count, count);
 }
 
 SKV_API skv_status skv_cache_outliers(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
@@ -766,11 +880,41 @@ SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t 
     return SKV_OK;
 }
 
+SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_layer_stats *stats,
+                                               size_t stats_size)
+{
+    static const char fn[] = "skv_cache_layer_stats";
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!stats) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: stats is NULL", fn);
+    if (stats_size < SKV_LAYER_STATS_MIN_SIZE)
+        return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: stats_size = %zu, below the first skv_layer_stats's %zu",
+                        fn, stats_size, (size_t)SKV_LAYER_STATS_MIN_SIZE);
+    skv_status st = skv_check_index(c, fn, layer, 0);
+    if (st) return st;
+    if ((st = skv_cache_sync(c))) return st;
+    skv_layer_stats ls = c->layer_stats[layer];
+    ls.dense = skv_layout_dense(&c->lay, layer);
+    ls.rank_min = ls.rank_max = ls.n_prefilled = 0;
+    double sum = 0.0;
+    for (int32_t b = 0; b < c->cfg.batch_size; b++) {
+        const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+        if (!sl->prefilled) continue;
+        if (!ls.n_prefilled || sl->rank < ls.rank_min) ls.rank_min = sl->rank;
+        if (!ls.n_prefilled || sl->rank > ls.rank_max) ls.rank_max = sl->rank;
+        ls.n_prefilled++;
+        sum += sl->rank;
+    }
+    ls.rank_mean = ls.n_prefilled ? sum / ls.n_prefilled : 0.0;
+    skv_copy_sized(stats, stats_size, &ls, sizeof ls);
+    return SKV_OK;
+}
+
 SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats_reset: cache is NULL");
     skv_status st = skv_cache_sync(c);
     memset(&c->stats, 0, sizeof c->stats);
+    memset(c->layer_stats, 0, (size_t)c->cfg.n_layers * sizeof *c->layer_stats);
     if (st) return st;
     return SKV_OK;
 }
@@ -786,6 +930,7 @@ void skv_cache_parts_get(skv_cache *c, skv_cache_parts *p)
     p->dev = c->dev;
     p->host = c->host;
     p->slots = c->slots;
+    p->layer_stats = c->layer_stats;
     p->bctx = c->bctx;
     p->err = c->err;
 }

@@ -40,6 +40,12 @@ static skv_config skv_defaults(void)
     c.value_cache_chunks = 0;
     c.factorize = SKV_FACTORIZE_AUTO;
     c.reproducible = 0;
+    c.select_mode = SKV_SELECT_FIXED;
+    c.select_mass = 0.95f;
+    c.select_min_chunks = 0;
+    c.rank_max = 0;
+    c.rank_error_target = 0.1f;
+    c.dense_layers = 0;
     return c;
 }
 
@@ -52,8 +58,12 @@ SKV_API const char *skv_version_string(void)
     return SKV_STR(SKV_VERSION_MAJOR) "." SKV_STR(SKV_VERSION_MINOR) "." SKV_STR(SKV_VERSION_PATCH);
 }
 
-/* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible. */
-static int skv_config_size_ok(size_t size) { return size == SKV_CONFIG_MIN_SIZE || size == sizeof(skv_config); }
+/* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
+   0.3 the selection mode, ranks per slot and dense layers. */
+static int skv_config_size_ok(size_t size)
+{
+    return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == sizeof(skv_config);
+}
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
 {
@@ -129,9 +139,13 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     POSITIVE(n_q_heads)
     POSITIVE(n_kv_heads)
     POSITIVE(head_dim)
-    POSITIVE(rank)
+    if (cfg->rank < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "rank = %d: must be >= 1, or 0 (a rank per slot, up to rank_max)", cfg->rank);
     POSITIVE(chunk_size)
-    POSITIVE(budget)
+    if (cfg->budget < 1 && cfg->budget != SKV_BUDGET_ALL)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "budget = %d: must be >= 1 (a multiple of chunk_size), or SKV_BUDGET_ALL (-1)", cfg->budget);
     POSITIVE(batch_size)
     POSITIVE(max_prompt_len)
     POSITIVE(gen_capacity)
@@ -147,7 +161,7 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if (cfg->head_dim % 2 || cfg->head_dim > SKV_MAX_HEAD_DIM)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "head_dim = %d: must be even and <= %d",
                         cfg->head_dim, SKV_MAX_HEAD_DIM);
-    if (cfg->budget % cfg->chunk_size)
+    if (cfg->budget != SKV_BUDGET_ALL && cfg->budget % cfg->chunk_size)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "budget = %d is not a multiple of chunk_size = %d", cfg->budget,
                         cfg->chunk_size);
@@ -192,20 +206,60 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if (cfg->gen_capacity > (1 << 24))
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "gen_capacity = %d: must be <= %d",
                         cfg->gen_capacity, 1 << 24);
-    /* smallest valid prompt: (O + S + Lc) chunks; computed in 64 bits */
-    int64_t S = cfg->budget / cfg->chunk_size;
-    int64_t min_chunks = (int64_t)cfg->n_outlier_chunks + S + cfg->n_local_chunks;
+    if ((int)cfg->select_mode != SKV_SELECT_FIXED && (int)cfg->select_mode != SKV_SELECT_MASS)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "select_mode = %d: not a skv_select_mode value (SKV_SELECT_FIXED 0, SKV_SELECT_MASS 1)",
+                        (int)cfg->select_mode);
+    if (cfg->select_mode == SKV_SELECT_MASS && !(cfg->select_mass > 0.0f && cfg->select_mass <= 1.0f))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "select_mass = %g: must be in (0, 1] with SKV_SELECT_MASS",
+                        (double)cfg->select_mass);
+    if (cfg->n_layers < 64 && (cfg->dense_layers >> cfg->n_layers))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "dense_layers = 0x%llx: bit %d or above is set, but n_layers = %d",
+                        (unsigned long long)cfg->dense_layers, cfg->n_layers, cfg->n_layers);
+    /* S: budget / c, or every candidate of the longest prompt (SKV_BUDGET_ALL); computed in 64 bits */
+    const int64_t cand_max = cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks - cfg->n_outlier_chunks;
+    const int64_t S = cfg->budget == SKV_BUDGET_ALL ? cand_max : cfg->budget / cfg->chunk_size;
+    if (cfg->budget == SKV_BUDGET_ALL && cand_max < 1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "budget = SKV_BUDGET_ALL with max_prompt_len = %lld: (O + 1 + Lc) * c = %lld tokens are needed "
+                        "for one candidate chunk",
+                        (long long)cfg->max_prompt_len,
+                        (long long)(((int64_t)cfg->n_outlier_chunks + 1 + cfg->n_local_chunks) * cfg->chunk_size));
+    if (cfg->select_mode == SKV_SELECT_MASS && (cfg->select_min_chunks < 0 || cfg->select_min_chunks > S))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "select_min_chunks = %d: must be in [0, S = %lld] (S = budget / chunk_size, or N_max - O for "
+                        "SKV_BUDGET_ALL)",
+                        cfg->select_min_chunks, (long long)S);
+    /* smallest valid prompt of a sparse layer: O + (candidates it must have) + Lc chunks */
+    const int64_t need = skv_min_candidates(cfg, S);
+    int64_t min_chunks = (int64_t)cfg->n_outlier_chunks + need + cfg->n_local_chunks;
     int64_t min_prompt = min_chunks * cfg->chunk_size;
     if (min_prompt > cfg->max_prompt_len)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                        "max_prompt_len = %lld < (O + S + Lc) * c = %lld: no prompt could be prefilled",
-                        (long long)cfg->max_prompt_len, (long long)min_prompt);
+                        "max_prompt_len = %lld < (O + %s + Lc) * c = %lld: no prompt could be prefilled",
+                        (long long)cfg->max_prompt_len,
+                        cfg->select_mode == SKV_SELECT_MASS ? "max(1, select_min_chunks)"
+                        : cfg->budget == SKV_BUDGET_ALL     ? "1"
+                                                            : "S",
+                        (long long)min_prompt);
+    /* the rank against the key width only; against the prompt at prefill (SKV_ERR_PROMPT_TOO_SHORT) */
     int64_t width = (int64_t)cfg->n_kv_heads * cfg->head_dim;
-    if (cfg->rank > width || cfg->rank > min_prompt)
+    if (cfg->rank > width)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                        "rank = %d: must be <= n_kv_heads * head_dim = %lld and <= the shortest "
-                        "valid prompt (O + S + Lc) * c = %lld",
-                        cfg->rank, (long long)width, (long long)min_prompt);
+                        "rank = %d: must be <= n_kv_heads * head_dim = %lld (a prompt shorter than the rank "
+                        "is refused at prefill)",
+                        cfg->rank, (long long)width);
+    if (cfg->rank == 0) {
+        if (cfg->rank_max < 1 || cfg->rank_max > width)
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_max = %d: with rank = 0 it must be in [1, n_kv_heads * head_dim = %lld]",
+                            cfg->rank_max, (long long)width);
+        if (!(cfg->rank_error_target > 0.0f && cfg->rank_error_target < 1.0f))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "rank_error_target = %g: with rank = 0 it must be in (0, 1)",
+                            (double)cfg->rank_error_target);
+    }
     return SKV_OK;
 }
 
@@ -252,11 +306,15 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     if (st) return st;
     memset(lay, 0, sizeof *lay);
     size_t c = (size_t)cfg->chunk_size, D = (size_t)cfg->head_dim, Hk = (size_t)cfg->n_kv_heads;
-    size_t r = (size_t)cfg->rank, O = (size_t)cfg->n_outlier_chunks;
+    size_t r = (size_t)skv_cfg_rank(cfg), O = (size_t)cfg->n_outlier_chunks;
     size_t nmax = (size_t)cfg->max_prompt_len, cap = (size_t)cfg->gen_capacity;
-    lay->S = cfg->budget / cfg->chunk_size;
     lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -
                               cfg->n_outlier_chunks);
+    lay->S = cfg->budget == SKV_BUDGET_ALL ? lay->cand_max : cfg->budget / cfg->chunk_size;
+    lay->min_cand = (int32_t)skv_min_candidates(cfg, lay->S);
+    lay->batch = cfg->batch_size;
+    lay->dense_layers = cfg->dense_layers;
+    lay->n_dense_layers = skv_layout_dense_below(lay, cfg->n_layers);
     lay->local_max = (cfg->n_local_chunks + 1) * cfg->chunk_size - 1;
     lay->n_positions = cfg->max_prompt_len + cfg->gen_capacity;
     if (cfg->value_cache_chunks && (cfg->value_cache_chunks < lay->S || cfg->value_cache_chunks > lay->cand_max))
@@ -284,7 +342,15 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && REGION(&dev, cap, HkD, b2, &lay->gen_v);
     ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_idx);
     ok = ok && REGION(&dev, Hk, S, i4, &lay->sel_ids);
+    ok = ok && REGION(&dev, Hk, 1, i4, &lay->sel_cnt);
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->slot_device = t & ~(size_t)255), 1);
+    /* a dense slot: the whole prompt's keys and values, and the generated tokens */
+    size_t dn = 0;
+    ok = ok && REGION(&dn, nmax, HkD, b2, &lay->dn_k);
+    ok = ok && REGION(&dn, nmax, HkD, b2, &lay->dn_v);
+    ok = ok && REGION(&dn, cap, HkD, b2, &lay->dn_gen_k);
+    ok = ok && REGION(&dn, cap, HkD, b2, &lay->dn_gen_v);
+    ok = ok && skv_add_size(dn, 255, &t) && ((lay->slot_dense = t & ~(size_t)255), 1);
     /* one value store, and one chunk cache (data, then its index: slot_of, owner, stamp) */
     ok = ok && skv_mul3(cm, c, HkD, &t) && skv_mul_size(t, b2, &t) && skv_add_size(t, 255, &t) &&
          ((lay->slot_values = lay->slot_host = t & ~(size_t)255), 1);
@@ -294,26 +360,33 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && REGION(&vcache, Hk, vc, i4, &lay->vc_stamp);
     ok = ok && ((lay->vc_meta_bytes = vcache - lay->vc_slot_of), 1);
     ok = ok && skv_add_size(vcache, 255, &t) && ((lay->slot_vcache = t & ~(size_t)255), 1);
-    /* L * B slots, then shared regions, then the values */
+    /* the sparse slots, the dense slots, then shared regions, then the values */
+    size_t n_sp = 0, n_dn = 0;
     ok = ok && skv_mul_size((size_t)cfg->n_layers, (size_t)cfg->batch_size, &slots);
     ok = ok && slots <= (size_t)INT64_MAX && ((lay->n_slots = (int64_t)slots), 1);
-    ok = ok && skv_mul_size(slots, lay->slot_device, &dev);
+    ok = ok && skv_mul_size((size_t)lay->n_dense_layers, (size_t)cfg->batch_size, &n_dn);
+    ok = ok && ((n_sp = slots - n_dn), (lay->n_sparse_slots = (int64_t)n_sp), (lay->n_dense_slots = (int64_t)n_dn), 1);
+    ok = ok && skv_mul_size(n_sp, lay->slot_device, &dev);
+    ok = ok && skv_add_size(dev, 255, &t) && ((lay->dense_base = t & ~(size_t)255), 1);
+    ok = ok && skv_mul_size(n_dn, lay->slot_dense, &t) && skv_add_size(lay->dense_base, t, &dev);
     ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_cos);
     ok = ok && REGION(&dev, (size_t)lay->n_positions, R2, 4, &lay->rope_sin);
     ok = ok && skv_mul3(S, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_k);
     ok = ok && skv_mul3(S, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_v);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
+    ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, 1, &t) && skv_region(&dev, t, i4, &lay->ws_sel_cnt);
     if (ok) {
-        lay->n_dev_slots = skv_dev_slots(cfg->value_device_bytes, lay->n_slots, lay->slot_values, lay->slot_vcache);
+        lay->n_dev_slots = skv_dev_slots(cfg->value_device_bytes, lay->n_sparse_slots, lay->slot_values,
+                                         lay->slot_vcache);
         if (lay->n_dev_slots < 0)
             return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
-                            "value_device_bytes = %lld: below the chunk caches of all %lld (layer, sequence) "
+                            "value_device_bytes = %lld: below the chunk caches of all %lld sparse (layer, sequence) "
                             "slots (%zu bytes each, value_cache_chunks = %d); raise it or lower value_cache_chunks",
-                            (long long)cfg->value_device_bytes, (long long)lay->n_slots, lay->slot_vcache,
+                            (long long)cfg->value_device_bytes, (long long)lay->n_sparse_slots, lay->slot_vcache,
                             lay->vc_chunks);
     }
-    size_t n_dev = (size_t)lay->n_dev_slots, n_host = slots - n_dev;
+    size_t n_dev = (size_t)lay->n_dev_slots, n_host = n_sp - n_dev;
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->dev_values = t & ~(size_t)255), 1);
     ok = ok && skv_mul_size(n_dev, lay->slot_values, &t) && skv_add_size(lay->dev_values, t, &lay->dev_vcache);
     ok = ok && skv_mul_size(n_host, lay->slot_vcache, &t) && skv_add_size(lay->dev_vcache, t, &dev);

@@ -84,13 +84,23 @@ skv_status skv_backend_resolve(char *errbuf, skv_backend want, skv_backend *got,
 
 skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *lay);
 
+/* Whether this process can start the n_threads - 1 worker threads that n_threads asks of a
+   backend (skv_cache_create; lib/skv_util.c). */
+skv_status skv_probe_threads(int32_t n_threads);
+
 /*
  * The structs of the public API that grow by appending fields. The smallest size
  * each ever had (its first published layout) is the least a caller may pass.
  */
 #define SKV_CONFIG_MIN_SIZE offsetof(skv_config, reproducible) /* 0.1.0 ended at factorize */
+/* 0.2 ended at reproducible: its size, the struct's alignment padding included */
+#define SKV_CONFIG_V02_SIZE \
+    ((offsetof(skv_config, select_mode) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
-#define SKV_SEQ_INFO_MIN_SIZE sizeof(skv_seq_info)
+/* 0.1 and 0.2 ended at values_on_device (0.3 added rank and dense): that size, padding included */
+#define SKV_SEQ_INFO_MIN_SIZE \
+    ((offsetof(skv_seq_info, rank) + _Alignof(skv_seq_info) - 1) / _Alignof(skv_seq_info) * _Alignof(skv_seq_info))
+#define SKV_LAYER_STATS_MIN_SIZE sizeof(skv_layer_stats)
 #define SKV_MEMORY_INFO_MIN_SIZE sizeof(skv_memory_info)
 
 /* A caller's config (cfg->struct_size bytes of it) completed with the defaults of
@@ -116,10 +126,17 @@ typedef struct skv_cache_parts {
     const struct skv_backend_ops *ops;
     char *dev, *host;       /* the device and host arenas */
     skv_seq_state *slots;   /* [n_layers * batch_size], slot i = layer * batch_size + seq */
+    skv_layer_stats *layer_stats; /* [n_layers] decode counters (the counter fields only) */
     void *bctx;             /* the backend's cache state (cache-level slots), or NULL */
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;
 void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
+/* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_rank.c). From the float factors uf [n, m],
+   wf [m, Hk D] at m = rank_max of k_pre: the slot's rank into *rank and the factors in bf16 into
+   u [n, m], w [m, Hk D] (host memory: ref, cpu), columns of U and rows of W in the stable order
+   of non-increasing energy, places r.. zero. */
+skv_status skv_rank_store(char *errbuf, const skv_config *cfg, int64_t n, const skv_bf16 *k_pre, const float *uf,
+                          const float *wf, skv_bf16 *u, skv_bf16 *w, int32_t *rank);
 
 #ifdef __cplusplus
 }

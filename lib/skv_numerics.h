@@ -274,6 +274,28 @@ SKV_HD float skv_chunk_landmark_score(const uint16_t *k, int64_t token_stride, i
  */
 SKV_HD float skv_select_key(float a) { return a != a ? -1.0f : a; }
 
+/* The mass of a candidate in SKV_SELECT_MASS (docs/DESIGN.md 4.5): its key, a NaN's -1 as 0. */
+SKV_HD float skv_mass_weight(float key) { return fmaxf(key, 0.0f); }
+
+/*
+ * Steps 6-7 of the mass rule (docs/DESIGN.md 4.5): w[0..cap) the masses of the cap best
+ * candidates, best first; cum = 0; the first i (1-based) with cum + ... + w[i-1] >= target
+ * (one float add each, in this order), else cap; at least floor. One thread, in order.
+ */
+SKV_HD int32_t skv_mass_count(const float *w, int32_t cap, float target, int32_t floor)
+{
+    float cum = 0.0f;
+    int32_t k = cap;
+    for (int32_t i = 0; i < cap; i++) {
+        cum = SKV_ADD(cum, w[i]);
+        if (cum >= target) {
+            k = i + 1;
+            break;
+        }
+    }
+    return k < floor ? floor : k;
+}
+
 /* Ordering key for outliers: lower score is more outlying; NaN is most outlying. */
 SKV_HD float skv_outlier_key(float s) { return s != s ? -3.0f : s; }
 

@@ -186,13 +186,13 @@ SKV_API skv_status skv_op_landmarks_outliers(skv_backend backend, int32_t n_chun
                                    outlier_ids, candidate_ids, landmarks));
 }
 
-SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
-                                       int32_t head_dim, int32_t n_cand, int32_t n_select, float scale,
-                                       const skv_bf16 *q, const skv_bf16 *landmarks,
-                                       const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
-                                       float *amax)
+/* skv_op_score_select (mass = 0: the fixed count) and skv_op_score_select_mass: the same checks. */
+static skv_status skv_score_select_op(const char *fn, int mass_mode, skv_backend backend, int32_t n_q_heads,
+                                      int32_t n_kv_heads, int32_t head_dim, int32_t n_cand, int32_t n_select,
+                                      float select_mass, int32_t select_min_chunks, float scale, const skv_bf16 *q,
+                                      const skv_bf16 *landmarks, const int32_t *candidate_ids, int32_t *sel_idx,
+                                      int32_t *sel_ids, float *amax, int32_t *counts)
 {
-    static const char fn[] = "skv_op_score_select";
     SKV_NONNULL(fn, q);
     SKV_NONNULL(fn, landmarks);
     SKV_NONNULL(fn, sel_idx);
@@ -204,7 +204,16 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
                         fn, n_q_heads, n_kv_heads);
     SKV_RANGE(fn, head_dim, 1, SKV_MAX_D);
     SKV_RANGE(fn, n_cand, 1, INT32_MAX / 1024);
-    SKV_RANGE(fn, n_select, 1, n_cand);
+    if (mass_mode) {
+        SKV_NONNULL(fn, counts);
+        SKV_RANGE(fn, n_select, 1, INT32_MAX / 1024);
+        if (!(select_mass > 0.0f && select_mass <= 1.0f))
+            return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: select_mass = %g must be in (0, 1]", fn,
+                            (double)select_mass);
+        SKV_RANGE(fn, select_min_chunks, 0, n_select);
+    } else {
+        SKV_RANGE(fn, n_select, 1, n_cand);
+    }
     if (!isfinite(scale) || scale < 0.0f)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: scale = %g must be finite and >= 0", fn, (double)scale);
     SKV_GET_SLOT(fn, score_select);
@@ -216,12 +225,38 @@ SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, i
         ops->check_range(candidate_ids, (int64_t)n_kv_heads * n_cand, 0, (int64_t)INT32_MAX + 1, &bad_i, &bad_v) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: candidate_ids[%lld] = %d < 0", fn, (long long)bad_i,
                         bad_v);
+    skv_select_params sp;
+    sp.mode = mass_mode ? SKV_SELECT_MASS : SKV_SELECT_FIXED;
+    sp.cap = n_select < n_cand ? n_select : n_cand;
+    sp.stride = n_select;
+    sp.floor = select_min_chunks < sp.cap ? select_min_chunks : sp.cap;
+    sp.mass = select_mass;
     skv_ws ws = {0};
-    skv_status st = ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
-                                      skv_resolve_scale(scale, head_dim), q, landmarks, candidate_ids,
-                                      sel_idx, sel_ids, amax, &ws);
+    skv_status st = ops->score_select(n_q_heads, n_kv_heads, head_dim, n_cand, &sp, skv_resolve_scale(scale, head_dim),
+                                      q, landmarks, candidate_ids, sel_idx, sel_ids, amax, counts, &ws);
     skv_ws_reset(&ws);
     return skv_slot_result(fn, ops, st);
+}
+
+SKV_API skv_status skv_op_score_select(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                       int32_t head_dim, int32_t n_cand, int32_t n_select, float scale,
+                                       const skv_bf16 *q, const skv_bf16 *landmarks,
+                                       const int32_t *candidate_ids, int32_t *sel_idx, int32_t *sel_ids,
+                                       float *amax)
+{
+    return skv_score_select_op("skv_op_score_select", 0, backend, n_q_heads, n_kv_heads, head_dim, n_cand, n_select,
+                               0.0f, 0, scale, q, landmarks, candidate_ids, sel_idx, sel_ids, amax, NULL);
+}
+
+SKV_API skv_status skv_op_score_select_mass(skv_backend backend, int32_t n_q_heads, int32_t n_kv_heads,
+                                            int32_t head_dim, int32_t n_cand, int32_t n_select, float select_mass,
+                                            int32_t select_min_chunks, float scale, const skv_bf16 *q,
+                                            const skv_bf16 *landmarks, const int32_t *candidate_ids,
+                                            int32_t *sel_idx, int32_t *sel_ids, float *amax, int32_t *counts)
+{
+    return skv_score_select_op("skv_op_score_select_mass", 1, backend, n_q_heads, n_kv_heads, head_dim, n_cand,
+                               n_select, select_mass, select_min_chunks, scale, q, landmarks, candidate_ids, sel_idx,
+                               sel_ids, amax, counts);
 }
 
 /* skv_op_rebuild_keys and skv_op_rebuild_keys_canonical: the same checks, then one of two slots. */
@@ -250,8 +285,8 @@ static skv_status skv_rebuild_op(const char *fn, int canonical, skv_backend back
         if (st) return st;
     }
     skv_status (*slot)(const skv_rope_config *, int32_t, int32_t, int32_t, int32_t, int32_t, int64_t,
-                       const skv_bf16 *, const skv_bf16 *, const int32_t *, const float *, const float *, skv_bf16 *,
-                       skv_ws *) = canonical ? ops->rebuild_keys_canonical : ops->rebuild_keys;
+                       const skv_bf16 *, const skv_bf16 *, const int32_t *, const int32_t *, const float *,
+                       const float *, skv_bf16 *, skv_ws *) = canonical ? ops->rebuild_keys_canonical : ops->rebuild_keys;
     if (!slot)
         return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", fn, ops->name,
                         canonical ? "rebuild_keys_canonical" : "rebuild_keys");
@@ -264,7 +299,7 @@ static skv_status skv_rebuild_op(const char *fn, int canonical, skv_backend back
     SKV_FINITE(fn, u, n * rank);
     SKV_FINITE(fn, w, (int64_t)rank * n_kv_heads * head_dim);
     skv_ws ws = {0};
-    st = slot(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids, cos_tab, sin_tab, k_out, &ws);
+    st = slot(rope, head_dim, n_kv_heads, rank, chunk, n_select, n, u, w, chunk_ids, NULL, cos_tab, sin_tab, k_out, &ws);
     skv_ws_reset(&ws);
     return skv_slot_result(fn, ops, st);
 }
@@ -308,7 +343,8 @@ SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads,
     if (ops->check_range(idx, (int64_t)n_kv_heads * n_select, 0, n_store, &bad_i, &bad_v) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: idx[%lld] = %d, must be in [0, %d)", fn,
                         (long long)bad_i, bad_v, n_store);
-    return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, store, idx, v_out));
+    return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, store, idx, NULL,
+                                                       v_out));
 }
 
 static skv_status skv_attn_args(const char *fn, int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
@@ -354,8 +390,8 @@ static skv_status skv_sparse_op(const char *fn, int canonical, skv_backend backe
     const struct skv_backend_ops *ops;
     skv_backend got_;
     if ((st = skv_backend_resolve(NULL, backend, &got_, &ops))) return st;
-    skv_status (*slot)(int32_t, int32_t, int32_t, float, const skv_bf16 *, int32_t, const skv_kv_span *, float *,
-                       skv_ws *) = canonical ? ops->sparse_attention_canonical : ops->sparse_attention;
+    skv_status (*slot)(int32_t, int32_t, int32_t, float, const skv_bf16 *, int32_t, const skv_kv_span *,
+                       const int64_t *, float *, skv_ws *) = canonical ? ops->sparse_attention_canonical : ops->sparse_attention;
     if (!slot)
         return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "%s: backend %s does not implement %s", fn, ops->name,
                         canonical ? "sparse_attention_canonical" : "sparse_attention");
@@ -372,7 +408,7 @@ static skv_status skv_sparse_op(const char *fn, int canonical, skv_backend backe
         }
     }
     skv_ws ws = {0};
-    st = slot(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans, spans, out, &ws);
+    st = slot(n_q_heads, n_kv_heads, head_dim, skv_resolve_scale(scale, head_dim), q, n_spans, spans, NULL, out, &ws);
     skv_ws_reset(&ws);
     return skv_slot_result(fn, ops, st);
 }

@@ -29,20 +29,22 @@
 
 #include "skv_snapshot.h"
 
-/* Slot i's value store: in the device arena or the host arena, as the cache placed it. */
+/* Slot i's value store (a sparse slot's): in the device arena or the host arena, as the cache placed it. */
 static char *snap_value_store(const skv_cache_parts *p, size_t i)
 {
-    if ((int64_t)i < p->lay->n_dev_slots) return p->dev + p->lay->dev_values + i * p->lay->slot_values;
-    return p->host + (i - (size_t)p->lay->n_dev_slots) * p->lay->slot_host;
+    const int32_t B = p->cfg->batch_size;
+    const size_t j = (size_t)skv_layout_sparse_index(p->lay, (int32_t)(i / B), (int32_t)(i % B));
+    if ((int64_t)j < p->lay->n_dev_slots) return p->dev + p->lay->dev_values + j * p->lay->slot_values;
+    return p->host + (j - (size_t)p->lay->n_dev_slots) * p->lay->slot_host;
 }
 
 /* Start of a tensor's region in the arenas of slot i. */
 static char *snap_region(const skv_cache_parts *p, size_t i, const snap_tensor *t)
 {
+    const int32_t B = p->cfg->batch_size;
     if (t->where == R_VALUES) return snap_value_store(p, i);
-    return p->dev + i * p->lay->slot_device + t->region;
+    return p->dev + skv_layout_slot_offset(p->lay, (int32_t)(i / B), (int32_t)(i % B)) + t->region;
 }
-
 
 /* ---- writer ------------------------------------------------------------------------------- */
 
@@ -119,7 +121,7 @@ static skv_status snap_size(const skv_cache_parts *p, size_t *size)
 {
     size_t total = SNAP_PREAMBLE + SNAP_SEC_HEAD + SNAP_CONF_BYTES + SNAP_SEC_CRC, b;
     for (int64_t i = 0; i < p->lay->n_slots; i++)
-        if (!skv_snap_slot_bytes(p->cfg, p->lay, &p->slots[i], &b) || !skv_add_size(b, SNAP_SEC_HEAD + SNAP_SEC_CRC, &b) ||
+        if (!skv_snap_slot_bytes(p->cfg, p->lay, &p->slots[i], SNAP_VERSION, &b) || !skv_add_size(b, SNAP_SEC_HEAD + SNAP_SEC_CRC, &b) ||
             !skv_add_size(total, b, &total))
             return skv_fail(p->err, SKV_ERR_SIZE_OVERFLOW, "skv_cache_save: the snapshot's size overflows size_t");
     if (!skv_add_size(total, SNAP_SEC_HEAD + SNAP_END_BYTES + SNAP_SEC_CRC, &total))
@@ -154,7 +156,7 @@ static skv_status snap_write(snap_out *o, const skv_cache_parts *p, size_t size)
     for (int64_t i = 0; i < p->lay->n_slots; i++) {
         const skv_seq_state *s = &p->slots[i];
         size_t len;
-        skv_snap_slot_bytes(g, p->lay, s, &len); /* snap_size checked it */
+        skv_snap_slot_bytes(g, p->lay, s, SNAP_VERSION, &len); /* snap_size checked it */
         put_u32(b, (uint32_t)(i / g->batch_size));
         put_u32(b + 4, (uint32_t)(i % g->batch_size));
         put_u32(b + 8, (uint32_t)s->prefilled);
@@ -164,10 +166,12 @@ static skv_status snap_write(snap_out *o, const skv_cache_parts *p, size_t size)
         put_u32(b + 28, (uint32_t)s->n_cand);
         put_u32(b + 32, (uint32_t)s->n_local);
         put_u32(b + 36, (uint32_t)s->n_gen);
+        put_u32(b + 40, (uint32_t)s->rank);
+        put_u32(b + 44, (uint32_t)s->dense);
         if ((st = out_section(o, TAG_SLOT, len)) || (st = out_write(o, b, SNAP_STATE_BYTES))) goto done;
         if (s->prefilled) {
             snap_tensor t[SNAP_MAX_TENSORS];
-            int nt = skv_snap_tensors(g, p->lay, s, t);
+            int nt = skv_snap_tensors(g, p->lay, s, SNAP_VERSION, t);
             for (int k = 0; k < nt; k++)
                 if ((st = out_tensor(o, p, (size_t)i, &t[k], stage))) goto done;
         }
@@ -285,17 +289,19 @@ static int64_t snap_bad_ids(const int32_t *x, size_t n, int64_t hi)
 /*
  * Reads one SLOT payload's tensors (after its state) and checks them: bf16 data finite,
  * candidate and outlier ids of each head strictly increasing and together the chunks
- * 0..N-1, the selection's indices strictly increasing candidates and its ids their chunk
- * ids. With p non-NULL the data is written into slot i of that cache.
+ * 0..N-1, each head's selection count k in [1, min(S, n_cand)] (exactly that in the fixed
+ * mode; version 1: S), the selection's first k indices strictly increasing candidates and
+ * its ids their chunk ids, the rest -1. With p non-NULL the data is written into slot i of
+ * that cache (a version 1 selection's counts too).
  */
 static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_layout *lay, const skv_seq_state *s,
                                   const skv_cache_parts *p, size_t i, unsigned char *stage, const char *where)
 {
     snap_tensor t[SNAP_MAX_TENSORS];
-    const int nt = skv_snap_tensors(g, lay, s, t);
+    const int nt = skv_snap_tensors(g, lay, s, in->version, t);
     const size_t Hk = (size_t)g->n_kv_heads, O = (size_t)g->n_outlier_chunks, S = (size_t)lay->S;
-    const size_t nc = (size_t)s->n_cand;
-    int32_t *ids[5] = {NULL, NULL, NULL, NULL, NULL}; /* by kind */
+    const size_t nc = (size_t)s->n_cand, kcap = S < nc ? S : nc;
+    int32_t *ids[T_NKINDS] = {NULL}; /* by kind */
     skv_status st = SKV_OK;
     for (int k = 0; k < nt && !st; k++) {
         const snap_tensor *tk = &t[k];
@@ -311,15 +317,23 @@ static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_la
             const size_t at = in->pos;
             if ((st = skv_snap_in_read(in, x, row_bytes, tk->name))) break;
             skv_snap_swap(x, tk->row_elems, es);
-            const size_t per = tk->kind == T_CAND ? nc : tk->kind == T_OUT ? O : S;
+            const size_t per = tk->kind == T_CAND ? nc : tk->kind == T_OUT ? O : tk->kind == T_SELCNT ? 1 : S;
             const int64_t hi = tk->kind == T_SELIDX ? (int64_t)nc : (int64_t)s->n_chunks;
             for (size_t h = 0; h < Hk && !st; h++) {
                 const int32_t *xh = x + h * per;
+                const size_t kh = ids[T_SELCNT] ? (size_t)ids[T_SELCNT][h] : S; /* version 1: S */
                 int64_t bad = -1;
-                if (tk->kind == T_SELIDS) {
+                if (tk->kind == T_SELCNT) {
+                    if (xh[0] < 1 || (size_t)xh[0] > kcap || (g->select_mode != SKV_SELECT_MASS && (size_t)xh[0] != kcap))
+                        bad = 0;
+                } else if (tk->kind == T_SELIDS) {
                     const int32_t *cand = ids[T_CAND] + h * nc, *sidx = ids[T_SELIDX] + h * S;
                     for (size_t j = 0; j < S && bad < 0; j++)
-                        if (xh[j] != cand[sidx[j]]) bad = (int64_t)j;
+                        if (xh[j] != (j < kh ? cand[sidx[j]] : -1)) bad = (int64_t)j;
+                } else if (tk->kind == T_SELIDX) {
+                    bad = snap_bad_ids(xh, kh, hi);
+                    for (size_t j = kh; j < S && bad < 0; j++)
+                        if (xh[j] != -1) bad = (int64_t)j;
                 } else {
                     bad = snap_bad_ids(xh, per, hi);
                 }
@@ -327,8 +341,11 @@ static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_la
                     st = skv_fail(NULL, SKV_ERR_FORMAT,
                                   "skv_cache_load: %s%s, head %zu, entry %lld (byte %zu) = %d: %s", tk->name, where, h,
                                   (long long)bad, at + (h * per + (size_t)bad) * es, xh[bad],
-                                  tk->kind == T_SELIDS ? "not the chunk id of the selected candidate"
-                                  : tk->kind == T_SELIDX ? "selected candidate indices are strictly increasing in [0, n_cand)"
+                                  tk->kind == T_SELIDS   ? "not the chunk id of the selected candidate (-1 past the count)"
+                                  : tk->kind == T_SELIDX ? "selected candidate indices are strictly increasing in "
+                                                           "[0, n_cand), then -1 past the count"
+                                  : tk->kind == T_SELCNT ? "a selection count is in [1, min(S, n_cand)] (that in the "
+                                                           "fixed mode)"
                                                          : "chunk ids are strictly increasing in [0, n_chunks)");
                 if (!st && tk->kind == T_OUT) { /* outliers and candidates: disjoint, so together all N chunks */
                     const int32_t *cand = ids[T_CAND] + h * nc;
@@ -347,6 +364,14 @@ static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_la
                 st = p->ops->copy2d(base, 0, x, 0, row_bytes, 1);
                 if (st) st = skv_fail(NULL, st, "skv_cache_load: copying %s%s into the cache failed: %s", tk->name,
                                       where, skv_status_string(st));
+            }
+            if (!st && p && tk->kind == T_SELIDS && !ids[T_SELCNT]) { /* version 1: every head selected S */
+                for (size_t h = 0; h < Hk; h++) x[h] = (int32_t)S;
+                st = p->ops->copy2d(snap_region(p, i, &(snap_tensor){"selection_count", T_SELCNT, R_SLOT,
+                                                                     lay->sel_cnt, 1, Hk, 0}),
+                                    0, x, 0, Hk * sizeof *x, 1);
+                if (st) st = skv_fail(NULL, st, "skv_cache_load: writing the selection counts%s failed: %s", where,
+                                      skv_status_string(st));
             }
             continue;
         }
@@ -372,7 +397,7 @@ static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_la
                 }
             }
     }
-    for (int k = 0; k < 5; k++) free(ids[k]);
+    for (int k = 0; k < T_NKINDS; k++) free(ids[k]);
     return st;
 }
 
@@ -391,6 +416,7 @@ static skv_status in_body(snap_in *in, const skv_config *g, const skv_layout *la
         snprintf(where, sizeof where, " (layer %d, sequence %d)", layer, seq);
         /* the head: the length is checked against the state below, so read it first as is */
         unsigned char h[SNAP_SEC_HEAD], b[SNAP_STATE_BYTES];
+        const uint32_t state_bytes = SNAP_STATE_OF(in->version);
         const size_t at = in->pos;
         in->sec_crc = 0;
         if ((st = skv_snap_in_read(in, h, sizeof h, "a SLOT section head"))) return st;
@@ -399,13 +425,13 @@ static skv_status in_body(snap_in *in, const skv_config *g, const skv_layout *la
                             "skv_cache_load: section SLOT%s at byte %zu: tag 0x%08x, reserved 0x%08x (want 0x%08x, 0)",
                             where, at, (unsigned)get_u32(h), (unsigned)get_u32(h + 4), (unsigned)TAG_SLOT);
         const uint64_t len = get_u64(h + 8);
-        if (len < SNAP_STATE_BYTES || len > (uint64_t)(in->size - in->pos) ||
+        if (len < state_bytes || len > (uint64_t)(in->size - in->pos) ||
             len + SNAP_SEC_CRC > (uint64_t)(in->size - in->pos))
             return skv_fail(NULL, SKV_ERR_FORMAT,
                             "skv_cache_load: truncated: section SLOT%s at byte %zu has a payload of %llu bytes, "
                             "%zu remain",
                             where, at, (unsigned long long)len, in->size - in->pos);
-        if ((st = skv_snap_in_read(in, b, SNAP_STATE_BYTES, "a SLOT state"))) return st;
+        if ((st = skv_snap_in_read(in, b, state_bytes, "a SLOT state"))) return st;
         if ((int32_t)get_u32(b) != layer || (int32_t)get_u32(b + 4) != seq)
             return skv_fail(NULL, SKV_ERR_FORMAT,
                             "skv_cache_load: section SLOT%s at byte %zu names layer %d, sequence %d (slots are in "
@@ -420,10 +446,21 @@ static skv_status in_body(snap_in *in, const skv_config *g, const skv_layout *la
         s.n_cand = (int32_t)get_u32(b + 28);
         s.n_local = (int32_t)get_u32(b + 32);
         s.n_gen = (int32_t)get_u32(b + 36);
+        s.dense = skv_layout_dense(lay, layer);
+        if (in->version >= 2) {
+            s.rank = (int32_t)get_u32(b + 40);
+            if ((int32_t)get_u32(b + 44) != s.dense)
+                return skv_fail(NULL, SKV_ERR_FORMAT,
+                                "skv_cache_load: section SLOT%s at byte %zu: dense = %d, but CONF's dense_layers "
+                                "makes layer %d %s",
+                                where, at, (int32_t)get_u32(b + 44), layer, s.dense ? "dense" : "sparse");
+        } else {
+            s.rank = s.prefilled ? g->rank : 0; /* version 1: the config's rank */
+        }
         if (!skv_snap_check_state(g, lay, &s, why, sizeof why))
             return skv_fail(NULL, SKV_ERR_FORMAT, "skv_cache_load: section SLOT%s at byte %zu: %s", where, at, why);
         size_t want;
-        if (!skv_snap_slot_bytes(g, lay, &s, &want) || (uint64_t)want != len)
+        if (!skv_snap_slot_bytes(g, lay, &s, in->version, &want) || (uint64_t)want != len)
             return skv_fail(NULL, SKV_ERR_FORMAT,
                             "skv_cache_load: section SLOT%s at byte %zu: payload length %llu, its state needs %zu",
                             where, at, (unsigned long long)len, want);
@@ -489,7 +526,7 @@ static skv_status snap_load(snap_in *in, const skv_config *cfg, skv_cache **out)
             goto done;
         }
     } else {
-        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_slots; i++)
+        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_sparse_slots; i++)
             memset(p.dev + p.lay->dev_vcache + (size_t)(i - p.lay->n_dev_slots) * p.lay->slot_vcache +
                        p.lay->vc_slot_of,
                    0xff, p.lay->vc_meta_bytes);
@@ -508,7 +545,7 @@ SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv
     if (out) *out = NULL;
     if (!out) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_load_buffer: out is NULL");
     if (!buf) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_load_buffer: buf is NULL");
-    snap_in in = {(const unsigned char *)buf, NULL, NULL, size, 0, 0, 0};
+    snap_in in = {(const unsigned char *)buf, NULL, NULL, size, 0, 0, 0, 0};
     return snap_load(&in, cfg, out);
 }
 

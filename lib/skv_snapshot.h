@@ -13,12 +13,17 @@
 
 #include "skv_internal.h"
 
-#define SNAP_VERSION 1u
+#define SNAP_VERSION 2u        /* what save writes; load reads versions 1 and 2 */
 #define SNAP_PREAMBLE 16u      /* magic[8], u32 version, u32 flags */
 #define SNAP_SEC_HEAD 16u      /* u32 tag, u32 reserved, u64 payload length */
 #define SNAP_SEC_CRC 4u        /* u32 CRC32C of head + payload */
-#define SNAP_CONF_BYTES 96u    /* version 1's CONF payload */
-#define SNAP_STATE_BYTES 40u   /* a SLOT payload's state fields */
+#define SNAP_CONF_BYTES_V1 96u /* version 1's CONF payload */
+#define SNAP_CONF_BYTES 124u   /* version 2's: version 1's fields, then the 0.3 fields */
+#define SNAP_STATE_BYTES_V1 40u /* a version 1 SLOT payload's state fields */
+#define SNAP_STATE_BYTES 48u   /* version 2's: then u32 rank, u32 dense */
+/* The CONF and state bytes of a format version (1 or 2). */
+#define SNAP_CONF_OF(v) ((v) == 1u ? SNAP_CONF_BYTES_V1 : SNAP_CONF_BYTES)
+#define SNAP_STATE_OF(v) ((v) == 1u ? SNAP_STATE_BYTES_V1 : SNAP_STATE_BYTES)
 #define SNAP_END_BYTES 16u     /* u64 file size, u32 CRC32C of the bytes before END, u32 reserved */
 #define SNAP_STAGE (1u << 20)  /* host staging buffer for tensor data */
 
@@ -69,6 +74,8 @@ typedef struct {
 
 extern const snap_field skv_snap_fields[];
 extern const size_t skv_snap_n_fields;
+/* The fields of version 1 (the first ones; version 2 appends the rest). */
+#define SNAP_N_FIELDS_V1 23u
 /* Bytes of one field in the format. */
 static inline size_t snap_field_bytes(snap_ftype t) { return t == F_I64 ? 8 : 4; }
 /* The field's value as 64 bits (an int sign-extended, a float's bit pattern). */
@@ -80,7 +87,7 @@ void skv_snap_field_fmt(char *buf, size_t cap, const snap_field *f, uint64_t v);
 
 /* ---- slot contents: the tensors of one (layer, sequence), in format order --------------- */
 
-enum { T_BF16, T_CAND, T_OUT, T_SELIDX, T_SELIDS }; /* kinds: bf16 data, or int32 ids of one role */
+enum { T_BF16, T_CAND, T_OUT, T_SELIDX, T_SELIDS, T_SELCNT, T_NKINDS }; /* kinds: bf16 data, or int32 ids of one role */
 enum { R_SLOT, R_VALUES };                         /* where a tensor lives: a per-slot region, or the value store */
 
 /* One tensor of a slot: rows of row_elems elements, row r at element r * pitch of its region. */
@@ -96,12 +103,14 @@ typedef struct {
 /* Element size of a tensor kind. */
 static inline size_t snap_esize(int kind) { return kind == T_BF16 ? sizeof(skv_bf16) : sizeof(int32_t); }
 
-/* The tensors a prefilled slot with state *s contributes, in format order, into t[]; their count. */
-int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, snap_tensor *t);
+/* The tensors a prefilled slot with state *s contributes to a snapshot of format version v, in
+   format order, into t[]; their count. */
+int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, uint32_t v, snap_tensor *t);
 /* Whether a slot's state fields are one a cache of config g can be in; a reason into why. */
 int skv_snap_check_state(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, char *why, size_t cap);
-/* The payload bytes of a SLOT section with state *s into *bytes; 0 on size_t overflow. */
-int skv_snap_slot_bytes(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, size_t *bytes);
+/* The payload bytes of a SLOT section of format version v with state *s into *bytes; 0 on size_t overflow. */
+int skv_snap_slot_bytes(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, uint32_t v,
+                        size_t *bytes);
 /* Whether the states of all slots together are a cache's; a reason into why. */
 int skv_snap_check_states(const skv_config *g, const skv_seq_state *st, char *why, size_t cap);
 
@@ -114,6 +123,7 @@ typedef struct {
     const char *path;
     size_t size, pos;
     uint32_t file_crc, sec_crc;
+    uint32_t version; /* the format version, once the preamble is read */
 } snap_in;
 
 

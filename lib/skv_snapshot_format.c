@@ -109,6 +109,13 @@ const snap_field skv_snap_fields[] = {
     FLD("gen_capacity", F_I32, gen_capacity),
     FLD("factorize", F_I32, factorize),
     FLD("reproducible", F_I32, reproducible),
+    /* version 2 */
+    FLD("select_mode", F_I32, select_mode),
+    FLD("select_mass", F_F32, select_mass),
+    FLD("select_min_chunks", F_I32, select_min_chunks),
+    FLD("rank_max", F_I32, rank_max),
+    FLD("rank_error_target", F_F32, rank_error_target),
+    FLD("dense_layers", F_I64, dense_layers),
 };
 #undef FLD
 const size_t skv_snap_n_fields = sizeof skv_snap_fields / sizeof skv_snap_fields[0];
@@ -158,7 +165,10 @@ void skv_snap_field_fmt(char *buf, size_t cap, const snap_field *f, uint64_t v)
 }
 
 /* skv_config's enum fields are read and written as int32 (snap_field_get/set). */
-typedef char snap_enum_is_4_bytes[(sizeof(skv_factorize_route) == 4 && sizeof(int32_t) == 4) ? 1 : -1];
+typedef char snap_enum_is_4_bytes[(sizeof(skv_factorize_route) == 4 && sizeof(skv_select_mode) == 4 &&
+                                   sizeof(int32_t) == 4) ? 1 : -1];
+/* dense_layers (uint64_t) is read and written as int64, its bits unchanged */
+typedef char snap_u64_is_8_bytes[sizeof(uint64_t) == sizeof(int64_t) ? 1 : -1];
 
 /* The config a cache holds for *c's model fields: reproducible turns factorize AUTO into CANONICAL. */
 static void snap_normalize(skv_config *c)
@@ -173,15 +183,22 @@ static void snap_normalize(skv_config *c)
  * The tensors a prefilled slot with state *s contributes, in format order, into t[];
  * returns their count. Only shapes come from *s, whose fields were checked (snap_check_state).
  */
-int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, snap_tensor *t)
+int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, uint32_t v, snap_tensor *t)
 {
-    const size_t Hk = (size_t)g->n_kv_heads, D = (size_t)g->head_dim, r = (size_t)g->rank, c = (size_t)g->chunk_size;
+    const size_t Hk = (size_t)g->n_kv_heads, D = (size_t)g->head_dim, r = (size_t)skv_cfg_rank(g), c = (size_t)g->chunk_size;
     const size_t O = (size_t)g->n_outlier_chunks, S = (size_t)lay->S, cap = (size_t)g->gen_capacity;
     const size_t n = (size_t)s->n, nc = (size_t)s->n_cand, nl = (size_t)s->n_local, ng = (size_t)s->n_gen;
     int k = 0;
 #define T(nm, kd, wh, reg, rws, re, pt) \
     (t[k].name = nm, t[k].kind = kd, t[k].where = wh, t[k].region = reg, t[k].rows = rws, t[k].row_elems = re, \
      t[k].pitch = pt, k++)
+    if (s->dense) { /* a dense layer: the prompt's exact keys and values, the generated tokens */
+        T("dense_k", T_BF16, R_SLOT, lay->dn_k, 1, Hk * n * D, 0);
+        T("dense_v", T_BF16, R_SLOT, lay->dn_v, 1, Hk * n * D, 0);
+        T("generated_k", T_BF16, R_SLOT, lay->dn_gen_k, Hk, ng * D, cap * D);
+        T("generated_v", T_BF16, R_SLOT, lay->dn_gen_v, Hk, ng * D, cap * D);
+        return k;
+    }
     T("U", T_BF16, R_SLOT, lay->u, 1, n * r, 0);
     T("W", T_BF16, R_SLOT, lay->w, 1, r * Hk * D, 0);
     T("landmarks", T_BF16, R_SLOT, lay->landmarks, 1, Hk * nc * D, 0);
@@ -194,6 +211,7 @@ int skv_snap_tensors(const skv_config *g, const skv_layout *lay, const skv_seq_s
     T("generated_k", T_BF16, R_SLOT, lay->gen_k, Hk, ng * D, cap * D);
     T("generated_v", T_BF16, R_SLOT, lay->gen_v, Hk, ng * D, cap * D);
     if (s->has_selection) {
+        if (v >= 2) T("selection_count", T_SELCNT, R_SLOT, lay->sel_cnt, 1, Hk, 0);
         T("selection_idx", T_SELIDX, R_SLOT, lay->sel_idx, 1, Hk * S, 0);
         T("selection_ids", T_SELIDS, R_SLOT, lay->sel_ids, 1, Hk * S, 0);
     }
@@ -213,14 +231,33 @@ int skv_snap_check_state(const skv_config *g, const skv_layout *lay, const skv_s
     if (s->has_selection != 0 && s->has_selection != 1)
         return snprintf(why, cap, "has_selection = %d: must be 0 or 1", s->has_selection), 0;
     if (!s->prefilled) {
-        if (s->n || s->n_chunks || s->n_cand || s->n_local || s->n_gen || s->has_selection)
-            return snprintf(why, cap, "a slot that is not prefilled has a nonzero shape or step count"), 0;
+        if (s->n || s->n_chunks || s->n_cand || s->n_local || s->n_gen || s->has_selection || s->rank)
+            return snprintf(why, cap, "a slot that is not prefilled has a nonzero shape, rank or step count"), 0;
         return 1;
     }
-    const int64_t c = g->chunk_size, lo = ((int64_t)g->n_outlier_chunks + lay->S + g->n_local_chunks) * c;
-    if (s->n < lo || s->n > g->max_prompt_len)
-        return snprintf(why, cap, "n = %lld: a prefilled prompt has between %lld and max_prompt_len = %lld tokens",
-                        (long long)s->n, (long long)lo, (long long)g->max_prompt_len),
+    if (s->n_gen < 0 || s->n_gen > g->gen_capacity)
+        return snprintf(why, cap, "n_gen = %d: must be in [0, gen_capacity = %d]", s->n_gen, g->gen_capacity), 0;
+    if (s->has_selection != (s->n_gen > 0))
+        return snprintf(why, cap, "has_selection = %d with n_gen = %d: a selection exists exactly after a step",
+                        s->has_selection, s->n_gen),
+               0;
+    if (s->dense) { /* a dense layer's slot: the whole prompt is its local window */
+        if (s->n < 1 || s->n > g->max_prompt_len || s->n_chunks || s->n_cand || s->n_local != s->n || s->rank)
+            return snprintf(why, cap,
+                            "a dense layer's slot with n = %lld, n_chunks = %d, n_cand = %d, n_local = %d, rank = %d "
+                            "(want 1 <= n <= max_prompt_len = %lld, 0, 0, n, 0)",
+                            (long long)s->n, s->n_chunks, s->n_cand, s->n_local, s->rank,
+                            (long long)g->max_prompt_len),
+                   0;
+        return 1;
+    }
+    if (g->rank > 0 ? s->rank != g->rank : (s->rank < 1 || s->rank > g->rank_max))
+        return snprintf(why, cap, "rank = %d: config rank = %d, rank_max = %d", s->rank, g->rank, g->rank_max), 0;
+    const int64_t c = g->chunk_size, lo = ((int64_t)g->n_outlier_chunks + lay->min_cand + g->n_local_chunks) * c;
+    if (s->n < lo || s->n < s->rank || s->n > g->max_prompt_len)
+        return snprintf(why, cap,
+                        "n = %lld: a prefilled prompt has between max(%lld, rank = %d) and max_prompt_len = %lld tokens",
+                        (long long)s->n, (long long)lo, s->rank, (long long)g->max_prompt_len),
                0;
     const int64_t N = s->n / c - g->n_local_chunks;
     if (s->n_chunks != N || s->n_cand != N - g->n_outlier_chunks || s->n_local != s->n - N * c)
@@ -229,22 +266,17 @@ int skv_snap_check_state(const skv_config *g, const skv_layout *lay, const skv_s
                         s->n_chunks, s->n_cand, s->n_local, (long long)s->n, (long long)N,
                         (long long)(N - g->n_outlier_chunks), (long long)(s->n - N * c)),
                0;
-    if (s->n_gen < 0 || s->n_gen > g->gen_capacity)
-        return snprintf(why, cap, "n_gen = %d: must be in [0, gen_capacity = %d]", s->n_gen, g->gen_capacity), 0;
-    if (s->has_selection != (s->n_gen > 0))
-        return snprintf(why, cap, "has_selection = %d with n_gen = %d: a selection exists exactly after a step",
-                        s->has_selection, s->n_gen),
-               0;
     return 1;
 }
 
 /* The payload bytes of a SLOT section with state *s into *bytes; 0 on size_t overflow. */
-int skv_snap_slot_bytes(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, size_t *bytes)
+int skv_snap_slot_bytes(const skv_config *g, const skv_layout *lay, const skv_seq_state *s, uint32_t v,
+                        size_t *bytes)
 {
-    size_t total = SNAP_STATE_BYTES, e;
+    size_t total = SNAP_STATE_OF(v), e;
     if (!s->prefilled) return *bytes = total, 1;
     snap_tensor t[SNAP_MAX_TENSORS];
-    int nt = skv_snap_tensors(g, lay, s, t);
+    int nt = skv_snap_tensors(g, lay, s, v, t);
     for (int i = 0; i < nt; i++)
         if (!skv_mul_size(t[i].rows, t[i].row_elems, &e) || !skv_mul_size(e, snap_esize(t[i].kind), &e) ||
             !skv_add_size(total, e, &total))
@@ -375,19 +407,20 @@ skv_status skv_snap_in_header(snap_in *in, skv_config *snap, skv_layout *lay)
                         in->size);
     if ((st = skv_snap_in_read(in, b, 8, "the format version"))) return st;
     const uint32_t v = get_u32(b);
-    if (v != SNAP_VERSION)
+    if (v != 1u && v != SNAP_VERSION)
         return skv_fail(NULL, SKV_ERR_FORMAT,
-                        "skv_cache_load: format version %u (byte 8); this library (%s) reads version %u", (unsigned)v,
-                        skv_version_string(), SNAP_VERSION);
+                        "skv_cache_load: format version %u (byte 8); this library (%s) reads versions 1 and %u",
+                        (unsigned)v, skv_version_string(), SNAP_VERSION);
     if (get_u32(b + 4) != 0)
         return skv_fail(NULL, SKV_ERR_FORMAT, "skv_cache_load: flags (byte 12) = 0x%08x, version %u defines none",
-                        (unsigned)get_u32(b + 4), SNAP_VERSION);
-    if ((st = skv_snap_in_section(in, TAG_CONF, "CONF", SNAP_CONF_BYTES, ""))) return st;
-    if ((st = skv_snap_in_read(in, b, SNAP_CONF_BYTES, "CONF"))) return st;
+                        (unsigned)get_u32(b + 4), (unsigned)v);
+    in->version = v;
+    if ((st = skv_snap_in_section(in, TAG_CONF, "CONF", SNAP_CONF_OF(v), ""))) return st;
+    if ((st = skv_snap_in_read(in, b, SNAP_CONF_OF(v), "CONF"))) return st;
     if ((st = skv_snap_in_section_end(in, "CONF", ""))) return st;
-    skv_config_init(snap, sizeof *snap);
+    skv_config_init(snap, sizeof *snap); /* a version 1 snapshot: the 0.3 fields keep their defaults */
     size_t at = 0;
-    for (size_t f = 0; f < skv_snap_n_fields; f++) {
+    for (size_t f = 0; f < (v == 1u ? SNAP_N_FIELDS_V1 : skv_snap_n_fields); f++) {
         skv_snap_field_set(snap, &skv_snap_fields[f], skv_snap_fields[f].type == F_I64 ? get_u64(b + at) : get_u32(b + at));
         at += snap_field_bytes(skv_snap_fields[f].type);
     }
@@ -417,8 +450,9 @@ skv_status skv_snap_run_config(const skv_config *snap, const skv_config *cfg, sk
         if (st) return skv_fail(NULL, st, "skv_cache_load: cfg: %s", why);
         snap_normalize(&mine);
         /* factorize last: with reproducible differing, it differs only as a consequence */
-        for (size_t k = 0; k < skv_snap_n_fields; k++) {
-            const size_t f = k < skv_snap_n_fields - 2 ? k : k == skv_snap_n_fields - 2 ? skv_snap_n_fields - 1 : skv_snap_n_fields - 2;
+        for (size_t k = 0; k < 2 * skv_snap_n_fields; k++) {
+            const size_t f = k % skv_snap_n_fields;
+            if ((strcmp(skv_snap_fields[f].name, "factorize") == 0) != (k >= skv_snap_n_fields)) continue;
             const uint64_t a = skv_snap_field_get(&mine, &skv_snap_fields[f]), b = skv_snap_field_get(snap, &skv_snap_fields[f]);
             if (a != b) {
                 char va[64], vb[64];
@@ -452,7 +486,7 @@ skv_status skv_snap_open(snap_in *in, const char *path, const char *fn)
         fclose(f);
         return st;
     }
-    const snap_in fresh = {NULL, f, path, (size_t)sb.st_size, 0, 0, 0};
+    const snap_in fresh = {NULL, f, path, (size_t)sb.st_size, 0, 0, 0, 0};
     *in = fresh;
     return SKV_OK;
 }
@@ -511,6 +545,6 @@ SKV_API skv_status skv_snapshot_config_buffer(const void *buf, size_t size, skv_
     if (!buf) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: buf is NULL", fn);
     skv_status st = snap_query_cfg(fn, cfg);
     if (st) return st;
-    snap_in in = {(const unsigned char *)buf, NULL, NULL, size, 0, 0, 0};
+    snap_in in = {(const unsigned char *)buf, NULL, NULL, size, 0, 0, 0, 0};
     return snap_query(&in, fn, cfg, device_bytes, host_bytes);
 }

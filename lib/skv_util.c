@@ -1,4 +1,5 @@
-/* Status strings, error reporting, bf16, top-k, clock. */
+/* Status strings, error reporting, bf16, top-k and the selection count, clock, the thread probe. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -148,13 +149,67 @@ void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, in
         if (i == kth || skv_before(keys, ascending, i, kth)) out[m++] = i;
 }
 
-void skv_select_head(float *a, int32_t n_cand, int32_t S, int32_t *scratch, int32_t *sel_idx,
-                     const int32_t *candidate_ids, int32_t *sel_ids)
+/* Sorts idx[0..n) by the strict order of skv_before (best first): heapsort, in place. */
+static void skv_sort_best_first(const float *keys, int32_t *idx, int32_t n)
 {
+    /* a heap whose root is the worst element, so popping to the end leaves best first */
+    for (int32_t start = n / 2 - 1, end = n; end > 1;) {
+        int32_t root;
+        if (start >= 0) root = start--;
+        else {
+            end--;
+            int32_t t = idx[0];
+            idx[0] = idx[end];
+            idx[end] = t;
+            root = 0;
+        }
+        for (;;) {
+            int32_t child = 2 * root + 1;
+            if (child >= end) break;
+            if (child + 1 < end && skv_before(keys, 0, idx[child], idx[child + 1])) child++;
+            if (!skv_before(keys, 0, idx[root], idx[child])) break;
+            int32_t t = idx[root];
+            idx[root] = idx[child];
+            idx[child] = t;
+            root = child;
+        }
+    }
+}
+
+int32_t skv_select_head(float *a, int32_t n_cand, const skv_select_params *sp, int32_t *scratch, int32_t *sel_idx,
+                        const int32_t *candidate_ids, int32_t *sel_ids)
+{
+    const int32_t cap = sp->cap;
+    int32_t k = cap;
     for (int32_t j = 0; j < n_cand; j++) a[j] = skv_select_key(a[j]);
-    skv_topk_indices(a, n_cand, S, 0, scratch, sel_idx);
+    skv_topk_indices(a, n_cand, cap, 0, scratch, sel_idx);
+    if (sp->mode == SKV_SELECT_MASS) {
+        /* A: the canonical sum of the masses, as skv_canonical_sum without storing them */
+        float P[SKV_CANON_LANES];
+        for (int i = 0; i < SKV_CANON_LANES; i++) P[i] = 0.0f;
+        for (int32_t j = 0; j < n_cand; j++)
+            P[j & (SKV_CANON_LANES - 1)] = SKV_ADD(P[j & (SKV_CANON_LANES - 1)], skv_mass_weight(a[j]));
+        for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
+            for (int i = 0; i < w; i++) P[i] = SKV_ADD(P[i], P[i + w]);
+        const float target = SKV_MUL(sp->mass, P[0]);
+        /* t_1 .. t_cap best first, their masses in order */
+        int32_t *t = scratch + n_cand;
+        memcpy(t, sel_idx, (size_t)cap * sizeof *t);
+        skv_sort_best_first(a, t, cap);
+        float *w = (float *)scratch; /* the top-k scratch is free again */
+        for (int32_t i = 0; i < cap; i++) w[i] = skv_mass_weight(a[t[i]]);
+        k = skv_mass_count(w, cap, target, sp->floor);
+        if (k < cap) { /* keep the winners up to t_k, in increasing index order */
+            const int32_t last = t[k - 1];
+            int32_t m = 0;
+            for (int32_t i = 0; i < cap; i++)
+                if (sel_idx[i] == last || skv_before(a, 0, sel_idx[i], last)) sel_idx[m++] = sel_idx[i];
+        }
+    }
+    for (int32_t i = k; i < sp->stride; i++) sel_idx[i] = -1;
     if (sel_ids && candidate_ids)
-        for (int32_t k = 0; k < S; k++) sel_ids[k] = candidate_ids[sel_idx[k]];
+        for (int32_t i = 0; i < sp->stride; i++) sel_ids[i] = i < k ? candidate_ids[sel_idx[i]] : -1;
+    return k;
 }
 
 void *skv_ws_alloc(skv_ws *ws, size_t bytes)
@@ -187,4 +242,61 @@ int64_t skv_ws_reset(skv_ws *ws)
     ws->n_spills = 0;
     ws->used = 0;
     return n;
+}
+
+/* ---- thread probe ------------------------------------------------------------------------ */
+
+/* n_threads - 1 threads alive at once (what an OpenMP region of n_threads adds to the caller),
+   then released and joined. */
+typedef struct skv_probe {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int go;
+} skv_probe;
+
+static void *skv_probe_wait(void *arg)
+{
+    skv_probe *p = arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->go) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/*
+ * Whether this process can start the n_threads - 1 worker threads that n_threads asks of an
+ * OpenMP backend. libgomp ends the process when it cannot create a thread; probing here turns
+ * that into a status from create. (A probe, not a guarantee: the resources may change later.)
+ */
+skv_status skv_probe_threads(int32_t n_threads)
+{
+    if (n_threads <= 1) return SKV_OK;
+    pthread_t *t = malloc((size_t)(n_threads - 1) * sizeof *t);
+    if (!t) return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: out of memory probing n_threads");
+    skv_probe p;
+    p.go = 0;
+    if (pthread_mutex_init(&p.mu, NULL)) {
+        free(t);
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_mutex_init failed");
+    }
+    if (pthread_cond_init(&p.cv, NULL)) {
+        pthread_mutex_destroy(&p.mu);
+        free(t);
+        return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY, "skv_cache_create: pthread_cond_init failed");
+    }
+    int32_t started = 0, err = 0;
+    while (started < n_threads - 1 && !(err = pthread_create(&t[started], NULL, skv_probe_wait, &p))) started++;
+    pthread_mutex_lock(&p.mu);
+    p.go = 1;
+    pthread_cond_broadcast(&p.cv);
+    pthread_mutex_unlock(&p.mu);
+    for (int32_t i = 0; i < started; i++) pthread_join(t[i], NULL);
+    pthread_cond_destroy(&p.cv);
+    pthread_mutex_destroy(&p.mu);
+    free(t);
+    if (!err) return SKV_OK;
+    return skv_fail(NULL, SKV_ERR_OUT_OF_MEMORY,
+                    "skv_cache_create: n_threads = %d: this process could start only %d of the %d worker threads "
+                    "it needs (pthread_create: %s); lower n_threads (0 = the OpenMP default)",
+                    n_threads, started, n_threads - 1, strerror(err));
 }

@@ -249,15 +249,16 @@ done:
 
 /* ---- score and select --------------------------------------------------------- */
 
-static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand, int32_t S,
-                                       float scale, const skv_bf16 *q, const skv_bf16 *landmarks,
-                                       const int32_t *candidate_ids, int32_t *sel_idx,
-                                       int32_t *sel_ids, float *amax, skv_ws *ws)
+static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_t n_cand,
+                                       const skv_select_params *sp, float scale, const skv_bf16 *q,
+                                       const skv_bf16 *landmarks, const int32_t *candidate_ids, int32_t *sel_idx,
+                                       int32_t *sel_ids, float *amax, int32_t *counts, skv_ws *ws)
 {
     int32_t G = Hq / Hk;
+    const size_t S = (size_t)sp->stride;
     float *s = skv_ws_alloc(ws, (size_t)n_cand * sizeof *s);
     float *a = skv_ws_alloc(ws, (size_t)n_cand * sizeof *a);
-    int32_t *scratch = skv_ws_alloc(ws, (size_t)n_cand * sizeof *scratch);
+    int32_t *scratch = skv_ws_alloc(ws, (size_t)2 * n_cand * sizeof *scratch);
     if (!s || !a || !scratch) return SKV_ERR_OUT_OF_MEMORY; /* the caller resets ws */
     for (int32_t h = 0; h < Hk; h++) {
         const skv_bf16 *L = landmarks + (size_t)h * n_cand * D;
@@ -269,9 +270,10 @@ static skv_status skv_ref_score_select(int32_t Hq, int32_t Hk, int32_t D, int32_
                 if (g == 0 || s[j] > a[j]) a[j] = s[j];
         }
         if (amax) memcpy(amax + (size_t)h * n_cand, a, (size_t)n_cand * sizeof *a);
-        skv_select_head(a, n_cand, S, scratch, sel_idx + (size_t)h * S,
-                        candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
-                        sel_ids ? sel_ids + (size_t)h * S : NULL);
+        const int32_t k = skv_select_head(a, n_cand, sp, scratch, sel_idx + (size_t)h * S,
+                                          candidate_ids ? candidate_ids + (size_t)h * n_cand : NULL,
+                                          sel_ids ? sel_ids + (size_t)h * S : NULL);
+        if (counts) counts[h] = k;
     }
     return SKV_OK;
 }
@@ -292,9 +294,9 @@ static size_t skv_ref_canon_attn_bytes(int32_t D)
 static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, int64_t max_attn_tokens)
 {
     (void)max_attn_tokens;
-    size_t m = SKV_WS_BYTES((size_t)3 * cand_max * sizeof(float), 3);
+    size_t m = SKV_WS_BYTES((size_t)4 * cand_max * sizeof(float), 3);
     if (cfg->reproducible) {
-        size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, cfg->rank), b = skv_ref_canon_attn_bytes(cfg->head_dim);
+        size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, skv_cfg_rank(cfg)), b = skv_ref_canon_attn_bytes(cfg->head_dim);
         if (a > m) m = a;
         if (b > m) m = b;
     }
@@ -305,7 +307,7 @@ static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, i
 
 static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                        int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
-                                       const skv_bf16 *w, const int32_t *chunk_ids,
+                                       const skv_bf16 *w, const int32_t *chunk_ids, const int32_t *counts,
                                        const float *cos_tab, const float *sin_tab, skv_bf16 *k_out,
                                        skv_ws *ws)
 {
@@ -315,7 +317,7 @@ static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, i
     size_t width = (size_t)Hk * D;
     float x[1024];
     for (int32_t h = 0; h < Hk; h++)
-        for (int32_t s = 0; s < S; s++)
+        for (int32_t s = 0; s < (counts ? counts[h] : S); s++)
             for (int32_t i = 0; i < c; i++) {
                 int64_t t = (int64_t)chunk_ids[(size_t)h * S + s] * c + i;
                 for (int32_t d = 0; d < D; d++) {
@@ -338,7 +340,8 @@ static skv_status skv_ref_rebuild_keys(const skv_rope_config *rope, int32_t D, i
  */
 static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, int32_t D, int32_t Hk, int32_t r,
                                                  int32_t c, int32_t S, int64_t n, const skv_bf16 *u,
-                                                 const skv_bf16 *w, const int32_t *chunk_ids, const float *cos_tab,
+                                                 const skv_bf16 *w, const int32_t *chunk_ids, const int32_t *counts,
+                                                 const float *cos_tab,
                                                  const float *sin_tab, skv_bf16 *k_out, skv_ws *ws)
 {
     (void)n;
@@ -358,7 +361,7 @@ static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, in
             ew[d] = skv_canon_rebuild_ex(mx);
             for (int32_t q = 0; q < r; q++) xw[(size_t)q * D + d] = skv_canon_rebuild_fix(w[(size_t)q * width + (size_t)h * D + d], ew[d]);
         }
-        for (int32_t s = 0; s < S; s++)
+        for (int32_t s = 0; s < (counts ? counts[h] : S); s++)
             for (int32_t i = 0; i < c; i++) {
                 int64_t t = (int64_t)chunk_ids[(size_t)h * S + s] * c + i;
                 const skv_bf16 *ur = u + (size_t)t * r;
@@ -382,11 +385,12 @@ static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, in
 /* ---- gather values ------------------------------------------------------------ */
 
 static skv_status skv_ref_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                                        const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out)
+                                        const skv_bf16 *store, const int32_t *idx, const int32_t *counts,
+                                        skv_bf16 *v_out)
 {
     size_t block = (size_t)c * D;
     for (int32_t h = 0; h < Hk; h++)
-        for (int32_t s = 0; s < S; s++)
+        for (int32_t s = 0; s < (counts ? counts[h] : S); s++)
             memcpy(v_out + ((size_t)h * S + s) * block,
                    store + ((size_t)h * n_store + idx[(size_t)h * S + s]) * block, block * sizeof *store);
     return SKV_OK;
@@ -433,21 +437,35 @@ static void skv_ref_attend_head(const skv_bf16 *qi, int32_t h, int32_t D, float 
     for (int32_t d = 0; d < D; d++) out[d] = (out[d] + ob[d]) / z;
 }
 
+/* spans as KV head h sees them: head_tokens (NULL: as given) replaces their token counts. */
+static void skv_ref_head_spans(int32_t Hk, int32_t h, int32_t n_spans, const skv_kv_span *spans,
+                               const int64_t *head_tokens, skv_kv_span *out)
+{
+    for (int32_t sp = 0; sp < n_spans; sp++) {
+        out[sp] = spans[sp];
+        if (head_tokens) out[sp].n_tokens = head_tokens[(size_t)sp * Hk + h];
+    }
+}
+
 static skv_status skv_ref_sparse_attention(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                            const skv_bf16 *q, int32_t n_spans,
-                                           const skv_kv_span *spans, float *out, skv_ws *ws)
+                                           const skv_kv_span *spans, const int64_t *head_tokens, float *out,
+                                           skv_ws *ws)
 {
     (void)ws;
     int32_t G = Hq / Hk;
-    for (int32_t i = 0; i < Hq; i++)
-        skv_ref_attend_head(q + (size_t)i * D, i / G, D, scale, n_spans, spans, out + (size_t)i * D);
+    skv_kv_span hs[SKV_MAX_SPANS];
+    for (int32_t i = 0; i < Hq; i++) {
+        skv_ref_head_spans(Hk, i / G, n_spans, spans, head_tokens, hs);
+        skv_ref_attend_head(q + (size_t)i * D, i / G, D, scale, n_spans, hs, out + (size_t)i * D);
+    }
     return SKV_OK;
 }
 
 /* The canonical attention (docs/DESIGN.md 10.3): skv_canonical_attend per query head. */
 static skv_status skv_ref_sparse_attention_canonical(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                                      const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
-                                                     float *out, skv_ws *ws)
+                                                     const int64_t *head_tokens, float *out, skv_ws *ws)
 {
     int32_t G = Hq / Hk;
     float *lanes = skv_ws_alloc(ws, sizeof(float) * SKV_CANON_LANES * ((size_t)D + 1));
@@ -456,10 +474,11 @@ static skv_status skv_ref_sparse_attention_canonical(int32_t Hq, int32_t Hk, int
     for (int32_t i = 0; i < Hq; i++) {
         const int64_t h = i / G;
         for (int32_t sp = 0; sp < n_spans; sp++) {
-            cs[sp].n_tokens = spans[sp].n_tokens;
+            const int64_t nt = head_tokens ? head_tokens[(size_t)sp * Hk + h] : spans[sp].n_tokens;
+            cs[sp].n_tokens = nt;
             cs[sp].token_stride = spans[sp].token_stride;
-            cs[sp].k = spans[sp].n_tokens ? spans[sp].k + h * spans[sp].head_stride : NULL;
-            cs[sp].v = spans[sp].n_tokens ? spans[sp].v + h * spans[sp].head_stride : NULL;
+            cs[sp].k = nt ? spans[sp].k + h * spans[sp].head_stride : NULL;
+            cs[sp].v = nt ? spans[sp].v + h * spans[sp].head_stride : NULL;
         }
         skv_canonical_attend(q + (size_t)i * D, D, scale, n_spans, cs, lanes, out + (size_t)i * D);
     }
@@ -471,7 +490,7 @@ static skv_status skv_ref_full_attention(int32_t Hq, int32_t Hk, int32_t D, floa
                                          const skv_bf16 *v, float *out)
 {
     skv_kv_span span = {k, v, n_tokens, D, (int64_t)Hk * D};
-    return skv_ref_sparse_attention(Hq, Hk, D, scale, q, 1, &span, out, NULL);
+    return skv_ref_sparse_attention(Hq, Hk, D, scale, q, 1, &span, NULL, out, NULL);
 }
 
 const struct skv_backend_ops skv_ref_ops = {

@@ -60,7 +60,8 @@ enum { F_INPLACE = 1, F_MINIMAL = 2, F_STRIDED = 4, F_PERF = 8, F_NOREF = 16 };
  *  factorize  n, d, r
  *  rope       n tokens, hk heads, D, R, inter, llama3, pos0 (F_INPLACE: in == out)
  *  landmarks  N chunks, c, hk, D, O
- *  score      hq, hk, D, N candidates, S, scale (F_MINIMAL: optional pointers NULL)
+ *  score      hq, hk, D, N candidates, S, scale (F_MINIMAL: optional pointers NULL); mass > 0:
+ *             skv_op_score_select_mass with select_mass = mass and floor fl (counts bitwise too)
  *  rebuild    n tokens, r, hk, D, c, S, R, inter, llama3
  *  gather     hk, D, c, N store chunks, S
  *  sparse     hq, hk, D, S spans, n tokens of the largest span, scale (F_STRIDED: padded strides);
@@ -75,6 +76,8 @@ typedef struct tcase {
     int32_t d, r, hq, hk, D, c, N, O, S, R, inter, llama3, flags;
     float scale;
     const int64_t *spans; /* sparse only, optional: S span lengths */
+    float mass;           /* score only: > 0 selects by the mass rule (docs/DESIGN.md 4.5) */
+    int32_t fl;           /* its floor */
 } tcase;
 
 /* the decode step of the sparse perf case: outliers 48*8, local window (4
@@ -119,6 +122,25 @@ static const tcase cases[] = {
     {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 2000, .S = 256},
     {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 77},
     {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .flags = F_MINIMAL},
+    /* the mass rule: counts, sel_idx (-1 past each count), sel_ids and amax bitwise */
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 256, .mass = 0.9f},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 1000, .S = 256, .mass = 0.95f, .fl = 3},
+    {OP_SCORE, INIT_TIES, 0, .hq = 8, .hk = 1, .D = 64, .N = 4000, .S = 333, .scale = 0.3f, .mass = 0.5f},
+    {OP_SCORE, INIT_NEEDLE, 0, .hq = 8, .hk = 8, .D = 256, .N = 500, .S = 64, .mass = 0.99f},
+    {OP_SCORE, INIT_HUGE, 0, .hq = 16, .hk = 4, .D = 128, .N = 700, .S = 50, .mass = 1.0f},
+    {OP_SCORE, INIT_TINY, 0, .hq = 32, .hk = 8, .D = 128, .N = 300, .S = 100, .mass = 1e-30f, .fl = 100},
+    {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 2000, .S = 2000, .mass = 0.999f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 4, .hk = 4, .D = 64, .N = 77, .S = 100, .mass = 0.8f, .fl = 1},
+    {OP_SCORE, INIT_TIES, 0, .hq = 32, .hk = 8, .D = 128, .N = 600, .S = 40, .mass = 0.9f, .flags = F_MINIMAL},
+    /* the mass rule on cuda's other paths: the tiled split (few KV heads, N > 4096; one head), one CTA
+       per KV head with many heads, and counts past the first 2048 ranks of the ordered walk */
+    {OP_SCORE, INIT_LOWRANK, 0, .hq = 32, .hk = 8, .D = 128, .N = 10000, .S = 3000, .mass = 0.999f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 64, .hk = 64, .D = 64, .N = 5000, .S = 3000, .scale = 0.02f, .mass = 0.999f},
+    /* near-uniform probabilities (a tiny scale): counts of about half the candidates, past the
+       walk's first batch (fused path) and its second (split path) */
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 64, .hk = 64, .D = 64, .N = 5000, .S = 3000, .scale = 1e-6f, .mass = 0.5f},
+    {OP_SCORE, INIT_NORMAL, 0, .hq = 32, .hk = 8, .D = 128, .N = 10000, .S = 6000, .scale = 1e-6f, .mass = 0.5f},
+    {OP_SCORE, INIT_TIES, 0, .hq = 8, .hk = 1, .D = 64, .N = 9000, .S = 4500, .scale = 0.3f, .mass = 0.7f},
     /* rebuild keys: float accumulation order is free, bf16 output:
        1e-6 allows 1 bf16 ulp (2^-8 relative) on ~5% of the elements */
     {OP_REBUILD, INIT_NORMAL, 1e-6, .n = 4096, .r = 160, .hk = 8, .D = 128, .c = 8, .S = 32, .R = 128},
@@ -184,6 +206,8 @@ typedef struct tensor {
     void *host; /* inputs: the data; outputs: ref's result once ref ran */
     int cmp;    /* outputs only */
     int absent; /* passed as NULL */
+    int neg1;   /* outputs only: -1 (0xFF bytes, the poison) is a value it holds (the mass rule's rows
+                   past a head's count); the exact comparison with ref checks those entries */
 } tensor;
 
 #define MAX_IN 8
@@ -471,6 +495,10 @@ static void make_problem(const tcase *tc, problem *p)
         add_out(p, "sel_idx", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, 0);
         add_out(p, "sel_ids", T_I32, (size_t)tc->hk * tc->S, CMP_EXACT, minimal);
         add_out(p, "amax", T_F32, (size_t)tc->hk * N, CMP_EXACT, minimal);
+        if (tc->mass > 0.0f) {
+            add_out(p, "counts", T_I32, (size_t)tc->hk, CMP_EXACT, 0);
+            p->out[0].neg1 = p->out[1].neg1 = 1;
+        }
         break;
     }
     case OP_REBUILD: {
@@ -569,6 +597,10 @@ static void params_string(const tcase *tc, char *s, size_t cap)
     case OP_SCORE:
         snprintf(s, cap, "Hq=%d,Hk=%d,D=%d,cand=%d,S=%d,scale=%g%s", tc->hq, tc->hk, tc->D, tc->N, tc->S,
                  (double)tc->scale, tc->flags & F_MINIMAL ? ",minimal" : "");
+        if (tc->mass > 0.0f) {
+            size_t at = strlen(s);
+            snprintf(s + at, cap - at, ",mass=%g,floor=%d", (double)tc->mass, tc->fl);
+        }
         break;
     case OP_REBUILD:
         snprintf(s, cap, "n=%lld,r=%d,Hk=%d,D=%d,c=%d,S=%d,R=%d,inter=%d,llama3=%d", (long long)tc->n, tc->r, tc->hk,
@@ -612,6 +644,9 @@ static skv_status call_op(skv_backend be, const tcase *tc, problem *p, run *r)
     case OP_LANDMARKS:
         return skv_op_landmarks_outliers(be, tc->N, tc->c, tc->hk, tc->D, tc->O, in[0], out[0], out[1], out[2]);
     case OP_SCORE:
+        if (tc->mass > 0.0f)
+            return skv_op_score_select_mass(be, tc->hq, tc->hk, tc->D, tc->N, tc->S, tc->mass, tc->fl, tc->scale,
+                                            in[0], in[1], in[2], out[0], out[1], out[2], out[3]);
         return skv_op_score_select(be, tc->hq, tc->hk, tc->D, tc->N, tc->S, tc->scale, in[0], in[1], in[2], out[0],
                                    out[1], out[2]);
     case OP_REBUILD:
@@ -680,7 +715,8 @@ static int self_checks(problem *p, run *r, char *msg, size_t cap)
         for (size_t e = 0; e < p->out[i].n; e++) {
             int poison = 1;
             for (size_t k = 0; k < es; k++) poison &= b[e * es + k] == 0xFF;
-            if (poison) return snprintf(msg, cap, "output %s[%zu] never written (poison)", p->out[i].name, e), 0;
+            if (poison && !p->out[i].neg1)
+                return snprintf(msg, cap, "output %s[%zu] never written (poison)", p->out[i].name, e), 0;
             if (p->out[i].type != T_I32 && !isfinite(elem(b, p->out[i].type, e)))
                 return snprintf(msg, cap, "output %s[%zu] = %g not finite", p->out[i].name, e,
                                 elem(b, p->out[i].type, e)),

@@ -70,6 +70,35 @@ int main(void)
         b.factorize = SKV_FACTORIZE_CANONICAL;
         SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(reproducible with CANONICAL)");
     }
+    /* a caller built against 0.2: its skv_config ended at reproducible (padded to the struct's
+       alignment); accepted, and the 0.3 fields it does not know take their defaults */
+    {
+        const size_t al = _Alignof(skv_config);
+        const size_t v02 = (offsetof(skv_config, select_mode) + al - 1) / al * al;
+        unsigned char raw[sizeof(skv_config) + 16];
+        memset(raw, 0xA5, sizeof raw);
+        SKVT_CHECK_STATUS(skv_config_init((skv_config *)raw, v02), SKV_OK, "skv_config_init(0.2 size)");
+        int untouched = 1;
+        for (size_t j = v02; j < sizeof raw; j++) untouched &= raw[j] == 0xA5;
+        SKVT_CHECK(untouched, "skv_config_init(0.2 size) wrote past the caller's %zu bytes", v02);
+        skv_config b = small_config();
+        b.struct_size = v02;
+        memset((char *)&b + v02, 0xA5, sizeof b - v02); /* past the caller's struct: never read */
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.2 size, garbage past it)");
+        skv_cache *k = NULL;
+        b.backend = SKV_BACKEND_REF;
+        SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, "create(0.2 size)");
+        if (k) {
+            const skv_config *got = skv_cache_config(k);
+            SKVT_CHECK(got->select_mode == SKV_SELECT_FIXED && got->select_mass == 0.95f &&
+                           got->select_min_chunks == 0 && got->dense_layers == 0 && got->rank_max == 0 &&
+                           got->rank_error_target == 0.1f,
+                       "0.2 caller: the 0.3 fields take their defaults");
+            skv_cache_free(k);
+        }
+        SKVT_CHECK_STATUS(skv_config_init((skv_config *)raw, v02 + 4), SKV_ERR_INVALID_ARGUMENT,
+                          "skv_config_init(0.2 size + 4: no published skv_config)");
+    }
     const size_t bad_sizes[] = {0, 1, offsetof(skv_config, reproducible) - 1, sizeof c - 1, sizeof c + 8,
                                 (size_t)-1};
     for (size_t i = 0; i < sizeof bad_sizes / sizeof bad_sizes[0]; i++) {
@@ -122,6 +151,21 @@ int main(void)
         ok = 1;
         for (size_t j = sizeof(skv_seq_info); j < sizeof ib; j++) ok &= ib[j] == 0xA5;
         SKVT_CHECK(ok, "seq_info_sized wrote past the caller's size");
+        /* a caller built against 0.2: its skv_seq_info ended at values_on_device */
+        const size_t al = _Alignof(skv_seq_info), v02 = (offsetof(skv_seq_info, rank) + al - 1) / al * al;
+        memset(ib, 0xA5, sizeof ib);
+        SKVT_CHECK_STATUS(skv_cache_seq_info_sized(cache, 0, 0, (skv_seq_info *)ib, v02), SKV_OK, "seq_info_sized(0.2)");
+        ok = 1;
+        for (size_t j = v02; j < sizeof ib; j++) ok &= ib[j] == 0xA5;
+        SKVT_CHECK(ok, "seq_info_sized(0.2 size) wrote past the caller's size");
+        SKVT_CHECK_STATUS(skv_cache_seq_info_sized(cache, 0, 0, (skv_seq_info *)ib, v02 - 4), SKV_ERR_INVALID_ARGUMENT,
+                          "seq_info_sized(below the first skv_seq_info)");
+        skv_layer_stats ls;
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, 0, &ls), SKV_OK, "layer_stats");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats_sized(cache, 0, &ls, sizeof ls - 8), SKV_ERR_INVALID_ARGUMENT,
+                          "layer_stats_sized(smaller)");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, c.n_layers, &ls), SKV_ERR_INVALID_ARGUMENT, "layer_stats(layer)");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache, 0, NULL), SKV_ERR_NULL_POINTER, "layer_stats(NULL)");
         skv_cache_free(cache);
     }
     unsigned char mb[sizeof(skv_memory_info) + 8];

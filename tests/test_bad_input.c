@@ -16,8 +16,9 @@
  * Cases:
  *  - config: every invalid field through skv_config_validate, skv_cache_memory
  *    (outputs untouched) and skv_cache_create (*out = NULL): zero/negative
- *    sizes, Hq % Hk, odd/huge head_dim, budget % c, rank too large (both
- *    bounds), max_prompt_len too small / too large, gen_capacity too large,
+ *    sizes, Hq % Hk, odd/huge head_dim, budget % c, rank above Hk * D (a rank
+ *    above the shortest valid prompt validates), rank 0 with rank_max or
+ *    rank_error_target out of range, max_prompt_len too small / too large, gen_capacity too large,
  *    negative O/Lc/n_threads, n_threads above SKV_MAX_THREADS, rope (theta,
  *    rotary_dim, interleaved, llama3_scaling and its factors), attn_scale,
  *    backend enum, size overflow, an unallocatable (beyond the address space)
@@ -444,6 +445,7 @@ static void test_config(skv_backend be)
     for (size_t i = 0; i < sizeof f32 / sizeof f32[0]; i++)
         for (size_t j = 0; j < sizeof nonpos / sizeof nonpos[0]; j++) {
             skv_config c = base;
+            if (nonpos[j] == SKV_BUDGET_ALL && f32[i].off == offsetof(skv_config, budget)) continue; /* valid */
             memcpy((char *)&c + f32[i].off, &nonpos[j], sizeof(int32_t));
             char what[96];
             snprintf(what, sizeof what, "%s = %d", f32[i].name, nonpos[j]);
@@ -484,8 +486,17 @@ static void test_config(skv_backend be)
     CFGCASE(c_.chunk_size = 7, IC, "budget", "7");
     /* rank > Hk * D (the shortest prompt is longer than Hk * D here) */
     CFGCASE(c_.n_outlier_chunks = 20; c_.max_prompt_len = 1024; c_.rank = HK * HD + 1, IC, "rank", "129");
-    /* rank > the shortest valid prompt (O + S + Lc) * c = 112 < Hk * D = 128 */
-    CFGCASE(c_.rank = MINP + 1, IC, "rank", "113");
+    /* rank > the shortest valid prompt (O + S + Lc) * c = 112 but <= Hk * D = 128: valid (a prompt
+       shorter than the rank is refused at prefill: test_rank) */
+    {
+        skv_config c = base;
+        c.rank = MINP + 1;
+        LBL("rank = %d > the shortest valid prompt validates [%s]", MINP + 1, skv_backend_name(be));
+        check_ok(skv_config_validate(&c), lbl);
+    }
+    /* rank = 0: a rank per slot, which needs rank_max and rank_error_target in range */
+    CFGCASE(c_.rank = 0; c_.rank_max = HK * HD + 1, IC, "rank_max", "129");
+    CFGCASE(c_.rank = 0; c_.rank_max = 8; c_.rank_error_target = 1.0f, IC, "rank_error_target", "1");
     CFGCASE(c_.rank = INT32_MAX, IC, "rank", "2147483647");
     /* max_prompt_len too small for O + S + Lc chunks, too large */
     CFGCASE(c_.max_prompt_len = MINP - 1, IC, "max_prompt_len", "111");
@@ -494,6 +505,45 @@ static void test_config(skv_backend be)
     CFGCASE(c_.max_prompt_len = ((int64_t)1 << 30) + 1, IC, "max_prompt_len", "1073741825");
     CFGCASE(c_.max_prompt_len = INT64_MAX, IC, "max_prompt_len", "9223372036854775807");
     CFGCASE(c_.gen_capacity = (1 << 24) + 1, IC, "gen_capacity", "16777217");
+
+    /* 0.3: the selection count, SKV_BUDGET_ALL, dense layers */
+    CFGCASE(c_.budget = -2, IC, "budget", "-2");
+    CFGCASE(c_.budget = SKV_BUDGET_ALL; c_.max_prompt_len = (NOUT + NLOC) * CH, IC, "max_prompt_len", NULL);
+    CFGCASE(c_.select_mode = (skv_select_mode)2, IC, "select_mode", "2");
+    CFGCASE(c_.select_mode = (skv_select_mode)-1, IC, "select_mode", "-1");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_mass = 0.0f, IC, "select_mass", "0");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_mass = -0.5f, IC, "select_mass", "-0.5");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_mass = 1.5f, IC, "select_mass", "1.5");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_mass = NAN, IC, "select_mass", "nan");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_mass = INFINITY, IC, "select_mass", "inf");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_min_chunks = -1, IC, "select_min_chunks", "-1");
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_min_chunks = SEL + 1, IC, "select_min_chunks",
+            i64s(SEL + 1));
+    CFGCASE(c_.select_mode = SKV_SELECT_MASS; c_.select_min_chunks = INT32_MAX, IC, "select_min_chunks",
+            "2147483647");
+    CFGCASE(c_.dense_layers = (uint64_t)1 << NL, IC, "dense_layers", NULL);
+    CFGCASE(c_.dense_layers = (uint64_t)1 << 63, IC, "dense_layers", NULL);
+    CFGCASE(c_.dense_layers = ~(uint64_t)0, IC, "dense_layers", NULL);
+    {
+        const struct { const char *what; skv_config c; } ok[] = {
+            {"budget = SKV_BUDGET_ALL", base},
+            {"select_mode = SKV_SELECT_MASS, select_mass 1, select_min_chunks S", base},
+            {"select_mode = SKV_SELECT_MASS, select_mass 1e-30", base},
+            {"dense_layers: every layer", base},
+            {"select_mass = NAN in the fixed mode (not read)", base},
+        };
+        skv_config v[5];
+        for (int i = 0; i < 5; i++) v[i] = ok[i].c;
+        v[0].budget = SKV_BUDGET_ALL;
+        v[1].select_mode = SKV_SELECT_MASS, v[1].select_mass = 1.0f, v[1].select_min_chunks = SEL;
+        v[2].select_mode = SKV_SELECT_MASS, v[2].select_mass = 1e-30f;
+        v[3].dense_layers = ((uint64_t)1 << NL) - 1;
+        v[4].select_mass = NAN;
+        for (int i = 0; i < 5; i++) {
+            LBL("%s validates [%s]", ok[i].what, skv_backend_name(be));
+            check_ok(skv_config_validate(&v[i]), lbl);
+        }
+    }
 
     /* rope */
     CFGCASE(c_.rope.theta = 1.0f, IC, "rope.theta", "1");
@@ -1696,6 +1746,32 @@ static void test_ops(skv_backend be)
                 SKVT_CHECK(all_sent(sidx, sizeof sidx), "%s: outputs written", lbl);
                 free(b);
             }
+        }
+        /* skv_op_score_select_mass: its own arguments */
+        {
+            int32_t cnt[H];
+            const struct { int32_t s, fl; float p; int null_counts; const char *w; } mb[] = {
+                {S, 0, 0.0f, 0, "select_mass"},      {S, 0, -0.5f, 0, "select_mass"},
+                {S, 0, 1.5f, 0, "select_mass"},      {S, 0, NAN, 0, "select_mass"},
+                {S, -1, 0.9f, 0, "select_min_chunks"}, {S, S + 1, 0.9f, 0, "select_min_chunks"},
+                {0, 0, 0.9f, 0, "n_select"},         {S, 0, 0.9f, 1, "counts"}};
+            for (size_t i = 0; i < sizeof mb / sizeof mb[0]; i++) {
+                memset(sidx, SENT, sizeof sidx);
+                memset(cnt, SENT, sizeof cnt);
+                LBL("[%s] skv_op_score_select_mass bad %s", bn, mb[i].w);
+                expect_err(skv_op_score_select_mass(be, HQ4, H, DD, NCD, mb[i].s, mb[i].p, mb[i].fl, 0.0f, q, lmk, cid,
+                                                    sidx, sids, NULL, mb[i].null_counts ? NULL : cnt),
+                           mb[i].null_counts ? SKV_ERR_NULL_POINTER : SKV_ERR_INVALID_ARGUMENT, NULL, mb[i].w, NULL);
+                SKVT_CHECK(all_sent(sidx, sizeof sidx) && all_sent(cnt, sizeof cnt), "%s: outputs written", lbl);
+            }
+            int32_t big_idx[H * (NCD + 3)];
+            LBL("[%s] skv_op_score_select_mass n_select > n_cand, floor = n_select (valid: k = n_cand)", bn);
+            check_ok(skv_op_score_select_mass(be, HQ4, H, DD, NCD, NCD + 3, 0.5f, NCD + 3, 0.0f, q, lmk, NULL, big_idx,
+                                              NULL, NULL, cnt),
+                     lbl);
+            SKVT_CHECK(cnt[0] == NCD && cnt[1] == NCD && big_idx[NCD] == -1 && big_idx[NCD + 2] == -1 &&
+                           big_idx[NCD + 3 + NCD - 1] == NCD - 1,
+                       "%s: counts %d %d", lbl, cnt[0], cnt[1]);
         }
         LBL("[%s] skv_op_score_select candidate_ids, sel_ids, amax NULL (valid)", bn);
         check_ok(skv_op_score_select(be, HQ4, H, DD, NCD, S, 0.0f, q, lmk, NULL, sidx, NULL, NULL),

@@ -11,7 +11,8 @@
  *     attention with explicit lane arrays); accuracy against double-precision
  *     attention.
  *  2. cache level: caches with config.reproducible = 1 on ref, cpu (and cuda),
- *     the same prefill inputs and several decode steps: every output bit equal.
+ *     the same prefill inputs and several decode steps: every output bit equal;
+ *     also with SKV_SELECT_MASS, SKV_BUDGET_ALL and dense layers (trials 9..14).
  *     Prefill in this mode needs the canonical factorization; where a backend
  *     does not have it yet (SKV_ERR_UNSUPPORTED) that backend is a counted skip.
  *
@@ -519,11 +520,32 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
     }
     const int cap_r = (c.n_outlier_chunks + c.budget / c.chunk_size + c.n_local_chunks) * c.chunk_size;
     if (c.rank > cap_r) c.rank = cap_r;
+    /* the 0.3 modes through the canonical rebuild and attention (trials 9..14): SKV_SELECT_MASS (per-head
+       counts: the selected span's length differs per head), SKV_BUDGET_ALL, dense layers (layer 0, or
+       both), host-placed values on odd trials */
+    if (trial >= 9) {
+        const int m = trial - 9;
+        if (m % 3 == 0 || m == 4) {
+            c.select_mode = SKV_SELECT_MASS;
+            c.select_mass = m == 4 ? 0.99f : 0.7f;
+            c.select_min_chunks = m % 2;
+        }
+        if (m % 3 == 1) c.budget = SKV_BUDGET_ALL;
+        if (m >= 2) {
+            c.n_layers = 2;
+            c.dense_layers = m == 5 ? 3 : 1;
+        }
+        /* the rank within the mode's shortest valid prompt (O + max(1, floor) + Lc chunks) */
+        const int need = c.select_mode == SKV_SELECT_MASS && c.select_min_chunks > 1 ? c.select_min_chunks : 1;
+        const int short_n = (c.n_outlier_chunks + need + c.n_local_chunks) * c.chunk_size;
+        if (c.rank > short_n) c.rank = short_n;
+    }
     if (trial % 2) /* the smallest valid value budget: host-placed values (and the chunk cache) on cuda */
         for (c.value_device_bytes = 0; skv_config_validate(&c) != SKV_OK && c.value_device_bytes < (1 << 30);)
             c.value_device_bytes += 4096;
     int64_t n[4];
-    int64_t min_n = (int64_t)(c.n_outlier_chunks + c.budget / c.chunk_size + c.n_local_chunks + 2) * c.chunk_size;
+    const int S_min = c.budget == SKV_BUDGET_ALL ? 1 : c.budget / c.chunk_size;
+    int64_t min_n = (int64_t)(c.n_outlier_chunks + S_min + c.n_local_chunks + 2) * c.chunk_size;
     for (int b = 0; b < c.batch_size; b++) n[b] = skvt_rng_range(r, min_n, c.max_prompt_len);
     const int steps = 4;
     size_t per = (size_t)steps * c.n_layers * c.batch_size * c.n_q_heads * c.head_dim;
@@ -550,8 +572,18 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
         size_t bad = per;
         for (size_t i = 0; i < per && bad == per; i++)
             if (memcmp(&outs[0][i], &outs[b][i], 4)) bad = i;
-        SKVT_CHECK(bad == per, "cache trial %d: %s output %zu = %.9g, ref %.9g", trial, be_names[b], bad,
-                   bad < per ? outs[b][bad] : 0.0, bad < per ? outs[0][bad] : 0.0);
+        if (!SKVT_CHECK(bad == per, "cache trial %d: %s output %zu = %.9g, ref %.9g", trial, be_names[b], bad,
+                        bad < per ? outs[b][bad] : 0.0, bad < per ? outs[0][bad] : 0.0)) {
+            const size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim;
+            printf("  (step %zu, layer %zu, sequence %zu, query head %zu, dim %zu) of layers %d, batch %d, Hk %d, "
+                   "Hq %d, D %d, c %d, budget %d, O %d, Lc %d, rank %d, select_mode %d (p %g, floor %d), "
+                   "dense_layers %llu, values %s, n[0] %lld\n",
+                   bad / qn / (size_t)c.n_layers, bad / qn % (size_t)c.n_layers, bad % qn / ((size_t)c.n_q_heads * c.head_dim),
+                   bad % ((size_t)c.n_q_heads * c.head_dim) / (size_t)c.head_dim, bad % (size_t)c.head_dim, c.n_layers,
+                   c.batch_size, c.n_kv_heads, c.n_q_heads, c.head_dim, c.chunk_size, c.budget, c.n_outlier_chunks,
+                   c.n_local_chunks, c.rank, (int)c.select_mode, (double)c.select_mass, c.select_min_chunks,
+                   (unsigned long long)c.dense_layers, trial % 2 ? "host-placed" : "on the device", (long long)n[0]);
+        }
     }
     for (int b = 0; b < 3; b++) free(outs[b]);
 }
@@ -601,6 +633,6 @@ int main(int argc, char **argv)
     for (int t = 0; t < 56; t++) attention_case(&r, t, Ts[t % 8], (int)skvt_rng_range(&r, 1, t % 3 ? 5 : 16), t % 7);
     attention_case(&r, 100, 70000, 5, 0);
     attention_case(&r, 101, 40000, 16, 1);
-    for (int t = 0; t < 9; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
+    for (int t = 0; t < 15; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
     return skvt_finish();
 }

@@ -11,8 +11,22 @@
  *
  * Every fourth configuration runs with config.reproducible = 1 (docs/DESIGN.md
  * section 10): there the decode outputs must be bitwise equal to ref's too.
+ *
+ * The selection count (section 4.5): configurations cycle through SKV_SELECT_MASS
+ * (targets from 1e-6 to 1, floors 0, 1 and S, prompts with fewer candidates than
+ * S), budget = SKV_BUDGET_ALL, and dense first layers (config.dense_layers); each
+ * head's count (skv_cache_selected_count) and its set, -1 past the count, must be
+ * bitwise ref's. The mass rule itself is checked on the op level against a
+ * straightforward re-implementation here (sort, 256-lane sum, running sum), with
+ * ties, NaN keys (overflowing inputs), p = 1, floor = cap and tiny and huge targets,
+ * and skv_op_score_select_mass of every backend against ref's, bitwise.
  * Where a backend cannot prefill in that mode yet (SKV_ERR_UNSUPPORTED: no
  * canonical factorization), that configuration is a counted skip.
+ *
+ * Every fifth configuration (i % 5 == 2) takes config.rank = 0 with rank_max the
+ * drawn rank (docs/DESIGN.md 3.1): each slot's seq_info.rank must lie in
+ * [1, rank_max], and where the configuration is also reproducible the ranks
+ * join the decision log, so they must equal ref's bit for bit.
  *
  *   build/tests/test_contract [n_configs]      SKV_SEED=... to replay
  *
@@ -65,6 +79,37 @@ static void random_case(skvt_rng *r, contract_case *cc)
 }
 
 /*
+ * The 0.3 modes, by configuration index (a separate generator: the other fields and the
+ * prompts of the fixed-mode configurations stay as they were): i % 5 == 1 SKV_SELECT_MASS,
+ * i % 5 == 2 SKV_BUDGET_ALL, i % 5 == 4 SKV_SELECT_MASS with a floor; i % 3 == 1 layer 0
+ * dense. Mass and all-chunk configurations draw shorter prompts too (N - O < S).
+ */
+static void mode_case(int i, uint64_t seed, contract_case *cc)
+{
+    skv_config *c = &cc->cfg;
+    skvt_rng r;
+    skvt_rng_seed(&r, seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(i + 1)));
+    static const float masses[] = {0.5f, 0.8f, 0.95f, 0.99f, 1.0f, 1e-6f};
+    const int32_t S = c->budget / c->chunk_size;
+    int32_t need = 0;
+    if (i % 5 == 1 || i % 5 == 4) {
+        c->select_mode = SKV_SELECT_MASS;
+        c->select_mass = masses[skvt_rng_range(&r, 0, 5)];
+        c->select_min_chunks = i % 5 == 4 ? (skvt_rng_uniform(&r) < 0.5 ? S : 1) : 0;
+        need = c->select_min_chunks > 1 ? c->select_min_chunks : 1;
+    } else if (i % 5 == 2) {
+        c->budget = SKV_BUDGET_ALL;
+        need = 1;
+    }
+    if (i % 3 == 1) c->dense_layers = 1;
+    if (!need) return;
+    const int64_t min_n = (int64_t)(c->n_outlier_chunks + need + c->n_local_chunks) * c->chunk_size;
+    if (c->rank > min_n) c->rank = (int32_t)min_n;
+    for (int b = 0; b < c->batch_size; b++)
+        if (skvt_rng_uniform(&r) < 0.5) cc->n[b] = skvt_rng_range(&r, min_n, cc->n[b]);
+}
+
+/*
  * Keys for one (layer, seq): low-rank (a latent of rank min(r, 8) times a
  * random basis) plus small noise, as real pre-RoPE keys are, so the top-r
  * subspace is well determined and backends' outputs are comparable; with
@@ -75,7 +120,8 @@ static void random_case(skvt_rng *r, contract_case *cc)
 static void make_prompt(skvt_rng *r, const skv_config *c, int64_t n, skv_bf16 *k, skv_bf16 *v)
 {
     size_t row = (size_t)c->n_kv_heads * c->head_dim;
-    int r0 = c->rank < 8 ? c->rank : 8;
+    const int rr = c->rank ? c->rank : c->rank_max; /* rank 0: the factors' size */
+    int r0 = rr < 8 ? rr : 8;
     double *basis = malloc((size_t)r0 * row * sizeof *basis), z[8];
     for (size_t i = 0; i < (size_t)r0 * row; i++) basis[i] = skvt_rng_normal(r);
     for (int64_t t = 0; t < n; t++) {
@@ -153,6 +199,168 @@ static void check_topk_rule(skvt_rng *r)
     free(amax);
     free(sel);
     free(order);
+}
+
+/* The 256-lane canonical sum (docs/DESIGN.md section 5), written out again. */
+static float lane_sum(const float *x, int n)
+{
+    float P[256] = {0};
+    for (int j = 0; j < n; j++) P[j % 256] += x[j];
+    for (int w = 128; w >= 1; w /= 2)
+        for (int k = 0; k < w; k++) P[k] += P[k + w];
+    return P[0];
+}
+
+/* The mass rule of section 4.5 for one head, from its group-max probabilities a[0..n_cand):
+   the count into *k, the set (increasing) into sel[0..k). */
+static void mass_rule(const float *a, int n_cand, int S, float p, int floor_, int32_t *order, float *m, int *k,
+                      int32_t *sel)
+{
+    for (int j = 0; j < n_cand; j++) {
+        order[j] = j;
+        const float key = a[j] != a[j] ? -1.0f : a[j];
+        m[j] = key > 0.0f ? key : 0.0f;
+    }
+    const float target = p * lane_sum(m, n_cand);
+    g_keys = a;
+    qsort(order, (size_t)n_cand, sizeof *order, cmp_qsort);
+    const int cap = S < n_cand ? S : n_cand;
+    const int fl = floor_ < cap ? floor_ : cap;
+    float cum = 0.0f;
+    int kk = cap;
+    for (int i = 0; i < cap; i++) {
+        cum += m[order[i]];
+        if (cum >= target) {
+            kk = i + 1;
+            break;
+        }
+    }
+    if (kk < fl) kk = fl;
+    memcpy(sel, order, (size_t)kk * sizeof *sel);
+    qsort(sel, (size_t)kk, sizeof *sel, cmp_int);
+    *k = kk;
+}
+
+static void check_mass_rule(skvt_rng *r)
+{
+    /* skv_op_score_select_mass against mass_rule on ref's amax, and every backend against ref */
+    const int Hq = 4, Hk = 2, D = 64, NC = 300;
+    skv_bf16 *q = malloc((size_t)Hq * D * 2), *L = malloc((size_t)Hk * NC * D * 2);
+    float *amax = malloc((size_t)Hk * NC * 4), *amax2 = malloc((size_t)Hk * NC * 4), *m = malloc((size_t)NC * 4);
+    int32_t *sel = malloc((size_t)Hk * NC * 4), *ids = malloc((size_t)Hk * NC * 4), *order = malloc((size_t)NC * 4);
+    int32_t *sel2 = malloc((size_t)Hk * NC * 4), *ids2 = malloc((size_t)Hk * NC * 4), *cand = malloc((size_t)Hk * NC * 4);
+    int32_t *want = malloc((size_t)NC * 4), cnt[2], cnt2[2];
+    static const float ps[] = {0.5f, 0.9f, 0.99f, 1.0f, 1e-30f, 0.999999f};
+    int n_nan = 0;
+    for (int trial = 0; trial < 60; trial++) {
+        const int n_cand = trial % 3 == 0 ? (int)skvt_rng_range(r, 1, 12) : (int)skvt_rng_range(r, 13, NC);
+        const int S = (int)skvt_rng_range(r, 1, trial % 4 == 0 ? n_cand + 8 : n_cand);
+        const float p = ps[trial % 6];
+        const int fl = trial % 5 == 0 ? S : (int)skvt_rng_range(r, 0, S < 3 ? S : 3);
+        skvt_fill_bf16_normal(r, q, (size_t)Hq * D, trial % 2 ? 0.2 : 3.0);
+        skvt_fill_bf16_normal(r, L, (size_t)Hk * n_cand * D, 1.0);
+        if (trial % 4 == 1) { /* a few distinct landmarks: ties everywhere */
+            const int distinct = (int)skvt_rng_range(r, 1, 20);
+            for (int h = 0; h < Hk; h++)
+                for (int j = distinct; j < n_cand; j++)
+                    memcpy(L + ((size_t)h * n_cand + j) * D,
+                           L + ((size_t)h * n_cand + skvt_rng_range(r, 0, distinct - 1)) * D, (size_t)D * 2);
+        }
+        if (trial % 7 == 3) /* overflowing scores: Inf - Inf in the softmax, NaN probabilities (key -1) */
+            for (int i = 0; i < 4; i++) {
+                q[skvt_rng_range(r, 0, Hq * D - 1)] = skv_bf16_from_float(3e38f);
+                L[skvt_rng_range(r, 0, Hk * n_cand * D - 1)] = skv_bf16_from_float(-3e38f);
+                L[skvt_rng_range(r, 0, Hk * n_cand * D - 1)] = skv_bf16_from_float(3e38f);
+            }
+        for (int i = 0; i < Hk * n_cand; i++) cand[i] = 3 * (i % n_cand) + 1;
+        skv_status st = skv_op_score_select_mass(SKV_BACKEND_REF, Hq, Hk, D, n_cand, S, p, fl, 0.0f, q, L, cand, sel,
+                                                 ids, amax, cnt);
+        if (!SKVT_CHECK_STATUS(st, SKV_OK, "score_select_mass (ref)")) {
+            printf("  %s\n", skv_last_error());
+            continue;
+        }
+        for (int h = 0; h < Hk; h++) {
+            int k;
+            for (int j = 0; j < n_cand; j++) n_nan += amax[(size_t)h * n_cand + j] != amax[(size_t)h * n_cand + j];
+            mass_rule(amax + (size_t)h * n_cand, n_cand, S, p, fl, order, m, &k, want);
+            const int32_t *sh = sel + (size_t)h * S, *ih = ids + (size_t)h * S;
+            int same = cnt[h] == k && memcmp(sh, want, (size_t)k * 4) == 0;
+            for (int j = 0; j < S; j++) same &= j < k ? ih[j] == cand[(size_t)h * n_cand + sh[j]] : sh[j] == -1 && ih[j] == -1;
+            SKVT_CHECK(same, "mass rule: trial %d head %d (n_cand %d S %d p %g floor %d): count %d, a re-implementation %d",
+                       trial, h, n_cand, S, (double)p, fl, cnt[h], k);
+            if (p == 1.0f && fl == 0 && !(trial % 7 == 3))
+                SKVT_CHECK(cnt[h] >= 1, "p = 1: count %d", cnt[h]);
+            if (p == 1e-30f && fl <= 1 && !(trial % 7 == 3))
+                SKVT_CHECK(cnt[h] == 1, "a tiny target takes the best chunk only: count %d", cnt[h]);
+        }
+        for (skv_backend be = SKV_BACKEND_CPU; be <= SKV_BACKEND_CUDA; be++) {
+            if (skv_backend_available(be) != SKV_OK) continue;
+            skv_bf16 *dq = skvt_dbuf(be, q, (size_t)Hq * D * 2), *dL = skvt_dbuf(be, L, (size_t)Hk * n_cand * D * 2);
+            int32_t *dc = skvt_dbuf(be, cand, (size_t)Hk * n_cand * 4), *ds = skvt_dbuf(be, sel2, (size_t)Hk * S * 4);
+            int32_t *di = skvt_dbuf(be, ids2, (size_t)Hk * S * 4), *dn = skvt_dbuf(be, cnt2, sizeof cnt2);
+            float *da = skvt_dbuf(be, amax2, (size_t)Hk * n_cand * 4);
+            skvt_dput(be, dq, q, (size_t)Hq * D * 2);
+            skvt_dput(be, dL, L, (size_t)Hk * n_cand * D * 2);
+            skvt_dput(be, dc, cand, (size_t)Hk * n_cand * 4);
+            st = skv_op_score_select_mass(be, Hq, Hk, D, n_cand, S, p, fl, 0.0f, dq, dL, dc, ds, di, da, dn);
+            SKVT_CHECK_STATUS(st, SKV_OK, "score_select_mass (other backend)");
+            skvt_dget(be, sel2, ds, (size_t)Hk * S * 4);
+            skvt_dget(be, ids2, di, (size_t)Hk * S * 4);
+            skvt_dget(be, cnt2, dn, sizeof cnt2);
+            skvt_dget(be, amax2, da, (size_t)Hk * n_cand * 4);
+            /* counts, sets and ids bitwise; amax bitwise with a NaN matching any NaN (the payload of a
+               NaN probability is not part of the contract: an Inf - Inf gives the platform's default
+               NaN, 0xffc00000 on x86 and 0x7fffffff on cuda; its selection key is -1 on both) */
+            int bad_h = -1, bad_j = -1;
+            const char *what = NULL;
+            for (int h = 0; h < Hk && !what; h++) {
+                if (cnt[h] != cnt2[h]) {
+                    what = "count", bad_h = h;
+                    break;
+                }
+                for (int j = 0; j < S && !what; j++)
+                    if (sel[(size_t)h * S + j] != sel2[(size_t)h * S + j]) what = "sel_idx", bad_h = h, bad_j = j;
+                    else if (ids[(size_t)h * S + j] != ids2[(size_t)h * S + j]) what = "sel_ids", bad_h = h, bad_j = j;
+                for (int j = 0; j < n_cand && !what; j++) {
+                    const float x = amax[(size_t)h * n_cand + j], y = amax2[(size_t)h * n_cand + j];
+                    if (memcmp(&x, &y, 4) != 0 && !(x != x && y != y)) what = "amax", bad_h = h, bad_j = j;
+                }
+            }
+            if (!SKVT_CHECK(!what, "%s vs ref: score_select_mass trial %d (n_cand %d S %d p %g floor %d): %s differs",
+                            skv_backend_name(be), trial, n_cand, S, (double)p, fl, what ? what : "") &&
+                bad_h >= 0) {
+                const size_t hs = (size_t)bad_h * S + (size_t)bad_j, ha = (size_t)bad_h * n_cand + (size_t)bad_j;
+                const int in_s = bad_j >= 0 && bad_j < S, in_a = bad_j >= 0 && bad_j < n_cand;
+                uint32_t xa = 0, ya = 0;
+                if (in_a) memcpy(&xa, amax2 + ha, 4), memcpy(&ya, amax + ha, 4);
+                printf("  first difference: head %d, entry %d: count %d (ref %d); sel_idx %d (ref %d), sel_ids %d "
+                       "(ref %d); amax %.9g = 0x%08x (ref %.9g = 0x%08x)\n",
+                       bad_h, bad_j, cnt2[bad_h], cnt[bad_h], in_s ? sel2[hs] : 0, in_s ? sel[hs] : 0,
+                       in_s ? ids2[hs] : 0, in_s ? ids[hs] : 0, in_a ? (double)amax2[ha] : 0.0, xa,
+                       in_a ? (double)amax[ha] : 0.0, ya);
+            }
+            skvt_dfree(be, dq, q);
+            skvt_dfree(be, dL, L);
+            skvt_dfree(be, dc, cand);
+            skvt_dfree(be, ds, sel2);
+            skvt_dfree(be, di, ids2);
+            skvt_dfree(be, dn, cnt2);
+            skvt_dfree(be, da, amax2);
+        }
+    }
+    SKVT_CHECK(n_nan > 0, "the overflowing trials produced no NaN probability (the NaN path went untested)");
+    free(q);
+    free(L);
+    free(amax);
+    free(amax2);
+    free(m);
+    free(sel);
+    free(ids);
+    free(order);
+    free(sel2);
+    free(ids2);
+    free(cand);
+    free(want);
 }
 
 /* Runs one case on one backend; returns the caches' decisions in a flat byte log. Every
@@ -243,9 +451,17 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                 for (int h = 0; h < c.n_kv_heads && ok; h++) {
                     skv_seq_info info;
                     const char *call = "skv_cache_seq_info";
+                    const int dense = (int)((c.dense_layers >> l) & 1);
+                    const int32_t S_cfg = c.budget == SKV_BUDGET_ALL
+                                              ? (int32_t)(c.max_prompt_len / c.chunk_size - c.n_local_chunks -
+                                                          c.n_outlier_chunks)
+                                              : c.budget / c.chunk_size;
+                    const int fixed = c.select_mode == SKV_SELECT_FIXED && c.budget != SKV_BUDGET_ALL;
                     st = skv_cache_seq_info(cache, l, b, &info);
-                    if (!st && (!info.prefilled || !info.has_selection || info.n_selected != c.budget / c.chunk_size ||
-                                info.n_outliers != c.n_outlier_chunks || info.n_candidates < info.n_selected ||
+                    if (!st && (!info.prefilled || !info.has_selection || info.n_selected != (dense ? 0 : S_cfg) ||
+                                info.n_outliers != (dense ? 0 : c.n_outlier_chunks) ||
+                                (fixed && info.n_candidates < info.n_selected) || info.dense != dense ||
+                                (dense ? info.rank != 0 : c.rank ? info.rank != c.rank : (info.rank < 1 || info.rank > c.rank_max)) || (dense && info.n_local != cc->n[b]) ||
                                 info.n_generated != s + 1)) {
                         snprintf(intro_err, sizeof intro_err,
                                  "seq_info(%d, %d) after step %d: prefilled %d has_selection %d S %d O %d candidates %d "
@@ -255,11 +471,49 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                         ok = 0;
                         break;
                     }
-                    if (!st) {
+                    if (!st && dense) { /* a dense layer selects nothing */
+                        int32_t kd = -7;
+                        call = "skv_cache_selected on a dense layer";
+                        if (skv_cache_selected(cache, l, b, h, ids) != SKV_ERR_NO_SELECTION ||
+                            !strstr(skv_cache_last_error(cache), "dense") ||
+                            skv_cache_selected_count(cache, l, b, h, &kd) != SKV_ERR_NO_SELECTION || kd != -7)
+                            st = SKV_ERR_INVALID_ARGUMENT;
+                        blob_put(log, &info.n_local, 4);
+                        want_len += 4;
+                    } else if (!st) {
+                        int32_t kh = -1;
                         call = "skv_cache_selected";
                         st = skv_cache_selected(cache, l, b, h, ids);
-                        if (!st) blob_put(log, ids, (size_t)info.n_selected * 4);
-                        want_len += (size_t)info.n_selected * 4;
+                        if (!st) {
+                            call = "skv_cache_selected_count";
+                            st = skv_cache_selected_count(cache, l, b, h, &kh);
+                        }
+                        if (!st) { /* k in [1, min(S, N - O)] (exactly that in the fixed mode), ids -1 past it */
+                            const int32_t cap = info.n_selected < info.n_candidates ? info.n_selected : info.n_candidates;
+                            int good = kh >= 1 && kh <= cap && (c.select_mode == SKV_SELECT_MASS || kh == cap);
+                            for (int32_t j = 0; j < info.n_selected; j++)
+                                good &= j < kh ? ids[j] >= 0 && (j == 0 || ids[j] > ids[j - 1]) : ids[j] == -1;
+                            if (!good) {
+                                call = "the selection's shape";
+                                st = SKV_ERR_INVALID_ARGUMENT;
+                            }
+                            blob_put(log, &kh, 4);
+                            blob_put(log, ids, (size_t)info.n_selected * 4);
+                        }
+                        want_len += 4 + (size_t)info.n_selected * 4;
+                    }
+                    if (!st && s == 0 && h == 0) { /* the slot's rank: bitwise in the reproducible mode */
+                        const int32_t rk = info.rank;
+                        if (dense ? rk != 0 : c.rank ? rk != c.rank : (rk < 1 || rk > c.rank_max)) {
+                            snprintf(intro_err, sizeof intro_err, "seq_info(%d, %d): rank %d (config rank %d, rank_max %d)",
+                                     l, b, rk, c.rank, c.rank_max);
+                            ok = 0;
+                            break;
+                        }
+                        if (c.reproducible) {
+                            blob_put(log, &rk, 4);
+                            want_len += 4;
+                        }
                     }
                     if (!st && s == 0) {
                         call = "skv_cache_outliers";
@@ -284,6 +538,25 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                     }
                 }
         }
+    /* the per-layer counters (docs/DESIGN.md 4.7) count decisions: bitwise ref's on every backend (cuda
+       adds them on the device) */
+    for (int l = 0; l < c.n_layers && ok && !*intro_err; l++) {
+        skv_layer_stats ls;
+        memset(&ls, 0, sizeof ls);
+        st = skv_cache_layer_stats(cache, l, &ls);
+        const int64_t want_steps = (int64_t)cc->steps * c.batch_size * c.n_kv_heads;
+        if (st || ls.head_steps != want_steps || ls.attended_tokens > ls.context_tokens ||
+            ls.dense != (int)((c.dense_layers >> l) & 1) || (ls.dense && ls.attended_tokens != ls.context_tokens)) {
+            snprintf(intro_err, sizeof intro_err,
+                     "layer_stats(%d): %s, head_steps %lld (want %lld) attended %lld context %lld selected %lld dense %d",
+                     l, skv_status_string(st), (long long)ls.head_steps, (long long)want_steps,
+                     (long long)ls.attended_tokens, (long long)ls.context_tokens, (long long)ls.selected_chunks, ls.dense);
+            break;
+        }
+        const int64_t counters[4] = {ls.head_steps, ls.attended_tokens, ls.context_tokens, ls.selected_chunks};
+        blob_put(log, counters, sizeof counters);
+        want_len += sizeof counters;
+    }
     if (*intro_err) SKVT_CHECK(0, "%s: introspection failed: %s", skv_backend_name(be), intro_err);
     else if (ok) SKVT_CHECK(log->len == want_len && want_len > 0, "%s: decision log holds %zu bytes, the sizes say %zu",
                             skv_backend_name(be), log->len, want_len);
@@ -354,6 +627,7 @@ int main(int argc, char **argv)
     skvt_rng r;
     skvt_rng_seed(&r, seed);
     check_topk_rule(&r);
+    check_mass_rule(&r);
 
     static const skv_backend others[] = {SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     int compared = 0, n_repro_skipped = 0;
@@ -361,12 +635,20 @@ int main(int argc, char **argv)
         contract_case cc;
         random_case(&r, &cc);
         cc.cfg.reproducible = i % 4 == 3; /* no draw: the other configurations stay as they were */
+        mode_case(i, seed, &cc);
+        if (i % 5 == 2) { /* a rank per slot (DESIGN 3.1) up to the drawn rank; no draw either */
+            cc.cfg.rank_max = cc.cfg.rank;
+            cc.cfg.rank = 0;
+            cc.cfg.rank_error_target = 0.1f;
+        }
         uint64_t case_seed = skvt_rng_u64(&r);
         const skv_config *c = &cc.cfg;
         char desc[256];
-        snprintf(desc, sizeof desc, "config %d%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
-                 i, c->reproducible ? " (reproducible)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
-                 c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rope.rotary_dim,
+        snprintf(desc, sizeof desc, "config %d%s%s%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rank_max=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
+                 i, c->reproducible ? " (reproducible)" : "",
+                 c->select_mode == SKV_SELECT_MASS ? " (mass)" : c->budget == SKV_BUDGET_ALL ? " (all)" : "",
+                 c->dense_layers ? " (dense 0)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
+                 c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rank_max, c->rope.rotary_dim,
                  c->rope.interleaved, c->rope.llama3_scaling, (long long)cc.n[0]);
         size_t qn = (size_t)c->batch_size * c->n_q_heads * c->head_dim;
         int n_out = cc.steps * c->n_layers;

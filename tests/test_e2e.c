@@ -33,7 +33,17 @@
  * A failure's message names the step, layer, sequence and backend, and what
  * was compared with what.
  * SKV_VERBOSE=1 prints one line per measurement.
+ *
+ * Dense layers and the per-layer counters (check_dense_layers): a 2-layer cache with
+ * layer 0 dense (config.dense_layers), the fixed and the mass selection, both modes of
+ * config.reproducible, on ref and cpu: every step's output of the dense layer against
+ * skv_op_full_attention over the exact keys (the given post-RoPE keys, or the library's
+ * RoPE of k_pre) within 1e-5 relative, ref and cpu bitwise equal in the reproducible mode,
+ * and skv_cache_layer_stats against the counts recomputed here from seq_info and
+ * skv_cache_selected_count; the decode allocates nothing. Then test_dense_mass_backends: a
+ * dense layer and the mass rule on the synthetic workload on every backend, cuda included.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -68,6 +78,323 @@ static void *stage_in(skv_backend be, const void *host, size_t bytes)
     return dev;
 }
 
+static double rel_err_f(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* The dense-layer and layer-stats checks described at the top (ref and cpu). */
+static void check_dense_layers(uint64_t seed)
+{
+    enum { DL = 2, DB = 2, DSTEPS = 5 };
+    const int64_t dn[DB] = {203, 77}; /* the second is too short for a sparse layer: fine for a dense one */
+    skv_config c = skv_config_default();
+    c.n_layers = DL, c.n_q_heads = 8, c.n_kv_heads = 2, c.head_dim = 64, c.rank = 24, c.chunk_size = 8;
+    c.budget = 48, c.n_outlier_chunks = 2, c.n_local_chunks = 1, c.batch_size = DB, c.max_prompt_len = 256;
+    c.gen_capacity = DSTEPS, c.dense_layers = 1, c.rope.theta = 10000.0f;
+    const int Hq = c.n_q_heads, Hk = c.n_kv_heads, D = c.head_dim;
+    const size_t row = (size_t)Hk * D, HD = (size_t)Hq * D, total = (size_t)c.max_prompt_len + DSTEPS;
+    skvt_rng r;
+    skvt_rng_seed(&r, seed ^ 0xd0e5e1a7ull);
+    /* per layer and sequence: prompt k_pre, v, the exact post-RoPE keys; the steps' q, k, v */
+    skv_bf16 *kpre = malloc(DL * DB * total * row * 2), *kpost = malloc(DL * DB * total * row * 2);
+    skv_bf16 *vv = malloc(DL * DB * total * row * 2), *q = malloc(DSTEPS * DL * DB * HD * 2);
+    float *cos_t = malloc(total * D / 2 * 4), *sin_t = malloc(total * D / 2 * 4), *full = malloc(HD * 4);
+    float *outs[2][2]; /* [reproducible][backend] : [mode][step][layer][B * HD] */
+    skv_rope_table_build(&c.rope, D, (int64_t)total, cos_t, sin_t);
+    for (int i = 0; i < DL * DB; i++) {
+        skv_bf16 *kp = kpre + i * total * row;
+        skvt_fill_bf16_normal(&r, kp, total * row, 1.0);
+        skvt_fill_bf16_normal(&r, vv + i * total * row, total * row, 1.0);
+        SKVT_CHECK_STATUS(skv_op_rope(SKV_BACKEND_REF, &c.rope, D, (int64_t)total, Hk, 0, cos_t, sin_t, kp,
+                                      kpost + i * total * row),
+                          SKV_OK, "rope of the dense test's keys");
+    }
+    skvt_fill_bf16_normal(&r, q, DSTEPS * DL * DB * HD, 1.5);
+    skv_bf16 *sk = malloc(DB * row * 2), *sv = malloc(DB * row * 2);
+    float *out = malloc(DB * HD * 4);
+    for (int rep = 0; rep < 2; rep++)
+        for (int bi = 0; bi < 2; bi++) outs[rep][bi] = calloc((size_t)2 * DSTEPS * DL * DB * HD, 4);
+    const skv_backend bes[2] = {SKV_BACKEND_REF, SKV_BACKEND_CPU};
+    double worst = 0;
+    for (int rep = 0; rep < 2; rep++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int bi = 0; bi < 2; bi++) {
+                skv_config g = c;
+                g.reproducible = rep;
+                g.backend = bes[bi];
+                g.select_mode = mode ? SKV_SELECT_MASS : SKV_SELECT_FIXED;
+                g.select_mass = 0.7f;
+                skv_cache *k = NULL;
+                if (!SKVT_CHECK_STATUS(skv_cache_create(&g, &k), SKV_OK, "create (dense layers)")) {
+                    printf("  %s\n", skv_last_error());
+                    continue;
+                }
+                const char *bn = skv_backend_name(bes[bi]);
+                for (int l = 0; l < DL; l++)
+                    for (int b = 0; b < DB; b++) {
+                        const size_t i = (size_t)(l * DB + b) * total * row;
+                        /* sparse layer 1 takes the first prompt for both sequences (the second is too short) */
+                        const int64_t n = l == 0 ? dn[b] : dn[0];
+                        skv_status st = skv_prefill(k, l, b, n, kpre + i, vv + i, b == 0 ? kpost + i : NULL);
+                        if (!SKVT_CHECK_STATUS(st, SKV_OK, "prefill (dense layers)")) printf("  %s\n", skv_cache_last_error(k));
+                    }
+                skv_layer_stats want[DL];
+                memset(want, 0, sizeof want);
+                for (int s = 0; s < DSTEPS; s++)
+                    for (int l = 0; l < DL; l++) {
+                        for (int b = 0; b < DB; b++) {
+                            const size_t i = (size_t)(l * DB + b) * total * row;
+                            const int64_t n = l == 0 ? dn[b] : dn[0];
+                            memcpy(sk + b * row, kpost + i + (size_t)(n + s) * row, row * 2);
+                            memcpy(sv + b * row, vv + i + (size_t)(n + s) * row, row * 2);
+                        }
+                        const skv_bf16 *qs = q + (size_t)(s * DL + l) * DB * HD;
+                        skv_status st = skv_decode(k, l, qs, sk, sv, out);
+                        if (!SKVT_CHECK_STATUS(st, SKV_OK, "decode (dense layers)")) {
+                            printf("  %s\n", skv_cache_last_error(k));
+                            continue;
+                        }
+                        memcpy(outs[rep][bi] + ((size_t)(mode * DSTEPS + s) * DL + l) * DB * HD, out, DB * HD * 4);
+                        for (int b = 0; b < DB; b++) {
+                            skv_seq_info info;
+                            skv_cache_seq_info(k, l, b, &info);
+                            const int64_t n = info.n, ctx_tokens = n + s + 1;
+                            for (int h = 0; h < Hk; h++) {
+                                int32_t kh = 0;
+                                want[l].head_steps++;
+                                want[l].context_tokens += ctx_tokens;
+                                if (l == 0) {
+                                    want[l].attended_tokens += ctx_tokens;
+                                    continue;
+                                }
+                                SKVT_CHECK_STATUS(skv_cache_selected_count(k, l, b, h, &kh), SKV_OK, "selected_count");
+                                want[l].selected_chunks += kh;
+                                want[l].attended_tokens +=
+                                    (int64_t)c.n_outlier_chunks * c.chunk_size + info.n_local + (int64_t)kh * c.chunk_size + s + 1;
+                            }
+                            if (l != 0) continue;
+                            /* the dense layer: full attention over the exact keys and values of n + s + 1 tokens */
+                            const size_t i = (size_t)(l * DB + b) * total * row;
+                            st = skv_op_full_attention(SKV_BACKEND_REF, Hq, Hk, D, 0.0f, qs + b * HD, n + s + 1, kpost + i,
+                                                       vv + i, full);
+                            SKVT_CHECK_STATUS(st, SKV_OK, "full_attention");
+                            const double e = rel_err_f(out + b * HD, full, HD);
+                            worst = e > worst ? e : worst;
+                            SKVT_CHECK(e <= 1e-5,
+                                       "%s%s, %s selection: dense layer 0, sequence %d (keys %s), step %d: output vs "
+                                       "full attention on the exact keys, rel err %.3g > 1e-5",
+                                       bn, rep ? " reproducible" : "", mode ? "mass" : "fixed", b,
+                                       b == 0 ? "given post-RoPE" : "the library's RoPE", s, e);
+                        }
+                    }
+                for (int l = 0; l < DL; l++) {
+                    skv_layer_stats ls;
+                    SKVT_CHECK_STATUS(skv_cache_layer_stats(k, l, &ls), SKV_OK, "layer_stats");
+                    SKVT_CHECK(ls.head_steps == want[l].head_steps && ls.context_tokens == want[l].context_tokens &&
+                                   ls.attended_tokens == want[l].attended_tokens &&
+                                   ls.selected_chunks == want[l].selected_chunks && ls.dense == (l == 0) &&
+                                   ls.n_prefilled == DB && ls.rank_min == (l ? c.rank : 0) &&
+                                   ls.rank_max == (l ? c.rank : 0) && ls.rank_mean == (l ? c.rank : 0),
+                               "%s%s %s: layer %d stats: head_steps %lld/%lld attended %lld/%lld context %lld/%lld "
+                               "selected %lld/%lld dense %d prefilled %d rank %d..%d mean %g",
+                               bn, rep ? " reproducible" : "", mode ? "mass" : "fixed", l, (long long)ls.head_steps,
+                               (long long)want[l].head_steps, (long long)ls.attended_tokens,
+                               (long long)want[l].attended_tokens, (long long)ls.context_tokens,
+                               (long long)want[l].context_tokens, (long long)ls.selected_chunks,
+                               (long long)want[l].selected_chunks, ls.dense, ls.n_prefilled, ls.rank_min, ls.rank_max,
+                               ls.rank_mean);
+                    if (mode) SKVT_CHECK(l == 0 || ls.attended_tokens < ls.context_tokens, "mass: attended all");
+                }
+                skv_stats st;
+                skv_cache_stats(k, &st);
+                SKVT_CHECK(st.decode_allocations == 0, "%s: %lld decode allocations with a dense layer", bn,
+                           (long long)st.decode_allocations);
+                SKVT_CHECK_STATUS(skv_cache_stats_reset(k), SKV_OK, "stats_reset");
+                skv_layer_stats ls;
+                skv_cache_layer_stats(k, 1, &ls);
+                SKVT_CHECK(ls.head_steps == 0 && ls.attended_tokens == 0 && ls.n_prefilled == DB,
+                           "stats_reset zeroes the layer counters (not the ranks)");
+                skv_cache_free(k);
+            }
+    SKVT_CHECK(memcmp(outs[1][0], outs[1][1], (size_t)2 * DSTEPS * DL * DB * HD * 4) == 0,
+               "reproducible: ref and cpu outputs (dense layer 0, sparse layer 1; fixed and mass selection) differ");
+    printf("dense layer 0 vs full attention on exact keys: max rel err %.3g\n", worst);
+    for (int rep = 0; rep < 2; rep++)
+        for (int bi = 0; bi < 2; bi++) free(outs[rep][bi]);
+    free(kpre), free(kpost), free(vv), free(q), free(cos_t), free(sin_t), free(full), free(sk), free(sv), free(out);
+}
+
+/*
+ * Dense layers and SKV_SELECT_MASS end to end on every available backend, cuda included (its
+ * tensors staged in device memory; docs/DESIGN.md 4.5, 4.7): layer 0 dense, layer 1 sparse with
+ * the mass rule (p = 0.7, the budget its cap), the synthetic workload above. Dense
+ * layer: every backend's output against dense attention with the exact keys <= 1e-3 (it attends
+ * to the stored exact keys and values: only float rounding is left), and against ref's <= 2e-3;
+ * its counters attend to the whole context. Mass layer: counts and sets equal to ref's, the
+ * needle chunk selected, the output against attention with exact keys over its own selection
+ * <= 0.05 (the main test's own-selection bound) and against ref's within the main test's
+ * cross-backend bound.
+ */
+static void test_dense_mass_backends(uint64_t seed)
+{
+    enum { ST = 6 };
+    skv_config cfg = skv_config_default();
+    cfg.n_layers = 2;
+    cfg.n_q_heads = 8;
+    cfg.n_kv_heads = 2;
+    cfg.head_dim = 128;
+    cfg.rank = 96;
+    cfg.budget = 512;
+    cfg.batch_size = BATCH;
+    cfg.max_prompt_len = 9216;
+    cfg.gen_capacity = ST;
+    cfg.dense_layers = 1;
+    cfg.select_mode = SKV_SELECT_MASS;
+    cfg.select_mass = 0.7f;
+    cfg.select_min_chunks = 1;
+    const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
+    const size_t HD = (size_t)Hq * D;
+    const skv_backend want[NBE] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
+    skv_cache *cache[NBE] = {NULL};
+    skv_backend be[NBE];
+    int nbe = 0;
+    for (int i = 0; i < NBE; i++) {
+        if (skv_backend_available(want[i]) != SKV_OK) continue;
+        cfg.backend = want[i];
+        skv_status st = skv_cache_create(&cfg, &cache[nbe]);
+        if (!SKVT_CHECK(st == SKV_OK, "dense/mass: create %s: %s %s", skv_backend_name(want[i]), skv_status_string(st),
+                        skv_last_error()))
+            goto out;
+        be[nbe++] = want[i];
+    }
+    skvs_workload wl;
+    if (!SKVT_CHECK_STATUS(skvs_workload_init(&wl, &cfg, ctx[BATCH - 1] + ST, SKV_BACKEND_REF), SKV_OK, "workload"))
+        goto out;
+    static skvs_seq seq[2][BATCH];
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) {
+            skv_status st = skvs_seq_generate(&seq[l][b], &wl, ctx[b], ST, 1, seed * 7919u + (uint64_t)(l * BATCH + b));
+            SKVT_CHECK_STATUS(st, SKV_OK, "dense/mass: generate");
+            const size_t bytes = sizeof(skv_bf16) * (size_t)ctx[b] * Hk * D;
+            for (int i = 0; i < nbe; i++) {
+                skv_bf16 *dk_pre = stage_in(be[i], seq[l][b].k_pre, bytes), *dv_pre = stage_in(be[i], seq[l][b].v, bytes);
+                st = skv_prefill(cache[i], l, b, ctx[b], dk_pre, dv_pre, NULL);
+                skvt_dfree(be[i], dk_pre, seq[l][b].k_pre);
+                skvt_dfree(be[i], dv_pre, seq[l][b].v);
+                SKVT_CHECK(st == SKV_OK, "dense/mass: prefill %s l%d b%d: %s %s", skv_backend_name(be[i]), l, b,
+                           skv_status_string(st), skv_cache_last_error(cache[i]));
+            }
+        }
+    /* the reference's always-kept tokens come from the sparse layer (layer 1; the dense layer's reference is
+       dense attention, which they do not enter) */
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) {
+            SKVT_CHECK_STATUS(skvs_seq_attach(&seq[l][b], cache[0], 1, b), SKV_OK, "dense/mass: attach");
+            SKVT_CHECK_STATUS(skvs_seq_release(&seq[l][b]), SKV_OK, "dense/mass: release");
+        }
+    if (skvt_counts_g.failed) goto out_seq;
+    skv_bf16 *q = malloc(sizeof(skv_bf16) * BATCH * HD), *k = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
+    skv_bf16 *v = malloc(sizeof(skv_bf16) * BATCH * Hk * D);
+    float *out[NBE], *full = malloc(sizeof(float) * HD), *exact = malloc(sizeof(float) * HD);
+    int32_t *ids = malloc(sizeof(int32_t) * NBE * Hk * S), cnt[NBE][8];
+    const size_t q_bytes = sizeof(skv_bf16) * BATCH * HD, kv_bytes = sizeof(skv_bf16) * BATCH * Hk * D,
+                 out_bytes = sizeof(float) * BATCH * HD;
+    skv_bf16 *dq[NBE], *dk[NBE], *dv[NBE];
+    float *dout[NBE];
+    for (int i = 0; i < nbe; i++) {
+        out[i] = malloc(out_bytes);
+        dq[i] = skvt_dbuf(be[i], q, q_bytes), dk[i] = skvt_dbuf(be[i], k, kv_bytes), dv[i] = skvt_dbuf(be[i], v, kv_bytes);
+        dout[i] = skvt_dbuf(be[i], out[i], out_bytes);
+    }
+    double worst_dense = 0, worst_dense_x = 0, worst_own = 0, sum_k = 0;
+    int n_k = 0;
+    for (int s = 0; s < ST; s++)
+        for (int l = 0; l < 2; l++) {
+            int32_t needle[BATCH];
+            for (int b = 0; b < BATCH; b++)
+                SKVT_CHECK_STATUS(skvs_step(&seq[l][b], q + b * HD, k + b * Hk * D, v + b * Hk * D, &needle[b]), SKV_OK,
+                                  "dense/mass: step");
+            for (int i = 0; i < nbe; i++) {
+                skvt_dput(be[i], dq[i], q, q_bytes), skvt_dput(be[i], dk[i], k, kv_bytes), skvt_dput(be[i], dv[i], v, kv_bytes);
+                skv_status st = skv_decode(cache[i], l, dq[i], dk[i], dv[i], dout[i]);
+                if (st == SKV_OK) st = skv_cache_sync(cache[i]);
+                SKVT_CHECK(st == SKV_OK, "dense/mass: decode %s: %s %s", skv_backend_name(be[i]), skv_status_string(st),
+                           skv_cache_last_error(cache[i]));
+                skvt_dget(be[i], out[i], dout[i], out_bytes);
+            }
+            for (int b = 0; b < BATCH; b++) {
+                for (int i = 0; i < nbe && l == 1; i++)
+                    for (int h = 0; h < Hk; h++) {
+                        int32_t *row = ids + (i * Hk + h) * S;
+                        SKVT_CHECK_STATUS(skv_cache_selected(cache[i], 1, b, h, row), SKV_OK, "dense/mass: selected");
+                        SKVT_CHECK_STATUS(skv_cache_selected_count(cache[i], 1, b, h, &cnt[i][h]), SKV_OK,
+                                          "dense/mass: selected_count");
+                        if (i == 0) sum_k += cnt[0][h], n_k++;
+                        SKVT_CHECK(contains(row, cnt[i][h], needle[b]),
+                                   "dense/mass: %s step %d seq %d head %d: needle chunk %d not among its %d chunks",
+                                   skv_backend_name(be[i]), s, b, h, needle[b], cnt[i][h]);
+                        if (i)
+                            SKVT_CHECK(cnt[i][h] == cnt[0][h] && !memcmp(ids + h * S, row, sizeof(int32_t) * S),
+                                       "dense/mass: step %d seq %d head %d: %s selects %d chunks, ref %d, or other ones",
+                                       s, b, h, skv_backend_name(be[i]), cnt[i][h], cnt[0][h]);
+                    }
+                skv_status st = skvs_reference(&seq[l][b], s + 1, q + b * HD, needle[b], l == 1 ? ids : NULL, full, NULL,
+                                               l == 1 ? exact : NULL, NULL);
+                SKVT_CHECK_STATUS(st, SKV_OK, "dense/mass: reference");
+                for (int i = 0; i < nbe; i++) {
+                    const float *o = out[i] + b * HD;
+                    const double x = i ? skvs_rel_err(o, out[0] + b * HD, HD) : 0.0;
+                    if (l == 0) {
+                        const double e = skvs_rel_err(o, full, HD);
+                        worst_dense = dmax(worst_dense, e), worst_dense_x = dmax(worst_dense_x, x);
+                        SKVT_CHECK(e <= 1e-3, "dense/mass: %s step %d seq %d: dense layer vs dense attention rel err %.3g > 1e-3",
+                                   skv_backend_name(be[i]), s, b, e);
+                        SKVT_CHECK(x <= 2e-3, "dense/mass: %s step %d seq %d: dense layer vs ref rel err %.3g > 2e-3",
+                                   skv_backend_name(be[i]), s, b, x);
+                    } else {
+                        const double own = skvs_rel_err(o, exact, HD), own_ref = skvs_rel_err(out[0] + b * HD, exact, HD);
+                        worst_own = dmax(worst_own, own);
+                        SKVT_CHECK(own <= 0.05, "dense/mass: %s step %d seq %d: mass layer vs exact keys and values over "
+                                   "its own selection rel err %.4f > 0.05", skv_backend_name(be[i]), s, b, own);
+                        SKVT_CHECK(x <= 2e-3 + own + own_ref, "dense/mass: %s step %d seq %d: mass layer vs ref rel err %.3g "
+                                   "> %.3g", skv_backend_name(be[i]), s, b, x, 2e-3 + own + own_ref);
+                    }
+                }
+            }
+        }
+    for (int i = 0; i < nbe; i++) { /* the dense layer attends to every token; both layers counted their steps */
+        skv_layer_stats ls0, ls1;
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache[i], 0, &ls0), SKV_OK, "dense/mass: layer_stats 0");
+        SKVT_CHECK_STATUS(skv_cache_layer_stats(cache[i], 1, &ls1), SKV_OK, "dense/mass: layer_stats 1");
+        SKVT_CHECK(ls0.dense == 1 && ls0.attended_tokens == ls0.context_tokens && ls0.head_steps == (int64_t)ST * BATCH * Hk &&
+                       ls1.dense == 0 && ls1.head_steps == ls0.head_steps && ls1.attended_tokens < ls1.context_tokens,
+                   "dense/mass: %s layer stats: dense %d/%d, head steps %lld/%lld, attended %lld of %lld, %lld of %lld",
+                   skv_backend_name(be[i]), ls0.dense, ls1.dense, (long long)ls0.head_steps, (long long)ls1.head_steps,
+                   (long long)ls0.attended_tokens, (long long)ls0.context_tokens, (long long)ls1.attended_tokens,
+                   (long long)ls1.context_tokens);
+    }
+    printf("dense/mass: dense layer vs dense attention worst rel err %.3g (vs ref %.3g); mass layer mean count %.1f "
+           "of %d, worst own-selection error %.4f\n", worst_dense, worst_dense_x, n_k ? sum_k / n_k : 0.0, S, worst_own);
+    for (int i = 0; i < nbe; i++) {
+        skvt_dfree(be[i], dq[i], q), skvt_dfree(be[i], dk[i], k), skvt_dfree(be[i], dv[i], v);
+        skvt_dfree(be[i], dout[i], out[i]);
+        free(out[i]);
+    }
+    free(q), free(k), free(v), free(full), free(exact), free(ids);
+out_seq:
+    for (int l = 0; l < 2; l++)
+        for (int b = 0; b < BATCH; b++) skvs_seq_free(&seq[l][b]);
+    skvs_workload_free(&wl);
+out:
+    for (int i = 0; i < nbe; i++) skv_cache_free(cache[i]);
+}
+
 int main(void)
 {
     uint64_t seed = skvt_base_seed("test_e2e");
@@ -76,6 +403,7 @@ int main(void)
         unsetenv("SKV_BACKEND");
     }
     int verbose = getenv("SKV_VERBOSE") != NULL;
+    check_dense_layers(seed);
     skv_config cfg = skv_config_default();
     cfg.n_layers = LAYERS;
     cfg.n_q_heads = 8;
@@ -285,5 +613,6 @@ int main(void)
     }
     skvs_workload_free(&wl);
     free(q), free(k), free(v), free(full), free(orac), free(exact), free(sel), free(rec_q), free(rec_sel);
+    test_dense_mass_backends(seed);
     return skvt_finish();
 }

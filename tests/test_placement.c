@@ -16,6 +16,8 @@
  *    its rule (least recently used entry, ties to the lower entry) on every
  *    backend; drifting queries make them hit.
  *  - skv_seq_info.values_on_device tells the placement.
+ *  - All of it again with SKV_SELECT_MASS: each head's count k changes from step to step and
+ *    the chunk cache sees the k selected chunks (counts equal across placements and backends).
  * Seeds are printed; SKV_SEED=N replays a run.
  */
 #include <math.h>
@@ -185,13 +187,22 @@ static skv_cache *make_cache(world *wd, int64_t budget)
 }
 
 
-/* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel */
-static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_t *hits_out, int64_t *miss_out)
+/* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel; mass: SKV_SELECT_MASS
+   (each head's count k varies per step: the chunk cache sees k chunks) */
+static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int mass, int64_t *hits_out,
+                             int64_t *miss_out)
 {
     world wd;
     memset(&wd, 0, sizeof wd);
     wd.cfg = base_config();
     wd.cfg.head_dim = head_dim;
+    if (mass) { /* a cap of 32 chunks (the chunk cache, 4 S entries, still below the store), which the
+                   counts stay below at some steps */
+        wd.cfg.select_mode = SKV_SELECT_MASS;
+        wd.cfg.budget = 128;
+        wd.cfg.select_mass = 0.6f;
+        wd.cfg.select_min_chunks = 2;
+    }
     wd.be = be;
     skvt_rng r;
     skvt_rng_seed(&r, seed);
@@ -240,7 +251,7 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
                 s->stamp = malloc(sizeof(int32_t) * (size_t)s->E);
                 for (int e = 0; e < s->E; e++) s->cand[e] = s->stamp[e] = -1;
             }
-    int64_t sim_hits = 0, sim_miss = 0;
+    int64_t sim_hits = 0, sim_miss = 0, mixed_lookups = 0, k_sum = 0, k_min = S, k_max = 0;
 
     const size_t qn = (size_t)B * Hq * D, kn = (size_t)B * Hk * D;
     skv_bf16 *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
@@ -285,23 +296,34 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
                     }
             for (int b = 0; b < B; b++)
                 for (int h = 0; h < Hk; h++) {
-                    for (int p = 0; p < N_PLACE; p++) skv_cache_selected(cache[p], l, b, h, sel[p]);
+                    int32_t cnt[N_PLACE];
+                    for (int p = 0; p < N_PLACE; p++) {
+                        skv_cache_selected(cache[p], l, b, h, sel[p]);
+                        cnt[p] = -1;
+                        skv_cache_selected_count(cache[p], l, b, h, &cnt[p]);
+                    }
                     for (int p = 1; p < N_PLACE; p++)
-                        SKVT_CHECK(memcmp(sel[0], sel[p], sizeof(int32_t) * (size_t)S) == 0,
-                                   "%s step %d layer %d seq %d head %d: %s selects other chunks than all-device",
-                                   skv_backend_name(be), step, l, b, h, pname[p]);
+                        SKVT_CHECK(memcmp(sel[0], sel[p], sizeof(int32_t) * (size_t)S) == 0 && cnt[0] == cnt[p],
+                                   "%s step %d layer %d seq %d head %d: %s selects other chunks than all-device "
+                                   "(%d against %d)", skv_backend_name(be), step, l, b, h, pname[p], cnt[p], cnt[0]);
+                    const int32_t kk = cnt[0];
+                    if (!SKVT_CHECK(kk >= 1 && kk <= S && (mass || kk == S), "%s: count %d (S %d)", skv_backend_name(be),
+                                    kk, S))
+                        goto done;
+                    k_sum += kk, k_min = kk < k_min ? kk : k_min, k_max = kk > k_max ? kk : k_max;
+                    if ((int64_t)l * B + b >= want_dev[2]) mixed_lookups += kk;
                     /* the oracle works on candidate indices: map chunk ids back */
                     skv_seq_info info;
                     skv_cache_seq_info(cache[0], l, b, &info);
                     skv_cache_candidates(cache[0], l, b, h, cand);
                     int32_t ci[256];
-                    for (int s = 0, m = 0; s < S; s++) {
+                    for (int s = 0, m = 0; s < kk; s++) {
                         while (cand[m] != sel[0][s]) m++;
                         ci[s] = m;
                     }
-                    int32_t hits = sim_step(&sim[l][b][h], ci, S, step);
+                    int32_t hits = sim_step(&sim[l][b][h], ci, kk, step);
                     sim_hits += hits;
-                    sim_miss += S - hits;
+                    sim_miss += kk - hits;
                 }
         }
     }
@@ -322,11 +344,15 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int64_
                    (long long)sim_miss);
         SKVT_CHECK(sim_hits > 0 && sim_miss > 0, "the workload should both hit and miss: %lld hits, %lld misses",
                    (long long)sim_hits, (long long)sim_miss);
-        SKVT_CHECK(st[2].value_cache_hits + st[2].value_cache_misses ==
-                       (int64_t)STEPS * (slots - 3) * Hk * S,
+        SKVT_CHECK(st[2].value_cache_hits + st[2].value_cache_misses == mixed_lookups,
                    "%s mixed: %lld lookups, want %lld", skv_backend_name(be),
-                   (long long)(st[2].value_cache_hits + st[2].value_cache_misses),
-                   (long long)STEPS * (slots - 3) * Hk * S);
+                   (long long)(st[2].value_cache_hits + st[2].value_cache_misses), (long long)mixed_lookups);
+        if (mass) {
+            printf("%s: mass counts %lld..%lld, mean %.2f of S %d\n", skv_backend_name(be), (long long)k_min,
+                   (long long)k_max, (double)k_sum / ((double)STEPS * L * B * Hk), S);
+            SKVT_CHECK(k_min < k_max, "%s: the mass rule's counts never varied (%lld)", skv_backend_name(be),
+                       (long long)k_min);
+        }
         printf("%s: chunk cache %lld hits, %lld misses (all-host)\n", skv_backend_name(be),
                (long long)st[1].value_cache_hits, (long long)st[1].value_cache_misses);
         *hits_out = st[1].value_cache_hits;
@@ -352,22 +378,23 @@ int main(void)
     test_split();
     const skv_backend bes[3] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     static const int dims[2] = {64, 128};
-    for (int di = 0; di < 2; di++) {
-        int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
-        printf("head_dim %d\n", dims[di]);
-        for (int i = 0; i < 3; i++) {
-            if (skv_backend_available(bes[i]) != SKV_OK) {
-                skvt_skip("cuda backend not available on this machine");
-                continue;
+    for (int mass = 0; mass < 2; mass++) /* the fixed count, then SKV_SELECT_MASS */
+        for (int di = 0; di < 2; di++) {
+            int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
+            printf("head_dim %d%s\n", dims[di], mass ? ", SKV_SELECT_MASS" : "");
+            for (int i = 0; i < 3; i++) {
+                if (skv_backend_available(bes[i]) != SKV_OK) {
+                    skvt_skip("cuda backend not available on this machine");
+                    continue;
+                }
+                test_equivalence(bes[i], seed + (uint64_t)di + 2 * (uint64_t)mass, dims[di], mass, &hits[i], &miss[i]);
             }
-            test_equivalence(bes[i], seed + (uint64_t)di, dims[di], &hits[i], &miss[i]);
+            for (int i = 1; i < 3; i++)
+                if (hits[i] >= 0)
+                    SKVT_CHECK(hits[i] == hits[0] && miss[i] == miss[0],
+                               "head_dim %d%s: %s counts %lld hits, %lld misses; ref %lld, %lld", dims[di],
+                               mass ? " (mass)" : "", skv_backend_name(bes[i]), (long long)hits[i], (long long)miss[i],
+                               (long long)hits[0], (long long)miss[0]);
         }
-        for (int i = 1; i < 3; i++)
-            if (hits[i] >= 0)
-                SKVT_CHECK(hits[i] == hits[0] && miss[i] == miss[0],
-                           "head_dim %d: %s counts %lld hits, %lld misses; ref %lld, %lld", dims[di],
-                           skv_backend_name(bes[i]), (long long)hits[i], (long long)miss[i], (long long)hits[0],
-                           (long long)miss[0]);
-    }
     return skvt_finish();
 }

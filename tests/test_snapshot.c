@@ -11,6 +11,11 @@
  *    the same ref/cpu backend; 1e-5 between cuda and ref/cpu too, whose decode kernels differ). Also a cache saved before any decode, and host-placed values on either side
  *    (a small value_device_bytes). With cuda available, cuda -> ref/cpu and cpu -> cuda;
  *    otherwise those are counted skips.
+ *  - The 0.3 fields: round trips of caches with SKV_SELECT_MASS (per-head counts), a dense
+ *    layer and SKV_BUDGET_ALL carry the config, the counts, the ranks and the dense slots;
+ *    a version 1 snapshot (made here from a version 2 one of a fixed-mode cache: the
+ *    format of section 11 before 0.3) still loads, with the 0.3 fields at their defaults,
+ *    and decodes bitwise as the original.
  *  - The reproducible mode (config.reproducible = 1): outputs after a load are bitwise
  *    equal to the original's, across backends. A counted skip while the backends refuse
  *    the mode (SKV_ERR_UNSUPPORTED at create).
@@ -244,10 +249,15 @@ static void compare_state(skv_cache *a, skv_cache *b, const skv_config *g, const
                 bad += memcmp(ia, ib, (size_t)x.n_candidates * 4) != 0;
                 skv_cache_landmarks(a, l, s, h, la), skv_cache_landmarks(b, l, s, h, lb);
                 bad += memcmp(la, lb, (size_t)x.n_candidates * D * 2) != 0;
-                if (x.has_selection) {
+                if (x.dense) { /* a dense layer selects nothing */
+                    SKVT_CHECK_STATUS(skv_cache_selected(b, l, s, h, ib), SKV_ERR_NO_SELECTION, "selected(loaded, dense)");
+                } else if (x.has_selection) {
+                    int32_t ka = -1, kb = -2;
                     SKVT_CHECK_STATUS(skv_cache_selected(a, l, s, h, ia), SKV_OK, "selected(original)");
                     SKVT_CHECK_STATUS(skv_cache_selected(b, l, s, h, ib), SKV_OK, "selected(loaded)");
-                    bad += memcmp(ia, ib, (size_t)x.n_selected * 4) != 0;
+                    SKVT_CHECK_STATUS(skv_cache_selected_count(a, l, s, h, &ka), SKV_OK, "selected_count(original)");
+                    SKVT_CHECK_STATUS(skv_cache_selected_count(b, l, s, h, &kb), SKV_OK, "selected_count(loaded)");
+                    bad += memcmp(ia, ib, (size_t)x.n_selected * 4) != 0 || ka != kb;
                 } else {
                     SKVT_CHECK_STATUS(skv_cache_selected(b, l, s, h, ib), SKV_ERR_NO_SELECTION, "selected(loaded, none)");
                 }
@@ -274,9 +284,15 @@ static void compare_decode(skv_cache *a, skv_cache *b, const skv_config *g, int 
             bitwise_bad += memcmp(oa, ob, qn * 4) != 0;
             for (int s = 0; s < g->batch_size; s++)
                 for (int h = 0; h < g->n_kv_heads; h++) {
+                    skv_seq_info x;
+                    int32_t ka = -1, kb = -1;
+                    skv_cache_seq_info(a, l, s, &x);
+                    if (x.dense) continue;
                     skv_cache_selected(a, l, s, h, sa);
                     skv_cache_selected(b, l, s, h, sb);
-                    sel_bad += memcmp(sa, sb, (size_t)(g->budget / g->chunk_size) * 4) != 0;
+                    skv_cache_selected_count(a, l, s, h, &ka);
+                    skv_cache_selected_count(b, l, s, h, &kb);
+                    sel_bad += memcmp(sa, sb, (size_t)x.n_selected * 4) != 0 || ka != kb;
                 }
         }
 done:
@@ -348,7 +364,9 @@ static void roundtrip(const skv_config *cfg, skv_backend src, skv_backend dst, i
     skv_config probe = *cfg;
     probe.backend = SKV_BACKEND_REF;
     skv_cache_memory_info(&probe, &mi);
-    const int64_t slots = (int64_t)cfg->n_layers * cfg->batch_size;
+    int n_dense = 0;
+    for (int l = 0; l < cfg->n_layers; l++) n_dense += (int)((cfg->dense_layers >> l) & 1);
+    const int64_t slots = (int64_t)(cfg->n_layers - n_dense) * cfg->batch_size; /* sparse: value stores */
     /* all slots on the host but one */
     const int64_t host_budget = (int64_t)(mi.value_store_bytes + (size_t)(slots - 1) * mi.value_cache_bytes);
     skv_cache *a = world_cache(&w, src, src_host ? host_budget : SKV_VALUES_ALL_DEVICE), *b = NULL;
@@ -390,7 +408,9 @@ static void roundtrip(const skv_config *cfg, skv_backend src, skv_backend dst, i
                "%s: stats of the loaded cache do not start at zero", lbl);
     skv_memory_info bi;
     skv_cache_memory_info(skv_cache_config(b), &bi);
-    SKVT_CHECK(bi.host_value_slots == (dst_host ? slots - 1 : 0), "%s: %lld host slots after the load", lbl,
+    /* (a chunk cache as large as a store, as with SKV_BUDGET_ALL: every store fits the budget on the device) */
+    const int64_t want_host = dst_host && mi.value_cache_bytes < mi.value_store_bytes ? slots - 1 : 0;
+    SKVT_CHECK(bi.host_value_slots == want_host, "%s: %lld host slots after the load", lbl,
                (long long)bi.host_value_slots);
     compare_state(a, b, cfg, lbl);
     /* the loaded cache saves back to the same bytes, whatever its backend or placement */
@@ -401,6 +421,94 @@ static void roundtrip(const skv_config *cfg, skv_backend src, skv_backend dst, i
 done:
     free(snap);
     free(again);
+    skv_cache_free(a);
+    skv_cache_free(b);
+    world_free(&w);
+}
+
+/* ---- version 1 ----------------------------------------------------------------------------- */
+
+/*
+ * A version 1 snapshot from a version 2 one of a cache with only version 1's features (fixed
+ * selection, no dense layer, the config's rank): version 1 in the preamble, the CONF payload's
+ * first 96 bytes, SLOT states of 40 bytes (no rank, dense) and no selection_count tensor,
+ * section lengths, checksums and the END size redone. Returns the new size (in place).
+ */
+static size_t to_version1(unsigned char *s, size_t size, const skv_config *g)
+{
+    size_t st[64];
+    const int ns = sections(s, size, st, 64);
+    unsigned char *o = malloc(size);
+    size_t at = 16;
+    memcpy(o, s, 16);
+    wr32(o + 8, 1);
+    const size_t Hk = (size_t)g->n_kv_heads, D = (size_t)g->head_dim, c = (size_t)g->chunk_size;
+    const size_t O = (size_t)g->n_outlier_chunks, r = (size_t)g->rank;
+    for (int i = 0; i < ns; i++) {
+        const unsigned char *sec = s + st[i], *pay = sec + 16;
+        const size_t len = (size_t)rd64(sec + 8);
+        unsigned char *head = o + at;
+        memcpy(head, sec, 16);
+        size_t w = at + 16;
+        if (i == 0) { /* CONF */
+            memcpy(o + w, pay, 96), w += 96;
+        } else if (i < ns - 1) { /* SLOT: the state's first 40 bytes, the tensors without selection_count */
+            memcpy(o + w, pay, 40), w += 40;
+            const size_t n = (size_t)rd64(pay + 16), nc = rd32(pay + 28), nl = rd32(pay + 32), ng = rd32(pay + 36);
+            const int prefilled = (int)rd32(pay + 8), has_sel = (int)rd32(pay + 12);
+            size_t before = len - 48, skip = 0;
+            if (prefilled && has_sel) {
+                before = (n * r + r * Hk * D + Hk * nc * D + 2 * Hk * O * c * D + 2 * Hk * nl * D + 2 * Hk * ng * D) * 2 +
+                         (Hk * nc + Hk * O) * 4;
+                skip = Hk * 4;
+            }
+            memcpy(o + w, pay + 48, before), w += before;
+            memcpy(o + w, pay + 48 + before + skip, len - 48 - before - skip), w += len - 48 - before - skip;
+        } else { /* END */
+            memcpy(o + w, pay, len), w += len;
+        }
+        wr32(head + 8, (uint32_t)(w - at - 16)), wr32(head + 12, 0);
+        w += 4; /* its checksum: fix_checksums */
+        at = w;
+    }
+    size_t st2[64];
+    const int n2 = sections(o, at, st2, 64);
+    if (n2 == ns) wr32(o + st2[n2 - 1] + 16, (uint32_t)at), wr32(o + st2[n2 - 1] + 20, 0); /* END: the size */
+    fix_checksums(o, at);
+    memcpy(s, o, at);
+    free(o);
+    return at;
+}
+
+/* A version 1 snapshot loads (0.3 fields at their defaults) and decodes as the original. */
+static void test_version1(uint64_t seed)
+{
+    const skv_config c = base_config();
+    world w;
+    world_init(&w, &c, seed);
+    skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
+    unsigned char *snap = NULL;
+    size_t size = 0;
+    if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
+    const size_t v1 = to_version1(snap, size, &c);
+    SKVT_CHECK(v1 < size, "version 1 snapshot (%zu bytes) not smaller than version 2's (%zu)", v1, size);
+    skv_config q = skv_config_default();
+    skv_status st = skv_snapshot_config_buffer(snap, v1, &q, NULL, NULL);
+    SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of a version 1 snapshot");
+    SKVT_CHECK(st || (q.select_mode == SKV_SELECT_FIXED && q.select_mass == 0.95f && q.dense_layers == 0 &&
+                      q.rank_max == 0 && q.rank == c.rank),
+               "version 1: the 0.3 fields are not the defaults");
+    q.backend = SKV_BACKEND_CPU; /* the saving cache's backend: outputs bitwise equal by the default mode's rules */
+    st = skv_cache_load_buffer(snap, v1, &q, &b);
+    if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of a version 1 snapshot")) {
+        printf("  %s\n", skv_last_error());
+        goto done;
+    }
+    compare_state(a, b, &c, "version 1");
+    compare_decode(a, b, &c, 2, 4, 0.0, "version 1 (cpu -> cpu)");
+    printf("  version 1 snapshot: %zu bytes (version 2: %zu) loads\n", v1, size);
+done:
+    free(snap);
     skv_cache_free(a);
     skv_cache_free(b);
     world_free(&w);
@@ -501,7 +609,7 @@ static void test_errors(uint64_t seed)
     memset(m + size, 0, 64);
     load_fails(m, size + 1, NULL, SKV_ERR_FORMAT, "END", "one byte after the END section");
     /* version, older and newer, checksums recomputed: the version check must be what fires */
-    const uint32_t versions[] = {0, 2, 0xffffffffu};
+    const uint32_t versions[] = {0, 3, 0xffffffffu};
     for (int i = 0; i < 3; i++) {
         memcpy(m, snap, size);
         wr32(m + 8, versions[i]);
@@ -527,7 +635,7 @@ static void test_errors(uint64_t seed)
         skv_seq_info info;
         skv_cache_seq_info(a, 0, 0, &info);
         const size_t Hk = (size_t)c.n_kv_heads, D = (size_t)c.head_dim, rk = (size_t)c.rank;
-        const size_t cand = s0 + 40 + ((size_t)info.n * rk + rk * Hk * D + Hk * (size_t)info.n_candidates * D) * 2;
+        const size_t cand = s0 + 48 + ((size_t)info.n * rk + rk * Hk * D + Hk * (size_t)info.n_candidates * D) * 2;
         memcpy(m, snap, size);
         wr32(m + cand, (uint32_t)info.n_chunks); /* one past the last chunk */
         fix_checksums(m, size);
@@ -901,6 +1009,18 @@ int main(void)
     roundtrip(&c, R, G, 1, 0, 0, 1, xb, g_seed + 14);
     roundtrip(&c, G, G, 0, 2, 1, 1, 1e-5, g_seed + 15);
     roundtrip(&c, G, G, 1, 3, 0, 0, 1e-5, g_seed + 16);
+    /* the 0.3 fields: the mass rule with a floor and a dense layer 0; every chunk with a dense layer 1 */
+    skv_config m = c;
+    m.select_mode = SKV_SELECT_MASS, m.select_mass = 0.8f, m.select_min_chunks = 2, m.dense_layers = 1;
+    roundtrip(&m, R, C, 1, 3, 0, 0, 1e-5, g_seed + 51);
+    roundtrip(&m, C, C, 0, 2, 1, 1, 0.0, g_seed + 52);
+    roundtrip(&m, G, C, 0, 2, 0, 0, xb, g_seed + 53);
+    roundtrip(&m, C, G, 1, 2, 0, 1, xb, g_seed + 54);
+    skv_config a = c;
+    a.budget = SKV_BUDGET_ALL, a.dense_layers = 2, a.reproducible = 1;
+    roundtrip(&a, C, R, 0, 2, 0, 0, 0.0, g_seed + 55);
+    roundtrip(&a, R, C, 1, 0, 0, 1, 0.0, g_seed + 56);
+    test_version1(g_seed + 57);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
     test_snapshot_config(g_seed + 40);

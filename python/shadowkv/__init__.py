@@ -44,9 +44,11 @@ from ._arrays import as_bf16, as_float32
 from ._ffi import Config, RopeConfig
 
 __all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "snapshot_config", "backend_available", "version",
-           "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE", "as_bf16", "as_float32"]
+           "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE", "BUDGET_ALL", "as_bf16", "as_float32",
+           "scaled_config", "min_prompt_len", "has_function"]
 
 VALUES_ALL_DEVICE = _ffi.VALUES_ALL_DEVICE
+BUDGET_ALL = _ffi.BUDGET_ALL  # config budget: every candidate chunk at every step (budget="all" in config())
 
 _lib: Optional[ctypes.CDLL] = None
 
@@ -85,6 +87,12 @@ def _check(status: int, call: str, cache_handle: Any = None) -> None:
     raise ShadowKVError(status, msg.decode(errors="replace"), call)
 
 
+def has_function(name: str) -> bool:
+    """Whether the loaded library exports the C function `name` (a 0.3 function such as
+    "skv_cache_layer_stats_sized" is missing from a library built before it)."""
+    return _ffi.has_symbol(lib(), name)
+
+
 def version() -> str:
     """The library's version string ("major.minor.patch")."""
     return lib().skv_version_string().decode()
@@ -117,7 +125,7 @@ def _resolve_backend(backend: Any) -> str:
     return name
 
 
-_CONFIG_ENUMS = {"backend", "factorize"}
+_CONFIG_ENUMS = {"backend", "factorize", "select_mode"}
 
 
 def config(**fields: Any) -> Config:
@@ -129,7 +137,10 @@ def config(**fields: Any) -> Config:
     "ref", "cpu", "cuda") and factorize ("auto", "fast", "fallback", "exact") take
     names; rope takes a dict of RopeConfig fields (theta, rotary_dim, interleaved,
     llama3_scaling, scaling_factor, low_freq_factor, high_freq_factor,
-    original_max_position). Nothing is validated here; validate() or Cache() does.
+    original_max_position). select_mode takes "fixed" or "mass" (with select_mass,
+    select_min_chunks); budget takes "all" (BUDGET_ALL: every candidate chunk); rank 0
+    takes rank_max and rank_error_target; dense_layers takes an int bit mask or a list of
+    layer numbers. Nothing is validated here; validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")
@@ -141,6 +152,24 @@ def config(**fields: Any) -> Config:
             if v not in _ffi.ROUTES:
                 raise ValueError(f"factorize {v!r}: expected one of {sorted(_ffi.ROUTES)}")
             c.factorize = _ffi.ROUTES[v]
+        elif k == "select_mode":
+            if isinstance(v, int) and not isinstance(v, bool) and v in _ffi.SELECT_MODE_NAMES:
+                c.select_mode = v
+            elif v in _ffi.SELECT_MODES:
+                c.select_mode = _ffi.SELECT_MODES[v]
+            else:
+                raise ValueError(f"select_mode {v!r}: expected one of {sorted(_ffi.SELECT_MODES)}")
+        elif k == "budget" and isinstance(v, str):
+            if v != "all":
+                raise ValueError(f"budget {v!r}: expected a number of tokens or 'all'")
+            c.budget = _ffi.BUDGET_ALL
+        elif k == "dense_layers" and not isinstance(v, int):
+            mask = 0
+            for layer in v:
+                if not isinstance(layer, int) or not 0 <= layer < 64:
+                    raise ValueError(f"dense_layers: layer {layer!r}, expected ints in [0, 64)")
+                mask |= 1 << layer
+            c.dense_layers = mask
         elif k == "rope":
             if isinstance(v, RopeConfig):
                 c.rope = v
@@ -177,6 +206,8 @@ def config_dict(cfg: Config) -> dict:
             v = _ffi.BACKEND_NAMES.get(v, v)
         elif name == "factorize":
             v = {i: n for n, i in _ffi.ROUTES.items()}.get(v, v)
+        elif name == "select_mode":
+            v = _ffi.SELECT_MODE_NAMES.get(v, v)
         out[name] = v
     return out
 
@@ -203,7 +234,8 @@ def memory(cfg: Config) -> dict:
     return {name: getattr(info, name) for name, _ in info._fields_}
 
 
-# The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian.
+# The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian. Version 2
+# appends the 0.3 fields (select_mode .. dense_layers); a version 1 file leaves them at their defaults.
 _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("head_dim", "i"), ("rank", "i"),
                 ("chunk_size", "i"), ("budget", "i"), ("n_outlier_chunks", "i"), ("n_local_chunks", "i"),
                 ("rope.theta", "f"), ("rope.rotary_dim", "i"), ("rope.interleaved", "i"),
@@ -211,22 +243,29 @@ _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("he
                 ("rope.high_freq_factor", "f"), ("rope.original_max_position", "i"), ("attn_scale", "f"),
                 ("batch_size", "i"), ("max_prompt_len", "q"), ("gen_capacity", "i"), ("factorize", "i"),
                 ("reproducible", "i")]
-_SNAP_CONF = "<" + "".join(t for _, t in _SNAP_FIELDS)
+_SNAP_FIELDS_V2 = _SNAP_FIELDS + [("select_mode", "i"), ("select_mass", "f"), ("select_min_chunks", "i"),
+                                  ("rank_max", "i"), ("rank_error_target", "f"), ("dense_layers", "Q")]
+_SNAP_CONF = {1: "<" + "".join(t for _, t in _SNAP_FIELDS), 2: "<" + "".join(t for _, t in _SNAP_FIELDS_V2)}
+_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2}
 
 
 def _read_snapshot_config(path: Any) -> Optional[Config]:
-    """The config a snapshot file holds, or None when its header cannot be read as version 1."""
+    """The config a snapshot file holds, or None when its header cannot be read as version 1 or 2."""
     try:
         with open(path, "rb") as f:
-            head = f.read(32 + struct.calcsize(_SNAP_CONF))
+            head = f.read(32 + struct.calcsize(_SNAP_CONF[2]))
     except OSError:
         return None
-    if len(head) < 32 + struct.calcsize(_SNAP_CONF) or head[:8] != b"SKVSNAP\0":
+    if len(head) < 32 or head[:8] != b"SKVSNAP\0" or head[16:20] != b"CONF":
         return None
-    if struct.unpack_from("<II", head, 8) != (1, 0) or head[16:20] != b"CONF":
+    version, flags = struct.unpack_from("<II", head, 8)
+    if version not in _SNAP_CONF or flags != 0:
+        return None
+    fmt = _SNAP_CONF[version]
+    if len(head) < 32 + struct.calcsize(fmt) or struct.unpack_from("<Q", head, 24)[0] != struct.calcsize(fmt):
         return None
     c = config()
-    for (name, _), v in zip(_SNAP_FIELDS, struct.unpack_from(_SNAP_CONF, head, 32)):
+    for (name, _), v in zip(_SNAP_FIELDS_OF[version], struct.unpack_from(fmt, head, 32)):
         if name.startswith("rope."):
             setattr(c.rope, name[5:], v)
         else:
@@ -238,10 +277,10 @@ def _read_snapshot_config(path: Any) -> Optional[Config]:
 def snapshot_config(path: Any) -> Config:
     """The config stored in a snapshot file (its model fields; the runtime fields at their
     defaults, backend auto): what Cache.load(path) creates the cache from. Raises ValueError
-    when the file does not start with a version 1 snapshot header (Cache.load then says why)."""
+    when the file does not start with a version 1 or 2 snapshot header (Cache.load then says why)."""
     c = _read_snapshot_config(path)
     if c is None:
-        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 shadowkv snapshot header")
+        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 or 2 shadowkv snapshot header")
     return c
 
 
@@ -316,7 +355,7 @@ class Cache:
         self.n_layers, self.batch_size = c.n_layers, c.batch_size
         self.n_q_heads, self.n_kv_heads, self.head_dim = c.n_q_heads, c.n_kv_heads, c.head_dim
         self.chunk_size, self.n_outliers = c.chunk_size, c.n_outlier_chunks
-        self.n_selected = c.budget // c.chunk_size
+        self.n_selected = _slots_per_head(c)
 
     # -- snapshots --------------------------------------------------------------------
     def save(self, path: Any) -> None:
@@ -411,7 +450,7 @@ class Cache:
         """The cache's dimensions: L, B, Hq, Hk, D, c (chunk size), O (outlier chunks), S (selected chunks)."""
         c = self.config
         return dict(L=c.n_layers, B=c.batch_size, Hq=c.n_q_heads, Hk=c.n_kv_heads, D=c.head_dim,
-                    c=c.chunk_size, O=c.n_outlier_chunks, S=c.budget // c.chunk_size)
+                    c=c.chunk_size, O=c.n_outlier_chunks, S=_slots_per_head(c))
 
     # -- prefill and decode -------------------------------------------------------------
     def _arrays_of(self, x: Any, name: str, dims: str):
@@ -482,9 +521,27 @@ class Cache:
         """Zeroes the phase timings and counters (skv_cache_stats_reset)."""
         _check(self._lib.skv_cache_stats_reset(self._h()), "skv_cache_stats_reset", self._handle)
 
+    def layer_stats(self, layer: int) -> dict:
+        """Decode counters of one layer since create or reset_stats (skv_cache_layer_stats):
+        head_steps, attended_tokens, context_tokens, selected_chunks, dense, rank_min, rank_max,
+        n_prefilled, rank_mean, plus attended_share = attended_tokens / context_tokens (0.0
+        before a step). Raises ShadowKVError (SKV_ERR_UNSUPPORTED) with a library built before
+        skv_cache_layer_stats."""
+        if not has_function("skv_cache_layer_stats_sized"):
+            raise ShadowKVError(12, f"the loaded library ({library_path()}) has no skv_cache_layer_stats",
+                                "skv_cache_layer_stats")
+        s = _ffi.LayerStats()
+        _check(self._lib.skv_cache_layer_stats_sized(self._h(), layer, ctypes.byref(s), ctypes.sizeof(s)),
+               "skv_cache_layer_stats", self._handle)
+        out = {name: getattr(s, name) for name, _ in s._fields_}
+        out["attended_share"] = s.attended_tokens / s.context_tokens if s.context_tokens else 0.0
+        return out
+
     def seq_info(self, layer: int, seq: int) -> dict:
-        """Shape of (layer, seq): prefilled, n, n_chunks, n_candidates, n_outliers, n_selected,
-        n_local, n_generated, has_selection, values_on_device."""
+        """Shape of (layer, seq): prefilled, n, n_chunks, n_candidates, n_outliers, n_selected
+        (S, the selection's slots per KV head), n_local, n_generated, has_selection,
+        values_on_device, rank (the slot's factorization rank; 0 before prefill and on a dense
+        layer) and dense (1 on a layer of config.dense_layers)."""
         i = _ffi.SeqInfo()
         _check(self._lib.skv_cache_seq_info_sized(self._h(), layer, seq, ctypes.byref(i), ctypes.sizeof(i)),
                "skv_cache_seq_info", self._handle)
@@ -505,12 +562,41 @@ class Cache:
         _check(getattr(self._lib, fn)(self._h(), layer, seq, kv_head, K.addr(buf)), fn, self._handle)
         return buf[:count]
 
-    def selected(self, layer: int, seq: int, kv_head: Optional[int] = None):
+    def selected_count(self, layer: int, seq: int, kv_head: Optional[int] = None):
+        """The number k of chunks selected at the last decode step of (layer, seq, kv_head)
+        (skv_cache_selected_count): an int, or a list of Hk ints when kv_head is None. S in the
+        fixed mode; per head in select_mode "mass" and with budget "all" (N - O)."""
+        if kv_head is None:
+            return [self.selected_count(layer, seq, h) for h in range(self.config.n_kv_heads)]
+        if not has_function("skv_cache_selected_count"):  # a library before 0.3: always S
+            self.selected(layer, seq, kv_head)  # raises as the C call would (no selection, ...)
+            return self.seq_info(layer, seq)["n_selected"]
+        n = ctypes.c_int32(-1)
+        _check(self._lib.skv_cache_selected_count(self._h(), layer, seq, kv_head, ctypes.byref(n)),
+               "skv_cache_selected_count", self._handle)
+        return n.value
+
+    def selected(self, layer: int, seq: int, kv_head: Optional[int] = None, pad: bool = False):
         """Chunk ids selected at the last decode step of (layer, seq): int32 (a CPU tensor or a numpy
-        array) of S ids, increasing, for kv_head, or [Hk, S] for every KV head when kv_head is None."""
-        S = self.config.budget // self.config.chunk_size
+        array), increasing, the k ids kv_head selected (k = selected_count; S in the fixed mode).
+        kv_head None: a list of Hk such arrays (their lengths may differ in select_mode "mass"), or,
+        in the fixed mode (every k = S), one [Hk, S] array. pad=True: always S entries per head,
+        -1 after the k ids, and one [Hk, S] array for kv_head None."""
+        S = self.seq_info(layer, seq)["n_selected"]
         K = self._results()
-        return self._per_head(K, lambda h: self._ids(K, "skv_cache_selected", layer, seq, h, S), kv_head)
+
+        def one(h):
+            ids = self._ids(K, "skv_cache_selected", layer, seq, h, S)
+            if pad:
+                return ids
+            k = int((ids >= 0).sum())  # ids[0..k) are the selection, -1 after (fixed mode: k = S)
+            return ids[:k]
+        if kv_head is not None:
+            return one(kv_head)
+        heads = [one(h) for h in range(self.config.n_kv_heads)]
+        if pad or len({int(x.shape[0]) for x in heads}) == 1:
+            return K.stack(heads)
+        return heads
 
     def outliers(self, layer: int, seq: int, kv_head: Optional[int] = None):
         """Outlier chunk ids of (layer, seq) (int32, O of them, increasing; [Hk, O] for kv_head None)."""
@@ -537,4 +623,33 @@ class Cache:
         return self._per_head(K, one, kv_head)
 
 
+def _slots_per_head(c: Config) -> int:
+    """S, the selection's slots per KV head: budget / c, or for budget = BUDGET_ALL the most
+    candidates a prompt of max_prompt_len tokens has (N_max - O; the library's n_selected)."""
+    if c.budget == _ffi.BUDGET_ALL:
+        n_max = c.max_prompt_len // c.chunk_size - c.n_local_chunks if c.chunk_size > 0 else 0
+        return max(int(n_max) - c.n_outlier_chunks, 0)
+    return c.budget // c.chunk_size if c.chunk_size > 0 else 0
+
+
+def min_prompt_len(cfg: Config, layer: Optional[int] = None) -> int:
+    """The shortest prompt cfg's (sparse) slots take, in tokens: (O + k_min + Lc) * c, where k_min
+    is S = budget / c in the fixed mode, max(1, select_min_chunks) in select_mode "mass" (with any
+    budget) and 1 with budget "all" in the fixed mode; at least the rank (rank_max when rank is 0),
+    since the factorization needs n >= r. layer: a layer of cfg.dense_layers needs 1 token."""
+    _check_config(cfg)
+    if layer is not None and layer < 64 and (cfg.dense_layers >> layer) & 1:
+        return 1
+    c = cfg.chunk_size
+    if cfg.select_mode == _ffi.SELECT_MODES["mass"]:
+        k_min = max(1, cfg.select_min_chunks)
+    elif cfg.budget == _ffi.BUDGET_ALL:
+        k_min = 1
+    else:
+        k_min = cfg.budget // c if c > 0 else 0
+    n = (cfg.n_outlier_chunks + k_min + cfg.n_local_chunks) * c
+    return max(n, cfg.rank if cfg.rank > 0 else cfg.rank_max, 1)
+
+
 from . import ops  # noqa: E402  (ops uses the helpers above)
+from ._scaled import scaled_config  # noqa: E402

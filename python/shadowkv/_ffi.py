@@ -10,7 +10,7 @@ import ctypes
 import ctypes.util
 import os
 from ctypes import (POINTER, Structure, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_size_t,
-                    c_uint, c_uint16, c_void_p)
+                    c_uint, c_uint16, c_uint64, c_void_p)
 
 # skv_status
 OK = 0
@@ -29,9 +29,16 @@ BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
 # skv_factorize_route
 ROUTES = {"auto": 0, "fast": 1, "fallback": 2, "exact": 3, "canonical": 4}
 
+# skv_select_mode
+SELECT_MODES = {"fixed": 0, "mass": 1}
+SELECT_MODE_NAMES = {v: k for k, v in SELECT_MODES.items()}
+
+# config.budget = SKV_BUDGET_ALL: every candidate chunk is selected at every step
+BUDGET_ALL = -1
+
 # SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
 # major number must agree (its minor number may be newer: structs only grow at the end)
-HEADER_VERSION = 200
+HEADER_VERSION = 300
 
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16
@@ -74,6 +81,13 @@ class Config(Structure):
         ("value_cache_chunks", c_int32),
         ("factorize", c_int),
         ("reproducible", c_int32),
+        # 0.3 (ctypes pads before the uint64 as the C compiler does: natural alignment)
+        ("select_mode", c_int),
+        ("select_mass", c_float),
+        ("select_min_chunks", c_int32),
+        ("rank_max", c_int32),
+        ("rank_error_target", c_float),
+        ("dense_layers", c_uint64),
     ]
 
 
@@ -111,6 +125,23 @@ class SeqInfo(Structure):
         ("n_generated", c_int32),
         ("has_selection", c_int32),
         ("values_on_device", c_int32),
+        # 0.3
+        ("rank", c_int32),
+        ("dense", c_int32),
+    ]
+
+
+class LayerStats(Structure):
+    _fields_ = [
+        ("head_steps", c_int64),
+        ("attended_tokens", c_int64),
+        ("context_tokens", c_int64),
+        ("selected_chunks", c_int64),
+        ("dense", c_int32),
+        ("rank_min", c_int32),
+        ("rank_max", c_int32),
+        ("n_prefilled", c_int32),
+        ("rank_mean", c_double),
     ]
 
 
@@ -181,6 +212,8 @@ _SIGNATURES = {
     "skv_op_landmarks_outliers": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, _P, _P, _P, _P]),
     "skv_op_score_select": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, c_float, _P, _P, _P, _P, _P,
                                     _P]),
+    "skv_op_score_select_mass": (c_int, [c_int, c_int32, c_int32, c_int32, c_int32, c_int32, c_float, c_int32,
+                                         c_float, _P, _P, _P, _P, _P, _P, _P]),
     "skv_op_rebuild_keys": (c_int, [c_int, POINTER(RopeConfig), c_int32, c_int32, c_int32, c_int32, c_int32, c_int64,
                                     _P, _P, _P, _P, _P, _P]),
     "skv_op_rebuild_keys_canonical": (c_int, [c_int, POINTER(RopeConfig), c_int32, c_int32, c_int32, c_int32, c_int32,
@@ -197,6 +230,21 @@ _SIGNATURES = {
     "skv_bf16_from_float": (c_uint16, [c_float]),
     "skv_bf16_to_float": (c_float, [c_uint16]),
 }
+
+# 0.3 functions a library built before them may lack: declared when present (has_symbol says which)
+_OPTIONAL_SIGNATURES = {
+    "skv_cache_selected_count": (c_int, [c_void_p, c_int32, c_int32, c_int32, POINTER(c_int32)]),
+    "skv_cache_layer_stats_sized": (c_int, [c_void_p, c_int32, POINTER(LayerStats), c_size_t]),
+}
+
+
+def has_symbol(lib: ctypes.CDLL, name: str) -> bool:
+    """Whether the loaded library exports the C function `name`."""
+    try:
+        getattr(lib, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _candidates() -> list[str]:
@@ -231,6 +279,11 @@ def load(path: str | None = None) -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args
+        for name, (res, args) in _OPTIONAL_SIGNATURES.items():
+            if has_symbol(lib, name):
+                fn = getattr(lib, name)
+                fn.restype = res
+                fn.argtypes = args
         got = lib.skv_version_number()
         if got // 10000 != HEADER_VERSION // 10000 or got < HEADER_VERSION:
             errors.append(f"{cand}: library version {got} does not match the binding's {HEADER_VERSION}")

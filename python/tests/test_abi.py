@@ -28,6 +28,7 @@ STRUCTS = {
     "skv_seq_info": _ffi.SeqInfo,
     "skv_stats": _ffi.Stats,
     "skv_kv_span": _ffi.KvSpan,
+    "skv_layer_stats": _ffi.LayerStats,
 }
 
 
@@ -43,12 +44,15 @@ def c_layout(tmp_path_factory):
         for field, _ in cls._fields_:
             lines.append(f'printf("{cname} {field} %zu %zu\\n", offsetof({cname}, {field}), '
                          f'sizeof((({cname} *)0)->{field}));')
-    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_bf16"):
+    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode", "skv_bf16"):
         lines.append(f'printf("{e} sizeof %zu\\n", sizeof({e}));')
     lines.append('printf("SKV_VERSION_NUMBER %d\\n", SKV_VERSION_NUMBER);')
     lines.append('printf("SKV_MAX_SPANS %d\\n", SKV_MAX_SPANS);')
     lines.append('printf("SKV_STATUS_COUNT %d\\n", SKV_STATUS_COUNT);')
     lines.append('printf("SKV_VALUES_ALL_DEVICE %lld\\n", (long long)SKV_VALUES_ALL_DEVICE);')
+    lines.append('printf("SKV_BUDGET_ALL %d\\n", (int)SKV_BUDGET_ALL);')
+    lines.append('printf("SKV_SELECT_FIXED %d\\n", (int)SKV_SELECT_FIXED);')
+    lines.append('printf("SKV_SELECT_MASS %d\\n", (int)SKV_SELECT_MASS);')
     lines.append("return 0; }")
     d = tmp_path_factory.mktemp("abi")
     src, exe = d / "layout.c", d / "layout"
@@ -75,13 +79,16 @@ def test_struct_layout(c_layout, cname):
 
 
 def test_enums_and_constants(c_layout):
-    for e in ("skv_status", "skv_backend", "skv_factorize_route"):
+    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode"):
         assert c_layout[(e, "sizeof")][0] == ctypes.sizeof(ctypes.c_int), e
     assert c_layout[("skv_bf16", "sizeof")][0] == 2
     assert c_layout[("SKV_VERSION_NUMBER",)][0] == _ffi.HEADER_VERSION
     assert c_layout[("SKV_MAX_SPANS",)][0] == _ffi.MAX_SPANS
     assert c_layout[("SKV_STATUS_COUNT",)][0] == len(_ffi.STATUS_NAMES)
     assert c_layout[("SKV_VALUES_ALL_DEVICE",)][0] == _ffi.VALUES_ALL_DEVICE
+    assert c_layout[("SKV_BUDGET_ALL",)][0] == _ffi.BUDGET_ALL
+    assert c_layout[("SKV_SELECT_FIXED",)][0] == _ffi.SELECT_MODES["fixed"]
+    assert c_layout[("SKV_SELECT_MASS",)][0] == _ffi.SELECT_MODES["mass"]
 
 
 def _header_functions():
@@ -99,19 +106,20 @@ def _header_functions():
 def test_every_function_bound():
     funcs = _header_functions()
     assert len(funcs) > 40, "the header parse found too few functions"
+    signatures = {**_ffi._SIGNATURES, **_ffi._OPTIONAL_SIGNATURES}
     for name, n, is_void in funcs:
-        assert name in _ffi._SIGNATURES, f"{name} is not declared in _ffi._SIGNATURES"
-        res, args = _ffi._SIGNATURES[name]
+        assert name in signatures, f"{name} is not declared in _ffi._SIGNATURES (or _OPTIONAL_SIGNATURES)"
+        res, args = signatures[name]
         assert len(args) == n, f"{name}: {len(args)} ctypes arguments, the header has {n}"
         assert (res is None) == is_void, f"{name}: return type"
     # and nothing is bound that the header does not declare
     names = {f[0] for f in funcs}
-    assert set(_ffi._SIGNATURES) <= names
+    assert set(signatures) <= names
 
 
 def test_version_and_names():
     L = shadowkv.lib()
-    assert shadowkv.version() == "0.2.0"
+    assert shadowkv.version() == "0.3.0"
     assert L.skv_version_number() == _ffi.HEADER_VERSION
     for code, name in _ffi.STATUS_NAMES.items():
         assert L.skv_status_string(code).decode().startswith(name), code

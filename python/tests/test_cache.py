@@ -77,6 +77,10 @@ def test_introspection_is_consistent(backend, arr, rng):
         for b, n in enumerate(LENS):
             info = cache.seq_info(layer, b)
             N = n // c - Lc
+            assert info.pop("dense") == 0
+            # 0.3's rank field: the slot's rank (a library before 0.3's implementation leaves it 0)
+            assert info.pop("rank") in ((cfg.rank,) if shadowkv.has_function("skv_cache_layer_stats_sized")
+                                        else (0, cfg.rank))
             assert info == dict(prefilled=1, n=n, n_chunks=N, n_candidates=N - O, n_outliers=O, n_selected=S,
                                 n_local=n - N * c, n_generated=2, has_selection=1, values_on_device=1)
             for h in range(cfg.n_kv_heads):

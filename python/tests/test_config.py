@@ -129,3 +129,67 @@ def test_auto_resolves():
     c.close()  # twice is fine
     with pytest.raises(ValueError, match="closed"):
         c.stats()
+
+
+# ---- 0.3 fields, names and the model-scaled defaults ----------------------------------------------
+
+LIB_03 = shadowkv.has_function("skv_cache_layer_stats_sized")
+
+
+def test_select_and_rank_fields_by_name():
+    c = shadowkv.config(select_mode="mass", select_mass=0.9, select_min_chunks=3, budget="all", rank=0, rank_max=48,
+                        rank_error_target=0.2, dense_layers=[0, 2])
+    assert c.select_mode == 1 and abs(c.select_mass - 0.9) < 1e-7 and c.select_min_chunks == 3
+    assert c.budget == shadowkv.BUDGET_ALL == -1 and c.rank == 0 and c.rank_max == 48 and c.dense_layers == 0b101
+    d = shadowkv.config_dict(c)
+    assert d["select_mode"] == "mass" and d["dense_layers"] == 5
+    assert shadowkv.config(select_mode="fixed").select_mode == 0
+    assert shadowkv.config(dense_layers=1 << 63).dense_layers == 1 << 63  # the uint64's top bit
+    for bad, match in ((dict(select_mode="topp"), "select_mode 'topp'"), (dict(budget="most"), "budget 'most'"),
+                       (dict(dense_layers=[64]), "dense_layers: layer 64")):
+        with pytest.raises(ValueError, match=match):
+            shadowkv.config(**bad)
+
+
+def test_library_defaults_of_the_new_fields():
+    c = shadowkv.config()
+    if not LIB_03:  # the 0.3 header's struct with a library whose defaults predate it: zeros
+        pytest.skip("the loaded library lacks skv_cache_layer_stats_sized (0.3 defaults come with it)")
+    assert c.select_mode == 0 and abs(c.select_mass - 0.95) < 1e-7 and c.select_min_chunks == 0
+    assert c.rank_max == 0 and abs(c.rank_error_target - 0.1) < 1e-7 and c.dense_layers == 0
+
+
+@pytest.mark.skipif(not LIB_03, reason="the loaded library lacks skv_cache_layer_stats_sized: the 0.3 validation "
+                                       "(rank checked against the prompt, budget 'all') comes with it")
+def test_rank_is_checked_against_the_prompt_not_the_config():
+    # rank 192 with budget 128 was refused at validation ("the shortest valid prompt = 184")
+    c = small(n_q_heads=8, n_kv_heads=8, head_dim=32, rank=192, budget=128, chunk_size=8, n_outlier_chunks=4, n_local_chunks=2,
+              max_prompt_len=4096)
+    shadowkv.validate(c)
+    shadowkv.validate(small(budget="all"))
+    with pytest.raises(ShadowKVError, match="dense_layers"):
+        shadowkv.validate(small(dense_layers=[5]))
+
+
+def test_scaled_config_rule():
+    # upstream's setting at its own shape: Hk*D = 1024 at 128k tokens
+    f = shadowkv.scaled_config(8, 128, 131072)
+    assert (f["rank"], f["budget"], f["n_outlier_chunks"], f["n_local_chunks"], f["chunk_size"]) == (160, 2048, 48, 4, 8)
+    for Hk, D, n in ((3, 64, 2048), (3, 64, 4096), (3, 64, 8192), (1, 64, 512), (8, 128, 4096), (1, 256, 1024),
+                     (2, 32, 128)):
+        for mode in ("fixed", "mass"):
+            f = shadowkv.scaled_config(Hk, D, n, select_mode=mode)
+            c = shadowkv.config(n_layers=2, n_q_heads=Hk * 2, n_kv_heads=Hk, head_dim=D, max_prompt_len=n, **f)
+            assert 0 < f["rank"] <= Hk * D and f["budget"] % f["chunk_size"] == 0
+            assert shadowkv.min_prompt_len(c) <= n, (Hk, D, n, mode, f)
+            if mode == "fixed" or LIB_03:
+                shadowkv.validate(c)
+    # the budget grows with the context, the rank with the keys' width
+    assert shadowkv.scaled_config(3, 64, 8192)["budget"] > shadowkv.scaled_config(3, 64, 2048)["budget"]
+    assert shadowkv.scaled_config(8, 128, 4096)["rank"] > shadowkv.scaled_config(3, 64, 4096)["rank"]
+    f = shadowkv.scaled_config(3, 64, 4096, adaptive_rank=True, n_layers=30, n_dense_layers=2)
+    assert f["rank"] == 0 and 0 < f["rank_max"] <= 192 and f["dense_layers"] == 3
+    with pytest.raises(ValueError, match="n_dense_layers"):
+        shadowkv.scaled_config(3, 64, 4096, n_dense_layers=2)
+    with pytest.raises(ValueError, match="context_len"):
+        shadowkv.scaled_config(3, 64, 0)

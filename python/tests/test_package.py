@@ -47,7 +47,7 @@ else:
 
 
 def _check_no_torch(lines):
-    assert lines[0] == "0.2.0" and lines[2] == "True True"
+    assert lines[0] == "0.3.0" and lines[2] == "True True"
     assert lines[3] == "ndarray float32 (1, 4, 32) True ndarray", lines[3]
     for line in lines[4:6]:
         assert line.startswith("ImportError: shadowkv: torch tensors need torch, which is not installed: "

@@ -147,3 +147,22 @@ def test_save_errors(saved, tmp_path):
         cache.save(tmp_path / "no-such-dir" / "x.snap")
     assert e.value.status_name == "SKV_ERR_IO" and "no-such-dir" in e.value.message
     cache.close()
+
+
+def test_snapshot_config_reads_version_2_conf(tmp_path):
+    """A version 2 CONF (version 1's fields, then select_mode, select_mass, select_min_chunks, rank_max,
+    rank_error_target, dense_layers) is read field by field; the rest of the file is the library's."""
+    import struct
+    v1 = [2, 4, 2, 32, 0, 8, 64, 4, 2, 10000.0, 16, 0, 0, 8.0, 1.0, 4.0, 8192, 0.125, 1, 512, 16, 4, 1]
+    v2 = v1 + [1, 0.9, 3, 48, 0.2, (1 << 63) | 1]
+    payload = struct.pack(shadowkv._SNAP_CONF[2], *v2)
+    head = b"SKVSNAP\0" + struct.pack("<II", 2, 0) + b"CONF" + struct.pack("<IQ", 0, len(payload)) + payload
+    path = tmp_path / "v2.skv"
+    path.write_bytes(head + b"\0" * 8)
+    c = shadowkv.snapshot_config(path)
+    assert (c.n_layers, c.head_dim, c.rank, c.budget, c.rope.rotary_dim, c.max_prompt_len) == (2, 32, 0, 64, 16, 512)
+    assert c.select_mode == 1 and abs(c.select_mass - 0.9) < 1e-7 and c.select_min_chunks == 3
+    assert c.rank_max == 48 and abs(c.rank_error_target - 0.2) < 1e-7 and c.dense_layers == (1 << 63) | 1
+    path.write_bytes(head.replace(struct.pack("<II", 2, 0), struct.pack("<II", 3, 0)))
+    with pytest.raises(ValueError, match="version 1 or 2"):
+        shadowkv.snapshot_config(path)

@@ -32,6 +32,13 @@
 #             at AB_FACTOR_N (16384,65536,131072). ab.json (tests/gpu/ab_summary.py): per build the
 #             medians, their ratio to the baseline, and whether every build wrote the same decode
 #             digest (outputs and selections) and the same factorization error; exits 1 if not
+#   modes     build; the 0.3 selection modes on cuda against ref (SKV_SELECT_MASS, SKV_BUDGET_ALL,
+#             dense layers: test_contract 40, backend_ops -b cuda, test_placement,
+#             test_canonical_decode, test_e2e, test_snapshot), then their decode step against the
+#             fixed budget's in one run (bench_select.json: skv-bench decode --select
+#             ${SELECT_VARIANTS:-fixed,mass,dense} at SELECT_CTX x SELECT_BATCH, default
+#             32768,131072 x 1,8, device placement, fresh and drift queries, --select-mass
+#             SELECT_MASS (0.95); SELECT_REPRO=1 adds the reproducible mode)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -42,7 +49,7 @@
 #
 # Writes under $OUT (default build/gpu-out), at most 9 files: log.txt (this script's
 # output), tests_log.txt (every test's full output), tests.json (per-binary result
-# lines), decode.json (the decode table), bench_decode.json, ncu.txt, factorize.json,
+# lines), decode.json (the decode table), bench_decode.json, bench_select.json, ncu.txt, factorize.json,
 # demo.json, hot.txt. Extra environment: BENCH_ARGS replaces the decode benchmark's grid,
 # NCU_CONFIGS the profiled "ctx batch" pairs (comma-separated; none: no profile),
 # NCU_HOT "kernel-regex ctx batch" triples for hot.txt (quick mode),
@@ -52,8 +59,8 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize|repro|ab|pack) ;;
-  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|pack)"; exit 2 ;;
+  quick|decode|full|prefill|sanitize|repro|ab|modes|pack) ;;
+  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|modes|pack)"; exit 2 ;;
 esac
 if [ "$MODE" = pack ]; then
   set -e
@@ -68,7 +75,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot \
+  for t in test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   cc $CFL bench/*.c $COMMON $LNK -o build/dev/skv-bench
   cc $CFL -Ifuzz fuzz/replay.c fuzz/fuzz_diff.c fuzz/fuzz_common.c $LNK -o build/dev/replay_fuzz_diff
@@ -142,7 +149,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode"
+TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -231,6 +238,15 @@ case "$MODE" in
     memcheck test_cuda
     memcheck test_placement
     memcheck backend_ops -b cuda ;;
+  modes)
+    run_test test_cuda $TBIN/test_cuda
+    run_test test_contract $TBIN/test_contract 40
+    run_test backend_ops_cuda $TBIN/backend_ops -b cuda
+    run_test test_placement $TBIN/test_placement
+    run_test test_canonical_decode $TBIN/test_canonical_decode
+    run_test test_e2e $TBIN/test_e2e
+    run_test test_snapshot $TBIN/test_snapshot
+    run_test test_rank $TBIN/test_rank ;;
 esac
 
 decode_bench() {
@@ -325,6 +341,21 @@ if [ "$MODE" = repro ]; then
   done
   python3 tests/gpu/repro_ratio.py "${rr[@]}" > "$OUT/decode_repro_runs.json"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio median', d.get('median_ratio'), 'range', d.get('min_ratio'), '..', d.get('max_ratio'), 'over', d.get('n'), 'runs')" "$OUT/decode_repro_runs.json"
+fi
+if [ "$MODE" = modes ]; then
+  stamp "decode step: --select ${SELECT_VARIANTS:-fixed,mass,dense} (mass ${SELECT_MASS:-0.95}) at ${SELECT_CTX:-32768,131072} x ${SELECT_BATCH:-1,8}"
+  timeout 500 $BIN/skv-bench decode --backend cuda --ctx "${SELECT_CTX:-32768,131072}" --batch "${SELECT_BATCH:-1,8}" \
+    --placement device --workload fresh,drift --select "${SELECT_VARIANTS:-fixed,mass,dense}" \
+    --select-mass "${SELECT_MASS:-0.95}" --steps 20 --warmup 5 ${SELECT_REPRO:+--reproducible} --json > "$OUT/bench_select.json"
+  python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+base = {(r['ctx'], r['batch'], r['workload'], r['mode']): r['step_ms'] for r in d['rows'] if r['select'] == 'fixed'}
+for r in d['rows']:
+    b = base.get((r['ctx'], r['batch'], r['workload'], r['mode']))
+    print('%8d x %-2d %-6s %-12s %-6s %7.1f chunks/head, attended %.4f: %.4f ms/step%s' % (r['ctx'], r['batch'], r['workload'],
+          r['mode'], r['select'], r['chunks_per_head'], r['attended_share'], r['step_ms'], ' (x%.3f fixed)' % (r['step_ms'] / b) if b else ''))
+" "$OUT/bench_select.json"
 fi
 sed -i '$ s/,$//' "$TMP/tests.tmp"; echo "}" >> "$TMP/tests.tmp"; mv "$TMP/tests.tmp" "$OUT/tests.json"
 stamp "done"

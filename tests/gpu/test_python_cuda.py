@@ -3,7 +3,9 @@ without a usable CUDA device):
 
 - every backend-parametrized test of python/tests (test_cache, test_ops, test_canonical_ops, test_hf: the cache
   against float64 attention over its reported tokens and bitwise against ref, each op, the
-  transformers cache against DynamicCache) on the cuda backend, with CUDA tensors;
+  transformers cache against DynamicCache, test_families: random-init Llama, Qwen2, Mistral,
+  Phi-3, GQA 1, head dim 256 and partial-rotary models at full rank and every chunk against dense)
+  on the cuda backend, with CUDA tensors;
 - the binding adds no synchronization: a decode step of every layer is captured into a CUDA
   graph through torch (torch.cuda.graph, global capture mode, which fails on any
   synchronization or allocation), replayed, and compared bitwise with the same step run
@@ -32,6 +34,7 @@ from test_canonical_ops import *  # noqa: E402,F401,F403
 
 if importlib.util.find_spec("transformers") is not None:
     from test_hf import *  # noqa: E402,F401,F403
+    from test_families import *  # noqa: E402,F401,F403  (random-init model families through shadowkv.hf)
 
 import shadowkv  # noqa: E402
 from skvtest import Arrays, Workload, small_config  # noqa: E402
