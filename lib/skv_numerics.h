@@ -164,14 +164,20 @@ SKV_HD float skv_expf(float x)
  * 256 partial sums, partial k adds x_j for j = k, k+256, ... in order (from 0),
  * then a fixed pairwise tree: for w = 128..1: P[k] += P[k+w] for k < w.
  */
+/* The fixed tree over filled partial sums P[0..256) (overwrites P); returns the sum. */
+SKV_HD float skv_canonical_fold(float *P)
+{
+    for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
+        for (int k = 0; k < w; k++) P[k] = SKV_ADD(P[k], P[k + w]);
+    return P[0];
+}
+
 SKV_HD float skv_canonical_sum(const float *x, int64_t m)
 {
     float P[SKV_CANON_LANES];
     for (int k = 0; k < SKV_CANON_LANES; k++) P[k] = 0.0f;
     for (int64_t j = 0; j < m; j++) P[j & (SKV_CANON_LANES - 1)] = SKV_ADD(P[j & (SKV_CANON_LANES - 1)], x[j]);
-    for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
-        for (int k = 0; k < w; k++) P[k] = SKV_ADD(P[k], P[k + w]);
-    return P[0];
+    return skv_canonical_fold(P);
 }
 
 /*

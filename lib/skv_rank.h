@@ -68,9 +68,7 @@ static inline float skv_rank_total_energy(const uint16_t *a, int64_t count)
         const float x = skv_bf16_to_f32(a[j]);
         P[j & (SKV_CANON_LANES - 1)] = SKV_ADD(P[j & (SKV_CANON_LANES - 1)], SKV_MUL(x, x));
     }
-    for (int w = SKV_CANON_LANES / 2; w >= 1; w /= 2)
-        for (int k = 0; k < w; k++) P[k] = SKV_ADD(P[k], P[k + w]);
-    return P[0];
+    return skv_canonical_fold(P);
 }
 #endif
 
