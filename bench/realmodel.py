@@ -613,7 +613,36 @@ class Runner:
         for h in range(Hk):
             oc = is_out[h].nonzero()[:, 0]
             mask[h, (oc[:, None] * c + ar).reshape(-1)] = True
-        if rule["kind"] in ("oracle", "oracle-topp"):
+        if rule["kind"] == "rescore":
+            # two stages: the W best candidates by landmark (group max, as "fixed"), then their exact
+            # chunk masses (summed over the group, in one softmax with the exact tokens) pick the final set
+            a = torch.softmax(s, -1).max(1).values
+            cand = torch.argsort(-a, dim=1, stable=True)[:, :min(rule["W"], n_cand)]          # [Hk, W]
+            cmask = mask.clone()
+            for h in range(Hk):
+                cmask[h, (cand[h][:, None] * c + ar).reshape(-1)] = True
+            if rule.get("cand"):  # the softmax over the candidates' tokens alone (no exact tokens)
+                cmask[:, N * c:] = False
+                for h in range(Hk):
+                    oc = is_out[h].nonzero()[:, 0]
+                    cmask[h, (oc[:, None] * c + ar).reshape(-1)] = False
+            w = torch.softmax(logits.masked_fill(~cmask[:, None], float("-inf")), -1)           # [Hk, G, T]
+            cm_all = w[:, :, :N * c].reshape(Hk, G, N, c).sum(-1)                               # [Hk, G, N]
+            cm = (cm_all.max(1).values if rule.get("group") == "max" else cm_all.sum(1))
+            cmc = torch.gather(cm, 1, cand)                                                     # [Hk, W]
+            o2 = torch.argsort(-cmc, dim=1, stable=True)
+            order = torch.gather(cand, 1, o2)
+            if "p" in rule:
+                base = (w * mask[:, None]).sum(-1)                                              # [Hk, G]
+                base = base.max(1).values if rule.get("group") == "max" else base.sum(1)
+                cs = torch.cumsum(torch.gather(cmc, 1, o2), 1)
+                tot = base + cs[:, -1]
+                cap = min(rule.get("cap", n_cand), cand.shape[1])
+                ks = [max(min(int((base[h] + cs[h] < rule["p"] * tot[h]).sum()) + 1, cap), min(rule.get("floor", 1), cap))
+                      for h in range(Hk)]
+            else:
+                ks = [min(rule["S"], cand.shape[1])] * Hk
+        elif rule["kind"] in ("oracle", "oracle-topp"):
             # the exact attention's chunk masses (summed over the group): what no estimate can beat
             w = torch.softmax(logits, -1)                                        # [Hk, G, T]
             cm = w[:, :, :N * c].reshape(Hk, G, N, c).sum(-1).sum(1).masked_fill(is_out, -1.0)   # [Hk, N]
@@ -778,6 +807,9 @@ def settings_table(names, n_ctx, model=None):
       fixed-<tokens>     the scaled defaults with a fixed budget of <tokens>
       mass-<p>           select_mode "mass" with target p, floor 1 chunk, no cap (budget "all")
       rank-<r>           the scaled defaults with rank r; rank0-<e>: rank 0 with rank_error_target e
+      rescore-<W>-<S>    a fixed budget of S tokens chosen among the W landmark-best candidate tokens by
+                         their keys' attention mass (select_candidates = W / c); rescore-<W>-p<p>: the
+                         mass rule with target p among them
       all                every chunk (budget "all")
       dense<k>-<setting> <setting> with its first k layers dense (dense_layers)
     Rows of a setting the library or package in use cannot express are skipped with a message."""
@@ -807,6 +839,17 @@ def settings_table(names, n_ctx, model=None):
         elif nm.startswith("mass-"):
             mode = "mass"
             base.update(select_mode="mass", select_mass=float(nm[5:]), budget="all", select_min_chunks=1)
+        elif nm.startswith("rescore-"):
+            # rescore-<W tokens>-<S tokens>: the fixed rule over the W landmark-best candidates ranked by
+            # their keys' attention mass; rescore-<W>-p<p>: the mass rule among them (docs/DESIGN.md 4.5.1)
+            mode = "rescore"
+            w, rest = nm[8:].split("-", 1)
+            c = base.get("chunk_size", 8)
+            if rest.startswith("p"):
+                base.update(select_mode="mass", select_mass=float(rest[1:]), budget="all", select_min_chunks=1,
+                            select_candidates=int(w) // c)
+            else:
+                base.update(select_mode="fixed", budget=int(rest), select_candidates=int(w) // c)
         elif nm.startswith("rank0-"):
             base.update(rank=0, rank_max=192, rank_error_target=float(nm[6:]))
         elif nm.startswith("rank-"):
@@ -1063,10 +1106,19 @@ def emu_rule(name, n):
         rule["kind"] = kind = "oracle-topp"
     if kind in ("fixed", "oracle"):
         rule["S"] = int(parts[1]) // 8
+    elif kind == "rescore":  # emu-rescore-<W tokens>-<S tokens | pP>[-max]
+        rule["W"] = int(parts[1]) // 8
+        if parts[2].startswith("p"):
+            rule["p"] = float(parts[2][1:])
+        else:
+            rule["S"] = int(parts[2]) // 8
+        parts = parts[1:]
     else:
         rule["p"] = float(parts[1])
     for x in parts[2:]:
-        if x in ("mean", "union"):
+        if x == "cand":
+            rule["cand"] = True
+        elif x in ("mean", "union", "max"):
             rule["group"] = x
         elif x.startswith("t"):
             rule["temp"] = float(x[1:])

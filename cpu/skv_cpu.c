@@ -116,7 +116,7 @@ static size_t skv_cpu_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, i
     size_t sel = skv_cpu_select_ws_bytes(cfg, cand_max), reb = skv_cpu_rebuild_ws_bytes(cfg, S, nt);
     size_t att = skv_cpu_attn_ws_bytes(cfg, max_attn_tokens, nt);
     size_t m = sel > reb ? sel : reb;
-    if (cfg->reproducible) {
+    if (cfg->reproducible || cfg->select_candidates) { /* the canonical rebuild also serves the rescoring (4.5.1) */
         size_t canon = skv_cpu_canon_ws_bytes(cfg, max_attn_tokens, nt);
         if (canon > m) m = canon;
     }

@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define SKV_VERSION_MAJOR 0
-#define SKV_VERSION_MINOR 3
+#define SKV_VERSION_MINOR 4
 #define SKV_VERSION_PATCH 0
 /** The header's version as one number: major * 10000 + minor * 100 + patch. */
 #define SKV_VERSION_NUMBER (SKV_VERSION_MAJOR * 10000 + SKV_VERSION_MINOR * 100 + SKV_VERSION_PATCH)
@@ -269,6 +269,18 @@ typedef struct skv_config {
                                    post-RoPE keys and values on the device and every decode step
                                    attends to all tokens (no factorization, landmarks, outliers or
                                    selection); default 0 */
+    /* --- 0.4: candidates rescored by their keys --- */
+    int32_t select_candidates;/**< 0 (default): chunks are ranked by their landmark scores alone.
+                                   W > 0: a sparse layer's step first takes, per KV head, the
+                                   min(W, N - O) best candidates by landmark score, rebuilds their
+                                   keys (the canonical rebuild of docs/DESIGN.md section 10.2, in
+                                   every mode), and ranks them by the attention mass their tokens
+                                   get from the group's queries (section 4.5.1); the mode's rule
+                                   then selects among them (SKV_SELECT_FIXED: the S best;
+                                   SKV_SELECT_MASS: the fewest holding select_mass of their mass).
+                                   With budget > 0, W >= S = budget / chunk_size. Costs the rebuild
+                                   and scoring of W chunks per head and step; values are read for
+                                   the selected chunks only */
 } skv_config;
 
 /**

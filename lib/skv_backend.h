@@ -67,6 +67,8 @@ typedef struct skv_layout {
     int32_t S;          /* selected chunks per KV head: budget / c, or cand_max for SKV_BUDGET_ALL
                            (the stride of every per-head selection row) */
     int32_t cand_max;   /* N_max - O */
+    int32_t W;          /* candidates rescored per KV head (4.5.1): min(select_candidates, cand_max);
+                           0 when select_candidates = 0 */
     int32_t min_cand;   /* N - O a sparse layer's prompt needs: S (fixed), max(1, select_min_chunks)
                            (SKV_SELECT_MASS), 1 (SKV_BUDGET_ALL) */
     int32_t local_max;  /* (Lc + 1) * c - 1 */
@@ -94,6 +96,9 @@ typedef struct skv_layout {
     size_t vc_data, vc_slot_of, vc_owner, vc_stamp, vc_meta_bytes, slot_vcache;
     /* shared device regions (after the slots); ws_sel_cnt [B, Hk] int32: the step's counts */
     size_t rope_cos, rope_sin, ws_k, ws_v, ws_sel_idx, ws_sel_ids, ws_sel_cnt;
+    /* the rescoring's (4.5.1; sizes 0 when W = 0): ws_cand_idx / ws_cand_ids [B, Hk, W] int32 (the
+       first stage's candidates), ws_cand_k [Hk, W c, D] bf16 (their canonical keys, one sequence) */
+    size_t ws_cand_idx, ws_cand_ids, ws_cand_k;
     size_t dev_values, dev_vcache;
     size_t device_total, host_total;
 } skv_layout;
@@ -352,7 +357,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 3
+#define SKV_PLUGIN_ABI 4
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 
@@ -400,6 +405,20 @@ void skv_topk_indices(const float *keys, int32_t n, int32_t k, int ascending, in
  */
 int32_t skv_select_head(float *a, int32_t n_cand, const skv_select_params *sp, int32_t *scratch, int32_t *sel_idx,
                         const int32_t *candidate_ids, int32_t *sel_ids);
+
+/*
+ * The rescoring of one KV head (docs/DESIGN.md 4.5.1): the W first-stage candidates (their
+ * candidate indices cand_idx[0..W), increasing; keys [W c][D] their canonical keys in that
+ * order) ranked by skv_rescore_masses, then skv_select_head's rule over them with sp (cap <=
+ * min(W, sp->stride)). Writes the head's winners as candidate indices in increasing order to
+ * sel_idx[0..k) and -1 to sel_idx[k..sp->stride), their chunk ids (candidate_ids[sel_idx])
+ * to sel_ids likewise when non-NULL; returns k. Scratch: s [W c] and b [W] float,
+ * scratch [2 W] and local [sp->stride] int32.
+ */
+int32_t skv_rescore_head(int32_t G, int32_t D, int32_t c, int32_t W, float scale, const skv_bf16 *q,
+                         const skv_bf16 *keys, const skv_select_params *sp, const int32_t *cand_idx,
+                         const int32_t *candidate_ids, float *s, float *b, int32_t *scratch, int32_t *local,
+                         int32_t *sel_idx, int32_t *sel_ids);
 
 /* Monotonic wall clock in milliseconds. */
 double skv_now_ms(void);

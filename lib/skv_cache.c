@@ -75,6 +75,16 @@ static char *skv_value_cache(const skv_cache *c, size_t j)
  * probe = 0 an explicit backend is not probed (the memory query of a cuda
  * config works on a machine without a GPU); auto is always resolved.
  */
+/* Scratch of skv_rescore_step (4.5.1) in the decode arena: s [W c], b [W] float; scratch [2 W],
+   local [S] int32. */
+static size_t skv_rescore_ws_bytes(const skv_config *g, const skv_layout *lay)
+{
+    if (!lay->W) return 0;
+    return SKV_WS_BYTES(sizeof(float) * ((size_t)lay->W * g->chunk_size + lay->W) +
+                            sizeof(int32_t) * ((size_t)2 * lay->W + lay->S),
+                        4);
+}
+
 static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c, skv_layout *lay,
                                  const struct skv_backend_ops **ops, size_t *ws_bytes)
 {
@@ -96,6 +106,10 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
     *ws_bytes = (*ops)->decode_ws_bytes
                     ? (*ops)->decode_ws_bytes(c, lay->cand_max, skv_max_attn_tokens(c, lay))
                     : 0;
+    if (!(*ops)->cache_decode && skv_rescore_ws_bytes(c, lay) > *ws_bytes) *ws_bytes = skv_rescore_ws_bytes(c, lay);
+    if ((*ops)->cache_decode && c->select_candidates) /* TEMPORARY until the cuda rescoring lands */
+        return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "select_candidates = %d: not yet available on backend %s",
+                        c->select_candidates, (*ops)->name);
     return SKV_OK;
 }
 
@@ -587,6 +601,59 @@ static void skv_step_spans(skv_cache *c, int32_t layer, int32_t b, const skv_bf1
     *ht = c->head_tokens;
 }
 
+/*
+ * The selection of sequence b's step with rescoring (docs/DESIGN.md 4.5.1), on backends that
+ * run the op slots (host memory): the first stage's W best candidates per head (score_select
+ * in the fixed mode with cap W), their canonical keys (rebuild_keys_canonical), then
+ * skv_rescore_head per head into the step's sel_idx / sel_ids / counts. A failing slot's
+ * message is set here.
+ */
+static skv_status skv_rescore_step(skv_cache *c, int32_t layer, int32_t b, float scale, const skv_bf16 *qb,
+                                   const skv_select_params *sp0)
+{
+    static const char fn[] = "skv_decode";
+    const skv_config *g = &c->cfg;
+    const struct skv_backend_ops *ops = c->ops;
+    const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
+    const int32_t Hq = g->n_q_heads, Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, G = Hq / Hk;
+    const int32_t S = c->lay.S, Wst = c->lay.W, W = Wst < sl->n_cand ? Wst : sl->n_cand;
+    int32_t *sidx = SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S;
+    int32_t *sids = SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S;
+    int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
+    int32_t *cidx = SHARED(c, ws_cand_idx, int32_t) + (size_t)b * Hk * Wst;
+    int32_t *cids = SHARED(c, ws_cand_ids, int32_t) + (size_t)b * Hk * Wst;
+    skv_bf16 *ck = SHARED(c, ws_cand_k, skv_bf16);
+    const int32_t *cand_ids = DEV(c, layer, b, cand_ids, int32_t);
+    /* stage 1: the W best by landmark, in increasing candidate index */
+    skv_select_params s1 = {SKV_SELECT_FIXED, W, Wst, 0, 0.0f};
+    skv_status st = ops->score_select(Hq, Hk, D, sl->n_cand, &s1, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
+                                      cand_ids, cidx, cids, NULL, NULL, &c->ws);
+    c->stats.decode_allocations += skv_ws_reset(&c->ws);
+    if (st) return skv_slot_failed(c, fn, "score_select", st);
+    /* their canonical keys, [Hk, Wst c, D] */
+    for (int32_t h = 0; h < Hk; h++) cnt[h] = W;
+    st = ops->rebuild_keys_canonical(&g->rope, D, Hk, skv_cfg_rank(g), cs, Wst, sl->n, DEV(c, layer, b, u, skv_bf16),
+                                     DEV(c, layer, b, w, skv_bf16), cids, cnt, SHARED(c, rope_cos, float),
+                                     SHARED(c, rope_sin, float), ck, &c->ws);
+    c->stats.decode_allocations += skv_ws_reset(&c->ws);
+    if (st) return skv_slot_failed(c, fn, "rebuild_keys_canonical", st);
+    /* stage 2: the rule among them */
+    skv_select_params sp = *sp0;
+    if (sp.cap > W) sp.cap = W;
+    if (sp.floor > sp.cap) sp.floor = sp.cap;
+    float *sc = skv_ws_alloc(&c->ws, sizeof(float) * (size_t)W * cs);
+    float *bm = skv_ws_alloc(&c->ws, sizeof(float) * (size_t)W);
+    int32_t *scratch = skv_ws_alloc(&c->ws, sizeof(int32_t) * (size_t)2 * W);
+    int32_t *local = skv_ws_alloc(&c->ws, sizeof(int32_t) * (size_t)S);
+    if (!sc || !bm || !scratch || !local)
+        return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for the rescoring's scratch", fn);
+    for (int32_t h = 0; h < Hk; h++)
+        cnt[h] = skv_rescore_head(G, D, cs, W, scale, qb + (size_t)h * G * D, ck + (size_t)h * Wst * cs * D, &sp,
+                                  cidx + (size_t)h * Wst, cand_ids + (size_t)h * sl->n_cand, sc, bm, scratch, local,
+                                  sidx + (size_t)h * S, sids + (size_t)h * S);
+    return SKV_OK;
+}
+
 static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
                                  const skv_bf16 *v, float *out)
 {
@@ -654,10 +721,13 @@ static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q,
         sp.floor = g->select_min_chunks < sp.cap ? g->select_min_chunks : sp.cap;
         if (!sl->dense) {
             t = skv_now_ms();
-            st = ops->score_select(Hq, Hk, D, sl->n_cand, &sp, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
-                                   DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, cnt, &c->ws);
+            if (c->lay.W)
+                st = skv_rescore_step(c, layer, b, scale, qb, &sp);
+            else
+                st = ops->score_select(Hq, Hk, D, sl->n_cand, &sp, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
+                                       DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, cnt, &c->ws);
             c->stats.decode_allocations += skv_ws_reset(&c->ws);
-            if (st) return skv_slot_failed(c, fn, "score_select", st);
+            if (st) return st;
             t_sel += skv_now_ms() - t;
             t = skv_now_ms();
             st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(

@@ -46,6 +46,7 @@ static skv_config skv_defaults(void)
     c.rank_max = 0;
     c.rank_error_target = 0.1f;
     c.dense_layers = 0;
+    c.select_candidates = 0;
     return c;
 }
 
@@ -59,10 +60,11 @@ SKV_API const char *skv_version_string(void)
 }
 
 /* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
-   0.3 the selection mode, ranks per slot and dense layers. */
+   0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates. */
 static int skv_config_size_ok(size_t size)
 {
-    return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == sizeof(skv_config);
+    return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == SKV_CONFIG_V03_SIZE ||
+           size == sizeof(skv_config);
 }
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
@@ -231,6 +233,12 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
                         "select_min_chunks = %d: must be in [0, S = %lld] (S = budget / chunk_size, or N_max - O for "
                         "SKV_BUDGET_ALL)",
                         cfg->select_min_chunks, (long long)S);
+    if (cfg->select_candidates < 0 || (cfg->select_candidates > 0 && cfg->budget != SKV_BUDGET_ALL &&
+                                        cfg->select_candidates < S))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "select_candidates = %d: must be 0 (no rescoring) or at least S = budget / chunk_size = %lld "
+                        "(the candidates the selection rescores, docs/DESIGN.md section 4.5.1)",
+                        cfg->select_candidates, (long long)S);
     /* smallest valid prompt of a sparse layer: O + (candidates it must have) + Lc chunks */
     const int64_t need = skv_min_candidates(cfg, S);
     int64_t min_chunks = (int64_t)cfg->n_outlier_chunks + need + cfg->n_local_chunks;
@@ -311,6 +319,7 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     lay->cand_max = (int32_t)(cfg->max_prompt_len / cfg->chunk_size - cfg->n_local_chunks -
                               cfg->n_outlier_chunks);
     lay->S = cfg->budget == SKV_BUDGET_ALL ? lay->cand_max : cfg->budget / cfg->chunk_size;
+    lay->W = cfg->select_candidates < lay->cand_max ? cfg->select_candidates : lay->cand_max;
     lay->min_cand = (int32_t)skv_min_candidates(cfg, lay->S);
     lay->batch = cfg->batch_size;
     lay->dense_layers = cfg->dense_layers;
@@ -376,6 +385,9 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_idx);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, S, &t) && skv_region(&dev, t, i4, &lay->ws_sel_ids);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, 1, &t) && skv_region(&dev, t, i4, &lay->ws_sel_cnt);
+    ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, (size_t)lay->W, &t) && skv_region(&dev, t, i4, &lay->ws_cand_idx);
+    ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, (size_t)lay->W, &t) && skv_region(&dev, t, i4, &lay->ws_cand_ids);
+    ok = ok && skv_mul3((size_t)lay->W, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_cand_k);
     if (ok) {
         lay->n_dev_slots = skv_dev_slots(cfg->value_device_bytes, lay->n_sparse_slots, lay->slot_values,
                                          lay->slot_vcache);

@@ -96,6 +96,9 @@ skv_status skv_probe_threads(int32_t n_threads);
 /* 0.2 ended at reproducible: its size, the struct's alignment padding included */
 #define SKV_CONFIG_V02_SIZE \
     ((offsetof(skv_config, select_mode) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
+/* 0.3 ended at dense_layers */
+#define SKV_CONFIG_V03_SIZE \
+    ((offsetof(skv_config, select_candidates) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
 /* 0.1 and 0.2 ended at values_on_device (0.3 added rank and dense): that size, padding included */
 #define SKV_SEQ_INFO_MIN_SIZE \

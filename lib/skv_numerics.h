@@ -195,6 +195,30 @@ SKV_HD void skv_softmax_inplace(float *s, int64_t n)
     for (int64_t j = 0; j < n; j++) s[j] = SKV_DIV(s[j], Z);
 }
 
+/*
+ * The rescoring's chunk masses of one KV head (docs/DESIGN.md 4.5.1): q [G][D] the group's
+ * queries; keys [W c][D] the canonical keys of the W candidates' tokens (candidate order,
+ * then token order); s scratch [W c]. For each query head g (in order): s_m =
+ * dot(q_g, k_m) * scale; the softmax of 4.3 over the W c scores; mu_i = the sum of chunk i's
+ * c probabilities (from 0, in token order, one add each); b_i = the maximum of mu_i over g
+ * (head 0's value, replaced by a strictly greater one: the group max of 4.4).
+ */
+SKV_HD void skv_rescore_masses(int32_t G, int32_t D, int32_t c, int32_t W, float scale, const uint16_t *q,
+                               const uint16_t *keys, float *s, float *b)
+{
+    const int64_t T = (int64_t)W * c;
+    for (int32_t g = 0; g < G; g++) {
+        const uint16_t *qg = q + (size_t)g * D;
+        for (int64_t m = 0; m < T; m++) s[m] = SKV_MUL(skv_dot_bf16(qg, keys + (size_t)m * D, D), scale);
+        skv_softmax_inplace(s, T);
+        for (int32_t i = 0; i < W; i++) {
+            float mu = 0.0f;
+            for (int32_t t = 0; t < c; t++) mu = SKV_ADD(mu, s[(size_t)i * c + t]);
+            if (g == 0 || mu > b[i]) b[i] = mu;
+        }
+    }
+}
+
 /* ---- RoPE ---------------------------------------------------------------- */
 
 /* One pair rotation: x' = fmaf(x, c, -(y*s)), y' = fmaf(y, c, x*s). */

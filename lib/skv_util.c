@@ -212,6 +212,20 @@ int32_t skv_select_head(float *a, int32_t n_cand, const skv_select_params *sp, i
     return k;
 }
 
+int32_t skv_rescore_head(int32_t G, int32_t D, int32_t c, int32_t W, float scale, const skv_bf16 *q,
+                         const skv_bf16 *keys, const skv_select_params *sp, const int32_t *cand_idx,
+                         const int32_t *candidate_ids, float *s, float *b, int32_t *scratch, int32_t *local,
+                         int32_t *sel_idx, int32_t *sel_ids)
+{
+    skv_rescore_masses(G, D, c, W, scale, q, keys, s, b);
+    /* the rule over the W candidates; its local winners map to candidate indices through cand_idx
+       (increasing), so sel_idx comes out in increasing order as skv_select_head's does */
+    const int32_t k = skv_select_head(b, W, sp, scratch, local, cand_idx, sel_idx);
+    if (sel_ids)
+        for (int32_t i = 0; i < sp->stride; i++) sel_ids[i] = i < k ? candidate_ids[sel_idx[i]] : -1;
+    return k;
+}
+
 void *skv_ws_alloc(skv_ws *ws, size_t bytes)
 {
     if (ws->base) {

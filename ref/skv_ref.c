@@ -295,7 +295,7 @@ static size_t skv_ref_decode_ws_bytes(const skv_config *cfg, int32_t cand_max, i
 {
     (void)max_attn_tokens;
     size_t m = SKV_WS_BYTES((size_t)4 * cand_max * sizeof(float), 3);
-    if (cfg->reproducible) {
+    if (cfg->reproducible || cfg->select_candidates) { /* the canonical rebuild also serves the rescoring (4.5.1) */
         size_t a = skv_ref_canon_rebuild_bytes(cfg->head_dim, skv_cfg_rank(cfg)), b = skv_ref_canon_attn_bytes(cfg->head_dim);
         if (a > m) m = a;
         if (b > m) m = b;

@@ -88,6 +88,8 @@ class Config(Structure):
         ("rank_max", c_int32),
         ("rank_error_target", c_float),
         ("dense_layers", c_uint64),
+        # 0.4
+        ("select_candidates", c_int32),
     ]
 
 
