@@ -96,7 +96,9 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
                         "environment SKV_BACKEND = \"%.64s\": expected auto, ref, cpu or cuda", env);
     st = skv_layout_compute(NULL, c, lay);
     if (st) return st;
-    if (c->reproducible) c->factorize = SKV_FACTORIZE_CANONICAL; /* validated: AUTO or CANONICAL */
+    /* validated: AUTO or CANONICAL; the rescoring's keys come from the factors, which must then be
+       the same bits on every backend (DESIGN 4.5.1) */
+    if (c->reproducible || c->select_candidates) c->factorize = SKV_FACTORIZE_CANONICAL;
     if (probe || c->backend == SKV_BACKEND_AUTO) {
         st = skv_backend_resolve(NULL, c->backend, &c->backend, ops);
         if (st) return st;

@@ -197,6 +197,12 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
                         "factorize = %d with reproducible = 1: the reproducible mode takes the canonical "
                         "route; leave factorize AUTO (or CANONICAL)",
                         (int)cfg->factorize);
+    if (cfg->select_candidates > 0 && cfg->factorize != SKV_FACTORIZE_AUTO && cfg->factorize != SKV_FACTORIZE_CANONICAL)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "factorize = %d with select_candidates = %d: the rescoring ranks chunks by keys rebuilt from "
+                        "the factors, so they must be the canonical route's (the same bits on every backend); "
+                        "leave factorize AUTO (or CANONICAL)",
+                        (int)cfg->factorize, cfg->select_candidates);
     if (cfg->value_cache_chunks < 0)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "value_cache_chunks = %d: must be >= 0 (0 = default)",
                         cfg->value_cache_chunks);

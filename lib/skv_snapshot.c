@@ -289,7 +289,7 @@ static int64_t snap_bad_ids(const int32_t *x, size_t n, int64_t hi)
 /*
  * Reads one SLOT payload's tensors (after its state) and checks them: bf16 data finite,
  * candidate and outlier ids of each head strictly increasing and together the chunks
- * 0..N-1, each head's selection count k in [1, min(S, n_cand)] (exactly that in the fixed
+ * 0..N-1, each head's selection count k in [1, min(S, n_cand, W)] (exactly that in the fixed
  * mode; version 1: S), the selection's first k indices strictly increasing candidates and
  * its ids their chunk ids, the rest -1. With p non-NULL the data is written into slot i of
  * that cache (a version 1 selection's counts too).
@@ -300,7 +300,8 @@ static skv_status in_slot_tensors(snap_in *in, const skv_config *g, const skv_la
     snap_tensor t[SNAP_MAX_TENSORS];
     const int nt = skv_snap_tensors(g, lay, s, in->version, t);
     const size_t Hk = (size_t)g->n_kv_heads, O = (size_t)g->n_outlier_chunks, S = (size_t)lay->S;
-    const size_t nc = (size_t)s->n_cand, kcap = S < nc ? S : nc;
+    const size_t nc = (size_t)s->n_cand, kcap0 = S < nc ? S : nc;
+    const size_t kcap = lay->W && (size_t)lay->W < kcap0 ? (size_t)lay->W : kcap0; /* rescoring: at most W (4.5.1) */
     int32_t *ids[T_NKINDS] = {NULL}; /* by kind */
     skv_status st = SKV_OK;
     for (int k = 0; k < nt && !st; k++) {

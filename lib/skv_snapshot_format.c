@@ -116,6 +116,8 @@ const snap_field skv_snap_fields[] = {
     FLD("rank_max", F_I32, rank_max),
     FLD("rank_error_target", F_F32, rank_error_target),
     FLD("dense_layers", F_I64, dense_layers),
+    /* version 3 */
+    FLD("select_candidates", F_I32, select_candidates),
 };
 #undef FLD
 const size_t skv_snap_n_fields = sizeof skv_snap_fields / sizeof skv_snap_fields[0];
@@ -170,10 +172,12 @@ typedef char snap_enum_is_4_bytes[(sizeof(skv_factorize_route) == 4 && sizeof(sk
 /* dense_layers (uint64_t) is read and written as int64, its bits unchanged */
 typedef char snap_u64_is_8_bytes[sizeof(uint64_t) == sizeof(int64_t) ? 1 : -1];
 
-/* The config a cache holds for *c's model fields: reproducible turns factorize AUTO into CANONICAL. */
+/* The config a cache holds for *c's model fields: reproducible and select_candidates turn
+   factorize AUTO into CANONICAL. */
 static void snap_normalize(skv_config *c)
 {
-    if (c->reproducible && c->factorize == SKV_FACTORIZE_AUTO) c->factorize = SKV_FACTORIZE_CANONICAL;
+    if ((c->reproducible || c->select_candidates) && c->factorize == SKV_FACTORIZE_AUTO)
+        c->factorize = SKV_FACTORIZE_CANONICAL;
 }
 
 
@@ -407,9 +411,9 @@ skv_status skv_snap_in_header(snap_in *in, skv_config *snap, skv_layout *lay)
                         in->size);
     if ((st = skv_snap_in_read(in, b, 8, "the format version"))) return st;
     const uint32_t v = get_u32(b);
-    if (v != 1u && v != SNAP_VERSION)
+    if (v < 1u || v > SNAP_VERSION)
         return skv_fail(NULL, SKV_ERR_FORMAT,
-                        "skv_cache_load: format version %u (byte 8); this library (%s) reads versions 1 and %u",
+                        "skv_cache_load: format version %u (byte 8); this library (%s) reads versions 1 to %u",
                         (unsigned)v, skv_version_string(), SNAP_VERSION);
     if (get_u32(b + 4) != 0)
         return skv_fail(NULL, SKV_ERR_FORMAT, "skv_cache_load: flags (byte 12) = 0x%08x, version %u defines none",
@@ -418,15 +422,16 @@ skv_status skv_snap_in_header(snap_in *in, skv_config *snap, skv_layout *lay)
     if ((st = skv_snap_in_section(in, TAG_CONF, "CONF", SNAP_CONF_OF(v), ""))) return st;
     if ((st = skv_snap_in_read(in, b, SNAP_CONF_OF(v), "CONF"))) return st;
     if ((st = skv_snap_in_section_end(in, "CONF", ""))) return st;
-    skv_config_init(snap, sizeof *snap); /* a version 1 snapshot: the 0.3 fields keep their defaults */
+    skv_config_init(snap, sizeof *snap); /* older versions: the fields they lack keep their defaults */
     size_t at = 0;
-    for (size_t f = 0; f < (v == 1u ? SNAP_N_FIELDS_V1 : skv_snap_n_fields); f++) {
+    for (size_t f = 0; f < (v == 1u ? SNAP_N_FIELDS_V1 : v == 2u ? SNAP_N_FIELDS_V2 : skv_snap_n_fields); f++) {
         skv_snap_field_set(snap, &skv_snap_fields[f], skv_snap_fields[f].type == F_I64 ? get_u64(b + at) : get_u32(b + at));
         at += snap_field_bytes(skv_snap_fields[f].type);
     }
-    if (snap->reproducible && snap->factorize != SKV_FACTORIZE_CANONICAL)
-        return skv_fail(NULL, SKV_ERR_FORMAT, "skv_cache_load: section CONF: reproducible = 1 with factorize = %d "
-                                              "(a reproducible cache holds CANONICAL = 4)", (int)snap->factorize);
+    if ((snap->reproducible || snap->select_candidates) && snap->factorize != SKV_FACTORIZE_CANONICAL)
+        return skv_fail(NULL, SKV_ERR_FORMAT, "skv_cache_load: section CONF: %s with factorize = %d "
+                                              "(such a cache holds CANONICAL = 4)",
+                        snap->reproducible ? "reproducible = 1" : "select_candidates > 0", (int)snap->factorize);
     char why[SKV_ERRMSG_CAP];
     snap->backend = SKV_BACKEND_REF; /* validation only; no backend is probed */
     if ((st = skv_layout_compute(why, snap, lay)))

@@ -23,6 +23,10 @@
  * Where a backend cannot prefill in that mode yet (SKV_ERR_UNSUPPORTED: no
  * canonical factorization), that configuration is a counted skip.
  *
+ * Configurations i % 7 == 5 and 6 rescore their candidates (config.select_candidates,
+ * docs/DESIGN.md 4.5.1): S to S + 24 of them, or all; counts, sets and (reproducible)
+ * outputs bitwise ref's as above.
+ *
  * Every fifth configuration (i % 5 == 2) takes config.rank = 0 with rank_max the
  * drawn rank (docs/DESIGN.md 3.1): each slot's seq_info.rank must lie in
  * [1, rank_max], and where the configuration is also reproducible the ranks
@@ -38,6 +42,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "skv_backend.h"
 #include "skv_numerics.h"
 #include "testutil.h"
 
@@ -107,6 +112,23 @@ static void mode_case(int i, uint64_t seed, contract_case *cc)
     if (c->rank > min_n) c->rank = (int32_t)min_n;
     for (int b = 0; b < c->batch_size; b++)
         if (skvt_rng_uniform(&r) < 0.5) cc->n[b] = skvt_rng_range(&r, min_n, cc->n[b]);
+}
+
+/*
+ * The rescoring (docs/DESIGN.md 4.5.1), by configuration index with its own generator:
+ * i % 7 == 5 select_candidates in [S, S + 24] (with SKV_BUDGET_ALL: in [1, 24]), i % 7 == 6
+ * at least every candidate of the longest prompt. It joins every mode above.
+ */
+static void rescore_case(int i, uint64_t seed, contract_case *cc)
+{
+    skv_config *c = &cc->cfg;
+    if (i % 7 != 5 && i % 7 != 6) return;
+    skvt_rng r;
+    skvt_rng_seed(&r, seed ^ (0x7f4a7c159e3779b9ull * (uint64_t)(i + 3)));
+    const int32_t cand_max = (int32_t)(c->max_prompt_len / c->chunk_size - c->n_local_chunks - c->n_outlier_chunks);
+    const int32_t S = c->budget == SKV_BUDGET_ALL ? 1 : c->budget / c->chunk_size;
+    c->select_candidates = i % 7 == 6 ? cand_max + (int32_t)skvt_rng_range(&r, 0, 3)
+                                      : S + (int32_t)skvt_rng_range(&r, 0, 24);
 }
 
 /*
@@ -239,6 +261,78 @@ static void mass_rule(const float *a, int n_cand, int S, float p, int floor_, in
     memcpy(sel, order, (size_t)kk * sizeof *sel);
     qsort(sel, (size_t)kk, sizeof *sel, cmp_int);
     *k = kk;
+}
+
+/*
+ * The rescoring's rule (docs/DESIGN.md 4.5.1) written out again: per query head the fmaf dot
+ * chain and the scale, the softmax with its 256 lanes, chunk sums, the group max; then the
+ * fixed rule by a sort or mass_rule, mapped through the candidates. skv_rescore_head must
+ * match it bit for bit on random keys with duplicated chunks (ties), a needle token, and
+ * every W from 1 up.
+ */
+static void check_rescore_rule(skvt_rng *r)
+{
+    const int D = 64, WMAX = 70;
+    const int c = 8, Gmax = 4;
+    skv_bf16 *q = malloc((size_t)Gmax * D * 2), *keys = malloc((size_t)WMAX * c * D * 2);
+    float *s = malloc((size_t)WMAX * c * 4), *pr = malloc((size_t)WMAX * c * 4), *b = malloc((size_t)WMAX * 4),
+          *bw = malloc((size_t)WMAX * 4), *m = malloc((size_t)WMAX * 4), *sc = malloc((size_t)WMAX * c * 4);
+    int32_t *cand = malloc((size_t)WMAX * 4), *ids = malloc((size_t)(4 * WMAX) * 4), *order = malloc((size_t)WMAX * 4),
+            *want = malloc((size_t)WMAX * 4), *got = malloc((size_t)WMAX * 4), *got_ids = malloc((size_t)WMAX * 4),
+            *scratch = malloc((size_t)2 * WMAX * 4), *local = malloc((size_t)WMAX * 4);
+    static const float masses[] = {0.5f, 0.8f, 0.95f, 1.0f, 1e-6f};
+    for (int trial = 0; trial < 60; trial++) {
+        const int G = (int)skvt_rng_range(r, 1, Gmax), W = (int)skvt_rng_range(r, 1, WMAX);
+        const int S = (int)skvt_rng_range(r, 1, W), mode = trial % 2;
+        const float p = masses[trial % 5], scale = 0.125f * (float)(1 + trial % 3);
+        skvt_fill_bf16_normal(r, q, (size_t)G * D, trial % 3 ? 1.0 : 4.0);
+        skvt_fill_bf16_normal(r, keys, (size_t)W * c * D, 1.0);
+        for (int i = 1; i < W; i++) /* duplicated chunks: exact ties */
+            if (skvt_rng_uniform(r) < 0.3) memcpy(keys + (size_t)i * c * D, keys + (size_t)skvt_rng_range(r, 0, i - 1) * c * D, (size_t)c * D * 2);
+        const int nt = (int)skvt_rng_range(r, 0, W * c - 1); /* a needle: one token along q_0 */
+        for (int d = 0; d < D; d++) keys[(size_t)nt * D + d] = skv_bf16_from_float(3.0f * skv_bf16_to_float(q[d]));
+        int32_t last = -1;
+        for (int i = 0; i < W; i++) cand[i] = last += (int32_t)skvt_rng_range(r, 1, 3);
+        for (int j = 0; j <= last; j++) ids[j] = 1000 + 3 * j;
+        for (int g = 0; g < G; g++) {
+            for (int m_ = 0; m_ < W * c; m_++) {
+                float acc = 0.0f;
+                for (int d = 0; d < D; d++)
+                    acc = fmaf(skv_bf16_to_float(q[(size_t)g * D + d]), skv_bf16_to_float(keys[(size_t)m_ * D + d]), acc);
+                pr[m_] = acc * scale;
+            }
+            float M = pr[0];
+            for (int m_ = 1; m_ < W * c; m_++) M = pr[m_] > M ? pr[m_] : M;
+            for (int m_ = 0; m_ < W * c; m_++) pr[m_] = skv_expf(pr[m_] - M);
+            const float Z = lane_sum(pr, W * c);
+            for (int i = 0; i < W; i++) {
+                float mu = 0.0f;
+                for (int t = 0; t < c; t++) mu += pr[i * c + t] / Z;
+                if (g == 0 || mu > bw[i]) bw[i] = mu;
+            }
+        }
+        int k;
+        if (mode) {
+            mass_rule(bw, W, S, p, trial % 4 == 1 ? S : 1, order, m, &k, want);
+        } else {
+            for (int j = 0; j < W; j++) order[j] = j;
+            g_keys = bw;
+            qsort(order, (size_t)W, sizeof *order, cmp_qsort);
+            k = S;
+            memcpy(want, order, (size_t)k * 4);
+            qsort(want, (size_t)k, sizeof *want, cmp_int);
+        }
+        for (int i = 0; i < k; i++) want[i] = cand[want[i]];
+        skv_select_params sp = {mode ? SKV_SELECT_MASS : SKV_SELECT_FIXED, S, W, mode && trial % 4 == 1 ? S : (mode ? 1 : 0), p};
+        const int32_t kg = skv_rescore_head(G, D, c, W, scale, q, keys, &sp, cand, ids, sc, b, scratch, local, got, got_ids);
+        int ok = kg == k && memcmp(got, want, (size_t)k * 4) == 0;
+        for (int i = 0; i < W && ok; i++) ok = i < k ? got_ids[i] == ids[got[i]] : got[i] == -1 && got_ids[i] == -1;
+        for (int i = 0; i < W && ok; i++) ok = memcmp(&b[i], &bw[i], 4) == 0;
+        SKVT_CHECK(ok, "rescore rule: trial %d (G %d W %d S %d %s p %g): k %d (want %d), set or masses differ", trial, G, W,
+                   S, mode ? "mass" : "fixed", (double)p, kg, k);
+    }
+    free(q), free(keys), free(s), free(pr), free(b), free(bw), free(m), free(sc);
+    free(cand), free(ids), free(order), free(want), free(got), free(got_ids), free(scratch), free(local);
 }
 
 static void check_mass_rule(skvt_rng *r)
@@ -489,7 +583,8 @@ static int run_case(const contract_case *cc, skv_backend be, uint64_t seed, blob
                             st = skv_cache_selected_count(cache, l, b, h, &kh);
                         }
                         if (!st) { /* k in [1, min(S, N - O)] (exactly that in the fixed mode), ids -1 past it */
-                            const int32_t cap = info.n_selected < info.n_candidates ? info.n_selected : info.n_candidates;
+                            int32_t cap = info.n_selected < info.n_candidates ? info.n_selected : info.n_candidates;
+                            if (c.select_candidates && c.select_candidates < cap) cap = c.select_candidates; /* 4.5.1 */
                             int good = kh >= 1 && kh <= cap && (c.select_mode == SKV_SELECT_MASS || kh == cap);
                             for (int32_t j = 0; j < info.n_selected; j++)
                                 good &= j < kh ? ids[j] >= 0 && (j == 0 || ids[j] > ids[j - 1]) : ids[j] == -1;
@@ -628,6 +723,7 @@ int main(int argc, char **argv)
     skvt_rng_seed(&r, seed);
     check_topk_rule(&r);
     check_mass_rule(&r);
+    check_rescore_rule(&r);
 
     static const skv_backend others[] = {SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     int compared = 0, n_repro_skipped = 0;
@@ -636,6 +732,7 @@ int main(int argc, char **argv)
         random_case(&r, &cc);
         cc.cfg.reproducible = i % 4 == 3; /* no draw: the other configurations stay as they were */
         mode_case(i, seed, &cc);
+        rescore_case(i, seed, &cc);
         if (i % 5 == 2) { /* a rank per slot (DESIGN 3.1) up to the drawn rank; no draw either */
             cc.cfg.rank_max = cc.cfg.rank;
             cc.cfg.rank = 0;
@@ -644,10 +741,10 @@ int main(int argc, char **argv)
         uint64_t case_seed = skvt_rng_u64(&r);
         const skv_config *c = &cc.cfg;
         char desc[256];
-        snprintf(desc, sizeof desc, "config %d%s%s%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rank_max=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
+        snprintf(desc, sizeof desc, "config %d%s%s%s%s: L=%d B=%d Hq=%d Hk=%d D=%d c=%d S=%d O=%d Lc=%d r=%d rank_max=%d rope(R=%d,il=%d,l3=%d) n=%lld..",
                  i, c->reproducible ? " (reproducible)" : "",
                  c->select_mode == SKV_SELECT_MASS ? " (mass)" : c->budget == SKV_BUDGET_ALL ? " (all)" : "",
-                 c->dense_layers ? " (dense 0)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
+                 c->dense_layers ? " (dense 0)" : "", c->select_candidates ? " (rescored)" : "", c->n_layers, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, c->chunk_size,
                  c->budget / c->chunk_size, c->n_outlier_chunks, c->n_local_chunks, c->rank, c->rank_max, c->rope.rotary_dim,
                  c->rope.interleaved, c->rope.llama3_scaling, (long long)cc.n[0]);
         size_t qn = (size_t)c->batch_size * c->n_q_heads * c->head_dim;
