@@ -481,6 +481,60 @@ static size_t to_version1(unsigned char *s, size_t size, const skv_config *g)
 }
 
 /* A version 1 snapshot loads (0.3 fields at their defaults) and decodes as the original. */
+/* A version 2 snapshot from a version 3 one: version 2 in the preamble, the CONF payload's
+   first 124 bytes (no select_candidates), the rest unchanged; the END size and checksums
+   recomputed. Returns its size (s is rewritten in place). */
+static size_t to_version2(unsigned char *s, size_t size)
+{
+    size_t st[64];
+    const int ns = sections(s, size, st, 64);
+    if (ns < 2 || rd64(s + st[0] + 8) != 128) return size;
+    wr32(s + 8, 2);
+    wr32(s + st[0] + 8, 124);
+    memmove(s + st[0] + 16 + 124, s + st[0] + 16 + 128, size - (st[0] + 16 + 128));
+    size -= 4;
+    const int n2 = sections(s, size, st, 64);
+    if (n2 == ns) wr32(s + st[n2 - 1] + 16, (uint32_t)size), wr32(s + st[n2 - 1] + 20, 0); /* END: the size */
+    fix_checksums(s, size);
+    return size;
+}
+
+/* A version 2 snapshot of a cache with the 0.3 fields loads (select_candidates 0) and decodes as
+   the original, bitwise. */
+static void test_version2(uint64_t seed)
+{
+    skv_config c = base_config();
+    c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.8f, c.select_min_chunks = 2, c.dense_layers = 1;
+    world w;
+    world_init(&w, &c, seed);
+    skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
+    unsigned char *snap = NULL;
+    size_t size = 0;
+    if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
+    const size_t v2 = to_version2(snap, size);
+    SKVT_CHECK(v2 == size - 4, "version 2 snapshot: %zu bytes, want %zu", v2, size - 4);
+    skv_config q = skv_config_default();
+    skv_status st = skv_snapshot_config_buffer(snap, v2, &q, NULL, NULL);
+    SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of a version 2 snapshot");
+    SKVT_CHECK(st || (q.select_mode == SKV_SELECT_MASS && q.select_mass == 0.8f && q.dense_layers == 1 &&
+                      q.select_candidates == 0),
+               "version 2: the 0.3 fields or the 0.4 default differ");
+    q.backend = SKV_BACKEND_CPU;
+    st = skv_cache_load_buffer(snap, v2, &q, &b);
+    if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of a version 2 snapshot")) {
+        printf("  %s\n", skv_last_error());
+        goto done;
+    }
+    compare_state(a, b, &c, "version 2");
+    compare_decode(a, b, &c, 2, 4, 0.0, "version 2 (cpu -> cpu)");
+    printf("  version 2 snapshot: %zu bytes loads\n", v2);
+done:
+    free(snap);
+    skv_cache_free(a);
+    skv_cache_free(b);
+    world_free(&w);
+}
+
 static void test_version1(uint64_t seed)
 {
     const skv_config c = base_config();
@@ -491,7 +545,7 @@ static void test_version1(uint64_t seed)
     size_t size = 0;
     if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
     const size_t v1 = to_version1(snap, size, &c);
-    SKVT_CHECK(v1 < size, "version 1 snapshot (%zu bytes) not smaller than version 2's (%zu)", v1, size);
+    SKVT_CHECK(v1 < size, "version 1 snapshot (%zu bytes) not smaller than version 3's (%zu)", v1, size);
     skv_config q = skv_config_default();
     skv_status st = skv_snapshot_config_buffer(snap, v1, &q, NULL, NULL);
     SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of a version 1 snapshot");
@@ -506,7 +560,7 @@ static void test_version1(uint64_t seed)
     }
     compare_state(a, b, &c, "version 1");
     compare_decode(a, b, &c, 2, 4, 0.0, "version 1 (cpu -> cpu)");
-    printf("  version 1 snapshot: %zu bytes (version 2: %zu) loads\n", v1, size);
+    printf("  version 1 snapshot: %zu bytes (version 3: %zu) loads\n", v1, size);
 done:
     free(snap);
     skv_cache_free(a);
@@ -609,7 +663,7 @@ static void test_errors(uint64_t seed)
     memset(m + size, 0, 64);
     load_fails(m, size + 1, NULL, SKV_ERR_FORMAT, "END", "one byte after the END section");
     /* version, older and newer, checksums recomputed: the version check must be what fires */
-    const uint32_t versions[] = {0, 3, 0xffffffffu};
+    const uint32_t versions[] = {0, 4, 0xffffffffu};
     for (int i = 0; i < 3; i++) {
         memcpy(m, snap, size);
         wr32(m + 8, versions[i]);
@@ -1020,7 +1074,20 @@ int main(void)
     a.budget = SKV_BUDGET_ALL, a.dense_layers = 2, a.reproducible = 1;
     roundtrip(&a, C, R, 0, 2, 0, 0, 0.0, g_seed + 55);
     roundtrip(&a, R, C, 1, 0, 0, 1, 0.0, g_seed + 56);
+    /* 0.4: the rescoring (select_candidates), fixed and mass */
+    skv_config rs = c;
+    rs.select_candidates = c.budget / c.chunk_size + 5;
+    roundtrip(&rs, R, C, 1, 3, 0, 0, 1e-5, g_seed + 61);
+    roundtrip(&rs, C, C, 0, 2, 1, 1, 0.0, g_seed + 62);
+    roundtrip(&rs, G, C, 0, 2, 0, 0, xb, g_seed + 63);
+    rs = m;
+    rs.select_candidates = 3;
+    rs.budget = SKV_BUDGET_ALL;
+    rs.select_min_chunks = 1;
+    roundtrip(&rs, C, R, 0, 3, 0, 1, 1e-5, g_seed + 64);
+    roundtrip(&rs, C, G, 1, 2, 0, 1, xb, g_seed + 65);
     test_version1(g_seed + 57);
+    test_version2(g_seed + 58);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
     test_snapshot_config(g_seed + 40);

@@ -235,7 +235,8 @@ def memory(cfg: Config) -> dict:
 
 
 # The CONF section of a snapshot (docs/DESIGN.md section 11.3): the model fields, little-endian. Version 2
-# appends the 0.3 fields (select_mode .. dense_layers); a version 1 file leaves them at their defaults.
+# appends the 0.3 fields (select_mode .. dense_layers), version 3 select_candidates (0.4); an older file
+# leaves the fields it lacks at their defaults.
 _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("head_dim", "i"), ("rank", "i"),
                 ("chunk_size", "i"), ("budget", "i"), ("n_outlier_chunks", "i"), ("n_local_chunks", "i"),
                 ("rope.theta", "f"), ("rope.rotary_dim", "i"), ("rope.interleaved", "i"),
@@ -245,15 +246,16 @@ _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("he
                 ("reproducible", "i")]
 _SNAP_FIELDS_V2 = _SNAP_FIELDS + [("select_mode", "i"), ("select_mass", "f"), ("select_min_chunks", "i"),
                                   ("rank_max", "i"), ("rank_error_target", "f"), ("dense_layers", "Q")]
-_SNAP_CONF = {1: "<" + "".join(t for _, t in _SNAP_FIELDS), 2: "<" + "".join(t for _, t in _SNAP_FIELDS_V2)}
-_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2}
+_SNAP_FIELDS_V3 = _SNAP_FIELDS_V2 + [("select_candidates", "i")]
+_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2, 3: _SNAP_FIELDS_V3}
+_SNAP_CONF = {v: "<" + "".join(t for _, t in f) for v, f in _SNAP_FIELDS_OF.items()}
 
 
 def _read_snapshot_config(path: Any) -> Optional[Config]:
-    """The config a snapshot file holds, or None when its header cannot be read as version 1 or 2."""
+    """The config a snapshot file holds, or None when its header cannot be read as version 1 to 3."""
     try:
         with open(path, "rb") as f:
-            head = f.read(32 + struct.calcsize(_SNAP_CONF[2]))
+            head = f.read(32 + max(struct.calcsize(x) for x in _SNAP_CONF.values()))
     except OSError:
         return None
     if len(head) < 32 or head[:8] != b"SKVSNAP\0" or head[16:20] != b"CONF":
