@@ -804,6 +804,8 @@ def settings_table(names, n_ctx, model=None):
       default            the model-scaled defaults (fixed budget)
       default-mass       the scaled defaults in select_mode "mass" (its p, floor and cap)
       default-rank0      the scaled defaults with rank 0 (chosen per layer by the error target)
+      default-rescore    the scaled defaults with rescore=True (select_candidates; docs/DESIGN.md 4.5.1);
+                         default-mass-rescore: the same in select_mode "mass"
       fixed-<tokens>     the scaled defaults with a fixed budget of <tokens>
       mass-<p>           select_mode "mass" with target p, floor 1 chunk, no cap (budget "all")
       rank-<r>           the scaled defaults with rank r; rank0-<e>: rank 0 with rank_error_target e
@@ -831,6 +833,12 @@ def settings_table(names, n_ctx, model=None):
             src, f = scaled_defaults(n_ctx, model, select_mode="mass")
             base = f if f else dict(base, select_mode="mass", select_mass=0.95, select_min_chunks=1)
             mode = "mass"
+        elif nm in ("default-rescore", "default-mass-rescore"):
+            mm = "mass" if "mass" in nm else "fixed"
+            src, f = scaled_defaults(n_ctx, model, select_mode=mm, rescore=True)
+            if not f:
+                raise SystemExit(f"setting {name!r}: needs shadowkv.hf.scaled_config with rescore")
+            base, mode = f, "rescore"
         elif nm == "default-rank0":
             src, f = scaled_defaults(n_ctx, model, adaptive_rank=True)
             base = f if f else dict(base, rank=0, rank_max=144, rank_error_target=0.1)

@@ -34,6 +34,10 @@ SCALING = dict(
     select_mass=0.95,
     mass_cap_factor=4,
     mass_floor_share=0.25,
+    # rescore=True: select_candidates = rescore_factor times the selected chunks, within the context
+    # (docs/DESIGN.md 4.5.1); with select_mode "mass" the rescored mass target is rescore_mass
+    rescore_factor=4,
+    rescore_mass=0.9,
     # rank 0 (adaptive=True): the error target, and the cap as a share of Hk*D
     rank_error_target=0.1,
     rank_max_share=0.75,
@@ -45,7 +49,8 @@ def _round_up(x: float, m: int) -> int:
 
 
 def scaled_config(n_kv_heads: int, head_dim: int, context_len: int, n_layers: Optional[int] = None,
-                  select_mode: str = "fixed", adaptive_rank: bool = False, n_dense_layers: int = 0) -> dict:
+                  select_mode: str = "fixed", adaptive_rank: bool = False, n_dense_layers: int = 0,
+                  rescore: bool = False) -> dict:
     """The sparse config fields scaled to a model's keys (Hk = n_kv_heads heads of head_dim) and a
     context of context_len tokens (the prompt length the cache will serve; shorter prompts work
     down to shadowkv.min_prompt_len of the result):
@@ -53,7 +58,8 @@ def scaled_config(n_kv_heads: int, head_dim: int, context_len: int, n_layers: Op
         chunk_size, rank, budget, n_outlier_chunks, n_local_chunks, select_mode (and, for "mass",
         select_mass and select_min_chunks; for adaptive_rank, rank 0 with rank_max and
         rank_error_target; for n_dense_layers > 0, dense_layers: the first n_dense_layers layers,
-        which needs n_layers).
+        which needs n_layers; for rescore, select_candidates: the selection ranks that many
+        landmark-best candidates by their rebuilt keys, docs/DESIGN.md 4.5.1).
 
     Pass the result to shadowkv.config(**fields) or ShadowKVCache(model, **fields); override any
     field by setting it after. The rule (docs/DESIGN.md section 2.1) gives upstream's rank 160,
@@ -89,6 +95,11 @@ def scaled_config(n_kv_heads: int, head_dim: int, context_len: int, n_layers: Op
         cap = min(S * R["mass_cap_factor"], max(n_chunks - outliers - lc, 1))
         out.update(budget=cap * c, select_mass=R["select_mass"],
                    select_min_chunks=min(cap, max(1, int(S * R["mass_floor_share"]))))
+    if rescore:
+        W = min(S * R["rescore_factor"], max(n_chunks - outliers - lc, 1))
+        out["select_candidates"] = W
+        if select_mode == "mass":  # the cap is every rescored candidate, the target a share of their mass
+            out.update(budget=W * c, select_mass=R["rescore_mass"])
     if adaptive_rank:
         out.update(rank=0, rank_max=min(HkD, max(int(rank), _round_up(HkD * R["rank_max_share"], 8)),
                                         max(8, (context_len // 2) // 8 * 8)),

@@ -215,14 +215,14 @@ def check_model(model_or_config, context_len: Optional[int] = None, allow_model_
 
 
 def scaled_config(model, context_len: int, select_mode: str = "fixed", adaptive_rank: bool = False,
-                  n_dense_layers: int = 0) -> dict:
+                  n_dense_layers: int = 0, rescore: bool = False) -> dict:
     """shadowkv.scaled_config for a transformers model (or its config): the sparse fields (rank, budget,
     n_outlier_chunks, n_local_chunks, chunk_size, select_mode, ...) scaled to its KV heads and head dim
     and a context of context_len tokens. ShadowKVCache(model, **scaled_config(model, 4096))."""
     hf = _text_config(model)
     Hk = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     return _scaled_config(Hk, _head_dim(hf), context_len, n_layers=hf.num_hidden_layers, select_mode=select_mode,
-                          adaptive_rank=adaptive_rank, n_dense_layers=n_dense_layers)
+                          adaptive_rank=adaptive_rank, n_dense_layers=n_dense_layers, rescore=rescore)
 
 
 class ShadowKVLayer(CacheLayerMixin):
@@ -289,7 +289,7 @@ class ShadowKVCache(_HFCache):
     "cpu" or "cuda". batch_size: the most sequences one generate call may hold. gen_capacity:
     generated tokens per sequence. fields: any other shadowkv.config() field (rank, budget
     (or "all"), chunk_size, n_outlier_chunks, n_local_chunks, select_mode ("fixed" or "mass"),
-    select_mass, select_min_chunks, rank_max, rank_error_target, dense_layers, value_device_bytes,
+    select_mass, select_min_chunks, select_candidates, rank_max, rank_error_target, dense_layers, value_device_bytes,
     n_threads, ...); scaled_config(model, context_len) gives model-scaled ones. The model's shape,
     RoPE and attention scale are taken from its config. Raises TypeError or ValueError (naming the
     field) for a model the cache cannot serve: see check_model. allow_model_type: accept a

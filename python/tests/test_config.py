@@ -193,3 +193,19 @@ def test_scaled_config_rule():
         shadowkv.scaled_config(3, 64, 4096, n_dense_layers=2)
     with pytest.raises(ValueError, match="context_len"):
         shadowkv.scaled_config(3, 64, 0)
+
+
+# ---- 0.4: the rescoring (docs/DESIGN.md 4.5.1) ----------------------------------------------------
+
+def test_select_candidates_field():
+    assert shadowkv.config().select_candidates == 0
+    c = small(budget=64, chunk_size=8, select_candidates=12)
+    assert c.select_candidates == 12 and shadowkv.config_dict(c)["select_candidates"] == 12
+    shadowkv.validate(c)
+    with pytest.raises(ShadowKVError, match="select_candidates = 7"):   # below S = 64 / 8
+        shadowkv.validate(small(budget=64, chunk_size=8, select_candidates=7))
+    with pytest.raises(ShadowKVError, match="select_candidates = -1"):
+        shadowkv.validate(small(select_candidates=-1))
+    with pytest.raises(ShadowKVError, match="factorize"):              # its keys need the canonical factors
+        shadowkv.validate(small(budget=64, chunk_size=8, select_candidates=12, factorize="fast"))
+    shadowkv.validate(small(budget="all", select_candidates=1))

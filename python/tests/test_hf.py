@@ -371,6 +371,28 @@ def test_dense_layers_and_mass_mode(backend, device, gen):
 
 
 @NEEDS_03
+def test_rescored_selection(backend, device, gen):
+    """select_candidates: each head's chunks come from its landmark-best candidates, ranked by their rebuilt
+    keys; counts and sets are ref's bit for bit (the contract covers the rescoring)."""
+    model = tiny_llama(14, device)
+    ids = prompt(gen, 1, 240, device)
+    kw = dict(rank=32, budget=48, chunk_size=8, n_outlier_chunks=4, n_local_chunks=2, select_candidates=10,
+              gen_capacity=8)
+    runs = {}
+    for be in dict.fromkeys(["ref", backend]):
+        for mode in ("fixed", "mass"):
+            extra = dict(select_mode="mass", select_mass=0.9, select_min_chunks=2, budget="all") if mode == "mass" else {}
+            cache = ShadowKVCache(model, backend=be, **dict(kw, **extra))
+            model.generate(ids, max_new_tokens=3, do_sample=False, **cache_arg(cache))
+            counts = cache.selected_count(1, 0)
+            sets = [cache.selected(1, 0, h).tolist() for h in range(len(counts))]
+            assert all((k == 6) if mode == "fixed" else (2 <= k <= 10) for k in counts), counts
+            runs[be, mode] = (list(counts), sets)
+    for mode in ("fixed", "mass"):
+        assert runs[backend, mode] == runs["ref", mode]
+
+
+@NEEDS_03
 def test_rank_per_slot(backend, device, gen):
     """rank 0: each (layer, sequence) takes its own rank up to rank_max; seq_info and layer_stats report it."""
     model = tiny_llama(13, device)
