@@ -420,6 +420,10 @@ int32_t skv_rescore_head(int32_t G, int32_t D, int32_t c, int32_t W, float scale
                          const int32_t *candidate_ids, float *s, float *b, int32_t *scratch, int32_t *local,
                          int32_t *sel_idx, int32_t *sel_ids);
 
+/* Decode-arena bytes of the rescoring's scratch for W candidates of c tokens and S-entry rows
+   (skv_rescore_head's s, b, scratch and local); 0 when W = 0. */
+size_t skv_rescore_ws_bytes(int32_t W, int32_t c, int32_t S);
+
 /* Monotonic wall clock in milliseconds. */
 double skv_now_ms(void);
 

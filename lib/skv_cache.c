@@ -75,16 +75,6 @@ static char *skv_value_cache(const skv_cache *c, size_t j)
  * probe = 0 an explicit backend is not probed (the memory query of a cuda
  * config works on a machine without a GPU); auto is always resolved.
  */
-/* Scratch of skv_rescore_step (4.5.1) in the decode arena: s [W c], b [W] float; scratch [2 W],
-   local [S] int32. */
-static size_t skv_rescore_ws_bytes(const skv_config *g, const skv_layout *lay)
-{
-    if (!lay->W) return 0;
-    return SKV_WS_BYTES(sizeof(float) * ((size_t)lay->W * g->chunk_size + lay->W) +
-                            sizeof(int32_t) * ((size_t)2 * lay->W + lay->S),
-                        4);
-}
-
 static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c, skv_layout *lay,
                                  const struct skv_backend_ops **ops, size_t *ws_bytes)
 {
@@ -108,7 +98,8 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
     *ws_bytes = (*ops)->decode_ws_bytes
                     ? (*ops)->decode_ws_bytes(c, lay->cand_max, skv_max_attn_tokens(c, lay))
                     : 0;
-    if (!(*ops)->cache_decode && skv_rescore_ws_bytes(c, lay) > *ws_bytes) *ws_bytes = skv_rescore_ws_bytes(c, lay);
+    if (!(*ops)->cache_decode && skv_rescore_ws_bytes(lay->W, c->chunk_size, lay->S) > *ws_bytes)
+        *ws_bytes = skv_rescore_ws_bytes(lay->W, c->chunk_size, lay->S);
     if ((*ops)->cache_decode && c->select_candidates) /* TEMPORARY until the cuda rescoring lands */
         return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "select_candidates = %d: not yet available on backend %s",
                         c->select_candidates, (*ops)->name);

@@ -226,6 +226,12 @@ int32_t skv_rescore_head(int32_t G, int32_t D, int32_t c, int32_t W, float scale
     return k;
 }
 
+size_t skv_rescore_ws_bytes(int32_t W, int32_t c, int32_t S)
+{
+    if (!W) return 0;
+    return SKV_WS_BYTES(sizeof(float) * ((size_t)W * c + W) + sizeof(int32_t) * ((size_t)2 * W + S), 4);
+}
+
 void *skv_ws_alloc(skv_ws *ws, size_t bytes)
 {
     if (ws->base) {
