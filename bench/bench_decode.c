@@ -17,8 +17,8 @@
  *   build/skv-bench decode [--backend cuda] [--ctx ...] [--batch ...]
  *       [--placement device,host] [--workload fresh,drift] [--steps 30]
  *       [--warmup 5] [--drift 0.92] [--big-batch 1] [--hbm-gbs 4200]
- *       [--pcie-gbs 55] [--reproducible] [--select fixed,mass,all,dense]
- *       [--select-mass 0.95] [--select-min 0] [--json]
+ *       [--pcie-gbs 55] [--reproducible] [--select fixed,mass,all,dense,rescore]
+ *       [--select-mass 0.95] [--select-min 0] [--select-candidates 0] [--json]
  *
  * --select runs every (ctx, batch, placement) once per selection: the fixed budget (default),
  * SKV_SELECT_MASS (target --select-mass, floor --select-min, the budget its cap), SKV_BUDGET_ALL,
@@ -114,9 +114,10 @@ static const char *const pl_name[N_PL] = {"device", "host"};
 static const char *const wl_name[N_WL] = {"fresh", "drift"};
 
 /* --select: how the one layer selects (docs/DESIGN.md 4.5): the fixed budget, the mass rule (its cap the
-   budget), every candidate (SKV_BUDGET_ALL), or a dense layer (config.dense_layers) */
-enum { SV_FIXED, SV_MASS, SV_ALL, SV_DENSE, N_SV };
-static const char *const sv_name[N_SV] = {"fixed", "mass", "all", "dense"};
+   budget), every candidate (SKV_BUDGET_ALL), a dense layer (config.dense_layers), or the fixed budget
+   among --select-candidates rescored candidates (4.5.1) */
+enum { SV_FIXED, SV_MASS, SV_ALL, SV_DENSE, SV_RESCORE, N_SV };
+static const char *const sv_name[N_SV] = {"fixed", "mass", "all", "dense", "rescore"};
 
 typedef struct {
     int64_t ctx;
@@ -134,6 +135,7 @@ typedef struct {
     double drift, hbm_gbs, pcie_gbs;
     double mass;     /* --select-mass */
     int min_chunks;  /* --select-min */
+    int candidates;  /* --select-candidates (rescore); 0: 4 S */
 } dopts;
 
 /* The step's bytes from device memory (hbm_mb) and, for host placement, over PCIe (the missed
@@ -142,7 +144,8 @@ static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t
 {
     const double B = row->B, Hk = cfg->n_kv_heads, D = cfg->head_dim, c = cfg->chunk_size, r = cfg->rank;
     const double S = row->sel_mean, O = row->variant == SV_DENSE ? 0 : cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
-    const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * S * c * r * 2, vals = B * Hk * S * c * D * 2;
+    const double W = cfg->select_candidates < n_cand ? cfg->select_candidates : n_cand; /* rescored: U rows of W */
+    const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * (S + W) * c * r * 2, vals = B * Hk * S * c * D * 2;
     const double res = B * Hk * (O * c + n_local + n_gen + 1) * D * 2 * 2, qo = B * Hq * D * 6;
     const double missed = row->placement == PL_HOST ? misses * c * D * 2 : 0;
     row->hbm_mb = (lm + urows + res + qo + vals - missed) / 1e6;
@@ -166,6 +169,8 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         cfg.budget = SKV_BUDGET_ALL;
     } else if (variant == SV_DENSE) {
         cfg.dense_layers = 1;
+    } else if (variant == SV_RESCORE) {
+        cfg.select_candidates = o->candidates ? o->candidates : 4 * (cfg.budget / cfg.chunk_size);
     }
     const int dense = variant == SV_DENSE;
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim;
@@ -347,8 +352,8 @@ int bench_decode_main(int argc, char **argv)
     int64_t ctxs[MAXV] = {32768, 131072, 1048576}, batches[MAXV] = {1, 8, 32};
     int n_ctx = 3, n_b = 3, json = 0, big_batch = 1, both_modes = 0;
     int want_pl[N_PL] = {1, 1}, want_wl[N_WL] = {1, 1};
-    dopts o = {30, 5, 0.92, 4200, 55, 0.95, 0};
-    int want_sv[N_SV] = {1, 0, 0, 0};
+    dopts o = {30, 5, 0.92, 4200, 55, 0.95, 0, 0};
+    int want_sv[N_SV] = {1, 0, 0, 0, 0};
     skv_backend be = SKV_BACKEND_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -364,6 +369,7 @@ int bench_decode_main(int argc, char **argv)
         else if (!strcmp(a, "--pcie-gbs")) o.pcie_gbs = atof(v), i++;
         else if (!strcmp(a, "--select-mass")) o.mass = atof(v), i++;
         else if (!strcmp(a, "--select-min")) o.min_chunks = atoi(v), i++;
+        else if (!strcmp(a, "--select-candidates")) o.candidates = atoi(v), i++;
         else if (!strcmp(a, "--select")) {
             for (int x = 0; x < N_SV; x++) want_sv[x] = strstr(v, sv_name[x]) != NULL;
             i++;
@@ -383,11 +389,13 @@ int bench_decode_main(int argc, char **argv)
             printf("usage: skv-bench decode [--backend auto|ref|cpu|cuda] [--ctx 32768,131072,1048576] "
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
                    "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--reproducible] "
-                   "[--select fixed,mass,all,dense] [--select-mass 0.95] [--select-min 0] [--json]\n"
+                   "[--select fixed,mass,all,dense,rescore] [--select-mass 0.95] [--select-min 0]\n"
+                   "[--select-candidates 0] [--json]\n"
                    "  --reproducible  also run each cache with config.reproducible = 1 and print both modes\n"
                    "  --select        the layer's selection, one cache each: the fixed budget (default), SKV_SELECT_MASS\n"
                    "                  (target --select-mass, floor --select-min, the budget its cap), SKV_BUDGET_ALL,\n"
-                   "                  or a dense layer (config.dense_layers; device placement only)\n");
+                   "                  a dense layer (config.dense_layers; device placement only), or the fixed budget\n"
+                   "                  among rescored candidates (select_candidates = --select-candidates, 0: 4 S)\n");
             return strcmp(a, "--help") ? 2 : 0;
         }
     }
