@@ -15,6 +15,7 @@ Modes (run from the repository root; the library must be built for passkey/logit
   report    markdown tables of a results file (--out), the mass mode's KL against fixed budgets at
             equal attended share included
   merge     merge result files (runs of single modes or lengths) into --out
+  plot      an SVG of KL and top-1 against the attended share per curve (docs/realmodel-kl.svg)
 
   python3 bench/realmodel.py measure --lengths 2048,4096,8128
   python3 bench/realmodel.py passkey --lengths 2048,4096,7680 --depths 0.1,0.3,0.5,0.7,0.9 --keys 3
@@ -1148,12 +1149,16 @@ ROW_KEYS = dict(passkey=("task", "length", "depth", "setting", "seed"), logits=(
 
 
 def curve_of(setting):
-    """The plot curve of a logits row's setting: fixed, mass, dense1-fixed, dense1-mass (the budget or
-    target swept), rank (the default budget at another rank), default, default-mass, floor, dense."""
+    """The plot curve of a logits row's setting: fixed, mass, dense1-fixed, dense1-mass, rescore (a fixed
+    budget among rescored candidates), rescore-mass, dense1-rescore(-mass) (the budget or target swept),
+    rank (the default budget at another rank), default, default-mass, default-rescore, floor, dense."""
     import re
     m = re.fullmatch(r"(dense\d+-)?(fixed|mass)-[\d.]+", setting)
     if m:
         return (m.group(1) or "") + m.group(2)
+    m = re.fullmatch(r"(dense\d+-)?rescore-\d+-(p?)[\d.]+", setting)
+    if m:
+        return (m.group(1) or "") + ("rescore-mass" if m.group(2) else "rescore")
     if setting.startswith("rank"):
         return "rank"
     return {"fp32-exact": "floor"}.get(setting, setting)
@@ -1254,7 +1259,10 @@ def _report_logits(lg, title):
                        f"{r['kl_mean']:.4f} | {r.get('kl_max', 0):.3f} | {r['top1']:.3f} | {mm} | {oe} |")
         fixed = [r for r in rows if re.fullmatch(r"(emu-)?fixed-\d+", r["setting"])]
         for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-"),
-                          ("default mass", "default-mass"), ("emulated mass", "emu-mass-"), ("emulated top-p", "emu-topp-")):
+                          ("default mass", "default-mass"), ("rescored (4.5.1)", "rescore-"),
+                          ("dense1 rescored", "dense1-rescore-"), ("default rescored", "default-rescore"),
+                          ("emulated mass", "emu-mass-"), ("emulated top-p", "emu-topp-"),
+                          ("emulated rescored", "emu-rescore-")):
             cand = [r for r in rows if r["setting"].startswith(pref) and "only" not in r["setting"]]
             if not cand or len(fixed) < 2:
                 continue
@@ -1266,6 +1274,65 @@ def _report_logits(lg, title):
                 out.append(f"| {r['setting']} | {r['attended_share']:.3f} | {r['kl_mean']:.4f} | "
                            f"{'' if f is None else f'{f:.4f}'} | {ratio} |")
     return out
+
+
+PLOT_CURVES = [("fixed", "#1f77b4", "fixed budgets"), ("mass", "#ff7f0e", "mass p (landmark estimate)"),
+               ("dense1-fixed", "#7f7f7f", "layer 0 dense, fixed"), ("dense1-mass", "#bcbd22", "layer 0 dense, mass"),
+               ("rescore", "#2ca02c", "rescored, fixed budget (4.5.1)"), ("rescore-mass", "#d62728", "rescored, mass p"),
+               ("dense1-rescore-mass", "#9467bd", "layer 0 dense, rescored mass p")]
+
+
+def plot_svg(results):
+    """An SVG (no plotting library needed) of KL (log scale) and top-1 agreement against the attended
+    share of the context, one panel pair per context length, a polyline per curve of PLOT_CURVES;
+    the fp32 floor as a dashed line."""
+    import math
+    lg = [r for r in results.get("logits", []) if r.get("attended_share") is not None]
+    lengths = sorted({r["length"] for r in lg})
+    W, H, M = 420, 260, 48
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W + 20}" height="{len(lengths) * (H + 30) + 140}" '
+           'font-family="sans-serif" font-size="11">', '<rect width="100%" height="100%" fill="white"/>']
+    for li, n in enumerate(lengths):
+        rows = [r for r in lg if r["length"] == n]
+        floor = next((r for r in rows if r["setting"] == "fp32-exact"), None)
+        for pi, (key, lo, hi, logy, title) in enumerate((("kl_mean", 1e-3, 1.5e-1, True, "mean KL vs dense"),
+                                                         ("top1", 0.8, 1.0, False, "top-1 agreement"))):
+            x0, y0 = pi * (W + 20) + M, li * (H + 30) + 20
+            pw, ph = W - M - 10, H - M
+
+            def X(v):
+                return x0 + pw * min(max(v, 0.0), 0.4) / 0.4
+
+            def Y(v):
+                v = min(max(v, lo), hi)
+                f = (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)) if logy else (v - lo) / (hi - lo)
+                return y0 + ph * (1 - f)
+            svg.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+            svg.append(f'<text x="{x0 + pw / 2}" y="{y0 - 5}" text-anchor="middle">{title}, {n} tokens</text>')
+            for t in (0.0, 0.1, 0.2, 0.3, 0.4):
+                svg.append(f'<text x="{X(t)}" y="{y0 + ph + 14}" text-anchor="middle">{t:.1f}</text>')
+            ticks = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1] if logy else [0.8, 0.85, 0.9, 0.95, 1.0]
+            for t in ticks:
+                svg.append(f'<text x="{x0 - 4}" y="{Y(t) + 4}" text-anchor="end">{t:g}</text>')
+                svg.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{Y(t)}" y2="{Y(t)}" stroke="#eee"/>')
+            svg.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 28}" text-anchor="middle">attended share of the context</text>')
+            if floor:
+                svg.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{Y(floor[key])}" y2="{Y(floor[key])}" stroke="#000" '
+                           'stroke-dasharray="4 3"/>')
+            for curve, color, _ in PLOT_CURVES:
+                pts = sorted((r["attended_share"], r[key]) for r in rows if curve_of(r["setting"]) == curve)
+                if not pts:
+                    continue
+                svg.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="' +
+                           " ".join(f"{X(a):.1f},{Y(b):.1f}" for a, b in pts) + '"/>')
+                svg += [f'<circle cx="{X(a):.1f}" cy="{Y(b):.1f}" r="2.5" fill="{color}"/>' for a, b in pts]
+    ly = len(lengths) * (H + 30) + 10
+    for i, (curve, color, label) in enumerate(PLOT_CURVES + [("floor", "#000", "fp32 floor (dashed)")]):
+        x, y = 20 + (i % 2) * (W + 20), ly + (i // 2) * 16
+        svg.append(f'<line x1="{x}" x2="{x + 24}" y1="{y}" y2="{y}" stroke="{color}" stroke-width="2"/>')
+        svg.append(f'<text x="{x + 30}" y="{y + 4}">{label}</text>')
+    svg.append("</svg>")
+    return "\n".join(svg)
 
 
 PASSKEY_SETTINGS = "default,default-mass,dense1-default"
@@ -1286,7 +1353,7 @@ def machine_name():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report", "merge"])
+    ap.add_argument("mode", choices=["measure", "passkey", "logits", "all", "report", "merge", "plot"])
     ap.add_argument("inputs", nargs="*", help="merge: result files merged into --out (later rows replace earlier "
                     "ones of the same cell and setting)")
     ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
@@ -1322,6 +1389,9 @@ def main(argv=None):
                                        python=platform.python_version()))
     if args.mode == "report":
         print(report(results))
+        return
+    if args.mode == "plot":  # the SVG to stdout
+        print(plot_svg(results))
         return
     if args.mode == "merge":
         results = merge(results, args.inputs)
