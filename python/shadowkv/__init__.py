@@ -140,7 +140,8 @@ def config(**fields: Any) -> Config:
     original_max_position). select_mode takes "fixed" or "mass" (with select_mass,
     select_min_chunks); budget takes "all" (BUDGET_ALL: every candidate chunk); rank 0
     takes rank_max and rank_error_target; dense_layers takes an int bit mask or a list of
-    layer numbers. Nothing is validated here; validate() or Cache() does.
+    layer numbers; select_candidates (0.4) rescores that many landmark-best chunks per head by
+    their keys (docs/DESIGN.md 4.5.1). Nothing is validated here; validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")

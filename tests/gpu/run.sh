@@ -32,7 +32,7 @@
 #             at AB_FACTOR_N (16384,65536,131072). ab.json (tests/gpu/ab_summary.py): per build the
 #             medians, their ratio to the baseline, and whether every build wrote the same decode
 #             digest (outputs and selections) and the same factorization error; exits 1 if not
-#   modes     build; the 0.3 selection modes on cuda against ref (SKV_SELECT_MASS, SKV_BUDGET_ALL,
+#   modes     build; the selection modes on cuda against ref (SKV_SELECT_MASS, SKV_BUDGET_ALL, the rescoring,
 #             dense layers: test_contract 40, backend_ops -b cuda, test_placement,
 #             test_canonical_decode, test_e2e, test_snapshot), then their decode step against the
 #             fixed budget's in one run (bench_select.json: skv-bench decode --select
