@@ -134,6 +134,7 @@ $(BUILD)/obj/cuda/%.o: cuda/%.c $(HDRS) | $(DEPS_STAMP)
 
 # the files on the decision path (and the reproducible mode's exact kernels): no contraction
 CU_EXACT := cuda/skv_cuda_rope.cu cuda/skv_cuda_landmarks.cu cuda/skv_cuda_score.cu cuda/skv_cuda_select.cu \
+            cuda/skv_cuda_rescore.cu \
             cuda/skv_cuda_canon_rebuild.cu cuda/skv_cuda_canon_wprep.cu cuda/skv_cuda_canon_resident.cu \
             cuda/skv_cuda_canon_attend.cu cuda/skv_cuda_factor_rank.cu
 $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_EXACT)): NVCC_FILE_FLAGS = $(NVCC_EXACT)

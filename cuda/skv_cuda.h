@@ -19,7 +19,13 @@
  *                          input check
  *   skv_cuda_select.cu     decode steps 2 and 3 (split or fused): e_j and Z, top-S,
  *                          the chunk cache's plan; skv_cuda_select_step runs 1-3
- *   skv_cuda_exact.cuh     what those four files share (grid cap, bf16 row loads,
+ *                          (skv_cuda_select_candidates: the rescoring's first stage)
+ *   skv_cuda_select.cuh    what the selection kernels share (the mass rule's count,
+ *                          select_finish)
+ *   skv_cuda_rescore.cu    the rescoring (docs/DESIGN.md 4.5.1): the chunk masses of
+ *                          the candidates' canonical keys, the rule among them
+ *                          (skv_cuda_rescore_step runs the whole selection)
+ *   skv_cuda_exact.cuh     what those files share (grid cap, bf16 row loads,
  *                          the group limit)
  *   skv_cuda_topk.cuh      the exact block top-k (outliers, selection, victims)
  *   the attention:
@@ -88,6 +94,13 @@
  *   5 combine  the partials of each query head in item order -> out; the new
  *              token is appended, the sequence marked as having a selection, and
  *              the layer's counters (skv_layer_stats) advanced on the device
+ * With the rescoring (config.select_candidates, shape W > 0; skv_cuda_rescore_step)
+ * steps 1-3 select the W landmark-best candidates instead (the fixed rule, cap
+ * W, nothing published), then
+ *   3a keys    the canonical rebuild of their tokens' keys (docs/DESIGN.md 10.2)
+ *   3b rescore per (sequence, KV head): the candidates' chunk masses under the
+ *              group's softmax over their tokens, the mode's rule among them, and
+ *              the selection, the counts and the chunk cache's plan as step 3's
  * Step 4's selected items past a head's k c tokens are empty partials (the
  * reproducible mode's rebuild and attention likewise take k c tokens per head;
  * its score rows keep room for S c, the tokens after a head's selected ones
@@ -197,10 +210,10 @@ typedef struct skv_cuda_seq {
     const int32_t *cand_ids;   /* [Hk, n_cand] chunk id of each candidate (NULL: no ids) */
     const skv_bf16 *u;         /* [n, r] */
     const skv_bf16 *w;         /* [r, Hk*D] */
-    const signed char *wq;     /* reproducible mode: W in the canonical rebuild's fixed point
-                                  (skv_cuda_canon_wprep, skv_cuda_canon_wq_bytes), prepared whenever w
-                                  is written (prefill, snapshot load); NULL when the decode's rebuild
-                                  does not read it (default mode, or skv_cuda_canon_uses_wq(sh, 1) == 0) */
+    const signed char *wq;     /* reproducible mode or the rescoring: W in the canonical rebuild's fixed
+                                  point (skv_cuda_canon_wprep, skv_cuda_canon_wq_bytes), prepared whenever
+                                  w is written (prefill, snapshot load); NULL when no decode rebuild reads
+                                  it (default mode without rescoring, or skv_cuda_canon_uses_wq(sh, 1) == 0) */
     const skv_bf16 *vstore;    /* [Hk, n_cand, c, D]: device memory, or the device alias of the pinned
                                   host store (host slot) */
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
@@ -238,6 +251,9 @@ typedef struct skv_cuda_shape {
        and the floor min(sel_min, cap). sel_cap <= S (S is the stride of the selection rows). */
     int32_t sel_mode, sel_cap, sel_min;
     float sel_mass;
+    /* the rescoring (docs/DESIGN.md 4.5.1): W candidates per (sequence, KV head) rescored by their
+       canonical keys (config.select_candidates, at most cand_max); 0: none */
+    int32_t W;
 } skv_cuda_shape;
 
 /* How a decode (or span) attention splits into work items per (sequence, query head). */
@@ -284,6 +300,13 @@ typedef struct skv_cuda_dws {
     int32_t *sel_idx, *sel_ids;  /* [B, Hk, S]: entries [k, S) of a row -1 */
     int32_t *sel_cnt;            /* [B, Hk] the step's count k of each (sequence, KV head) */
     float *mkey;                 /* [B, Hk, cand_max] SKV_SELECT_MASS, split path: the masses m_j (else NULL) */
+    /* the rescoring (shape W > 0; NULL otherwise): the first stage's candidates, their keys, scores
+       and chunk masses */
+    int32_t *cand_idx, *cand_ids; /* [B, Hk, W] the W landmark-best candidates (increasing), their chunk ids */
+    int32_t *cand_cnt;           /* [B, Hk] their number min(W, n_cand) */
+    skv_bf16 *cand_k;            /* [B, Hk, W c, D] their tokens' canonical keys */
+    float *cand_s;               /* [B, Hq, W c] the group's scores, then e */
+    float *cand_b;               /* [B, Hk, W] the chunk masses b_i */
     int32_t *vsrc;               /* [B, Hk, S] chunk-cache entry of each selected chunk; bit 31: missed */
     int32_t *mlist, *mcount;     /* [B, Hk, S] positions of the missed chunks, [B, Hk] their count */
     float *part_acc;             /* [B, Hq, n_items, D] */
@@ -307,16 +330,19 @@ typedef struct skv_cuda_dws {
 skv_cuda_items skv_cuda_decode_items(const skv_cuda_shape *sh, int64_t max_resident);
 /* Items of an op-level span attention over total tokens (host). */
 skv_cuda_items skv_cuda_span_items(int32_t B, int32_t Hq, int32_t Hk, int32_t D, int64_t total);
-/* Tiles of step 3 for at most n candidates; pool entries per (sequence, KV head). */
+/* Tiles of step 3 for at most n candidates; pool entries per (sequence, KV head) for selections of
+   up to S chunks (the rescoring's first stage: of W). */
 int32_t skv_cuda_select_tiles(int32_t n);
 int32_t skv_cuda_pool_cap(int32_t cand_max, int32_t S);
 
 /* The decode workspace carved from one allocation at base: its bytes (base NULL) or its
    pointers (skv_cuda_cache.cu; the cache's, and the op-level score_select's own). it: the
    attention items; host: whether any slot keeps its values on the host; canon_tmax: the
-   reproducible mode's row length (0: default mode); mass: SKV_SELECT_MASS (the masses' region). */
+   reproducible mode's row length (0: default mode); mass: SKV_SELECT_MASS (the masses' region);
+   W: the rescoring's candidates (skv_cuda_shape.W; 0: no rescoring regions). */
 size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass);
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass,
+                           int32_t W);
 
 /* Zeroes the counters of a carved workspace and sets first_bad to none (on stream st). */
 cudaError_t skv_cuda_dws_clear(const skv_cuda_dws *ws, cudaStream_t st);
@@ -335,7 +361,7 @@ skv_cuda_items skv_cuda_ws_items_of(const skv_config *c, const skv_layout *lay);
 int64_t skv_cuda_canon_tmax(const skv_config *c, const skv_layout *lay);
 
 /* ---- decision path (--fmad=false: skv_cuda_rope.cu, skv_cuda_landmarks.cu, skv_cuda_score.cu,
-   skv_cuda_select.cu) ---------------------------------------------------------------------- */
+   skv_cuda_select.cu, skv_cuda_rescore.cu) --------------------------------------------------------- */
 
 /* out = RoPE(in) for [n_tokens, n_heads, head_dim] at positions pos0.. (skv_rope_row_f32).
    in == out allowed. */
@@ -377,6 +403,29 @@ cudaError_t skv_cuda_select_step(cudaStream_t st, const skv_cuda_shape *sh, cons
                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int tiled, int32_t layer, float *amax,
                                  skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
 
+/*
+ * The rescoring's first stage (docs/DESIGN.md 4.5.1; skv_cuda_select.cu): steps 1-3 of
+ * skv_cuda_select_step at decode (io->k, io->v set: the input check and the publication of *io)
+ * with the fixed rule and cap sh->W, into ws->cand_idx / cand_ids / cand_cnt (stride W): the
+ * min(W, n_cand) landmark-best candidates of each (sequence, KV head) in increasing order. Nothing
+ * is published and no chunk cache changes (skv_cuda_rescore_step's last kernel does that).
+ */
+cudaError_t skv_cuda_select_candidates(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                       const skv_cuda_dws *ws, const skv_cuda_io *io, int32_t layer,
+                                       skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
+
+/*
+ * A decode step's selection with rescoring (sh->W > 0; docs/DESIGN.md 4.5.1; skv_cuda_rescore.cu),
+ * in place of skv_cuda_select_step: skv_cuda_select_candidates, the candidates' canonical keys
+ * (skv_cuda_canon_rescore_keys; wq_seq: the slots' W is prepared, seqs[b].wq) and rescore_kernel:
+ * per (sequence, KV head) the chunk masses, the mode's rule among the candidates, the selection
+ * into ws->sel_idx / sel_ids / sel_cnt (bit-identical to ref's skv_rescore_head), its publication
+ * and the chunk cache's plan as select_finish. Arguments as skv_cuda_select_step's.
+ */
+cudaError_t skv_cuda_rescore_step(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                  const skv_cuda_dws *ws, const skv_cuda_io *io, int32_t layer, int wq_seq,
+                                  skv_cuda_score_node *graph, int *launches, cudaEvent_t scored);
+
 /* ---- attention (skv_cuda_attend.cu, skv_cuda_attend_missed.cu) ---------------------------- */
 
 /*
@@ -411,6 +460,12 @@ cudaError_t skv_cuda_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const sk
    prepared per call). */
 cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                                    const int32_t *chunk_ids, skv_bf16 *k_out, const void *wq);
+/* The rescoring's keys (docs/DESIGN.md 4.5.1): k_out [B, Hk, W c, D], the canonical rebuild of the
+   first cand_cnt [B, Hk] chunks of cand_ids [B, Hk, W] (W = sh->W), as skv_cuda_canon_rebuild; wq_seq:
+   W's prepared form at seqs[b].wq (else the exact int64 kernel, unless the shape takes neither). */
+cudaError_t skv_cuda_canon_rescore_keys(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                        const int32_t *cand_ids, const int32_t *cand_cnt, skv_bf16 *k_out,
+                                        int wq_seq);
 /* Bytes of one sequence's (slot's) prepared W: W_h in the rebuild's fixed point as the int8 mma B
    fragments for every KV head, then the columns' exponents; a multiple of 256. */
 size_t skv_cuda_canon_wq_bytes(int32_t Hk, int32_t D, int32_t r);

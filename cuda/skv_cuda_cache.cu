@@ -146,7 +146,7 @@ typedef struct skv_cuda_cache {
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
     size_t dws, kp, uf, wf, lm, seqs, factor, lstats;
-    size_t wq_slot, wq; /* reproducible mode: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
+    size_t wq_slot, wq; /* reproducible mode or rescoring: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
     size_t rank;        /* rank == 0: the rank choice's scratch and the slots' ranks; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
@@ -169,7 +169,7 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
                                 c->chunk_size, lay->cand_max, skv_cuda_ws_items_of(c, lay),
                                 lay->n_dev_slots < lay->n_sparse_slots, skv_cuda_canon_tmax(c, lay),
-                                skv_cuda_shape_of(c, lay).sel_mode == SKV_SELECT_MASS);
+                                skv_cuda_shape_of(c, lay).sel_mode == SKV_SELECT_MASS, lay->W);
     z.lstats = (size_t)c->n_layers * 4 * sizeof(unsigned long long);
     z.kp = n * HkD * sizeof(skv_bf16);
     z.uf = n * r * sizeof(float);
@@ -177,10 +177,10 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *
     z.lm = skv_cuda_landmarks_scratch_bytes(N_max, c->n_kv_heads, c->head_dim);
     z.seqs = (size_t)c->n_layers * (size_t)c->batch_size * sizeof(skv_cuda_seq);
     z.factor = skv_cuda_factor_bytes(c->max_prompt_len, (int32_t)HkD, c->rank);
-    /* the reproducible mode's W in fixed point, per slot: prepared when the slot's W is written, read
-       by every decode step's rebuild (when that takes the tensor-core kernel) */
+    /* the reproducible mode's (and the rescoring's) W in fixed point, per slot: prepared when the slot's
+       W is written, read by every decode step's canonical rebuild (when that takes the tensor-core kernel) */
     const skv_cuda_shape sh = skv_cuda_shape_of(c, lay);
-    z.wq_slot = c->reproducible && skv_cuda_canon_uses_wq(&sh, 1)
+    z.wq_slot = (c->reproducible || lay->W > 0) && skv_cuda_canon_uses_wq(&sh, 1)
                     ? skv_cuda_canon_wq_bytes(c->n_kv_heads, c->head_dim, c->rank)
                     : 0;
     z.wq = (size_t)c->n_layers * (size_t)c->batch_size * z.wq_slot;
@@ -323,7 +323,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     }
     skv_cuda_dws_layout(&k->ws, dws_base, cfg->batch_size, cfg->n_q_heads, cfg->n_kv_heads, cfg->head_dim, lay->S,
                         cfg->chunk_size, lay->cand_max, skv_cuda_ws_items_of(cfg, lay), has_host,
-                        skv_cuda_canon_tmax(cfg, lay), sh->sel_mode == SKV_SELECT_MASS);
+                        skv_cuda_canon_tmax(cfg, lay), sh->sel_mode == SKV_SELECT_MASS, lay->W);
     /* the regions are carved for the most items of either kind of layer; each kind keeps its own plan */
     k->ws.it = skv_cuda_items_of(cfg, lay);
     k->wsd = k->ws;
@@ -708,7 +708,11 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
         *launches += 2;
         return SKV_OK;
     }
-    CK(skv_cuda_select_step(st, sh, seqs, &ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
+    if (sh->W > 0) /* the rescoring (docs/DESIGN.md 4.5.1): the W landmark-best candidates, then their keys */
+        CK(skv_cuda_rescore_step(st, sh, seqs, &ws, io, layer, k->h_seqs[(size_t)layer * sh->B].wq != NULL, node,
+                                 launches, repro ? k->scored_ev : NULL));
+    else
+        CK(skv_cuda_select_step(st, sh, seqs, &ws, io, 1, layer, NULL, node, launches, repro ? k->scored_ev : NULL));
     if (repro) {
         /* the resident tokens' canonical scores on the side stream once step 1 has published the
            step's tensors, beside the selection (which leaves most of the device idle) */

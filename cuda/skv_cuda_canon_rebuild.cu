@@ -7,7 +7,9 @@
  * cores, reading W's prepared form from skv_cuda_canon_wprep.cu) and canon_rebuild_scalar_kernel
  * (exact int64 sums: r > 256, or shared memory that does not fit). Also skv_cuda_canon_uses_wq
  * (which of the two a shape takes) and the test hook of the decode rebuild's split form
- * (skv_cuda_canon_test_split). Built with --fmad=false (CU_EXACT).
+ * (skv_cuda_canon_test_split), and the rescoring's keys of the candidates (skv_cuda_canon_rescore_keys,
+ * docs/DESIGN.md 4.5.1: the op-level form into the workspace, with per-head counts). Built with
+ * --fmad=false (CU_EXACT).
  *
  * The tensor-core rebuild: one block per (tile of 128 selected tokens, KV head, sequence), a warp
  * per 16 tokens: each lane loads its two U rows' pieces at once (and sends the rows' cos/sin
@@ -499,6 +501,18 @@ cudaError_t skv_cuda_canon_rebuild(cudaStream_t st, const skv_cuda_shape *sh, co
 {
     RebuildArgs a = rebuild_args(sh, seqs, chunk_ids, k_out);
     a.wq = (const signed char *)wq;
+    return launch_rebuild(st, a, sh->B);
+}
+
+cudaError_t skv_cuda_canon_rescore_keys(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
+                                        const int32_t *cand_ids, const int32_t *cand_cnt, skv_bf16 *k_out,
+                                        int wq_seq)
+{
+    skv_cuda_shape s = *sh;
+    s.S = sh->W; /* the candidates' rows: W chunks per (sequence, KV head), the first cand_cnt live */
+    RebuildArgs a = rebuild_args(&s, seqs, cand_ids, k_out);
+    a.cnt = cand_cnt;
+    a.wq_seq = wq_seq;
     return launch_rebuild(st, a, sh->B);
 }
 

@@ -164,11 +164,11 @@ skv_status skv_cuda_score_select_op(int32_t Hq, int32_t Hk, int32_t D, int32_t n
     skv_cuda_items it = {1, 0, 0, 0};
     skv_cuda_dws dws;
     memset(&dws, 0, sizeof dws);
-    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass);
+    const size_t bytes = skv_cuda_dws_layout(&dws, NULL, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass, 0);
     char *base = (char *)skv_cuda_op_alloc(&op, bytes);
     skv_cuda_seq *d = skv_cuda_op_seq(&op, &h);
     if (!base || !d) return skv_cuda_op_oom(&op, "score_select", bytes);
-    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass);
+    skv_cuda_dws_layout(&dws, base, 1, Hq, Hk, D, S, 1, n_cand, it, 0, 0, mass, 0);
     cudaError_t e = skv_cuda_dws_clear(&dws, 0);
     skv_cuda_io io = {q, NULL, NULL, NULL};
     /* the staged score path needs 16-byte aligned rows */

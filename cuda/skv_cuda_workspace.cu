@@ -21,11 +21,12 @@
  * skv_cuda_dws_clear.
  */
 size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, int32_t Hk, int32_t D, int32_t S,
-                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass)
+                           int32_t c, int32_t cand_max, skv_cuda_items it, int host, int64_t canon_tmax, int mass,
+                           int32_t W)
 {
     size_t off = 0;
     const size_t bq = (size_t)B * Hq, bk = (size_t)B * Hk;
-    const int32_t pool_cap = skv_cuda_pool_cap(cand_max, S);
+    const int32_t pool_cap = skv_cuda_pool_cap(cand_max, W > S ? W : S); /* the rescoring's first stage selects W */
 #define SKV_REGION(field, type, count)                                                                 \
     do {                                                                                               \
         if (base) ws->field = (type *)(base + off);                                                    \
@@ -58,6 +59,14 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
         SKV_REGION(canon_e, float, bq * (size_t)canon_tmax);
     if (mass) /* SKV_SELECT_MASS: the candidates' masses for the split selection's A */
         SKV_REGION(mkey, float, bk * cand_max);
+    if (W > 0) { /* the rescoring (docs/DESIGN.md 4.5.1) */
+        SKV_REGION(cand_idx, int32_t, bk * W);
+        SKV_REGION(cand_ids, int32_t, bk * W);
+        SKV_REGION(cand_cnt, int32_t, bk);
+        SKV_REGION(cand_k, skv_bf16, bk * W * (size_t)c * D);
+        SKV_REGION(cand_s, float, bq * W * (size_t)c);
+        SKV_REGION(cand_b, float, bk * W);
+    }
 #undef SKV_REGION
     if (base) {
         ws->pool_cap = pool_cap;
@@ -66,6 +75,7 @@ size_t skv_cuda_dws_layout(skv_cuda_dws *ws, char *base, int32_t B, int32_t Hq, 
         ws->canon_tmax = canon_tmax;
         if (canon_tmax <= 0) ws->canon_e = NULL;
         if (!mass) ws->mkey = NULL;
+        if (W <= 0) ws->cand_idx = ws->cand_ids = ws->cand_cnt = NULL, ws->cand_k = NULL, ws->cand_s = ws->cand_b = NULL;
         ws->lstats = NULL;
     }
     return off;
@@ -97,6 +107,7 @@ skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
     sh.sel_cap = lay->S;
     sh.sel_min = cfg->select_min_chunks;
     sh.sel_mass = cfg->select_mass;
+    sh.W = lay->W; /* the rescoring's candidates (docs/DESIGN.md 4.5.1): min(select_candidates, cand_max) */
     return sh;
 }
 
@@ -105,7 +116,7 @@ skv_cuda_shape skv_cuda_dense_shape(const skv_cuda_shape *sh)
 {
     skv_cuda_shape d = *sh;
     d.S = 0, d.O = 0, d.r = 0, d.cand_max = 1, d.vc_chunks = 0;
-    d.sel_mode = SKV_SELECT_FIXED, d.sel_cap = 0, d.sel_min = 0;
+    d.sel_mode = SKV_SELECT_FIXED, d.sel_cap = 0, d.sel_min = 0, d.W = 0;
     return d;
 }
 

@@ -100,9 +100,6 @@ static skv_status skv_cache_plan(const skv_config *cfg, int probe, skv_config *c
                     : 0;
     if (!(*ops)->cache_decode && skv_rescore_ws_bytes(lay->W, c->chunk_size, lay->S) > *ws_bytes)
         *ws_bytes = skv_rescore_ws_bytes(lay->W, c->chunk_size, lay->S);
-    if ((*ops)->cache_decode && c->select_candidates) /* TEMPORARY until the cuda rescoring lands */
-        return skv_fail(NULL, SKV_ERR_UNSUPPORTED, "select_candidates = %d: not yet available on backend %s",
-                        c->select_candidates, (*ops)->name);
     return SKV_OK;
 }
 

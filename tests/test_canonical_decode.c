@@ -12,7 +12,9 @@
  *     attention.
  *  2. cache level: caches with config.reproducible = 1 on ref, cpu (and cuda),
  *     the same prefill inputs and several decode steps: every output bit equal;
- *     also with SKV_SELECT_MASS, SKV_BUDGET_ALL and dense layers (trials 9..14).
+ *     also with SKV_SELECT_MASS, SKV_BUDGET_ALL and dense layers (trials 9..14), and
+ *     with the rescoring of config.select_candidates (trials 15..20: W = S, W > S, W past
+ *     every candidate, fixed and mass, SKV_BUDGET_ALL; host-placed values on odd trials).
  *     Prefill in this mode needs the canonical factorization; where a backend
  *     does not have it yet (SKV_ERR_UNSUPPORTED) that backend is a counted skip.
  *
@@ -540,6 +542,22 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
         const int short_n = (c.n_outlier_chunks + need + c.n_local_chunks) * c.chunk_size;
         if (c.rank > short_n) c.rank = short_n;
     }
+    /* the rescoring (docs/DESIGN.md 4.5.1; trials 15..20) through the canonical rebuild and attention:
+       select_candidates W = S, above S and past every candidate (W capped by n_cand), fixed and mass,
+       SKV_BUDGET_ALL with a W below the candidates and one past them; host-placed values on odd trials */
+    if (trial >= 15) {
+        static const int mode[6] = {0, 1, 0, 1, 0, 1}, all[6] = {0, 0, 0, 0, 1, 1};
+        const int m = trial - 15;
+        if (mode[m]) {
+            c.select_mode = SKV_SELECT_MASS;
+            c.select_mass = m == 3 ? 0.99f : 0.7f;
+            c.select_min_chunks = m == 1;
+        }
+        if (all[m]) c.budget = SKV_BUDGET_ALL;
+        const int S = c.budget == SKV_BUDGET_ALL ? 1 : c.budget / c.chunk_size;
+        const int W[6] = {S, 2 * S + 1, 3 * S, 1000, 5, 1000};
+        c.select_candidates = W[m];
+    }
     if (trial % 2) /* the smallest valid value budget: host-placed values (and the chunk cache) on cuda */
         for (c.value_device_bytes = 0; skv_config_validate(&c) != SKV_OK && c.value_device_bytes < (1 << 30);)
             c.value_device_bytes += 4096;
@@ -577,12 +595,12 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
             const size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim;
             printf("  (step %zu, layer %zu, sequence %zu, query head %zu, dim %zu) of layers %d, batch %d, Hk %d, "
                    "Hq %d, D %d, c %d, budget %d, O %d, Lc %d, rank %d, select_mode %d (p %g, floor %d), "
-                   "dense_layers %llu, values %s, n[0] %lld\n",
+                   "select_candidates %d, dense_layers %llu, values %s, n[0] %lld\n",
                    bad / qn / (size_t)c.n_layers, bad / qn % (size_t)c.n_layers, bad % qn / ((size_t)c.n_q_heads * c.head_dim),
                    bad % ((size_t)c.n_q_heads * c.head_dim) / (size_t)c.head_dim, bad % (size_t)c.head_dim, c.n_layers,
                    c.batch_size, c.n_kv_heads, c.n_q_heads, c.head_dim, c.chunk_size, c.budget, c.n_outlier_chunks,
                    c.n_local_chunks, c.rank, (int)c.select_mode, (double)c.select_mass, c.select_min_chunks,
-                   (unsigned long long)c.dense_layers, trial % 2 ? "host-placed" : "on the device", (long long)n[0]);
+                   c.select_candidates, (unsigned long long)c.dense_layers, trial % 2 ? "host-placed" : "on the device", (long long)n[0]);
         }
     }
     for (int b = 0; b < 3; b++) free(outs[b]);
@@ -633,6 +651,6 @@ int main(int argc, char **argv)
     for (int t = 0; t < 56; t++) attention_case(&r, t, Ts[t % 8], (int)skvt_rng_range(&r, 1, t % 3 ? 5 : 16), t % 7);
     attention_case(&r, 100, 70000, 5, 0);
     attention_case(&r, 101, 40000, 16, 1);
-    for (int t = 0; t < 15; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
+    for (int t = 0; t < 21; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
     return skvt_finish();
 }

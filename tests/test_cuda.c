@@ -17,6 +17,9 @@
  *  - NaN/Inf in decode inputs: skv_decode returns SKV_OK, skv_cache_sync
  *    reports SKV_ERR_NONFINITE naming the element, the step changed nothing
  *    (twin cache comparison), and the cache stays usable.
+ *  - all of that again with SKV_SELECT_MASS and the rescoring (config.select_candidates
+ *    = 24 of S = 8, docs/DESIGN.md 4.5.1): its extra kernels are captured, allocate
+ *    nothing and keep a bad step's state unchanged too.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -212,11 +215,18 @@ static int same_prefill(world *wd, skv_cache *a, skv_cache *b, const char *what)
     return ok;
 }
 
-static void test_gpu(uint64_t seed)
+/* rescore: SKV_SELECT_MASS with the rescoring of select_candidates = 24 (S = 8) */
+static void test_gpu(uint64_t seed, int rescore)
 {
     world wd;
     memset(&wd, 0, sizeof wd);
     wd.cfg = small_config();
+    if (rescore) {
+        wd.cfg.select_mode = SKV_SELECT_MASS;
+        wd.cfg.select_mass = 0.8f;
+        wd.cfg.select_candidates = 24;
+        printf("SKV_SELECT_MASS with select_candidates = 24\n");
+    }
     wd.n[0] = 1500;
     wd.n[1] = 1931;
     wd.row = (size_t)wd.cfg.n_kv_heads * wd.cfg.head_dim;
@@ -451,7 +461,8 @@ int main(void)
     if (cache) SKVT_CHECK(skv_cache_backend(cache) == SKV_BACKEND_CUDA, "auto resolved to %s with a GPU present",
                           skv_backend_name(skv_cache_backend(cache)));
     skv_cache_free(cache);
-    test_gpu(seed);
+    test_gpu(seed, 0);
+    test_gpu(seed + 1, 1);
 #else
     (void)seed;
 #endif

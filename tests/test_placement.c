@@ -18,6 +18,10 @@
  *  - skv_seq_info.values_on_device tells the placement.
  *  - All of it again with SKV_SELECT_MASS: each head's count k changes from step to step and
  *    the chunk cache sees the k selected chunks (counts equal across placements and backends).
+ *  - And with the rescoring (config.select_candidates, docs/DESIGN.md 4.5.1): the fixed count
+ *    with W = 24 candidates (S = 16), the mass rule with W past every candidate (capped by each
+ *    sequence's n_cand, ragged prompts); the selections of every step, a digest of them, must
+ *    equal ref's on every backend.
  * Seeds are printed; SKV_SEED=N replays a run.
  */
 #include <math.h>
@@ -187,11 +191,13 @@ static skv_cache *make_cache(world *wd, int64_t budget)
 }
 
 
-/* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel; mass: SKV_SELECT_MASS
-   (each head's count k varies per step: the chunk cache sees k chunks) */
-static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int mass, int64_t *hits_out,
-                             int64_t *miss_out)
+/* head_dim 64 takes the general attention kernel on cuda, 128 the fragment kernel; mode bit 0: SKV_SELECT_MASS
+   (each head's count k varies per step: the chunk cache sees k chunks), bit 1: the rescoring
+   (select_candidates); *digest_out: a digest of every step's selections and counts */
+static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int mode, int64_t *hits_out,
+                             int64_t *miss_out, uint64_t *digest_out)
 {
+    const int mass = mode & 1;
     world wd;
     memset(&wd, 0, sizeof wd);
     wd.cfg = base_config();
@@ -203,6 +209,9 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int ma
         wd.cfg.select_mass = 0.6f;
         wd.cfg.select_min_chunks = 2;
     }
+    if (mode & 2) /* W > S (24 of the fixed count's S = 16), or past every candidate (capped by n_cand) */
+        wd.cfg.select_candidates = mass ? 4096 : 24;
+    uint64_t digest = 1469598103934665603ull;
     wd.be = be;
     skvt_rng r;
     skvt_rng_seed(&r, seed);
@@ -307,6 +316,8 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int ma
                                    "%s step %d layer %d seq %d head %d: %s selects other chunks than all-device "
                                    "(%d against %d)", skv_backend_name(be), step, l, b, h, pname[p], cnt[p], cnt[0]);
                     const int32_t kk = cnt[0];
+                    for (int s = 0; s <= S; s++) /* FNV-1a over the set and the count */
+                        digest = (digest ^ (uint32_t)(s < S ? sel[0][s] : kk)) * 1099511628211ull;
                     if (!SKVT_CHECK(kk >= 1 && kk <= S && (mass || kk == S), "%s: count %d (S %d)", skv_backend_name(be),
                                     kk, S))
                         goto done;
@@ -356,6 +367,7 @@ static void test_equivalence(skv_backend be, uint64_t seed, int head_dim, int ma
         printf("%s: chunk cache %lld hits, %lld misses (all-host)\n", skv_backend_name(be),
                (long long)st[1].value_cache_hits, (long long)st[1].value_cache_misses);
         *hits_out = st[1].value_cache_hits;
+        *digest_out = digest;
         *miss_out = st[1].value_cache_misses;
     }
 done:
@@ -378,16 +390,21 @@ int main(void)
     test_split();
     const skv_backend bes[3] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     static const int dims[2] = {64, 128};
-    for (int mass = 0; mass < 2; mass++) /* the fixed count, then SKV_SELECT_MASS */
+    static const char *const mname[4] = {"", ", SKV_SELECT_MASS", ", select_candidates 24",
+                                         ", SKV_SELECT_MASS, select_candidates 4096"};
+    for (int mode = 0; mode < 4; mode++) /* the fixed count, SKV_SELECT_MASS, both with the rescoring */
         for (int di = 0; di < 2; di++) {
+            const int mass = mode & 1;
             int64_t hits[3] = {-1, -1, -1}, miss[3] = {-1, -1, -1};
-            printf("head_dim %d%s\n", dims[di], mass ? ", SKV_SELECT_MASS" : "");
+            uint64_t dig[3] = {0, 0, 0};
+            printf("head_dim %d%s\n", dims[di], mname[mode]);
             for (int i = 0; i < 3; i++) {
                 if (skv_backend_available(bes[i]) != SKV_OK) {
                     skvt_skip("cuda backend not available on this machine");
                     continue;
                 }
-                test_equivalence(bes[i], seed + (uint64_t)di + 2 * (uint64_t)mass, dims[di], mass, &hits[i], &miss[i]);
+                test_equivalence(bes[i], seed + (uint64_t)di + 2 * (uint64_t)mode, dims[di], mode, &hits[i], &miss[i],
+                                 &dig[i]);
             }
             for (int i = 1; i < 3; i++)
                 if (hits[i] >= 0)
@@ -395,6 +412,11 @@ int main(void)
                                "head_dim %d%s: %s counts %lld hits, %lld misses; ref %lld, %lld", dims[di],
                                mass ? " (mass)" : "", skv_backend_name(bes[i]), (long long)hits[i], (long long)miss[i],
                                (long long)hits[0], (long long)miss[0]);
+            for (int i = 1; i < 3; i++)
+                if (hits[i] >= 0 && hits[0] >= 0)
+                    SKVT_CHECK(dig[i] == dig[0], "head_dim %d%s: %s's selections differ from ref's (digest %016llx, ref %016llx)",
+                               dims[di], mname[mode], skv_backend_name(bes[i]), (unsigned long long)dig[i],
+                               (unsigned long long)dig[0]);
         }
     return skvt_finish();
 }
