@@ -95,11 +95,23 @@ __global__ void __launch_bounds__(kRsNT) rescore_kernel(const RescoreArgs r)
                     float acc[kRsGC];
 #pragma unroll
                     for (int u = 0; u < kRsGC; u++) acc[u] = 0.0f;
-                    for (int32_t d = 0; d < D; d++) {
-                        const float x = skv_bf16_to_f32(kr[d]);
+                    if (D % 8 == 0) { /* rows 16-byte aligned (the region is, D % 8 == 0): 8 elements a load */
+                        for (int32_t d0 = 0; d0 < D; d0 += 8) {
+                            float x[8];
+                            load_bf16<8>(kr + d0, x);
 #pragma unroll
-                        for (int u = 0; u < kRsGC; u++)
-                            if (g0 + u < G) acc[u] = SKV_FMA(qs[(g0 + u) * D + d], x, acc[u]);
+                            for (int j = 0; j < 8; j++)
+#pragma unroll
+                                for (int u = 0; u < kRsGC; u++)
+                                    if (g0 + u < G) acc[u] = SKV_FMA(qs[(g0 + u) * D + d0 + j], x[j], acc[u]);
+                        }
+                    } else {
+                        for (int32_t d = 0; d < D; d++) {
+                            const float x = skv_bf16_to_f32(kr[d]);
+#pragma unroll
+                            for (int u = 0; u < kRsGC; u++)
+                                if (g0 + u < G) acc[u] = SKV_FMA(qs[(g0 + u) * D + d], x, acc[u]);
+                        }
                     }
 #pragma unroll
                     for (int u = 0; u < kRsGC; u++)
