@@ -21,8 +21,9 @@
  *       k_post given), skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the
  *       outlier chunks; the candidates' values on a side stream), skv_cuda_factorize
  *       and skv_cuda_f32_to_bf16 on another (and skv_cuda_canon_wprep, reproducible
- *       mode; set_states runs it too)
- *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3); then
+ *       mode or the rescoring; set_states runs it too)
+ *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3; with the
+ *       rescoring, config.select_candidates, skv_cuda_rescore_step instead); then
  *       skv_cuda_fetch (host slots, side stream), skv_cuda_attend,
  *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
  *       skv_cuda_canon_decode_resident (side stream), skv_cuda_fetch,
