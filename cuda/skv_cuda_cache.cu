@@ -630,14 +630,15 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
                                       0, msg, cap);
     if (s) return s;
-    if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync */
-        CK(skv_cuda_rank_store(fs, g->reproducible, k->rank_target, k->kstage, n, HkD, g->rank, k->uf, k->wf,
+    if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync (ref's bits where the
+                             factors are: the reproducible mode and the rescoring, whose keys come from them) */
+        CK(skv_cuda_rank_store(fs, g->reproducible || g->select_candidates > 0, k->rank_target, k->kstage, n, HkD, g->rank, k->uf, k->wf,
                                k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
     } else {
         CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
         CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
     }
-    /* the reproducible mode: W's fixed point for the decode's rebuild, once here instead of every step */
+    /* the reproducible mode and the rescoring: W's fixed point for the decode's canonical rebuild, once here */
     if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
     CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
     CK(cudaEventRecord(k->fac_ev, fs));
