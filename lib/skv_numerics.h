@@ -21,7 +21,8 @@
  *    warp reduction), the score kernel's dot chains and max (skv_cuda_score.cu),
  *    the canonical sum's lanes and tree (expsum_kernel, selz_kernel,
  *    canon_tree) and the group max and top-S (select_kernel, selz_kernel), both
- *    in skv_cuda_select.cu.
+ *    in skv_cuda_select.cu; the rescoring's chunk masses (skv_rescore_masses) and
+ *    its rule (rescore_kernel, skv_cuda_rescore.cu).
  * (cpu's attention exp, skv_cpu_exp8, follows skv_expf's method but is not on
  * the decision path: it is held to tolerances, not to these bits.)
  * The reproducible mode's rules (docs/DESIGN.md 10.2, 10.3) are here too:
