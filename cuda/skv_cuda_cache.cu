@@ -147,7 +147,8 @@ typedef struct skv_cuda_cache {
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
     size_t dws, kp, uf, wf, lm, seqs, factor, lstats;
-    size_t wq_slot, wq; /* reproducible mode or rescoring: one slot's prepared W (skv_cuda_seq.wq), all L B slots'; else 0 */
+    size_t wq_slot, wq; /* reproducible mode or the rescoring: one slot's prepared W (skv_cuda_seq.wq), all L B
+                           slots'; else 0 */
     size_t rank;        /* rank == 0: the rank choice's scratch and the slots' ranks; else 0 */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
 
@@ -632,8 +633,8 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     if (s) return s;
     if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync (ref's bits where the
                              factors are: the reproducible mode and the rescoring, whose keys come from them) */
-        CK(skv_cuda_rank_store(fs, g->reproducible || g->select_candidates > 0, k->rank_target, k->kstage, n, HkD, g->rank, k->uf, k->wf,
-                               k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
+        CK(skv_cuda_rank_store(fs, g->reproducible || g->select_candidates > 0, k->rank_target, k->kstage, n, HkD,
+                               g->rank, k->uf, k->wf, k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
     } else {
         CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
         CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));

@@ -11,9 +11,9 @@
  * skv_cuda_ops.cu) and from every decode step of the cache (skv_cuda_enqueue_step,
  * skv_cuda_cache.cu; with the rescoring, skv_cuda_select_candidates is its first stage, reached
  * through skv_cuda_rescore_step). select_finish, the mass rule's count and the shared state are in
- * skv_cuda_select.cuh (the rescoring's kernel uses them too). On the decision path: built with --fmad=false; the canonical sum
- * runs skv_canonical_sum's lanes and tree, the top-S is the exact block top-k of
- * skv_cuda_topk.cuh.
+ * skv_cuda_select.cuh (the rescoring's kernel uses them too). On the decision path: built with
+ * --fmad=false; the canonical sum runs skv_canonical_sum's lanes and tree, the top-S is the exact
+ * block top-k of skv_cuda_topk.cuh.
  *
  * Launchers only enqueue work; they never allocate or synchronize.
  */
