@@ -634,7 +634,8 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync (ref's bits where the
                              factors are: the reproducible mode and the rescoring, whose keys come from them) */
         CK(skv_cuda_rank_store(fs, g->reproducible || g->select_candidates > 0, k->rank_target, k->kstage, n, HkD,
-                               g->rank, k->uf, k->wf, k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u), (skv_bf16 *)(sd + lay->w)));
+                               g->rank, k->uf, k->wf, k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u),
+                               (skv_bf16 *)(sd + lay->w)));
     } else {
         CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
         CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
