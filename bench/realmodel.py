@@ -802,12 +802,15 @@ def scaled_defaults(n_ctx, model=None, **kw):
 
 def settings_table(names, n_ctx, model=None):
     """[(name, mode, fields)] for the setting names:
-      default            the model-scaled defaults (fixed budget)
-      default-mass       the scaled defaults in select_mode "mass" (its p, floor and cap)
+      default            the model-scaled defaults as scaled_config gives them (since 0.4 with the
+                         rescoring, select_candidates; docs/DESIGN.md 4.5.1)
+      default-fixed      the scaled defaults without the rescoring (rescore=False): the fixed budget
+      default-mass       the scaled defaults in select_mode "mass" (its p, floor and cap), no rescoring
       default-rank0      the scaled defaults with rank 0 (chosen per layer by the error target)
-      default-rescore    the scaled defaults with rescore=True (select_candidates; docs/DESIGN.md 4.5.1);
+      default-rescore    the scaled defaults with rescore=True (the same as default since 0.4);
                          default-mass-rescore: the same in select_mode "mass"
-      fixed-<tokens>     the scaled defaults with a fixed budget of <tokens>
+      fixed-<tokens>     the scaled defaults without the rescoring, with a fixed budget of <tokens>
+                         (the other settings below start from these too)
       mass-<p>           select_mode "mass" with target p, floor 1 chunk, no cap (budget "all")
       rank-<r>           the scaled defaults with rank r; rank0-<e>: rank 0 with rank_error_target e
       rescore-<W>-<S>    a fixed budget of S tokens chosen among the W landmark-best candidate tokens by
@@ -824,14 +827,20 @@ def settings_table(names, n_ctx, model=None):
         m = re.match(r"dense(\d+)-(.*)", nm)
         if m:
             dense, nm = int(m.group(1)), m.group(2)
-        src, base = scaled_defaults(n_ctx, model)
+        # the other settings start from the scaled defaults without the rescoring (rescore=False)
+        src, base = scaled_defaults(n_ctx, model, rescore=False)
+        if base is None:  # a package before the rescoring
+            src, base = scaled_defaults(n_ctx, model)
         base = dict(base)
         base.setdefault("select_mode", "fixed")
         mode = "fixed"
-        if nm == "default":
+        if nm == "default":  # the scaled defaults as they are (the rescoring since 0.4)
+            src, base = scaled_defaults(n_ctx, model)
+            mode = "rescore" if base.get("select_candidates") else "fixed"
+        elif nm == "default-fixed":  # the scaled defaults before the rescoring: the fixed budget alone
             pass
         elif nm == "default-mass":
-            src, f = scaled_defaults(n_ctx, model, select_mode="mass")
+            src, f = scaled_defaults(n_ctx, model, select_mode="mass", rescore=False)
             base = f if f else dict(base, select_mode="mass", select_mass=0.95, select_min_chunks=1)
             mode = "mass"
         elif nm in ("default-rescore", "default-mass-rescore"):
@@ -841,7 +850,7 @@ def settings_table(names, n_ctx, model=None):
                 raise SystemExit(f"setting {name!r}: needs shadowkv.hf.scaled_config with rescore")
             base, mode = f, "rescore"
         elif nm == "default-rank0":
-            src, f = scaled_defaults(n_ctx, model, adaptive_rank=True)
+            src, f = scaled_defaults(n_ctx, model, adaptive_rank=True, rescore=False)
             base = f if f else dict(base, rank=0, rank_max=144, rank_error_target=0.1)
         elif nm.startswith("fixed-"):
             base.update(budget=int(nm[6:]), select_mode="fixed")

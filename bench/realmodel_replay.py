@@ -118,7 +118,9 @@ def scaled_fields(meta):
 def settings(meta):
     base = scaled_fields(meta)
     base.pop("select_mode", None)
+    fixed = {k: v for k, v in base.items() if k != "select_candidates"}
     out = [("default", dict(base)),
+           ("default-fixed", fixed),
            ("mass", dict(base, select_mode="mass", select_mass=0.95,
                          select_min_chunks=max(1, base["budget"] // base["chunk_size"] // 4),
                          budget=base["budget"] * 4)),

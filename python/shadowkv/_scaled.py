@@ -50,7 +50,7 @@ def _round_up(x: float, m: int) -> int:
 
 def scaled_config(n_kv_heads: int, head_dim: int, context_len: int, n_layers: Optional[int] = None,
                   select_mode: str = "fixed", adaptive_rank: bool = False, n_dense_layers: int = 0,
-                  rescore: bool = False) -> dict:
+                  rescore: bool = True) -> dict:
     """The sparse config fields scaled to a model's keys (Hk = n_kv_heads heads of head_dim) and a
     context of context_len tokens (the prompt length the cache will serve; shorter prompts work
     down to shadowkv.min_prompt_len of the result):
@@ -58,8 +58,9 @@ def scaled_config(n_kv_heads: int, head_dim: int, context_len: int, n_layers: Op
         chunk_size, rank, budget, n_outlier_chunks, n_local_chunks, select_mode (and, for "mass",
         select_mass and select_min_chunks; for adaptive_rank, rank 0 with rank_max and
         rank_error_target; for n_dense_layers > 0, dense_layers: the first n_dense_layers layers,
-        which needs n_layers; for rescore, select_candidates: the selection ranks that many
-        landmark-best candidates by their rebuilt keys, docs/DESIGN.md 4.5.1).
+        which needs n_layers; select_candidates unless rescore=False: the selection ranks that
+        many landmark-best candidates by their rebuilt keys, docs/DESIGN.md 4.5.1; on SmolLM2 it
+        halves the KL of the same budget and keeps the multi-key answers of dense attention).
 
     Pass the result to shadowkv.config(**fields) or ShadowKVCache(model, **fields); override any
     field by setting it after. The rule (docs/DESIGN.md section 2.1) gives upstream's rank 160,

@@ -215,7 +215,7 @@ def check_model(model_or_config, context_len: Optional[int] = None, allow_model_
 
 
 def scaled_config(model, context_len: int, select_mode: str = "fixed", adaptive_rank: bool = False,
-                  n_dense_layers: int = 0, rescore: bool = False) -> dict:
+                  n_dense_layers: int = 0, rescore: bool = True) -> dict:
     """shadowkv.scaled_config for a transformers model (or its config): the sparse fields (rank, budget,
     n_outlier_chunks, n_local_chunks, chunk_size, select_mode, ...) scaled to its KV heads and head dim
     and a context of context_len tokens. ShadowKVCache(model, **scaled_config(model, 4096))."""

@@ -184,6 +184,12 @@ def test_scaled_config_rule():
             assert shadowkv.min_prompt_len(c) <= n, (Hk, D, n, mode, f)
             if mode == "fixed" or LIB_03:
                 shadowkv.validate(c)
+    # the rescoring by default (4 S candidates), off on request
+    f = shadowkv.scaled_config(3, 64, 4096)
+    assert f["select_candidates"] == 4 * f["budget"] // f["chunk_size"]
+    assert "select_candidates" not in shadowkv.scaled_config(3, 64, 4096, rescore=False)
+    f = shadowkv.scaled_config(3, 64, 4096, select_mode="mass")
+    assert f["budget"] == f["select_candidates"] * f["chunk_size"] and abs(f["select_mass"] - 0.9) < 1e-9
     # the budget grows with the context, the rank with the keys' width
     assert shadowkv.scaled_config(3, 64, 8192)["budget"] > shadowkv.scaled_config(3, 64, 2048)["budget"]
     assert shadowkv.scaled_config(8, 128, 4096)["rank"] > shadowkv.scaled_config(3, 64, 4096)["rank"]

@@ -127,7 +127,8 @@ def test_rescoring_lowers_kl_at_equal_tokens(smollm2, runner):
         t = int(lg.argmax())
         toks.append(t)
     out = {}
-    fixed = default_fields(model, n - 1)
+    fixed, why = rm.resolve_fields(rm.settings_table(["default-fixed"], n - 1, model)[0][2], n - 1)
+    assert fixed is not None and "select_candidates" not in fixed, why
     for setting, f in (("fixed", fixed), ("rescored", dict(fixed, select_candidates=4 * fixed["budget"] // 8))):
         got, _ = runner.run_tokens(ids[-1], toks[:-1], "skv", f, backend="cpu", metrics=True)
         per = runner.metrics_summary()
@@ -145,7 +146,7 @@ def repro_settings(model, n):
     """The scaled defaults, and the mass mode where the library has it (a dense first layer: the replay
     test below)."""
     out = [("default", default_fields(model, n, reproducible=1))]
-    for name in ("default-mass", "default-rescore"):
+    for name in ("default-fixed", "default-mass"):
         f, why = rm.resolve_fields(rm.settings_table([name], n, model)[0][2], n)
         if f is not None:
             out.append((name, dict(f, reproducible=1)))
