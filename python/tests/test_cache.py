@@ -382,3 +382,34 @@ def test_numpy_bf16_results_without_ml_dtypes(backend, rng, monkeypatch):
     with pytest.raises(TypeError, match=r"out: dtype float32, expected bfloat16 \(an ml_dtypes.bfloat16 array, "
                                         r"uint16 bf16 bits\)"):
         ops.rope(wl.k_pre[0, 0], 0, wl.cos, wl.sin, cfg.rope, backend=backend, out=wl.k_pre[0, 0].copy())
+
+
+def test_rescoring_finds_a_needle_the_landmarks_miss(backend, arr, rng):
+    """select_candidates (docs/DESIGN.md 4.5.1): a chunk whose one token matches the query while its other
+    tokens cancel it has a landmark (the keys' mean) near 0 and loses the landmark ranking; ranked by its
+    rebuilt keys' attention mass it wins. The rest of the prompt: random keys, positive landmark scores."""
+    D, c, N = 32, 4, 48
+    n = N * c
+    cfg = dict(n_layers=1, n_q_heads=1, n_kv_heads=1, head_dim=D, rank=D, chunk_size=c, budget=c,
+               n_outlier_chunks=0, n_local_chunks=1, batch_size=1, max_prompt_len=n, gen_capacity=2,
+               backend=backend, rope=dict(theta=10000.0))
+    cos, sin = ops.rope_tables(shadowkv.config(**cfg).rope, D, n + 2, arrays="numpy")
+    u = rng.standard_normal(D).astype(np.float32)
+    u /= np.linalg.norm(u)
+    k_pre = (0.3 * rng.standard_normal((n, 1, D))).astype(np.float32) + 0.5 * u   # every chunk leans to u
+    needle_chunk, t = 17, 2
+    k_pre[needle_chunk * c:(needle_chunk + 1) * c, 0] = -2.0 * u                      # the chunk cancels u ...
+    k_pre[needle_chunk * c + t, 0] = 6.0 * u                                          # ... but for one token
+    k_pre = round_bf16(k_pre)
+    k_post = to_np(ops.rope(k_pre, 0, cos, sin, shadowkv.config(**cfg).rope, backend="ref"))
+    q = round_bf16(8.0 * k_post[needle_chunk * c + t, 0] / np.linalg.norm(k_post[needle_chunk * c + t, 0]))
+    v = round_bf16(rng.standard_normal((n, 1, D)).astype(np.float32))
+    got = {}
+    for w in (0, N - 1):
+        cache = shadowkv.Cache(shadowkv.config(**dict(cfg, select_candidates=w)))
+        cache.prefill(0, 0, arr.bf16(k_pre), arr.bf16(v))
+        kn = round_bf16(0.1 * rng.standard_normal((1, 1, D)).astype(np.float32))
+        cache.decode(0, arr.bf16(q.reshape(1, 1, D)), arr.bf16(kn), arr.bf16(kn))
+        got[w] = int(to_np(cache.selected(0, 0, 0))[0])
+    assert got[0] != needle_chunk, "the landmark ranking found the needle: the test no longer tests the rescoring"
+    assert got[N - 1] == needle_chunk, f"rescored: chunk {got[N - 1]}, the needle is in chunk {needle_chunk}"
