@@ -638,9 +638,11 @@ static void rescore_span_case(skvt_rng *r, int trial, uint64_t seed)
     skv_config cfg[2] = {c, c}; /* SKV_BUDGET_ALL, budget W c */
     cfg[0].budget = SKV_BUDGET_ALL;
     cfg[1].budget = W * c.chunk_size;
-    for (int i = 0; i < 2 && trial >= 2; i++)
-        for (cfg[i].value_device_bytes = 0; skv_config_validate(&cfg[i]) != SKV_OK && cfg[i].value_device_bytes < (1 << 30);)
-            cfg[i].value_device_bytes += 4096;
+    for (int i = 0; i < 2 && trial >= 2; i++) {
+        skv_config *ci = &cfg[i];
+        for (ci->value_device_bytes = 0; skv_config_validate(ci) != SKV_OK && ci->value_device_bytes < (1 << 30);)
+            ci->value_device_bytes += 4096;
+    }
     int64_t n[2];
     for (int b = 0; b < 2; b++) n[b] = skvt_rng_range(r, c.max_prompt_len / 2, c.max_prompt_len); /* >= 32 candidates */
     const int steps = 4;
