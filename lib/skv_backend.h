@@ -282,7 +282,7 @@ struct skv_backend_ops {
     /* head_tokens: NULL, or [n_spans][n_kv_heads]: span s has head_tokens[s*n_kv_heads + h]
        tokens for KV head h (<= spans[s].n_tokens), in place of spans[s].n_tokens. The
        attention of each head is then exactly the attention over its own spans (per-head
-       selected spans of SKV_SELECT_MASS / SKV_BUDGET_ALL; section 4.7). */
+       selected spans of SKV_SELECT_MASS and of the rescoring; section 4.7). */
     skv_status (*sparse_attention)(int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                    float scale, const skv_bf16 *q, int32_t n_spans,
                                    const skv_kv_span *spans, const int64_t *head_tokens, float *out,

@@ -583,8 +583,9 @@ static void skv_step_spans(skv_cache *c, int32_t layer, int32_t b, const skv_bf1
         spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
     }
     *ht = NULL;
-    if (dense || g->select_mode != SKV_SELECT_MASS) return;
-    /* the mass mode: head h's selected span has cnt[h] chunks */
+    if (dense || (g->select_mode != SKV_SELECT_MASS && !c->lay.W)) return;
+    /* the mass mode, or the rescoring (whose count is at most W < cap in either mode, 4.5.1): head h's
+       selected span has cnt[h] chunks (the rows past them hold nothing of this step) */
     for (int i = 0; i < SKV_N_SPANS; i++)
         for (int32_t h = 0; h < Hk; h++)
             c->head_tokens[(size_t)i * Hk + h] = i == SKV_SPAN_SELECTED ? (int64_t)cnt[h] * cs : spans[i].n_tokens;

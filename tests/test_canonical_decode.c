@@ -17,6 +17,10 @@
  *     every candidate, fixed and mass, SKV_BUDGET_ALL; host-placed values on odd trials).
  *     Prefill in this mode needs the canonical factorization; where a backend
  *     does not have it yet (SKV_ERR_UNSUPPORTED) that backend is a counted skip.
+ *  3. the selected span's length with the rescoring, in both modes, on every backend:
+ *     SKV_BUDGET_ALL with select_candidates W below the candidates against budget W c with
+ *     the same W (the same W chunks per head): outputs bitwise equal (reproducible mode),
+ *     within 1e-5 relative (default mode).
  *
  * Seeds: skvt_base_seed (SKV_SEED=N replays). Last line: "N passed, N failed[, N skipped]".
  *
@@ -606,6 +610,74 @@ static void cache_case(skvt_rng *r, int trial, uint64_t seed)
     for (int b = 0; b < 3; b++) free(outs[b]);
 }
 
+/*
+ * The selected span's length with the rescoring (docs/DESIGN.md 4.5.1, 4.7), in both modes: a
+ * fixed-mode cache with SKV_BUDGET_ALL and select_candidates W below its candidates selects k = W
+ * chunks per head (cap min(S, n_cand, W) = W), the same W chunks as budget = W c with the same W,
+ * so both attend the same tokens: outputs bitwise equal in the reproducible mode, within float
+ * rounding (1e-5 relative: cuda's default attention splits the work by S) in the default mode. A
+ * decode that attends cap = min(S, n_cand) chunks under SKV_BUDGET_ALL (rows past the head's k)
+ * differs by far more. Host-placed values (cuda's chunk cache) on trials 2 and 3.
+ */
+static void rescore_span_case(skvt_rng *r, int trial, uint64_t seed)
+{
+    skv_config c = skv_config_default();
+    c.reproducible = trial % 2 == 0;
+    c.n_layers = 2, c.batch_size = 2;
+    c.n_kv_heads = (int)skvt_rng_range(r, 1, 2);
+    c.n_q_heads = c.n_kv_heads * (int)skvt_rng_range(r, 1, 4);
+    c.head_dim = trial < 2 ? 64 : 128;
+    c.chunk_size = (int)skvt_rng_range(r, 2, 8);
+    c.n_outlier_chunks = (int)skvt_rng_range(r, 0, 3);
+    c.n_local_chunks = (int)skvt_rng_range(r, 0, 2);
+    c.max_prompt_len = 64 * c.chunk_size;
+    c.gen_capacity = 8;
+    c.rank = (int)skvt_rng_range(r, 4, 48);
+    const int W = (int)skvt_rng_range(r, 2, 4);
+    c.select_candidates = W;
+    skv_config cfg[2] = {c, c}; /* SKV_BUDGET_ALL, budget W c */
+    cfg[0].budget = SKV_BUDGET_ALL;
+    cfg[1].budget = W * c.chunk_size;
+    for (int i = 0; i < 2 && trial >= 2; i++) {
+        skv_config *ci = &cfg[i];
+        for (ci->value_device_bytes = 0; skv_config_validate(ci) != SKV_OK && ci->value_device_bytes < (1 << 30);)
+            ci->value_device_bytes += 4096;
+    }
+    int64_t n[2];
+    for (int b = 0; b < 2; b++) n[b] = skvt_rng_range(r, c.max_prompt_len / 2, c.max_prompt_len); /* >= 32 candidates */
+    const int steps = 4;
+    const size_t qn = (size_t)c.batch_size * c.n_q_heads * c.head_dim, per = (size_t)steps * c.n_layers * qn;
+    float *outs[2] = {malloc(per * 4), malloc(per * 4)};
+    for (int be = 0; be < 3; be++) {
+        if (be == 2 && !have_cuda) {
+            skvt_skip("cuda not available (rescored spans)");
+            continue;
+        }
+        int res[2];
+        for (int i = 0; i < 2; i++) res[i] = run_cache(cfg[i], backends[be], seed, steps, n, outs[i]);
+        if (res[0] != 1 || res[1] != 1) continue;
+        size_t bad = per;
+        double worst = 0.0;
+        for (size_t i = 0; i < per && bad == per; i++) {
+            const double x = outs[0][i], y = outs[1][i], d = fabs(x - y);
+            if (c.reproducible ? memcmp(&outs[0][i], &outs[1][i], 4) != 0 : !(d <= 1e-5 * fmax(1.0, fabs(y))))
+                bad = i;
+            worst = fmax(worst, d);
+        }
+        if (!SKVT_CHECK(bad == per,
+                        "rescored spans trial %d on %s (%s mode): output %zu = %.9g with SKV_BUDGET_ALL, %.9g with "
+                        "budget W c (W %d: both select W chunks per head)",
+                        trial, be_names[be], c.reproducible ? "reproducible" : "default", bad,
+                        bad < per ? outs[0][bad] : 0.0, bad < per ? outs[1][bad] : 0.0, W))
+            printf("  (step %zu, layer %zu) of Hk %d, Hq %d, D %d, c %d, O %d, Lc %d, rank %d, n %lld %lld\n",
+                   bad / qn / (size_t)c.n_layers, bad / qn % (size_t)c.n_layers, c.n_kv_heads, c.n_q_heads, c.head_dim,
+                   c.chunk_size, c.n_outlier_chunks, c.n_local_chunks, c.rank, (long long)n[0], (long long)n[1]);
+        else if (getenv("SKV_VERBOSE"))
+            printf("rescored spans trial %d on %s: largest difference %.3g\n", trial, be_names[be], worst);
+    }
+    free(outs[0]), free(outs[1]);
+}
+
 /* The plugin's test hook (cuda/skv_cuda_plugin.c): defined here when the plugin's archive is linked in. */
 extern void skv_cuda_test_rebuild_split(int split) __attribute__((weak));
 
@@ -652,5 +724,6 @@ int main(int argc, char **argv)
     attention_case(&r, 100, 70000, 5, 0);
     attention_case(&r, 101, 40000, 16, 1);
     for (int t = 0; t < 21; t++) cache_case(&r, t, base + 1000 + (uint64_t)t);
+    for (int t = 0; t < 4; t++) rescore_span_case(&r, t, base + 2000 + (uint64_t)t);
     return skvt_finish();
 }
