@@ -818,6 +818,7 @@ def settings_table(names, n_ctx, model=None):
                          mass rule with target p among them
       all                every chunk (budget "all")
       dense<k>-<setting> <setting> with its first k layers dense (dense_layers)
+      <setting>-r<rank>  <setting> at another rank (fixed-512-r160)
     Rows of a setting the library or package in use cannot express are skipped with a message."""
     import re
     out = []
@@ -827,6 +828,10 @@ def settings_table(names, n_ctx, model=None):
         m = re.match(r"dense(\d+)-(.*)", nm)
         if m:
             dense, nm = int(m.group(1)), m.group(2)
+        rank_override = None
+        m = re.fullmatch(r"(.*)-r(\d+)", nm)
+        if m and not nm.startswith("rank"):
+            nm, rank_override = m.group(1), int(m.group(2))
         # the other settings start from the scaled defaults without the rescoring (rescore=False)
         src, base = scaled_defaults(n_ctx, model, rescore=False)
         if base is None:  # a package before the rescoring
@@ -878,6 +883,8 @@ def settings_table(names, n_ctx, model=None):
             raise SystemExit(f"setting {name!r}: see settings_table for the names")
         if dense:
             base["dense_layers"] = (1 << dense) - 1
+        if rank_override:
+            base["rank"] = rank_override
         out.append((name, mode, base))
     return out
 
@@ -1267,6 +1274,12 @@ def _report_logits(lg, title):
             out.append(f"| {r['mode']} | {r['setting']} | {r.get('budget', '')} | {r.get('attended_share', 1):.3f} | "
                        f"{r['kl_mean']:.4f} | {r.get('kl_max', 0):.3f} | {r['top1']:.3f} | {mm} | {oe} |")
         fixed = [r for r in rows if re.fullmatch(r"(emu-)?fixed-\d+", r["setting"])]
+        # settings at another rank (<setting>-r<rank>) are compared with the fixed budgets at that rank
+        by_rank = {}
+        for r in rows:
+            m = re.fullmatch(r"fixed-\d+-r(\d+)", r["setting"])
+            if m:
+                by_rank.setdefault(m.group(1), []).append(r)
         for fam, pref in (("mass", "mass-"), ("dense1 mass", "dense1-mass-"), ("dense1 fixed", "dense1-fixed-"),
                           ("default mass", "default-mass"), ("rescored (4.5.1)", "rescore-"),
                           ("dense1 rescored", "dense1-rescore-"), ("default rescored", "default-rescore"),
@@ -1275,10 +1288,13 @@ def _report_logits(lg, title):
             cand = [r for r in rows if r["setting"].startswith(pref) and "only" not in r["setting"]]
             if not cand or len(fixed) < 2:
                 continue
-            out.append(f"\n{fam} against fixed budgets at equal attended share ({n} tokens):\n")
+            out.append(f"\n{fam} against fixed budgets at equal attended share ({n} tokens; a setting at another "
+                       "rank against the fixed budgets at that rank):\n")
             out.append("| setting | share | KL | fixed KL at that share | ratio |\n|---|---|---|---|---|")
             for r in sorted(cand, key=lambda r: r["attended_share"]):
-                f = interp([x["attended_share"] for x in fixed], [x["kl_mean"] for x in fixed], r["attended_share"])
+                m = re.fullmatch(r".*-r(\d+)", r["setting"])
+                ref = by_rank.get(m.group(1), []) if m else fixed
+                f = interp([x["attended_share"] for x in ref], [x["kl_mean"] for x in ref], r["attended_share"])
                 ratio = f"{f / r['kl_mean']:.2f}x" if f and r["kl_mean"] > 0 else ""
                 out.append(f"| {r['setting']} | {r['attended_share']:.3f} | {r['kl_mean']:.4f} | "
                            f"{'' if f is None else f'{f:.4f}'} | {ratio} |")
