@@ -480,7 +480,6 @@ static size_t to_version1(unsigned char *s, size_t size, const skv_config *g)
     return at;
 }
 
-/* A version 1 snapshot loads (0.3 fields at their defaults) and decodes as the original. */
 /* A version 2 snapshot from a version 3 one: version 2 in the preamble, the CONF payload's
    first 124 bytes (no select_candidates), the rest unchanged; the END size and checksums
    recomputed. Returns its size (s is rewritten in place). */
@@ -499,68 +498,41 @@ static size_t to_version2(unsigned char *s, size_t size)
     return size;
 }
 
-/* A version 2 snapshot of a cache with the 0.3 fields loads (select_candidates 0) and decodes as
-   the original, bitwise. */
-static void test_version2(uint64_t seed)
+/*
+ * A snapshot of an older format version, converted from the current one, loads and decodes as the
+ * original, bitwise: version 1 (a cache with only version 1's features: the 0.3 fields load at their
+ * defaults) and version 2 (the 0.3 fields, the mass rule and a dense layer; select_candidates 0).
+ */
+static void test_older_version(unsigned version, uint64_t seed)
 {
     skv_config c = base_config();
-    c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.8f, c.select_min_chunks = 2, c.dense_layers = 1;
+    if (version == 2) c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.8f, c.select_min_chunks = 2, c.dense_layers = 1;
     world w;
     world_init(&w, &c, seed);
     skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
     unsigned char *snap = NULL;
     size_t size = 0;
+    char lbl[64];
+    snprintf(lbl, sizeof lbl, "version %u", version);
     if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
-    const size_t v2 = to_version2(snap, size);
-    SKVT_CHECK(v2 == size - 4, "version 2 snapshot: %zu bytes, want %zu", v2, size - 4);
+    const size_t old = version == 1 ? to_version1(snap, size, &c) : to_version2(snap, size);
+    SKVT_CHECK(old < size, "%s snapshot (%zu bytes) not smaller than version 3's (%zu)", lbl, old, size);
     skv_config q = skv_config_default();
-    skv_status st = skv_snapshot_config_buffer(snap, v2, &q, NULL, NULL);
-    SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of a version 2 snapshot");
-    SKVT_CHECK(st || (q.select_mode == SKV_SELECT_MASS && q.select_mass == 0.8f && q.dense_layers == 1 &&
-                      q.select_candidates == 0),
-               "version 2: the 0.3 fields or the 0.4 default differ");
-    q.backend = SKV_BACKEND_CPU;
-    st = skv_cache_load_buffer(snap, v2, &q, &b);
-    if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of a version 2 snapshot")) {
-        printf("  %s\n", skv_last_error());
-        goto done;
-    }
-    compare_state(a, b, &c, "version 2");
-    compare_decode(a, b, &c, 2, 4, 0.0, "version 2 (cpu -> cpu)");
-    printf("  version 2 snapshot: %zu bytes loads\n", v2);
-done:
-    free(snap);
-    skv_cache_free(a);
-    skv_cache_free(b);
-    world_free(&w);
-}
-
-static void test_version1(uint64_t seed)
-{
-    const skv_config c = base_config();
-    world w;
-    world_init(&w, &c, seed);
-    skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
-    unsigned char *snap = NULL;
-    size_t size = 0;
-    if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
-    const size_t v1 = to_version1(snap, size, &c);
-    SKVT_CHECK(v1 < size, "version 1 snapshot (%zu bytes) not smaller than version 3's (%zu)", v1, size);
-    skv_config q = skv_config_default();
-    skv_status st = skv_snapshot_config_buffer(snap, v1, &q, NULL, NULL);
-    SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of a version 1 snapshot");
-    SKVT_CHECK(st || (q.select_mode == SKV_SELECT_FIXED && q.select_mass == 0.95f && q.dense_layers == 0 &&
-                      q.rank_max == 0 && q.rank == c.rank),
-               "version 1: the 0.3 fields are not the defaults");
+    skv_status st = skv_snapshot_config_buffer(snap, old, &q, NULL, NULL);
+    SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of an older snapshot");
+    const int fields_ok = version == 1 ? q.select_mode == SKV_SELECT_FIXED && q.select_mass == 0.95f &&
+                                             q.dense_layers == 0 && q.rank_max == 0 && q.rank == c.rank
+                                       : q.select_mode == SKV_SELECT_MASS && q.select_mass == 0.8f && q.dense_layers == 1;
+    SKVT_CHECK(st || (fields_ok && q.select_candidates == 0), "%s: the fields it lacks are not the defaults", lbl);
     q.backend = SKV_BACKEND_CPU; /* the saving cache's backend: outputs bitwise equal by the default mode's rules */
-    st = skv_cache_load_buffer(snap, v1, &q, &b);
-    if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of a version 1 snapshot")) {
-        printf("  %s\n", skv_last_error());
+    st = skv_cache_load_buffer(snap, old, &q, &b);
+    if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of an older snapshot")) {
+        printf("  %s: %s\n", lbl, skv_last_error());
         goto done;
     }
-    compare_state(a, b, &c, "version 1");
-    compare_decode(a, b, &c, 2, 4, 0.0, "version 1 (cpu -> cpu)");
-    printf("  version 1 snapshot: %zu bytes (version 3: %zu) loads\n", v1, size);
+    compare_state(a, b, &c, lbl);
+    compare_decode(a, b, &c, 2, 4, 0.0, lbl);
+    printf("  %s snapshot: %zu bytes (version 3: %zu) loads\n", lbl, old, size);
 done:
     free(snap);
     skv_cache_free(a);
@@ -1086,8 +1058,8 @@ int main(void)
     rs.select_min_chunks = 1;
     roundtrip(&rs, C, R, 0, 3, 0, 1, 1e-5, g_seed + 64);
     roundtrip(&rs, C, G, 1, 2, 0, 1, xb, g_seed + 65);
-    test_version1(g_seed + 57);
-    test_version2(g_seed + 58);
+    test_older_version(1, g_seed + 57);
+    test_older_version(2, g_seed + 58);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
     test_snapshot_config(g_seed + 40);
