@@ -13,8 +13,8 @@
  * Asserts: the status is defined with a message; a failure is SKV_ERR_FORMAT,
  * SKV_ERR_INVALID_CONFIG (an explicit cfg that does not match), SKV_ERR_SIZE_OVERFLOW,
  * SKV_ERR_OUT_OF_MEMORY or SKV_ERR_UNSUPPORTED (create's refusal), and leaves *out NULL; a config that does not validate is never
- * loaded; a success gives a usable cache: it saves back to exactly the loaded bytes (a version 1
- * input: to a version 2 snapshot that loads and saves back to itself), every
+ * loaded; a success gives a usable cache: it saves back to exactly the loaded bytes (an older
+ * version's input: to a current-version snapshot that loads and saves back to itself), every
  * introspection call answers, and, when every slot is prefilled and the next step has
  * room, one decode step of the layer that is behind succeeds. Configs needing more than
  * 64 MB are not loaded (the loader would rightly create them).
@@ -98,10 +98,15 @@ static skv_config conf_of(const uint8_t *s, size_t size, skv_backend be)
     c.rank_max = (int32_t)rd32(p + 108);
     u = rd32(p + 112), memcpy(&c.rank_error_target, &u, 4);
     c.dense_layers = rd64(p + 116);
+    if (rd32(s + 8) < 3 || size < 32 + 128) return c; /* version 2: select_candidates keeps its default */
+    c.select_candidates = (int32_t)rd32(p + 124);
     return c;
 }
 
 /* Whether two configs hold the same model fields (floats bit for bit). */
+/* The format version a save writes (docs/DESIGN.md 11.1); older inputs are re-saved in it. */
+#define SNAP_FORMAT_CURRENT 3u
+
 static int same_model(const skv_config *a, const skv_config *b)
 {
     return a->n_layers == b->n_layers && a->n_q_heads == b->n_q_heads && a->n_kv_heads == b->n_kv_heads &&
@@ -113,24 +118,26 @@ static int same_model(const skv_config *a, const skv_config *b)
            a->factorize == b->factorize && a->reproducible == b->reproducible && a->select_mode == b->select_mode &&
            memcmp(&a->select_mass, &b->select_mass, 4) == 0 && a->select_min_chunks == b->select_min_chunks &&
            a->rank_max == b->rank_max && memcmp(&a->rank_error_target, &b->rank_error_target, 4) == 0 &&
-           a->dense_layers == b->dense_layers;
+           a->dense_layers == b->dense_layers && a->select_candidates == b->select_candidates;
 }
 
-/* A loaded cache is usable: it saves back to the loaded bytes (a version 1 input: to a version 2
-   snapshot that loads and saves back to itself), introspection answers, and the next decode step
-   runs where the cache allows one. */
+/* A loaded cache is usable: it saves back to the loaded bytes (an input of an older format version:
+   to a snapshot of the current version that loads and saves back to itself), introspection answers,
+   and the next decode step runs where the cache allows one. */
 static void check_usable(skv_cache *cache, const uint8_t *snap, size_t size)
 {
     size_t need = 0;
     skv_status st;
     uint8_t *v2 = NULL;
-    if (rd32(snap + 8) == 1) {
+    if (rd32(snap + 8) < SNAP_FORMAT_CURRENT) {
         st = skv_cache_save_buffer(cache, NULL, 0, &need);
         if (st != SKV_OK || !(v2 = malloc(need)) || skv_cache_save_buffer(cache, v2, need, &need) != SKV_OK)
-            skvf_fail("loaded version 1 snapshot: saving it failed (status %d)", (int)st);
+            skvf_fail("loaded version %u snapshot: saving it failed (status %d)", (unsigned)rd32(snap + 8), (int)st);
+        if (rd32(v2 + 8) != SNAP_FORMAT_CURRENT)
+            skvf_fail("a save wrote format version %u, not %u", (unsigned)rd32(v2 + 8), SNAP_FORMAT_CURRENT);
         skv_cache *again = NULL;
         st = skv_cache_load_buffer(v2, need, NULL, &again);
-        if (st != SKV_OK) skvf_fail("a version 1 snapshot's version 2 save does not load: %s", skv_last_error());
+        if (st != SKV_OK) skvf_fail("an older snapshot's current-version save does not load: %s", skv_last_error());
         skv_cache_free(again);
         snap = v2, size = need;
     }
