@@ -16,8 +16,8 @@ import re
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-DOCS = ["README.md", "docs/DESIGN.md", "docs/usage.md", "bench/results/README.md", "dev/README.md",
-        "fuzz/README.md"]
+DOCS = ["README.md", "docs/DESIGN.md", "docs/usage.md", "docs/serving-engines.md", "bench/results/README.md",
+        "dev/README.md", "fuzz/README.md"]
 TOP = ("include/", "lib/", "ref/", "cpu/", "cuda/", "tests/", "fuzz/", "bench/", "examples/", "docs/",
        "python/", "dev/", ".ci/")
 LIB_DIRS = ("include", "lib", "ref", "cpu", "cuda")
