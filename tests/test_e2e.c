@@ -230,6 +230,23 @@ static void check_dense_layers(uint64_t seed)
     free(kpre), free(kpost), free(vv), free(q), free(cos_t), free(sin_t), free(full), free(sk), free(sv), free(out);
 }
 
+/* The test's cache shape (8/2 heads of 128, rank 96, budget 512, BATCH sequences up to 9216
+   tokens) with n_layers layers and gen_capacity steps. */
+static skv_config e2e_config(int32_t n_layers, int32_t steps)
+{
+    skv_config cfg = skv_config_default();
+    cfg.n_layers = n_layers;
+    cfg.n_q_heads = 8;
+    cfg.n_kv_heads = 2;
+    cfg.head_dim = 128;
+    cfg.rank = 96;
+    cfg.budget = 512;
+    cfg.batch_size = BATCH;
+    cfg.max_prompt_len = 9216;
+    cfg.gen_capacity = steps;
+    return cfg;
+}
+
 /*
  * Dense layers and SKV_SELECT_MASS end to end on every available backend, cuda included (its
  * tensors staged in device memory; docs/DESIGN.md 4.5, 4.7): layer 0 dense, layer 1 sparse with
@@ -244,16 +261,7 @@ static void check_dense_layers(uint64_t seed)
 static void test_dense_mass_backends(uint64_t seed)
 {
     enum { ST = 6 };
-    skv_config cfg = skv_config_default();
-    cfg.n_layers = 2;
-    cfg.n_q_heads = 8;
-    cfg.n_kv_heads = 2;
-    cfg.head_dim = 128;
-    cfg.rank = 96;
-    cfg.budget = 512;
-    cfg.batch_size = BATCH;
-    cfg.max_prompt_len = 9216;
-    cfg.gen_capacity = ST;
+    skv_config cfg = e2e_config(2, ST);
     cfg.dense_layers = 1;
     cfg.select_mode = SKV_SELECT_MASS;
     cfg.select_mass = 0.7f;
@@ -404,16 +412,7 @@ int main(void)
     }
     int verbose = getenv("SKV_VERBOSE") != NULL;
     check_dense_layers(seed);
-    skv_config cfg = skv_config_default();
-    cfg.n_layers = LAYERS;
-    cfg.n_q_heads = 8;
-    cfg.n_kv_heads = 2;
-    cfg.head_dim = 128;
-    cfg.rank = 96;
-    cfg.budget = 512;
-    cfg.batch_size = BATCH;
-    cfg.max_prompt_len = 9216;
-    cfg.gen_capacity = STEPS;
+    skv_config cfg = e2e_config(LAYERS, STEPS);
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, S = cfg.budget / cfg.chunk_size;
     const size_t HD = (size_t)Hq * D;
 
