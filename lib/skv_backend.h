@@ -100,8 +100,34 @@ typedef struct skv_layout {
        first stage's candidates), ws_cand_k [Hk, W c, D] bf16 (their canonical keys, one sequence) */
     size_t ws_cand_idx, ws_cand_ids, ws_cand_k;
     size_t dev_values, dev_vcache;
+    /* the pool mode (config.pool_device_bytes > 0; include/shadowkv.h "Memory pools"): the sparse
+       slot regions u, landmarks, cand_ids and the dense slot regions dn_k, dn_v have size 0 in the
+       fixed slot layout (their offsets are meaningless) and come from the pools at prefill
+       (skv_slot_mem); n_dev_slots is 0 (no value store in the fixed layout) and every sparse slot
+       has a chunk cache when values_host. Device pool: pool_dev_pages pages of page_bytes at
+       dev_pool in the device arena; host pool: pool_host_pages pages from byte 0 of the host
+       arena. */
+    int32_t pooled, values_host;
+    size_t page_bytes, dev_pool;
+    int64_t pool_dev_pages, pool_host_pages;
     size_t device_total, host_total;
 } skv_layout;
+
+/*
+ * Where the regions of one (layer, sequence) that grow with its prompt are (its fixed regions
+ * stay at skv_layout_slot_offset). Outside the pool mode they are the slot's own regions of the
+ * fixed layout (and its value store); in the pool mode, places in the pool pages the prefill took
+ * (lib/skv_pool.c lays them out with skv_slot_regions). All NULL for a free slot.
+ *  sparse slot: u [n, r] bf16, landmarks [n_cand, Hk D] bf16 (head h's rows at h * n_cand * D),
+ *               cand_ids [Hk, n_cand] int32, vstore [Hk, n_cand, c, D] bf16 (host memory when
+ *               vstore_host, pinned for cuda);
+ *  dense slot:  dn_k, dn_v [Hk, n, D] bf16.
+ */
+typedef struct skv_slot_mem {
+    char *u, *landmarks, *cand_ids, *vstore;
+    char *dn_k, *dn_v;
+    int32_t vstore_host;
+} skv_slot_mem;
 
 /* The candidates (N - O) a sparse layer's prompt must have, for S chunks per head. */
 static inline int64_t skv_min_candidates(const skv_config *cfg, int64_t S)
@@ -314,14 +340,29 @@ struct skv_backend_ops {
     skv_status (*cache_open)(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev, char *host,
                              char *msg, size_t cap);
     void (*cache_close)(void *bctx); /* waits for the cache's work, frees; NULL accepted */
-    /* Prefill of (layer, seq): N context chunks; returns after the work is done. */
+    /* Prefill of (layer, seq): N context chunks, its growing regions at *mem (the fixed layout's
+       or pool pages); returns once the caller's buffers are free (work beside the cache's stream
+       may go on: cache_seq_ready tells when it is done). */
     skv_status (*cache_prefill)(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t n_chunks,
-                                const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
-                                skv_stats *stats, char *msg, size_t cap);
-    /* Enqueues one decode step of layer for the whole batch; checks q, k, v for
-       NaN/Inf on the device (an error is deferred to cache_sync). */
-    skv_status (*cache_decode)(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                               const skv_bf16 *v, float *out, char *msg, size_t cap);
+                                const skv_slot_mem *mem, const skv_bf16 *k_pre, const skv_bf16 *v,
+                                const skv_bf16 *k_post, skv_stats *stats, char *msg, size_t cap);
+    /* Enqueues one decode step of layer for n_active sequences: host list seqs[0..n_active)
+       (lib/ checked it: distinct, prefilled, in step, below capacity) when dev_seqs is NULL;
+       otherwise the count *dev_count and the list dev_seqs in device memory, read and checked on
+       the device (n_active = batch_size then: the row capacity of q, k, v, out; a bad list is a
+       deferred error like NaN). Row i of q, k, v, out belongs to the i-th listed sequence. The
+       whole-batch step is the list 0..B-1. Checks q, k, v for NaN/Inf on the device (an error
+       is deferred to cache_sync). */
+    skv_status (*cache_decode)(void *bctx, int32_t layer, int32_t n_active, const int32_t *seqs,
+                               const int32_t *dev_count, const int32_t *dev_seqs, const skv_bf16 *q,
+                               const skv_bf16 *k, const skv_bf16 *v, float *out, char *msg, size_t cap);
+    /* Returns sequence seq, all its layers, to the free state, ordered on the cache's stream
+       after the work enqueued so far (the descriptors: no prompt, n_gen 0, no selection; chunk
+       caches emptied). No allocation; need not wait. Required with cache_decode. */
+    skv_status (*cache_release)(void *bctx, int32_t seq, char *msg, size_t cap);
+    /* *ready = 1 when the work of (layer, seq)'s prefill beside the cache's stream is done
+       (cudaEventQuery; never waits). Optional (NULL: always ready after cache_prefill). */
+    skv_status (*cache_seq_ready)(void *bctx, int32_t layer, int32_t seq, int32_t *ready, char *msg, size_t cap);
     /* Waits for the cache's work, adds the finished steps' phase times to *stats and
        their per-layer counters to layer_stats[0 .. n_layers) (head_steps, attended_tokens,
        context_tokens, selected_chunks only; the backend then restarts its own counters
@@ -357,7 +398,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 4
+#define SKV_PLUGIN_ABI 5
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 
