@@ -210,7 +210,7 @@ SKV_API skv_status skv_seq_bytes(const skv_cache *c, int64_t n, size_t *device_b
     if (n < 1 || n > g->max_prompt_len)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: must be in [1, max_prompt_len = %lld]", fn,
                         (long long)n, (long long)g->max_prompt_len);
-    size_t dev = 0, host = 0, stage = (size_t)3 * (size_t)n * g->n_kv_heads * g->head_dim * B2;
+    size_t dev = 0, host = 0, stage = (size_t)2 * (size_t)n * g->n_kv_heads * g->head_dim * B2;
     if (lay->pooled) {
         for (int32_t l = 0; l < g->n_layers; l++) {
             skv_slot_regions r;
