@@ -55,7 +55,7 @@ typedef struct request {
 
 typedef struct result {
     double wall_s, rps, tok_s, ttft_p50, ttft_p99, tpot_p50, tpot_p99, occupancy, prefill_s;
-    long decode_steps, tokens;
+    long decode_steps, tokens, refused; /* refused: admissions the pools deferred */
 } result;
 
 static double now_s(void)
@@ -64,6 +64,9 @@ static double now_s(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
+
+/* bf16 rows at a byte offset into a buffer */
+#define BF(p, off) ((const skv_bf16 *)((const char *)(p) + (off)))
 
 static void die(const char *what, skv_status st, skv_cache *c)
 {
@@ -106,7 +109,7 @@ static void make_data(const opts *o, data *d)
     skv_config c = shape(o);
     skvs_workload w;
     skvs_seq s;
-    skv_status st = skvs_workload_init(&w, &c, o->ctx_max + o->steps_max, SKV_BACKEND_CPU);
+    skv_status st = skvs_workload_init(&w, &c, o->ctx_max + (o->steps_max > NQ ? o->steps_max : NQ), SKV_BACKEND_CPU);
     if (st) die("workload", st, NULL);
     if ((st = skvs_seq_generate(&s, &w, o->ctx_max, NQ, 0, o->seed))) die("prompt", st, NULL);
     const size_t row = (size_t)c.n_kv_heads * c.head_dim * 2, prompt = (size_t)o->ctx_max * row;
@@ -133,18 +136,21 @@ static void make_data(const opts *o, data *d)
     skvs_workload_free(&w);
 }
 
-/* Prefill of request r into slot: one piece (all of it) or the next --piece tokens, every layer. */
-static void prefill(skv_cache *c, const opts *o, const data *d, request *r, int pieces)
+/* Prefill of request r into slot: one piece (all of it) or the next --piece tokens, every layer;
+   SKV_ERR_OUT_OF_MEMORY when the pools cannot hold it now. */
+static skv_status prefill(skv_cache *c, const opts *o, const data *d, request *r, int pieces)
 {
     const int64_t len = pieces && o->piece ? (o->piece < r->n - r->piece_pos ? o->piece : r->n - r->piece_pos) : r->n;
     for (int l = 0; l < o->layers; l++) {
         const size_t off = (size_t)r->piece_pos * d->krow;
-        skv_status st = pieces ? skv_prefill_piece(c, l, r->slot, r->n, r->piece_pos, len, (char *)d->kp + off,
-                                                   (char *)d->v + off, NULL)
-                               : skv_prefill(c, l, r->slot, r->n, d->kp, d->v, NULL);
+        skv_status st = pieces ? skv_prefill_piece(c, l, r->slot, r->n, r->piece_pos, len, BF(d->kp, off),
+                                                   BF(d->v, off), NULL)
+                               : skv_prefill(c, l, r->slot, r->n, BF(d->kp, 0), BF(d->v, 0), NULL);
+        if (st == SKV_ERR_OUT_OF_MEMORY) return st;
         if (st) die("prefill", st, c);
     }
     r->piece_pos += len;
+    return SKV_OK;
 }
 
 /* One decode step (every layer) of the listed slots, then the sync an engine needs for the token. */
@@ -152,10 +158,10 @@ static void step(skv_cache *c, const opts *o, const data *d, int n, const int32_
 {
     const size_t base = (size_t)(t % NQ) * o->slots;
     for (int l = 0; l < o->layers; l++) {
-        skv_status st = all ? skv_decode(c, l, (char *)d->q + base * d->qrow, (char *)d->k + base * d->krow,
-                                         (char *)d->vn + base * d->krow, d->out)
-                            : skv_decode_active(c, l, n, list, (char *)d->q + base * d->qrow,
-                                                (char *)d->k + base * d->krow, (char *)d->vn + base * d->krow, d->out);
+        skv_status st = all ? skv_decode(c, l, BF(d->q, base * d->qrow), BF(d->k, base * d->krow),
+                                         BF(d->vn, base * d->krow), d->out)
+                            : skv_decode_active(c, l, n, list, BF(d->q, base * d->qrow), BF(d->k, base * d->krow),
+                                                BF(d->vn, base * d->krow), d->out);
         if (st) die("decode", st, c);
     }
     skv_status st = skv_cache_sync(c);
@@ -196,34 +202,53 @@ static void run_continuous(const opts *o, const data *d, const request *proto, r
     if ((st = skv_cache_create(&c, &k))) die("create", st, NULL);
     request *rq = skvt_xmalloc((size_t)o->requests * sizeof *rq);
     memcpy(rq, proto, (size_t)o->requests * sizeof *rq);
-    int *slot_req = skvt_xmalloc((size_t)o->slots * sizeof *slot_req), next = 0, finished = 0;
+    int *slot_req = skvt_xmalloc((size_t)o->slots * sizeof *slot_req), finished = 0;
     for (int s = 0; s < o->slots; s++) slot_req[s] = -1;
-    long steps = 0, tokens = 0;
+    long steps = 0, tokens = 0, refused = 0;
     double occ = 0, pre = 0;
     const double t0 = now_s();
     while (finished < o->requests) {
         double t = now_s() - t0;
-        /* admissions: arrived requests into free slots */
-        for (int s = 0; s < o->slots && next < o->requests && rq[next].arrive <= t; s++) {
-            if (slot_req[s] >= 0) continue;
-            rq[next].slot = s, slot_req[s] = next;
-            next++;
+        /* admissions: arrived requests, in arrival order, into free slots while the pool's free bytes
+           hold them (skv_seq_bytes; scattered free pages can still refuse one, see below) */
+        skv_usage u;
+        if ((st = skv_cache_usage(k, &u))) die("usage", st, k);
+        size_t free_b = u.device_pool_bytes - u.device_used_bytes;
+        for (int i = 0, s = 0; i < o->requests && rq[i].arrive <= t; i++) {
+            if (rq[i].slot >= 0 || rq[i].taken == rq[i].steps) continue;
+            while (s < o->slots && slot_req[s] >= 0) s++;
+            size_t need = 0;
+            skv_seq_bytes(k, rq[i].n, &need, NULL, NULL);
+            if (s == o->slots || need > free_b) break;
+            free_b -= need;
+            rq[i].slot = s, slot_req[s] = i;
         }
-        /* prefill: whole prompts, or one piece of every request still arriving */
+        /* prefill: whole prompts, or one piece of every request still arriving; a request the pools
+           cannot hold yet goes back to the head of the queue (its layers so far released) */
         const double tp = now_s();
         for (int s = 0; s < o->slots; s++) {
             const int i = slot_req[s];
-            if (i >= 0 && rq[i].piece_pos < rq[i].n) prefill(k, o, d, &rq[i], o->piece > 0);
+            if (i < 0 || rq[i].piece_pos == rq[i].n) continue;
+            if (prefill(k, o, d, &rq[i], o->piece > 0) == SKV_ERR_OUT_OF_MEMORY) {
+                skv_seq_release(k, s); /* (SKV_ERR_SEQ_STATE when nothing was kept) */
+                rq[i].piece_pos = 0, rq[i].slot = -1, slot_req[s] = -1;
+                refused++;
+                break;
+            }
         }
         pre += now_s() - tp;
         int32_t list[256];
         int n = 0;
         for (int s = 0; s < o->slots; s++)
             if (slot_req[s] >= 0 && rq[slot_req[s]].piece_pos == rq[slot_req[s]].n) list[n++] = s;
-        if (!n) {
-            if (next < o->requests) {
-                while (now_s() - t0 < rq[next].arrive) {
-                }
+        if (!n) { /* nothing to decode: wait for the next arrival */
+            int waiting = 0;
+            for (int i = 0; i < o->requests && !waiting; i++) waiting = rq[i].slot >= 0;
+            double next_t = 1e30;
+            for (int i = 0; i < o->requests; i++)
+                if (rq[i].slot < 0 && rq[i].taken < rq[i].steps && rq[i].arrive > t && rq[i].arrive < next_t)
+                    next_t = rq[i].arrive;
+            while (!waiting && next_t < 1e30 && now_s() - t0 < next_t) {
             }
             continue;
         }
@@ -244,6 +269,7 @@ static void run_continuous(const opts *o, const data *d, const request *proto, r
         }
     }
     summarize(o, rq, now_s() - t0, steps, tokens, steps ? occ / steps : 0, pre, res);
+    res->refused = refused;
     free(rq), free(slot_req);
     skv_cache_free(k);
 }
@@ -301,9 +327,10 @@ static void print(const char *name, const result *r, int json, int last)
     if (json)
         printf("    \"%s\": {\"wall_s\": %.3f, \"requests_per_s\": %.3f, \"decode_tokens_per_s\": %.1f, "
                "\"ttft_p50_ms\": %.2f, \"ttft_p99_ms\": %.2f, \"tpot_p50_ms\": %.3f, \"tpot_p99_ms\": %.3f, "
-               "\"slot_occupancy\": %.3f, \"prefill_s\": %.3f, \"decode_steps\": %ld, \"decode_tokens\": %ld}%s\n",
+               "\"slot_occupancy\": %.3f, \"prefill_s\": %.3f, \"decode_steps\": %ld, \"decode_tokens\": %ld, "
+               "\"admissions_deferred\": %ld}%s\n",
                name, r->wall_s, r->rps, r->tok_s, r->ttft_p50 * 1e3, r->ttft_p99 * 1e3, r->tpot_p50 * 1e3,
-               r->tpot_p99 * 1e3, r->occupancy, r->prefill_s, r->decode_steps, r->tokens, last ? "" : ",");
+               r->tpot_p99 * 1e3, r->occupancy, r->prefill_s, r->decode_steps, r->tokens, r->refused, last ? "" : ",");
     else
         printf("%-10s %8.2f s %7.2f req/s %9.1f tok/s  TTFT p50 %8.1f p99 %8.1f ms  TPOT p50 %7.2f p99 %7.2f ms  "
                "occupancy %.2f  prefill %.2f s  (%ld steps, %ld tokens)\n",
