@@ -26,6 +26,9 @@
  *   build/skv-bench serve [--backend cuda] [--layers 4] [--slots 8] [--requests 64]
  *       [--ctx-min 4096] [--ctx-max 32768] [--steps-min 8] [--steps-max 200] [--arrival-s 2]
  *       [--piece-tokens 0] [--reproducible] [--seed 29] [--json]
+ *   build/skv-bench serve --beside [--slots 8] [--layers 4] [--ctx-max 32768] [--requests rounds]
+ *       prefill beside decode: the decode step's time alone and while a prefill runs beside it
+ *       (run_beside below)
  */
 #include <math.h>
 #include <stdio.h>
@@ -40,7 +43,7 @@ enum { NQ = 64 };
 
 typedef struct opts {
     skv_backend be;
-    int layers, slots, requests, steps_min, steps_max, reproducible, json;
+    int layers, slots, requests, steps_min, steps_max, reproducible, json, beside;
     int64_t ctx_min, ctx_max, piece;
     double arrival_s;
     uint64_t seed;
@@ -322,6 +325,79 @@ static void run_static(const opts *o, const data *d, const request *proto, resul
     skv_cache_free(k);
 }
 
+/*
+ * --beside: prefill beside decode. slots - 1 sequences of ctx_max tokens decode (the list, every
+ * layer, then skv_cache_sync); the last slot is prefilled again and again with a ctx_max prompt,
+ * one layer between two decode steps (its factorization and offload then run beside the steps).
+ * Reports the median step time alone and while a prefill is in flight (host wall clock from the
+ * step's first call to the end of its sync), their ratio, and the host time of the prefill calls.
+ */
+static int run_beside(const opts *o, const data *d)
+{
+    skv_config c = shape(o);
+    skv_cache *k = NULL;
+    skv_status st;
+    if ((st = skv_cache_create(&c, &k))) die("create", st, NULL);
+    const int nb = o->slots - 1, rounds = o->requests;
+    if (nb < 1) die("--beside needs --slots >= 2", SKV_ERR_INVALID_ARGUMENT, NULL);
+    int32_t list[256];
+    for (int s = 0; s < nb; s++) {
+        request r = {0};
+        r.n = o->ctx_max, r.slot = s;
+        prefill(k, o, d, &r, 0);
+        list[s] = s;
+    }
+    const int n_alone = 4 * o->layers + 20;
+    double *alone = skvt_xmalloc((size_t)n_alone * sizeof *alone);
+    double *beside = skvt_xmalloc((size_t)rounds * o->layers * sizeof *beside), pre_host = 0;
+    long t = 0;
+    for (int i = 0; i < 5; i++) step(k, o, d, nb, list, t++, 0); /* warm-up: the graphs */
+    for (int i = 0; i < n_alone; i++) {
+        const double t0 = now_s();
+        step(k, o, d, nb, list, t++, 0);
+        alone[i] = now_s() - t0;
+    }
+    int nbs = 0;
+    for (int r = 0; r < rounds; r++) {
+        if (r) skv_seq_release(k, nb);
+        for (int l = 0; l < o->layers; l++) {
+            const double tp = now_s();
+            skv_status s2 = skv_prefill(k, l, nb, o->ctx_max, BF(d->kp, 0), BF(d->v, 0), NULL);
+            if (s2) die("prefill beside", s2, k);
+            pre_host += now_s() - tp;
+            const double t0 = now_s();
+            step(k, o, d, nb, list, t++, 0);
+            beside[nbs++] = now_s() - t0;
+        }
+        if (t + 2 * o->layers >= o->steps_max) { /* the decoding sequences' generated capacity */
+            for (int s = 0; s < nb; s++) {
+                skv_seq_release(k, s);
+                request q = {0};
+                q.n = o->ctx_max, q.slot = s;
+                prefill(k, o, d, &q, 0);
+            }
+            skv_cache_sync(k);
+            t = 0;
+        }
+    }
+    const double a = pct(alone, n_alone, 0.5), b = pct(beside, nbs, 0.5), b99 = pct(beside, nbs, 0.99);
+    if (o->json)
+        printf("{\"bench\": \"serve-beside\", \"backend\": \"%s\", \"layers\": %d, \"decoding\": %d, \"ctx\": %lld, "
+               "\"reproducible\": %d, \"step_alone_ms\": %.3f, \"step_beside_prefill_ms\": %.3f, "
+               "\"step_beside_prefill_p99_ms\": %.3f, \"delay\": %.4f, \"prefill_host_ms_per_layer\": %.3f, "
+               "\"steps_alone\": %d, \"steps_beside\": %d}\n",
+               skv_backend_name(o->be), o->layers, nb, (long long)o->ctx_max, o->reproducible, a * 1e3, b * 1e3,
+               b99 * 1e3, b / a - 1, pre_host * 1e3 / nbs, n_alone, nbs);
+    else
+        printf("decode step of %d sequences x %d layers at %lld: alone %.3f ms, beside a prefill %.3f ms (p99 %.3f): "
+               "%+.1f%%; prefill calls hold the host %.3f ms per layer\n",
+               nb, o->layers, (long long)o->ctx_max, a * 1e3, b * 1e3, b99 * 1e3, (b / a - 1) * 100,
+               pre_host * 1e3 / nbs);
+    free(alone), free(beside);
+    skv_cache_free(k);
+    return 0;
+}
+
 static void print(const char *name, const result *r, int json, int last)
 {
     if (json)
@@ -340,7 +416,7 @@ static void print(const char *name, const result *r, int json, int last)
 
 int bench_serve_main(int argc, char **argv)
 {
-    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 4096, 32768, 0, 2.0, 29};
+    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 0, 4096, 32768, 0, 2.0, 29};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && ++i)
@@ -358,6 +434,7 @@ int bench_serve_main(int argc, char **argv)
         else if (OPT("--seed")) o.seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--reproducible")) o.reproducible = 1;
         else if (!strcmp(a, "--json")) o.json = 1;
+        else if (!strcmp(a, "--beside")) o.beside = 1;
         else {
             fprintf(stderr, "skv-bench serve: unknown option %s (see the top of bench/bench_serve.c)\n", a);
             return 2;
@@ -391,6 +468,7 @@ int bench_serve_main(int argc, char **argv)
             (long long)o.ctx_max, o.steps_min, o.steps_max, o.reproducible ? ", reproducible" : "");
     data d;
     make_data(&o, &d);
+    if (o.beside) return run_beside(&o, &d);
     result cont, stat;
     fprintf(stderr, "skv-bench serve: continuous batching\n");
     run_continuous(&o, &d, rq, &cont);
