@@ -26,6 +26,7 @@ typedef struct slot {
     uint64_t seed;             /* the request's data */
     int64_t n;                 /* prompt length */
     int64_t recv[MAXL];        /* tokens received per layer (n: prefilled) */
+    int opened[MAXL];          /* a piece of this layer arrived (the library keeps its staging) */
     int kpost;                 /* pieces bring k_post */
     int32_t gen[MAXL];         /* decode steps taken per layer */
     skv_cache *solo;
@@ -117,8 +118,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(s, 0, sizeof s);
     skv_bf16 *kp = malloc((size_t)maxp * row * 2), *vp = malloc((size_t)maxp * row * 2);
     skv_bf16 *kq = malloc((size_t)maxp * row * 2);
-    skv_bf16 *q = malloc((size_t)MAXS * hd * 2), *k = malloc((size_t)MAXS * row * 2), *v = malloc((size_t)MAXS * row * 2);
-    float *out = malloc((size_t)MAXS * hd * 4), *sout = malloc(hd * 4);
+    skv_bf16 *q = malloc((size_t)(MAXS + 2) * hd * 2), *k = malloc((size_t)(MAXS + 2) * row * 2);
+    skv_bf16 *v = malloc((size_t)(MAXS + 2) * row * 2);
+    float *out = malloc((size_t)(MAXS + 2) * hd * 4), *sout = malloc(hd * 4);
     int32_t *sel = malloc(4096 * 4), *ssel = malloc(4096 * 4);
     if (!kp || !vp || !kq || !q || !k || !v || !out || !sout || !sel || !ssel) skvf_fail("out of memory");
     uint64_t next_seed = 1;
@@ -136,6 +138,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 x->n = skvf_u8(&d) < 16 ? skvf_range(&d, 1, minp) : skvf_range(&d, minp, maxp);
                 x->kpost = skvf_u8(&d) < 64;
                 memset(x->recv, 0, sizeof x->recv);
+                memset(x->opened, 0, sizeof x->opened);
                 memset(x->gen, 0, sizeof x->gen);
             }
             if (x->state == 2 || x->recv[l] == x->n) {
@@ -144,7 +147,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        "a piece into a prefilled layer", c, fp0, &u0);
                 continue;
             }
-            const int first = x->recv[l] == 0;
+            const int first = !x->opened[l];
             int fault = skvf_u8(&d) < 40 ? (int)skvf_range(&d, 1, 4) : 0;
             if (fault == 3 && first) fault = 0; /* the first piece decides whether k_post comes */
             int64_t n_total = x->n, pos0 = x->recv[l], len = skvf_range(&d, 0, x->n - x->recv[l]);
@@ -169,6 +172,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             expect(st, want, pooled, "skv_prefill_piece", c, fp0, &u0);
             if (st) continue;
             x->state = 1;
+            x->opened[l] = 1;
             x->recv[l] += len;
             if (all_recv(x, L) == x->n) { /* every layer prefilled: the solo twin gets it in one piece */
                 x->state = 2;
