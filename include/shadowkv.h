@@ -572,8 +572,8 @@ SKV_API skv_status skv_prefill_piece(skv_cache *cache, int32_t layer, int32_t se
 /**
  * Pool bytes one sequence whose prompt has n tokens takes once prefilled in all layers
  * (page-rounded), into *device_bytes and *host_bytes, and the staging one layer of it holds
- * while its prompt arrives in pieces with k_post given (without k_post: two thirds of it), into
- * *staging_bytes. Any output may be NULL. Outside the pool mode the first two are the fixed
+ * while its prompt arrives in pieces without k_post (page-rounded; pieces with k_post hold half
+ * as much again), into *staging_bytes. Any output may be NULL. Outside the pool mode the first two are the fixed
  * per-sequence bytes (what create set aside for max_prompt_len) and staging is what
  * skv_prefill_piece allocates. Errors: SKV_ERR_NULL_POINTER, SKV_ERR_INVALID_ARGUMENT (n < 1 or
  * n > max_prompt_len).
