@@ -208,7 +208,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     skv_status st = SKV_OK;
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg0, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
-    const int has_host = skv_cuda_has_host(lay);
+    const int has_host = skv_cuda_has_host(lay), pooled = lay->pooled != 0;
     char *dws_base, *wq_base = NULL, *act_base;
     k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
@@ -326,7 +326,6 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     }
     /* descriptors: fixed pointers now, sizes (and in the pool mode the growing regions: u, landmarks,
        cand_ids, the value store; a dense slot's window) at prefill, from its skv_slot_mem */
-    const int pooled = lay->pooled != 0;
     for (size_t l = 0; l < L; l++)
         for (size_t b = 0; b < B; b++) {
             size_t i = l * B + b;
