@@ -77,6 +77,13 @@
  *
  * A decode step is a fixed launch sequence that reads all per-step state from
  * the device (so it can be captured in a graph):
+ *   0 rows     the step's rows from its active list (skv_cuda_act_rows): row i
+ *              is the i-th listed sequence's descriptor (the whole batch: the
+ *              list 0..B-1), the rows past the count idle; a device list is
+ *              read and checked here. Every later kernel takes the whole batch's
+ *              grid and skips idle rows (skv_cuda_seq.idle); io rows and the
+ *              per-step workspace are indexed by row, the per-slot state through
+ *              the row's descriptor
  *   1 score    landmark scores of every candidate, their max per query head,
  *              the step's input check
  *   2 expsum   e_j = skv_expf(s_j - M) in place; the last block of each query
@@ -321,7 +328,7 @@ enum {
     SKV_CUDA_LIST_AHEAD      /* the step's layer would go a step ahead of another layer of the sequence */
 };
 
-/* A decode step's list (passed by value; a graph's node keeps it: skv_cuda_act_node_set). */
+/* A decode step's list (passed by value). */
 typedef struct skv_cuda_act {
     skv_cuda_seq *base;        /* the cache's L B descriptors (layer l, sequence s at l B + s) */
     skv_cuda_seq *rows;        /* [B] the step's rows (skv_cuda_seq.idle, home) */
@@ -334,15 +341,11 @@ typedef struct skv_cuda_act {
     int32_t layer, L, B, gen_cap;
 } skv_cuda_act;
 
-/* The step's rows from its list: one block on st (the first kernel of a step: a graph's root; graph,
-   or NULL: receives its node's parameters as skv_cuda_score's). A DEVICE list is checked first
-   (count in [0, B], each sequence in range, once, prefilled in every layer, below gen_cap in this
-   layer and not ahead of its other layers); a bad one, or any list while *err is set, takes no
-   row, and the first fault goes to *err. */
-cudaError_t skv_cuda_act_rows(cudaStream_t st, const skv_cuda_act *a, skv_cuda_score_node *graph);
-/* Points a captured step's rows node at another list (params stay valid for
-   cudaGraphExecKernelNodeSetParams). */
-void skv_cuda_act_node_set(skv_cuda_score_node *node, const skv_cuda_act *a);
+/* The step's rows from its list: one block on st, the step's first kernel (before a layer's graph).
+   A DEVICE list is checked first (count in [0, B], each sequence in range, once, prefilled in every
+   layer, below gen_cap in this layer and not ahead of its other layers); a bad one, or a DEVICE list
+   while *err is set, takes no row, and the first fault goes to *err. */
+cudaError_t skv_cuda_act_rows(cudaStream_t st, const skv_cuda_act *a);
 /* *dst = *val on st (one thread; the value travels as the kernel's parameter, so nothing on the
    host must stay alive). */
 cudaError_t skv_cuda_set_seq(cudaStream_t st, skv_cuda_seq *dst, const skv_cuda_seq *val);

@@ -7,7 +7,9 @@
  * descriptor of the i-th listed sequence (home: the descriptor itself, which the combine
  * advances too), the rows past the count are idle. So the kernels of a step take the whole
  * batch's grid whatever the list, and a captured step stays valid while the list changes: the
- * count is read here, on the device, when the stream gets here.
+ * count is read here, on the device, when the stream gets here. The cache launches this kernel
+ * before a layer's graph (the list is its launch parameter) or, in a direct launch (and inside
+ * the caller's capture), as the step's first kernel.
  *
  * The launchers only enqueue: no allocation, no synchronization.
  */
@@ -129,25 +131,8 @@ __global__ void __launch_bounds__(kActNT) release_kernel(skv_cuda_seq *base, int
 
 } /* namespace */
 
-static_assert(sizeof(skv_cuda_act) <= sizeof(((skv_cuda_score_node *)0)->argbuf), "argbuf holds skv_cuda_act");
-
-void skv_cuda_act_node_set(skv_cuda_score_node *node, const skv_cuda_act *a)
+cudaError_t skv_cuda_act_rows(cudaStream_t st, const skv_cuda_act *a)
 {
-    memcpy(node->argbuf.bytes, a, sizeof *a);
-    node->args[0] = node->argbuf.bytes;
-    node->params.kernelParams = node->args;
-}
-
-cudaError_t skv_cuda_act_rows(cudaStream_t st, const skv_cuda_act *a, skv_cuda_score_node *graph)
-{
-    if (graph) { /* a graph's kernel node: the caller keeps the arguments */
-        skv_cuda_act_node_set(graph, a);
-        graph->params.func = (void *)act_kernel;
-        graph->params.gridDim = dim3(1);
-        graph->params.blockDim = dim3(kActNT);
-        graph->params.sharedMemBytes = 0;
-        graph->params.extra = NULL;
-    }
     return launch(act_kernel, dim3(1), dim3(kActNT), 0, st, false, *a);
 }
 

@@ -1,28 +1,27 @@
 /*
  * skv_cuda_cache.cu - the cache pipeline of the cuda backend: the slots cache_bytes,
- * cache_open, cache_close, cache_prefill, cache_decode, cache_sync and cache_set_states
- * (registered by skv_cuda_fill_ops). The decode workspace's layout and the cache's shapes
+ * cache_open, cache_close, cache_decode, cache_sync and cache_set_states (registered by
+ * skv_cuda_fill_ops; cache_prefill is in skv_cuda_prefill.cu, cache_release and
+ * cache_seq_ready in skv_cuda_serve.cu). The decode workspace's layout and the cache's shapes
  * and items are in skv_cuda_workspace.cu.
  *
  * A cache runs on its stream (config.cuda_stream; NULL = the legacy default
  * stream). Everything it needs is allocated at create: the arenas (lib/), the
  * decode workspace for the whole batch, the prefill scratch for
  * max_prompt_len tokens, the factorization workspace, the per-(layer,
- * sequence) descriptors on the device and a ring of timing events.
+ * sequence) descriptors on the device, a step's rows, a ring of timing events
+ * and one of host lists. Prefill runs beside the stream (skv_cuda_prefill.cu);
+ * the serving slots are in skv_cuda_serve.cu.
  *
  * Decode is a fixed launch sequence on the stream (no allocation, no
- * synchronization): input check, scores, selection, rebuild, gather,
- * attention, append. Per-step state (n_gen, the published selection) lives on
- * the device and is advanced there, so nothing in the sequence depends on the
- * host; NaN/Inf inputs are found on the device and reported by cache_sync.
+ * synchronization): the step's rows from its active list, input check, scores,
+ * selection, rebuild, gather, attention, append. Per-step state (n_gen, the
+ * published selection) lives on the device and is advanced there, so nothing in
+ * the sequence depends on the host; NaN/Inf inputs and bad device lists are
+ * found on the device and reported by cache_sync.
  *
  * The launchers each part runs (skv_cuda.h says which file holds each):
- *   prefill (skv_cuda_cache_prefill)  skv_cuda_find_nonfinite, skv_cuda_rope (no
- *       k_post given), skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the
- *       outlier chunks; the candidates' values on a side stream), skv_cuda_factorize
- *       and skv_cuda_f32_to_bf16 on another (and skv_cuda_canon_wprep, reproducible
- *       mode or the rescoring; set_states runs it too)
- *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3; with the
+ *   a decode step (skv_cuda_enqueue_step)  skv_cuda_act_rows; skv_cuda_select_step (steps 1-3; with the
  *       rescoring, config.select_candidates, skv_cuda_rescore_step instead); then
  *       skv_cuda_fetch (host slots, side stream), skv_cuda_attend,
  *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
@@ -31,13 +30,11 @@
  *       skv_cuda_combine_append; a dense layer's step: skv_cuda_score (no candidates),
  *       skv_cuda_attend, skv_cuda_combine (reproducible: skv_cuda_canon_decode_resident,
  *       skv_cuda_canon_decode_attend, skv_cuda_combine_append)
- *   a dense layer's prefill (skv_cuda_prefill_dense)  skv_cuda_find_nonfinite,
- *       skv_cuda_rope (no k_post given), the prompt into the slot's window
- *   decode (skv_cuda_cache_decode)  a layer's step is captured into a graph at its
- *       first step (skv_cuda_capture_layer) and replayed after with the score node's
- *       tensors updated (skv_cuda_score_node_set_io); one step in
- *       SKV_CUDA_PHASE_EVERY, and a step inside the caller's capture, is launched
- *       directly
+ *   decode (skv_cuda_cache_decode)  a layer's step from step 1 on is captured into a
+ *       graph at its first step (skv_cuda_capture_layer) and replayed after with the
+ *       score node's tensors updated (skv_cuda_score_node_set_io), after the rows
+ *       kernel launched with the step's list; one step in SKV_CUDA_PHASE_EVERY, and a
+ *       step inside the caller's capture, is launched directly (rows included)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -432,13 +429,16 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
  */
 static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int32_t layer, const skv_cuda_io *io,
                                         const skv_cuda_act *act, skv_cuda_evset *ev, skv_cuda_score_node *node,
-                                        skv_cuda_score_node *act_node, int *launches, char *msg, size_t cap)
+                                        int *launches, char *msg, size_t cap)
 {
     const skv_cuda_shape *sh = &k->sh;
-    /* step 0: the rows of the listed sequences (idle past the count), which every kernel below reads */
+    /* step 0 (act; NULL: the caller launched it): the rows of the listed sequences (idle past the
+       count), which every kernel below reads */
     skv_cuda_seq *seqs = k->rows;
-    CK(skv_cuda_act_rows(st, act, act_node));
-    *launches += 1;
+    if (act) {
+        CK(skv_cuda_act_rows(st, act));
+        *launches += 1;
+    }
     const int repro = k->cfg.reproducible;
     /* this layer's view of the workspace: its counters' row (and a dense layer's items) */
     skv_cuda_dws ws = skv_layout_dense(&k->lay, layer) ? k->wsd : k->ws;
@@ -517,28 +517,13 @@ static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int3
     return SKV_OK;
 }
 
-/* The kernel node of graph running func (NULL: none). */
-static cudaGraphNode_t skv_cuda_find_kernel(cudaGraph_t graph, const void *func, cudaGraphNode_t *nodes, size_t cap_nodes)
-{
-    size_t n = cap_nodes;
-    if (cudaGraphGetNodes(graph, nodes, &n) != cudaSuccess) return NULL;
-    for (size_t i = 0; i < n && i < cap_nodes; i++) {
-        cudaGraphNodeType t;
-        cudaKernelNodeParams p;
-        if (cudaGraphNodeGetType(nodes[i], &t) != cudaSuccess || t != cudaGraphNodeTypeKernel) continue;
-        if (cudaGraphKernelNodeGetParams(nodes[i], &p) == cudaSuccess && p.func == func) return nodes[i];
-    }
-    return NULL;
-}
-
 /* Captures layer's step on the capture stream into its graph (first step of the layer). */
-static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const skv_cuda_io *io,
-                                         const skv_cuda_act *act, char *msg, size_t cap)
+static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const skv_cuda_io *io, char *msg, size_t cap)
 {
     skv_cuda_layer_graph *g = &k->graphs[layer];
     int kernels = 0;
     CK(cudaStreamBeginCapture(k->cap, cudaStreamCaptureModeThreadLocal));
-    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, act, NULL, &g->node, &g->act_node, &kernels, msg, cap);
+    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, NULL, NULL, &g->node, &kernels, msg, cap);
     cudaGraph_t graph = NULL;
     cudaError_t e = cudaStreamEndCapture(k->cap, &graph);
     if (s) {
@@ -546,17 +531,12 @@ static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const
         return s;
     }
     if (e != cudaSuccess) return skv_cuda_err(e, "cudaStreamEndCapture(decode step)", msg, cap);
-    /* the rows kernel is the only root; the score kernel's node is found by its function (its
-       parameters were recorded while it was captured) */
     size_t n_roots = 0;
-    cudaGraphNode_t roots[4], nodes[64];
+    cudaGraphNode_t roots[4];
     e = cudaGraphGetRootNodes(graph, NULL, &n_roots);
     if (e == cudaSuccess && (n_roots != 1 || (e = cudaGraphGetRootNodes(graph, roots, &n_roots)) != cudaSuccess)) {
-        if (e == cudaSuccess) e = cudaErrorInvalidValue; /* the rows kernel must be the only root */
+        if (e == cudaSuccess) e = cudaErrorInvalidValue; /* the score kernel must be the only root */
     }
-    cudaGraphNode_t score = NULL;
-    if (e == cudaSuccess && !(score = skv_cuda_find_kernel(graph, g->node.params.func, nodes, 64)))
-        e = cudaErrorInvalidValue;
     if (e == cudaSuccess) e = cudaGraphInstantiate(&g->exec, graph, 0);
     if (e != cudaSuccess) {
         cudaGraphDestroy(graph);
@@ -564,8 +544,7 @@ static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const
         return skv_cuda_err(e, "cudaGraphInstantiate(decode step)", msg, cap);
     }
     g->graph = graph;
-    g->act = roots[0];
-    g->score = score;
+    g->score = roots[0];
     g->kernels = kernels;
     return SKV_OK;
 }
@@ -605,20 +584,21 @@ skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, int32_t n_active, co
     if (timed) CK(cudaEventRecord(ev->e[SKV_EV_START], st));
     skv_cuda_layer_graph *g = &k->graphs[layer];
     if (capturing || phases) {
-        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, &act, phases ? ev : NULL, NULL, NULL, &launches, msg, cap);
+        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, &act, phases ? ev : NULL, NULL, &launches, msg, cap);
         if (s) return s;
     } else {
+        /* the rows first (the list is the launch's parameter, so the graph never holds it), then the
+           layer's graph with the step's tensors */
         if (!g->exec) {
-            skv_status s = skv_cuda_capture_layer(k, layer, &io, &act, msg, cap);
+            skv_status s = skv_cuda_capture_layer(k, layer, &io, msg, cap);
             if (s) return s;
-        } else { /* the step's tensors and its list */
+        } else {
             skv_cuda_score_node_set_io(&g->node, &io);
             CK(cudaGraphExecKernelNodeSetParams(g->exec, g->score, &g->node.params));
-            skv_cuda_act_node_set(&g->act_node, &act);
-            CK(cudaGraphExecKernelNodeSetParams(g->exec, g->act, &g->act_node.params));
         }
+        CK(skv_cuda_act_rows(st, &act));
         CK(cudaGraphLaunch(g->exec, st));
-        launches = g->kernels;
+        launches = g->kernels + 1;
     }
     if (timed) {
         CK(cudaEventRecord(ev->e[SKV_EV_END], st));

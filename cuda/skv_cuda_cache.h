@@ -46,11 +46,9 @@ typedef struct {
 typedef struct {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    cudaGraphNode_t act;   /* the root kernel node (the step's rows, skv_cuda_act_rows), in graph */
-    cudaGraphNode_t score; /* the score kernel's node, in graph */
+    cudaGraphNode_t score; /* the root kernel node, in graph */
     int kernels;
     skv_cuda_score_node node;
-    skv_cuda_score_node act_node;
 } skv_cuda_layer_graph;
 
 typedef struct skv_cuda_cache {
