@@ -399,11 +399,22 @@ static void test_graph(wl *w, const skv_config *c, ref *R, const uint64_t *p, sk
     cudaStreamDestroy(sg);
 }
 
+/* The step of layer for the listed sequences, enqueued (no sync; BY_HOST), its output left in dout[layer]. */
+static skv_status enqueue_host(skv_cache *c, wl *w, int layer, int n, const int32_t *list, const uint64_t *p,
+                               const int *stp)
+{
+    for (int i = 0; i < n; i++) row_data(w, i, p[list[i]], stp[list[i]], layer);
+    poison_rows(w, n);
+    stage_inputs(w, layer);
+    return skv_decode_active(c, layer, n, list, w->dq, w->dk, w->dv, w->dout[layer]);
+}
+
 /*
- * Release and re-prefill of seq 3 between rounds, no sync around it. Y: seqs 0..3 step rounds 0
- * and 1, then seq 3 is released and prefilled with prompt 500 (data stream 900), and all four step
- * rounds 2..T-1 (seq 3's steps numbered from 0). Z: seq 3 holds prompt 500 from the start and
- * steps from round 2 on only. Seqs 0..2 equal the reference, seq 3 from round 2 equals Z's.
+ * Release and re-prefill of seq 3 while the others decode. Y: seqs 0..3 step rounds 0 and 1; in
+ * round 2, layer 0's step of seqs 0..2 is enqueued, seq 3 released and prefilled with prompt 500
+ * (data stream 900), layer 1's step of seqs 0..2 enqueued, and only then a sync; from round 3 all
+ * four step (seq 3's steps numbered from 0). Z: seq 3 holds prompt 500 from the start and steps from
+ * round 3 on. Seqs 0..2 equal the reference in every round, seq 3 from round 3 equals Z's.
  */
 static void test_release(wl *w, const skv_config *c, ref *R, const uint64_t *p, const char *tag)
 {
@@ -423,27 +434,44 @@ static void test_release(wl *w, const skv_config *c, ref *R, const uint64_t *p, 
     for (int t = 0; t < T && ok; t++) {
         int sy[B], sz[B];
         for (int s = 0; s < B; s++) sy[s] = sz[s] = t;
-        if (t == 2) { /* the release and the new prompt, beside nothing waited for */
-            ok &= SKVT_CHECK_STATUS(skv_seq_release(Y, 3), SKV_OK, "skv_seq_release");
+        if (t >= 3) sy[3] = sz[3] = t - 3;
+        if (t == 2) { /* the release and the new prompt between two enqueued steps of the others */
+            ok &= SKVT_CHECK_STATUS(enqueue_host(Y, w, 0, 3, three, py, sy), SKV_OK, "Y layer 0, enqueued");
+            ok &= SKVT_CHECK_STATUS(skv_seq_release(Y, 3), SKV_OK, "skv_seq_release beside a step in flight");
             ok &= prefill(Y, w, 3, 500, 333);
+            ok &= SKVT_CHECK_STATUS(enqueue_host(Y, w, 1, 3, three, py, sy), SKV_OK, "Y layer 1, enqueued");
+            ok &= SKVT_CHECK_STATUS(skv_cache_sync(Y), SKV_OK, "sync Y");
             py[3] = 900;
+            for (int l = 0; l < L && ok; l++) {
+                CU(cudaMemcpy(oy, w->dout[l], B * w->hd * 4, cudaMemcpyDeviceToHost));
+                ok &= SKVT_CHECK_STATUS(run_step(Z, w, BY_HOST, l, 3, three, pz, sz, oz), SKV_OK, "Z step");
+                for (int s = 0; s < 3; s++)
+                    ok &= SKVT_CHECK(!memcmp(oy + (size_t)s * w->hd, ref_row(R, w, t, l, s), w->hd * 4),
+                                     "%s: round %d layer %d: seq %d differs from a run without the release", tag, t, l,
+                                     s);
+            }
+            continue;
         }
-        if (t >= 2) sy[3] = sz[3] = t - 2;
         for (int l = 0; l < L && ok; l++) {
             ok &= SKVT_CHECK_STATUS(run_step(Y, w, BY_HOST, l, B, all, py, sy, oy), SKV_OK, "Y step");
-            if (t >= 2) ok &= SKVT_CHECK_STATUS(run_step(Z, w, BY_HOST, l, B, all, pz, sz, oz), SKV_OK, "Z step");
+            if (t >= 3) ok &= SKVT_CHECK_STATUS(run_step(Z, w, BY_HOST, l, B, all, pz, sz, oz), SKV_OK, "Z step");
             else ok &= SKVT_CHECK_STATUS(run_step(Z, w, BY_HOST, l, 3, three, pz, sz, oz), SKV_OK, "Z step");
             for (int s = 0; s < 3; s++)
                 ok &= SKVT_CHECK(!memcmp(oy + (size_t)s * w->hd, ref_row(R, w, t, l, s), w->hd * 4),
                                  "%s: round %d layer %d: seq %d differs from a run without the release", tag, t, l, s);
-            if (t >= 2)
+            if (t >= 3)
                 ok &= SKVT_CHECK(!memcmp(oy + 3 * w->hd, oz + 3 * w->hd, w->hd * 4),
                                  "%s: round %d layer %d: the re-prefilled seq 3 differs from a fresh cache's", tag, t, l);
         }
     }
     int32_t ready = -1;
     ok &= SKVT_CHECK(skv_seq_ready(Y, 3, &ready) == SKV_OK && ready == 1, "%s: seq 3 not ready after the steps", tag);
-    if (ok) printf("%s: release and re-prefill beside running decodes: others bitwise unchanged\n", tag);
+    for (int s = 0; s < 3 && ok; s++) {
+        seen a;
+        look(Y, w, s, &a);
+        ok &= SKVT_CHECK(same_seen(&a, &R->after[T - 1][s]), "%s: seq %d's state differs after the rounds", tag, s);
+    }
+    if (ok) printf("%s: release and re-prefill beside running decodes: the others bitwise unchanged\n", tag);
     free(oy), free(oz);
     skv_cache_free(Y), skv_cache_free(Z);
 }
