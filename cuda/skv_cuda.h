@@ -250,7 +250,7 @@ typedef struct skv_cuda_seq {
     int32_t dense;             /* 1: a dense layer's slot (no landmarks, factors, selection) */
     /* advanced on the device by the combine kernel */
     int32_t n_gen;
-    int32_t has_sel;
+    int32_t has_sel; /* (adjacent to n_gen: cache_sync reads both back in one strided copy) */
     /* a decode step's rows (skv_cuda_act_rows): row i is a copy of the i-th listed sequence's
        descriptor, home pointing back at it (the combine advances both); the rows past the count
        are idle (every other field zero), and every decode kernel skips an idle row: it reads

@@ -36,6 +36,7 @@
  *       kernel launched with the step's list; one step in SKV_CUDA_PHASE_EVERY, and a
  *       step inside the caller's capture, is launched directly (rows included)
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +50,9 @@
 
 #include "skv_cuda_cache.h"
 
+
+static_assert(offsetof(skv_cuda_seq, has_sel) == offsetof(skv_cuda_seq, n_gen) + sizeof(int32_t),
+              "cache_sync reads n_gen and has_sel in one strided copy");
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
@@ -160,6 +164,7 @@ void skv_cuda_cache_close(void *bctx)
         if (k->done_ev[i]) cudaEventDestroy(k->done_ev[i]);
     free(k->done_ev);
     free(k->pend);
+    free(k->h_gen);
     if (k->h_ring) cudaFreeHost(k->h_ring);
     if (k->pst) cudaStreamDestroy(k->pst);
     if (k->side) cudaStreamDestroy(k->side);
@@ -247,6 +252,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         k->d_list_err = (unsigned long long *)((char *)k->d_mark + skv_cuda_act_part(B * sizeof(int32_t)));
     }
     k->pend = (unsigned char *)calloc(L * B, 1);
+    k->h_gen = (int32_t *)calloc(2 * L * B, sizeof(int32_t));
     k->done_ev = (cudaEvent_t *)calloc(L * B, sizeof *k->done_ev);
     if (cudaHostAlloc((void **)&k->h_ring, (size_t)SKV_CUDA_LRING * B * sizeof(int32_t), cudaHostAllocDefault) !=
         cudaSuccess) {
@@ -267,7 +273,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
         !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen ||
-        (z.rank && (!k->rank_scratch || !k->h_rank)) || !act_base || !k->pend || !k->done_ev || !k->h_ring) {
+        (z.rank && (!k->rank_scratch || !k->h_rank)) || !act_base || !k->pend || !k->h_gen || !k->done_ev || !k->h_ring) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg0, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
@@ -697,16 +703,16 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
     const skv_status list_st = skv_cuda_list_error(k, msg, cap);
     unsigned long long bad = ~0ull;
     CK(cudaMemcpy(&bad, k->ws.first_bad, sizeof bad, cudaMemcpyDeviceToHost));
-    const int refresh = bad != ~0ull || list_st != SKV_OK || k->dev_lists;
-    k->dev_lists = 0;
-    if (refresh) {
+    if (bad != ~0ull || list_st != SKV_OK || k->dev_lists) {
         /* device-list steps advanced n_gen and has_sel where the host did not see them, and a failed
-           step (NaN/Inf inputs, a bad list) changed nothing there: take them from the device */
-        size_t L = (size_t)k->cfg.n_layers, B = (size_t)k->cfg.batch_size;
-        CK(cudaMemcpy(k->h_seqs, k->d_seqs, L * B * sizeof *k->h_seqs, cudaMemcpyDeviceToHost));
-        for (size_t i = 0; i < L * B; i++) {
-            states[i].n_gen = k->h_seqs[i].n_gen;
-            states[i].has_selection = k->h_seqs[i].has_sel;
+           step (NaN/Inf inputs, a bad list) changed nothing there: take them from the device (the two
+           adjacent words of every descriptor) */
+        const size_t n = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+        CK(cudaMemcpy2D(k->h_gen, 2 * sizeof(int32_t), &k->d_seqs[0].n_gen, sizeof(skv_cuda_seq), 2 * sizeof(int32_t),
+                        n, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) {
+            states[i].n_gen = k->h_seqs[i].n_gen = k->h_gen[2 * i];
+            states[i].has_selection = k->h_seqs[i].has_sel = k->h_gen[2 * i + 1];
         }
     }
     if (list_st != SKV_OK) return list_st;

@@ -111,7 +111,9 @@ typedef struct skv_cuda_cache {
     cudaEvent_t lring_ev[SKV_CUDA_LRING]; /* no timing: the copy from that ring entry is done */
     unsigned char lring_used[SKV_CUDA_LRING];
     int lring_head;
-    int dev_lists;          /* device-list steps since the last sync (sync then refreshes n_gen, has_sel) */
+    int dev_lists;          /* 1 once a device-list step was enqueued (or captured: the caller's graph may replay
+                               it any number of times): every sync then refreshes n_gen, has_sel */
+    int32_t *h_gen;         /* [L * B][2] host: n_gen, has_sel of every descriptor, read back by sync */
     unsigned long long fac_failures_seen;
     skv_cuda_pset pset[2];
     int pset_next;

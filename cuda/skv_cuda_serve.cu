@@ -37,7 +37,7 @@ skv_status skv_cuda_list_prepare(skv_cuda_cache *k, int32_t layer, int32_t n_act
         act->mode = SKV_CUDA_ACT_DEVICE;
         act->list = dev_seqs;
         act->count = dev_count;
-        k->dev_lists = 1;
+        k->dev_lists = 1; /* from now on every sync refreshes the host's n_gen and has_sel */
         return SKV_OK;
     }
     if (n_active < 0) n_active = 0;
