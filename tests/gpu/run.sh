@@ -8,12 +8,12 @@
 #             tests/gpu/test_python_cuda.py); a short decode benchmark (and
 #             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
 #             of the kernels NCU_HOT names)
-#   decode    build; test_cuda and test_placement; the decode benchmark over every
+#   decode    build; test_cuda, test_cuda_serve, test_serve and test_placement; the decode benchmark over every
 #             placement, workload, context and batch (skv-bench decode) with the dense
 #             SDPA baseline of the same run, joined into decode.json; the per-kernel
 #             device times and DRAM bytes of decode steps (ncu)
-#   full      build; every GPU test; compute-sanitizer memcheck of test_cuda and
-#             test_placement; the decode benchmark and table as in `decode`
+#   full      build; every GPU test; compute-sanitizer memcheck of test_cuda,
+#             test_cuda_serve and test_placement; the decode benchmark and table as in `decode`
 #   prefill   build; the factorization benchmark (16k..1M, with the GPU baselines) and
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
