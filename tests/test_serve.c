@@ -27,7 +27,15 @@
 
 #include "testutil.h"
 
-enum { L = 2, MAXB = 6 };
+enum { L = 2, MAXB = 8 };
+
+/* SKV_SERVE_LOAD=large (tests/gpu/run.sh): the load test at a Llama-3-8B layer shape, prompts of
+   4k..32k tokens, 8..200 steps, 64 requests through 8 slots; prompts are windows of one base
+   prompt (generating 64 of 32k tokens would take minutes). Default: a small shape that runs in
+   seconds on 2 cores. */
+static int large;
+static skv_bf16 *base_k, *base_v;
+static int64_t base_len;
 
 typedef struct wl {
     skv_config cfg;     /* the multi-sequence cache's config (batch_size B) */
@@ -39,6 +47,12 @@ typedef struct wl {
 /* Deterministic request data: request id, layer, step -> tensors. */
 static void req_prompt(const wl *w, uint64_t seed, int64_t n, int layer, skv_bf16 *k, skv_bf16 *v)
 {
+    if (large) {
+        const int64_t off = (int64_t)((seed * 7919ull + (uint64_t)layer * 104729ull) % (uint64_t)(base_len - n + 1));
+        memcpy(k, base_k + (size_t)off * w->row, (size_t)n * w->row * 2);
+        memcpy(v, base_v + (size_t)off * w->row, (size_t)n * w->row * 2);
+        return;
+    }
     skvt_rng r;
     skvt_rng_seed(&r, seed * 1000003ull + (uint64_t)layer * 7919ull + 11);
     skvt_lowrank_prompt(&r, w->row, n, k, v);
@@ -172,10 +186,16 @@ static void shape(wl *w, skv_backend be, int reproducible, int B, int pooled, in
     c.n_layers = L, c.n_q_heads = 4, c.n_kv_heads = 2, c.head_dim = 32, c.rank = 16, c.chunk_size = 4;
     c.budget = 24, c.n_outlier_chunks = 2, c.n_local_chunks = 1, c.batch_size = B, c.max_prompt_len = 640;
     c.gen_capacity = 48, c.rope.theta = 10000.0f, c.backend = be, c.reproducible = reproducible;
+    if (large) { /* the library's default Llama-3-8B layer shape */
+        skv_config d = skv_config_default();
+        c.n_q_heads = d.n_q_heads, c.n_kv_heads = d.n_kv_heads, c.head_dim = d.head_dim, c.rank = d.rank;
+        c.chunk_size = d.chunk_size, c.budget = d.budget, c.n_outlier_chunks = d.n_outlier_chunks;
+        c.n_local_chunks = d.n_local_chunks, c.rope = d.rope, c.max_prompt_len = 32768, c.gen_capacity = 200;
+    }
     if (pooled) {
-        c.pool_page_bytes = 8192;
-        c.pool_device_bytes = 6 << 20;
-        if (values_host) c.value_device_bytes = 0, c.pool_host_bytes = 4 << 20;
+        c.pool_page_bytes = large ? 0 : 8192;
+        c.pool_device_bytes = large ? (int64_t)1 << 30 : 6 << 20;
+        if (values_host) c.value_device_bytes = 0, c.pool_host_bytes = large ? (int64_t)1 << 30 : 4 << 20;
     }
     w->cfg = c, w->be = be, w->Hq = c.n_q_heads, w->Hk = c.n_kv_heads, w->D = c.head_dim;
     w->row = (size_t)c.n_kv_heads * c.head_dim, w->hd = (size_t)c.n_q_heads * c.head_dim;
@@ -189,19 +209,20 @@ static void shape(wl *w, skv_backend be, int reproducible, int B, int pooled, in
 static void run_load(skv_backend be, int reproducible, int pooled, int values_host, int n_req, uint64_t seed)
 {
     wl w;
-    shape(&w, be, reproducible, 4, pooled, values_host);
+    shape(&w, be, reproducible, large || n_req >= 64 ? 8 : 4, pooled, values_host);
     char tag[128];
     snprintf(tag, sizeof tag, "%s %s%s%s", skv_backend_name(be), reproducible ? "reproducible" : "default",
              pooled ? " pooled" : "", values_host ? " host values" : "");
     skv_cache *c = NULL;
-    if (pooled) { /* pools for two of the longest prompts and one staging: admissions wait for memory */
+    if (pooled) { /* pools for two (large: four) of the longest prompts and one staging: admissions wait for memory */
         size_t d, h, stg;
         if (!SKVT_CHECK(skv_cache_create(&w.cfg, &c) == SKV_OK, "%s: create: %s", tag, skv_last_error())) return;
         skv_seq_bytes(c, w.cfg.max_prompt_len, &d, &h, &stg);
         skv_cache_free(c);
         c = NULL;
-        w.cfg.pool_device_bytes = (int64_t)(2 * d + (values_host ? stg : 2 * stg));
-        if (values_host) w.cfg.pool_host_bytes = (int64_t)(2 * h);
+        const size_t m = large ? 4 : 2; /* the large load: room for four of the longest */
+        w.cfg.pool_device_bytes = (int64_t)(m * d + (values_host ? stg : 2 * stg));
+        if (values_host) w.cfg.pool_host_bytes = (int64_t)(m * h);
     }
     if (!SKVT_CHECK(skv_cache_create(&w.cfg, &c) == SKV_OK, "%s: create: %s", tag, skv_last_error())) return;
     skvt_rng r;
@@ -213,8 +234,8 @@ static void run_load(skv_backend be, int reproducible, int pooled, int values_ho
     int *arrive = calloc((size_t)n_req, sizeof *arrive);
     for (int i = 0; i < n_req; i++) {
         rq[i].seed = seed * 131 + (uint64_t)i, rq[i].slot = -1;
-        rq[i].n = skvt_rng_range(&r, 160, w.cfg.max_prompt_len);
-        rq[i].steps = (int)skvt_rng_range(&r, 2, w.cfg.gen_capacity);
+        rq[i].n = skvt_rng_range(&r, large ? 4096 : 160, w.cfg.max_prompt_len);
+        rq[i].steps = (int)skvt_rng_range(&r, large ? 8 : 2, w.cfg.gen_capacity);
         arrive[i] = (int)skvt_rng_range(&r, 0, n_req * 3);
     }
     float *out = skvt_xmalloc((size_t)L * MAXB * w.hd * 4), *sout = skvt_xmalloc((size_t)L * w.hd * 4);
@@ -530,6 +551,19 @@ static void run_pool(skv_backend be, uint64_t seed)
 int main(void)
 {
     const uint64_t seed = skvt_base_seed("test_serve");
+    const char *load = getenv("SKV_SERVE_LOAD");
+    large = load && !strcmp(load, "large");
+    if (large) { /* one base prompt at the large shape; requests take windows of it */
+        wl w;
+        shape(&w, SKV_BACKEND_REF, 0, 8, 0, 0);
+        base_len = 2 * w.cfg.max_prompt_len;
+        base_k = skvt_xmalloc((size_t)base_len * w.row * 2), base_v = skvt_xmalloc((size_t)base_len * w.row * 2);
+        skvt_rng r;
+        skvt_rng_seed(&r, seed ^ 0xba5eull);
+        skvt_lowrank_prompt(&r, w.row, base_len, base_k, base_v);
+        printf("test_serve: the large load (SKV_SERVE_LOAD=large): 64 requests, prompts 4096..32768, 8..200 steps, 8 "
+               "slots\n");
+    }
     const skv_backend all[3] = {SKV_BACKEND_REF, SKV_BACKEND_CPU, SKV_BACKEND_CUDA};
     for (int i = 0; i < 3; i++) {
         if (skv_backend_available(all[i]) != SKV_OK) {
@@ -537,11 +571,17 @@ int main(void)
             continue;
         }
         const int cuda = all[i] == SKV_BACKEND_CUDA;
+        if (large) { /* the load alone: on cuda in the reproducible mode, pooled, values on the device and on the host */
+            if (!cuda) continue;
+            run_load(all[i], 1, 1, 0, 64, seed + 21);
+            run_load(all[i], 1, 1, 1, 64, seed + 31);
+            continue;
+        }
         run_bad(all[i], seed + 1);
         run_pool(all[i], seed + 2);
-        for (int rep = cuda; rep < 2; rep++) {
-            run_load(all[i], rep, 0, 0, 10, seed + 10 + (uint64_t)rep);
-            run_load(all[i], rep, 1, 0, 12, seed + 20 + (uint64_t)rep);
+        for (int rep = cuda; rep < 2; rep++) { /* 64 requests through 8 slots once per mode, smaller runs beside */
+            run_load(all[i], rep, 0, 0, 12, seed + 10 + (uint64_t)rep);
+            run_load(all[i], rep, 1, 0, 64, seed + 20 + (uint64_t)rep);
             run_load(all[i], rep, 1, 1, 12, seed + 30 + (uint64_t)rep);
         }
     }
