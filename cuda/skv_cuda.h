@@ -6,9 +6,16 @@
  *                          checks' wrappers; skv_cuda_err
  *   skv_cuda_ops.cu        the op-level slots (B = 1, legacy stream, synchronous):
  *                          wrappers of the launchers below
- *   skv_cuda_cache.cu      the cache pipeline: open, close, prefill (a dense
- *                          layer's too), a decode step's launch sequence, its graph
- *                          capture and replay, sync (the layers' counters), set_states
+ *   skv_cuda_cache.cu      the cache pipeline: open, close, a decode step's launch
+ *                          sequence, its graph capture and replay, sync (the layers'
+ *                          counters), set_states
+ *   skv_cuda_prefill.cu    a cache's prefill (a dense layer's too), on its own
+ *                          stream beside the decode's
+ *   skv_cuda_serve.cu      the serving slots: a step's active list (host or device),
+ *                          release, seq_ready, the deferred bad-list error
+ *   skv_cuda_cache.h       the cache's state those three files share
+ *   skv_cuda_active.cu     a step's rows from its list (and the device list's
+ *                          check), the descriptors' writes at prefill and release
  *   skv_cuda_workspace.cu  the decode workspace's layout, the cache's shapes (a
  *                          sparse and a dense layer's) and their attention items
  *   the decision path, built with --fmad=false and the shared numerics of
@@ -70,6 +77,13 @@
  *
  * A decode step is a fixed launch sequence that reads all per-step state from
  * the device (so it can be captured in a graph):
+ *   0 rows     the step's rows from its active list (skv_cuda_act_rows): row i
+ *              is the i-th listed sequence's descriptor (the whole batch: the
+ *              list 0..B-1), the rows past the count idle; a device list is
+ *              read and checked here. Every later kernel takes the whole batch's
+ *              grid and skips idle rows (skv_cuda_seq.idle); io rows and the
+ *              per-step workspace are indexed by row, the per-slot state through
+ *              the row's descriptor
  *   1 score    landmark scores of every candidate, their max per query head,
  *              the step's input check
  *   2 expsum   e_j = skv_expf(s_j - M) in place; the last block of each query
@@ -195,13 +209,17 @@ void skv_cuda_cache_close(void *bctx);
 skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_layout *lay, char *dev,
                                char *host, char *msg, size_t cap);
 skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
-                                  const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
-                                  skv_stats *stats, char *msg, size_t cap);
-skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
-                                 const skv_bf16 *vn, float *out, char *msg, size_t cap);
+                                  const skv_slot_mem *mem, const skv_bf16 *k_pre, const skv_bf16 *v,
+                                  const skv_bf16 *k_post, skv_stats *stats, char *msg, size_t cap);
+skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, int32_t n_active, const int32_t *seqs,
+                                 const int32_t *dev_count, const int32_t *dev_seqs, const skv_bf16 *q,
+                                 const skv_bf16 *kn, const skv_bf16 *vn, float *out, char *msg, size_t cap);
 skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *stats, skv_layer_stats *layer_stats,
                                char *msg, size_t cap);
 skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
+/* The serving slots (skv_cuda_serve.cu). */
+skv_status skv_cuda_cache_release(void *bctx, int32_t seq, char *msg, size_t cap);
+skv_status skv_cuda_cache_seq_ready(void *bctx, int32_t layer, int32_t seq, int32_t *ready, char *msg, size_t cap);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */
 typedef struct skv_cuda_seq {
@@ -232,7 +250,14 @@ typedef struct skv_cuda_seq {
     int32_t dense;             /* 1: a dense layer's slot (no landmarks, factors, selection) */
     /* advanced on the device by the combine kernel */
     int32_t n_gen;
-    int32_t has_sel;
+    int32_t has_sel; /* (adjacent to n_gen: cache_sync reads both back in one strided copy) */
+    /* a decode step's rows (skv_cuda_act_rows): row i is a copy of the i-th listed sequence's
+       descriptor, home pointing back at it (the combine advances both); the rows past the count
+       are idle (every other field zero), and every decode kernel skips an idle row: it reads
+       nothing of the step's tensors there and writes nothing. 0 and NULL in the cache's own
+       descriptors and at op level. */
+    int32_t idle;
+    struct skv_cuda_seq *home;
 } skv_cuda_seq;
 
 /* Shape constants shared by the batched kernels (passed by value). */
@@ -286,6 +311,48 @@ typedef struct skv_cuda_score_node {
 /* Points the node's parameters at another step's tensors (params stay valid for
    cudaGraphExecKernelNodeSetParams). */
 void skv_cuda_score_node_set_io(skv_cuda_score_node *node, const skv_cuda_io *io);
+
+/* ---- a decode step's rows, the descriptors' writes (skv_cuda_active.cu) ---------------------- */
+
+/* Where a step's list comes from: 0..n-1 (the whole batch is 0..B-1), a host list's device copy,
+   or the caller's device list (count and list read and checked when the stream gets there). */
+enum { SKV_CUDA_ACT_PREFIX = 0, SKV_CUDA_ACT_HOST = 1, SKV_CUDA_ACT_DEVICE = 2 };
+/* What was wrong with a device list: the kind in bits 56.. of the deferred error, the layer in bits
+   40..55, the count or the sequence in bits 0..31 (skv_cuda_act.err; atomicMin keeps the first kind). */
+enum {
+    SKV_CUDA_LIST_COUNT = 1, /* the count is outside [0, B] */
+    SKV_CUDA_LIST_RANGE,     /* a sequence outside [0, B) */
+    SKV_CUDA_LIST_TWICE,     /* a sequence listed twice */
+    SKV_CUDA_LIST_FREE,      /* a sequence not prefilled in that layer */
+    SKV_CUDA_LIST_FULL,      /* a sequence at gen_capacity in the step's layer */
+    SKV_CUDA_LIST_AHEAD      /* the step's layer would go a step ahead of another layer of the sequence */
+};
+
+/* A decode step's list (passed by value). */
+typedef struct skv_cuda_act {
+    skv_cuda_seq *base;        /* the cache's L B descriptors (layer l, sequence s at l B + s) */
+    skv_cuda_seq *rows;        /* [B] the step's rows (skv_cuda_seq.idle, home) */
+    int32_t *mark;             /* [B] zero between steps (a device list's duplicates) */
+    unsigned long long *err;   /* the deferred device-list error (~0: none; sticky: a device list is
+                                  refused while it is set) */
+    const int32_t *list;       /* HOST: the list's device copy; DEVICE: the caller's list; PREFIX: NULL */
+    const int32_t *count;      /* DEVICE: the caller's count; else NULL */
+    int32_t mode, n;           /* SKV_CUDA_ACT_*; n: the count of PREFIX and HOST */
+    int32_t layer, L, B, gen_cap;
+} skv_cuda_act;
+
+/* The step's rows from its list: one block on st, the step's first kernel (before a layer's graph).
+   A DEVICE list is checked first (count in [0, B], each sequence in range, once, prefilled in every
+   layer, below gen_cap in this layer and not ahead of its other layers); a bad one, or a DEVICE list
+   while *err is set, takes no row, and the first fault goes to *err. */
+cudaError_t skv_cuda_act_rows(cudaStream_t st, const skv_cuda_act *a);
+/* *dst = *val on st (one thread; the value travels as the kernel's parameter, so nothing on the
+   host must stay alive). */
+cudaError_t skv_cuda_set_seq(cudaStream_t st, skv_cuda_seq *dst, const skv_cuda_seq *val);
+/* Sequence seq of all L layers back to free on st: no prompt, n_gen 0, no selection (published counts
+   0, rows -1), chunk caches empty (their vc_meta_bytes of index from vc_slot_of -1); pointers kept. */
+cudaError_t skv_cuda_release_seq(cudaStream_t st, skv_cuda_seq *base, int32_t L, int32_t B, int32_t seq, int32_t Hk,
+                                 int32_t S, size_t vc_meta_bytes);
 
 /* The decode workspace on the device (one per cache; shared by its layers). */
 typedef struct skv_cuda_dws {

@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
     float *acc_out = a.part_acc + (head0 * a.it.n_items + item) * D;
     float2 *ml_out = a.part_ml + head0 * a.it.n_items + item;
     const int64_t acc_stride = (int64_t)a.it.n_items * D, ml_stride = a.it.n_items;
+    if (a.seqs && a.seqs[b].idle) return; /* an idle row: no partials (the combine skips it) */
 
     if constexpr (DT != 0) /* W_h of a selected tile first: nothing before this kernel writes it */
         if (item < a.it.n_sel && L.whole) rebuild_whole_issue_w<DT>(work, L, a.seqs[b].w, h, a.Hk, a.sh.r);
@@ -522,6 +523,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.z, h = blockIdx.y;
     const int G = a.G, r = sh.r;
+    if (a.seqs && a.seqs[b].idle) return; /* an idle row: no partials (the combine skips it) */
     /* the rows a thread copies: its warp's own 16 (two threads per row), so that a warp's waits
        cover everything it reads of the stage (no group barrier for the loads) */
     const int rw = lane & 15, row = 16 * w + rw, half = lane >> 4;

@@ -1,28 +1,27 @@
 /*
  * skv_cuda_cache.cu - the cache pipeline of the cuda backend: the slots cache_bytes,
- * cache_open, cache_close, cache_prefill, cache_decode, cache_sync and cache_set_states
- * (registered by skv_cuda_fill_ops). The decode workspace's layout and the cache's shapes
+ * cache_open, cache_close, cache_decode, cache_sync and cache_set_states (registered by
+ * skv_cuda_fill_ops; cache_prefill is in skv_cuda_prefill.cu, cache_release and
+ * cache_seq_ready in skv_cuda_serve.cu). The decode workspace's layout and the cache's shapes
  * and items are in skv_cuda_workspace.cu.
  *
  * A cache runs on its stream (config.cuda_stream; NULL = the legacy default
  * stream). Everything it needs is allocated at create: the arenas (lib/), the
  * decode workspace for the whole batch, the prefill scratch for
  * max_prompt_len tokens, the factorization workspace, the per-(layer,
- * sequence) descriptors on the device and a ring of timing events.
+ * sequence) descriptors on the device, a step's rows, a ring of timing events
+ * and one of host lists. Prefill runs beside the stream (skv_cuda_prefill.cu);
+ * the serving slots are in skv_cuda_serve.cu.
  *
  * Decode is a fixed launch sequence on the stream (no allocation, no
- * synchronization): input check, scores, selection, rebuild, gather,
- * attention, append. Per-step state (n_gen, the published selection) lives on
- * the device and is advanced there, so nothing in the sequence depends on the
- * host; NaN/Inf inputs are found on the device and reported by cache_sync.
+ * synchronization): the step's rows from its active list, input check, scores,
+ * selection, rebuild, gather, attention, append. Per-step state (n_gen, the
+ * published selection) lives on the device and is advanced there, so nothing in
+ * the sequence depends on the host; NaN/Inf inputs and bad device lists are
+ * found on the device and reported by cache_sync.
  *
  * The launchers each part runs (skv_cuda.h says which file holds each):
- *   prefill (skv_cuda_cache_prefill)  skv_cuda_find_nonfinite, skv_cuda_rope (no
- *       k_post given), skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the
- *       outlier chunks; the candidates' values on a side stream), skv_cuda_factorize
- *       and skv_cuda_f32_to_bf16 on another (and skv_cuda_canon_wprep, reproducible
- *       mode or the rescoring; set_states runs it too)
- *   a decode step (skv_cuda_enqueue_step)  skv_cuda_select_step (steps 1-3; with the
+ *   a decode step (skv_cuda_enqueue_step)  skv_cuda_act_rows; skv_cuda_select_step (steps 1-3; with the
  *       rescoring, config.select_candidates, skv_cuda_rescore_step instead); then
  *       skv_cuda_fetch (host slots, side stream), skv_cuda_attend,
  *       skv_cuda_attend_missed, skv_cuda_combine; or in the reproducible mode
@@ -31,14 +30,13 @@
  *       skv_cuda_combine_append; a dense layer's step: skv_cuda_score (no candidates),
  *       skv_cuda_attend, skv_cuda_combine (reproducible: skv_cuda_canon_decode_resident,
  *       skv_cuda_canon_decode_attend, skv_cuda_combine_append)
- *   a dense layer's prefill (skv_cuda_prefill_dense)  skv_cuda_find_nonfinite,
- *       skv_cuda_rope (no k_post given), the prompt into the slot's window
- *   decode (skv_cuda_cache_decode)  a layer's step is captured into a graph at its
- *       first step (skv_cuda_capture_layer) and replayed after with the score node's
- *       tensors updated (skv_cuda_score_node_set_io); one step in
- *       SKV_CUDA_PHASE_EVERY, and a step inside the caller's capture, is launched
- *       directly
+ *   decode (skv_cuda_cache_decode)  a layer's step from step 1 on is captured into a
+ *       graph at its first step (skv_cuda_capture_layer) and replayed after with the
+ *       score node's tensors updated (skv_cuda_score_node_set_io), after the rows
+ *       kernel launched with the step's list; one step in SKV_CUDA_PHASE_EVERY, and a
+ *       step inside the caller's capture, is launched directly (rows included)
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,99 +48,11 @@
 
 /* ---- the cache ------------------------------------------------------------------------------ */
 
-#define SKV_CUDA_RING 64 /* decode steps whose times can be in flight */
-/* Blocks of the prefill's value offload to a host store (writes to mapped host memory, bound
-   by PCIe): the rest of the GPU stays free for the caller's work. */
-#define SKV_CUDA_OFFLOAD_BLOCKS 8
-/* Steps whose phases are timed: one in this many (the phase events sit between kernels that
-   otherwise overlap their launch with the previous kernel's tail). */
-#define SKV_CUDA_PHASE_EVERY 16
-/* SKV_EV_REBUILT: after the canonical rebuild (reproducible mode), so that its time is decode_rebuild_ms */
-enum { SKV_EV_START, SKV_EV_SELECTED, SKV_EV_FETCHED, SKV_EV_REBUILT, SKV_EV_END, SKV_CUDA_EV };
+#include "skv_cuda_cache.h"
 
-typedef struct {
-    cudaEvent_t e[SKV_CUDA_EV];
-    int used;   /* start and end recorded */
-    int phases; /* selected (and fetched, host layers) recorded too */
-    int fetch;
-    int rebuilt; /* SKV_EV_REBUILT recorded too (reproducible mode) */
-} skv_cuda_evset;
 
-/* Prefill timing: main stream m0..m3 (start, staged + RoPE, landmarks, end) with wa..wb
-   around its wait for the previous prefill's side work, factorization f0..f1, offload
-   o0..o1. Two sets: a prefill harvests the set of the prefill before last. */
-enum { SKV_PE_M0, SKV_PE_M1, SKV_PE_M2, SKV_PE_M3, SKV_PE_F0, SKV_PE_F1, SKV_PE_O0, SKV_PE_O1, SKV_PE_WA, SKV_PE_WB,
-       SKV_PE_N };
-typedef struct {
-    cudaEvent_t e[SKV_PE_N];
-    int used;
-} skv_cuda_pset;
-
-/* A layer's decode step as a CUDA graph: captured at its first step, replayed after with the
-   score node's tensors updated (one launch instead of five to seven). */
-typedef struct {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    cudaGraphNode_t score; /* the root kernel node, in graph */
-    int kernels;
-    skv_cuda_score_node node;
-} skv_cuda_layer_graph;
-
-typedef struct skv_cuda_cache {
-    skv_config cfg;
-    skv_layout lay;
-    cudaStream_t st;
-    cudaStream_t cap;               /* the layer graphs are captured here */
-    skv_cuda_layer_graph *graphs;   /* [L] */
-    cudaStream_t side;              /* the fetch of missed chunks runs here, beside the attention */
-    int32_t offload_blocks;         /* grid cap of the prefill's value offload to the host */
-    cudaEvent_t fork_ev, join_ev;   /* no timing: fork/join of the side stream */
-    cudaEvent_t scored_ev;          /* no timing: step 1 done (reproducible mode: the resident scores may start) */
-    char *dev, *host_dev; /* the device arena; host_dev: device alias of the pinned host arena */
-    skv_cuda_shape sh;
-    skv_cuda_shape shd;   /* a dense layer's shape: S = O = r = 0 (no selected span, no outliers) */
-    skv_cuda_seq *d_seqs; /* [L * B] on the device */
-    skv_cuda_seq *h_seqs; /* host copies (prefill writes them; sync refreshes them) */
-    unsigned char *layer_host; /* [L] 1: a sequence of the layer keeps its values on the host */
-    skv_cuda_dws ws;            /* the decode workspace (a sparse layer's items) */
-    skv_cuda_dws wsd;           /* the same workspace with a dense layer's items (its resident spans hold the prompt) */
-    unsigned long long *lstats; /* [L, 4] the layers' counters on the device (cumulative; combine adds them) */
-    unsigned long long *lstats_seen; /* [L, 4] host: what sync has handed over */
-    unsigned long long vc_seen[2]; /* chunk-cache counts already added to the stats */
-    int64_t launches;           /* decode kernels since the last sync */
-    int64_t n_steps;            /* decode steps enqueued */
-    /* prefill workspace */
-    skv_bf16 *kp_tmp;
-    float *uf, *wf;
-    void *lm_scratch;
-    unsigned long long *flags, *h_flags; /* [3] device, pinned host */
-    skv_cuda_factor *fac;
-    /* config.rank == 0: cfg.rank holds rank_max (the size of the factors); each slot's rank is
-       chosen on fst into d_rank and copied to h_rank at the next sync */
-    int choose_rank;
-    float rank_target;
-    int32_t *d_rank, *h_rank; /* [L * B] */
-    void *rank_scratch;
-    /* prefill beside the caller's stream: the factorization runs on fst, the value offload on ost,
-       both from staged copies of k_pre and v, so the caller may reuse its buffers at once */
-    cudaStream_t fst, ost;
-    cudaEvent_t side_ev, fac_ev, off_ev; /* no timing */
-    skv_bf16 *kstage, *vstage;
-    int staged;       /* fac_ev / off_ev were recorded: the staging buffers may be in use */
-    int side_pending; /* decode has not yet waited for the last prefill's side work */
-    unsigned long long fac_failures_seen;
-    skv_cuda_pset pset[2];
-    int pset_next;
-    /* timing */
-    skv_cuda_evset ring[SKV_CUDA_RING];
-    int ring_head;
-    skv_stats pending;
-    double phase_select_ms, phase_fetch_ms, phase_attention_ms, phase_rebuild_ms; /* over the phase-timed steps */
-    int64_t n_timed, n_phased, n_phased_fetch;
-    /* all cudaMalloc'ed blocks, freed at close */
-    void *blocks[26];
-    int n_blocks;
-} skv_cuda_cache;
+static_assert(offsetof(skv_cuda_seq, has_sel) == offsetof(skv_cuda_seq, n_gen) + sizeof(int32_t),
+              "cache_sync reads n_gen and has_sel in one strided copy");
 
 /* Workspace sizes of a cache, in one place for cache_bytes and cache_open. */
 typedef struct {
@@ -150,7 +60,24 @@ typedef struct {
     size_t wq_slot, wq; /* reproducible mode or the rescoring: one slot's prepared W (skv_cuda_seq.wq), all L B
                            slots'; else 0 */
     size_t rank;        /* rank == 0: the rank choice's scratch and the slots' ranks; else 0 */
+    size_t act;         /* a step's rows, the host list's copy, the marks, the deferred list error */
 } skv_cuda_sizes; /* kp: also the size of each of the two staging buffers */
+
+/* Whether any sparse slot keeps its values on the host (so has a chunk cache): in the pool mode every
+   one when values_host, else none; otherwise the slots past n_dev_slots. */
+static int skv_cuda_has_host(const skv_layout *lay)
+{
+    return lay->pooled ? lay->values_host != 0 : lay->n_dev_slots < lay->n_sparse_slots;
+}
+
+/* Device bytes of a step's rows [B], the host list's copy [B], the marks [B] and the deferred
+   list error, each 256-byte aligned (carved in that order by cache_open). */
+static size_t skv_cuda_act_part(size_t bytes) { return (bytes + 255) / 256 * 256; }
+static size_t skv_cuda_act_bytes(int32_t B)
+{
+    return skv_cuda_act_part((size_t)B * sizeof(skv_cuda_seq)) + 2 * skv_cuda_act_part((size_t)B * sizeof(int32_t)) +
+           skv_cuda_act_part(sizeof(unsigned long long));
+}
 
 /* The config as the cache's kernels see it: rank == 0 sizes everything for rank_max. */
 static skv_config skv_cuda_sized_cfg(const skv_config *c)
@@ -170,7 +97,7 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *
     skv_cuda_dws probe;
     z.dws = skv_cuda_dws_layout(&probe, NULL, c->batch_size, c->n_q_heads, c->n_kv_heads, c->head_dim, lay->S,
                                 c->chunk_size, lay->cand_max, skv_cuda_ws_items_of(c, lay),
-                                lay->n_dev_slots < lay->n_sparse_slots, skv_cuda_canon_tmax(c, lay),
+                                skv_cuda_has_host(lay), skv_cuda_canon_tmax(c, lay),
                                 skv_cuda_shape_of(c, lay).sel_mode == SKV_SELECT_MASS, lay->W);
     z.lstats = (size_t)c->n_layers * 4 * sizeof(unsigned long long);
     z.kp = n * HkD * sizeof(skv_bf16);
@@ -189,13 +116,15 @@ static skv_cuda_sizes skv_cuda_sizes_of(const skv_config *c0, const skv_layout *
     z.rank = c0->rank ? 0
                       : (skv_cuda_rank_scratch_bytes(c->rank) + 255) / 256 * 256 +
                             (size_t)c->n_layers * (size_t)c->batch_size * sizeof(int32_t);
+    z.act = skv_cuda_act_bytes(c->batch_size);
     return z;
 }
 
 size_t skv_cuda_cache_bytes(const skv_config *cfg, const skv_layout *lay)
 {
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg, lay);
-    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + z.rank + 3 * sizeof(unsigned long long);
+    return z.dws + 3 * z.kp + z.uf + z.wf + z.lm + z.seqs + z.factor + z.wq + z.lstats + z.rank + z.act +
+           3 * sizeof(unsigned long long);
 }
 
 static void *skv_cuda_cache_alloc(skv_cuda_cache *k, size_t bytes)
@@ -215,6 +144,7 @@ void skv_cuda_cache_close(void *bctx)
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     if (!k) return;
     cudaStreamSynchronize(k->st);
+    if (k->pst) cudaStreamSynchronize(k->pst);
     if (k->fst) cudaStreamSynchronize(k->fst);
     if (k->ost) cudaStreamSynchronize(k->ost);
     if (k->side) cudaStreamSynchronize(k->side);
@@ -227,6 +157,16 @@ void skv_cuda_cache_close(void *bctx)
     cudaEvent_t evs[6] = {k->side_ev, k->fac_ev, k->off_ev, k->fork_ev, k->join_ev, k->scored_ev};
     for (int j = 0; j < 6; j++)
         if (evs[j]) cudaEventDestroy(evs[j]);
+    if (k->pre_ev) cudaEventDestroy(k->pre_ev);
+    for (int i = 0; i < SKV_CUDA_LRING; i++)
+        if (k->lring_ev[i]) cudaEventDestroy(k->lring_ev[i]);
+    for (size_t i = 0; k->done_ev && i < (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size; i++)
+        if (k->done_ev[i]) cudaEventDestroy(k->done_ev[i]);
+    free(k->done_ev);
+    free(k->pend);
+    free(k->h_gen);
+    if (k->h_ring) cudaFreeHost(k->h_ring);
+    if (k->pst) cudaStreamDestroy(k->pst);
     if (k->side) cudaStreamDestroy(k->side);
     if (k->cap) cudaStreamDestroy(k->cap);
     for (int l = 0; k->graphs && l < k->cfg.n_layers; l++) {
@@ -266,11 +206,12 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->offload_blocks = SKV_CUDA_OFFLOAD_BLOCKS;
     k->st = (cudaStream_t)cfg->cuda_stream;
     k->dev = dev;
+    k->host = host;
     skv_status st = SKV_OK;
     skv_cuda_sizes z = skv_cuda_sizes_of(cfg0, lay);
     size_t L = (size_t)cfg->n_layers, B = (size_t)cfg->batch_size;
-    const int has_host = lay->n_dev_slots < lay->n_sparse_slots;
-    char *dws_base, *wq_base = NULL;
+    const int has_host = skv_cuda_has_host(lay), pooled = lay->pooled != 0;
+    char *dws_base, *wq_base = NULL, *act_base;
     k->sh = skv_cuda_shape_of(cfg, lay);
     skv_cuda_shape *sh = &k->sh;
     cudaError_t e = cudaHostGetDevicePointer((void **)&k->host_dev, host, 0);
@@ -303,6 +244,21 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->lm_scratch = skv_cuda_cache_alloc(k, z.lm);
     k->flags = (unsigned long long *)skv_cuda_cache_alloc(k, 3 * sizeof(unsigned long long));
     k->lstats = (unsigned long long *)skv_cuda_cache_alloc(k, z.lstats);
+    act_base = (char *)skv_cuda_cache_alloc(k, z.act);
+    if (act_base) { /* as skv_cuda_act_bytes */
+        k->rows = (skv_cuda_seq *)act_base;
+        k->d_list = (int32_t *)(act_base + skv_cuda_act_part(B * sizeof(skv_cuda_seq)));
+        k->d_mark = (int32_t *)((char *)k->d_list + skv_cuda_act_part(B * sizeof(int32_t)));
+        k->d_list_err = (unsigned long long *)((char *)k->d_mark + skv_cuda_act_part(B * sizeof(int32_t)));
+    }
+    k->pend = (unsigned char *)calloc(L * B, 1);
+    k->h_gen = (int32_t *)calloc(2 * L * B, sizeof(int32_t));
+    k->done_ev = (cudaEvent_t *)calloc(L * B, sizeof *k->done_ev);
+    if (cudaHostAlloc((void **)&k->h_ring, (size_t)SKV_CUDA_LRING * B * sizeof(int32_t), cudaHostAllocDefault) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        k->h_ring = NULL;
+    }
     k->lstats_seen = (unsigned long long *)calloc(L * 4, sizeof(unsigned long long));
     if (z.wq) wq_base = (char *)skv_cuda_cache_alloc(k, z.wq);
     if (z.rank) {
@@ -317,7 +273,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     }
     if (!k->h_seqs || !k->layer_host || !k->graphs || !k->d_seqs || !dws_base || !k->kp_tmp || !k->kstage || !k->vstage || !k->uf ||
         !k->wf || !k->lm_scratch || !k->flags || !k->h_flags || (z.wq && !wq_base) || !k->lstats || !k->lstats_seen ||
-        (z.rank && (!k->rank_scratch || !k->h_rank))) {
+        (z.rank && (!k->rank_scratch || !k->h_rank)) || !act_base || !k->pend || !k->h_gen || !k->done_ev || !k->h_ring) {
         snprintf(msg, cap, "cuda: out of device memory for the cache workspace (%zu bytes)",
                  skv_cuda_cache_bytes(cfg0, lay));
         st = SKV_ERR_OUT_OF_MEMORY;
@@ -332,7 +288,8 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     k->wsd.it = skv_cuda_dense_items_of(cfg, lay);
     k->shd = skv_cuda_dense_shape(sh);
     if ((e = skv_cuda_dws_clear(&k->ws, 0)) != cudaSuccess ||
-        (e = cudaMemset(k->lstats, 0, z.lstats)) != cudaSuccess) {
+        (e = cudaMemset(k->lstats, 0, z.lstats)) != cudaSuccess || (e = cudaMemset(act_base, 0, z.act)) != cudaSuccess ||
+        (e = cudaMemset(k->d_list_err, 0xff, sizeof *k->d_list_err)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaMemsetAsync(workspace)", msg, cap);
         goto fail;
     }
@@ -343,7 +300,8 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->cap, cudaStreamNonBlocking)) != cudaSuccess) {
+        (e = cudaStreamCreateWithFlags(&k->cap, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&k->pst, cudaStreamNonBlocking)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
         goto fail;
     }
@@ -360,11 +318,17 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->side_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->pre_ev, cudaEventDisableTiming);
+    for (int i = 0; i < SKV_CUDA_LRING && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&k->lring_ev[i], cudaEventDisableTiming);
+    for (size_t i = 0; i < L * B && e == cudaSuccess; i++)
+        e = cudaEventCreateWithFlags(&k->done_ev[i], cudaEventDisableTiming);
     if (e != cudaSuccess) {
         st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
         goto fail;
     }
-    /* descriptors: fixed pointers now, sizes at prefill */
+    /* descriptors: fixed pointers now, sizes (and in the pool mode the growing regions: u, landmarks,
+       cand_ids, the value store; a dense slot's window) at prefill, from its skv_slot_mem */
     for (size_t l = 0; l < L; l++)
         for (size_t b = 0; b < B; b++) {
             size_t i = l * B + b;
@@ -372,16 +336,18 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
             skv_cuda_seq *s = &k->h_seqs[i];
             if (skv_layout_dense(lay, (int32_t)l)) { /* the prompt's keys and values, the generated tokens */
                 s->dense = 1;
-                s->loc_k = (const skv_bf16 *)(sd + lay->dn_k);
-                s->loc_v = (const skv_bf16 *)(sd + lay->dn_v);
+                s->loc_k = pooled ? NULL : (const skv_bf16 *)(sd + lay->dn_k);
+                s->loc_v = pooled ? NULL : (const skv_bf16 *)(sd + lay->dn_v);
                 s->gen_k = (skv_bf16 *)(sd + lay->dn_gen_k);
                 s->gen_v = (skv_bf16 *)(sd + lay->dn_gen_v);
                 continue;
             }
             const int64_t j = skv_layout_sparse_index(lay, (int32_t)l, (int32_t)b); /* its value store's index */
-            s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
-            s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
-            s->u = (const skv_bf16 *)(sd + lay->u);
+            if (!pooled) {
+                s->landmarks = (const skv_bf16 *)(sd + lay->landmarks);
+                s->cand_ids = (const int32_t *)(sd + lay->cand_ids);
+                s->u = (const skv_bf16 *)(sd + lay->u);
+            }
             s->w = (const skv_bf16 *)(sd + lay->w);
             s->wq = wq_base ? (const signed char *)(wq_base + i * z.wq_slot) : NULL;
             s->out_k = (const skv_bf16 *)(sd + lay->out_k);
@@ -393,12 +359,12 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
             s->pub_sel_idx = (int32_t *)(sd + lay->sel_idx);
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
             s->pub_sel_cnt = (int32_t *)(sd + lay->sel_cnt);
-            if (j < lay->n_dev_slots) {
-                s->vstore = (const skv_bf16 *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
-            } else {
+            if (pooled ? !lay->values_host : j < lay->n_dev_slots) {
+                if (!pooled) s->vstore = (const skv_bf16 *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
+            } else { /* a chunk cache (the pool mode: every sparse slot's, n_dev_slots being 0) */
                 const size_t hi = (size_t)(j - lay->n_dev_slots);
                 char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
-                s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
+                if (!pooled) s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
                 s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
                 s->vc_slot_of = (int32_t *)(vc + lay->vc_slot_of);
                 s->vc_owner = (int32_t *)(vc + lay->vc_owner);
@@ -440,221 +406,6 @@ static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
     return ms;
 }
 
-/* Adds a finished prefill's phase times to the pending stats (see skv_cuda_cache_prefill). */
-static void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
-{
-    cudaEvent_t *e = p->e;
-    k->pending.prefill_rope_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M1]);
-    k->pending.prefill_landmarks_ms += skv_cuda_elapsed(e[SKV_PE_M1], e[SKV_PE_M2]);
-    k->pending.prefill_offload_ms +=
-        skv_cuda_elapsed(e[SKV_PE_M2], e[SKV_PE_M3]) + skv_cuda_elapsed(e[SKV_PE_O0], e[SKV_PE_O1]);
-    k->pending.prefill_factorize_ms += skv_cuda_elapsed(e[SKV_PE_F0], e[SKV_PE_F1]);
-    const double wait = skv_cuda_elapsed(e[SKV_PE_WA], e[SKV_PE_WB]);
-    k->pending.prefill_critical_ms += skv_cuda_elapsed(e[SKV_PE_M0], e[SKV_PE_M3]) - wait;
-    k->pending.prefill_wait_ms += wait;
-    p->used = 0;
-}
-
-/* Prefill's input check on the cache's stream (so the caller's writes are ordered before): NaN
-   or Inf in k_pre, v or k_post is SKV_ERR_NONFINITE naming the first element. Synchronizes. */
-static skv_status skv_cuda_prefill_finite(skv_cuda_cache *k, int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v,
-                                          const skv_bf16 *k_post, char *msg, size_t cap)
-{
-    cudaStream_t st = k->st;
-    const int32_t Hk = k->cfg.n_kv_heads, D = k->cfg.head_dim;
-    const int64_t HkD = (int64_t)Hk * D;
-    const skv_bf16 *in[3] = {k_pre, v, k_post};
-    static const char *const names[3] = {"k_pre", "v", "k_post"};
-    CK(cudaMemsetAsync(k->flags, 0xff, 3 * sizeof *k->flags, st));
-    for (int t = 0; t < 3; t++)
-        if (in[t]) CK(skv_cuda_find_nonfinite(st, in[t], 1, 0, 1, 0, n * HkD, k->flags + t));
-    CK(cudaMemcpyAsync(k->h_flags, k->flags, 3 * sizeof *k->flags, cudaMemcpyDeviceToHost, st));
-    CK(cudaStreamSynchronize(st));
-    for (int t = 0; t < 3; t++)
-        if (k->h_flags[t] != ~0ull) {
-            long long b = (long long)k->h_flags[t];
-            snprintf(msg, cap, "skv_prefill: %s[%lld][%lld][%lld] is NaN or Inf", names[t], b / HkD, b / D % Hk,
-                     b % D);
-            return SKV_ERR_NONFINITE;
-        }
-    return SKV_OK;
-}
-
-/*
- * Prefill of a dense layer's (layer, sequence): the finiteness check (one host synchronization), the
- * prompt's post-RoPE keys (k_post, or the RoPE of k_pre) and its values into the slot's window
- * [Hk, n, D] (head stride n D, like a local window), the descriptor (n_local = n, no candidates).
- * No factorization, landmarks, outliers or value offload. Returns when the cache's stream is done.
- */
-static skv_status skv_cuda_prefill_dense(skv_cuda_cache *k, int32_t layer, int32_t seq, int64_t n,
-                                         const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post, char *msg,
-                                         size_t cap)
-{
-    const skv_config *g = &k->cfg;
-    cudaStream_t st = k->st;
-    const int32_t Hk = g->n_kv_heads, D = g->head_dim;
-    const int64_t HkD = (int64_t)Hk * D;
-    skv_cuda_seq *hs = &k->h_seqs[(size_t)layer * g->batch_size + seq];
-    {
-        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
-        if (fs_) return fs_;
-    }
-    if (!k_post) { /* the library's RoPE of k_pre (kp_tmp is only used on this stream) */
-        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab, k_pre,
-                         k->kp_tmp));
-        k_post = k->kp_tmp;
-    }
-    const size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
-    for (int32_t h = 0; h < Hk; h++) {
-        const size_t src = (size_t)h * D, dst = (size_t)h * n * D;
-        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_k + dst, row, k_post + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice,
-                             st));
-        CK(cudaMemcpy2DAsync((skv_bf16 *)hs->loc_v + dst, row, v + src, tok, row, (size_t)n, cudaMemcpyDeviceToDevice, st));
-    }
-    hs->n = n;
-    hs->n_cand = 0;
-    hs->n_local = (int32_t)n;
-    hs->n_gen = 0;
-    hs->has_sel = 0;
-    CK(cudaMemcpyAsync(k->d_seqs + ((size_t)layer * g->batch_size + seq), hs, sizeof *hs, cudaMemcpyHostToDevice, st));
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
-    return SKV_OK;
-}
-
-/*
- * Prefill of one (layer, sequence). On the cache's stream (the caller's): the NaN/Inf
- * check (one host synchronization, so bad input is refused before any work), copies of
- * k_pre and v into the staging buffers, RoPE, landmarks and outliers, the exact chunks and
- * the local window, an empty chunk cache for a host slot, the descriptor. Beside it, from
- * the staged copies: the factorization on fst and the candidates' values on ost, into the
- * device store or over PCIe into the host store. Nothing waits for them here: the next
- * decode waits for both (events), the next prefill only before it overwrites the staging
- * buffers. Returns when the cache's stream is done, so k_pre, v and k_post are free for the
- * caller. Phase times are read later (skv_cuda_cache_sync).
- */
-skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_t n, int32_t N,
-                                  const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post,
-                                  skv_stats *stats, char *msg, size_t cap)
-{
-    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
-    const skv_config *g = &k->cfg;
-    const skv_layout *lay = &k->lay;
-    cudaStream_t st = k->st, fs = k->fst, os = k->ost;
-    const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, O = g->n_outlier_chunks;
-    const int64_t HkD = (int64_t)Hk * D;
-    const int32_t n_cand = N - O, n_local = (int32_t)(n - (int64_t)N * cs);
-    size_t i = (size_t)layer * g->batch_size + seq;
-    char *sd = k->dev + skv_layout_slot_offset(lay, layer, seq);
-    skv_cuda_seq *hs = &k->h_seqs[i];
-    const int host_slot = hs->vc_data != NULL;
-    (void)stats; /* times arrive at the next sync */
-    if (hs->dense) return skv_cuda_prefill_dense(k, layer, seq, n, k_pre, v, k_post, msg, cap);
-
-    /* the timing set of the prefill before last: long finished (this stream waited for it) */
-    skv_cuda_pset *ps = &k->pset[k->pset_next];
-    if (ps->used) {
-        CK(cudaEventSynchronize(ps->e[SKV_PE_O1]));
-        CK(cudaEventSynchronize(ps->e[SKV_PE_F1]));
-        skv_cuda_take_prefill(k, ps);
-    }
-    CK(cudaEventRecord(ps->e[SKV_PE_M0], st));
-
-    /* inputs are finite (on the cache's stream, so the caller's writes are ordered before) */
-    {
-        const skv_status fs_ = skv_cuda_prefill_finite(k, n, k_pre, v, k_post, msg, cap);
-        if (fs_) return fs_;
-    }
-
-    /* stage k_pre and v once the previous prefill's side work is done with the buffers */
-    CK(cudaEventRecord(ps->e[SKV_PE_WA], st));
-    if (k->staged) {
-        CK(cudaStreamWaitEvent(st, k->fac_ev, 0));
-        CK(cudaStreamWaitEvent(st, k->off_ev, 0));
-    }
-    CK(cudaEventRecord(ps->e[SKV_PE_WB], st));
-    const size_t bytes = (size_t)n * HkD * sizeof(skv_bf16);
-    CK(cudaMemcpyAsync(k->kstage, k_pre, bytes, cudaMemcpyDeviceToDevice, st));
-    CK(cudaMemcpyAsync(k->vstage, v, bytes, cudaMemcpyDeviceToDevice, st));
-
-    if (!k_post) {
-        CK(skv_cuda_rope(st, D, k->sh.rotary_dim, k->sh.interleaved, n, Hk, 0, k->sh.cos_tab, k->sh.sin_tab,
-                         k->kstage, k->kp_tmp));
-        k_post = k->kp_tmp;
-    }
-    CK(cudaEventRecord(ps->e[SKV_PE_M1], st));
-    int32_t *out_ids = (int32_t *)(sd + lay->out_ids), *cand_ids = (int32_t *)(sd + lay->cand_ids);
-    CK(skv_cuda_landmarks_outliers(st, N, cs, Hk, D, O, k_post, out_ids, cand_ids,
-                                   (skv_bf16 *)(sd + lay->landmarks), k->lm_scratch));
-    CK(cudaEventRecord(ps->e[SKV_PE_M2], st));
-
-    /* exact outliers and the local window stay on the device */
-    if (O) {
-        CK(skv_cuda_gather_chunks(st, k_post, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_k), 0));
-        CK(skv_cuda_gather_chunks(st, k->vstage, Hk, D, cs, out_ids, O, (skv_bf16 *)(sd + lay->out_v), 0));
-    }
-    if (n_local) {
-        size_t row = (size_t)D * sizeof(skv_bf16), tok = (size_t)HkD * sizeof(skv_bf16);
-        for (int32_t h = 0; h < Hk; h++) {
-            size_t src = ((size_t)N * cs * Hk + h) * D, dst = (size_t)h * n_local * D;
-            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_k) + dst, row, k_post + src, tok, row, n_local,
-                                 cudaMemcpyDeviceToDevice, st));
-            CK(cudaMemcpy2DAsync((skv_bf16 *)(sd + lay->loc_v) + dst, row, k->vstage + src, tok, row, n_local,
-                                 cudaMemcpyDeviceToDevice, st));
-        }
-    }
-    if (host_slot) /* an empty chunk cache: every index entry -1 */
-        CK(cudaMemsetAsync(hs->vc_slot_of, 0xff, lay->vc_meta_bytes, st));
-    hs->n = n;
-    hs->n_cand = n_cand;
-    hs->n_local = n_local;
-    hs->n_gen = 0;
-    hs->has_sel = 0;
-    CK(cudaMemcpyAsync(k->d_seqs + i, hs, sizeof *hs, cudaMemcpyHostToDevice, st));
-    CK(cudaEventRecord(ps->e[SKV_PE_M3], st));
-    /* the side work starts once this stream's own work is done, so that it never delays it:
-       the candidate values on os (to the host store in a grid of at most offload_blocks
-       blocks: a full grid would hold every SM for the ~2.5 ms its PCIe writes take at 64k
-       tokens, and queue the kernels behind it; to the device store at full speed), and the
-       factorization on fs */
-    CK(cudaEventRecord(k->side_ev, st));
-    CK(cudaStreamWaitEvent(os, k->side_ev, 0));
-    CK(cudaEventRecord(ps->e[SKV_PE_O0], os));
-    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand, (skv_bf16 *)hs->vstore,
-                              host_slot ? k->offload_blocks : 0));
-    CK(cudaEventRecord(ps->e[SKV_PE_O1], os));
-    CK(cudaEventRecord(k->off_ev, os));
-    /* U and W of the slot, in bf16. Enqueued last, so the cache's stream does not idle while
-       the host issues the factorization's calls */
-    CK(cudaStreamWaitEvent(fs, k->side_ev, 0));
-    CK(cudaEventRecord(ps->e[SKV_PE_F0], fs));
-    skv_status s = skv_cuda_factorize(k->fac, g->factorize, n, k->kstage, k->uf, k->wf, ((unsigned long long)layer << 32) | (unsigned)seq,
-                                      0, msg, cap);
-    if (s) return s;
-    if (k->choose_rank) { /* rank == 0: the slot's rank on fs, to the host at the next sync (ref's bits where the
-                             factors are: the reproducible mode and the rescoring, whose keys come from them) */
-        CK(skv_cuda_rank_store(fs, g->reproducible || g->select_candidates > 0, k->rank_target, k->kstage, n, HkD,
-                               g->rank, k->uf, k->wf, k->rank_scratch, k->d_rank + i, (skv_bf16 *)(sd + lay->u),
-                               (skv_bf16 *)(sd + lay->w)));
-    } else {
-        CK(skv_cuda_f32_to_bf16(fs, k->uf, (skv_bf16 *)(sd + lay->u), n * g->rank));
-        CK(skv_cuda_f32_to_bf16(fs, k->wf, (skv_bf16 *)(sd + lay->w), (int64_t)g->rank * HkD));
-    }
-    /* the reproducible mode and the rescoring: W's fixed point for the decode's canonical rebuild, once here */
-    if (hs->wq) CK(skv_cuda_canon_wprep(fs, Hk, D, g->rank, hs->w, (void *)hs->wq));
-    CK(cudaEventRecord(ps->e[SKV_PE_F1], fs));
-    CK(cudaEventRecord(k->fac_ev, fs));
-
-    /* the caller's buffers are free once this stream is done with them (the side work reads the staged copies) */
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
-    ps->used = 1;
-    k->pset_next ^= 1;
-    k->staged = 1;
-    k->side_pending = 1;
-    return SKV_OK;
-}
-
 /* Adds a finished step's times: the whole step, and its phases when they were recorded. */
 static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
 {
@@ -683,11 +434,17 @@ static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
  * node (or NULL): receives the score kernel's parameters (a capture).
  */
 static skv_status skv_cuda_enqueue_step(skv_cuda_cache *k, cudaStream_t st, int32_t layer, const skv_cuda_io *io,
-                                        skv_cuda_evset *ev, skv_cuda_score_node *node, int *launches, char *msg,
-                                        size_t cap)
+                                        const skv_cuda_act *act, skv_cuda_evset *ev, skv_cuda_score_node *node,
+                                        int *launches, char *msg, size_t cap)
 {
     const skv_cuda_shape *sh = &k->sh;
-    skv_cuda_seq *seqs = k->d_seqs + (size_t)layer * sh->B;
+    /* step 0 (act; NULL: the caller launched it): the rows of the listed sequences (idle past the
+       count), which every kernel below reads */
+    skv_cuda_seq *seqs = k->rows;
+    if (act) {
+        CK(skv_cuda_act_rows(st, act));
+        *launches += 1;
+    }
     const int repro = k->cfg.reproducible;
     /* this layer's view of the workspace: its counters' row (and a dense layer's items) */
     skv_cuda_dws ws = skv_layout_dense(&k->lay, layer) ? k->wsd : k->ws;
@@ -772,7 +529,7 @@ static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const
     skv_cuda_layer_graph *g = &k->graphs[layer];
     int kernels = 0;
     CK(cudaStreamBeginCapture(k->cap, cudaStreamCaptureModeThreadLocal));
-    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, NULL, &g->node, &kernels, msg, cap);
+    skv_status s = skv_cuda_enqueue_step(k, k->cap, layer, io, NULL, NULL, &g->node, &kernels, msg, cap);
     cudaGraph_t graph = NULL;
     cudaError_t e = cudaStreamEndCapture(k->cap, &graph);
     if (s) {
@@ -798,8 +555,9 @@ static skv_status skv_cuda_capture_layer(skv_cuda_cache *k, int32_t layer, const
     return SKV_OK;
 }
 
-skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, const skv_bf16 *kn,
-                                 const skv_bf16 *vn, float *out, char *msg, size_t cap)
+skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, int32_t n_active, const int32_t *seqs,
+                                 const int32_t *dev_count, const int32_t *dev_seqs, const skv_bf16 *q,
+                                 const skv_bf16 *kn, const skv_bf16 *vn, float *out, char *msg, size_t cap)
 {
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     cudaStream_t st = k->st;
@@ -821,19 +579,22 @@ skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, c
     /* one step in SKV_CUDA_PHASE_EVERY is launched directly with phase events; the others replay
        the layer's graph (a step inside the caller's capture is launched directly) */
     const int phases = timed && k->n_steps % SKV_CUDA_PHASE_EVERY == 0;
-    if (k->side_pending) { /* the last prefills' factorization and value offload */
-        unsigned flags = capturing ? cudaEventWaitExternal : 0;
-        CK(cudaStreamWaitEvent(st, k->fac_ev, flags));
-        CK(cudaStreamWaitEvent(st, k->off_ev, flags));
-        k->side_pending = 0;
+    /* the list (the prefills in flight that it reads are waited for here, before the step's start) */
+    skv_cuda_act act;
+    {
+        const skv_status s = skv_cuda_list_prepare(k, layer, n_active, seqs, dev_count, dev_seqs,
+                                                   capturing ? cudaEventWaitExternal : 0, &act, msg, cap);
+        if (s) return s;
     }
     int launches = 0;
     if (timed) CK(cudaEventRecord(ev->e[SKV_EV_START], st));
     skv_cuda_layer_graph *g = &k->graphs[layer];
     if (capturing || phases) {
-        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, phases ? ev : NULL, NULL, &launches, msg, cap);
+        skv_status s = skv_cuda_enqueue_step(k, st, layer, &io, &act, phases ? ev : NULL, NULL, &launches, msg, cap);
         if (s) return s;
     } else {
+        /* the rows first (the list is the launch's parameter, so the graph never holds it), then the
+           layer's graph with the step's tensors */
         if (!g->exec) {
             skv_status s = skv_cuda_capture_layer(k, layer, &io, msg, cap);
             if (s) return s;
@@ -841,8 +602,9 @@ skv_status skv_cuda_cache_decode(void *bctx, int32_t layer, const skv_bf16 *q, c
             skv_cuda_score_node_set_io(&g->node, &io);
             CK(cudaGraphExecKernelNodeSetParams(g->exec, g->score, &g->node.params));
         }
+        CK(skv_cuda_act_rows(st, &act));
         CK(cudaGraphLaunch(g->exec, st));
-        launches = g->kernels;
+        launches = g->kernels + 1;
     }
     if (timed) {
         CK(cudaEventRecord(ev->e[SKV_EV_END], st));
@@ -863,6 +625,7 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
     skv_cuda_cache *k = (skv_cuda_cache *)bctx;
     CK(cudaStreamSynchronize(k->st));
     CK(cudaStreamSynchronize(k->side));
+    CK(cudaStreamSynchronize(k->pst));
     CK(cudaStreamSynchronize(k->fst));
     CK(cudaStreamSynchronize(k->ost));
     for (int i = 0; i < SKV_CUDA_RING; i++)
@@ -936,16 +699,24 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
                  (unsigned)(tag >> 32), (unsigned)(tag & 0xffffffffu));
         return SKV_ERR_NUMERICAL;
     }
+    /* a bad device list (reported first; a NaN step's error then waits for the next sync) */
+    const skv_status list_st = skv_cuda_list_error(k, msg, cap);
     unsigned long long bad = ~0ull;
     CK(cudaMemcpy(&bad, k->ws.first_bad, sizeof bad, cudaMemcpyDeviceToHost));
-    if (bad == ~0ull) return SKV_OK;
-    /* a step with NaN/Inf inputs changed nothing on the device: take n_gen and has_sel from there */
-    size_t L = (size_t)k->cfg.n_layers, B = (size_t)k->cfg.batch_size;
-    CK(cudaMemcpy(k->h_seqs, k->d_seqs, L * B * sizeof *k->h_seqs, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < L * B; i++) {
-        states[i].n_gen = k->h_seqs[i].n_gen;
-        states[i].has_selection = k->h_seqs[i].has_sel;
+    if (bad != ~0ull || list_st != SKV_OK || k->dev_lists) {
+        /* device-list steps advanced n_gen and has_sel where the host did not see them, and a failed
+           step (NaN/Inf inputs, a bad list) changed nothing there: take them from the device (the two
+           adjacent words of every descriptor) */
+        const size_t n = (size_t)k->cfg.n_layers * (size_t)k->cfg.batch_size;
+        CK(cudaMemcpy2D(k->h_gen, 2 * sizeof(int32_t), &k->d_seqs[0].n_gen, sizeof(skv_cuda_seq), 2 * sizeof(int32_t),
+                        n, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) {
+            states[i].n_gen = k->h_seqs[i].n_gen = k->h_gen[2 * i];
+            states[i].has_selection = k->h_seqs[i].has_sel = k->h_gen[2 * i + 1];
+        }
     }
+    if (list_st != SKV_OK) return list_st;
+    if (bad == ~0ull) return SKV_OK;
     CK(cudaMemsetAsync(k->ws.first_bad, 0xff, sizeof *k->ws.first_bad, k->st));
     CK(cudaStreamSynchronize(k->st));
     int layer = (int)(bad >> 48), tensor = (int)((bad >> 40) & 0xff);

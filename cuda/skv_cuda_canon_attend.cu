@@ -37,6 +37,7 @@ namespace {
 __global__ void __launch_bounds__(kAtLanes) canon_score_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, G = a.G, D = a.D;
+    if (a.seqs && a.seqs[b].idle) return; /* an idle row: nothing read or written */
     float *qs = (float *)skv_canon_smem;
     CSpan *sp = (CSpan *)align_up((size_t)(qs + (size_t)G * D), 16);
     __shared__ int n_spans_s;
@@ -71,6 +72,7 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
     const int d0 = blockIdx.x * kAtDC;
+    if (a.seqs && a.seqs[b].idle) return; /* an idle row: no output */
     /* shared memory at constant offsets of skv_canon_smem (at_smem), so that its reads stay shared loads */
     constexpr size_t kSpOff = (sizeof(float) * kAtNV * kAtLanes + 15) / 16 * 16;
     float *xb = (float *)skv_canon_smem;                          /* [kAtNV][kAtLanes] */
@@ -224,6 +226,7 @@ __global__ void __launch_bounds__(kAtLanes) canon_weights_kernel(const AttendArg
     float *er = a.e + bq * a.Tmax;
     __shared__ float red[kAtLanes / 32];
     pdl_trigger(); /* at decode P V's blocks may start their prologue */
+    if (a.seqs && a.seqs[b].idle) return; /* an idle row: no weights */
     /* the head's T tokens j (logical: its own k c selected tokens) sit at e's places at(j): the selected span
        has room for S c scores there, so the tokens after a head's k c selected ones are (S - k) c further on */
     int64_t T = a.Tmax, jsel = T, gap = 0;

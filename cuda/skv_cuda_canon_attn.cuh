@@ -284,9 +284,10 @@ __host__ __device__ inline size_t rb_smem(int32_t Kp, int32_t Dp, int32_t G, int
            + sizeof(float) * (size_t)G * D;               /* q of the group's query heads */
 }
 
-/* The tokens (b, h) rebuilds: its count's k c at decode, else M. */
+/* The tokens (b, h) rebuilds: its count's k c at decode (none for an idle row), else M. */
 __device__ __forceinline__ int64_t rb_M(const RebuildArgs &a, int b, int h)
 {
+    if (a.seqs && a.seqs[b].idle) return 0;
     return a.cnt ? (int64_t)a.cnt[(int64_t)b * a.Hk + h] * a.c : a.M;
 }
 

@@ -26,6 +26,7 @@ __device__ void rb_resident(const RebuildArgs &a, int b, int h)
     const int tid = threadIdx.x;
     float *qs = (float *)skv_canon_smem;
     __shared__ CSpan sp[SKV_N_SPANS];
+    if (a.seqs[b].idle) return; /* an idle row (block-uniform): nothing of the step's tensors is read */
     /* every span at its place in e, the selected one with room for S c (this runs beside the selection) */
     if (tid == 0) at_seq_spans(a.seqs[b], a.io, b, h, a.Hk, a.D, a.O, a.c, a.S, a.gen_cap, (int64_t)a.S * a.c, sp);
     rb_load_q(a, b, h, qs);

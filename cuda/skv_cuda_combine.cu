@@ -78,7 +78,9 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
     float *w_s = reinterpret_cast<float *>(ml_s + a.n_items);       /* [n_items] */
     pdl_wait();
     const int tid = threadIdx.x, b = blockIdx.y;
-    if ((int)blockIdx.x < a.Hq && a.skip_out) {
+    if (a.seqs && a.seqs[b].idle) {
+        /* an idle row: no output, no append (its block still counts below) */
+    } else if ((int)blockIdx.x < a.Hq && a.skip_out) {
         if (a.macc && tid == 0) a.macc[(int64_t)b * a.Hq + blockIdx.x] = 0;
     } else if ((int)blockIdx.x < a.Hq) {
         const int64_t bh = (int64_t)b * a.Hq + blockIdx.x;
@@ -163,6 +165,10 @@ __global__ void __launch_bounds__(kCoNT) combine_kernel(const CombineArgs a)
             if (tid == 0) {
                 sq->n_gen = n_gen + 1;
                 sq->has_sel = 1;
+                if (sq->home) { /* the step's row is a copy: the sequence's own descriptor advances */
+                    sq->home->n_gen = n_gen + 1;
+                    sq->home->has_sel = 1;
+                }
                 if (a.lstats) combine_count(a, sq, b, n_gen);
             }
         }

@@ -80,6 +80,7 @@ __global__ void __launch_bounds__(kRsNT) rescore_kernel(const RescoreArgs r)
     const uint16_t *q = (const uint16_t *)r.io->q;
     for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
         for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
+            if (a.seqs[b].idle) continue; /* an idle row (block-uniform): its candidates are stale, unread */
             const int64_t bh = (int64_t)b * sh.Hk + h, row0 = (int64_t)b * sh.Hq + (int64_t)h * G;
             const int32_t W = r.cand_cnt[bh];
             const int64_t T = (int64_t)W * c;

@@ -150,16 +150,18 @@ __global__ void __launch_bounds__(kScNT) score_kernel(const ScoreArgs a)
         if (pair != cur) {
             if (cur >= 0) flush_max(cur); /* leave the previous (b, h) */
             __syncthreads(); /* qT and wmax are free */
+            /* an idle row (skv_cuda_seq.idle): no candidates, and nothing of its q, k, v is read */
+            const bool live = !a.seqs[b].idle;
             const uint16_t *qg = q + ((int64_t)b * sh.Hq + (int64_t)h * G) * D;
             for (int32_t e = tid; e < Gp * D; e += kScNT) {
                 const int32_t d = e / Gp, g = e - d * Gp;
-                qT[e] = g < G ? skv_bf16_to_f32(qg[(int64_t)g * D + d]) : 0.0f;
+                qT[e] = g < G && live ? skv_bf16_to_f32(qg[(int64_t)g * D + d]) : 0.0f;
             }
 #pragma unroll
             for (int pi = 0; pi < NPASS; pi++)
 #pragma unroll
                 for (int g = 0; g < GC; g++) mx[pi][g] = -INFINITY;
-            if (a.io.k && t == pair * a.ntiles) { /* the step's inputs of this (b, h) are finite */
+            if (a.io.k && live && t == pair * a.ntiles) { /* the step's inputs of this (b, h) are finite */
                 const int64_t nq = (int64_t)G * D, nk = D, qoff = ((int64_t)b * sh.Hq + (int64_t)h * G) * D,
                               koff = ((int64_t)b * sh.Hk + h) * D;
                 const uint16_t *kn = (const uint16_t *)a.io.k, *vn = (const uint16_t *)a.io.v;

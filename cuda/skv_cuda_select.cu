@@ -278,6 +278,7 @@ __global__ void __launch_bounds__(kSzNT) selz_kernel(const SelectArgs a)
     for (int32_t b = blockIdx.z; b < sh.B; b += gridDim.z)
         for (int32_t h = blockIdx.y; h < sh.Hk; h += gridDim.y) {
             const int32_t n = a.seqs[b].n_cand;
+            if (a.seqs[b].idle) continue; /* an idle row (block-uniform): nothing selected or published */
             const int64_t bh = (int64_t)b * sh.Hk + h, row0 = (int64_t)b * sh.Hq + (int64_t)h * G;
             for (int32_t g0 = 0; g0 < G; g0 += 4) {
                 const int32_t g = g0 + set;

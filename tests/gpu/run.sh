@@ -8,12 +8,12 @@
 #             tests/gpu/test_python_cuda.py); a short decode benchmark (and
 #             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
 #             of the kernels NCU_HOT names)
-#   decode    build; test_cuda and test_placement; the decode benchmark over every
+#   decode    build; test_cuda, test_cuda_serve, test_serve and test_placement; the decode benchmark over every
 #             placement, workload, context and batch (skv-bench decode) with the dense
 #             SDPA baseline of the same run, joined into decode.json; the per-kernel
 #             device times and DRAM bytes of decode steps (ncu)
-#   full      build; every GPU test; compute-sanitizer memcheck of test_cuda and
-#             test_placement; the decode benchmark and table as in `decode`
+#   full      build; every GPU test; compute-sanitizer memcheck of test_cuda,
+#             test_cuda_serve and test_placement; the decode benchmark and table as in `decode`
 #   prefill   build; the factorization benchmark (16k..1M, with the GPU baselines) and
 #             the demo at 32 layers (one 128k sequence, 8 x 32k, one 64k)
 #   sanitize  build; compute-sanitizer memcheck of the GPU tests
@@ -75,7 +75,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
+  for t in test_cuda test_cuda_serve test_serve test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   # test_contract calls internal functions (skv_rescore_head): the static library, the plugin next to it
   cc $CFL tests/test_contract.c $COMMON build/libshadowkv.a ${LNK#build/dev/libshadowkv.so.0} -ldl -o build/dev/test_contract
@@ -151,7 +151,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
+TESTS="test_cuda test_cuda_serve test_serve test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -192,6 +192,8 @@ memcheck() {
 case "$MODE" in
   quick)
     run_test test_cuda $TBIN/test_cuda
+    run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     run_test test_contract $TBIN/test_contract 20
@@ -202,9 +204,13 @@ case "$MODE" in
     python_cuda ;;
   decode)
     run_test test_cuda $TBIN/test_cuda
+    run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement ;;
   full)
     run_test test_cuda $TBIN/test_cuda
+    run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
     run_test test_contract $TBIN/test_contract 100
@@ -218,6 +224,7 @@ case "$MODE" in
     run_test test_snapshot $TBIN/test_snapshot
     python_cuda
     memcheck test_cuda
+    memcheck test_cuda_serve
     memcheck test_placement ;;
   repro)
     # the fp64 mma's element order, which the canonical G X and Y^T Y rely on (skv_cc_mm_tc)
@@ -238,6 +245,7 @@ case "$MODE" in
     [ -n "${REPRO_PY:-}" ] && python_cuda ;;
   sanitize)
     memcheck test_cuda
+    memcheck test_cuda_serve
     memcheck test_placement
     memcheck backend_ops -b cuda ;;
   modes)
