@@ -29,6 +29,7 @@ STRUCTS = {
     "skv_stats": _ffi.Stats,
     "skv_kv_span": _ffi.KvSpan,
     "skv_layer_stats": _ffi.LayerStats,
+    "skv_usage": _ffi.Usage,
 }
 
 
