@@ -15,32 +15,7 @@
 #include "skv_numerics.h"
 #include "skv_plan.h"
 
-typedef skv_seq_state skv_slot;
-
-struct skv_cache {
-    skv_config cfg; /* validated, backend resolved */
-    skv_layout lay;
-    const struct skv_backend_ops *ops;
-    char *dev;      /* device arena */
-    char *host;     /* host arena (value store) */
-    skv_slot *slots;/* [n_layers * batch_size] */
-    skv_ws ws;      /* decode-slot scratch, allocated at create */
-    int32_t *vc_scratch; /* chunk-cache bookkeeping of one KV head: 3 * vc_chunks + 2 * S */
-    int64_t *head_tokens; /* [SKV_N_SPANS][Hk]: the spans' token counts per KV head of a step */
-    void *bctx;     /* backend's cache state (cache-level slots), or NULL */
-    skv_stats stats;
-    skv_layer_stats *layer_stats; /* [n_layers]: the decode counters (dense and ranks filled when read) */
-    char err[SKV_ERRMSG_CAP];
-};
-
-#define SLOT_INDEX(c, l, b) ((size_t)(l) * (size_t)(c)->cfg.batch_size + (size_t)(b))
-/* Typed pointer to a per-slot region of the device arena (field: a sparse slot's region, or a
-   dense slot's dn_* region). */
-#define DEV(c, l, b, field, type) \
-    ((type *)((c)->dev + skv_layout_slot_offset(&(c)->lay, l, b) + (c)->lay.field))
-#define SHARED(c, field, type) ((type *)((c)->dev + (c)->lay.field))
-
-static const size_t B2 = sizeof(skv_bf16);
+#include "skv_cache_impl.h"
 
 /* Most tokens one decode attention call sees (the decode plan). */
 static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
@@ -53,21 +28,19 @@ static int64_t skv_max_attn_tokens(const skv_config *c, const skv_layout *lay)
 
 /* Value store [Hk, cand_max, c, D] of sparse slot j (skv_layout_sparse_index): device arena for the
    first n_dev_slots, else host. */
-static skv_bf16 *skv_value_store(const skv_cache *c, size_t j)
+skv_bf16 *skv_value_store(const skv_cache *c, size_t j)
 {
     if ((int64_t)j < c->lay.n_dev_slots) return (skv_bf16 *)(c->dev + c->lay.dev_values + j * c->lay.slot_values);
     return (skv_bf16 *)(c->host + (j - (size_t)c->lay.n_dev_slots) * c->lay.slot_host);
 }
 
 /* Chunk cache of host-placed sparse slot j (its base; regions at lay.vc_*), or NULL for a device slot. */
-static char *skv_value_cache(const skv_cache *c, size_t j)
+char *skv_value_cache(const skv_cache *c, size_t j)
 {
     if ((int64_t)j < c->lay.n_dev_slots) return NULL;
     return c->dev + c->lay.dev_vcache + (j - (size_t)c->lay.n_dev_slots) * c->lay.slot_vcache;
 }
 
-/* The sparse index of (layer, seq) (a sparse layer's). */
-#define VSLOT(c, l, b) ((size_t)skv_layout_sparse_index(&(c)->lay, l, b))
 
 /*
  * What create builds from *cfg: the config with the environment's backend
@@ -170,6 +143,12 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     k->ops = ops;
     size_t n_slots = (size_t)c.n_layers * (size_t)c.batch_size;
     k->slots = calloc(n_slots, sizeof *k->slots);
+    k->mem = calloc(n_slots, sizeof *k->mem);
+    k->dev_runs = calloc(n_slots, sizeof *k->dev_runs);
+    k->host_runs = calloc(n_slots, sizeof *k->host_runs);
+    k->staging = calloc(n_slots, sizeof *k->staging);
+    k->all_seqs = malloc((size_t)c.batch_size * sizeof *k->all_seqs);
+    k->mark = calloc((size_t)c.batch_size, 1);
     k->dev = ops->mem_alloc(lay.device_total, SKV_MEM_DEVICE);
     k->host = ops->mem_alloc(lay.host_total, SKV_MEM_HOST);
     k->ws.cap = ws_bytes;
@@ -179,7 +158,8 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     k->layer_stats = calloc((size_t)c.n_layers, sizeof *k->layer_stats);
     size_t tab = skv_rope_table_len(&c.rope, c.head_dim, lay.n_positions);
     float *cs = malloc(tab * sizeof *cs), *sn = malloc(tab * sizeof *sn);
-    if (!k->slots || !k->dev || !k->host || (ws_bytes && !k->ws.base) || !k->vc_scratch || !k->head_tokens ||
+    if (!k->slots || !k->mem || !k->dev_runs || !k->host_runs || !k->staging || !k->all_seqs || !k->mark ||
+        !k->dev || !k->host || (ws_bytes && !k->ws.base) || !k->vc_scratch || !k->head_tokens ||
         !k->layer_stats || !cs || !sn) {
         free(cs);
         free(sn);
@@ -190,6 +170,11 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
                         lay.device_total, lay.host_total, ws_bytes);
     }
     for (size_t i = 0; i < n_slots; i++) k->slots[i].dense = skv_layout_dense(&lay, (int32_t)(i / c.batch_size));
+    for (int32_t b = 0; b < c.batch_size; b++) k->all_seqs[b] = b;
+    if ((st = skv_pool_open(k))) {
+        skv_cache_free(k);
+        return skv_fail(NULL, st, "skv_cache_create: out of host memory for the pool maps");
+    }
     skv_rope_table_build(&c.rope, c.head_dim, lay.n_positions, cs, sn);
     st = ops->copy2d(SHARED(k, rope_cos, void), 0, cs, 0, tab * sizeof *cs, 1);
     if (!st) st = ops->copy2d(SHARED(k, rope_sin, void), 0, sn, 0, tab * sizeof *sn, 1);
@@ -214,12 +199,19 @@ SKV_API void skv_cache_free(skv_cache *cache)
 {
     if (!cache) return;
     if (cache->ops && cache->ops->cache_close) cache->ops->cache_close(cache->bctx);
+    if (cache->ops && cache->staging) skv_pool_close(cache);
     if (cache->ops) {
         cache->ops->mem_free(cache->dev, SKV_MEM_DEVICE);
         cache->ops->mem_free(cache->host, SKV_MEM_HOST);
         cache->ops->mem_free(cache->ws.base, SKV_MEM_DEVICE);
     }
     free(cache->slots);
+    free(cache->mem);
+    free(cache->dev_runs);
+    free(cache->host_runs);
+    free(cache->staging);
+    free(cache->all_seqs);
+    free(cache->mark);
     free(cache->vc_scratch);
     free(cache->head_tokens);
     free(cache->layer_stats);
@@ -237,7 +229,7 @@ SKV_API const char *skv_cache_last_error(const skv_cache *cache) { return cache 
 
 /* ---- shared checks ----------------------------------------------------------------- */
 
-static skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, int32_t seq)
+skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, int32_t seq)
 {
     if (layer < 0 || layer >= c->cfg.n_layers)
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: layer = %d, must be in [0, %d)", fn, layer,
@@ -250,7 +242,7 @@ static skv_status skv_check_index(skv_cache *c, const char *fn, int32_t layer, i
 
 /* NaN/Inf and magnitude check of a [tokens, heads, D] host tensor (ref, cpu); the message
    names the first bad element and, for a finite one, its value. */
-static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *what, const skv_bf16 *x,
+skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *what, const skv_bf16 *x,
                                    int64_t tokens, int32_t heads)
 {
     const int64_t D = c->cfg.head_dim, bad = skv_first_bad(x, tokens * heads * D);
@@ -264,7 +256,7 @@ static skv_status skv_check_tensor(skv_cache *c, const char *fn, const char *wha
                     fn, what, t, h, d, (double)skv_bf16_to_f32(x[bad]));
 }
 
-static skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what, skv_status st)
+skv_status skv_slot_failed(skv_cache *c, const char *fn, const char *what, skv_status st)
 {
     const char *detail = skv_backend_detail();
     return skv_fail(c->err, st, "%s: %s failed on backend %s: %s%s%s", fn, what, c->ops->name,
@@ -297,10 +289,9 @@ static void skv_publish_prefill(skv_cache *c, skv_slot *sl, int64_t n, int32_t N
  * Prefill of a dense layer's slot (n >= 1 checked here): the exact post-RoPE keys (k_post, or
  * the RoPE of k_pre) and the values of all n tokens into dn_k / dn_v, head stride n * D.
  */
-static skv_status skv_prefill_dense(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
-                                    const skv_bf16 *v, const skv_bf16 *k_post)
+static skv_status skv_prefill_dense(skv_cache *c, const char *fn, int32_t layer, int32_t seq, int64_t n,
+                                    const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
 {
-    static const char fn[] = "skv_prefill";
     const skv_config *g = &c->cfg;
     const struct skv_backend_ops *ops = c->ops;
     const int32_t Hk = g->n_kv_heads, D = g->head_dim;
@@ -315,10 +306,15 @@ static skv_status skv_prefill_dense(skv_cache *c, int32_t layer, int32_t seq, in
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
         if (k_post && (st = skv_check_tensor(c, fn, "k_post", k_post, n, Hk))) return st;
     }
+    if ((st = skv_pool_take(c, fn, layer, seq, n))) return st;
     skv_stats t = {0};
     if (ops->cache_prefill) {
-        st = ops->cache_prefill(c->bctx, layer, seq, n, 0, k_pre, v, k_post, &t, c->err, sizeof c->err);
-        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        st = ops->cache_prefill(c->bctx, layer, seq, n, 0, MEM(c, layer, seq), k_pre, v, k_post, &t, c->err,
+                                sizeof c->err);
+        if (st) {
+            skv_pool_give(c, layer, seq);
+            return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        }
         skv_publish_prefill(c, sl, n, 0, 0, (int32_t)n, &t);
         return SKV_OK;
     }
@@ -327,54 +323,56 @@ static skv_status skv_prefill_dense(skv_cache *c, int32_t layer, int32_t seq, in
     skv_bf16 *kp_tmp = NULL;
     if (!k_post) {
         kp_tmp = ops->mem_alloc((size_t)n * Hk * D * B2, SKV_MEM_DEVICE);
-        if (!kp_tmp)
+        if (!kp_tmp) {
+            skv_pool_give(c, layer, seq);
             return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for prefill scratch (n = %lld)", fn,
                             (long long)n);
+        }
         st = ops->rope(&g->rope, D, n, Hk, 0, SHARED(c, rope_cos, float), SHARED(c, rope_sin, float), k_pre, kp_tmp);
         if (st) {
             ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
+            skv_pool_give(c, layer, seq);
             return skv_slot_failed(c, fn, "rope", st);
         }
         k_post = kp_tmp;
     }
     t.prefill_rope_ms = skv_now_ms() - t0;
-    skv_bf16 *dk = DEV(c, layer, seq, dn_k, skv_bf16), *dv = DEV(c, layer, seq, dn_v, skv_bf16);
+    skv_bf16 *dk = (skv_bf16 *)MEM(c, layer, seq)->dn_k, *dv = (skv_bf16 *)MEM(c, layer, seq)->dn_v;
     st = SKV_OK;
     for (int32_t h = 0; h < Hk && !st; h++) {
         st = ops->copy2d(dk + (size_t)h * n * D, row, k_post + (size_t)h * D, tok, row, (size_t)n);
         if (!st) st = ops->copy2d(dv + (size_t)h * n * D, row, v + (size_t)h * D, tok, row, (size_t)n);
     }
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
-    if (st) return skv_slot_failed(c, fn, "dense copy", st);
+    if (st) {
+        skv_pool_give(c, layer, seq);
+        return skv_slot_failed(c, fn, "dense copy", st);
+    }
     t.prefill_critical_ms = skv_now_ms() - t0;
     skv_publish_prefill(c, sl, n, 0, 0, (int32_t)n, &t);
     return SKV_OK;
 }
 
-static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
-                                  const skv_bf16 *v, const skv_bf16 *k_post)
+/* The prompt length checks of a prefill of layer with n tokens (skv_prefill, skv_prefill_piece). */
+skv_status skv_prompt_check(skv_cache *c, const char *fn, int32_t layer, int64_t n)
 {
-    static const char fn[] = "skv_prefill";
-    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
-    if (!k_pre) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: k_pre is NULL", fn);
-    if (!v) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: v is NULL", fn);
-    skv_status st = skv_check_index(c, fn, layer, seq);
-    if (st) return st;
     const skv_config *g = &c->cfg;
-    const struct skv_backend_ops *ops = c->ops;
-    skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
-    if (sl->prefilled)
-        return skv_fail(c->err, SKV_ERR_ALREADY_PREFILLED, "%s: layer %d of sequence %d is already prefilled",
-                        fn, layer, seq);
     if (n > g->max_prompt_len)
         return skv_fail(c->err, SKV_ERR_PROMPT_TOO_LONG, "%s: n = %lld > max_prompt_len = %lld", fn,
                         (long long)n, (long long)g->max_prompt_len);
     if (n < 0)
         return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: a prompt length must be >= 0", fn,
                         (long long)n);
-    const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
+    const int32_t cs = g->chunk_size, O = g->n_outlier_chunks;
     const int32_t r = skv_cfg_rank(g); /* the factors' size: rank, or rank_max */
-    if (sl->dense) return skv_prefill_dense(c, layer, seq, n, k_pre, v, k_post);
+    if (skv_layout_dense(&c->lay, layer)) {
+        if (n < 1)
+            return skv_fail(c->err, SKV_ERR_PROMPT_TOO_SHORT,
+                            "%s: n = %lld: layer %d is dense (config.dense_layers) and needs a prompt of at least 1 "
+                            "token",
+                            fn, (long long)n, layer);
+        return SKV_OK;
+    }
     const int32_t need = c->lay.min_cand; /* S (fixed), max(1, floor) (mass), 1 (every candidate) */
     const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
     if (N < (int64_t)O + need)
@@ -391,6 +389,28 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
                         "%s: n = %lld tokens are fewer than the %s = %d of the key factorization (it needs "
                         "n >= %s)",
                         fn, (long long)n, g->rank ? "rank" : "rank_max (rank = 0)", r, g->rank ? "rank" : "rank_max");
+    return SKV_OK;
+}
+
+skv_status skv_prefill_run(skv_cache *c, const char *fn, int32_t layer, int32_t seq, int64_t n, const skv_bf16 *k_pre,
+                           const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
+    if (!k_pre) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: k_pre is NULL", fn);
+    if (!v) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: v is NULL", fn);
+    skv_status st = skv_check_index(c, fn, layer, seq);
+    if (st) return st;
+    const skv_config *g = &c->cfg;
+    const struct skv_backend_ops *ops = c->ops;
+    skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, seq)];
+    if (sl->prefilled)
+        return skv_fail(c->err, SKV_ERR_ALREADY_PREFILLED, "%s: layer %d of sequence %d is already prefilled",
+                        fn, layer, seq);
+    if ((st = skv_prompt_check(c, fn, layer, n))) return st;
+    const int32_t cs = g->chunk_size, Hk = g->n_kv_heads, D = g->head_dim, O = g->n_outlier_chunks;
+    const int32_t r = skv_cfg_rank(g); /* the factors' size: rank, or rank_max */
+    if (sl->dense) return skv_prefill_dense(c, fn, layer, seq, n, k_pre, v, k_post);
+    const int64_t N = n / cs - g->n_local_chunks; /* 0 <= n <= max_prompt_len here */
     if (!ops->cache_prefill) { /* a cache-level backend checks on its own stream */
         if ((st = skv_check_tensor(c, fn, "k_pre", k_pre, n, Hk))) return st;
         if ((st = skv_check_tensor(c, fn, "v", v, n, Hk))) return st;
@@ -398,10 +418,15 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
     }
 
     const int32_t n_cand = (int32_t)N - O, n_local = (int32_t)(n - N * cs);
+    if ((st = skv_pool_take(c, fn, layer, seq, n))) return st;
+    const skv_slot_mem *mem = MEM(c, layer, seq);
     if (ops->cache_prefill) {
         skv_stats t = {0};
-        st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, k_pre, v, k_post, &t, c->err, sizeof c->err);
-        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        st = ops->cache_prefill(c->bctx, layer, seq, n, (int32_t)N, mem, k_pre, v, k_post, &t, c->err, sizeof c->err);
+        if (st) {
+            skv_pool_give(c, layer, seq);
+            return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
+        }
         skv_publish_prefill(c, sl, n, (int32_t)N, n_cand, n_local, &t);
         sl->rank = g->rank; /* 0: chosen on the device, refreshed by cache_sync */
         return SKV_OK;
@@ -437,19 +462,17 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         goto done;
     }
     if (g->rank == 0) { /* the slot's rank (section 3.1), its columns ordered by energy, the rest zero */
-        st = skv_rank_store(c->err, g, n, k_pre, uf, wf, DEV(c, layer, seq, u, skv_bf16), DEV(c, layer, seq, w, skv_bf16),
-                            &slot_rank);
+        st = skv_rank_store(c->err, g, n, k_pre, uf, wf, (skv_bf16 *)mem->u, DEV(c, layer, seq, w, skv_bf16), &slot_rank);
         if (st) goto done;
     } else {
-        skv_bf16 *u = DEV(c, layer, seq, u, skv_bf16), *w = DEV(c, layer, seq, w, skv_bf16);
+        skv_bf16 *u = (skv_bf16 *)mem->u, *w = DEV(c, layer, seq, w, skv_bf16);
         for (size_t i = 0; i < (size_t)n * r; i++) u[i] = skv_f32_to_bf16(uf[i]);
         for (size_t i = 0; i < (size_t)r * HkD; i++) w[i] = skv_f32_to_bf16(wf[i]);
     }
     t2 = skv_now_ms();
     /* 3. landmarks, outliers, candidates */
-    int32_t *out_ids = DEV(c, layer, seq, out_ids, int32_t), *cand_ids = DEV(c, layer, seq, cand_ids, int32_t);
-    st = ops->landmarks_outliers((int32_t)N, cs, Hk, D, O, k_post, out_ids, cand_ids,
-                                 DEV(c, layer, seq, landmarks, skv_bf16));
+    int32_t *out_ids = DEV(c, layer, seq, out_ids, int32_t), *cand_ids = (int32_t *)mem->cand_ids;
+    st = ops->landmarks_outliers((int32_t)N, cs, Hk, D, O, k_post, out_ids, cand_ids, (skv_bf16 *)mem->landmarks);
     if (st) {
         st = skv_slot_failed(c, fn, "landmarks_outliers", st);
         goto done;
@@ -461,7 +484,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
     if (!st) st = ops->copy2d(h_cand, 0, cand_ids, 0, (size_t)Hk * n_cand * sizeof *ids, 1);
     skv_bf16 *ok_ = DEV(c, layer, seq, out_k, skv_bf16), *ov = DEV(c, layer, seq, out_v, skv_bf16);
     skv_bf16 *lk = DEV(c, layer, seq, loc_k, skv_bf16), *lv = DEV(c, layer, seq, loc_v, skv_bf16);
-    skv_bf16 *vs = skv_value_store(c, VSLOT(c, layer, seq));
+    skv_bf16 *vs = (skv_bf16 *)mem->vstore;
     for (int32_t h = 0; h < Hk && !st; h++) {
         for (int32_t o = 0; o < O && !st; o++) {
             size_t src = ((size_t)h_out[(size_t)h * O + o] * cs * Hk + h) * D;
@@ -497,6 +520,7 @@ static skv_status skv_prefill_run(skv_cache *c, int32_t layer, int32_t seq, int6
         sl->rank = slot_rank;
     }
 done:
+    if (st) skv_pool_give(c, layer, seq);
     ops->mem_free(kp_tmp, SKV_MEM_DEVICE);
     ops->mem_free(uf, SKV_MEM_DEVICE);
     ops->mem_free(wf, SKV_MEM_DEVICE);
@@ -509,281 +533,17 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
                                const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
 {
     if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
-    skv_status st = skv_prefill_run(c, layer, seq, n, k_pre, v, k_post);
-    if (c && c->ops->set_threads) c->ops->set_threads(0);
-    return st;
-}
-
-/* ---- decode ---------------------------------------------------------------------------- */
-
-/*
- * The chunk cache of host-placed sparse slot j after a good step with selection sel [Hk, S]
- * (candidate indices; head h's first cnt[h]): hits and misses by the rule of skv_vcache_step.
- * ref and cpu read every value from the store (both sides are host memory), so only the index
- * is kept; the cuda backend runs the same rule on the device.
- */
-static void skv_vcache_account(skv_cache *c, size_t j, const int32_t *sel, const int32_t *cnt, int32_t step)
-{
-    char *vc = skv_value_cache(c, j);
-    if (!vc) return;
-    const int32_t Hk = c->cfg.n_kv_heads, S = c->lay.S, E = c->lay.vc_chunks, cm = c->lay.cand_max;
-    int32_t *entry = c->vc_scratch + 3 * (size_t)E, *miss = entry + S;
-    for (int32_t h = 0; h < Hk; h++) {
-        int32_t hits = skv_vcache_step((int32_t *)(vc + c->lay.vc_slot_of) + (size_t)h * cm,
-                                       (int32_t *)(vc + c->lay.vc_owner) + (size_t)h * E,
-                                       (int32_t *)(vc + c->lay.vc_stamp) + (size_t)h * E, E, sel + (size_t)h * S,
-                                       cnt[h], step, entry, miss, c->vc_scratch);
-        c->stats.value_cache_hits += hits;
-        c->stats.value_cache_misses += cnt[h] - hits;
-    }
-}
-
-/* Adds one step of (layer, sequence sl) to the layer's counters (cnt: each head's k; NULL dense). */
-static void skv_count_step(skv_cache *c, int32_t layer, const skv_slot *sl, const int32_t *cnt)
-{
-    skv_layer_stats *ls = &c->layer_stats[layer];
-    const int32_t Hk = c->cfg.n_kv_heads, cs = c->cfg.chunk_size;
-    const int64_t ctx = sl->n + sl->n_gen + 1;
-    for (int32_t h = 0; h < Hk; h++) {
-        const int64_t k = cnt ? cnt[h] : 0;
-        ls->head_steps++;
-        ls->context_tokens += ctx;
-        ls->selected_chunks += k;
-        ls->attended_tokens += cnt ? skv_plan_resident_tokens(c->cfg.n_outlier_chunks, cs, sl->n_local, sl->n_gen) + k * cs
-                                   : ctx;
-    }
-}
-
-/* The spans of a step of (layer, b) into spans[]; head_tokens of the step into *ht (NULL: the spans' own). */
-static void skv_step_spans(skv_cache *c, int32_t layer, int32_t b, const skv_bf16 *k, const skv_bf16 *v,
-                           const int32_t *cnt, int32_t cap, skv_kv_span spans[SKV_N_SPANS], const int64_t **ht)
-{
-    const skv_config *g = &c->cfg;
-    const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-    const int32_t Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size;
-    const int dense = sl->dense;
-    skv_span_shape sh[SKV_N_SPANS];
-    skv_plan_spans(dense ? 0 : g->n_outlier_chunks, cs, dense ? 0 : c->lay.S, D, sl->n_local, sl->n_gen,
-                   g->gen_capacity, sh);
-    if (!dense) sh[SKV_SPAN_SELECTED].n_tokens = (int64_t)cap * cs; /* the stride stays S * c */
-    const skv_bf16 *sk[SKV_N_SPANS] = {NULL, NULL, SHARED(c, ws_k, skv_bf16), NULL, k + (size_t)b * Hk * D};
-    const skv_bf16 *sv[SKV_N_SPANS] = {NULL, NULL, SHARED(c, ws_v, skv_bf16), NULL, v + (size_t)b * Hk * D};
-    if (dense) {
-        sk[SKV_SPAN_LOCAL] = DEV(c, layer, b, dn_k, skv_bf16), sv[SKV_SPAN_LOCAL] = DEV(c, layer, b, dn_v, skv_bf16);
-        sk[SKV_SPAN_GENERATED] = DEV(c, layer, b, dn_gen_k, skv_bf16);
-        sv[SKV_SPAN_GENERATED] = DEV(c, layer, b, dn_gen_v, skv_bf16);
+    skv_status st;
+    if (c && layer >= 0 && layer < c->cfg.n_layers && seq >= 0 && seq < c->cfg.batch_size &&
+        c->staging[SLOT_INDEX(c, layer, seq)].n_total && !c->slots[SLOT_INDEX(c, layer, seq)].prefilled) {
+        const skv_staging *sg = &c->staging[SLOT_INDEX(c, layer, seq)];
+        st = skv_fail(c->err, SKV_ERR_SEQ_STATE,
+                      "skv_prefill: layer %d of sequence %d has a prompt arriving in pieces (%lld of %lld tokens): "
+                      "send the rest with skv_prefill_piece, or skv_seq_release the sequence",
+                      layer, seq, (long long)sg->received, (long long)sg->n_total);
     } else {
-        sk[SKV_SPAN_OUTLIERS] = DEV(c, layer, b, out_k, skv_bf16), sv[SKV_SPAN_OUTLIERS] = DEV(c, layer, b, out_v, skv_bf16);
-        sk[SKV_SPAN_LOCAL] = DEV(c, layer, b, loc_k, skv_bf16), sv[SKV_SPAN_LOCAL] = DEV(c, layer, b, loc_v, skv_bf16);
-        sk[SKV_SPAN_GENERATED] = DEV(c, layer, b, gen_k, skv_bf16);
-        sv[SKV_SPAN_GENERATED] = DEV(c, layer, b, gen_v, skv_bf16);
+        st = skv_prefill_run(c, "skv_prefill", layer, seq, n, k_pre, v, k_post);
     }
-    for (int i = 0; i < SKV_N_SPANS; i++) {
-        spans[i].k = sk[i], spans[i].v = sv[i];
-        spans[i].n_tokens = sh[i].n_tokens, spans[i].head_stride = sh[i].head_stride, spans[i].token_stride = D;
-    }
-    *ht = NULL;
-    if (dense || (g->select_mode != SKV_SELECT_MASS && !c->lay.W)) return;
-    /* the mass mode, or the rescoring (whose count is at most W < cap in either mode, 4.5.1): head h's
-       selected span has cnt[h] chunks (the rows past them hold nothing of this step) */
-    for (int i = 0; i < SKV_N_SPANS; i++)
-        for (int32_t h = 0; h < Hk; h++)
-            c->head_tokens[(size_t)i * Hk + h] = i == SKV_SPAN_SELECTED ? (int64_t)cnt[h] * cs : spans[i].n_tokens;
-    *ht = c->head_tokens;
-}
-
-/*
- * The selection of sequence b's step with rescoring (docs/DESIGN.md 4.5.1), on backends that
- * run the op slots (host memory): the first stage's W best candidates per head (score_select
- * in the fixed mode with cap W), their canonical keys (rebuild_keys_canonical), then
- * skv_rescore_head per head into the step's sel_idx / sel_ids / counts. A failing slot's
- * message is set here.
- */
-static skv_status skv_rescore_step(skv_cache *c, int32_t layer, int32_t b, float scale, const skv_bf16 *qb,
-                                   const skv_select_params *sp0)
-{
-    static const char fn[] = "skv_decode";
-    const skv_config *g = &c->cfg;
-    const struct skv_backend_ops *ops = c->ops;
-    const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-    const int32_t Hq = g->n_q_heads, Hk = g->n_kv_heads, D = g->head_dim, cs = g->chunk_size, G = Hq / Hk;
-    const int32_t S = c->lay.S, Wst = c->lay.W, W = Wst < sl->n_cand ? Wst : sl->n_cand;
-    int32_t *sidx = SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S;
-    int32_t *sids = SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S;
-    int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
-    int32_t *cidx = SHARED(c, ws_cand_idx, int32_t) + (size_t)b * Hk * Wst;
-    int32_t *cids = SHARED(c, ws_cand_ids, int32_t) + (size_t)b * Hk * Wst;
-    skv_bf16 *ck = SHARED(c, ws_cand_k, skv_bf16);
-    const int32_t *cand_ids = DEV(c, layer, b, cand_ids, int32_t);
-    /* stage 1: the W best by landmark, in increasing candidate index */
-    skv_select_params s1 = {SKV_SELECT_FIXED, W, Wst, 0, 0.0f};
-    skv_status st = ops->score_select(Hq, Hk, D, sl->n_cand, &s1, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
-                                      cand_ids, cidx, cids, NULL, NULL, &c->ws);
-    c->stats.decode_allocations += skv_ws_reset(&c->ws);
-    if (st) return skv_slot_failed(c, fn, "score_select", st);
-    /* their canonical keys, [Hk, Wst c, D] */
-    for (int32_t h = 0; h < Hk; h++) cnt[h] = W;
-    st = ops->rebuild_keys_canonical(&g->rope, D, Hk, skv_cfg_rank(g), cs, Wst, sl->n, DEV(c, layer, b, u, skv_bf16),
-                                     DEV(c, layer, b, w, skv_bf16), cids, cnt, SHARED(c, rope_cos, float),
-                                     SHARED(c, rope_sin, float), ck, &c->ws);
-    c->stats.decode_allocations += skv_ws_reset(&c->ws);
-    if (st) return skv_slot_failed(c, fn, "rebuild_keys_canonical", st);
-    /* stage 2: the rule among them */
-    skv_select_params sp = *sp0;
-    if (sp.cap > W) sp.cap = W;
-    if (sp.floor > sp.cap) sp.floor = sp.cap;
-    float *sc = skv_ws_alloc(&c->ws, sizeof(float) * (size_t)W * cs);
-    float *bm = skv_ws_alloc(&c->ws, sizeof(float) * (size_t)W);
-    int32_t *scratch = skv_ws_alloc(&c->ws, sizeof(int32_t) * (size_t)2 * W);
-    int32_t *local = skv_ws_alloc(&c->ws, sizeof(int32_t) * (size_t)S);
-    if (!sc || !bm || !scratch || !local)
-        return skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for the rescoring's scratch", fn);
-    for (int32_t h = 0; h < Hk; h++)
-        cnt[h] = skv_rescore_head(G, D, cs, W, scale, qb + (size_t)h * G * D, ck + (size_t)h * Wst * cs * D, &sp,
-                                  cidx + (size_t)h * Wst, cand_ids + (size_t)h * sl->n_cand, sc, bm, scratch, local,
-                                  sidx + (size_t)h * S, sids + (size_t)h * S);
-    return SKV_OK;
-}
-
-static skv_status skv_decode_run(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                                 const skv_bf16 *v, float *out)
-{
-    static const char fn[] = "skv_decode";
-    if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
-    if (!q || !k || !v || !out)
-        return skv_fail(c->err, SKV_ERR_NULL_POINTER, "%s: %s is NULL", fn,
-                        !q ? "q" : !k ? "k" : !v ? "v" : "out");
-    skv_status st = skv_check_index(c, fn, layer, 0);
-    if (st) return st;
-    const skv_config *g = &c->cfg;
-    const struct skv_backend_ops *ops = c->ops;
-    const int32_t B = g->batch_size, Hq = g->n_q_heads, Hk = g->n_kv_heads, D = g->head_dim;
-    const int32_t cs = g->chunk_size, S = c->lay.S, cap = g->gen_capacity;
-    for (int32_t b = 0; b < B; b++)
-        for (int32_t l = 0; l < g->n_layers; l++)
-            if (!c->slots[SLOT_INDEX(c, l, b)].prefilled)
-                return skv_fail(c->err, SKV_ERR_NOT_PREFILLED,
-                                "%s: layer %d of sequence %d is not prefilled (every layer of every "
-                                "sequence must be prefilled before decode)",
-                                fn, l, b);
-    for (int32_t b = 0; b < B; b++)
-        if (c->slots[SLOT_INDEX(c, layer, b)].n_gen >= cap)
-            return skv_fail(c->err, SKV_ERR_CAPACITY,
-                            "%s: sequence %d, layer %d already holds gen_capacity = %d generated tokens", fn,
-                            b, layer, cap);
-    /* the layers stay in step: a layer may take step t + 1 only once every layer took step t
-       (all sequences of a layer step together, so sequence 0 speaks for the batch) */
-    for (int32_t l = 0; l < g->n_layers; l++) {
-        const int32_t mine = c->slots[SLOT_INDEX(c, layer, 0)].n_gen, other = c->slots[SLOT_INDEX(c, l, 0)].n_gen;
-        if (other < mine)
-            return skv_fail(c->err, SKV_ERR_INVALID_ARGUMENT,
-                            "%s: layer = %d is a step ahead: it has taken %d decode steps and layer %d only %d; "
-                            "every layer takes a token's step before any layer takes the next one",
-                            fn, layer, mine, l, other);
-    }
-    if (ops->cache_decode) {
-        /* NaN/Inf in q, k, v is found on the device and reported by skv_cache_sync */
-        st = ops->cache_decode(c->bctx, layer, q, k, v, out, c->err, sizeof c->err);
-        if (st) return skv_fail(c->err, st, "%s: %s", fn, skv_cache_last_error(c));
-        for (int32_t b = 0; b < B; b++) {
-            skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-            sl->n_gen++;
-            sl->has_selection = 1;
-        }
-        c->stats.n_decode_calls++;
-        return SKV_OK;
-    }
-    const double t_call = skv_now_ms();
-    if ((st = skv_check_tensor(c, fn, "q", q, B, Hq))) return st;
-    if ((st = skv_check_tensor(c, fn, "k", k, B, Hk))) return st;
-    if ((st = skv_check_tensor(c, fn, "v", v, B, Hk))) return st;
-
-    const float scale = skv_resolve_scale(g->attn_scale, D);
-    const float *cos_t = SHARED(c, rope_cos, float), *sin_t = SHARED(c, rope_sin, float);
-    skv_bf16 *ks = SHARED(c, ws_k, skv_bf16), *vsel = SHARED(c, ws_v, skv_bf16);
-    double t_sel = 0, t_reb = 0, t_fet = 0, t_att = 0, t;
-    for (int32_t b = 0; b < B; b++) {
-        const skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-        int32_t *sidx = SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S;
-        int32_t *sids = SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S;
-        int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
-        const skv_bf16 *qb = q + (size_t)b * Hq * D;
-        skv_select_params sp = {g->select_mode, sl->n_cand < S ? sl->n_cand : S, S, 0, g->select_mass};
-        sp.floor = g->select_min_chunks < sp.cap ? g->select_min_chunks : sp.cap;
-        if (!sl->dense) {
-            t = skv_now_ms();
-            if (c->lay.W)
-                st = skv_rescore_step(c, layer, b, scale, qb, &sp);
-            else
-                st = ops->score_select(Hq, Hk, D, sl->n_cand, &sp, scale, qb, DEV(c, layer, b, landmarks, skv_bf16),
-                                       DEV(c, layer, b, cand_ids, int32_t), sidx, sids, NULL, cnt, &c->ws);
-            c->stats.decode_allocations += skv_ws_reset(&c->ws);
-            if (st) return st;
-            t_sel += skv_now_ms() - t;
-            t = skv_now_ms();
-            st = (g->reproducible ? ops->rebuild_keys_canonical : ops->rebuild_keys)(
-                &g->rope, D, Hk, skv_cfg_rank(g), cs, S, sl->n, DEV(c, layer, b, u, skv_bf16), DEV(c, layer, b, w, skv_bf16),
-                sids, cnt, cos_t, sin_t, ks, &c->ws);
-            c->stats.decode_allocations += skv_ws_reset(&c->ws);
-            if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
-            t_reb += skv_now_ms() - t;
-            t = skv_now_ms();
-            st = ops->gather_values(Hk, D, cs, sl->n_cand, S, skv_value_store(c, VSLOT(c, layer, b)), sidx, cnt, vsel);
-            if (st) return skv_slot_failed(c, fn, "gather_values", st);
-            t_fet += skv_now_ms() - t;
-        }
-        t = skv_now_ms();
-        skv_kv_span spans[SKV_N_SPANS]; /* the new token is appended only when the whole step succeeded */
-        const int64_t *ht;
-        skv_step_spans(c, layer, b, k, v, cnt, sp.cap, spans, &ht);
-        st = (g->reproducible ? ops->sparse_attention_canonical : ops->sparse_attention)(
-            Hq, Hk, D, scale, qb, SKV_N_SPANS, spans, ht, out + (size_t)b * Hq * D, &c->ws);
-        c->stats.decode_allocations += skv_ws_reset(&c->ws);
-        if (st) return skv_slot_failed(c, fn, "sparse_attention", st);
-        t_att += skv_now_ms() - t;
-    }
-    /* publish: append k, v and keep the selection */
-    t = skv_now_ms();
-    for (int32_t b = 0; b < B && !st; b++) {
-        skv_slot *sl = &c->slots[SLOT_INDEX(c, layer, b)];
-        const int32_t *cnt = SHARED(c, ws_sel_cnt, int32_t) + (size_t)b * Hk;
-        size_t row = (size_t)D * B2, hs = (size_t)cap * D * B2;
-        skv_bf16 *gk = sl->dense ? DEV(c, layer, b, dn_gen_k, skv_bf16) : DEV(c, layer, b, gen_k, skv_bf16);
-        skv_bf16 *gv = sl->dense ? DEV(c, layer, b, dn_gen_v, skv_bf16) : DEV(c, layer, b, gen_v, skv_bf16);
-        st = ops->copy2d(gk + (size_t)sl->n_gen * D, hs, k + (size_t)b * Hk * D, row, row, (size_t)Hk);
-        if (!st) st = ops->copy2d(gv + (size_t)sl->n_gen * D, hs, v + (size_t)b * Hk * D, row, row, (size_t)Hk);
-        size_t sel_bytes = (size_t)Hk * S * sizeof(int32_t);
-        if (!st && !sl->dense)
-            st = ops->copy2d(DEV(c, layer, b, sel_idx, int32_t), 0,
-                             SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
-        if (!st && !sl->dense)
-            st = ops->copy2d(DEV(c, layer, b, sel_ids, int32_t), 0,
-                             SHARED(c, ws_sel_ids, int32_t) + (size_t)b * Hk * S, 0, sel_bytes, 1);
-        if (!st && !sl->dense)
-            st = ops->copy2d(DEV(c, layer, b, sel_cnt, int32_t), 0, cnt, 0, (size_t)Hk * sizeof(int32_t), 1);
-        if (st) return skv_slot_failed(c, fn, "append copy", st);
-        if (!sl->dense)
-            skv_vcache_account(c, VSLOT(c, layer, b), SHARED(c, ws_sel_idx, int32_t) + (size_t)b * Hk * S, cnt,
-                               sl->n_gen);
-        skv_count_step(c, layer, sl, sl->dense ? NULL : cnt);
-        sl->n_gen++;
-        sl->has_selection = 1;
-    }
-    t_sel += skv_now_ms() - t;
-    c->stats.decode_select_ms += t_sel;
-    c->stats.decode_rebuild_ms += t_reb;
-    c->stats.decode_fetch_ms += t_fet;
-    c->stats.decode_attention_ms += t_att;
-    c->stats.decode_step_ms += skv_now_ms() - t_call;
-    c->stats.n_decode_calls++;
-    return SKV_OK;
-}
-
-SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                              const skv_bf16 *v, float *out)
-{
-    if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
-    skv_status st = skv_decode_run(c, layer, q, k, v, out);
     if (c && c->ops->set_threads) c->ops->set_threads(0);
     return st;
 }
@@ -914,7 +674,8 @@ SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
-    return skv_read_head_row(c, layer, seq, kv_head, c->lay.cand_ids, (size_t)sl->n_cand * sizeof *ids, ids);
+    size_t row = (size_t)sl->n_cand * sizeof *ids;
+    return c->ops->copy2d(ids, 0, MEM(c, layer, seq)->cand_ids + (size_t)kv_head * row, 0, row, 1);
 }
 
 SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
@@ -923,8 +684,8 @@ SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq,
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, "landmarks", &sl);
     if (st) return st;
-    return skv_read_head_row(c, layer, seq, kv_head, c->lay.landmarks,
-                             (size_t)sl->n_cand * (size_t)c->cfg.head_dim * B2, landmarks);
+    size_t row = (size_t)sl->n_cand * (size_t)c->cfg.head_dim * B2;
+    return c->ops->copy2d(landmarks, 0, MEM(c, layer, seq)->landmarks + (size_t)kv_head * row, 0, row, 1);
 }
 
 SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t stats_size)

@@ -47,6 +47,9 @@ static skv_config skv_defaults(void)
     c.rank_error_target = 0.1f;
     c.dense_layers = 0;
     c.select_candidates = 0;
+    c.pool_device_bytes = 0;
+    c.pool_host_bytes = 0;
+    c.pool_page_bytes = 0;
     return c;
 }
 
@@ -60,11 +63,11 @@ SKV_API const char *skv_version_string(void)
 }
 
 /* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
-   0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates. */
+   0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates, 0.5 the pools. */
 static int skv_config_size_ok(size_t size)
 {
     return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == SKV_CONFIG_V03_SIZE ||
-           size == sizeof(skv_config);
+           size == SKV_CONFIG_V04_SIZE || size == sizeof(skv_config);
 }
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
@@ -187,6 +190,30 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "value_device_bytes = %lld: must be >= 0, or SKV_VALUES_ALL_DEVICE (-1)",
                         (long long)cfg->value_device_bytes);
+    if (cfg->pool_device_bytes < 0 || cfg->pool_host_bytes < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "pool_%s_bytes = %lld: must be >= 0",
+                        cfg->pool_device_bytes < 0 ? "device" : "host",
+                        (long long)(cfg->pool_device_bytes < 0 ? cfg->pool_device_bytes : cfg->pool_host_bytes));
+    if (cfg->pool_page_bytes != 0 && (cfg->pool_page_bytes < 4096 || cfg->pool_page_bytes > (1 << 30) ||
+                                      (cfg->pool_page_bytes & (cfg->pool_page_bytes - 1))))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "pool_page_bytes = %d: must be 0 (256 KiB) or a power of two in [4096, 2^30]",
+                        cfg->pool_page_bytes);
+    if (cfg->pool_device_bytes == 0 && (cfg->pool_host_bytes || cfg->pool_page_bytes))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "pool_%s = %lld without pool_device_bytes: the pools are on only with pool_device_bytes > 0",
+                        cfg->pool_host_bytes ? "host_bytes" : "page_bytes",
+                        (long long)(cfg->pool_host_bytes ? cfg->pool_host_bytes : cfg->pool_page_bytes));
+    if (cfg->pool_device_bytes > 0 && cfg->value_device_bytes != SKV_VALUES_ALL_DEVICE && cfg->value_device_bytes != 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "value_device_bytes = %lld with pools: must be SKV_VALUES_ALL_DEVICE (values in the device "
+                        "pool) or 0 (values in the host pool)",
+                        (long long)cfg->value_device_bytes);
+    if (cfg->pool_device_bytes > 0 && (cfg->value_device_bytes == 0) != (cfg->pool_host_bytes > 0))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "pool_host_bytes = %lld with value_device_bytes = %lld: the host pool holds the values when "
+                        "value_device_bytes = 0 and must then be > 0; otherwise it must be 0",
+                        (long long)cfg->pool_host_bytes, (long long)cfg->value_device_bytes);
     if ((int)cfg->factorize < SKV_FACTORIZE_AUTO || (int)cfg->factorize > SKV_FACTORIZE_CANONICAL)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG, "factorize = %d: not a skv_factorize_route value",
                         (int)cfg->factorize);
@@ -344,10 +371,15 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     size_t dev = 0, host = 0, vcache = 0, slots = 0, R2 = (size_t)skv_rotary_dim(&cfg->rope, cfg->head_dim) / 2;
     int ok = skv_mul_size(Hk, D, &HkD) && skv_mul_size(O, c, &oc);
 #define REGION(cursor, a, b_, elem, off) (skv_mul3(a, b_, 1, &t) && skv_region(cursor, t, elem, off))
-    ok = ok && REGION(&dev, nmax, r, b2, &lay->u);
+    /* the pool mode: the regions that grow with the prompt come from the pool (size 0 here) */
+    const int pooled = cfg->pool_device_bytes > 0;
+    const size_t grow = pooled ? 0 : 1;
+    lay->pooled = pooled;
+    lay->values_host = pooled && cfg->value_device_bytes == 0;
+    ok = ok && REGION(&dev, nmax * grow, r, b2, &lay->u);
     ok = ok && REGION(&dev, r, HkD, b2, &lay->w);
-    ok = ok && REGION(&dev, cm, HkD, b2, &lay->landmarks);
-    ok = ok && REGION(&dev, Hk, cm, i4, &lay->cand_ids);
+    ok = ok && REGION(&dev, cm * grow, HkD, b2, &lay->landmarks);
+    ok = ok && REGION(&dev, Hk, cm * grow, i4, &lay->cand_ids);
     ok = ok && REGION(&dev, Hk, O, i4, &lay->out_ids);
     ok = ok && REGION(&dev, oc, HkD, b2, &lay->out_k);
     ok = ok && REGION(&dev, oc, HkD, b2, &lay->out_v);
@@ -361,8 +393,8 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->slot_device = t & ~(size_t)255), 1);
     /* a dense slot: the whole prompt's keys and values, and the generated tokens */
     size_t dn = 0;
-    ok = ok && REGION(&dn, nmax, HkD, b2, &lay->dn_k);
-    ok = ok && REGION(&dn, nmax, HkD, b2, &lay->dn_v);
+    ok = ok && REGION(&dn, nmax * grow, HkD, b2, &lay->dn_k);
+    ok = ok && REGION(&dn, nmax * grow, HkD, b2, &lay->dn_v);
     ok = ok && REGION(&dn, cap, HkD, b2, &lay->dn_gen_k);
     ok = ok && REGION(&dn, cap, HkD, b2, &lay->dn_gen_v);
     ok = ok && skv_add_size(dn, 255, &t) && ((lay->slot_dense = t & ~(size_t)255), 1);
@@ -394,7 +426,21 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, (size_t)lay->W, &t) && skv_region(&dev, t, i4, &lay->ws_cand_idx);
     ok = ok && skv_mul3((size_t)cfg->batch_size, Hk, (size_t)lay->W, &t) && skv_region(&dev, t, i4, &lay->ws_cand_ids);
     ok = ok && skv_mul3((size_t)lay->W, c, HkD, &t) && skv_region(&dev, t, b2, &lay->ws_cand_k);
-    if (ok) {
+    if (ok && pooled) {
+        /* no value store in the fixed layout; chunk caches for every sparse slot when values live on the host */
+        lay->page_bytes = cfg->pool_page_bytes ? (size_t)cfg->pool_page_bytes : (size_t)262144;
+        lay->pool_dev_pages = cfg->pool_device_bytes / (int64_t)lay->page_bytes;
+        lay->pool_host_pages = cfg->pool_host_bytes / (int64_t)lay->page_bytes;
+        if (lay->pool_dev_pages < 1 || (lay->values_host && lay->pool_host_pages < 1))
+            return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                            "pool_%s_bytes = %lld: less than one page (pool_page_bytes = %zu)",
+                            lay->pool_dev_pages < 1 ? "device" : "host",
+                            (long long)(lay->pool_dev_pages < 1 ? cfg->pool_device_bytes : cfg->pool_host_bytes),
+                            lay->page_bytes);
+        lay->n_dev_slots = lay->values_host ? 0 : lay->n_sparse_slots; /* (no fixed store either way) */
+        lay->slot_values = 0;
+        lay->slot_host = 0;
+    } else if (ok) {
         lay->n_dev_slots = skv_dev_slots(cfg->value_device_bytes, lay->n_sparse_slots, lay->slot_values,
                                          lay->slot_vcache);
         if (lay->n_dev_slots < 0)
@@ -408,9 +454,17 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && skv_add_size(dev, 255, &t) && ((lay->dev_values = t & ~(size_t)255), 1);
     ok = ok && skv_mul_size(n_dev, lay->slot_values, &t) && skv_add_size(lay->dev_values, t, &lay->dev_vcache);
     ok = ok && skv_mul_size(n_host, lay->slot_vcache, &t) && skv_add_size(lay->dev_vcache, t, &dev);
+    if (pooled) { /* the device pool (256-byte aligned like every region); the host pool is the host arena */
+        ok = ok && skv_add_size(dev, 255, &t) && ((lay->dev_pool = t & ~(size_t)255), 1);
+        ok = ok && skv_mul_size((size_t)lay->pool_dev_pages, lay->page_bytes, &t) &&
+             skv_add_size(lay->dev_pool, t, &dev);
+    }
 #undef REGION
     lay->device_total = dev;
-    ok = ok && skv_mul_size(n_host, lay->slot_host, &host) && ((lay->host_total = host), 1);
+    if (pooled)
+        ok = ok && skv_mul_size((size_t)lay->pool_host_pages, lay->page_bytes, &host) && ((lay->host_total = host), 1);
+    else
+        ok = ok && skv_mul_size(n_host, lay->slot_host, &host) && ((lay->host_total = host), 1);
     /* ops index tokens of one head of one slot with int32 chunk ids */
     ok = ok && (uint64_t)cm * c <= (uint64_t)INT32_MAX;
     if (!ok)

@@ -31,6 +31,7 @@ static const char *const skv_status_names[SKV_STATUS_COUNT] = {
     "SKV_ERR_DEVICE: a device runtime call failed",
     "SKV_ERR_FORMAT: the snapshot is truncated, corrupted, of another format version, or not a snapshot",
     "SKV_ERR_IO: opening, reading, writing or renaming a file failed",
+    "SKV_ERR_SEQ_STATE: the call does not fit the sequence's state (a free slot released, a prompt piece out of order)",
 };
 
 SKV_API const char *skv_status_string(skv_status status)
