@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import os
 import sys
 import threading
@@ -67,6 +68,7 @@ except ImportError as e:
                       f"which are not installed: {HF_EXTRA} ({e})") from e
 
 from . import Cache, _ffi, config as _skv_config, min_prompt_len as _min_prompt_len, ops, validate
+from . import version as shadowkv_version
 from .hf import _head_dim, _text_config, check_model, rope_config_for, scaled_config
 
 __all__ = ["install", "uninstall", "ServingEngine", "ShadowKVScheduler", "ATTN_IMPLEMENTATION", "SCHEDULER",
@@ -74,6 +76,9 @@ __all__ = ["install", "uninstall", "ServingEngine", "ShadowKVScheduler", "ATTN_I
 
 ATTN_IMPLEMENTATION = "shadowkv_paged"
 SCHEDULER = "shadowkv"
+
+# one line per request at its end (info): the slot it held, or that transformers' attention served it
+logger = logging.getLogger("shadowkv.serving")
 
 # engines by id() of the text config their model's attention modules hold (module.config)
 _ENGINES: dict[int, "ServingEngine"] = {}
@@ -163,6 +168,7 @@ class ServingEngine:
         self.cache: Optional[Cache] = None
         self._tables = None
         self._slot_of: dict = {}  # request id -> slot
+        self._prompt_of: dict = {}  # request id -> prompt length
         self._free = list(range(slots - 1, -1, -1))
         self._plan: Optional[list] = None
         self._plan_logits = 0
@@ -181,11 +187,12 @@ class ServingEngine:
         """Slots no request holds."""
         return len(self._free)
 
-    def _assign(self, rid: str) -> Optional[int]:
+    def _assign(self, rid: str, n: int) -> Optional[int]:
         if not self._free:
             return None
         s = self._free.pop()
         self._slot_of[rid] = s
+        self._prompt_of[rid] = n
         return s
 
     def release(self, rid: str) -> None:
@@ -193,6 +200,7 @@ class ServingEngine:
         s = self._slot_of.pop(rid, None)
         if s is None:
             return
+        n = self._prompt_of.pop(rid, 0)
         if self.cache is not None:
             try:
                 self.cache.release(s)
@@ -201,6 +209,7 @@ class ServingEngine:
                     raise
         self._free.append(s)
         self.counters["releases"] += 1
+        logger.info("shadowkv: request %s released slot %d (prompt of %d tokens)", rid, s, n)
 
     def release_all(self) -> None:
         """Frees every slot."""
@@ -220,8 +229,14 @@ class ServingEngine:
                 slot = None
             if slot is None and past == 0:
                 if self.takes(st):
-                    slot = self._assign(rid)
+                    slot = self._assign(rid, n)
                 self.counters["requests_library" if slot is not None else "requests_dense"] += 1
+                if slot is not None:
+                    logger.info("shadowkv: request %s (prompt of %d tokens) takes slot %d", rid, n, slot)
+                else:
+                    logger.info("shadowkv: request %s (prompt of %d tokens) runs on transformers' attention (the "
+                                "library takes prompts of %d to %d tokens and max_new_tokens - 1 <= %d)", rid, n,
+                                self.min_prompt_len, self.max_prompt_len, self.gen_capacity)
             out.append(_Entry(rid, slot, past, q, n))
         self._plan = out
         self._plan_logits = sum(1 for fs in scheduled if fs.has_new_token)
@@ -540,7 +555,11 @@ def _loader_class():
             pool_mb = o.pop("pool_mb", 0)
             if pool_mb:
                 fields.setdefault("pool_device_bytes", int(pool_mb) << 20)
-            install(model, **o, **fields)
+            _log_to_stderr()
+            engine = install(model, **o, **fields)
+            logger.info("shadowkv: libshadowkv %s serves %s: %d slots, prompts of %d to %d tokens, gen_capacity %d, "
+                        "reproducible %s, fields %s", shadowkv_version(), model_id, engine.slots, engine.min_prompt_len,
+                        engine.max_prompt_len, engine.gen_capacity, engine.reproducible, engine.fields)
             return model, processor
 
     ShadowKVModelLoader.__module__ = "shadowkv.serving"  # pickled by name into the model's process
@@ -554,6 +573,15 @@ def __getattr__(name):  # the loader class, for the model's process to unpickle 
     if name == "ShadowKVModelLoader":
         return _loader_class()
     raise AttributeError(name)
+
+
+def _log_to_stderr() -> None:
+    """The engine's info lines on stderr (the launcher's and the model process's)."""
+    if not logger.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        logger.addHandler(h)
+    logger.setLevel(logging.INFO)
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -586,6 +614,7 @@ def main(argv: Optional[list] = None) -> None:
                          "options] [--skv-slots N] [--skv-max-prompt-len N] [--skv-gen-capacity N] [--skv-backend B] "
                          "[--skv-threads N] [--skv-reproducible] [--skv-pool-mb N] [--skv-fields JSON]")
     os.environ[_ENV] = json.dumps(opts)
+    _log_to_stderr()
     _loader_class()
     from transformers.cli.transformers import app
     sys.argv = ["transformers", *rest]
