@@ -52,11 +52,11 @@ if rm.model_path() is None:
 import shadowkv  # noqa: E402
 
 THREADS = 2
-MAX_PROMPT = 2048   # the library's max_prompt_len; its scaled config takes prompts from 320 tokens
-GEN = 10            # tokens per answer
-# prompt sizes in characters of the text (about 3.5 characters a token): one below the library's shortest
-# prompt (transformers' attention serves it), four on the library's sparse path
-CHARS = [3400, 300, 5200, 1700, 2500]
+MAX_PROMPT = 1024   # the library's max_prompt_len; its scaled config (budget 128) takes prompts from 192 tokens
+GEN = 16            # tokens per answer
+# (offset, characters) of each prompt's text (about 3.9 characters a token): one below the library's shortest
+# prompt (transformers' attention serves it), four on the library's sparse path, each a different part of the text
+PARTS = [(0, 2600), (30000, 200), (60000, 1900), (90000, 900), (120000, 1350)]
 
 
 def _text():
@@ -77,13 +77,14 @@ def _post(port: int, body: dict, timeout: float = 120.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python -m shadowkv.serving serve <SmolLM2 GGUF> --continuous-batching ... --skv-reproducible` on a free
-    port; yields (port, model id, log path); stopped (its process group) at the end."""
+def server_process(tmp_path_factory):
+    """Starts `python -m shadowkv.serving serve <SmolLM2 GGUF> --continuous-batching ... --skv-reproducible` on a
+    free port (it boots while the in-process test runs); yields (process, port, model id, log path); stops its
+    process group at the end."""
     for m in ("fastapi", "uvicorn"):
         if importlib.util.find_spec(m) is None:
-            pytest.skip(f"{m} is not installed (transformers serve needs it: pip install fastapi uvicorn; make check "
-                        "SKV_PYTORCH=1 installs it)")
+            yield None
+            return
     port = _free_port()
     model = f"{rm.model_path()}:{rm.GGUF_NAME}"
     log = tmp_path_factory.mktemp("serve") / "server.log"
@@ -99,22 +100,7 @@ def server(tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
-        t0, ready = time.time(), False
-        while time.time() - t0 < 180 and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    ready = r.status == 200
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if ready:
-                break
-            time.sleep(1)
-        if not ready:
-            pytest.fail(f"the server did not start (exit code {proc.poll()}); its log:\n{log.read_text()[-6000:]}")
-        # the model loads at the first request (or was preloaded): one small request warms it up
-        _post(port, dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0))
-        print(f"server up in {time.time() - t0:.1f} s")
-        yield port, model, log
+        yield proc, port, model, log, time.time()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -126,15 +112,76 @@ def server(tmp_path_factory):
         print("server log (tail):\n" + log.read_text()[-3000:])
 
 
-def _request(model, text, n):
+@pytest.fixture(scope="module")
+def server(server_process):
+    """The started server once it answers: (port, model id, log path)."""
+    if server_process is None:
+        pytest.skip("fastapi or uvicorn is not installed (transformers serve needs them: pip install fastapi uvicorn; "
+                    "make check SKV_PYTORCH=1 installs them)")
+    proc, port, model, log, t0 = server_process
+    ready = False
+    while time.time() - t0 < 240 and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                ready = r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if ready:
+            break
+        time.sleep(1)
+    if not ready:
+        pytest.fail(f"the server did not start (exit code {proc.poll()}); its log:\n{log.read_text()[-6000:]}")
+    t1 = time.time()
+    # one small request first: the batching manager's first batch
+    _post(port, dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0))
+    print(f"server up {t1 - t0:.1f} s after its start, first answer {time.time() - t1:.1f} s later")
+    return port, model, log
+
+
+def _request(model, text, part):
+    off, n = part
     return dict(model=model, max_tokens=GEN, temperature=0,
-                messages=[{"role": "user", "content": "Summarize this text:\n\n" + text[:n]}])
+                messages=[{"role": "user", "content": "Text:\n\n" + text[off:off + n] +
+                           "\n\nQuote the last sentence of the text."}])
+
+
+def test_generate_batch_equals_alone_in_process(server_process):
+    """model.generate_batch with the engine installed (reproducible): each request's tokens equal its tokens
+    generated alone; every slot is free at the end; uninstall restores the model. (server_process: the
+    server of the next test boots meanwhile.)"""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from shadowkv.serving import ATTN_IMPLEMENTATION, install, uninstall
+    tok, model = rm.load_model(threads=THREADS)
+    engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", reproducible=True,
+                     n_threads=THREADS)
+    try:
+        _, ids = rm.text_tokens(tok, 1000, "pydoc")
+        prompts = [ids[:500], ids[50:150], ids[600:1000], ids[200:450]]  # 4 requests, 2 slots: one waits for a slot
+        gen = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        cb = ContinuousBatchingConfig(max_batch_tokens=4096, num_blocks=64, page_size=256)
+        out = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                   progress_bar=False)
+        together = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+        st = engine.stats()
+        assert st["requests_library"] == 3 and st["requests_dense"] == 1, st
+        assert st["slots_in_use"] == 0 and st["usage"]["seqs_in_use"] == 0, st
+        alone = []
+        for p in prompts:
+            o = model.generate_batch(inputs=[p], generation_config=gen, continuous_batching_config=cb,
+                                     progress_bar=False)
+            alone.append(next(iter(o.values())).generated_tokens)
+        print(f"together {together}\nalone    {alone}")
+        assert together == alone
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    finally:
+        uninstall(model)
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
 
 
 def test_served_concurrently_equals_served_alone(server):
     port, model, log = server
     text = _text()
-    bodies = [_request(model, text, n) for n in CHARS]
+    bodies = [_request(model, text, p) for p in PARTS]
     answers: list = [None] * len(bodies)
     errors: list = []
 
@@ -167,38 +214,9 @@ def test_served_concurrently_equals_served_alone(server):
     took = lines.count("takes slot")
     dense = lines.count("runs on transformers' attention")
     print(f"server log: {took} requests took a library slot, {dense} ran on transformers' attention")
-    assert sum(320 <= n <= MAX_PROMPT for n in prompts) == 4 and sum(n < 320 for n in prompts) == 1, prompts
+    assert sum(192 <= n <= MAX_PROMPT for n in prompts) == 4 and sum(n < 192 for n in prompts) == 1, prompts
+    assert len({a["choices"][0]["message"]["content"] for a in answers}) >= 3, "the prompts should get different answers"
     assert took == 8, f"{took} requests held a library slot, 8 expected (4 concurrent, 4 alone)"
     assert lines.count("released slot") == took
 
 
-def test_generate_batch_equals_alone_in_process():
-    """model.generate_batch with the engine installed (reproducible): each request's tokens equal its tokens
-    generated alone; every slot is free at the end; uninstall restores the model."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from shadowkv.serving import ATTN_IMPLEMENTATION, install, uninstall
-    tok, model = rm.load_model(threads=THREADS)
-    engine = install(model, slots=3, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", reproducible=True,
-                     n_threads=THREADS)
-    try:
-        _, ids = rm.text_tokens(tok, 1400, "pydoc")
-        prompts = [ids[:700], ids[50:150], ids[200:1400], ids[:400]]  # 4 requests, 3 slots: one waits for a slot
-        gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        cb = ContinuousBatchingConfig(max_batch_tokens=4096, num_blocks=64, page_size=256)
-        out = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
-                                   progress_bar=False)
-        together = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
-        st = engine.stats()
-        assert st["requests_library"] == 3 and st["requests_dense"] == 1, st
-        assert st["slots_in_use"] == 0 and st["usage"]["seqs_in_use"] == 0, st
-        alone = []
-        for p in prompts:
-            o = model.generate_batch(inputs=[p], generation_config=gen, continuous_batching_config=cb,
-                                     progress_bar=False)
-            alone.append(next(iter(o.values())).generated_tokens)
-        print(f"together {together}\nalone    {alone}")
-        assert together == alone
-        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-    finally:
-        uninstall(model)
-    assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
