@@ -63,9 +63,8 @@ try:
     from transformers.generation.continuous_batching.requests import RequestStatus
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 except ImportError as e:
-    from ._arrays import HF_EXTRA
-    raise ImportError(f"shadowkv.serving needs torch and transformers (with continuous batching, 5.25 or later), "
-                      f"which are not installed: {HF_EXTRA} ({e})") from e
+    raise ImportError(f"shadowkv.serving needs torch and transformers with continuous batching (5.25 or later), "
+                      f"which are not installed: pip install 'shadowkv[serve]' ({e})") from e
 
 from . import Cache, _ffi, config as _skv_config, min_prompt_len as _min_prompt_len, ops, validate
 from . import version as shadowkv_version
