@@ -390,21 +390,23 @@ class ShadowKVScheduler(_cb_scheduler.FIFOScheduler):
         if self.engine is not None:
             self.engine.release_all()
 
-    def _admissible(self, waiting: list, token_budget: int) -> list:
+    def _admissible(self, waiting: list, left: int, full: int) -> list:
+        """The waiting requests this batch may take: one the library takes only while a slot is free; in the
+        reproducible mode a new prompt only when all of it fits the batch's tokens left (a prompt longer than
+        the whole budget, full, is split in any case and goes as transformers schedules it)."""
         eng = self.engine
         free = eng.free_slots
         out = []
         for st in waiting:
-            if st.position_offset == 0 and eng.takes(st):
+            n = len(st.remaining_prefill_tokens)
+            new = st.position_offset == 0
+            if eng.reproducible and new and left < n <= full:
+                continue
+            if new and eng.takes(st):
                 if free == 0:
                     continue
-                if eng.reproducible and len(st.remaining_prefill_tokens) > token_budget:
-                    continue
                 free -= 1
-            elif eng.reproducible and st.position_offset == 0:
-                if len(st.remaining_prefill_tokens) > token_budget:
-                    continue
-            token_budget -= len(st.remaining_prefill_tokens)
+            left -= n
             out.append(st)
         return out
 
@@ -418,7 +420,7 @@ class ShadowKVScheduler(_cb_scheduler.FIFOScheduler):
                 second.append(state)
         if not self.block_new_requests:
             left = token_budget - len(priority) - sum(len(s.remaining_prefill_tokens) for s in second)
-            second.extend(self._admissible(self._get_waiting_candidates(), left))
+            second.extend(self._admissible(self._get_waiting_candidates(), left, token_budget))
         remove: set = set()
         scheduled, failed, fast_path, n_q, max_kv = self._process_candidates(priority + second, token_budget,
                                                                              cache_budget, remove)
