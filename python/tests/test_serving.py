@@ -173,6 +173,23 @@ def test_generate_batch_equals_alone_in_process(server_process):
         print(f"together {together}\nalone    {alone}")
         assert together == alone
         assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+        # the pool mode: a slot's memory follows its prompt; the same tokens
+        engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", reproducible=True,
+                         n_threads=THREADS, pool_device_bytes=32 << 20)
+        out = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                   progress_bar=False)
+        pooled = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+        u = engine.stats()["usage"]
+        assert pooled == alone and u["pooled"] == 1 and u["device_used_bytes"] == 0 and u["seqs_in_use"] == 0, u
+        # prompts split over batches (a token budget below the prompts): they reach the library in pieces
+        engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", n_threads=THREADS)
+        small = ContinuousBatchingConfig(max_batch_tokens=192, num_blocks=64, page_size=256)
+        out = model.generate_batch(inputs=[prompts[0], prompts[2]], generation_config=gen,
+                                   continuous_batching_config=small, progress_bar=False)
+        st = engine.stats()
+        print(f"in pieces: {st}")
+        assert st["prefill_pieces"] >= 4 and st["prefill_calls"] == 0 and st["slots_in_use"] == 0, st
+        assert all(len(o.generated_tokens) == 5 for o in out.values())
     finally:
         uninstall(model)
     assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
