@@ -134,8 +134,10 @@ class ServingEngine:
 
     Attributes: model, slots, max_prompt_len, gen_capacity, reproducible, fields (the library config
     fields), min_prompt_len (the shortest prompt the library takes), cache (the shadowkv.Cache, made at
-    the first forward pass on the model's device), counters (requests_library, requests_dense,
-    decode_calls, prefill_calls, prefill_pieces, releases).
+    the first forward pass on the model's device), counters (requests_library and requests_dense: the
+    requests that took a slot and those transformers' attention served; decode_calls: skv_decode_active
+    calls, one per layer and step; prefill_calls: prompts prefilled in one piece; prefill_pieces: pieces
+    of prompts split over batches; releases: slots released).
     """
 
     def __init__(self, model, slots: int = 8, max_prompt_len: int = 4096, gen_capacity: int = 512,
