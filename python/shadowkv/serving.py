@@ -618,9 +618,12 @@ def main(argv: Optional[list] = None) -> None:
                          "[--skv-threads N] [--skv-reproducible] [--skv-pool-mb N] [--skv-fields JSON]")
     os.environ[_ENV] = json.dumps(opts)
     _log_to_stderr()
+    if "--continuous-batching" not in rest:
+        logger.warning("shadowkv: without --continuous-batching, transformers serve generates one request at a time "
+                       "with its own attention; the library serves nothing")
     _loader_class()
     from transformers.cli.transformers import app
-    sys.argv = ["transformers", *rest]
+    sys.argv = ["python -m shadowkv.serving", *rest]
     app()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -234,6 +235,9 @@ def test_served_concurrently_equals_served_alone(server):
     assert sum(192 <= n <= MAX_PROMPT for n in prompts) == 4 and sum(n < 192 for n in prompts) == 1, prompts
     assert len({a["choices"][0]["message"]["content"] for a in answers}) >= 3, "the prompts should get different answers"
     assert took == 8, f"{took} requests held a library slot, 8 expected (4 concurrent, 4 alone)"
+    # a freed slot is the next one taken, so requests one at a time use one slot: four slots mean four at once
+    slots = set(re.findall(r"takes slot (\d+)", lines))
+    assert len(slots) == 4, f"slots taken {sorted(slots)}: the four library requests did not run together"
     assert lines.count("released slot") == took
 
 
