@@ -15,6 +15,7 @@
  *   build/skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]
  *   build/skv-bench decode ...     per-layer decode step split (bench_decode.c)
  *   build/skv-bench factorize ...  the key factorization with its accuracy (bench_factorize.c)
+ *   build/skv-bench serve ...      continuous batching against static batches (bench_serve.c)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -201,6 +202,7 @@ static void cpu_model(char *buf, size_t cap)
 
 int bench_decode_main(int argc, char **argv);
 int bench_factorize_main(int argc, char **argv);
+int bench_serve_main(int argc, char **argv);
 
 static void usage(FILE *f)
 {
@@ -208,6 +210,7 @@ static void usage(FILE *f)
             "usage: skv-bench [--ctx 32768] [--reps 5] [--ref-reps 1] [--backends ref,cpu] [--json]\n"
             "       skv-bench decode [options]      per-layer decode step split (skv-bench decode --help)\n"
             "       skv-bench factorize [options]   the key factorization and its accuracy (skv-bench factorize --help)\n"
+            "       skv-bench serve [options]       continuous batching against static batches (bench/bench_serve.c)\n"
             "Without a subcommand: prefill, one decode step and every op-level function of one Llama-3-8B\n"
             "layer on each backend of --backends.\n"
             "  --ctx N           prompt tokens (default 32768)\n"
@@ -222,6 +225,7 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "decode")) return bench_decode_main(argc - 1, argv + 1);
     if (argc > 1 && !strcmp(argv[1], "factorize")) return bench_factorize_main(argc - 1, argv + 1);
+    if (argc > 1 && !strcmp(argv[1], "serve")) return bench_serve_main(argc - 1, argv + 1);
     int64_t ctx = 32768;
     int reps = 5, ref_reps = 1, json = 0, nbe = 0;
     skv_backend bes[MAX_BE];

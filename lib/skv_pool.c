@@ -4,7 +4,8 @@
  * or prompt keys and values (dense). Outside the pool mode these are the slot's own regions of the
  * fixed layout, set once at create. In the pool mode a prefill takes one run of contiguous pages
  * from the device pool (and one from the host pool for a host value store), lays the regions out
- * in it for its own n (skv_slot_regions), and release gives the pages back. The pools' page maps
+ * in it for its own n (skv_slot_regions_of; the run is the best fit among the free runs), and
+ * release gives the pages back. The pools' page maps
  * are host memory; nothing is allocated after create.
  */
 #include <stdio.h>
@@ -62,20 +63,28 @@ int64_t skv_pool_pages(const skv_cache *c, size_t bytes)
     return (int64_t)((bytes + c->lay.page_bytes - 1) / c->lay.page_bytes);
 }
 
+/* Best fit: the smallest run of free pages that holds count (the lowest such run on a tie), so
+   large runs stay whole for long prompts. */
 skv_run skv_pool_alloc(skv_pool *p, int64_t count)
 {
     skv_run r = {-1, 0};
     if (count <= 0) return (skv_run){0, 0};
-    for (int64_t i = 0, run = 0; i < p->n_pages; i++) {
-        run = p->used[i] ? 0 : run + 1;
-        if (run == count) {
-            r.start = i + 1 - count;
-            r.count = count;
-            memset(p->used + r.start, 1, (size_t)count);
-            p->n_used += count;
-            return r;
+    int64_t best = -1, best_len = 0;
+    for (int64_t i = 0; i < p->n_pages;) {
+        if (p->used[i]) {
+            i++;
+            continue;
         }
+        int64_t j = i;
+        while (j < p->n_pages && !p->used[j]) j++;
+        if (j - i >= count && (best < 0 || j - i < best_len)) best = i, best_len = j - i;
+        i = j;
     }
+    if (best < 0) return r;
+    r.start = best;
+    r.count = count;
+    memset(p->used + best, 1, (size_t)count);
+    p->n_used += count;
     return r;
 }
 
@@ -210,7 +219,7 @@ SKV_API skv_status skv_seq_bytes(const skv_cache *c, int64_t n, size_t *device_b
     if (n < 1 || n > g->max_prompt_len)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: n = %lld: must be in [1, max_prompt_len = %lld]", fn,
                         (long long)n, (long long)g->max_prompt_len);
-    size_t dev = 0, host = 0, stage = (size_t)3 * (size_t)n * g->n_kv_heads * g->head_dim * B2;
+    size_t dev = 0, host = 0, stage = (size_t)2 * (size_t)n * g->n_kv_heads * g->head_dim * B2;
     if (lay->pooled) {
         for (int32_t l = 0; l < g->n_layers; l++) {
             skv_slot_regions r;

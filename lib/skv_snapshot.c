@@ -203,6 +203,9 @@ static skv_status snap_save_begin(skv_cache *cache, const char *fn, skv_cache_pa
     skv_status st = skv_cache_sync(cache);
     if (st) return st;
     skv_cache_parts_get(cache, p);
+    if (p->lay->pooled)
+        return skv_fail(p->err, SKV_ERR_UNSUPPORTED,
+                        "%s: a cache in the pool mode (config.pool_device_bytes > 0) has no snapshot format yet", fn);
     return snap_size(p, size);
 }
 
