@@ -1,4 +1,4 @@
-"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h), and the loader.
+"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h with include/shadowkv_serve.h), and the loader.
 
 Every struct here mirrors the header field by field. skv_config carries its own
 size (struct_size), and skv_config_init refuses a size the library does not know,
