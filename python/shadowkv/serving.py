@@ -66,6 +66,17 @@ except ImportError as e:
     raise ImportError(f"shadowkv.serving needs torch and transformers with continuous batching (5.25 or later), "
                       f"which are not installed: pip install 'shadowkv[serve]' ({e})") from e
 
+# what the engine uses of transformers' continuous batching (tested with transformers 5.25)
+_NEEDED = [(_cb_scheduler, "SCHEDULER_MAPPING"), (_cb_scheduler, "FIFOScheduler"),
+           (_cb_scheduler.FIFOScheduler, "_process_candidates"),
+           (_cb_scheduler.FIFOScheduler, "_get_waiting_candidates"),
+           (_cb_scheduler.FIFOScheduler, "_cleanup_waiting_queue"), (ContinuousBatchingConfig, "scheduler_type")]
+_missing = [f"{getattr(o, '__name__', o)}.{a}" for o, a in _NEEDED if not hasattr(o, a)]
+if _missing:
+    import transformers as _tf
+    raise ImportError(f"shadowkv.serving needs transformers' continuous batching as in 5.25; transformers "
+                      f"{_tf.__version__} lacks {', '.join(_missing)}")
+
 from . import Cache, _ffi, config as _skv_config, min_prompt_len as _min_prompt_len, ops, validate
 from . import version as shadowkv_version
 from .hf import _head_dim, _text_config, check_model, rope_config_for, scaled_config
@@ -428,7 +439,8 @@ class ShadowKVScheduler(_cb_scheduler.FIFOScheduler):
                                                                              cache_budget, remove)
         self._cleanup_waiting_queue(remove)
         # slots of requests transformers dropped without finishing them (offloaded and reset, failed)
-        for rid in [r for r in self.engine._slot_of if r not in self.active_requests and r not in self.waiting_requests]:
+        gone = [r for r in self.engine._slot_of if r not in self.active_requests and r not in self.waiting_requests]
+        for rid in gone:
             self.engine.release(rid)
         if not scheduled and failed:
             self.engine._plan = None

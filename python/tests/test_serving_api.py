@@ -156,8 +156,8 @@ def test_pieces_equal_one_prefill(backend, arr, rng, k_post):
     assert pieces.usage()["staging_bytes"] == 0
     for s in range(STEPS):
         for layer in range(cfg.n_layers):
-            assert_bitwise(pieces.decode(layer, *wl.inputs(s, layer, arr)), whole.decode(layer, *wl.inputs(s, layer, arr)),
-                           f"step {s} layer {layer}")
+            assert_bitwise(pieces.decode(layer, *wl.inputs(s, layer, arr)),
+                           whole.decode(layer, *wl.inputs(s, layer, arr)), f"step {s} layer {layer}")
             for h in range(cfg.n_kv_heads):
                 assert_bitwise(to_np(pieces.selected(layer, 1, h)), to_np(whole.selected(layer, 1, h)),
                                f"selection, step {s}, layer {layer}, head {h}")
