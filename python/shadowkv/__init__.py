@@ -18,6 +18,12 @@ pointers, with no copy. Arrays are torch tensors or numpy arrays (_arrays.py):
     out = cache.decode(0, q, k, v)            # q [B, Hq, D], k/v [B, Hk, D] -> out [B, Hq, D] float32
     cache.selected(0, 0, 0)                   # the chunk ids chosen for KV head 0
 
+Serving (0.5): sequences come and go in slots of one cache. cache.prefill (or prefill_piece, a
+prompt in pieces) fills a free slot, cache.decode_active(layer, seqs, q, k, v) steps only the
+listed slots, cache.release(seq) frees one; with pool_device_bytes > 0 a slot's memory follows its
+prompt's length (cache.usage(), cache.seq_bytes(n)). shadowkv.serving runs transformers'
+continuous batching (and `transformers serve`) on it.
+
 A call's results are of the kind of its array arguments; a cache's introspection results of
 the kind it was last given (or `arrays=` at creation; by default torch when the program has
 imported torch, else numpy).
@@ -141,7 +147,9 @@ def config(**fields: Any) -> Config:
     select_min_chunks); budget takes "all" (BUDGET_ALL: every candidate chunk); rank 0
     takes rank_max and rank_error_target; dense_layers takes an int bit mask or a list of
     layer numbers; select_candidates (0.4) rescores that many landmark-best chunks per head by
-    their keys (docs/DESIGN.md 4.5.1). Nothing is validated here; validate() or Cache() does.
+    their keys (docs/DESIGN.md 4.5.1); pool_device_bytes, pool_host_bytes and pool_page_bytes
+    (0.5) select the pool mode of serving, where a sequence's memory follows its prompt's length
+    (include/shadowkv.h, "Memory pools"). Nothing is validated here; validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")
@@ -506,6 +514,132 @@ class Cache:
         self._check_stream("decode")
         _check(self._lib.skv_decode(self._h(), layer, qa, ka, va, oa), "skv_decode", self._handle)
         return out
+
+    # -- serving: sequences that come and go (0.5) ----------------------------------------
+    def _seq_list(self, seqs: Any, call: str):
+        """seqs (a list of ints, a 1-d int32 numpy array or CPU tensor) as a ctypes int32 array
+        (host memory, as the C call takes it)."""
+        try:
+            ids = [int(s) for s in (seqs.tolist() if hasattr(seqs, "tolist") else seqs)]
+        except (TypeError, ValueError):
+            raise TypeError(f"{call}: seqs must be a sequence of ints (a list, a 1-d int32 numpy array or "
+                            f"CPU tensor), got {type(seqs).__name__}") from None
+        return (ctypes.c_int32 * max(len(ids), 1))(*ids), len(ids)
+
+    def decode_active(self, layer: int, seqs: Any, q, k, v, out=None):
+        """One decode step of `layer` for the listed sequences only (skv_decode_active; continuous
+        batching).
+
+        seqs: the n distinct sequence indices (slots) in [0, batch_size) that take a step, in any
+        order (a list of ints, or a 1-d int32 numpy array or CPU tensor). q: [n, Hq, D] post-RoPE
+        queries, k, v: [n, Hk, D] the new tokens' post-RoPE keys and values (bf16; numpy: or
+        float32, rounded); row i belongs to seqs[i]. Returns out [n, Hq, D] float32 (or `out`).
+        Each listed sequence's step is bitwise the one skv_decode takes for it, whoever runs
+        beside it; the others do not advance. n = 0 does nothing. A sequence advances all its
+        layers together (every layer takes its step of token t before any takes t + 1). Raises
+        ShadowKVError: SKV_ERR_NOT_PREFILLED for a free or partly prefilled slot,
+        SKV_ERR_INVALID_ARGUMENT for a slot out of range or listed twice, SKV_ERR_CAPACITY.
+        """
+        c = self.config
+        Hq, Hk, D = c.n_q_heads, c.n_kv_heads, c.head_dim
+        ids, n = self._seq_list(seqs, "decode_active")
+        K = self._arrays_of(q, "q", "[n, Hq, D]")
+        qa = K.check(q, "q", (n, Hq, D), _arrays.BF16, self.device, dims=f"= [n={n} listed sequences, Hq, D]")
+        ka = K.check(k, "k", (n, Hk, D), _arrays.BF16, self.device, dims=f"= [n={n}, Hk, D]")
+        va = K.check(v, "v", (n, Hk, D), _arrays.BF16, self.device, dims=f"= [n={n}, Hk, D]")
+        if out is None:
+            out = K.empty((n, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
+        oa = K.check(out, "out", (n, Hq, D), _arrays.F32, self.device, dims=f"= [n={n}, Hq, D]", out=True)
+        self._check_stream("decode_active")
+        _check(self._lib.skv_decode_active(self._h(), layer, n, ids, qa, ka, va, oa), "skv_decode_active",
+               self._handle)
+        return out
+
+    def decode_active_device(self, layer: int, n_active, seqs, q, k, v, out=None):
+        """skv_decode_active_device (cuda only): the count and the list live in device memory and are
+        read when the cache's stream reaches the step, so a CUDA graph that captured the call stays
+        valid while the set changes.
+
+        n_active: an int32 CUDA tensor of one element; seqs: an int32 CUDA tensor of batch_size
+        entries (the first *n_active are the listed slots); q [B, Hq, D], k, v [B, Hk, D] bf16 and
+        out [B, Hq, D] float32 hold batch_size rows, of which rows past the count are neither read
+        nor written. A bad list is found on the device: the step then changes nothing and the next
+        sync() raises naming the step, layer and sequence. ref and cpu: ShadowKVError
+        SKV_ERR_UNSUPPORTED.
+        """
+        c = self.config
+        B, Hq, Hk, D = c.batch_size, c.n_q_heads, c.n_kv_heads, c.head_dim
+        K = self._arrays_of(q, "q", "[B, Hq, D]")
+        na = K.check(n_active, "n_active", (1,), _arrays.I32, self.device, dims="= [1]")
+        sa = K.check(seqs, "seqs", (B,), _arrays.I32, self.device, dims="= [B]")
+        qa = K.check(q, "q", (B, Hq, D), _arrays.BF16, self.device, dims="= [B, Hq, D]")
+        ka = K.check(k, "k", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
+        va = K.check(v, "v", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
+        if out is None:
+            out = K.empty((B, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
+        oa = K.check(out, "out", (B, Hq, D), _arrays.F32, self.device, dims="= [B, Hq, D]", out=True)
+        self._check_stream("decode_active_device")
+        _check(self._lib.skv_decode_active_device(self._h(), layer, na, sa, qa, ka, va, oa),
+               "skv_decode_active_device", self._handle)
+        return out
+
+    def prefill_piece(self, layer: int, seq: int, n_total: int, pos0: int, k_pre, v, k_post=None) -> None:
+        """One piece of a prompt fed in pieces (skv_prefill_piece; chunked prefill).
+
+        The piece holds tokens [pos0, pos0 + n) of a prompt of n_total tokens of (layer, seq):
+        k_pre, v (and k_post, or None in every piece) [n, Hk, D] as in prefill(). Pieces arrive in
+        order (the first at pos0 = 0, each next where the last ended) with the same n_total; the
+        last one (pos0 + n == n_total) runs the prefill on the whole prompt, bitwise as one
+        prefill() of it would. Raises ShadowKVError: SKV_ERR_SEQ_STATE for a piece out of order or
+        of another n_total, SKV_ERR_OUT_OF_MEMORY when the staging (or the prefill) does not fit the
+        pool, and prefill()'s errors; on error the pieces received so far stay.
+        """
+        c = self.config
+        K = self._arrays_of(k_pre, "k_pre", "[n, Hk, D]")
+        K.ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
+        n = k_pre.shape[0]
+        shp = (n, c.n_kv_heads, c.head_dim)
+        dims = f"= [n, Hk={c.n_kv_heads}, D={c.head_dim}]"
+        a = K.check(k_pre, "k_pre", shp, _arrays.BF16, self.device, dims=dims)
+        b = K.check(v, "v", shp, _arrays.BF16, self.device, dims=dims)
+        p = K.check(k_post, "k_post", shp, _arrays.BF16, self.device, allow_none=True, dims=dims)
+        self._check_stream("prefill_piece")
+        _check(self._lib.skv_prefill_piece(self._h(), layer, seq, n_total, pos0, n, a, b, p), "skv_prefill_piece",
+               self._handle)
+
+    def release(self, seq: int) -> None:
+        """Returns sequence seq (every layer) to the free state (skv_seq_release): its prompt,
+        generated tokens and selections are dropped, its pool pages (and the staging of a prompt
+        still arriving in pieces) go back, and the slot may be prefilled again. Other sequences are
+        not touched. Raises ShadowKVError SKV_ERR_SEQ_STATE for a slot that is already free."""
+        _check(self._lib.skv_seq_release(self._h(), seq), "skv_seq_release", self._handle)
+
+    def seq_ready(self, seq: int) -> bool:
+        """Whether seq is prefilled in every layer and (cuda) its prefill's work beside the cache's
+        stream is done (skv_seq_ready; does not wait). False for a free slot or a prompt still
+        arriving in pieces."""
+        r = ctypes.c_int32(-1)
+        _check(self._lib.skv_seq_ready(self._h(), seq, ctypes.byref(r)), "skv_seq_ready", self._handle)
+        return bool(r.value)
+
+    def seq_bytes(self, n: int) -> dict:
+        """Memory one sequence with an n-token prompt takes (skv_seq_bytes): device_bytes and
+        host_bytes once prefilled in every layer (pool pages, page-rounded, in the pool mode;
+        otherwise the fixed per-sequence bytes create set aside), and staging_bytes, what one
+        layer of it holds while its prompt arrives in pieces with k_post."""
+        d, h, s = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+        _check(self._lib.skv_seq_bytes(self._h(), n, ctypes.byref(d), ctypes.byref(h), ctypes.byref(s)),
+               "skv_seq_bytes", self._handle)
+        return {"device_bytes": d.value, "host_bytes": h.value, "staging_bytes": s.value}
+
+    def usage(self) -> dict:
+        """What the cache's memory holds now (skv_cache_usage): pooled, page_bytes, device_pool_bytes,
+        device_used_bytes, device_largest_free, host_pool_bytes, host_used_bytes, host_largest_free,
+        staging_bytes, seqs_in_use, seqs_free. Waits for the cache's work (cuda)."""
+        u = _ffi.Usage()
+        _check(self._lib.skv_cache_usage_sized(self._h(), ctypes.byref(u), ctypes.sizeof(u)), "skv_cache_usage",
+               self._handle)
+        return {name: getattr(u, name) for name, _ in u._fields_}
 
     def sync(self) -> None:
         """Waits for the cache's work; raises a deferred error of an earlier decode step (cuda)."""

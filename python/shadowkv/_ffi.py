@@ -1,4 +1,4 @@
-"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h), and the loader.
+"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h with include/shadowkv_serve.h), and the loader.
 
 Every struct here mirrors the header field by field. skv_config carries its own
 size (struct_size), and skv_config_init refuses a size the library does not know,
@@ -20,7 +20,9 @@ STATUS_NAMES = {
     7: "SKV_ERR_NOT_PREFILLED", 8: "SKV_ERR_ALREADY_PREFILLED", 9: "SKV_ERR_CAPACITY", 10: "SKV_ERR_NONFINITE",
     11: "SKV_ERR_OUT_OF_MEMORY", 12: "SKV_ERR_UNSUPPORTED", 13: "SKV_ERR_NO_DEVICE", 14: "SKV_ERR_NUMERICAL",
     15: "SKV_ERR_NO_SELECTION", 16: "SKV_ERR_DEVICE", 17: "SKV_ERR_FORMAT", 18: "SKV_ERR_IO",
+    19: "SKV_ERR_SEQ_STATE",
 }
+ERR_SEQ_STATE = 19  # a call that does not fit the sequence's state (release of a free slot, a piece out of order)
 
 # skv_backend
 BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
@@ -38,7 +40,7 @@ BUDGET_ALL = -1
 
 # SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
 # major number must agree (its minor number may be newer: structs only grow at the end)
-HEADER_VERSION = 400
+HEADER_VERSION = 500
 
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16
@@ -90,6 +92,10 @@ class Config(Structure):
         ("dense_layers", c_uint64),
         # 0.4
         ("select_candidates", c_int32),
+        # 0.5: the pool mode (serving)
+        ("pool_device_bytes", c_int64),
+        ("pool_host_bytes", c_int64),
+        ("pool_page_bytes", c_int32),
     ]
 
 
@@ -159,6 +165,23 @@ class MemoryInfo(Structure):
     ]
 
 
+class Usage(Structure):
+    """skv_usage: what a cache's memory holds now (skv_cache_usage_sized)."""
+    _fields_ = [
+        ("pooled", c_int32),
+        ("page_bytes", c_int32),
+        ("device_pool_bytes", c_size_t),
+        ("device_used_bytes", c_size_t),
+        ("device_largest_free", c_size_t),
+        ("host_pool_bytes", c_size_t),
+        ("host_used_bytes", c_size_t),
+        ("host_largest_free", c_size_t),
+        ("staging_bytes", c_size_t),
+        ("seqs_in_use", c_int32),
+        ("seqs_free", c_int32),
+    ]
+
+
 class KvSpan(Structure):
     _fields_ = [
         ("k", c_void_p),
@@ -191,6 +214,14 @@ _SIGNATURES = {
     "skv_cache_last_error": (c_char_p, [c_void_p]),
     "skv_prefill": (c_int, [c_void_p, c_int32, c_int32, c_int64, _P, _P, _P]),
     "skv_decode": (c_int, [c_void_p, c_int32, _P, _P, _P, _P]),
+    # 0.5: serving
+    "skv_decode_active": (c_int, [c_void_p, c_int32, c_int32, _P, _P, _P, _P, _P]),
+    "skv_decode_active_device": (c_int, [c_void_p, c_int32, _P, _P, _P, _P, _P, _P]),
+    "skv_seq_ready": (c_int, [c_void_p, c_int32, POINTER(c_int32)]),
+    "skv_seq_release": (c_int, [c_void_p, c_int32]),
+    "skv_prefill_piece": (c_int, [c_void_p, c_int32, c_int32, c_int64, c_int64, c_int64, _P, _P, _P]),
+    "skv_seq_bytes": (c_int, [c_void_p, c_int64, POINTER(c_size_t), POINTER(c_size_t), POINTER(c_size_t)]),
+    "skv_cache_usage_sized": (c_int, [c_void_p, POINTER(Usage), c_size_t]),
     "skv_cache_sync": (c_int, [c_void_p]),
     "skv_cache_seq_info_sized": (c_int, [c_void_p, c_int32, c_int32, POINTER(SeqInfo), c_size_t]),
     "skv_cache_selected": (c_int, [c_void_p, c_int32, c_int32, c_int32, _P]),

@@ -1,7 +1,8 @@
-"""The ctypes declarations (shadowkv/_ffi.py) against include/shadowkv.h.
+"""The ctypes declarations (shadowkv/_ffi.py) against include/shadowkv.h (and the
+include/shadowkv_serve.h it includes).
 
 A tiny C program compiled against the header prints sizeof and offsetof of every struct
-and field; the ctypes mirrors must agree exactly. Every SKV_API function of the header
+and field; the ctypes mirrors must agree exactly. Every SKV_API function of the headers
 must be bound with the header's number of parameters.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ import shadowkv
 from shadowkv import _ffi
 
 HEADER = os.path.join(REPO, "include", "shadowkv.h")
+# the headers shadowkv.h includes: their functions are part of the ABI the binding mirrors
+HEADERS = [HEADER, os.path.join(REPO, "include", "shadowkv_serve.h")]
 
 STRUCTS = {
     "skv_rope_config": _ffi.RopeConfig,
@@ -29,6 +32,7 @@ STRUCTS = {
     "skv_stats": _ffi.Stats,
     "skv_kv_span": _ffi.KvSpan,
     "skv_layer_stats": _ffi.LayerStats,
+    "skv_usage": _ffi.Usage,
 }
 
 
@@ -92,8 +96,8 @@ def test_enums_and_constants(c_layout):
 
 
 def _header_functions():
-    """(name, n_params, returns_void) of every SKV_API declaration of the header."""
-    text = open(HEADER).read()
+    """(name, n_params, returns_void) of every SKV_API declaration of the public headers."""
+    text = "\n".join(open(h).read() for h in HEADERS if os.path.exists(h))
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     out = []
     for m in re.finditer(r"SKV_API\s+([^;{]*?)\b(skv_\w+)\s*\(([^)]*)\)\s*;", text):
