@@ -219,6 +219,7 @@ skv_status skv_cuda_cache_sync(void *bctx, skv_seq_state *states, skv_stats *sta
 skv_status skv_cuda_cache_set_states(void *bctx, const skv_seq_state *states, char *msg, size_t cap);
 /* The serving slots (skv_cuda_serve.cu). */
 skv_status skv_cuda_cache_release(void *bctx, int32_t seq, char *msg, size_t cap);
+skv_status skv_cuda_cache_copy(void *bctx, void *dst, const void *src, size_t bytes, char *msg, size_t cap);
 skv_status skv_cuda_cache_seq_ready(void *bctx, int32_t layer, int32_t seq, int32_t *ready, char *msg, size_t cap);
 
 /* One (layer, sequence) of a cache, as the decode kernels see it. */

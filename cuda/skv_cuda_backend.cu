@@ -199,6 +199,7 @@ void skv_cuda_fill_ops(struct skv_backend_ops *ops)
     ops->cache_prefill = skv_cuda_cache_prefill;
     ops->cache_decode = skv_cuda_cache_decode;
     ops->cache_release = skv_cuda_cache_release;
+    ops->cache_copy = skv_cuda_cache_copy;
     ops->cache_seq_ready = skv_cuda_cache_seq_ready;
     ops->cache_sync = skv_cuda_cache_sync;
     ops->cache_set_states = skv_cuda_cache_set_states;

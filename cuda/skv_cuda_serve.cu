@@ -1,7 +1,7 @@
 /*
  * skv_cuda_serve.cu - the serving side of a cuda cache (skv_cuda_cache.h): a decode step's
  * active list, the slots cache_release and cache_seq_ready, and the report of a bad device list
- * (cache_sync's).
+ * (cache_sync's), and cache_copy (the staging of a prompt in pieces, ordered after the stream).
  *
  * A step's list becomes its rows on the device (skv_cuda_act_rows, the step's first kernel):
  * the whole batch and any 0..n-1 list travel as the count alone; another host list is copied
@@ -157,4 +157,15 @@ skv_status skv_cuda_cache_seq_ready(void *bctx, int32_t layer, int32_t seq, int3
         return SKV_OK;
     }
     return skv_cuda_err(r, "cudaEventQuery(prefill)", msg, cap);
+}
+
+/* The staging of a prompt in pieces: its pool pages may have been a released sequence's, whose
+   steps on the cache's stream (and, through the release's wait, its prefill's side work) must be
+   done with them first. The host waits for the copy (the caller's buffer is then free). */
+skv_status skv_cuda_cache_copy(void *bctx, void *dst, const void *src, size_t bytes, char *msg, size_t cap)
+{
+    skv_cuda_cache *k = (skv_cuda_cache *)bctx;
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, k->st));
+    CK(cudaStreamSynchronize(k->st));
+    return SKV_OK;
 }

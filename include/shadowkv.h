@@ -483,7 +483,8 @@ SKV_API skv_status skv_prefill(skv_cache *cache, int32_t layer, int32_t seq, int
  * cuda: returns once the step is enqueued on the cache's stream; out is
  * written when the stream reaches it. The first step of each layer captures
  * the layer's step into a CUDA graph (once); later steps replay it with the
- * new tensors (one launch; no allocation, no synchronization). A step whose
+ * new tensors (two launches: the step's rows kernel, then the graph; no allocation, no
+ * synchronization). A step whose
  * q, k or v holds NaN/Inf changes nothing in the cache (its out is undefined)
  * and the next synchronizing call (skv_cache_sync, stats, introspection)
  * returns SKV_ERR_NONFINITE naming the step and element. The launch sequence

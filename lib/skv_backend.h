@@ -360,6 +360,11 @@ struct skv_backend_ops {
        after the work enqueued so far (the descriptors: no prompt, n_gen 0, no selection; chunk
        caches emptied). No allocation; need not wait. Required with cache_decode. */
     skv_status (*cache_release)(void *bctx, int32_t seq, char *msg, size_t cap);
+    /* Copies bytes from src (host or device memory) to dst (the cache's device memory) after the
+       work enqueued on the cache's stream so far, and returns when the copy is done: the staging
+       of a prompt in pieces, whose pool pages a released sequence's steps may still be reading.
+       Optional (NULL: copy2d, for backends whose work is done when a call returns). */
+    skv_status (*cache_copy)(void *bctx, void *dst, const void *src, size_t bytes, char *msg, size_t cap);
     /* *ready = 1 when the work of (layer, seq)'s prefill beside the cache's stream is done
        (cudaEventQuery; never waits). Optional (NULL: always ready after cache_prefill). */
     skv_status (*cache_seq_ready)(void *bctx, int32_t layer, int32_t seq, int32_t *ready, char *msg, size_t cap);

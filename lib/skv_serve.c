@@ -69,6 +69,14 @@ SKV_API skv_status skv_seq_ready(skv_cache *c, int32_t seq, int32_t *ready)
     return SKV_OK;
 }
 
+/* A piece into its staging, after the work on the cache's stream (its pages may have been a released
+   sequence's; cuda), or at once. */
+static skv_status skv_staging_copy(skv_cache *c, char *dst, const skv_bf16 *src, size_t bytes)
+{
+    if (c->ops->cache_copy) return c->ops->cache_copy(c->bctx, dst, src, bytes, c->err, sizeof c->err);
+    return c->ops->copy2d(dst, 0, src, 0, bytes, 1);
+}
+
 /* The first piece of a prompt: its staging (nothing changes on an error). */
 static skv_status skv_staging_open(skv_cache *c, const char *fn, int32_t layer, int32_t seq, int64_t n_total,
                                    int has_kpost)
@@ -143,9 +151,9 @@ static skv_status skv_piece_run(skv_cache *c, int32_t layer, int32_t seq, int64_
     const size_t tensor = (size_t)n_total * Hk * c->cfg.head_dim * B2, row = (size_t)Hk * c->cfg.head_dim * B2;
     const size_t off = (size_t)pos0 * row, bytes = (size_t)n * row;
     if (bytes) {
-        st = c->ops->copy2d(sg->buf + off, 0, k_pre, 0, bytes, 1);
-        if (!st) st = c->ops->copy2d(sg->buf + tensor + off, 0, v, 0, bytes, 1);
-        if (!st && k_post) st = c->ops->copy2d(sg->buf + 2 * tensor + off, 0, k_post, 0, bytes, 1);
+        st = skv_staging_copy(c, sg->buf + off, k_pre, bytes);
+        if (!st) st = skv_staging_copy(c, sg->buf + tensor + off, v, bytes);
+        if (!st && k_post) st = skv_staging_copy(c, sg->buf + 2 * tensor + off, k_post, bytes);
         if (st) {
             if (opened) skv_staging_drop(c, i);
             return skv_slot_failed(c, fn, "staging copy", st);
