@@ -546,7 +546,13 @@ static void test_bad_list(wl *w, const skv_config *c, ref *R, const uint64_t *p,
 static void test_pool(wl *w, const skv_config *c, const uint64_t *p, int values_host, const char *tag)
 {
     skv_config cf = *c, cp = *c;
-    if (values_host) cf.value_device_bytes = 0, cp.value_device_bytes = 0, cp.pool_host_bytes = 64ll << 20;
+    if (values_host) { /* the fixed layout with every value on the host: exactly the chunk caches on the device */
+        skv_memory_info mi;
+        cf.value_device_bytes = 1ll << 40;
+        if (!SKVT_CHECK(skv_cache_memory_info(&cf, &mi) == SKV_OK, "%s: memory info: %s", tag, skv_last_error())) return;
+        cf.value_device_bytes = (int64_t)mi.value_cache_bytes * (mi.device_value_slots + mi.host_value_slots);
+        cp.value_device_bytes = 0, cp.pool_host_bytes = 64ll << 20;
+    }
     cp.pool_device_bytes = 64ll << 20;
     skv_cache *F = make(w, &cf, 100), *P = make(w, &cp, 100);
     if (!F || !P) {

@@ -239,7 +239,8 @@ static void run_load(skv_backend be, int reproducible, int pooled, int values_ho
         arrive[i] = (int)skvt_rng_range(&r, 0, n_req * 3);
     }
     float *out = skvt_xmalloc((size_t)L * MAXB * w.hd * 4), *sout = skvt_xmalloc((size_t)L * w.hd * 4);
-    int32_t *sel = skvt_xmalloc(4096 * 4), *ssel = skvt_xmalloc(4096 * 4);
+    const size_t n_sel = (size_t)L * w.Hk * (w.cfg.budget / w.cfg.chunk_size + 1); /* get_sel's ints */
+    int32_t *sel = skvt_xmalloc(n_sel * 4), *ssel = skvt_xmalloc(n_sel * 4);
     long mism = 0, sel_mism = 0, steps_run = 0, refused = 0, finished = 0;
     int slot_of[MAXB];
     for (int s = 0; s < MAXB; s++) slot_of[s] = -1;
