@@ -25,7 +25,9 @@
  *
  *   build/skv-bench serve [--backend cuda] [--layers 4] [--slots 8] [--requests 64]
  *       [--ctx-min 4096] [--ctx-max 32768] [--steps-min 8] [--steps-max 200] [--arrival-s 2]
- *       [--piece-tokens 0] [--reproducible] [--seed 29] [--json]
+ *       [--piece-tokens 0] [--reproducible] [--seed 29] [--stream default|high] [--json]
+ * --stream high: the caches run on a non-blocking stream of the device's greatest priority (what
+ * an engine gives its decode stream; the library's prefill streams have the default, least one).
  *   build/skv-bench serve --beside [--slots 8] [--layers 4] [--ctx-max 32768] [--requests rounds]
  *       prefill beside decode: the decode step's time alone and while a prefill runs beside it
  *       (run_beside below)
@@ -38,12 +40,16 @@
 
 #include "synth.h"
 #include "testutil.h"
+#ifdef SKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 enum { NQ = 64 };
 
 typedef struct opts {
     skv_backend be;
-    int layers, slots, requests, steps_min, steps_max, reproducible, json, beside;
+    int layers, slots, requests, steps_min, steps_max, reproducible, json, beside, high_priority;
+    void *stream;        /* cuda: the caches' stream (--stream high: the device's greatest priority) */
     int64_t ctx_min, ctx_max, piece;
     double arrival_s;
     uint64_t seed;
@@ -104,6 +110,7 @@ static skv_config shape(const opts *o)
     skv_config c = skv_config_default();
     c.n_layers = o->layers, c.batch_size = o->slots, c.max_prompt_len = o->ctx_max;
     c.gen_capacity = o->steps_max, c.backend = o->be, c.reproducible = o->reproducible;
+    c.cuda_stream = o->stream;
     return c;
 }
 
@@ -321,6 +328,7 @@ static void run_static(const opts *o, const data *d, const request *proto, resul
             if ((st = skv_seq_release(k, s))) die("release", st, k);
     }
     summarize(o, rq, now_s() - t0, steps, tokens, steps ? occ / steps : 0, pre, res);
+    res->refused = 0;
     free(rq);
     skv_cache_free(k);
 }
@@ -382,12 +390,13 @@ static int run_beside(const opts *o, const data *d)
     }
     const double a = pct(alone, n_alone, 0.5), b = pct(beside, nbs, 0.5), b99 = pct(beside, nbs, 0.99);
     if (o->json)
-        printf("{\"bench\": \"serve-beside\", \"backend\": \"%s\", \"layers\": %d, \"decoding\": %d, \"ctx\": %lld, "
+        printf("{\"bench\": \"serve-beside\", \"stream\": \"%s\", \"backend\": \"%s\", \"layers\": %d, \"decoding\": %d, \"ctx\": %lld, "
                "\"reproducible\": %d, \"step_alone_ms\": %.3f, \"step_beside_prefill_ms\": %.3f, "
                "\"step_beside_prefill_p99_ms\": %.3f, \"delay\": %.4f, \"prefill_host_ms_per_layer\": %.3f, "
                "\"steps_alone\": %d, \"steps_beside\": %d}\n",
-               skv_backend_name(o->be), o->layers, nb, (long long)o->ctx_max, o->reproducible, a * 1e3, b * 1e3,
-               b99 * 1e3, b / a - 1, pre_host * 1e3 / nbs, n_alone, nbs);
+               o->high_priority ? "high priority" : o->stream ? "caller's" : "legacy default", skv_backend_name(o->be),
+               o->layers, nb, (long long)o->ctx_max, o->reproducible, a * 1e3, b * 1e3, b99 * 1e3, b / a - 1,
+               pre_host * 1e3 / nbs, n_alone, nbs);
     else
         printf("decode step of %d sequences x %d layers at %lld: alone %.3f ms, beside a prefill %.3f ms (p99 %.3f): "
                "%+.1f%%; prefill calls hold the host %.3f ms per layer\n",
@@ -416,7 +425,7 @@ static void print(const char *name, const result *r, int json, int last)
 
 int bench_serve_main(int argc, char **argv)
 {
-    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 0, 4096, 32768, 0, 2.0, 29};
+    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 0, 0, NULL, 4096, 32768, 0, 2.0, 29};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && ++i)
@@ -435,6 +444,7 @@ int bench_serve_main(int argc, char **argv)
         else if (!strcmp(a, "--reproducible")) o.reproducible = 1;
         else if (!strcmp(a, "--json")) o.json = 1;
         else if (!strcmp(a, "--beside")) o.beside = 1;
+        else if (OPT("--stream")) o.high_priority = !strcmp(v, "high");
         else {
             fprintf(stderr, "skv-bench serve: unknown option %s (see the top of bench/bench_serve.c)\n", a);
             return 2;
@@ -446,6 +456,22 @@ int bench_serve_main(int argc, char **argv)
         o.steps_min > o.steps_max) {
         fprintf(stderr, "skv-bench serve: inconsistent options\n");
         return 2;
+    }
+    if (o.high_priority) { /* what an engine gives its decode stream so the prefills beside it yield */
+#ifdef SKV_HAVE_CUDA
+        int least = 0, greatest = 0;
+        cudaStream_t s = NULL;
+        if (o.be != SKV_BACKEND_CUDA || cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess ||
+            cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest) != cudaSuccess) {
+            fprintf(stderr, "skv-bench serve: --stream high needs the cuda backend and a stream of priority %d\n",
+                    greatest);
+            return 2;
+        }
+        o.stream = s;
+#else
+        fprintf(stderr, "skv-bench serve: --stream high needs a build with CUDA\n");
+        return 2;
+#endif
     }
     skvt_rng r;
     skvt_rng_seed(&r, o.seed);

@@ -191,6 +191,7 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
                                char *host, char *msg, size_t cap)
 {
     *bctx = NULL;
+    int least = 0, greatest = 0, prio = 0; /* stream priorities (below) */
     skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
     if (!k) {
         snprintf(msg, cap, "out of host memory");
@@ -297,12 +298,17 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         st = skv_cuda_err(e, "cudaMemset(ranks)", msg, cap); /* a slot without a factorization reads 0 */
         goto fail;
     }
-    if ((e = cudaStreamCreateWithFlags(&k->fst, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->ost, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->side, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->cap, cudaStreamNonBlocking)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&k->pst, cudaStreamNonBlocking)) != cudaSuccess) {
-        st = skv_cuda_err(e, "cudaStreamCreateWithFlags", msg, cap);
+    /* the decode's own streams (side, cap) take the cache's stream's priority; the prefill's (pst, fst,
+       ost) the least, so a decode on a high-priority stream runs ahead of a prefill beside it
+       (docs/DESIGN.md 12.5) */
+    if ((e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess ||
+        (e = cudaStreamGetPriority(k->st, &prio)) != cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&k->fst, cudaStreamNonBlocking, least)) != cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&k->ost, cudaStreamNonBlocking, least)) != cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&k->side, cudaStreamNonBlocking, prio)) != cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&k->cap, cudaStreamNonBlocking, prio)) != cudaSuccess ||
+        (e = cudaStreamCreateWithPriority(&k->pst, cudaStreamNonBlocking, least)) != cudaSuccess) {
+        st = skv_cuda_err(e, "cudaStreamCreateWithPriority", msg, cap);
         goto fail;
     }
     st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->fst,

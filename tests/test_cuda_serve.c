@@ -631,7 +631,12 @@ int main(void)
         run_config(&c, seed + 1, "reproducible", 1);
         c = base_config();
         c.dense_layers = 2; /* layer 1 dense */
-        c.value_device_bytes = 0;
+        { /* every sparse slot's values on the host: the device holds their chunk caches only */
+            skv_memory_info mi;
+            c.value_device_bytes = 1ll << 40;
+            skv_cache_memory_info(&c, &mi);
+            c.value_device_bytes = (int64_t)mi.value_cache_bytes * (mi.device_value_slots + mi.host_value_slots);
+        }
         c.select_mode = SKV_SELECT_MASS;
         c.select_mass = 0.9f;
         run_config(&c, seed + 2, "dense layer, host values, mass", 1);
