@@ -25,10 +25,12 @@
  *
  *   build/skv-bench serve [--backend cuda] [--layers 4] [--slots 8] [--requests 64]
  *       [--ctx-min 4096] [--ctx-max 32768] [--steps-min 8] [--steps-max 200] [--arrival-s 2]
- *       [--piece-tokens 0] [--reproducible] [--seed 29] [--stream default|high] [--json]
+ *       [--piece-tokens 0] [--reproducible] [--seed 29] [--stream default|high] [--prefill-sms 0] [--json]
  * --stream high: the caches run on a non-blocking stream of the device's greatest priority (what
  * an engine gives its decode stream; the library's prefill streams have the default, least one).
- *   build/skv-bench serve --beside [--slots 8] [--layers 4] [--ctx-max 32768] [--requests rounds]
+ * --prefill-sms N: config.cuda_prefill_sms = N in every cache (both servers, --beside): the
+ * prefill's work beside the decode runs on N of the SMs (a green context; 0: all of them).
+ *   build/skv-bench serve --beside [--slots 8] [--layers 4] [--ctx-max 32768] [--requests rounds] [--prefill-sms N]
  *       prefill beside decode: the decode step's time alone and while a prefill runs beside it
  *       (run_beside below)
  */
@@ -53,6 +55,7 @@ typedef struct opts {
     int64_t ctx_min, ctx_max, piece;
     double arrival_s;
     uint64_t seed;
+    int prefill_sms;     /* --prefill-sms: config.cuda_prefill_sms of every cache (0: all SMs) */
 } opts;
 
 typedef struct request {
@@ -111,6 +114,7 @@ static skv_config shape(const opts *o)
     c.n_layers = o->layers, c.batch_size = o->slots, c.max_prompt_len = o->ctx_max;
     c.gen_capacity = o->steps_max, c.backend = o->be, c.reproducible = o->reproducible;
     c.cuda_stream = o->stream;
+    c.cuda_prefill_sms = o->prefill_sms;
     return c;
 }
 
@@ -391,17 +395,17 @@ static int run_beside(const opts *o, const data *d)
     const double a = pct(alone, n_alone, 0.5), b = pct(beside, nbs, 0.5), b99 = pct(beside, nbs, 0.99);
     if (o->json)
         printf("{\"bench\": \"serve-beside\", \"stream\": \"%s\", \"backend\": \"%s\", \"layers\": %d, \"decoding\": %d, \"ctx\": %lld, "
-               "\"reproducible\": %d, \"step_alone_ms\": %.3f, \"step_beside_prefill_ms\": %.3f, "
+               "\"reproducible\": %d, \"prefill_sms\": %d, \"step_alone_ms\": %.3f, \"step_beside_prefill_ms\": %.3f, "
                "\"step_beside_prefill_p99_ms\": %.3f, \"delay\": %.4f, \"prefill_host_ms_per_layer\": %.3f, "
                "\"steps_alone\": %d, \"steps_beside\": %d}\n",
                o->high_priority ? "high priority" : o->stream ? "caller's" : "legacy default", skv_backend_name(o->be),
-               o->layers, nb, (long long)o->ctx_max, o->reproducible, a * 1e3, b * 1e3, b99 * 1e3, b / a - 1,
+               o->layers, nb, (long long)o->ctx_max, o->reproducible, o->prefill_sms, a * 1e3, b * 1e3, b99 * 1e3, b / a - 1,
                pre_host * 1e3 / nbs, n_alone, nbs);
     else
         printf("decode step of %d sequences x %d layers at %lld: alone %.3f ms, beside a prefill %.3f ms (p99 %.3f): "
-               "%+.1f%%; prefill calls hold the host %.3f ms per layer\n",
+               "%+.1f%%; prefill calls hold the host %.3f ms per layer; prefill SMs %d (0: all)\n",
                nb, o->layers, (long long)o->ctx_max, a * 1e3, b * 1e3, b99 * 1e3, (b / a - 1) * 100,
-               pre_host * 1e3 / nbs);
+               pre_host * 1e3 / nbs, o->prefill_sms);
     free(alone), free(beside);
     skv_cache_free(k);
     return 0;
@@ -425,7 +429,7 @@ static void print(const char *name, const result *r, int json, int last)
 
 int bench_serve_main(int argc, char **argv)
 {
-    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 0, 0, NULL, 4096, 32768, 0, 2.0, 29};
+    opts o = {SKV_BACKEND_AUTO, 4, 8, 64, 8, 200, 0, 0, 0, 0, NULL, 4096, 32768, 0, 2.0, 29, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && ++i)
@@ -445,6 +449,7 @@ int bench_serve_main(int argc, char **argv)
         else if (!strcmp(a, "--json")) o.json = 1;
         else if (!strcmp(a, "--beside")) o.beside = 1;
         else if (OPT("--stream")) o.high_priority = !strcmp(v, "high");
+        else if (OPT("--prefill-sms")) o.prefill_sms = atoi(v);
         else {
             fprintf(stderr, "skv-bench serve: unknown option %s (see the top of bench/bench_serve.c)\n", a);
             return 2;
@@ -453,7 +458,7 @@ int bench_serve_main(int argc, char **argv)
     }
     if (o.be == SKV_BACKEND_AUTO) o.be = skv_backend_available(SKV_BACKEND_CUDA) == SKV_OK ? SKV_BACKEND_CUDA : SKV_BACKEND_CPU;
     if (o.slots < 1 || o.slots > 256 || o.requests < 1 || o.layers < 1 || o.ctx_min > o.ctx_max || o.steps_min < 1 ||
-        o.steps_min > o.steps_max) {
+        o.steps_min > o.steps_max || o.prefill_sms < 0) {
         fprintf(stderr, "skv-bench serve: inconsistent options\n");
         return 2;
     }
@@ -503,9 +508,10 @@ int bench_serve_main(int argc, char **argv)
     if (o.json) {
         printf("{\n  \"bench\": \"serve\", \"backend\": \"%s\", \"layers\": %d, \"slots\": %d, \"requests\": %d, "
                "\"ctx_min\": %lld, \"ctx_max\": %lld, \"steps_min\": %d, \"steps_max\": %d, \"arrival_s\": %.2f, "
-               "\"piece_tokens\": %lld, \"reproducible\": %d, \"seed\": %llu,\n  \"servers\": {\n",
+               "\"piece_tokens\": %lld, \"reproducible\": %d, \"prefill_sms\": %d, \"seed\": %llu,\n  \"servers\": {\n",
                skv_backend_name(o.be), o.layers, o.slots, o.requests, (long long)o.ctx_min, (long long)o.ctx_max,
-               o.steps_min, o.steps_max, o.arrival_s, (long long)o.piece, o.reproducible, (unsigned long long)o.seed);
+               o.steps_min, o.steps_max, o.arrival_s, (long long)o.piece, o.reproducible, o.prefill_sms,
+               (unsigned long long)o.seed);
         print("continuous", &cont, 1, 0);
         print("static", &stat, 1, 1);
         printf("  },\n  \"continuous_over_static\": {\"requests_per_s\": %.3f, \"decode_tokens_per_s\": %.3f}\n}\n",

@@ -14,6 +14,8 @@
  *   skv_cuda_serve.cu      the serving slots: a step's active list (host or device),
  *                          release, seq_ready, the deferred bad-list error
  *   skv_cuda_cache.h       the cache's state those three files share
+ *   skv_cuda_green.cu      the prefill's partition (config.cuda_prefill_sms): a green
+ *                          context over part of the SMs, its streams and events
  *   skv_cuda_active.cu     a step's rows from its list (and the device list's
  *                          check), the descriptors' writes at prefill and release
  *   skv_cuda_workspace.cu  the decode workspace's layout, the cache's shapes (a
@@ -629,6 +631,23 @@ cudaError_t skv_cuda_find_nonfinite(cudaStream_t st, const skv_bf16 *x, int64_t 
 cudaError_t skv_cuda_find_out_of_range(cudaStream_t st, const int32_t *x, int64_t n, int64_t lo, int64_t hi,
                                        unsigned long long *first_bad);
 
+/* ---- the prefill's partition (skv_cuda_green.cu) ------------------------------------------ */
+
+typedef struct skv_cuda_green skv_cuda_green;
+
+/* A green context over sms > 0 of the current device's streaming multiprocessors, rounded up as
+   the driver requires; *g = NULL (SKV_OK) when that is the whole device. *actual: the partition's
+   SMs (the device's without one). SKV_ERR_UNSUPPORTED naming cuda_prefill_sms when the driver, the
+   device or this build has no green contexts. */
+skv_status skv_cuda_green_create(skv_cuda_green **g, int32_t sms, int32_t *actual, char *msg, size_t cap);
+/* A non-blocking stream of priority prio in g (g NULL: an ordinary one). */
+skv_status skv_cuda_green_stream(skv_cuda_green *g, cudaStream_t *s, int prio, char *msg, size_t cap);
+/* An event (cudaEvent* flags) to be recorded on g's streams, made in g's context (g NULL: an
+   ordinary one). Any stream may wait for it. */
+skv_status skv_cuda_green_event(skv_cuda_green *g, cudaEvent_t *e, unsigned flags, char *msg, size_t cap);
+/* Destroys g (NULL: nothing), after every stream and event made in it. */
+void skv_cuda_green_destroy(skv_cuda_green *g);
+
 /* ---- factorization (skv_cuda_factor*.cu) ------------------------------------------------- */
 
 typedef struct skv_cuda_factor skv_cuda_factor;
@@ -637,10 +656,11 @@ typedef struct skv_cuda_factor skv_cuda_factor;
    workspace, which is queried at create). */
 size_t skv_cuda_factor_bytes(int64_t n_max, int32_t d, int32_t r);
 
-/* Handles and workspace for up to n_max rows of width d, rank r, bound to stream st.
-   SKV_ERR_OUT_OF_MEMORY / SKV_ERR_NO_DEVICE with a message. */
+/* Handles and workspace for up to n_max rows of width d, rank r, bound to stream st; the canonical
+   route's second stream (st's priority) and the events recorded on the two are made in green (NULL:
+   none), which must then hold st. SKV_ERR_OUT_OF_MEMORY / SKV_ERR_NO_DEVICE with a message. */
 skv_status skv_cuda_factor_create(skv_cuda_factor **f, int64_t n_max, int32_t d, int32_t r, cudaStream_t st,
-                                  char *msg, size_t cap);
+                                  skv_cuda_green *green, char *msg, size_t cap);
 void skv_cuda_factor_destroy(skv_cuda_factor *f);
 
 /*

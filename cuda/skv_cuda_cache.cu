@@ -177,6 +177,7 @@ void skv_cuda_cache_close(void *bctx)
     skv_cuda_factor_destroy(k->fac);
     if (k->fst) cudaStreamDestroy(k->fst);
     if (k->ost) cudaStreamDestroy(k->ost);
+    skv_cuda_green_destroy(k->green); /* after its streams and events */
     for (int i = 0; i < k->n_blocks; i++) cudaFree(k->blocks[i]);
     if (k->h_flags) cudaFreeHost(k->h_flags);
     free(k->h_seqs);
@@ -299,36 +300,44 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
         goto fail;
     }
     /* the decode's own streams (side, cap) take the cache's stream's priority; the prefill's (pst, fst,
-       ost) the least, so a decode on a high-priority stream runs ahead of a prefill beside it
-       (docs/DESIGN.md 12.5) */
+       ost) the least, so a decode on a high-priority stream runs ahead of a prefill beside it, and with
+       cuda_prefill_sms > 0 they live in a green context over that many SMs (docs/DESIGN.md 12.5) */
     if ((e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess ||
         (e = cudaStreamGetPriority(k->st, &prio)) != cudaSuccess ||
-        (e = cudaStreamCreateWithPriority(&k->fst, cudaStreamNonBlocking, least)) != cudaSuccess ||
-        (e = cudaStreamCreateWithPriority(&k->ost, cudaStreamNonBlocking, least)) != cudaSuccess ||
         (e = cudaStreamCreateWithPriority(&k->side, cudaStreamNonBlocking, prio)) != cudaSuccess ||
-        (e = cudaStreamCreateWithPriority(&k->cap, cudaStreamNonBlocking, prio)) != cudaSuccess ||
-        (e = cudaStreamCreateWithPriority(&k->pst, cudaStreamNonBlocking, least)) != cudaSuccess) {
+        (e = cudaStreamCreateWithPriority(&k->cap, cudaStreamNonBlocking, prio)) != cudaSuccess) {
         st = skv_cuda_err(e, "cudaStreamCreateWithPriority", msg, cap);
         goto fail;
     }
+    if (cfg->cuda_prefill_sms > 0) {
+        int32_t sms = 0;
+        if ((st = skv_cuda_green_create(&k->green, cfg->cuda_prefill_sms, &sms, msg, cap))) goto fail;
+    }
+    if ((st = skv_cuda_green_stream(k->green, &k->fst, least, msg, cap)) ||
+        (st = skv_cuda_green_stream(k->green, &k->ost, least, msg, cap)) ||
+        (st = skv_cuda_green_stream(k->green, &k->pst, least, msg, cap)))
+        goto fail;
     st = skv_cuda_factor_create(&k->fac, cfg->max_prompt_len, cfg->n_kv_heads * cfg->head_dim, cfg->rank, k->fst,
-                                msg, cap);
+                                k->green, msg, cap);
+    if (st) goto fail;
+    /* the events recorded on the prefill's streams are made in their context (the timing sets, side_ev,
+       fac_ev, off_ev, done_ev) */
+    for (int i = 0; i < 2 && !st; i++)
+        for (int j = 0; j < SKV_PE_N && !st; j++) st = skv_cuda_green_event(k->green, &k->pset[i].e[j], 0, msg, cap);
+    if (!st) st = skv_cuda_green_event(k->green, &k->side_ev, cudaEventDisableTiming, msg, cap);
+    if (!st) st = skv_cuda_green_event(k->green, &k->fac_ev, cudaEventDisableTiming, msg, cap);
+    if (!st) st = skv_cuda_green_event(k->green, &k->off_ev, cudaEventDisableTiming, msg, cap);
+    for (size_t i = 0; i < L * B && !st; i++)
+        st = skv_cuda_green_event(k->green, &k->done_ev[i], cudaEventDisableTiming, msg, cap);
     if (st) goto fail;
     for (int i = 0; i < SKV_CUDA_RING && e == cudaSuccess; i++)
         for (int j = 0; j < SKV_CUDA_EV && e == cudaSuccess; j++) e = cudaEventCreate(&k->ring[i].e[j]);
-    for (int i = 0; i < 2 && e == cudaSuccess; i++)
-        for (int j = 0; j < SKV_PE_N && e == cudaSuccess; j++) e = cudaEventCreate(&k->pset[i].e[j]);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fork_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->join_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->scored_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->side_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->fac_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->off_ev, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->pre_ev, cudaEventDisableTiming);
     for (int i = 0; i < SKV_CUDA_LRING && e == cudaSuccess; i++)
         e = cudaEventCreateWithFlags(&k->lring_ev[i], cudaEventDisableTiming);
-    for (size_t i = 0; i < L * B && e == cudaSuccess; i++)
-        e = cudaEventCreateWithFlags(&k->done_ev[i], cudaEventDisableTiming);
     if (e != cudaSuccess) {
         st = skv_cuda_err(e, "cudaEventCreate", msg, cap);
         goto fail;

@@ -100,6 +100,10 @@ typedef struct skv_cuda_cache {
        such a slot not prefilled) */
     cudaStream_t pst;
     cudaEvent_t pre_ev;
+    /* config.cuda_prefill_sms > 0: pst, fst, ost, the factorization's second stream and the events
+       recorded on them live in this green context over part of the SMs (skv_cuda_green.cu); NULL:
+       the primary context's, every SM */
+    skv_cuda_green *green;
     cudaEvent_t *done_ev;   /* [L * B], no timing */
     unsigned char *pend;    /* [L * B] 1: st has not waited for the slot's done_ev */
     /* the serving API's decode: a step's rows from its list (skv_cuda_act) */

@@ -171,7 +171,7 @@ static skv_status skv_cf_handle_status(skv_status st)
 }
 
 extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_max, int32_t d, int32_t r,
-                                             cudaStream_t st, char *msg, size_t cap)
+                                             cudaStream_t st, skv_cuda_green *green, char *msg, size_t cap)
 {
     *out = NULL;
     if (n_max < 1 || n_max > SKV_CUDA_FACTOR_MAX_N || d < 1 || r < 1 || (int64_t)r > (n_max < d ? n_max : d)) {
@@ -269,15 +269,18 @@ extern "C" skv_status skv_cuda_factor_create(skv_cuda_factor **out, int64_t n_ma
             SKV_OK)
         goto fail;
     if ((s = skv_cf_canonical_smem(r, msg, cap)) != SKV_OK) goto fail; /* its kernels' shared memory */
-    { /* the canonical route's second stream and events (created once: factorize allocates nothing) */
-        cudaError_t e = cudaStreamCreateWithFlags(&f->cc_side, cudaStreamNonBlocking);
-        if (e != cudaSuccess) f->cc_side = NULL;
-        if ((s = skv_cf_cuda(e, "cudaStreamCreateWithFlags (canonical second stream)", msg, cap)) != SKV_OK) goto fail;
+    { /* the canonical route's second stream, of st's priority and in st's partition (green), and the
+         events recorded on the two (created once: factorize allocates nothing) */
+        int prio = 0;
+        if (cudaStreamGetPriority(st, &prio) != cudaSuccess) {
+            (void)cudaGetLastError();
+            prio = 0;
+        }
+        if ((s = skv_cuda_green_stream(green, &f->cc_side, prio, msg, cap)) != SKV_OK) goto fail;
         cudaEvent_t *evs[6] = {&f->cc_ev_fork, &f->cc_ev_join, &f->cc_ev_ready[0], &f->cc_ev_ready[1],
                                &f->cc_ev_free[0], &f->cc_ev_free[1]};
-        for (int k = 0; k < 6 && e == cudaSuccess; k++)
-            if ((e = cudaEventCreateWithFlags(evs[k], cudaEventDisableTiming)) != cudaSuccess) *evs[k] = NULL;
-        if ((s = skv_cf_cuda(e, "cudaEventCreateWithFlags (canonical events)", msg, cap)) != SKV_OK) goto fail;
+        for (int k = 0; k < 6; k++)
+            if ((s = skv_cuda_green_event(green, evs[k], cudaEventDisableTiming, msg, cap)) != SKV_OK) goto fail;
     }
     {
         skv_cf_state init;

@@ -104,14 +104,14 @@ skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, int32_t d
             skv_cuda_fop = NULL;
         }
         if (!skv_cuda_fop) {
-            st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, msg, sizeof msg);
+            st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, NULL, msg, sizeof msg);
             skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r;
         }
         if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, route, n, a, u, w, 0, 1, msg, sizeof msg);
         pthread_mutex_unlock(&skv_cuda_fop_lock);
     } else {
         skv_cuda_factor *f = NULL;
-        st = skv_cuda_factor_create(&f, n, d, r, 0, msg, sizeof msg);
+        st = skv_cuda_factor_create(&f, n, d, r, 0, NULL, msg, sizeof msg);
         if (st == SKV_OK) st = skv_cuda_factorize(f, route, n, a, u, w, 0, 1, msg, sizeof msg);
         skv_cuda_factor_destroy(f);
     }

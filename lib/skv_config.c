@@ -50,6 +50,7 @@ static skv_config skv_defaults(void)
     c.pool_device_bytes = 0;
     c.pool_host_bytes = 0;
     c.pool_page_bytes = 0;
+    c.cuda_prefill_sms = 0;
     return c;
 }
 
@@ -63,7 +64,8 @@ SKV_API const char *skv_version_string(void)
 }
 
 /* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
-   0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates, 0.5 the pools. */
+   0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates, 0.5 the pools and
+   cuda_prefill_sms. */
 static int skv_config_size_ok(size_t size)
 {
     return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == SKV_CONFIG_V03_SIZE ||
@@ -199,6 +201,10 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "pool_page_bytes = %d: must be 0 (256 KiB) or a power of two in [4096, 2^30]",
                         cfg->pool_page_bytes);
+    if (cfg->cuda_prefill_sms < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "cuda_prefill_sms = %d: must be >= 0 (0 = all the device's streaming multiprocessors)",
+                        cfg->cuda_prefill_sms);
     if (cfg->pool_device_bytes == 0 && (cfg->pool_host_bytes || cfg->pool_page_bytes))
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "pool_%s = %lld without pool_device_bytes: the pools are on only with pool_device_bytes > 0",

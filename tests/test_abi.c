@@ -125,6 +125,18 @@ int main(void)
         }
     }
     SKVT_CHECK_STATUS(skv_config_init(NULL, sizeof c), SKV_ERR_NULL_POINTER, "skv_config_init(NULL)");
+    /* cuda_prefill_sms (0.5, appended in the padding after pool_page_bytes): 0 by default, >= 0 */
+    {
+        skv_config g = small_config();
+        SKVT_CHECK(skv_config_default().cuda_prefill_sms == 0, "default cuda_prefill_sms = %d",
+                   skv_config_default().cuda_prefill_sms);
+        g.cuda_prefill_sms = 16;
+        SKVT_CHECK_STATUS(skv_config_validate(&g), SKV_OK, "validate(cuda_prefill_sms = 16)");
+        g.cuda_prefill_sms = -1;
+        SKVT_CHECK_STATUS(skv_config_validate(&g), SKV_ERR_INVALID_CONFIG, "validate(cuda_prefill_sms = -1)");
+        SKVT_CHECK(strstr(skv_last_error(), "cuda_prefill_sms") != NULL, "message names cuda_prefill_sms: %s",
+                   skv_last_error());
+    }
     /* a refused factorize route */
     skv_config f = small_config();
     f.factorize = (skv_factorize_route)7;

@@ -24,7 +24,9 @@
  *    good step afterwards still equals the twin;
  * and pools: prefill and decode of a pooled cache (values on the device; values in the host pool)
  * equal a cache of the fixed layout with the same placement, bitwise (outputs and selections),
- * prompts of mixed lengths, also after a release and a re-prefill into the freed pages.
+ * prompts of mixed lengths, also after a release and a re-prefill into the freed pages;
+ * and the prefill's partition (config.cuda_prefill_sms = 16, a green context): the same results
+ * as without it (test_partition says how equal), every case above with it, a negative count refused.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -592,6 +594,96 @@ static void test_pool(wl *w, const skv_config *c, const uint64_t *p, int values_
     skv_cache_free(F), skv_cache_free(P);
 }
 
+/*
+ * The prefill's partition: a cache with cuda_prefill_sms = sms (its prefill's streams in a green
+ * context over that many SMs) and one without prefill the same prompts and step the whole batch T
+ * times. Reproducible mode: outputs, selections and generated counts bitwise equal (every kernel
+ * of its prefill, the canonical factorization's among them, gives the same bits on any number of
+ * SMs: the grids follow the shapes, not the partition). Default mode: selections and counts
+ * bitwise equal (they follow the landmarks, which the library's own kernels compute), outputs
+ * within the backend-vs-backend bound of docs/DESIGN.md 6 (relative L2 per query head <= 4e-3),
+ * since the factorization's cuBLAS and cuSOLVER calls are free to pick other kernels for fewer
+ * SMs; bitwise equality is expected there too (their handles see the whole device) and printed.
+ */
+static void test_partition(const skv_config *c, int32_t sms, uint64_t seed, const char *tag)
+{
+    wl w;
+    wl_open(&w, c, seed);
+    skv_config cg = *c;
+    cg.cuda_prefill_sms = sms;
+    skv_cache *P = NULL;
+    skv_status st = skv_cache_create(&cg, &P);
+    if (st == SKV_ERR_UNSUPPORTED) { /* a driver or device without green contexts: refused, naming the field */
+        SKVT_CHECK(strstr(skv_last_error(), "cuda_prefill_sms") != NULL, "%s: the refusal names no field: %s", tag,
+                   skv_last_error());
+        printf("%s: green contexts unsupported here: %s\n", tag, skv_last_error());
+        wl_close(&w);
+        return;
+    }
+    skv_cache_free(P);
+    P = make(&w, &cg, 100);
+    skv_cache *F = make(&w, c, 100);
+    const uint64_t p[B] = {11, 12, 13, 14};
+    float *of = skvt_xmalloc(B * w.hd * 4), *op = skvt_xmalloc(B * w.hd * 4);
+    int32_t all[B] = {0, 1, 2, 3};
+    int ok = P && F, bitwise = 1;
+    double worst = 0;
+    const int D = c->head_dim, Hq = c->n_q_heads;
+    for (int t = 0; t < T && ok; t++) {
+        int stp[B];
+        for (int s = 0; s < B; s++) stp[s] = t;
+        for (int l = 0; l < L && ok; l++) {
+            ok &= SKVT_CHECK_STATUS(run_step(F, &w, BY_WHOLE, l, B, all, p, stp, of), SKV_OK, "step without a partition");
+            ok &= SKVT_CHECK_STATUS(run_step(P, &w, BY_WHOLE, l, B, all, p, stp, op), SKV_OK, "step with a partition");
+            bitwise &= !memcmp(of, op, B * w.hd * 4);
+            for (int i = 0; i < B * Hq; i++) {
+                double num = 0, den = 0;
+                for (int x = 0; x < D; x++) {
+                    const double a = of[(size_t)i * D + x], b = op[(size_t)i * D + x];
+                    num += (a - b) * (a - b), den += a * a;
+                }
+                const double rel = sqrt(num / (den > 0 ? den : 1e-300));
+                if (rel > worst) worst = rel;
+            }
+        }
+        for (int s = 0; s < B && ok; s++) {
+            seen a, b;
+            look(F, &w, s, &a);
+            look(P, &w, s, &b);
+            ok &= SKVT_CHECK(same_seen(&a, &b), "%s: round %d: seq %d's selections or counts differ with the partition",
+                             tag, t, s);
+        }
+    }
+    if (ok && c->reproducible)
+        SKVT_CHECK(bitwise, "%s: outputs differ with the partition (reproducible mode; worst relative L2 %.3g)", tag,
+                   worst);
+    else if (ok)
+        SKVT_CHECK(worst <= 4e-3, "%s: outputs with the partition differ by a relative L2 of %.3g per head (> 4e-3)",
+                   tag, worst);
+    if (ok)
+        printf("%s: cuda_prefill_sms = %d: selections equal, outputs %s (worst relative L2 per head %.3g)\n", tag, sms,
+               bitwise ? "bitwise equal" : "not bitwise equal", worst);
+    free(of), free(op);
+    skv_cache_free(P), skv_cache_free(F);
+    wl_close(&w);
+}
+
+/* cuda_prefill_sms: negative refused naming the field; past the device's SMs: all of them. */
+static void test_partition_config(void)
+{
+    skv_config c = base_config();
+    skv_cache *k = NULL;
+    c.cuda_prefill_sms = -8;
+    SKVT_CHECK_STATUS(skv_cache_create(&c, &k), SKV_ERR_INVALID_CONFIG, "create(cuda_prefill_sms = -8)");
+    SKVT_CHECK(k == NULL && strstr(skv_last_error(), "cuda_prefill_sms") != NULL,
+               "cuda_prefill_sms = -8: the message names no field: %s", skv_last_error());
+    c.cuda_prefill_sms = 1 << 20;
+    skv_status st = skv_cache_create(&c, &k);
+    SKVT_CHECK(st == SKV_OK || st == SKV_ERR_UNSUPPORTED, "create(cuda_prefill_sms = 2^20): %s: %s",
+               skv_status_string(st), skv_last_error());
+    skv_cache_free(k);
+}
+
 static void run_config(const skv_config *c, uint64_t seed, const char *tag, int full)
 {
     wl w;
@@ -646,6 +738,14 @@ int main(void)
         c = base_config();
         c.rank = 0, c.rank_max = 32, c.rank_error_target = 0.2f;
         run_config(&c, seed + 4, "rank 0", 0);
+        test_partition_config();
+        c = base_config();
+        test_partition(&c, 16, seed + 5, "partition, default");
+        c.reproducible = 1;
+        test_partition(&c, 16, seed + 6, "partition, reproducible");
+        c = base_config();
+        c.cuda_prefill_sms = 16; /* the serving cases with the prefill's streams in a green context */
+        run_config(&c, seed + 7, "partition 16", 1);
     } else {
         printf("cuda unavailable: %s\n", skv_last_error());
         skvt_skip("test_cuda_serve: no usable CUDA device");

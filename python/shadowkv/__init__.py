@@ -149,7 +149,9 @@ def config(**fields: Any) -> Config:
     layer numbers; select_candidates (0.4) rescores that many landmark-best chunks per head by
     their keys (docs/DESIGN.md 4.5.1); pool_device_bytes, pool_host_bytes and pool_page_bytes
     (0.5) select the pool mode of serving, where a sequence's memory follows its prompt's length
-    (include/shadowkv.h, "Memory pools"). Nothing is validated here; validate() or Cache() does.
+    (include/shadowkv.h, "Memory pools"); cuda_prefill_sms (0.5, cuda) confines the prefill's work
+    beside the decode to that many streaming multiprocessors (0: all). Nothing is validated here;
+    validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")

@@ -96,6 +96,7 @@ class Config(Structure):
         ("pool_device_bytes", c_int64),
         ("pool_host_bytes", c_int64),
         ("pool_page_bytes", c_int32),
+        ("cuda_prefill_sms", c_int32),
     ]
 
 

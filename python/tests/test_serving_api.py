@@ -267,3 +267,12 @@ def test_config_pool_fields_round_trip():
     with pytest.raises(ShadowKVError) as e:
         shadowkv.validate(shadowkv.config(pool_device_bytes=1 << 22, pool_page_bytes=5000))
     assert "pool_page_bytes" in e.value.message
+
+
+def test_config_cuda_prefill_sms():
+    c = shadowkv.config(cuda_prefill_sms=16)
+    assert shadowkv.config_dict(c)["cuda_prefill_sms"] == 16
+    assert shadowkv.config_dict(shadowkv.config())["cuda_prefill_sms"] == 0
+    with pytest.raises(ShadowKVError) as e:
+        shadowkv.validate(shadowkv.config(cuda_prefill_sms=-1))
+    assert "cuda_prefill_sms" in e.value.message
