@@ -599,7 +599,7 @@ static void test_pool(wl *w, const skv_config *c, const uint64_t *p, int values_
  * context over that many SMs) and one without prefill the same prompts and step the whole batch T
  * times. Reproducible mode: outputs, selections and generated counts bitwise equal (every kernel
  * of its prefill, the canonical factorization's among them, gives the same bits on any number of
- * SMs: the grids follow the shapes, not the partition). Default mode: selections and counts
+ * SMs: grids are sized from the shapes and the whole device, not the partition). Default mode: selections and counts
  * bitwise equal (they follow the landmarks, which the library's own kernels compute), outputs
  * within the backend-vs-backend bound of docs/DESIGN.md 6 (relative L2 per query head <= 4e-3),
  * since the factorization's cuBLAS and cuSOLVER calls are free to pick other kernels for fewer
