@@ -297,8 +297,8 @@ typedef struct skv_config {
                                    0 = 262144 (256 KiB) */
     int32_t cuda_prefill_sms; /**< cuda: the streaming multiprocessors the prefill's work beside the
                                    decode may use (a green context over that many SMs, rounded up as
-                                   the driver requires; docs/DESIGN.md 12.5); 0 (default) = all of
-                                   them, as does a count the rounding takes past the device's.
+                                   the driver requires; docs/DESIGN.md 12.5); 0 (default), or a
+                                   count that rounds to the device's SMs or more: all of them.
                                    Needs a driver with green contexts (CUDA 12.4+), else create
                                    fails with SKV_ERR_UNSUPPORTED. Other backends ignore it */
 } skv_config;
@@ -422,7 +422,8 @@ typedef struct skv_cache skv_cache;
  * never overridden. auto picks cuda when usable, else cpu.
  * Returns SKV_OK and *out, or an error with *out set to NULL:
  * SKV_ERR_INVALID_CONFIG, SKV_ERR_SIZE_OVERFLOW, SKV_ERR_NO_DEVICE,
- * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NULL_POINTER.
+ * SKV_ERR_OUT_OF_MEMORY, SKV_ERR_NULL_POINTER, SKV_ERR_UNSUPPORTED (cuda: a
+ * shape or cuda_prefill_sms the device, driver or build cannot serve).
  */
 SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out);
 
