@@ -295,12 +295,11 @@ typedef struct skv_config {
                                    the value stores (pinned for cuda); otherwise must be 0 */
     int32_t pool_page_bytes;  /**< the pool mode: bytes per page, a power of two in [4096, 2^30];
                                    0 = 262144 (256 KiB) */
-    int32_t cuda_prefill_sms; /**< cuda: the streaming multiprocessors the prefill's work beside the
-                                   decode may use (a green context over that many SMs, rounded up as
-                                   the driver requires; docs/DESIGN.md 12.5); 0 (default), or a
-                                   count that rounds to the device's SMs or more: all of them.
-                                   Needs a driver with green contexts (CUDA 12.4+), else create
-                                   fails with SKV_ERR_UNSUPPORTED. Other backends ignore it */
+    int32_t cuda_prefill_sms; /**< cuda (others ignore it): the streaming multiprocessors the prefill's
+                                   work beside the decode may use, a green context over that many SMs
+                                   rounded up as the driver requires (docs/DESIGN.md 12.5); 0 (default),
+                                   or a count that rounds to the device's SMs or more: all of them. No
+                                   green contexts (CUDA 12.4+ drivers): create fails, SKV_ERR_UNSUPPORTED */
 } skv_config;
 
 /**
