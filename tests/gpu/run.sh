@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU test and benchmark driver, run on the device machine from the repo root:
 #
-#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|repro|ab|pack]
+#   bash tests/gpu/run.sh [quick|decode|full|prefill|sanitize|repro|ab|modes|serve|pack]
 #
 #   quick     build; the GPU tests with short settings (test_snapshot's cuda round trips among
 #             them; the Python tests on cuda too:
@@ -39,6 +39,13 @@
 #             ${SELECT_VARIANTS:-fixed,mass,dense} at SELECT_CTX x SELECT_BATCH, default
 #             32768,131072 x 1,8, device placement, fresh and drift queries, --select-mass
 #             SELECT_MASS (0.95); SELECT_REPRO=1 adds the reproducible mode)
+#   serve     build; the serving tests on cuda (test_cuda_serve, test_serve and its large load:
+#             SKV_SERVE_LOAD=large, 64 requests of 4k..32k tokens, 8..200 steps, 8 slots, bitwise
+#             against solo runs; memcheck of test_cuda_serve), then the serving benchmark
+#             (serving.json: skv-bench serve, 32 layers, 64 requests of 4k..32k, 8 slots, continuous
+#             batching against static batches, on a high-priority stream; SERVE_ARGS adds options)
+#             and the prefill beside the decode (beside.json: skv-bench serve --beside, default and
+#             high-priority streams, SERVE_ROUNDS (2) rounds each)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -59,7 +66,7 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize|repro|ab|modes|pack) ;;
+  quick|decode|full|prefill|sanitize|repro|ab|modes|serve|pack) ;;
   *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|modes|pack)"; exit 2 ;;
 esac
 if [ "$MODE" = pack ]; then
@@ -248,6 +255,21 @@ case "$MODE" in
     memcheck test_cuda_serve
     memcheck test_placement
     memcheck backend_ops -b cuda ;;
+  serve)
+    run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_serve $TBIN/test_serve
+    TEST_TIMEOUT=600 run_test test_serve_large env SKV_SERVE_LOAD=large $TBIN/test_serve
+    memcheck test_cuda_serve
+    stamp "serving benchmark"
+    timeout 600 $BIN/skv-bench serve --backend cuda --layers 32 --slots 8 --requests 64 --ctx-min 4096 \
+      --ctx-max 32768 --steps-min 8 --steps-max 200 --arrival-s 2 --stream high ${SERVE_ARGS:-} --json \
+      > "$OUT/serving.json" 2> "$TMP/serving.err"; tail -3 "$TMP/serving.err"
+    echo "[" > "$OUT/beside.json"
+    for r in $(seq ${SERVE_ROUNDS:-2}); do for s in default high; do
+      timeout 300 $BIN/skv-bench serve --beside --backend cuda --layers 4 --slots 8 --ctx-max 32768 --requests 8 \
+        --steps-max 200 --stream $s ${SERVE_ARGS:-} --json 2>/dev/null | sed 's/$/,/' >> "$OUT/beside.json"
+    done; done
+    sed -i '$ s/,$//' "$OUT/beside.json"; echo "]" >> "$OUT/beside.json"; cat "$OUT/beside.json" ;;
   modes)
     run_test test_cuda $TBIN/test_cuda
     run_test test_contract $TBIN/test_contract 40
