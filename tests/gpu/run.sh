@@ -45,7 +45,8 @@
 #             (serving.json: skv-bench serve, 32 layers, 64 requests of 4k..32k, 8 slots, continuous
 #             batching against static batches, on a high-priority stream; SERVE_ARGS adds options)
 #             and the prefill beside the decode (beside.json: skv-bench serve --beside, default and
-#             high-priority streams, SERVE_ROUNDS (2) rounds each)
+#             high-priority streams, SERVE_ROUNDS (2) rounds each, for each prefill partition of
+#             SERVE_SMS: "0 16 32" runs --prefill-sms 0, 16 and 32 (default "0": all SMs))
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -265,10 +266,10 @@ case "$MODE" in
       --ctx-max 32768 --steps-min 8 --steps-max 200 --arrival-s 2 --stream high ${SERVE_ARGS:-} --json \
       > "$OUT/serving.json" 2> "$TMP/serving.err"; tail -3 "$TMP/serving.err"
     echo "[" > "$OUT/beside.json"
-    for r in $(seq ${SERVE_ROUNDS:-2}); do for s in default high; do
+    for r in $(seq ${SERVE_ROUNDS:-2}); do for s in default high; do for p in ${SERVE_SMS:-0}; do
       timeout 300 $BIN/skv-bench serve --beside --backend cuda --layers 4 --slots 8 --ctx-max 32768 --requests 8 \
-        --steps-max 200 --stream $s ${SERVE_ARGS:-} --json 2>/dev/null | sed 's/$/,/' >> "$OUT/beside.json"
-    done; done
+        --steps-max 200 --stream $s --prefill-sms $p ${SERVE_ARGS:-} --json 2>/dev/null | sed 's/$/,/' >> "$OUT/beside.json"
+    done; done; done
     sed -i '$ s/,$//' "$OUT/beside.json"; echo "]" >> "$OUT/beside.json"; cat "$OUT/beside.json" ;;
   modes)
     run_test test_cuda $TBIN/test_cuda
