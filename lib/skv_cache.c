@@ -675,6 +675,7 @@ SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq
     skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, "ids", &sl);
     if (st) return st;
     size_t row = (size_t)sl->n_cand * sizeof *ids;
+    if (!row) return SKV_OK; /* a dense layer's slot has none */
     return c->ops->copy2d(ids, 0, MEM(c, layer, seq)->cand_ids + (size_t)kv_head * row, 0, row, 1);
 }
 
@@ -685,6 +686,7 @@ SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq,
     skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, "landmarks", &sl);
     if (st) return st;
     size_t row = (size_t)sl->n_cand * (size_t)c->cfg.head_dim * B2;
+    if (!row) return SKV_OK;
     return c->ops->copy2d(landmarks, 0, MEM(c, layer, seq)->landmarks + (size_t)kv_head * row, 0, row, 1);
 }
 
