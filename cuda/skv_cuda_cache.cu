@@ -411,16 +411,6 @@ fail:
     return st;
 }
 
-static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
-{
-    float ms = 0.0f;
-    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0.0f;
-    }
-    return ms;
-}
-
 /* Adds a finished step's times: the whole step, and its phases when they were recorded. */
 static void skv_cuda_take_times(skv_cuda_cache *k, skv_cuda_evset *s)
 {

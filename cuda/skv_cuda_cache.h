@@ -151,4 +151,15 @@ skv_status skv_cuda_list_error(skv_cuda_cache *k, char *msg, size_t cap);
 }
 #endif
 
+/* Milliseconds between two recorded events (0 when they cannot be read; the error is cleared). */
+static inline float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0.0f;
+    }
+    return ms;
+}
+
 #endif /* SKV_CUDA_CACHE_H */

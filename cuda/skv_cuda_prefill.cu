@@ -27,16 +27,6 @@
 
 #include "skv_cuda_cache.h"
 
-static float skv_cuda_elapsed(cudaEvent_t a, cudaEvent_t b)
-{
-    float ms = 0.0f;
-    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0.0f;
-    }
-    return ms;
-}
-
 void skv_cuda_take_prefill(skv_cuda_cache *k, skv_cuda_pset *p)
 {
     cudaEvent_t *e = p->e;

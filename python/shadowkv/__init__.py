@@ -476,14 +476,8 @@ class Cache:
         self._kind = K.name
         return K
 
-    def prefill(self, layer: int, seq: int, k_pre, v, k_post=None) -> None:
-        """Prefill of (layer, seq) with a prompt of n tokens at positions 0..n-1.
-
-        k_pre: [n, Hk, D] pre-RoPE keys; v: [n, Hk, D] values; k_post: [n, Hk, D] post-RoPE
-        keys, or None to let the library apply its RoPE. bf16 (numpy: or float32, rounded),
-        contiguous, on the cache's device. Raises ShadowKVError (e.g. SKV_ERR_PROMPT_TOO_SHORT)
-        on a library error.
-        """
+    def _prompt_tensors(self, k_pre, v, k_post):
+        """The checked pointers of a prompt's (or a piece's) k_pre, v, k_post [n, Hk, D], and n."""
         c = self.config
         K = self._arrays_of(k_pre, "k_pre", "[n, Hk, D]")
         K.ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
@@ -493,6 +487,17 @@ class Cache:
         a = K.check(k_pre, "k_pre", shp, _arrays.BF16, self.device, dims=dims)
         b = K.check(v, "v", shp, _arrays.BF16, self.device, dims=dims)
         p = K.check(k_post, "k_post", shp, _arrays.BF16, self.device, allow_none=True, dims=dims)
+        return n, a, b, p
+
+    def prefill(self, layer: int, seq: int, k_pre, v, k_post=None) -> None:
+        """Prefill of (layer, seq) with a prompt of n tokens at positions 0..n-1.
+
+        k_pre: [n, Hk, D] pre-RoPE keys; v: [n, Hk, D] values; k_post: [n, Hk, D] post-RoPE
+        keys, or None to let the library apply its RoPE. bf16 (numpy: or float32, rounded),
+        contiguous, on the cache's device. Raises ShadowKVError (e.g. SKV_ERR_PROMPT_TOO_SHORT)
+        on a library error.
+        """
+        n, a, b, p = self._prompt_tensors(k_pre, v, k_post)
         self._check_stream("prefill")
         _check(self._lib.skv_prefill(self._h(), layer, seq, n, a, b, p), "skv_prefill", self._handle)
 
@@ -596,15 +601,7 @@ class Cache:
         of another n_total, SKV_ERR_OUT_OF_MEMORY when the staging (or the prefill) does not fit the
         pool, and prefill()'s errors; on error the pieces received so far stay.
         """
-        c = self.config
-        K = self._arrays_of(k_pre, "k_pre", "[n, Hk, D]")
-        K.ndim(k_pre, "k_pre", 3, "[n, Hk, D]")
-        n = k_pre.shape[0]
-        shp = (n, c.n_kv_heads, c.head_dim)
-        dims = f"= [n, Hk={c.n_kv_heads}, D={c.head_dim}]"
-        a = K.check(k_pre, "k_pre", shp, _arrays.BF16, self.device, dims=dims)
-        b = K.check(v, "v", shp, _arrays.BF16, self.device, dims=dims)
-        p = K.check(k_post, "k_post", shp, _arrays.BF16, self.device, allow_none=True, dims=dims)
+        n, a, b, p = self._prompt_tensors(k_pre, v, k_post)
         self._check_stream("prefill_piece")
         _check(self._lib.skv_prefill_piece(self._h(), layer, seq, n_total, pos0, n, a, b, p), "skv_prefill_piece",
                self._handle)
