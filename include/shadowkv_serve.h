@@ -44,8 +44,9 @@ SKV_API skv_status skv_decode_active(skv_cache *cache, int32_t layer, int32_t n_
  * SKV_ERR_CAPACITY) naming the step, the layer and the sequence. The step does not wait for
  * prefills running beside it: list a sequence once skv_seq_ready says its prefill is done.
  * The host's view of each sequence's generated tokens is refreshed at the next synchronizing
- * call; a skv_decode, skv_decode_active or skv_seq_release after device-list steps synchronizes
- * first. ref and cpu: SKV_ERR_UNSUPPORTED.
+ * call; a skv_decode, skv_decode_active or skv_seq_release after device-list steps of this
+ * library's calls synchronizes first (once). A captured call replayed by the caller is not seen
+ * by the library: call skv_cache_sync between such replays and host-list calls. ref and cpu: SKV_ERR_UNSUPPORTED.
  */
 SKV_API skv_status skv_decode_active_device(skv_cache *cache, int32_t layer, const int32_t *n_active,
                                             const int32_t *seqs, const skv_bf16 *q, const skv_bf16 *k,

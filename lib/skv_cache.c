@@ -556,6 +556,7 @@ SKV_API skv_status skv_cache_sync(skv_cache *c)
     if (!c->ops->cache_sync) return SKV_OK;
     skv_status st = c->ops->cache_sync(c->bctx, c->slots, &c->stats, c->layer_stats, c->err, sizeof c->err);
     if (st) return skv_fail(c->err, st, "%s", skv_cache_last_error(c));
+    c->list_steps = 0; /* the host's n_gen is the device's again (skv_decode_run syncs only after device lists) */
     return SKV_OK;
 }
 

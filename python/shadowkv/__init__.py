@@ -476,6 +476,19 @@ class Cache:
         self._kind = K.name
         return K
 
+    def _step_tensors(self, K, q, k, v, out, rows: int, what: str):
+        """The checked pointers of a step's q [rows, Hq, D], k, v [rows, Hk, D] (bf16) and out
+        [rows, Hq, D] float32 (made when None); `what` names the rows in messages."""
+        c = self.config
+        Hq, Hk, D = c.n_q_heads, c.n_kv_heads, c.head_dim
+        qa = K.check(q, "q", (rows, Hq, D), _arrays.BF16, self.device, dims=f"= [{what}, Hq, D]")
+        ka = K.check(k, "k", (rows, Hk, D), _arrays.BF16, self.device, dims=f"= [{what}, Hk, D]")
+        va = K.check(v, "v", (rows, Hk, D), _arrays.BF16, self.device, dims=f"= [{what}, Hk, D]")
+        if out is None:
+            out = K.empty((rows, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
+        oa = K.check(out, "out", (rows, Hq, D), _arrays.F32, self.device, dims=f"= [{what}, Hq, D]", out=True)
+        return qa, ka, va, out, oa
+
     def _prompt_tensors(self, k_pre, v, k_post):
         """The checked pointers of a prompt's (or a piece's) k_pre, v, k_post [n, Hk, D], and n."""
         c = self.config
@@ -509,15 +522,9 @@ class Cache:
         array of q's kind, or `out`). On cuda the step is only enqueued: out is written when the
         cache's stream reaches it.
         """
-        c = self.config
-        B, Hq, Hk, D = c.batch_size, c.n_q_heads, c.n_kv_heads, c.head_dim
+        B = self.config.batch_size
         K = self._arrays_of(q, "q", "[B, Hq, D]")
-        qa = K.check(q, "q", (B, Hq, D), _arrays.BF16, self.device, dims="= [B, Hq, D]")
-        ka = K.check(k, "k", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
-        va = K.check(v, "v", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
-        if out is None:
-            out = K.empty((B, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
-        oa = K.check(out, "out", (B, Hq, D), _arrays.F32, self.device, dims="= [B, Hq, D]", out=True)
+        qa, ka, va, out, oa = self._step_tensors(K, q, k, v, out, B, "B")
         self._check_stream("decode")
         _check(self._lib.skv_decode(self._h(), layer, qa, ka, va, oa), "skv_decode", self._handle)
         return out
@@ -547,16 +554,9 @@ class Cache:
         ShadowKVError: SKV_ERR_NOT_PREFILLED for a free or partly prefilled slot,
         SKV_ERR_INVALID_ARGUMENT for a slot out of range or listed twice, SKV_ERR_CAPACITY.
         """
-        c = self.config
-        Hq, Hk, D = c.n_q_heads, c.n_kv_heads, c.head_dim
         ids, n = self._seq_list(seqs, "decode_active")
         K = self._arrays_of(q, "q", "[n, Hq, D]")
-        qa = K.check(q, "q", (n, Hq, D), _arrays.BF16, self.device, dims=f"= [n={n} listed sequences, Hq, D]")
-        ka = K.check(k, "k", (n, Hk, D), _arrays.BF16, self.device, dims=f"= [n={n}, Hk, D]")
-        va = K.check(v, "v", (n, Hk, D), _arrays.BF16, self.device, dims=f"= [n={n}, Hk, D]")
-        if out is None:
-            out = K.empty((n, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
-        oa = K.check(out, "out", (n, Hq, D), _arrays.F32, self.device, dims=f"= [n={n}, Hq, D]", out=True)
+        qa, ka, va, out, oa = self._step_tensors(K, q, k, v, out, n, f"n={n} listed sequences")
         self._check_stream("decode_active")
         _check(self._lib.skv_decode_active(self._h(), layer, n, ids, qa, ka, va, oa), "skv_decode_active",
                self._handle)
@@ -575,16 +575,11 @@ class Cache:
         SKV_ERR_UNSUPPORTED.
         """
         c = self.config
-        B, Hq, Hk, D = c.batch_size, c.n_q_heads, c.n_kv_heads, c.head_dim
+        B = c.batch_size
         K = self._arrays_of(q, "q", "[B, Hq, D]")
         na = K.check(n_active, "n_active", (1,), _arrays.I32, self.device, dims="= [1]")
         sa = K.check(seqs, "seqs", (B,), _arrays.I32, self.device, dims="= [B]")
-        qa = K.check(q, "q", (B, Hq, D), _arrays.BF16, self.device, dims="= [B, Hq, D]")
-        ka = K.check(k, "k", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
-        va = K.check(v, "v", (B, Hk, D), _arrays.BF16, self.device, dims="= [B, Hk, D]")
-        if out is None:
-            out = K.empty((B, Hq, D), _arrays.F32, q.device if K.name == "torch" else None)
-        oa = K.check(out, "out", (B, Hq, D), _arrays.F32, self.device, dims="= [B, Hq, D]", out=True)
+        qa, ka, va, out, oa = self._step_tensors(K, q, k, v, out, B, "B")
         self._check_stream("decode_active_device")
         _check(self._lib.skv_decode_active_device(self._h(), layer, na, sa, qa, ka, va, oa),
                "skv_decode_active_device", self._handle)
