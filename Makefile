@@ -324,7 +324,7 @@ link-check: lib
 SYSTEM_PREFIXES := /usr /usr/local
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
-	install -m 644 include/shadowkv.h include/shadowkv_serve.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/shadowkv.h include/shadowkv_ops.h include/shadowkv_serve.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(STATIC) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(SHARED) $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0
 	ln -sf libshadowkv.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv.so
@@ -344,7 +344,7 @@ install: lib
 	fi
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/include/shadowkv.h $(DESTDIR)$(PREFIX)/include/shadowkv_serve.h $(DESTDIR)$(PREFIX)/lib/libshadowkv.a \
+	rm -f $(DESTDIR)$(PREFIX)/include/shadowkv.h $(DESTDIR)$(PREFIX)/include/shadowkv_ops.h $(DESTDIR)$(PREFIX)/include/shadowkv_serve.h $(DESTDIR)$(PREFIX)/lib/libshadowkv.a \
 	  $(DESTDIR)$(PREFIX)/lib/libshadowkv.so $(DESTDIR)$(PREFIX)/lib/libshadowkv.so.0 \
 	  $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.so.0 $(DESTDIR)$(PREFIX)/lib/libshadowkv-cuda.a \
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/shadowkv.pc

@@ -69,38 +69,44 @@ static skv_status skv_cpu_check_finite(const skv_bf16 *x, int64_t n_a, int64_t s
 }
 
 typedef struct {
-    size_t block; /* values per chunk: c * D */
-    int32_t S, n_store;
-    const skv_bf16 *store;
+    size_t block, rec; /* values per chunk (c * D); bytes per chunk record */
+    int32_t S, n_store, c, D, value_dtype;
+    const uint8_t *store;
     const int32_t *idx, *counts;
     skv_bf16 *v_out;
 } skv_cpu_gather;
 
 #define SKV_CPU_GATHER_ITEM 64 /* chunks per work item */
 
+/* Chunk hs (head hs / S, entry hs % S) of the selection, unless past its head's count (not read). */
+static void skv_cpu_gather_one(const skv_cpu_gather *g, int64_t hs)
+{
+    if (g->counts && hs % g->S >= g->counts[hs / g->S]) return;
+    const uint8_t *src = g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->rec;
+    if (g->value_dtype == SKV_VALUE_FP8) skv_fp8_decode_chunk(src, g->c, g->D, g->v_out + hs * g->block);
+    else memcpy(g->v_out + hs * g->block, src, g->rec);
+}
+
 static void skv_cpu_gather_item(void *ctx, int64_t it, int t)
 {
-    const skv_cpu_gather *g = ctx;
     (void)t;
     for (int64_t hs = it * SKV_CPU_GATHER_ITEM; hs < (it + 1) * SKV_CPU_GATHER_ITEM; hs++)
-        if (!g->counts || hs % g->S < g->counts[hs / g->S]) /* past a head's count: not read */
-            memcpy(g->v_out + hs * g->block, g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->block,
-                   g->block * sizeof *g->store);
+        skv_cpu_gather_one((const skv_cpu_gather *)ctx, hs);
 }
 
 static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                                        const skv_bf16 *store, const int32_t *idx, const int32_t *counts,
-                                        skv_bf16 *v_out)
+                                        int32_t value_dtype, const void *store, const int32_t *idx,
+                                        const int32_t *counts, skv_bf16 *v_out)
 {
-    skv_cpu_gather g = {(size_t)c * D, S, n_store, store, idx, counts, v_out};
+    skv_cpu_gather g = {(size_t)c * D, skv_value_chunk_bytes(value_dtype, c, D), S, n_store, c, D, value_dtype,
+                        (const uint8_t *)store, idx, counts, v_out};
     int64_t n = (int64_t)Hk * S, full = n / SKV_CPU_GATHER_ITEM;
-    /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies in parallel. */
-    if ((size_t)n * g.block * sizeof *store > ((size_t)8 << 20)) skv_cpu_run(skv_cpu_team(full), full, skv_cpu_gather_item, &g);
+    /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies (and any
+       fp8 decoding) in parallel. */
+    if ((size_t)n * g.block * sizeof *v_out > ((size_t)(value_dtype ? 1 : 8) << 20))
+        skv_cpu_run(skv_cpu_team(full), full, skv_cpu_gather_item, &g);
     else full = 0;
-    for (int64_t hs = full * SKV_CPU_GATHER_ITEM; hs < n; hs++)
-        if (!counts || hs % S < counts[hs / S])
-            memcpy(v_out + hs * g.block, store + ((size_t)(hs / S) * n_store + idx[hs]) * g.block,
-                   g.block * sizeof *store);
+    for (int64_t hs = full * SKV_CPU_GATHER_ITEM; hs < n; hs++) skv_cpu_gather_one(&g, hs);
     return SKV_OK;
 }
 

@@ -197,8 +197,8 @@ skv_status skv_cuda_rebuild_canonical_op(const skv_rope_config *rope, int32_t D,
 skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_t D, float scale,
                                                   const skv_bf16 *q, int32_t n_spans, const skv_kv_span *spans,
                                                   const int64_t *head_tokens, float *out, skv_ws *ws);
-skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                              const skv_bf16 *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
+skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S, int32_t value_dtype,
+                              const void *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
 skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,
                                         int32_t n_spans, const skv_kv_span *spans, const int64_t *head_tokens,
                                         float *out, skv_ws *ws);

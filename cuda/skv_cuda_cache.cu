@@ -192,6 +192,11 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
                                char *host, char *msg, size_t cap)
 {
     *bctx = NULL;
+    if (lay->value_dtype != SKV_VALUE_BF16) {
+        snprintf(msg, cap, "value_dtype = %d: fp8 value stores are not in this build of the cuda backend",
+                 (int)lay->value_dtype);
+        return SKV_ERR_UNSUPPORTED;
+    }
     int least = 0, greatest = 0, prio = 0; /* stream priorities (below) */
     skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
     if (!k) {

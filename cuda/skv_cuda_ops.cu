@@ -266,12 +266,18 @@ skv_status skv_cuda_sparse_attention_canonical_op(int32_t Hq, int32_t Hk, int32_
                            "sparse_attention_canonical");
 }
 
-skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                              const skv_bf16 *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out)
+skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S, int32_t value_dtype,
+                              const void *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out)
 {
     if (counts) return skv_cuda_op_per_head("gather_values");
+    if (value_dtype != SKV_VALUE_BF16) {
+        skv_cuda_note("gather_values: fp8 records are not an op-level call of the cuda backend (its caches decode "
+                      "them in their attention)");
+        return SKV_ERR_UNSUPPORTED;
+    }
     skv_cuda_op op = {{0}, 0};
-    return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, store, idx, v_out), "gather_values");
+    return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, (const skv_bf16 *)store, idx, v_out),
+                           "gather_values");
 }
 
 skv_status skv_cuda_sparse_attention_op(int32_t Hq, int32_t Hk, int32_t D, float scale, const skv_bf16 *q,

@@ -89,9 +89,12 @@ typedef struct skv_layout {
        [Hk, max_prompt_len, D] bf16 (head stride n * D for a prompt of n tokens, like loc_k), the
        generated tokens [Hk, gen_capacity, D]; slot_dense bytes each, from dense_base */
     size_t dn_k, dn_v, dn_gen_k, dn_gen_v, slot_dense, dense_base;
-    /* value stores [Hk, cand_max, c, D]: device ones from dev_values, host ones from 0 of the host arena */
-    size_t slot_values, slot_host;
-    /* chunk cache of a host slot: data [Hk, vc_chunks, c, D] bf16, slot_of [Hk, cand_max],
+    /* value stores [Hk, cand_max] chunk records of vrec bytes each (skv_value_chunk_bytes of
+       value_dtype: bf16 [c, D], or fp8 codes [c, D] and exponents [c]): device ones from dev_values,
+       host ones from 0 of the host arena */
+    int32_t value_dtype;
+    size_t vrec, slot_values, slot_host;
+    /* chunk cache of a host slot: data [Hk, vc_chunks] chunk records (vrec bytes), slot_of [Hk, cand_max],
        owner [Hk, vc_chunks], stamp [Hk, vc_chunks] int32 (metadata contiguous from vc_slot_of) */
     size_t vc_data, vc_slot_of, vc_owner, vc_stamp, vc_meta_bytes, slot_vcache;
     /* shared device regions (after the slots); ws_sel_cnt [B, Hk] int32: the step's counts */
@@ -119,8 +122,8 @@ typedef struct skv_layout {
  * fixed layout (and its value store); in the pool mode, places in the pool pages the prefill took
  * (lib/skv_pool.c lays them out with skv_slot_regions). All NULL for a free slot.
  *  sparse slot: u [n, r] bf16, landmarks [n_cand, Hk D] bf16 (head h's rows at h * n_cand * D),
- *               cand_ids [Hk, n_cand] int32, vstore [Hk, n_cand, c, D] bf16 (host memory when
- *               vstore_host, pinned for cuda);
+ *               cand_ids [Hk, n_cand] int32, vstore [Hk, n_cand] chunk records of lay.vrec bytes
+ *               (host memory when vstore_host, pinned for cuda);
  *  dense slot:  dn_k, dn_v [Hk, n, D] bf16.
  */
 typedef struct skv_slot_mem {
@@ -301,9 +304,11 @@ struct skv_backend_ops {
                                const skv_bf16 *u, const skv_bf16 *w, const int32_t *chunk_ids,
                                const int32_t *counts, const float *cos_tab, const float *sin_tab,
                                skv_bf16 *k_out, skv_ws *ws);
-    /* counts as rebuild_keys (idx entries past counts[h] are not read). */
+    /* counts as rebuild_keys (idx entries past counts[h] are not read). store: [Hk, n_store] chunk
+       records of value_dtype (skv_value_chunk_bytes); v_out [Hk, n_select, c, D] bf16, the fp8
+       records decoded (skv_fp8_decode_chunk: exact, the same bits on every backend). */
     skv_status (*gather_values)(int32_t n_kv_heads, int32_t head_dim, int32_t chunk,
-                                int32_t n_store, int32_t n_select, const skv_bf16 *store,
+                                int32_t n_store, int32_t n_select, int32_t value_dtype, const void *store,
                                 const int32_t *idx, const int32_t *counts, skv_bf16 *v_out);
     /* head_tokens: NULL, or [n_spans][n_kv_heads]: span s has head_tokens[s*n_kv_heads + h]
        tokens for KV head h (<= spans[s].n_tokens), in place of spans[s].n_tokens. The
@@ -403,7 +408,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 5
+#define SKV_PLUGIN_ABI 6
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 

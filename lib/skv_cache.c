@@ -438,7 +438,8 @@ skv_status skv_prefill_run(skv_cache *c, const char *fn, int32_t layer, int32_t 
     float *wf = ops->mem_alloc((size_t)r * HkD * sizeof(float), SKV_MEM_DEVICE);
     int32_t *ids = malloc(((size_t)Hk * O + (size_t)Hk * n_cand) * sizeof *ids);
     if (!k_post) kp_tmp = ops->mem_alloc((size_t)n * HkD * B2, SKV_MEM_DEVICE);
-    if (!uf || !wf || !ids || (!k_post && !kp_tmp)) {
+    uint8_t *rec = c->lay.value_dtype == SKV_VALUE_FP8 ? malloc(c->lay.vrec) : NULL; /* one encoded chunk */
+    if (!uf || !wf || !ids || (!k_post && !kp_tmp) || (c->lay.value_dtype == SKV_VALUE_FP8 && !rec)) {
         st = skv_fail(c->err, SKV_ERR_OUT_OF_MEMORY, "%s: out of memory for prefill scratch (n = %lld)", fn,
                       (long long)n);
         goto done;
@@ -484,7 +485,8 @@ skv_status skv_prefill_run(skv_cache *c, const char *fn, int32_t layer, int32_t 
     if (!st) st = ops->copy2d(h_cand, 0, cand_ids, 0, (size_t)Hk * n_cand * sizeof *ids, 1);
     skv_bf16 *ok_ = DEV(c, layer, seq, out_k, skv_bf16), *ov = DEV(c, layer, seq, out_v, skv_bf16);
     skv_bf16 *lk = DEV(c, layer, seq, loc_k, skv_bf16), *lv = DEV(c, layer, seq, loc_v, skv_bf16);
-    skv_bf16 *vs = (skv_bf16 *)mem->vstore;
+    char *vs = mem->vstore;
+    const size_t vrec = c->lay.vrec;
     for (int32_t h = 0; h < Hk && !st; h++) {
         for (int32_t o = 0; o < O && !st; o++) {
             size_t src = ((size_t)h_out[(size_t)h * O + o] * cs * Hk + h) * D;
@@ -495,9 +497,15 @@ skv_status skv_prefill_run(skv_cache *c, const char *fn, int32_t layer, int32_t 
         size_t lsrc = ((size_t)N * cs * Hk + h) * D, ldst = (size_t)h * n_local * D;
         if (!st && n_local) st = ops->copy2d(lk + ldst, row, k_post + lsrc, tok, row, (size_t)n_local);
         if (!st && n_local) st = ops->copy2d(lv + ldst, row, v + lsrc, tok, row, (size_t)n_local);
-        for (int32_t m = 0; m < n_cand && !st; m++) {
+        for (int32_t m = 0; m < n_cand && !st; m++) { /* the candidate's chunk record (bf16, or encoded) */
             size_t src = ((size_t)h_cand[(size_t)h * n_cand + m] * cs * Hk + h) * D;
-            st = ops->copy2d(vs + ((size_t)h * n_cand + m) * cs * D, row, v + src, tok, row, (size_t)cs);
+            char *dst = vs + ((size_t)h * n_cand + m) * vrec;
+            if (!rec) {
+                st = ops->copy2d(dst, row, v + src, tok, row, (size_t)cs);
+            } else {
+                skv_fp8_encode_chunk(v + src, (int64_t)HkD, cs, D, rec);
+                st = ops->copy2d(dst, vrec, rec, vrec, vrec, 1);
+            }
         }
     }
     if (st) {
@@ -525,6 +533,7 @@ done:
     ops->mem_free(uf, SKV_MEM_DEVICE);
     ops->mem_free(wf, SKV_MEM_DEVICE);
     free(ids);
+    free(rec);
     return st;
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "skv_internal.h"
+#include "skv_numerics.h"
 
 static skv_config skv_defaults(void)
 {
@@ -51,6 +52,7 @@ static skv_config skv_defaults(void)
     c.pool_host_bytes = 0;
     c.pool_page_bytes = 0;
     c.cuda_prefill_sms = 0;
+    c.value_dtype = SKV_VALUE_BF16;
     return c;
 }
 
@@ -65,11 +67,11 @@ SKV_API const char *skv_version_string(void)
 
 /* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
    0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates, 0.5 the pools and
-   cuda_prefill_sms. */
+   cuda_prefill_sms, 0.6 value_dtype. */
 static int skv_config_size_ok(size_t size)
 {
     return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == SKV_CONFIG_V03_SIZE ||
-           size == SKV_CONFIG_V04_SIZE || size == sizeof(skv_config);
+           size == SKV_CONFIG_V04_SIZE || size == SKV_CONFIG_V05_SIZE || size == sizeof(skv_config);
 }
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
@@ -205,6 +207,9 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "cuda_prefill_sms = %d: must be >= 0 (0 = all the device's streaming multiprocessors)",
                         cfg->cuda_prefill_sms);
+    if (cfg->value_dtype != SKV_VALUE_BF16 && cfg->value_dtype != SKV_VALUE_FP8)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "value_dtype = %d: must be SKV_VALUE_BF16 (0) or SKV_VALUE_FP8 (1)", (int)cfg->value_dtype);
     if (cfg->pool_device_bytes == 0 && (cfg->pool_host_bytes || cfg->pool_page_bytes))
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "pool_%s = %lld without pool_device_bytes: the pools are on only with pool_device_bytes > 0",
@@ -405,9 +410,11 @@ skv_status skv_layout_compute(char *errbuf, const skv_config *cfg, skv_layout *l
     ok = ok && REGION(&dn, cap, HkD, b2, &lay->dn_gen_v);
     ok = ok && skv_add_size(dn, 255, &t) && ((lay->slot_dense = t & ~(size_t)255), 1);
     /* one value store, and one chunk cache (data, then its index: slot_of, owner, stamp) */
-    ok = ok && skv_mul3(cm, c, HkD, &t) && skv_mul_size(t, b2, &t) && skv_add_size(t, 255, &t) &&
+    lay->value_dtype = cfg->value_dtype;
+    lay->vrec = skv_value_chunk_bytes(cfg->value_dtype, c, D); /* c, D are bounded: no overflow */
+    ok = ok && skv_mul3(Hk, cm, lay->vrec, &t) && skv_add_size(t, 255, &t) &&
          ((lay->slot_values = lay->slot_host = t & ~(size_t)255), 1);
-    ok = ok && skv_mul3(vc, c, HkD, &t) && skv_region(&vcache, t, b2, &lay->vc_data);
+    ok = ok && skv_mul3(Hk, vc, lay->vrec, &t) && skv_region(&vcache, t, 1, &lay->vc_data);
     ok = ok && REGION(&vcache, Hk, cm, i4, &lay->vc_slot_of);
     ok = ok && REGION(&vcache, Hk, vc, i4, &lay->vc_owner);
     ok = ok && REGION(&vcache, Hk, vc, i4, &lay->vc_stamp);

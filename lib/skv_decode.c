@@ -259,7 +259,7 @@ static skv_status skv_decode_run(skv_cache *c, const char *fn, int32_t layer, in
             if (st) return skv_slot_failed(c, fn, "rebuild_keys", st);
             t_reb += skv_now_ms() - t;
             t = skv_now_ms();
-            st = ops->gather_values(Hk, D, cs, sl->n_cand, S, (const skv_bf16 *)MEM(c, layer, b)->vstore, sidx, cnt,
+            st = ops->gather_values(Hk, D, cs, sl->n_cand, S, c->lay.value_dtype, MEM(c, layer, b)->vstore, sidx, cnt,
                                    vsel);
             if (st) return skv_slot_failed(c, fn, "gather_values", st);
             t_fet += skv_now_ms() - t;

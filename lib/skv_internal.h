@@ -102,6 +102,9 @@ skv_status skv_probe_threads(int32_t n_threads);
 /* 0.4 ended at select_candidates */
 #define SKV_CONFIG_V04_SIZE \
     ((offsetof(skv_config, pool_device_bytes) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
+/* 0.5 ended at cuda_prefill_sms */
+#define SKV_CONFIG_V05_SIZE \
+    ((offsetof(skv_config, value_dtype) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
 /* 0.1 and 0.2 ended at values_on_device (0.3 added rank and dense): that size, padding included */
 #define SKV_SEQ_INFO_MIN_SIZE \

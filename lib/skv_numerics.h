@@ -438,4 +438,104 @@ SKV_HD void skv_canonical_attend(const uint16_t *q, int D, float scale, int n_sp
     for (int d = 0; d < D; d++) out[d] = SKV_DIV(N[d], Zl[0]);
 }
 
+
+/* ---- fp8 values (config.value_dtype = SKV_VALUE_FP8; docs/DESIGN.md section 13) ---------- */
+/*
+ * A token's values of one KV head, v[0..D), are kept as D fp8 e4m3 codes (1 sign, 4 exponent
+ * bits of bias 7, 3 mantissa bits; 0x7f and 0xff are NaN, largest finite 448) and one exponent
+ * k (int8): value i is decode(code_i) * 2^k. k is the smallest integer with max_i |v_i| * 2^-k
+ * <= 448, but not below SKV_FP8_EXP_MIN. Every step is integer arithmetic on the bits, so the
+ * host and the device encode alike, and a decoded value is exactly a normal bf16 (or a zero):
+ * the attention of every backend reads the same numbers whatever it loads.
+ */
+#define SKV_FP8_EXP_MIN (-117) /* so that the smallest code (2^-9) times 2^k stays a normal bf16 */
+
+/* The exponent k of a row of n finite bf16 values (SKV_FP8_EXP_MIN for an all-zero row). */
+SKV_HD int32_t skv_fp8_row_exp(const uint16_t *v, int32_t n)
+{
+    uint32_t m = 0;
+    for (int32_t i = 0; i < n; i++) {
+        uint32_t a = v[i] & 0x7fffu;
+        m = a > m ? a : m; /* finite bf16 magnitudes order as their bits */
+    }
+    const int32_t E = (int32_t)(m >> 7), f = (int32_t)(m & 0x7fu);
+    if (E == 0) return SKV_FP8_EXP_MIN; /* zero or subnormal: below any k the clamp allows */
+    /* max = (1 + f/128) 2^(E-127): (1 + f/128) 2^8 <= 448 iff f <= 96 */
+    const int32_t k = E - 127 - (f <= 96 ? 8 : 7);
+    return k < SKV_FP8_EXP_MIN ? SKV_FP8_EXP_MIN : k;
+}
+
+/* The e4m3 code of bf16 x scaled by 2^-k, rounded to nearest even (|x| 2^-k <= 448 by the
+   choice of k; a larger one saturates to 448). */
+SKV_HD uint8_t skv_fp8_encode(uint16_t x, int32_t k)
+{
+    const uint32_t sgn = (uint32_t)(x >> 8) & 0x80u, E = (x >> 7) & 0xffu, f = x & 0x7fu;
+    if ((x & 0x7fffu) == 0) return (uint8_t)sgn;
+    /* |x| = man 2^p exactly, man < 256 */
+    const uint32_t man = E ? 128u + f : f;
+    const int32_t p = (E ? (int32_t)E : 1) - 134 - k;
+    int32_t L = 0; /* bit length of man */
+    for (uint32_t t = man; t; t >>= 1) L++;
+    const int32_t ey = L - 1 + p;              /* floor(log2 |x| 2^-k) */
+    int32_t qe = ey >= -6 ? ey - 3 : -9;       /* the e4m3 quantum at that magnitude */
+    uint32_t q;
+    if (p >= qe) {
+        q = man << (p - qe);                   /* exact (p - qe <= 3) */
+    } else {
+        const int32_t sh = qe - p;
+        if (sh > 9) return (uint8_t)sgn;      /* below half the smallest code */
+        const uint32_t rem = man & ((1u << sh) - 1u), half = 1u << (sh - 1);
+        q = man >> sh;
+        if (rem > half || (rem == half && (q & 1u))) q++;
+    }
+    if (q == 0) return (uint8_t)sgn;
+    if (q >= 16) { q >>= 1; qe++; }           /* the rounding carried into the next binade */
+    uint32_t code;
+    if (q < 8) code = q;                       /* subnormal: q 2^-9 (qe = -9) */
+    else code = ((uint32_t)(qe + 10) << 3) | (q - 8u);
+    if (code > 0x7eu) code = 0x7eu;            /* saturate at 448 (never reached with the row's k) */
+    return (uint8_t)(sgn | code);
+}
+
+/* The bf16 bits of code 2^k, exact (k >= SKV_FP8_EXP_MIN, |code 2^k| < 2^128); NaN codes give a
+   bf16 NaN (never written by skv_fp8_encode). */
+SKV_HD uint16_t skv_fp8_decode(uint8_t c, int32_t k)
+{
+    const uint16_t sgn = (uint16_t)((c & 0x80u) << 8);
+    const uint32_t ee = (c >> 3) & 0xfu, mm = c & 7u;
+    if ((c & 0x7fu) == 0x7fu) return (uint16_t)(sgn | 0x7fc0u);
+    if (ee) return (uint16_t)(sgn | ((uint32_t)((int32_t)ee - 7 + k + 127) << 7) | (mm << 4));
+    if (!mm) return sgn;
+    const int32_t L = mm >= 4 ? 3 : (mm >= 2 ? 2 : 1); /* subnormal code: mm 2^-9 */
+    return (uint16_t)(sgn | ((uint32_t)(L - 1 - 9 + k + 127) << 7) | ((mm << (8 - L)) & 0x7fu));
+}
+
+/* Bytes of one chunk of c tokens of one KV head in a value store or chunk cache: bf16 [c][D];
+   fp8: the codes [c][D], then the exponents [c] (int8), padded to 16 bytes. */
+SKV_HD size_t skv_value_chunk_bytes(int32_t value_dtype, int32_t c, int32_t D)
+{
+    return value_dtype ? (size_t)c * (size_t)D + (((size_t)c + 15u) & ~(size_t)15u) : (size_t)2 * c * D;
+}
+
+/* Encodes one chunk of c tokens (token i's D values at v + i * stride) into rec (skv_value_chunk_bytes). */
+SKV_HD void skv_fp8_encode_chunk(const uint16_t *v, int64_t stride, int32_t c, int32_t D, uint8_t *rec)
+{
+    int8_t *ex = (int8_t *)(rec + (size_t)c * D);
+    for (int32_t i = 0; i < c; i++) {
+        const uint16_t *row = v + i * stride;
+        const int32_t k = skv_fp8_row_exp(row, D);
+        ex[i] = (int8_t)k;
+        for (int32_t d = 0; d < D; d++) rec[(size_t)i * D + d] = skv_fp8_encode(row[d], k);
+    }
+    for (int32_t i = c; i < (int32_t)(((size_t)c + 15u) & ~(size_t)15u); i++) ex[i] = 0;
+}
+
+/* Decodes one chunk record into bf16 out [c][D]. */
+SKV_HD void skv_fp8_decode_chunk(const uint8_t *rec, int32_t c, int32_t D, uint16_t *out)
+{
+    const int8_t *ex = (const int8_t *)(rec + (size_t)c * D);
+    for (int32_t i = 0; i < c; i++)
+        for (int32_t d = 0; d < D; d++) out[(size_t)i * D + d] = skv_fp8_decode(rec[(size_t)i * D + d], ex[i]);
+}
+
 #endif /* SKV_NUMERICS_H */

@@ -343,8 +343,8 @@ SKV_API skv_status skv_op_gather_values(skv_backend backend, int32_t n_kv_heads,
     if (ops->check_range(idx, (int64_t)n_kv_heads * n_select, 0, n_store, &bad_i, &bad_v) != SKV_OK)
         return skv_fail(NULL, SKV_ERR_INVALID_ARGUMENT, "%s: idx[%lld] = %d, must be in [0, %d)", fn,
                         (long long)bad_i, bad_v, n_store);
-    return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, store, idx, NULL,
-                                                       v_out));
+    return skv_slot_result(fn, ops, ops->gather_values(n_kv_heads, head_dim, chunk, n_store, n_select, SKV_VALUE_BF16,
+                                                       store, idx, NULL, v_out));
 }
 
 static skv_status skv_attn_args(const char *fn, int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,

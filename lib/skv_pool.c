@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "skv_cache_impl.h"
+#include "skv_numerics.h"
 
 /* Offsets of a slot's growing regions in its runs for a prompt of n tokens (256-byte aligned),
    and the bytes each run needs. */
@@ -28,7 +29,7 @@ static size_t skv_align256(size_t x) { return (x + 255) & ~(size_t)255; }
 static void skv_slot_regions_of(const skv_cache *c, int64_t n, int dense, skv_slot_regions *r)
 {
     const skv_config *g = &c->cfg;
-    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim, cs = (size_t)g->chunk_size;
+    const size_t HkD = (size_t)g->n_kv_heads * g->head_dim;
     memset(r, 0, sizeof *r);
     size_t cur = 0;
     if (dense) {
@@ -41,7 +42,7 @@ static void skv_slot_regions_of(const skv_cache *c, int64_t n, int dense, skv_sl
     }
     const int64_t N = n / g->chunk_size - g->n_local_chunks;
     const size_t n_cand = N > g->n_outlier_chunks ? (size_t)(N - g->n_outlier_chunks) : 0;
-    const size_t store = n_cand * cs * HkD * B2;
+    const size_t store = n_cand * (size_t)g->n_kv_heads * c->lay.vrec;
     r->u = cur;
     cur = skv_align256(cur + (size_t)n * (size_t)skv_cfg_rank(g) * B2);
     r->landmarks = cur;

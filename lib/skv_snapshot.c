@@ -206,6 +206,9 @@ static skv_status snap_save_begin(skv_cache *cache, const char *fn, skv_cache_pa
     if (p->lay->pooled)
         return skv_fail(p->err, SKV_ERR_UNSUPPORTED,
                         "%s: a cache in the pool mode (config.pool_device_bytes > 0) has no snapshot format yet", fn);
+    if (p->lay->value_dtype != SKV_VALUE_BF16)
+        return skv_fail(p->err, SKV_ERR_UNSUPPORTED,
+                        "%s: a cache with fp8 values (config.value_dtype = SKV_VALUE_FP8) has no snapshot format yet", fn);
     return snap_size(p, size);
 }
 

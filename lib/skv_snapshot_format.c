@@ -453,6 +453,10 @@ skv_status skv_snap_run_config(const skv_config *snap, const skv_config *cfg, sk
         char why[SKV_ERRMSG_CAP];
         skv_status st = skv_config_import(why, cfg, &mine);
         if (st) return skv_fail(NULL, st, "skv_cache_load: cfg: %s", why);
+        if (mine.value_dtype != SKV_VALUE_BF16) /* snapshots hold bf16 value stores */
+            return skv_fail(NULL, SKV_ERR_UNSUPPORTED,
+                            "skv_cache_load: cfg->value_dtype = %d: snapshots hold bf16 values; fp8 value stores "
+                            "have no snapshot format yet", (int)mine.value_dtype);
         snap_normalize(&mine);
         /* factorize last: with reproducible differing, it differs only as a consequence */
         for (size_t k = 0; k < 2 * skv_snap_n_fields; k++) {

@@ -385,14 +385,17 @@ static skv_status skv_ref_rebuild_keys_canonical(const skv_rope_config *rope, in
 /* ---- gather values ------------------------------------------------------------ */
 
 static skv_status skv_ref_gather_values(int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                                        const skv_bf16 *store, const int32_t *idx, const int32_t *counts,
-                                        skv_bf16 *v_out)
+                                        int32_t value_dtype, const void *store, const int32_t *idx,
+                                        const int32_t *counts, skv_bf16 *v_out)
 {
-    size_t block = (size_t)c * D;
+    const size_t block = (size_t)c * D, rec = skv_value_chunk_bytes(value_dtype, c, D);
     for (int32_t h = 0; h < Hk; h++)
-        for (int32_t s = 0; s < (counts ? counts[h] : S); s++)
-            memcpy(v_out + ((size_t)h * S + s) * block,
-                   store + ((size_t)h * n_store + idx[(size_t)h * S + s]) * block, block * sizeof *store);
+        for (int32_t s = 0; s < (counts ? counts[h] : S); s++) {
+            const uint8_t *src = (const uint8_t *)store + ((size_t)h * n_store + idx[(size_t)h * S + s]) * rec;
+            skv_bf16 *dst = v_out + ((size_t)h * S + s) * block;
+            if (value_dtype == SKV_VALUE_FP8) skv_fp8_decode_chunk(src, c, D, dst);
+            else memcpy(dst, src, rec);
+        }
     return SKV_OK;
 }
 

@@ -131,7 +131,7 @@ def _resolve_backend(backend: Any) -> str:
     return name
 
 
-_CONFIG_ENUMS = {"backend", "factorize", "select_mode"}
+_CONFIG_ENUMS = {"backend", "factorize", "select_mode", "value_dtype"}
 
 
 def config(**fields: Any) -> Config:
@@ -150,7 +150,9 @@ def config(**fields: Any) -> Config:
     their keys (docs/DESIGN.md 4.5.1); pool_device_bytes, pool_host_bytes and pool_page_bytes
     (0.5) select the pool mode of serving, where a sequence's memory follows its prompt's length
     (include/shadowkv.h, "Memory pools"); cuda_prefill_sms (0.5, cuda) confines the prefill's work
-    beside the decode to that many streaming multiprocessors (0: all). Nothing is validated here;
+    beside the decode to that many streaming multiprocessors (0: all); value_dtype (0.6) takes
+    "bf16" (default) or "fp8": the candidate chunks' values kept as fp8 e4m3 with a power-of-two
+    scale per token and KV head (docs/DESIGN.md section 13). Nothing is validated here;
     validate() or Cache() does.
     """
     c = Config()
@@ -170,6 +172,13 @@ def config(**fields: Any) -> Config:
                 c.select_mode = _ffi.SELECT_MODES[v]
             else:
                 raise ValueError(f"select_mode {v!r}: expected one of {sorted(_ffi.SELECT_MODES)}")
+        elif k == "value_dtype":
+            if isinstance(v, int) and not isinstance(v, bool) and v in _ffi.VALUE_DTYPE_NAMES:
+                c.value_dtype = v
+            elif v in _ffi.VALUE_DTYPES:
+                c.value_dtype = _ffi.VALUE_DTYPES[v]
+            else:
+                raise ValueError(f"value_dtype {v!r}: expected one of {sorted(_ffi.VALUE_DTYPES)}")
         elif k == "budget" and isinstance(v, str):
             if v != "all":
                 raise ValueError(f"budget {v!r}: expected a number of tokens or 'all'")
@@ -219,6 +228,8 @@ def config_dict(cfg: Config) -> dict:
             v = {i: n for n, i in _ffi.ROUTES.items()}.get(v, v)
         elif name == "select_mode":
             v = _ffi.SELECT_MODE_NAMES.get(v, v)
+        elif name == "value_dtype":
+            v = _ffi.VALUE_DTYPE_NAMES.get(v, v)
         out[name] = v
     return out
 

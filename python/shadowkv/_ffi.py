@@ -1,4 +1,4 @@
-"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h with include/shadowkv_serve.h), and the loader.
+"""ctypes declarations of libshadowkv's C ABI (include/shadowkv.h with include/shadowkv_ops.h and include/shadowkv_serve.h), and the loader.
 
 Every struct here mirrors the header field by field. skv_config carries its own
 size (struct_size), and skv_config_init refuses a size the library does not know,
@@ -34,6 +34,8 @@ ROUTES = {"auto": 0, "fast": 1, "fallback": 2, "exact": 3, "canonical": 4}
 # skv_select_mode
 SELECT_MODES = {"fixed": 0, "mass": 1}
 SELECT_MODE_NAMES = {v: k for k, v in SELECT_MODES.items()}
+VALUE_DTYPES = {"bf16": 0, "fp8": 1}  # skv_value_dtype
+VALUE_DTYPE_NAMES = {v: k for k, v in VALUE_DTYPES.items()}
 
 # config.budget = SKV_BUDGET_ALL: every candidate chunk is selected at every step
 BUDGET_ALL = -1
@@ -97,6 +99,8 @@ class Config(Structure):
         ("pool_host_bytes", c_int64),
         ("pool_page_bytes", c_int32),
         ("cuda_prefill_sms", c_int32),
+        # 0.6: value precision
+        ("value_dtype", c_int32),
     ]
 
 

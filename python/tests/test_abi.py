@@ -1,5 +1,5 @@
 """The ctypes declarations (shadowkv/_ffi.py) against include/shadowkv.h (and the
-include/shadowkv_serve.h it includes).
+include/shadowkv_ops.h and include/shadowkv_serve.h it includes).
 
 A tiny C program compiled against the header prints sizeof and offsetof of every struct
 and field; the ctypes mirrors must agree exactly. Every SKV_API function of the headers
@@ -22,7 +22,7 @@ from shadowkv import _ffi
 
 HEADER = os.path.join(REPO, "include", "shadowkv.h")
 # the headers shadowkv.h includes: their functions are part of the ABI the binding mirrors
-HEADERS = [HEADER, os.path.join(REPO, "include", "shadowkv_serve.h")]
+HEADERS = [HEADER] + [os.path.join(REPO, "include", h) for h in ("shadowkv_ops.h", "shadowkv_serve.h")]
 
 STRUCTS = {
     "skv_rope_config": _ffi.RopeConfig,
