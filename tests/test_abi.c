@@ -137,6 +137,35 @@ int main(void)
         SKVT_CHECK(strstr(skv_last_error(), "cuda_prefill_sms") != NULL, "message names cuda_prefill_sms: %s",
                    skv_last_error());
     }
+    /* value_dtype (0.6): bf16 by default; a 0.5 caller (its struct ended at cuda_prefill_sms) gets bf16
+       values whatever lies past its struct; an unknown dtype is refused, the message naming the field */
+    {
+        const size_t al = _Alignof(skv_config);
+        const size_t v05 = (offsetof(skv_config, value_dtype) + al - 1) / al * al;
+        SKVT_CHECK(skv_config_default().value_dtype == SKV_VALUE_BF16, "default value_dtype = %d",
+                   (int)skv_config_default().value_dtype);
+        skv_config b = small_config();
+        b.backend = SKV_BACKEND_REF;
+        b.struct_size = v05;
+        memset((char *)&b + v05, 0x5A, sizeof b - v05);
+        skv_cache *k = NULL;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.5 size, garbage past it)");
+        if (SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, "create(0.5 size)")) {
+            SKVT_CHECK(skv_cache_config(k)->value_dtype == SKV_VALUE_BF16, "0.5 caller: value_dtype %d",
+                       (int)skv_cache_config(k)->value_dtype);
+            skv_cache_free(k);
+        }
+        skv_config g = small_config();
+        g.value_dtype = SKV_VALUE_FP8;
+        SKVT_CHECK_STATUS(skv_config_validate(&g), SKV_OK, "validate(value_dtype = FP8)");
+        for (int bad = -1; bad <= 2; bad += 3) {
+            g.value_dtype = (skv_value_dtype)bad;
+            SKVT_CHECK_STATUS(skv_config_validate(&g), SKV_ERR_INVALID_CONFIG, bad < 0 ? "validate(value_dtype = -1)"
+                                                                                       : "validate(value_dtype = 2)");
+            SKVT_CHECK(strstr(skv_last_error(), "value_dtype") != NULL, "message names value_dtype: %s",
+                       skv_last_error());
+        }
+    }
     /* a refused factorize route */
     skv_config f = small_config();
     f.factorize = (skv_factorize_route)7;

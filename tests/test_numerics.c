@@ -4,7 +4,10 @@
  * skv_expf vs double exp (<= 2 ulp, exact 0 below ln(FLT_MIN), inf above the
  * range, NaN for NaN), bf16 round-to-nearest-even, the canonical sum (bitwise),
  * the fmaf dot products (bitwise), RoPE tables vs double formulas (incl.
- * Llama-3 scaling) and the RoPE row rotation in both pair layouts.
+ * Llama-3 scaling) and the RoPE row rotation in both pair layouts; the fp8
+ * values (section 13): decode against the e4m3 value times 2^k in double for every
+ * code and exponent, encode against the nearest e4m3 (ties to even) for every
+ * finite bf16, the row exponent's bounds, and whole chunk records round-tripping.
  */
 #include <float.h>
 #include <math.h>
@@ -512,6 +515,104 @@ static void test_landmark_score(void)
     SKVT_CHECK(bad == 0, "skv_chunk_landmark_score: %ld values differ from docs/DESIGN.md 3.4-3.5", bad);
 }
 
+/* ---- fp8 values ------------------------------------------------------------------- */
+
+/* the e4m3 value of code c from its fields (NaN for 0x7f, 0xff) */
+static double e4m3_value(int c)
+{
+    if ((c & 0x7f) == 0x7f) return NAN;
+    int e = (c >> 3) & 15, m = c & 7;
+    double v = e ? ldexp(8 + m, e - 10) : ldexp(m, -9);
+    return c & 0x80 ? -v : v;
+}
+
+static void test_fp8(void)
+{
+    long bad = 0, n = 0;
+    /* decode: exact, a normal bf16 or a zero, for every code and every k the encoder can give */
+    for (int k = SKV_FP8_EXP_MIN; k <= 40; k++)
+        for (int c = 0; c < 256; c++) {
+            if ((c & 0x7f) == 0x7f) continue;
+            uint16_t b = skv_fp8_decode((uint8_t)c, k);
+            double want = ldexp(e4m3_value(c), k), got = skv_bf16_to_f32(b);
+            n++;
+            if (got != want || (got != 0 && ((b >> 7) & 0xff) == 0) || ((b >> 15) != (c >> 7))) {
+                if (!bad) SKVT_CHECK(0, "skv_fp8_decode(0x%02x, %d) = %g (0x%04x), want %g", c, k, got, b, want);
+                bad++;
+            }
+        }
+    SKVT_CHECK(bad == 0, "skv_fp8_decode: %ld of %ld wrong", bad, n);
+    SKVT_CHECK((skv_fp8_decode(0x7f, 0) & 0x7fc0) == 0x7fc0 && (skv_fp8_decode(0xff, 3) & 0x7fc0) == 0x7fc0,
+               "skv_fp8_decode: the NaN codes decode to NaN");
+    /* encode: the nearest code to x 2^-k (ties to the even mantissa), for every finite bf16 and
+       the row exponent of x alone and the next two */
+    bad = n = 0;
+    for (uint32_t x = 0; x < 0x10000u; x++) {
+        uint16_t h = (uint16_t)x;
+        if (!skv_bf16_isfinite(h)) continue;
+        for (int dk = 0; dk < 3; dk++) {
+            int k = skv_fp8_row_exp(&h, 1) + dk;
+            double y = ldexp(skv_bf16_to_f32(h), -k);
+            int want = -1, neg = (int)(h >> 15);
+            double best = INFINITY;
+            for (int c = neg ? 128 : 0; c < (neg ? 256 : 128); c++) {
+                double v = e4m3_value(c), d = fabs(v - y);
+                if (isnan(v)) continue;
+                if (d < best || (d == best && !(c & 1) && (want & 1))) best = d, want = c;
+            }
+            uint8_t got = skv_fp8_encode(h, k);
+            n++;
+            if (got != want) {
+                if (!bad) SKVT_CHECK(0, "skv_fp8_encode(0x%04x, %d) = 0x%02x, want 0x%02x", (unsigned)x, k, got, want);
+                bad++;
+            }
+        }
+    }
+    SKVT_CHECK(bad == 0, "skv_fp8_encode: %ld of %ld wrong", bad, n);
+    /* the row exponent: the smallest k with max * 2^-k <= 448, not below SKV_FP8_EXP_MIN */
+    bad = 0;
+    for (uint32_t x = 0; x < 0x7f80u; x++) {
+        uint16_t h = (uint16_t)x;
+        int k = skv_fp8_row_exp(&h, 1);
+        double M = skv_bf16_to_f32(h);
+        if (k < SKV_FP8_EXP_MIN || ldexp(M, -k) > 448 || (k > SKV_FP8_EXP_MIN && ldexp(M, -(k - 1)) <= 448)) bad++;
+    }
+    SKVT_CHECK(bad == 0, "skv_fp8_row_exp: %ld magnitudes wrong", bad);
+    /* chunk records: random rows of several scales (and a zero row, a row of one needle);
+       decode(encode(v)) within half a code step of v, and a second round trip is exact */
+    const int32_t c = 8, D = 64;
+    SKVT_CHECK(skv_value_chunk_bytes(SKV_VALUE_FP8, c, D) == (size_t)c * D + 16 &&
+                   skv_value_chunk_bytes(SKV_VALUE_FP8, 17, 3) == 17 * 3 + 32 &&
+                   skv_value_chunk_bytes(SKV_VALUE_BF16, c, D) == (size_t)2 * c * D,
+               "skv_value_chunk_bytes");
+    uint16_t v[8 * 64], w[8 * 64], w2[8 * 64];
+    uint8_t rec[8 * 64 + 16], rec2[8 * 64 + 16];
+    long over = 0, not_idem = 0;
+    for (int trial = 0; trial < 2000; trial++) {
+        double scale = ldexp(1.0, (int)skvt_rng_range(&rng, -100, 30));
+        for (int i = 0; i < c * D; i++) v[i] = skv_f32_to_bf16((float)(scale * skvt_rng_normal(&rng)));
+        if (trial % 7 == 0) memset(v + D, 0, D * sizeof *v);                  /* a zero row */
+        if (trial % 5 == 0) v[3 * D + 5] = skv_f32_to_bf16((float)(scale * 1e3)); /* a needle */
+        skv_fp8_encode_chunk(v, D, c, D, rec);
+        skv_fp8_decode_chunk(rec, c, D, w);
+        for (int i = 0; i < c; i++) {
+            double m = 0;
+            for (int d = 0; d < D; d++) m = fmax(m, fabs(skv_bf16_to_f32(v[i * D + d])));
+            int k = ((const int8_t *)(rec + c * D))[i];
+            for (int d = 0; d < D; d++) { /* half a step at the value's binade: 2^-4 relative, or 2^(k-10) */
+                double a = skv_bf16_to_f32(v[i * D + d]), b = skv_bf16_to_f32(w[i * D + d]);
+                if (fabs(a - b) > fmax(fabs(a) * 0.0625, ldexp(1.0, k - 10))) over++;
+            }
+            if (m == 0 && k != SKV_FP8_EXP_MIN) over++;
+        }
+        skv_fp8_encode_chunk(w, D, c, D, rec2);
+        skv_fp8_decode_chunk(rec2, c, D, w2);
+        not_idem += memcmp(w, w2, sizeof w) != 0;
+    }
+    SKVT_CHECK(over == 0, "fp8 chunk round trip: %ld values beyond half a step", over);
+    SKVT_CHECK(not_idem == 0, "fp8 chunk round trip: %ld of 2000 chunks change on a second round trip", not_idem);
+}
+
 int main(void)
 {
     skvt_rng_seed(&rng, skvt_base_seed("test_numerics"));
@@ -522,5 +623,6 @@ int main(void)
     test_rope_tables();
     test_rope_row();
     test_landmark_score();
+    test_fp8();
     return skvt_finish();
 }
