@@ -121,7 +121,7 @@ static const char *const sv_name[N_SV] = {"fixed", "mass", "all", "dense", "resc
 
 typedef struct {
     int64_t ctx;
-    int B, placement, workload, reproducible, variant;
+    int B, placement, workload, reproducible, variant, value_dtype;
     double sel_mean, attended_share; /* mean chunks per head step, attended / context tokens (layer stats) */
     double step_ms, step_min_ms, floor_ms, hbm_mb, pcie_mb, hit_rate, overlap, kernels_per_step;
     double select_ms, fetch_ms, rebuild_ms, attention_ms, prefill_ms;
@@ -145,18 +145,22 @@ static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t
     const double B = row->B, Hk = cfg->n_kv_heads, D = cfg->head_dim, c = cfg->chunk_size, r = cfg->rank;
     const double S = row->sel_mean, O = row->variant == SV_DENSE ? 0 : cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
     const double W = cfg->select_candidates < n_cand ? cfg->select_candidates : n_cand; /* rescored: U rows of W */
-    const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * (S + W) * c * r * 2, vals = B * Hk * S * c * D * 2;
+    /* a selected chunk's values: one record of the value store (bf16 c D, or fp8 c D + c exponents, padded) */
+    const double rec = cfg->value_dtype == SKV_VALUE_FP8 ? c * D + (((int)c + 15) / 16) * 16 : c * D * 2;
+    const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * (S + W) * c * r * 2, vals = B * Hk * S * rec;
     const double res = B * Hk * (O * c + n_local + n_gen + 1) * D * 2 * 2, qo = B * Hq * D * 6;
-    const double missed = row->placement == PL_HOST ? misses * c * D * 2 : 0;
+    const double missed = row->placement == PL_HOST ? misses * rec : 0;
     row->hbm_mb = (lm + urows + res + qo + vals - missed) / 1e6;
     row->pcie_mb = missed / 1e6;
 }
 
 static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, int64_t ctx, int B, int placement,
-                      int reproducible, int variant, const dopts *o, const int *want_wl, drow *rows, int *n_rows)
+                      int reproducible, int variant, int value_dtype, const dopts *o, const int *want_wl, drow *rows,
+                      int *n_rows)
 {
     skv_config cfg = wl->cfg;
     cfg.reproducible = reproducible;
+    cfg.value_dtype = (skv_value_dtype)value_dtype;
     const int per_wl = o->warmup + o->steps;
     cfg.batch_size = B;
     cfg.gen_capacity = N_WL * per_wl;
@@ -230,6 +234,7 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
         drow *row = &rows[(*n_rows)++];
         memset(row, 0, sizeof *row);
         row->ctx = ctx, row->B = B, row->placement = placement, row->workload = w, row->reproducible = reproducible;
+        row->value_dtype = value_dtype;
         row->variant = variant;
         skv_layer_stats l0, l1;
         row->device_bytes = (int64_t)mi.device_bytes, row->host_bytes = (int64_t)mi.host_bytes;
@@ -329,10 +334,10 @@ static void run_cache(skv_backend be, const skvs_workload *wl, skvs_seq *seq, in
                      f_pcie = row->pcie_mb * 1e6 / (o->pcie_gbs * 1e9) * 1e3;
         row->floor_ms = f_hbm > f_pcie ? f_hbm : f_pcie;
         fprintf(stderr,
-                "skv-bench decode: %s ctx %lld batch %d %s %s%s select %s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
+                "skv-bench decode: %s ctx %lld batch %d %s %s%s %s select %s: %.4f ms/step (floor %.4f, x%.2f), overlap %.2f, "
                 "hit rate %.2f, %.1f kernels/step, %.1f chunks per head, attended %.4f of the context\n",
                 skv_backend_name(be), (long long)ctx, B, pl_name[placement], wl_name[w],
-                reproducible ? " reproducible" : "", sv_name[variant], row->step_ms, row->floor_ms,
+                reproducible ? " reproducible" : "", value_dtype ? "fp8" : "bf16", sv_name[variant], row->step_ms, row->floor_ms,
                 row->step_ms / row->floor_ms, row->overlap, row->hit_rate, row->kernels_per_step, row->sel_mean,
                 row->attended_share);
     }
@@ -354,6 +359,7 @@ int bench_decode_main(int argc, char **argv)
     int want_pl[N_PL] = {1, 1}, want_wl[N_WL] = {1, 1};
     dopts o = {30, 5, 0.92, 4200, 55, 0.95, 0, 0};
     int want_sv[N_SV] = {1, 0, 0, 0, 0};
+    int want_vd[2] = {1, 0}; /* --value-dtype: bf16, fp8 */
     skv_backend be = SKV_BACKEND_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -370,6 +376,10 @@ int bench_decode_main(int argc, char **argv)
         else if (!strcmp(a, "--select-mass")) o.mass = atof(v), i++;
         else if (!strcmp(a, "--select-min")) o.min_chunks = atoi(v), i++;
         else if (!strcmp(a, "--select-candidates")) o.candidates = atoi(v), i++;
+        else if (!strcmp(a, "--value-dtype")) {
+            want_vd[0] = strstr(v, "bf16") != NULL, want_vd[1] = strstr(v, "fp8") != NULL;
+            i++;
+        }
         else if (!strcmp(a, "--select")) {
             for (int x = 0; x < N_SV; x++) want_sv[x] = strstr(v, sv_name[x]) != NULL;
             i++;
@@ -390,18 +400,20 @@ int bench_decode_main(int argc, char **argv)
                    "[--batch 1,8,32] [--placement device,host] [--workload fresh,drift] [--steps 30] [--warmup 5] "
                    "[--drift 0.92] [--big-batch 1] [--hbm-gbs 4200] [--pcie-gbs 55] [--reproducible] "
                    "[--select fixed,mass,all,dense,rescore] [--select-mass 0.95] [--select-min 0]\n"
-                   "[--select-candidates 0] [--json]\n"
+                   "[--select-candidates 0] [--value-dtype bf16,fp8] [--json]\n"
                    "  --reproducible  also run each cache with config.reproducible = 1 and print both modes\n"
                    "  --select        the layer's selection, one cache each: the fixed budget (default), SKV_SELECT_MASS\n"
                    "                  (target --select-mass, floor --select-min, the budget its cap), SKV_BUDGET_ALL,\n"
                    "                  a dense layer (config.dense_layers; device placement only), or the fixed budget\n"
-                   "                  among rescored candidates (select_candidates = --select-candidates, 0: 4 S)\n");
+                   "                  among rescored candidates (select_candidates = --select-candidates, 0: 4 S)\n"
+                   "  --value-dtype   the value stores' format, one cache each: bf16 (default), fp8 (config.value_dtype)\n");
             return strcmp(a, "--help") ? 2 : 0;
         }
     }
     if (o.steps < 1 || o.warmup < 1 || n_ctx < 1 || n_b < 1 || !(o.drift >= 0 && o.drift < 1) ||
         !(want_pl[0] || want_pl[1]) || !(want_wl[0] || want_wl[1]) ||
-        !(want_sv[0] || want_sv[1] || want_sv[2] || want_sv[3]) || !(o.mass > 0 && o.mass <= 1)) {
+        !(want_sv[0] || want_sv[1] || want_sv[2] || want_sv[3]) || !(o.mass > 0 && o.mass <= 1) ||
+        !(want_vd[0] || want_vd[1])) {
         fprintf(stderr, "skv-bench decode: --steps >= 1, --warmup >= 1, 0 <= --drift < 1, non-empty lists\n");
         return 2;
     }
@@ -414,7 +426,7 @@ int bench_decode_main(int argc, char **argv)
     be = skv_cache_backend(c);
     skv_cache_free(c);
 
-    static drow rows[MAXV * MAXV * N_PL * N_WL * 2 * N_SV];
+    static drow rows[MAXV * MAXV * N_PL * N_WL * 2 * N_SV * 2];
     int n = 0;
     const int total = N_WL * (o.warmup + o.steps);
     for (int i = 0; i < n_ctx; i++) {
@@ -434,8 +446,9 @@ int bench_decode_main(int argc, char **argv)
             for (int x = 0; x < N_SV; x++)
                 for (int p = 0; p < N_PL; p++)
                     for (int m = 0; m <= both_modes; m++)
-                        if (want_sv[x] && want_pl[p] && !(x == SV_DENSE && p == PL_HOST))
-                            run_cache(be, &wl, &seq, ctx, (int)batches[j], p, m, x, &o, want_wl, rows, &n);
+                        for (int vd = 0; vd < 2; vd++)
+                            if (want_vd[vd] && want_sv[x] && want_pl[p] && !(x == SV_DENSE && p == PL_HOST))
+                                run_cache(be, &wl, &seq, ctx, (int)batches[j], p, m, x, vd, &o, want_wl, rows, &n);
         }
         skvs_seq_free(&seq);
         skvs_workload_free(&wl);
@@ -455,7 +468,7 @@ int bench_decode_main(int argc, char **argv)
         for (int i = 0; i < n; i++) {
             const drow *r = &rows[i];
             printf("%s\n  {\"ctx\": %lld, \"batch\": %d, \"placement\": \"%s\", \"workload\": \"%s\", "
-                   "\"mode\": \"%s\", \"select\": \"%s\", \"select_mass\": %.4f, \"chunks_per_head\": %.2f, "
+                   "\"mode\": \"%s\", \"value_dtype\": \"%s\", \"select\": \"%s\", \"select_mass\": %.4f, \"chunks_per_head\": %.2f, "
                    "\"attended_share\": %.5f, \"step_ms\": %.4f, "
                    "\"step_min_ms\": %.4f, \"floor_ms\": %.4f, \"step_over_floor\": %.3f, \"hbm_mb\": %.2f, "
                    "\"pcie_mb\": %.2f, \"hit_rate\": %.4f, \"overlap\": %.4f, \"kernels_per_step\": %.2f, "
@@ -464,7 +477,7 @@ int bench_decode_main(int argc, char **argv)
                    "%.2f, \"device_bytes\": %lld, \"host_bytes\": %lld, \"needle_hits\": %ld, \"needle_heads\": %ld, "
                    "\"digest\": \"%016llx\"}",
                    i ? "," : "", (long long)r->ctx, r->B, pl_name[r->placement], wl_name[r->workload],
-                   r->reproducible ? "reproducible" : "default", sv_name[r->variant],
+                   r->reproducible ? "reproducible" : "default", r->value_dtype ? "fp8" : "bf16", sv_name[r->variant],
                    r->variant == SV_MASS ? o.mass : 0.0, r->sel_mean, r->attended_share, r->step_ms, r->step_min_ms, r->floor_ms, r->step_ms / r->floor_ms, r->hbm_mb, r->pcie_mb, r->hit_rate,
                    r->overlap, r->kernels_per_step, r->select_ms, r->fetch_ms, r->rebuild_ms, r->attention_ms, r->prefill_ms,
                    (long long)r->device_bytes, (long long)r->host_bytes, r->needle_hits, r->needle_total,

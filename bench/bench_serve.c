@@ -168,7 +168,8 @@ static skv_status prefill(skv_cache *c, const opts *o, const data *d, request *r
 }
 
 /* One decode step (every layer) of the listed slots, then the sync an engine needs for the token. */
-static void step(skv_cache *c, const opts *o, const data *d, int n, const int32_t *list, long t, int all)
+/* The decode calls of one step (every layer) for the listed sequences (all: skv_decode). */
+static void step_calls(skv_cache *c, const opts *o, const data *d, int n, const int32_t *list, long t, int all)
 {
     const size_t base = (size_t)(t % NQ) * o->slots;
     for (int l = 0; l < o->layers; l++) {
@@ -178,8 +179,34 @@ static void step(skv_cache *c, const opts *o, const data *d, int n, const int32_
                                                 BF(d->vn, base * d->krow), d->out);
         if (st) die("decode", st, c);
     }
+}
+
+static void step(skv_cache *c, const opts *o, const data *d, int n, const int32_t *list, long t, int all)
+{
+    step_calls(c, o, d, n, list, t, all);
     skv_status st = skv_cache_sync(c);
     if (st) die("sync", st, c);
+}
+
+/* --beside: one step's time, host wall clock from its first call until its own work is done: on
+   cuda the decode stream (the cache's stream; the prefill's streams are non-blocking and not waited
+   for), then skv_cache_sync outside the time (it waits for the prefill beside too); elsewhere the
+   step with its sync. */
+static double timed_step(skv_cache *c, const opts *o, const data *d, int n, const int32_t *list, long t)
+{
+    const double t0 = now_s();
+#ifdef SKV_HAVE_CUDA
+    if (o->be == SKV_BACKEND_CUDA) {
+        step_calls(c, o, d, n, list, t, 0);
+        if (cudaStreamSynchronize((cudaStream_t)o->stream) != cudaSuccess) die("cudaStreamSynchronize", SKV_ERR_DEVICE, c);
+        const double dt = now_s() - t0;
+        skv_status st = skv_cache_sync(c);
+        if (st) die("sync", st, c);
+        return dt;
+    }
+#endif
+    step(c, o, d, n, list, t, 0);
+    return now_s() - t0;
 }
 
 static void summarize(const opts *o, request *rq, double wall, long steps, long tokens, double occ, double pre,
@@ -341,8 +368,9 @@ static void run_static(const opts *o, const data *d, const request *proto, resul
  * --beside: prefill beside decode. slots - 1 sequences of ctx_max tokens decode (the list, every
  * layer, then skv_cache_sync); the last slot is prefilled again and again with a ctx_max prompt,
  * one layer between two decode steps (its factorization and offload then run beside the steps).
- * Reports the median step time alone and while a prefill is in flight (host wall clock from the
- * step's first call to the end of its sync), their ratio, and the host time of the prefill calls.
+ * Reports the median step time alone and while a prefill is in flight (timed_step: host wall clock
+ * from the step's first call until the decode stream is done), their ratio, and the host time of
+ * the prefill calls.
  */
 static int run_beside(const opts *o, const data *d)
 {
@@ -364,11 +392,7 @@ static int run_beside(const opts *o, const data *d)
     double *beside = skvt_xmalloc((size_t)rounds * o->layers * sizeof *beside), pre_host = 0;
     long t = 0;
     for (int i = 0; i < 5; i++) step(k, o, d, nb, list, t++, 0); /* warm-up: the graphs */
-    for (int i = 0; i < n_alone; i++) {
-        const double t0 = now_s();
-        step(k, o, d, nb, list, t++, 0);
-        alone[i] = now_s() - t0;
-    }
+    for (int i = 0; i < n_alone; i++) alone[i] = timed_step(k, o, d, nb, list, t++);
     int nbs = 0;
     for (int r = 0; r < rounds; r++) {
         if (r) skv_seq_release(k, nb);
@@ -377,9 +401,7 @@ static int run_beside(const opts *o, const data *d)
             skv_status s2 = skv_prefill(k, l, nb, o->ctx_max, BF(d->kp, 0), BF(d->v, 0), NULL);
             if (s2) die("prefill beside", s2, k);
             pre_host += now_s() - tp;
-            const double t0 = now_s();
-            step(k, o, d, nb, list, t++, 0);
-            beside[nbs++] = now_s() - t0;
+            beside[nbs++] = timed_step(k, o, d, nb, list, t++);
         }
         if (t + 2 * o->layers >= o->steps_max) { /* the decoding sequences' generated capacity */
             for (int s = 0; s < nb; s++) {
