@@ -819,12 +819,16 @@ def settings_table(names, n_ctx, model=None):
       all                every chunk (budget "all")
       dense<k>-<setting> <setting> with its first k layers dense (dense_layers)
       <setting>-r<rank>  <setting> at another rank (fixed-512-r160)
+      <setting>-fp8      <setting> with fp8 values (value_dtype "fp8", 0.6; docs/DESIGN.md section 13)
     Rows of a setting the library or package in use cannot express are skipped with a message."""
     import re
     out = []
     for name in names:
         nm = name
         dense = 0
+        fp8 = nm.endswith("-fp8")
+        if fp8:
+            nm = nm[:-4]
         m = re.match(r"dense(\d+)-(.*)", nm)
         if m:
             dense, nm = int(m.group(1)), m.group(2)
@@ -885,6 +889,8 @@ def settings_table(names, n_ctx, model=None):
             base["dense_layers"] = (1 << dense) - 1
         if rank_override:
             base["rank"] = rank_override
+        if fp8:
+            base["value_dtype"] = "fp8"
         out.append((name, mode, base))
     return out
 

@@ -17,7 +17,8 @@ such files bitwise. Replay needs only the shadowkv package and numpy (torch for 
 
 Settings replayed (each a cache of the recorded layers; skipped with a message where the library's
 config lacks a field): the model-scaled defaults (fixed budget), the same with select_mode "mass",
-with the first recorded layer dense, and with rank 0 (chosen per layer); each in the reproducible
+with the first recorded layer dense, with rank 0 (chosen per layer), and the defaults with fp8 values
+(value_dtype "fp8"); each in the reproducible
 mode (outputs and selections bitwise equal on every backend) and, with --modes default,repro, in the
 default mode (selections bitwise equal; outputs within the documented tolerances, so only their
 selection digests are compared).
@@ -126,7 +127,8 @@ def settings(meta):
                          budget=base["budget"] * 4)),
            ("dense-first", dict(base, dense_layers=1)),
            ("rank0", dict(base, rank=0, rank_max=min(meta["n_kv_heads"] * meta["head_dim"], 144),
-                          rank_error_target=0.1))]
+                          rank_error_target=0.1)),
+           ("default-fp8", dict(base, value_dtype="fp8"))]
     return out
 
 

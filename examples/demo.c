@@ -6,7 +6,8 @@
  *
  *   build/demo [--layers 4] [--hq 32] [--hk 8] [--dim 128] [--rank 160]
  *              [--ctx 16384,24576] [--steps 64] [--budget 2048]
- *              [--backend ref|cpu|cuda|auto] [--seed 42] [--acc-layers 1] [--share-layers] [--json]
+ *              [--backend ref|cpu|cuda|auto] [--seed 42] [--acc-layers 1] [--share-layers]
+ *              [--value-dtype bf16|fp8] [--json]
  *
  * Tensors go to the library in the memory its backend takes (device buffers
  * for cuda, through skv_buffer_alloc/skv_buffer_copy). A decode step runs
@@ -62,6 +63,7 @@ static void usage(FILE *f)
             "  --seed N           workload seed (default 42)\n"
             "  --acc-layers N     layers whose accuracy is measured at every step (default 1)\n"
             "  --share-layers     every layer gets layer 0's prompts and step inputs\n"
+            "  --value-dtype T    bf16 (default) or fp8: the value stores' format (config.value_dtype)\n"
             "  --json             print one JSON object instead of the table\n"
             "  --help             this text\n");
 }
@@ -116,7 +118,13 @@ static void parse(int argc, char **argv, opts *o)
         else if (!strcmp(a, "--budget")) c->budget = (int32_t)parse_int(a, v, 1, 1 << 24);
         else if (!strcmp(a, "--acc-layers")) o->acc_layers = (int)parse_int(a, v, 0, 1024);
         else if (!strcmp(a, "--seed")) o->seed = (uint64_t)parse_int(a, v, 0, 0x7fffffffL);
-        else if (!strcmp(a, "--backend")) {
+        else if (!strcmp(a, "--value-dtype")) {
+            if (!v || (strcmp(v, "bf16") && strcmp(v, "fp8"))) {
+                fprintf(stderr, "demo: --value-dtype needs bf16 or fp8, got '%s'\n", v ? v : "");
+                exit(2);
+            }
+            c->value_dtype = strcmp(v, "fp8") ? SKV_VALUE_BF16 : SKV_VALUE_FP8;
+        } else if (!strcmp(a, "--backend")) {
             if (!v || skv_backend_parse(v, &c->backend) != SKV_OK) {
                 fprintf(stderr, "demo: --backend needs ref, cpu, cuda or auto, got '%s'\n", v ? v : "");
                 exit(2);
@@ -355,9 +363,9 @@ int main(int argc, char **argv)
         printf("{\"backend\": \"%s\", \"layers\": %d, \"batch\": %d, \"ctx\": [", skv_backend_name(be), L, B);
         for (int b = 0; b < B; b++) printf("%s%lld", b ? ", " : "", (long long)o.ctx[b]);
         printf("], \"share_layers\": %d, \"steps\": %d, \"hq\": %d, \"hk\": %d, \"dim\": %d, \"rank\": %d, \"chunk\": %d, \"budget\": %d, "
-               "\"outlier_chunks\": %d, \"local_chunks\": %d, \"seed\": %llu,\n",
+               "\"outlier_chunks\": %d, \"local_chunks\": %d, \"value_dtype\": \"%s\", \"seed\": %llu,\n",
                o.share, o.steps, Hq, Hk, D, cfg->rank, cfg->chunk_size, cfg->budget, cfg->n_outlier_chunks,
-               cfg->n_local_chunks, (unsigned long long)o.seed);
+               cfg->n_local_chunks, cfg->value_dtype == SKV_VALUE_FP8 ? "fp8" : "bf16", (unsigned long long)o.seed);
         printf(" \"prefill_ms\": %.3f, \"decode_ms_per_step\": %.3f, \"decode_ms_median\": %.3f, \"e2e_ms\": %.3f,\n",
                prefill_ms, dec_step, dec_median, e2e);
         printf(" \"device_bytes\": %zu, \"host_bytes\": %zu, \"full_kv_bytes\": %zu,\n", dev_bytes, host_bytes, full_kv);
