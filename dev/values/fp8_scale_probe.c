@@ -13,7 +13,11 @@
  *
  *   cc -std=c99 -O2 -fopenmp -Iinclude -Ilib -Iexamples dev/values/fp8_scale_probe.c examples/synth.c \
  *      build/libshadowkv.a -llapacke -lopenblas -lm -ldl -lpthread -o /tmp/fp8_scale_probe
- *   /tmp/fp8_scale_probe [ctx 16384] [steps 8] [seed 42]
+ *   /tmp/fp8_scale_probe [ctx 16384] [steps 8] [seed 42] [spread 0]
+ *
+ * spread > 0 scales each token's values (all heads) by 2^-u spread, u uniform in [0, 1) per token:
+ * rows of unequal size side by side (the synthetic rows are all of one size; real models have
+ * tokens whose values are orders of magnitude smaller than their neighbours').
  */
 #include <math.h>
 #include <stdio.h>
@@ -45,6 +49,7 @@ int main(int argc, char **argv)
     const int64_t n = argc > 1 ? atoll(argv[1]) : 16384;
     const int steps = argc > 2 ? atoi(argv[2]) : 8;
     const uint64_t seed = argc > 3 ? strtoull(argv[3], NULL, 10) : 42;
+    const double spread = argc > 4 ? atof(argv[4]) : 0;
     skv_config cfg = skv_config_default();
     cfg.n_layers = 1, cfg.max_prompt_len = n;
     const int Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim, c = cfg.chunk_size, G = Hq / Hk;
@@ -58,6 +63,13 @@ int main(int argc, char **argv)
     double *v[NV];
     for (int x = 0; x < NV; x++) v[x] = malloc(nv * sizeof **v);
     uint16_t *rec = malloc(skv_value_chunk_bytes(SKV_VALUE_FP8, c, D)), *tmp = malloc((size_t)c * D * 2);
+    uint64_t st_ = seed * 2654435761u + 1;
+    for (int64_t t = 0; t < n && spread > 0; t++) { /* unequal rows: token t scaled by 2^-u spread */
+        st_ = st_ * 6364136223846793005ull + 1442695040888963407ull;
+        const double f = exp2(-(double)(st_ >> 11) / 9007199254740992.0 * spread);
+        for (size_t i = (size_t)t * Hk * D; i < (size_t)(t + 1) * Hk * D; i++)
+            s.v[i] = skv_f32_to_bf16((float)(skv_bf16_to_f32(s.v[i]) * f));
+    }
     for (size_t i = 0; i < nv; i++) v[V_EXACT][i] = skv_bf16_to_f32(s.v[i]);
     for (int64_t t = 0; t < n; t++)
         for (int h = 0; h < Hk; h++) {
@@ -129,10 +141,10 @@ int main(int argc, char **argv)
             }
         }
     }
-    printf("{\"probe\": \"fp8_scale\", \"ctx\": %lld, \"steps\": %d, \"seed\": %llu, \"hq\": %d, \"hk\": %d, \"dim\": %d, "
+    printf("{\"probe\": \"fp8_scale\", \"ctx\": %lld, \"steps\": %d, \"seed\": %llu, \"spread\": %.1f, \"hq\": %d, \"hk\": %d, \"dim\": %d, "
            "\"chunk\": %d, \"scale_bytes_per_token_head\": {\"token\": 1, \"chunk\": %.4f, \"float\": 4},\n"
            " \"bf16_output_rounding_rel_err\": %.6f",
-           (long long)n, steps, (unsigned long long)seed, Hq, Hk, D, c, 1.0 / c, bf16_out / n_heads);
+           (long long)n, steps, (unsigned long long)seed, spread, Hq, Hk, D, c, 1.0 / c, bf16_out / n_heads);
     for (int x = 1; x < NV; x++)
         printf(",\n \"%s\": {\"rel_err_mean\": %.6f, \"rel_err_max\": %.6f}", names[x], err[x] / n_heads, err_max[x]);
     printf("}\n");

@@ -42,7 +42,7 @@ BUDGET_ALL = -1
 
 # SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
 # major number must agree (its minor number may be newer: structs only grow at the end)
-HEADER_VERSION = 500
+HEADER_VERSION = 600
 
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16

@@ -48,7 +48,7 @@ def c_layout(tmp_path_factory):
         for field, _ in cls._fields_:
             lines.append(f'printf("{cname} {field} %zu %zu\\n", offsetof({cname}, {field}), '
                          f'sizeof((({cname} *)0)->{field}));')
-    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode", "skv_bf16"):
+    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode", "skv_value_dtype", "skv_bf16"):
         lines.append(f'printf("{e} sizeof %zu\\n", sizeof({e}));')
     lines.append('printf("SKV_VERSION_NUMBER %d\\n", SKV_VERSION_NUMBER);')
     lines.append('printf("SKV_MAX_SPANS %d\\n", SKV_MAX_SPANS);')
@@ -57,6 +57,8 @@ def c_layout(tmp_path_factory):
     lines.append('printf("SKV_BUDGET_ALL %d\\n", (int)SKV_BUDGET_ALL);')
     lines.append('printf("SKV_SELECT_FIXED %d\\n", (int)SKV_SELECT_FIXED);')
     lines.append('printf("SKV_SELECT_MASS %d\\n", (int)SKV_SELECT_MASS);')
+    lines.append('printf("SKV_VALUE_BF16 %d\\n", (int)SKV_VALUE_BF16);')
+    lines.append('printf("SKV_VALUE_FP8 %d\\n", (int)SKV_VALUE_FP8);')
     lines.append("return 0; }")
     d = tmp_path_factory.mktemp("abi")
     src, exe = d / "layout.c", d / "layout"
@@ -83,7 +85,7 @@ def test_struct_layout(c_layout, cname):
 
 
 def test_enums_and_constants(c_layout):
-    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode"):
+    for e in ("skv_status", "skv_backend", "skv_factorize_route", "skv_select_mode", "skv_value_dtype"):
         assert c_layout[(e, "sizeof")][0] == ctypes.sizeof(ctypes.c_int), e
     assert c_layout[("skv_bf16", "sizeof")][0] == 2
     assert c_layout[("SKV_VERSION_NUMBER",)][0] == _ffi.HEADER_VERSION
@@ -93,6 +95,8 @@ def test_enums_and_constants(c_layout):
     assert c_layout[("SKV_BUDGET_ALL",)][0] == _ffi.BUDGET_ALL
     assert c_layout[("SKV_SELECT_FIXED",)][0] == _ffi.SELECT_MODES["fixed"]
     assert c_layout[("SKV_SELECT_MASS",)][0] == _ffi.SELECT_MODES["mass"]
+    assert c_layout[("SKV_VALUE_BF16",)][0] == _ffi.VALUE_DTYPES["bf16"]
+    assert c_layout[("SKV_VALUE_FP8",)][0] == _ffi.VALUE_DTYPES["fp8"]
 
 
 def _header_functions():

@@ -215,3 +215,46 @@ def test_select_candidates_field():
     with pytest.raises(ShadowKVError, match="factorize"):              # its keys need the canonical factors
         shadowkv.validate(small(budget=64, chunk_size=8, select_candidates=12, factorize="fast"))
     shadowkv.validate(small(budget="all", select_candidates=1))
+
+
+def test_value_dtype_field():
+    """value_dtype (0.6): names or numbers, the library's check, and half the value bytes with fp8."""
+    assert shadowkv.config().value_dtype == 0
+    c = small(value_dtype="fp8")
+    assert c.value_dtype == 1 and shadowkv.config_dict(c)["value_dtype"] == "fp8"
+    assert small(value_dtype=0).value_dtype == 0 and shadowkv.config_dict(small())["value_dtype"] == "bf16"
+    shadowkv.validate(c)
+    for bad in ("fp16", 2, True):
+        with pytest.raises(ValueError, match="value_dtype"):
+            small(value_dtype=bad)
+    c.value_dtype = 5                                                    # past the binding: the library refuses
+    with pytest.raises(ShadowKVError, match="value_dtype = 5"):
+        shadowkv.validate(c)
+    m16, m8 = shadowkv.memory(small()), shadowkv.memory(small(value_dtype="fp8"))
+    # a store of [Hk, N - O] records: bf16 c D 2 bytes, fp8 c D codes + 16 bytes of exponents (c = 4), 256-aligned
+    n_rec = 2 * (256 // 4 - 2 - 2)
+    assert m16["value_store_bytes"] == (n_rec * 4 * 32 * 2 + 255) // 256 * 256
+    assert m8["value_store_bytes"] == (n_rec * (4 * 32 + 16) + 255) // 256 * 256
+    assert m8["device_bytes"] < m16["device_bytes"]
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_fp8_cache_decodes_and_selects_as_bf16(backend):
+    """An fp8 cache selects what a bf16 cache selects; its outputs stay within the fp8 step."""
+    rng = np.random.default_rng(20261206)
+    print("seed 20261206")
+    n, Hq, Hk, D = 200, 4, 2, 32
+    k = rng.standard_normal((n, Hk, D)).astype(np.float32)
+    v = rng.standard_normal((n, Hk, D)).astype(np.float32)
+    outs, sels = [], []
+    for dt in ("bf16", "fp8"):
+        cache = shadowkv.Cache(small(n_layers=1, backend=backend, value_dtype=dt))
+        cache.prefill(0, 0, k, v)
+        q = rng.standard_normal((1, Hq, D)).astype(np.float32) if dt == "bf16" else q
+        kn = rng.standard_normal((1, Hk, D)).astype(np.float32) if dt == "bf16" else kn
+        vn = rng.standard_normal((1, Hk, D)).astype(np.float32) if dt == "bf16" else vn
+        outs.append(np.array(cache.decode(0, q, kn, vn)))
+        sels.append([list(cache.selected(0, 0, h)) for h in range(Hk)])
+        cache.close()
+    assert sels[0] == sels[1]
+    assert np.abs(outs[1] - outs[0]).max() <= 0.125 * np.abs(outs[0]).max()
