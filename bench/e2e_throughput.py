@@ -421,10 +421,13 @@ def empty_cache():
         torch.cuda.empty_cache()
 
 
+VALUE_DTYPE = "bf16"  # the skv runs' value stores (--value-dtype; set per run by main)
+
+
 def skv_config(B, ctx, gen, budget_bytes):
     return shadowkv.config(n_layers=L, n_q_heads=HQ, n_kv_heads=HK, head_dim=D, batch_size=B, max_prompt_len=ctx,
                            gen_capacity=gen, backend=BACKEND, value_device_bytes=budget_bytes,
-                           rope=dict(theta=THETA))
+                           rope=dict(theta=THETA), value_dtype=VALUE_DTYPE)
 
 
 def skv_largest(ctx, gen, host_limit, batch, free):
@@ -493,7 +496,9 @@ def skv_run(model, ctx, steps, warmup, batch, host_limit, dev, graphs):
     r = time_modes(stp, steps, warmup, graphs, before_graphs=before_graphs)
     cache.sync()  # also raises a deferred error of a decode step (e.g. SKV_ERR_NONFINITE)
     st2 = cache.stats()
-    res = dict(batch=B, step_ms=r["step_ms"], tok_s=B * 1000.0 / r["step_ms"], device_bytes=m["device_bytes"],
+    lookups = st2["value_cache_hits"] + st2["value_cache_misses"]
+    res = dict(batch=B, value_dtype=VALUE_DTYPE, step_ms=r["step_ms"], tok_s=B * 1000.0 / r["step_ms"],
+               hit_rate=st2["value_cache_hits"] / lookups if lookups else None, device_bytes=m["device_bytes"],
                host_bytes=m["host_bytes"], device_value_slots=m["device_value_slots"],
                host_value_slots=m["host_value_slots"], prefill_factorize_ms_per_call=st["prefill_factorize_ms"]
                / max(1, st["n_prefill_calls"]), value_cache_hits=st2["value_cache_hits"],
@@ -566,12 +571,15 @@ def e2e_one(model, ctx, n_tok, dev, use_skv, graphs):
 
 
 def main():
-    global L, HID, MLP, VOCAB, BACKEND
+    global L, HID, MLP, VOCAB, BACKEND, VALUE_DTYPE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ctx", type=int, default=131072)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--dense-batch", type=int, default=0, help="0: the largest that fits")
+    ap.add_argument("--dense-batch", default="0", help="0: the largest that fits; a comma list also runs smaller "
+                    "batches (dense's best batch is the one of most tokens/s)")
+    ap.add_argument("--value-dtype", default="bf16", help="the skv runs' value stores, a comma list of bf16, fp8: "
+                    "every --skv-batch runs with each")
     ap.add_argument("--skv-batch", default="0", help="0: the largest that fits; a comma list also runs smaller "
                     "batches (values on the device as far as they fit), for the placement with the most tokens/s")
     ap.add_argument("--host-gib", type=float, default=0, help="host memory the skv cache may pin (0: 80%% of RAM)")
@@ -588,7 +596,7 @@ def main():
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.smoke:
-        a.layers, a.steps, a.warmup, a.dense_batch, a.skv_batch = 2, 4, 2, 2, "2,1"
+        a.layers, a.steps, a.warmup, a.dense_batch, a.skv_batch = 2, 4, 2, "2", "2,1"
         a.ctx, a.e2e_tokens, a.host_gib = (2560 if a.cpu else 8192), 8, a.host_gib or 4
         a.e2e = a.e2e or not a.cpu
     L = a.layers
@@ -617,17 +625,33 @@ def main():
     out = dict(gpu=name, date=time.strftime("%Y-%m-%d"), ctx=a.ctx, steps=a.steps, layers=L, graphs=a.graphs,
                model=f"Llama-3-8B shapes{'' if L == 32 and not a.cpu else ' (reduced)'}, random bf16 weights, "
                "plain torch module")
-    d = dense_run(model, a.ctx, a.steps, a.warmup, a.dense_batch, dev, graphs)
-    log(f"dense: {d}")
+    dense_runs = []
+    for b in [int(x) for x in str(a.dense_batch).split(",")]:
+        dense_runs.append(dense_run(model, a.ctx, a.steps, a.warmup, b, dev, graphs))
+        log(f"dense: {dense_runs[-1]}")
+    d = max(dense_runs, key=lambda r: r["batch"])  # the largest batch
+    d_best = max(dense_runs, key=lambda r: r["tok_s"])
     runs = []
-    for b in [int(x) for x in a.skv_batch.split(",")]:
-        runs.append(skv_run(model, a.ctx, a.steps, a.warmup, b, host_limit, dev, graphs))
-        log(f"skv: {runs[-1]}")
-    s = max(runs, key=lambda r: r["batch"])  # the largest batch
+    for vd in a.value_dtype.split(","):
+        VALUE_DTYPE = vd
+        for b in [int(x) for x in a.skv_batch.split(",")]:
+            runs.append(skv_run(model, a.ctx, a.steps, a.warmup, b, host_limit, dev, graphs))
+            log(f"skv: {runs[-1]}")
+    s = max(runs, key=lambda r: (r["batch"], r["tok_s"]))  # the largest batch (its faster dtype)
     best = max(runs, key=lambda r: r["tok_s"])
     out.update(dense_batch=d["batch"], skv_batch=s["batch"], dense_tok_s=d["tok_s"], skv_tok_s=s["tok_s"],
                ratio=s["tok_s"] / d["tok_s"], batch_ratio=s["batch"] / d["batch"], dense=d, skv=s, skv_runs=runs,
                best_skv_batch=best["batch"], best_skv_tok_s=best["tok_s"], best_ratio=best["tok_s"] / d["tok_s"])
+    # the issue's summary: each system at its best batch (most tokens/s) and skv at its largest
+    out.update(dense_best_tok_s=d_best["tok_s"], dense_best_batch=d_best["batch"], dense_runs=dense_runs,
+               skv_best_tok_s=best["tok_s"], skv_best_batch=best["batch"], skv_best_value_dtype=best["value_dtype"],
+               skv_largest_tok_s=s["tok_s"], skv_largest_batch=s["batch"], skv_largest_value_dtype=s["value_dtype"],
+               best_over_dense_best=best["tok_s"] / d_best["tok_s"], largest_over_dense_best=s["tok_s"] / d_best["tok_s"],
+               rows=[dict(system="dense", batch=r["batch"], step_ms=r["step_ms"], tok_s=r["tok_s"], value_dtype="bf16",
+                          device_value_stores=None, host_value_stores=None, hit_rate=None) for r in dense_runs] +
+                    [dict(system="skv", batch=r["batch"], step_ms=r["step_ms"], tok_s=r["tok_s"],
+                          value_dtype=r["value_dtype"], device_value_stores=r["device_value_slots"],
+                          host_value_stores=r["host_value_slots"], hit_rate=r["hit_rate"]) for r in runs])
     # the two modes of one run: eager and graph step times of dense and of the largest skv batch
     out["graphs_compare"] = {
         "dense": dict(batch=d["batch"], step_ms_eager=d["step_ms_eager"], step_ms_graphs=d["step_ms_graphs"]),
@@ -636,7 +660,8 @@ def main():
         "ratio_graphs": ((s["batch"] / s["step_ms_graphs"]) / (d["batch"] / d["step_ms_graphs"])
                          if graphs else None)}
     log(f"skv {s['tok_s']:.0f} tok/s (batch {s['batch']}), dense {d['tok_s']:.0f} tok/s (batch {d['batch']}): "
-        f"{out['ratio']:.2f}x; best skv {best['tok_s']:.0f} tok/s (batch {best['batch']}): {out['best_ratio']:.2f}x; "
+        f"{out['ratio']:.2f}x; best skv {best['tok_s']:.0f} tok/s (batch {best['batch']}, {best['value_dtype']}) over "
+        f"dense's best {d_best['tok_s']:.0f} (batch {d_best['batch']}): {out['best_over_dense_best']:.2f}x; "
         f"eager steps {out['graphs_compare']['ratio_eager']:.2f}x")
     if a.e2e:
         out["e2e_dense"] = e2e_one(model, a.ctx, a.e2e_tokens, dev, False, graphs)
