@@ -74,7 +74,22 @@ typedef struct {
     const uint8_t *store;
     const int32_t *idx, *counts;
     skv_bf16 *v_out;
+    float e4m3[256]; /* fp8: each code's value (skv_fp8_decode(code, 0), exact in float) */
 } skv_cpu_gather;
+
+/* One fp8 record into bf16: code * 2^k in float is exact (a normal float of 4 significant bits, k >=
+   SKV_FP8_EXP_MIN), so its upper half is skv_fp8_decode's bf16 bit for bit (test_values_fp8 checks
+   cpu against ref). */
+static void skv_cpu_fp8_decode_chunk(const skv_cpu_gather *g, const uint8_t *rec, skv_bf16 *out)
+{
+    const int8_t *ex = (const int8_t *)(rec + (size_t)g->c * g->D);
+    for (int32_t i = 0; i < g->c; i++) {
+        const float s = skv_f32_from_bits((uint32_t)(ex[i] + 127) << 23);
+        const uint8_t *code = rec + (size_t)i * g->D;
+        skv_bf16 *o = out + (size_t)i * g->D;
+        for (int32_t d = 0; d < g->D; d++) o[d] = (skv_bf16)(skv_bits_from_f32(g->e4m3[code[d]] * s) >> 16);
+    }
+}
 
 #define SKV_CPU_GATHER_ITEM 64 /* chunks per work item */
 
@@ -83,7 +98,7 @@ static void skv_cpu_gather_one(const skv_cpu_gather *g, int64_t hs)
 {
     if (g->counts && hs % g->S >= g->counts[hs / g->S]) return;
     const uint8_t *src = g->store + ((size_t)(hs / g->S) * g->n_store + g->idx[hs]) * g->rec;
-    if (g->value_dtype == SKV_VALUE_FP8) skv_fp8_decode_chunk(src, g->c, g->D, g->v_out + hs * g->block);
+    if (g->value_dtype == SKV_VALUE_FP8) skv_cpu_fp8_decode_chunk(g, src, g->v_out + hs * g->block);
     else memcpy(g->v_out + hs * g->block, src, g->rec);
 }
 
@@ -99,7 +114,9 @@ static skv_status skv_cpu_gather_values(int32_t Hk, int32_t D, int32_t c, int32_
                                         const int32_t *counts, skv_bf16 *v_out)
 {
     skv_cpu_gather g = {(size_t)c * D, skv_value_chunk_bytes(value_dtype, c, D), S, n_store, c, D, value_dtype,
-                        (const uint8_t *)store, idx, counts, v_out};
+                        (const uint8_t *)store, idx, counts, v_out, {0}};
+    if (value_dtype == SKV_VALUE_FP8)
+        for (int x = 0; x < 256; x++) g.e4m3[x] = skv_bf16_to_f32(skv_fp8_decode((uint8_t)x, 0));
     int64_t n = (int64_t)Hk * S, full = n / SKV_CPU_GATHER_ITEM;
     /* A decode step copies ~4 MB: one thread does that at memory speed; larger copies (and any
        fp8 decoding) in parallel. */
