@@ -5,7 +5,9 @@
  * carved faults: a repeated, free, out-of-range or unprefilled sequence, a layer a step ahead, a
  * sequence at gen_capacity, NaN in q), skv_seq_release (of a free slot too) and
  * skv_cache_usage, on a small cache (skvf_small_config with 2..3 slots) with or without pools
- * (pool sizes carved, so prefills run out of memory), values on the device or in the host pool.
+ * (pool sizes carved, so prefills run out of memory), values on the device or in the host pool,
+ * bf16 or fp8 values (fp8 when the carved gen_capacity is odd: no input byte of its own, so the
+ * corpus and regressions keep their meaning).
  *
  * A model of every slot predicts each status. Asserts: the status is the model's (an
  * SKV_ERR_OUT_OF_MEMORY only in the pool mode, and then it changed nothing); after any error
@@ -88,6 +90,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     cfg.batch_size = (int32_t)skvf_range(&d, 2, MAXS);
     cfg.gen_capacity = (int32_t)skvf_range(&d, 2, 6);
     cfg.reproducible = skvf_u8(&d) < 64;
+    cfg.value_dtype = cfg.gen_capacity & 1 ? SKV_VALUE_FP8 : SKV_VALUE_BF16;
     if (cfg.backend == SKV_BACKEND_CUDA) cfg.backend = SKV_BACKEND_CPU; /* (fuzz builds have no device) */
     const int pooled = skvf_bool(&d), values_host = pooled && skvf_bool(&d);
     const int L = cfg.n_layers, B = cfg.batch_size, Hq = cfg.n_q_heads, Hk = cfg.n_kv_heads, D = cfg.head_dim;
