@@ -298,14 +298,14 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
             }
             const int64_t ts = t0 + row;
             const int32_t s = (int32_t)(ts / c), i = (int32_t)(ts - (int64_t)s * c);
-            const uint16_t *src;
-            if (host) {
-                const int32_t e = a.vsrc[bh * S + s] & 0x7fffffff;
-                src = sq.vc_data + (((int64_t)h * sh.vc_chunks + e) * c + i) * D;
-            } else {
-                src = sq.vstore + (((int64_t)h * sq.n_cand + a.sel_idx[bh * S + s]) * c + i) * D;
-            }
+            const unsigned char *rec = host ? sq.vc_data + ((int64_t)h * sh.vc_chunks + (a.vsrc[bh * S + s] & 0x7fffffff)) * sh.vrec
+                                            : sq.vstore + ((int64_t)h * sq.n_cand + a.sel_idx[bh * S + s]) * sh.vrec;
             const int left = D - cc * 8;
+            if (sh.value_dtype == SKV_VALUE_FP8) { /* decoded here (block-uniform) */
+                fp8_load8_bf16(dv, fp8_row(rec, i, D) + cc * 8, left, fp8_exp(rec, i, c, D));
+                continue;
+            }
+            const uint16_t *src = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * D;
             if ((((uintptr_t)src & 15) == 0) && left >= 8) cp_async16(dv, src + cc * 8);
             else load8_slow(dv, src + cc * 8, left);
         }
@@ -403,12 +403,12 @@ struct MmCtx {
 };
 
 /* Where one row (token) of an item comes from: its position (-1: none), the source of its U row
-   (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros), and whether its P V waits
-   for the fetch of a missed chunk. */
+   (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros; a selected row of fp8 values:
+   its codes, exponent vk), and whether its P V waits for the fetch of a missed chunk. */
 struct MmRow {
     int64_t pos;
     const uint16_t *uk, *v;
-    int miss;
+    int miss, vk;
 };
 
 /* The selected tokens k c of the CTA's (b, h): waits for the selection (the count comes from step 3). */
@@ -432,7 +432,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
     MmRow m;
     m.pos = -1;
     m.uk = m.v = nullptr;
-    m.miss = 0;
+    m.miss = m.vk = 0;
     if (item < c.n_sel) {
         pdl_wait(); /* the selection comes from the previous kernel (resident items do not wait) */
         const skv_cuda_shape &sh = a.sh;
@@ -444,12 +444,19 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
             const int32_t s = ts / cc, i = ts - s * cc;
             m.pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
             m.uk = sq.u + m.pos * sh.r;
+            const unsigned char *rec = nullptr;
             if (sq.vc_data) {
                 const int32_t v = a.vsrc[bh * S + s];
                 m.miss = v < 0 && a.pbuf; /* missed: its P V comes after the fetch */
-                if (!m.miss) m.v = sq.vc_data + (((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * cc + i) * kMmD;
+                if (!m.miss) rec = sq.vc_data + ((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * sh.vrec;
             } else {
-                m.v = sq.vstore + (((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * cc + i) * kMmD;
+                rec = sq.vstore + ((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * sh.vrec;
+            }
+            if (rec && sh.value_dtype == SKV_VALUE_FP8) { /* the codes (read as bytes), the exponent now */
+                m.v = reinterpret_cast<const uint16_t *>(fp8_row(rec, i, kMmD));
+                m.vk = fp8_exp(rec, i, cc, kMmD);
+            } else if (rec) {
+                m.v = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * kMmD;
             }
         }
     } else {
@@ -482,6 +489,20 @@ __device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, 
         for (int p = half; p < n; p += 2) cp_async16(dst + p * 8, src + p * 8);
     } else {
         mm_copy_row_slow(dst, src, n, half);
+    }
+}
+
+/* The V row of m into dst: bf16 values, or (fp8: a selected item of an fp8 cache) the codes. */
+__device__ __forceinline__ void mm_copy_v(uint16_t *dst, const uint16_t *src, int half, bool fp8)
+{
+    if (!fp8) {
+        mm_copy_row(dst, src, kMmD / 8, half);
+    } else if (src && ((uintptr_t)src & 15) == 0) {
+        unsigned char *d = reinterpret_cast<unsigned char *>(dst) + kMmD;
+        const unsigned char *c = reinterpret_cast<const unsigned char *>(src);
+        for (int p = half; p < kMmD / 16; p += 2) cp_async16(d + 16 * p, c + 16 * p);
+    } else {
+        mm_copy_codes_slow(dst, src, half);
     }
 }
 
@@ -603,6 +624,8 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
      * with an empty group after it for the same count.
      */
     bool issued = false;
+    const bool fp8 = sh.value_dtype == SKV_VALUE_FP8;
+    int vk = 0; /* fp8: the exponent of this thread's row of the item (carried from its lookup) */
     for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
         const int item = mm_item(c, x, split, nr_x, pi);
         if (mm_empty(a, c, item)) {
@@ -618,7 +641,8 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         if (!issued) {
             const MmRow m = mm_lookup(a, c, item, row, sp_s);
             mm_issue_uk(a, L, UKw, tok_s + par * kMmTT, miss_s + par * kMmTT, item < c.n_sel, r, row, rw, half, m);
-            mm_copy_row(Vs + row * kMmLdv, m.v, kMmD / 8, half);
+            mm_copy_v(Vs + row * kMmLdv, m.v, half, fp8 && item < c.n_sel);
+            vk = m.vk;
             cp_async_commit();
             cp_async_commit();
         }
@@ -750,6 +774,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         ps += __shfl_xor_sync(kFullMask, ps, 2);
         cp_async_wait_group<1>();
         __syncwarp(); /* the warp's V rows of the item */
+        if (fp8 && sel) mm_decode_row(Vs + row * kMmLdv, half, vk); /* group-uniform */
         /* O^T = V^T P^T (A: V^T from V rows 16w .. 16w + 15; B: P, which is S^T's layout);
            m-tile i: dims 16i + g, 16i + g + 8; heads 2t, 2t + 1 */
         float o[8][4];
@@ -791,7 +816,10 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(mq, l);
         }
         group_bar(q); /* the partials, red_m and red_l read before they are rewritten */
-        if (has_nx) mm_copy_row(Vs + row * kMmLdv, mn.v, kMmD / 8, half);
+        if (has_nx) {
+            mm_copy_v(Vs + row * kMmLdv, mn.v, half, fp8 && nx < c.n_sel);
+            vk = mn.vk;
+        }
         cp_async_commit();
     }
     cp_async_wait_all();

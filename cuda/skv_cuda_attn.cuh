@@ -31,6 +31,7 @@
 
 #include "skv_cuda.h"
 #include "skv_cuda_common.cuh"
+#include "skv_cuda_fp8.cuh"
 #include "skv_numerics.h"
 #include "skv_plan.h"
 
@@ -550,6 +551,39 @@ constexpr int kMmMaxRes = 256;   /* resident items of one tile each: up to 16k r
 constexpr size_t kMmSmemMax = 220 * 1024; /* dynamic shared memory, below the opt-in limit of sm_90 */
 
 static_assert(kMmMaxG * kMmD * sizeof(float) <= 16 * kMmLdv * 2, "a warp's partial fits in its 16 V rows");
+
+/* fp8 values: the 128 codes of a row (src: NULL: zeros) into the upper half of its bf16 row dst
+   (bytes 128 .. 255), 16-byte pieces half, half + 2, ..; mm_decode_row makes them bf16 in place.
+   The fallback of an unaligned row (or none) of attend_mma_kernel's mm_copy_v. */
+__device__ __noinline__ void mm_copy_codes_slow(uint16_t *dst, const uint16_t *src, int half)
+{
+    unsigned char *d = reinterpret_cast<unsigned char *>(dst) + kMmD;
+    const uint8_t *c = reinterpret_cast<const uint8_t *>(src);
+    for (int p = half; p < kMmD / 16; p += 2) {
+        const uint2 lo = c ? fp8_load8_slow(c + 16 * p, 8) : make_uint2(0u, 0u);
+        const uint2 hi = c ? fp8_load8_slow(c + 16 * p + 8, 8) : make_uint2(0u, 0u);
+        *reinterpret_cast<uint4 *>(d + 16 * p) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+}
+
+/* The codes of a row (mm_copy_v, landed) to bf16 in place, with the row's exponent k: the thread's
+   pieces half, half + 2, .. are read, then (the warp's other thread of the row reads the bytes this
+   one overwrites) written as bf16 pieces 2p, 2p + 1. Every lane of the warp calls it. */
+__device__ __forceinline__ void mm_decode_row(uint16_t *row, int half, int k)
+{
+    const unsigned char *c = reinterpret_cast<const unsigned char *>(row) + kMmD;
+    uint4 codes[kMmD / 32];
+#pragma unroll
+    for (int j = 0; j < kMmD / 32; j++) codes[j] = *reinterpret_cast<const uint4 *>(c + 16 * (half + 2 * j));
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kMmD / 32; j++) {
+        const int p = half + 2 * j;
+        *reinterpret_cast<uint4 *>(row + 16 * p) = fp8x8_to_bf16(make_uint2(codes[j].x, codes[j].y), k);
+        *reinterpret_cast<uint4 *>(row + 16 * p + 8) = fp8x8_to_bf16(make_uint2(codes[j].z, codes[j].w), k);
+    }
+    __syncwarp();
+}
 
 struct MmLayout {
     int ldk;                    /* U and K rows: max(r + 8, 136) elements (odd multiples of 16 bytes:
