@@ -37,6 +37,11 @@
  * shares the item's max per head (one barrier); the warps' sums and O are added in warp order,
  * so the result has the same bits whatever runs first. Four groups per SM hide each other's load
  * latency.
+ *
+ * fp8 values (sh.value_dtype, skv_cuda_fp8.cuh) are decoded into the bf16 V tile as they land:
+ * the general kernel converts 8 codes per load, the fragment kernel (attend_mma_kernel<true>)
+ * copies a selected row's codes (cp.async) into the upper half of its V row and converts them in
+ * place before P V; everything after the tile is the bf16 path's.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -426,7 +431,9 @@ __device__ __forceinline__ bool mm_empty(const AttendArgs &a, const MmCtx &c, in
     return (int64_t)(item - c.n_sel) * kMmTT >= c.T;
 }
 
-/* The sources of row `row` of item `item` (the selection lookups; no shared memory written). */
+/* The sources of row `row` of item `item` (the selection lookups; no shared memory written). FP8:
+   the cache's values are fp8 records (a selected row's v is its codes). */
+template <bool FP8>
 __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int row, const AttSpan *sp)
 {
     MmRow m;
@@ -452,7 +459,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
             } else {
                 rec = sq.vstore + ((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * sh.vrec;
             }
-            if (rec && sh.value_dtype == SKV_VALUE_FP8) { /* the codes (read as bytes), the exponent now */
+            if (FP8 && rec) { /* the codes (read as bytes), the exponent now */
                 m.v = reinterpret_cast<const uint16_t *>(fp8_row(rec, i, kMmD));
                 m.vk = fp8_exp(rec, i, cc, kMmD);
             } else if (rec) {
@@ -470,40 +477,6 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
         }
     }
     return m;
-}
-
-/* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
-   they are if-converted into predicated loads that every copy issues. */
-__device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
-{
-    for (int p = half; p < n; p += 2) {
-        if (!src) store_zero16(dst + p * 8);
-        else load8_slow(dst + p * 8, src + p * 8, 8);
-    }
-}
-
-/* 16-byte pieces half, half + 2, ... of a row of n pieces from src (NULL: zeros) into dst. */
-__device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, int n, int half)
-{
-    if (src && ((uintptr_t)src & 15) == 0) {
-        for (int p = half; p < n; p += 2) cp_async16(dst + p * 8, src + p * 8);
-    } else {
-        mm_copy_row_slow(dst, src, n, half);
-    }
-}
-
-/* The V row of m into dst: bf16 values, or (fp8: a selected item of an fp8 cache) the codes. */
-__device__ __forceinline__ void mm_copy_v(uint16_t *dst, const uint16_t *src, int half, bool fp8)
-{
-    if (!fp8) {
-        mm_copy_row(dst, src, kMmD / 8, half);
-    } else if (src && ((uintptr_t)src & 15) == 0) {
-        unsigned char *d = reinterpret_cast<unsigned char *>(dst) + kMmD;
-        const unsigned char *c = reinterpret_cast<const unsigned char *>(src);
-        for (int p = half; p < kMmD / 16; p += 2) cp_async16(d + 16 * p, c + 16 * p);
-    } else {
-        mm_copy_codes_slow(dst, src, half);
-    }
 }
 
 /* Issue (cp.async, not committed) the U or K row of m into the warp's block (row rw of 16), and
@@ -533,6 +506,7 @@ __device__ __forceinline__ int mm_item(const MmCtx &c, int x, int split, int nr_
     return p < nr_x ? c.n_sel + x + p * split : x + (p - nr_x) * split;
 }
 
+template <bool FP8> /* the values are fp8 records (sh.value_dtype): decoded in shared memory */
 __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_constant__ AttendArgs a, int split)
 {
     __shared__ AttSpan sp_s[SKV_MAX_SPANS];
@@ -624,7 +598,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
      * with an empty group after it for the same count.
      */
     bool issued = false;
-    const bool fp8 = sh.value_dtype == SKV_VALUE_FP8;
+    constexpr bool fp8 = FP8;
     int vk = 0; /* fp8: the exponent of this thread's row of the item (carried from its lookup) */
     for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
         const int item = mm_item(c, x, split, nr_x, pi);
@@ -639,7 +613,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             continue;
         }
         if (!issued) {
-            const MmRow m = mm_lookup(a, c, item, row, sp_s);
+            const MmRow m = mm_lookup<FP8>(a, c, item, row, sp_s);
             mm_issue_uk(a, L, UKw, tok_s + par * kMmTT, miss_s + par * kMmTT, item < c.n_sel, r, row, rw, half, m);
             mm_copy_v(Vs + row * kMmLdv, m.v, half, fp8 && item < c.n_sel);
             vk = m.vk;
@@ -652,7 +626,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         const bool has_nx = nx >= 0 && !(item >= c.n_sel && nx < c.n_sel) && !mm_empty(a, c, nx);
         issued = has_nx;
         MmRow mn;
-        if (has_nx) mn = mm_lookup(a, c, nx, row, sp_s);
+        if (has_nx) mn = mm_lookup<FP8>(a, c, nx, row, sp_s);
         const int64_t *tok = tok_s + par * kMmTT;
         const int32_t *miss = miss_s + par * kMmTT;
         cp_async_wait_group<1>();
@@ -937,9 +911,10 @@ static cudaError_t attend_mma(cudaStream_t st, const skv_cuda_shape *sh, const s
     if (split > ceil_div64(n_items, kMmGroups)) split = ceil_div64(n_items, kMmGroups); /* a few items per group */
     if (split < 1) split = 1;
     const size_t smem = mm_layout(sh->r).bytes;
-    cudaError_t e = allow_smem(attend_mma_kernel, smem);
+    const auto k = sh->value_dtype == SKV_VALUE_FP8 ? attend_mma_kernel<true> : attend_mma_kernel<false>;
+    cudaError_t e = allow_smem(k, smem);
     if (e != cudaSuccess) return e;
-    return launch(attend_mma_kernel, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
+    return launch(k, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
                   st, pdl != 0, a, (int)split);
 }
 

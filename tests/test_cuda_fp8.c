@@ -8,7 +8,8 @@
  *  a. the decode of every code: prompts whose values are code 2^k exactly, for all 254 finite
  *     e4m3 codes in every dimension band (dimension d holds codes of exponent field d mod 16, so
  *     that no term of an output dimension is lost under a larger one) and every k in
- *     [SKV_FP8_EXP_MIN, 40] (one k per (layer, sequence, KV head), several rounds); the prompt's
+ *     [SKV_FP8_EXP_MIN, 23] (one k per (layer, sequence, KV head), several rounds; 448 2^24 is past
+ *     SKV_MAX_INPUT_MAGNITUDE, so no prompt holds a larger k); the prompt's
  *     encoding is checked on the host to give exactly those codes. Then the reproducible mode's
  *     outputs and selections on cuda (values on the device, and on the host) equal ref's bitwise,
  *     and the default mode's outputs of the fp8 cache equal those of a bf16 cache fed the same
@@ -39,10 +40,13 @@
 #include "skv_numerics.h"
 #include "testutil.h"
 
-enum { MAXL = 2, MAXB = 2 };
+enum { MAXB = 2 };
+/* the largest k of a code prompt: 448 2^23 < SKV_MAX_INPUT_MAGNITUDE = 2^32 < 448 2^24 (a prompt with
+   larger values is refused) */
+enum { KMAX = 23 };
 enum { V_NORMAL = 0, V_CODES = 1, V_ROUNDED = 2 };                       /* the values of a world */
 enum { P_DEVICE = 0, P_HOST = 1, P_POOL_DEVICE = 2, P_POOL_HOST = 3 };    /* value placements */
-static const char *const place_names[4] = {"device", "host", "pool (device values)", "pool (host values)"};
+static const char *const place_names[4] = {"the device", "the host", "a device pool", "a host pool"};
 
 /* The inputs of a run: the config's shape and modes, prompt lengths, steps, the kind of values. */
 typedef struct world {
@@ -50,7 +54,7 @@ typedef struct world {
     int64_t n[MAXB];
     int steps;
     int vals;
-    int kbase; /* V_CODES: (layer l, sequence b, KV head h) has k = min(kbase + (l B + b) Hk + h, 40) */
+    int kbase; /* V_CODES: (layer l, sequence b, KV head h) has k = min(kbase + (l B + b) Hk + h, KMAX) */
     uint64_t seed;
     const char *name;
 } world;
@@ -62,7 +66,7 @@ static size_t sel_count(const world *w) { return (size_t)w->steps * w->cfg.n_lay
 static int code_k(const world *w, int l, int b, int h)
 {
     const int k = w->kbase + (l * w->cfg.batch_size + b) * w->cfg.n_kv_heads + h;
-    return k > 40 ? 40 : k;
+    return k > KMAX ? KMAX : k;
 }
 
 /* The code of dimension d of token t (V_CODES): exponent field d mod 16, the mantissa and sign
@@ -153,8 +157,8 @@ static int run(const world *w, skv_backend be, int vd, int pl, float *outs, int3
     skv_cache *cache = NULL;
     skv_status st = skv_cache_create(&c, &cache);
     if (!SKVT_CHECK_STATUS(st, SKV_OK, "create")) {
-        printf("  %s: %s on %s, %s values, %s: %s\n", w->name, skv_backend_name(be), place_names[pl],
-               vd ? "fp8" : "bf16", c.reproducible ? "reproducible" : "default mode", skv_last_error());
+        printf("  %s: %s, %s values on %s, %s: %s\n", w->name, skv_backend_name(be), vd ? "fp8" : "bf16",
+               place_names[pl], c.reproducible ? "reproducible mode" : "default mode", skv_last_error());
         return -1;
     }
     skvt_rng r;
@@ -198,8 +202,8 @@ static int run(const world *w, skv_backend be, int vd, int pl, float *outs, int3
             skvt_dget(be, out, dout, qn * 4);
             size_t nf = 0;
             for (size_t i = 0; i < qn; i++) nf += !isfinite(out[i]);
-            if (!SKVT_CHECK(nf == 0, "%s: %s on %s, %s values: step %d layer %d: %zu outputs not finite (unwritten?)",
-                            w->name, skv_backend_name(be), place_names[pl], vd ? "fp8" : "bf16", s, l, nf))
+            if (!SKVT_CHECK(nf == 0, "%s: %s, %s values on %s: step %d layer %d: %zu outputs not finite (unwritten?)",
+                            w->name, skv_backend_name(be), vd ? "fp8" : "bf16", place_names[pl], s, l, nf))
                 ret = -1;
             memcpy(outs + ((size_t)s * L + l) * qn, out, qn * 4);
             for (int b = 0; b < B; b++) {
@@ -233,8 +237,8 @@ static res get(const world *w, skv_backend be, int vd, int pl)
     res x;
     x.out = skvt_xmalloc(out_count(w) * 4);
     x.sel = skvt_xmalloc(sel_count(w) * 4);
-    snprintf(x.what, sizeof x.what, "%s %s, %s values on %s", skv_backend_name(be), vd ? "fp8" : "bf16",
-             w->cfg.reproducible ? "reproducible" : "default mode", place_names[pl]);
+    snprintf(x.what, sizeof x.what, "%s (%s values on %s, %s)", skv_backend_name(be), vd ? "fp8" : "bf16",
+             place_names[pl], w->cfg.reproducible ? "reproducible mode" : "default mode");
     x.ok = run(w, be, vd, pl, x.out, x.sel) == 1;
     return x;
 }
@@ -317,7 +321,7 @@ static world code_world(int D, int kbase, uint64_t seed)
 static void case_codes(uint64_t seed)
 {
     for (int D = 128; D >= 64; D -= 64)
-        for (int kb = SKV_FP8_EXP_MIN; kb <= 40; kb += 32) {
+        for (int kb = SKV_FP8_EXP_MIN; kb <= KMAX; kb += 32) {
             world w = code_world(D, kb, seed + (uint64_t)kb);
             printf("a. %s, k from %d\n", w.name, kb);
             check_codes(&w);
