@@ -197,6 +197,58 @@ __global__ void __launch_bounds__(kGatherNT) store_fp8_kernel(const uint16_t *sr
     }
 }
 
+/* The offload of fp8 records in the common case (D <= 128, D % 4 == 0, src 8-byte and dst 4-byte
+   aligned): as store_fp8_kernel<true>, lane l holding dims 4l .. 4l + 3, with the loads of
+   kFp8Rows rows in flight together before they are encoded in turn. */
+constexpr int kFp8Rows = 4;
+__global__ void __launch_bounds__(kGatherNT) store_fp8_rows_kernel(const uint16_t *src, int32_t Hk, int32_t D, int32_t c,
+                                                                   const int32_t *ids, int32_t m, uint8_t *dst, int64_t vrec)
+{
+    const int lane = threadIdx.x & 31;
+    const bool mine = 4 * lane < D;
+    const int64_t n_rec = (int64_t)Hk * m, HkD = (int64_t)Hk * D;
+    const int32_t c16 = (c + 15) & ~15;
+    for (int64_t r = ((int64_t)blockIdx.x * kGatherNT + threadIdx.x) / 32; r < n_rec;
+         r += (int64_t)gridDim.x * (kGatherNT / 32)) {
+        uint8_t *rec = dst + r * vrec;
+        int8_t *ex = reinterpret_cast<int8_t *>(rec + (int64_t)c * D);
+        const uint16_t *base = src + (int64_t)ids[r] * c * HkD + (r / m) * D + 4 * lane;
+        for (int32_t i0 = 0; i0 < c16; i0 += 32) {
+            int32_t kmine = 0; /* the exponent of row i0 + lane (0 past c: the padding) */
+            const int32_t i1 = c < i0 + 32 ? c : i0 + 32;
+            for (int32_t ib = i0; ib < i1; ib += kFp8Rows) {
+                uint2 u[kFp8Rows];
+#pragma unroll
+                for (int j = 0; j < kFp8Rows; j++)
+                    u[j] = mine && ib + j < i1 ? *reinterpret_cast<const uint2 *>(base + (int64_t)(ib + j) * HkD)
+                                               : make_uint2(0u, 0u);
+#pragma unroll
+                for (int j = 0; j < kFp8Rows; j++) {
+                    if (ib + j >= i1) break; /* warp-uniform */
+                    const uint16_t x[4] = {(uint16_t)u[j].x, (uint16_t)(u[j].x >> 16), (uint16_t)u[j].y,
+                                           (uint16_t)(u[j].y >> 16)};
+                    uint32_t mx = max(max(x[0] & 0x7fffu, x[1] & 0x7fffu), max(x[2] & 0x7fffu, x[3] & 0x7fffu));
+                    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(kFullMask, mx, o));
+                    const uint16_t m16 = (uint16_t)mx;
+                    const int32_t k = skv_fp8_row_exp(&m16, 1);
+                    if (lane == ib + j - i0) kmine = k;
+                    if (mine) {
+                        uint32_t w = 0;
+#pragma unroll
+                        for (int e = 0; e < 4; e++) w |= (uint32_t)skv_fp8_encode(x[e], k) << (8 * e);
+                        *reinterpret_cast<uint32_t *>(rec + (int64_t)(ib + j) * D + 4 * lane) = w;
+                    }
+                }
+            }
+            const uint32_t b0 = (uint32_t)kmine & 0xffu;
+            const uint32_t b1 = __shfl_down_sync(kFullMask, b0, 1), b2 = __shfl_down_sync(kFullMask, b0, 2),
+                           b3 = __shfl_down_sync(kFullMask, b0, 3);
+            if ((lane & 3) == 0 && i0 + lane < c16)
+                *reinterpret_cast<uint32_t *>(ex + i0 + lane) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+        }
+    }
+}
+
 /* ---- conversion ------------------------------------------------------------------------- */
 
 /* VEC = 4: x 16-byte and y 8-byte aligned; the n % 4 tail is done element-wise. */
@@ -300,7 +352,10 @@ cudaError_t skv_cuda_store_chunks(cudaStream_t st, int32_t value_dtype, const sk
     const int64_t cap = max_blocks > 0 && max_blocks < 65535 ? max_blocks : 65535;
     const unsigned grid = grid_for(n_rec, kGatherNT / 32, cap);
     /* words when every row and the exponents start 4-byte aligned (records are at multiples of vrec) */
-    if (D % 4 == 0 && vrec % 4 == 0 && ((uintptr_t)dst & 3) == 0 && ((uintptr_t)src & 7) == 0)
+    const bool w4 = D % 4 == 0 && vrec % 4 == 0 && ((uintptr_t)dst & 3) == 0 && ((uintptr_t)src & 7) == 0;
+    if (w4 && D <= 128)
+        store_fp8_rows_kernel<<<grid, kGatherNT, 0, st>>>((const uint16_t *)src, Hk, D, c, ids, m, (uint8_t *)dst, vrec);
+    else if (w4)
         store_fp8_kernel<true><<<grid, kGatherNT, 0, st>>>((const uint16_t *)src, Hk, D, c, ids, m, (uint8_t *)dst, vrec);
     else
         store_fp8_kernel<false><<<grid, kGatherNT, 0, st>>>((const uint16_t *)src, Hk, D, c, ids, m, (uint8_t *)dst, vrec);

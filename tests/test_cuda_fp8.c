@@ -9,13 +9,14 @@
  *     e4m3 codes in every dimension band (dimension d holds codes of exponent field d mod 16, so
  *     that no term of an output dimension is lost under a larger one) and every k in
  *     [SKV_FP8_EXP_MIN, 23] (one k per (layer, sequence, KV head), several rounds; 448 2^24 is past
- *     SKV_MAX_INPUT_MAGNITUDE, so no prompt holds a larger k); the prompt's
- *     encoding is checked on the host to give exactly those codes. Then the reproducible mode's
+ *     SKV_MAX_INPUT_MAGNITUDE, so no prompt holds a larger k); the prompt's encoding is checked on
+ *     the host to give exactly those codes (and every finite code). Then the reproducible mode's
  *     outputs and selections on cuda (values on the device, and on the host) equal ref's bitwise,
  *     and the default mode's outputs of the fp8 cache equal those of a bf16 cache fed the same
  *     (exactly representable) values: every attention kernel's decode is skv_fp8_decode, bit for
- *     bit (D = 128 takes the fragment kernel, D = 64 the general one; the host placement's first
- *     step misses every chunk (the missed pass), the later ones hit the chunk cache);
+ *     bit (D = 128 with rank 32 takes the fragment kernel, D = 64 and D = 128 with rank 24 the
+ *     general one; the host placement's first step misses every chunk (the missed pass), the later
+ *     ones hit the chunk cache);
  *  b. the reproducible mode on random prompts (Llama-3-8B-like Hq 32 / Hk 8 / D 128; GQA 9 / 3,
  *     D 64; chunk 8; prompts of a few thousand tokens; 3 steps): cuda fp8 outputs and selections
  *     equal ref's and cpu's bitwise;
@@ -24,8 +25,9 @@
  *  d. pre-rounded values v' = decode(encode(v)) (per token row, lib/skv_numerics.h): a cuda fp8
  *     cache and a cuda bf16 cache fed v' give bitwise equal outputs in the reproducible mode, and
  *     within 1e-6 relative per head in the default mode (bitwise is expected: printed);
- *  e. placements: values on the host (value_device_bytes = 0 budget: host stores and the chunk
- *     cache, fp8 records over PCIe), the pool mode with device values and with host values: outputs
+ *  e. placements: values on the host (value_device_bytes of exactly the chunk caches: every store
+ *     on the host, fp8 records over PCIe into the chunk cache), the pool mode with device values
+ *     and with host values (value_device_bytes = 0, pool_host_bytes): outputs
  *     equal the device-placed fp8 cache's, bitwise in the reproducible mode; in the default mode
  *     the pools bitwise against the fixed layout of the same placement and the host placement
  *     within 1e-6 relative per head of the device's (its missed chunks' P V is added later);
@@ -302,27 +304,31 @@ static void close_to(const world *w, const res *a, const res *b, double tol)
 
 /* ---- the cases --------------------------------------------------------------------------------- */
 
-static world code_world(int D, int kbase, uint64_t seed)
+/* The code worlds: D 128 with rank 32 (the fragment kernel in the default mode), D 64 and D 128 with
+   rank 24 (the general kernel, its DT = 64 and DT = 128 instances). */
+static world code_world(int variant, int kbase, uint64_t seed)
 {
+    static const char *const names[3] = {"codes D 128 (fragment kernel)", "codes D 64", "codes D 128 rank 24"};
+    const int D = variant == 1 ? 64 : 128;
     world w;
     memset(&w, 0, sizeof w);
     skv_config c = skv_config_default();
     c.n_layers = 2, c.batch_size = 2, c.n_kv_heads = 8, c.n_q_heads = 16, c.head_dim = D;
-    c.rank = 32, c.chunk_size = 8, c.budget = SKV_BUDGET_ALL, c.n_outlier_chunks = 2, c.n_local_chunks = 2;
+    c.rank = variant == 2 ? 24 : 32, c.chunk_size = 8, c.budget = SKV_BUDGET_ALL, c.n_outlier_chunks = 2, c.n_local_chunks = 2;
     c.max_prompt_len = 640, c.gen_capacity = 8;
     w.cfg = c;
     w.n[0] = 640, w.n[1] = 589;
     w.steps = 3, w.vals = V_CODES, w.kbase = kbase, w.seed = seed;
-    w.name = D == 128 ? "codes D 128" : "codes D 64";
+    w.name = names[variant];
     return w;
 }
 
 /* a: every code with every k, through every attention kernel. */
 static void case_codes(uint64_t seed)
 {
-    for (int D = 128; D >= 64; D -= 64)
+    for (int variant = 0; variant < 3; variant++)
         for (int kb = SKV_FP8_EXP_MIN; kb <= KMAX; kb += 32) {
-            world w = code_world(D, kb, seed + (uint64_t)kb);
+            world w = code_world(variant, kb, seed + (uint64_t)(kb + 1000 * variant));
             printf("a. %s, k from %d\n", w.name, kb);
             check_codes(&w);
             w.cfg.reproducible = 1;
