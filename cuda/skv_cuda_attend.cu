@@ -409,11 +409,12 @@ struct MmCtx {
 
 /* Where one row (token) of an item comes from: its position (-1: none), the source of its U row
    (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros; a selected row of fp8 values:
-   its codes, exponent vk), and whether its P V waits for the fetch of a missed chunk. */
+   its codes), and whether its P V waits for the fetch of a missed chunk (miss 1; a selected row of
+   fp8 values that is not missed: its exponent k in bits 8.., miss = k * 256). */
 struct MmRow {
     int64_t pos;
     const uint16_t *uk, *v;
-    int miss, vk;
+    int miss;
 };
 
 /* The selected tokens k c of the CTA's (b, h): waits for the selection (the count comes from step 3). */
@@ -439,7 +440,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
     MmRow m;
     m.pos = -1;
     m.uk = m.v = nullptr;
-    m.miss = m.vk = 0;
+    m.miss = 0;
     if (item < c.n_sel) {
         pdl_wait(); /* the selection comes from the previous kernel (resident items do not wait) */
         const skv_cuda_shape &sh = a.sh;
@@ -461,7 +462,7 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
             }
             if (FP8 && rec) { /* the codes (read as bytes), the exponent now */
                 m.v = reinterpret_cast<const uint16_t *>(fp8_row(rec, i, kMmD));
-                m.vk = fp8_exp(rec, i, cc, kMmD);
+                m.miss = fp8_exp(rec, i, cc, kMmD) * 256;
             } else if (rec) {
                 m.v = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * kMmD;
             }
@@ -599,7 +600,6 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
      */
     bool issued = false;
     constexpr bool fp8 = FP8;
-    int vk = 0; /* fp8: the exponent of this thread's row of the item (carried from its lookup) */
     for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
         const int item = mm_item(c, x, split, nr_x, pi);
         if (mm_empty(a, c, item)) {
@@ -616,7 +616,6 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             const MmRow m = mm_lookup<FP8>(a, c, item, row, sp_s);
             mm_issue_uk(a, L, UKw, tok_s + par * kMmTT, miss_s + par * kMmTT, item < c.n_sel, r, row, rw, half, m);
             mm_copy_v(Vs + row * kMmLdv, m.v, half, fp8 && item < c.n_sel);
-            vk = m.vk;
             cp_async_commit();
             cp_async_commit();
         }
@@ -740,7 +739,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int tk = 16 * w + 8 * nt + 2 * t + e;
-                    if (tk < nvalid && miss[tk]) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tk] = p[e];
+                    if (tk < nvalid && (fp8 ? miss[tk] & 1 : miss[tk])) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tk] = p[e];
                 }
             }
         }
@@ -748,7 +747,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         ps += __shfl_xor_sync(kFullMask, ps, 2);
         cp_async_wait_group<1>();
         __syncwarp(); /* the warp's V rows of the item */
-        if (fp8 && sel) mm_decode_row(Vs + row * kMmLdv, half, vk); /* group-uniform */
+        if (fp8 && sel) mm_decode_row(Vs + row * kMmLdv, half, miss[row] >> 8); /* group-uniform; k from the row's lookup */
         /* O^T = V^T P^T (A: V^T from V rows 16w .. 16w + 15; B: P, which is S^T's layout);
            m-tile i: dims 16i + g, 16i + g + 8; heads 2t, 2t + 1 */
         float o[8][4];
@@ -790,10 +789,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(mq, l);
         }
         group_bar(q); /* the partials, red_m and red_l read before they are rewritten */
-        if (has_nx) {
-            mm_copy_v(Vs + row * kMmLdv, mn.v, half, fp8 && nx < c.n_sel);
-            vk = mn.vk;
-        }
+        if (has_nx) mm_copy_v(Vs + row * kMmLdv, mn.v, half, fp8 && nx < c.n_sel);
         cp_async_commit();
     }
     cp_async_wait_all();

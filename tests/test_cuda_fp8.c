@@ -466,9 +466,17 @@ int main(void)
         skvt_skip("no usable CUDA device: the GPU cases of test_cuda_fp8 did not run");
         return skvt_finish();
     }
+    double t = skvt_now_s();
     case_codes(seed);
+    printf("(a: %.1f s)\n", skvt_now_s() - t);
+    t = skvt_now_s();
     case_random(seed);
+    printf("(b, c: %.1f s)\n", skvt_now_s() - t);
+    t = skvt_now_s();
     case_rounded(seed);
+    printf("(d: %.1f s)\n", skvt_now_s() - t);
+    t = skvt_now_s();
     case_placement(seed);
+    printf("(e: %.1f s)\n", skvt_now_s() - t);
     return skvt_finish();
 }
