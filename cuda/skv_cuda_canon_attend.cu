@@ -14,7 +14,8 @@
  * same e_j into Z in the same order). The fixed tree: every lane's 68 values into shared memory,
  * then a warp per value, lane t holding lanes t + 32 i: levels 128, 64, 32 in registers, 16 .. 1
  * by shuffles (lane k adds lane k + w's value), then N_d / Z.) Built with --fmad=false
- * (CU_EXACT): the results are ref's, bit for bit.
+ * (CU_EXACT): the results are ref's, bit for bit. fp8 value records (a.value_dtype): the selected
+ * span's 16 codes of a block in one 16-byte load, decoded to the exact floats of skv_fp8_decode.
  */
 #include <cuda_runtime.h>
 #include <mma.h>

@@ -4,7 +4,10 @@
  * the chunk cache (a side stream, skv_cuda.h lists the steps); the op-level
  * gather of selected value chunks; at prefill, the offload of the candidate
  * chunks' values into their store (device or mapped host memory); and the
- * f32 -> bf16 conversion.
+ * f32 -> bf16 conversion. Value stores and chunk caches hold chunk records of
+ * sh.vrec bytes: bf16 [c, D], or fp8 (lib/skv_numerics.h: codes [c, D], then
+ * exponents [c], padded to 16 bytes), which the offload encodes and the
+ * op-level gather decodes with the numerics' own functions (the host's bits).
  *
  * Copies move bits, and the conversion rounds each element as
  * skv_f32_to_bf16 does. Pointers may have any alignment their element type
