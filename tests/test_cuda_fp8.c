@@ -27,10 +27,12 @@
  *     within 1e-6 relative per head in the default mode (bitwise is expected: printed);
  *  e. placements: values on the host (value_device_bytes of exactly the chunk caches: every store
  *     on the host, fp8 records over PCIe into the chunk cache), the pool mode with device values
- *     and with host values (value_device_bytes = 0, pool_host_bytes): outputs
- *     equal the device-placed fp8 cache's, bitwise in the reproducible mode; in the default mode
- *     the pools bitwise against the fixed layout of the same placement and the host placement
- *     within 1e-6 relative per head of the device's (its missed chunks' P V is added later);
+ *     and with host values (value_device_bytes = 0, pool_host_bytes), and a split (slot 0's store
+ *     on the device, the other's on the host): outputs equal the device-placed fp8 cache's,
+ *     bitwise in the reproducible mode; in the default mode
+ *     the pools bitwise against the fixed layout of the same placement, the host placement and
+ *     the split within 1e-6 relative per head of the device's (a missed chunk's P V is added later)
+ *     with the same selections;
  *  f. skv_cache_memory_info: value_store_bytes of an fp8 config = Hk cand_max vrec rounded up to
  *     256 (vrec = c D + c rounded up to 16), less than the bf16 one.
  * The seed is printed; SKV_SEED=N replays a run.
@@ -47,8 +49,9 @@ enum { MAXB = 2 };
    larger values is refused) */
 enum { KMAX = 23 };
 enum { V_NORMAL = 0, V_CODES = 1, V_ROUNDED = 2 };                       /* the values of a world */
-enum { P_DEVICE = 0, P_HOST = 1, P_POOL_DEVICE = 2, P_POOL_HOST = 3 };    /* value placements */
-static const char *const place_names[4] = {"the device", "the host", "a device pool", "a host pool"};
+enum { P_DEVICE = 0, P_HOST = 1, P_POOL_DEVICE = 2, P_POOL_HOST = 3, P_MIXED = 4, N_PLACES = 5 }; /* value placements */
+static const char *const place_names[N_PLACES] = {"the device", "the host", "a device pool", "a host pool",
+                                                  "the device for slot 0, the host for the rest"};
 
 /* The inputs of a run: the config's shape and modes, prompt lengths, steps, the kind of values. */
 typedef struct world {
@@ -149,12 +152,23 @@ static int run(const world *w, skv_backend be, int vd, int pl, float *outs, int3
     skv_config c = w->cfg;
     c.backend = be;
     c.value_dtype = (skv_value_dtype)vd;
-    if (pl == P_HOST || pl == P_POOL_HOST) { /* a budget of exactly the chunk caches: every store on the host */
+    if (pl == P_HOST || pl == P_POOL_HOST || pl == P_MIXED) {
+        /* a budget of exactly the chunk caches: every store on the host; one store more: slot 0's on the device */
         skv_memory_info mi;
         if (!SKVT_CHECK_STATUS(skv_cache_memory_info(&c, &mi), SKV_OK, "memory info")) return -1;
-        c.value_device_bytes = pl == P_POOL_HOST ? 0 : (int64_t)mi.value_cache_bytes * (mi.device_value_slots + mi.host_value_slots);
+        const int64_t slots = mi.device_value_slots + mi.host_value_slots;
+        c.value_device_bytes = pl == P_POOL_HOST ? 0 : (int64_t)mi.value_cache_bytes * slots;
+        if (pl == P_MIXED) {
+            c.value_device_bytes = (int64_t)mi.value_store_bytes + (int64_t)mi.value_cache_bytes * (slots - 1);
+            if (!SKVT_CHECK_STATUS(skv_cache_memory_info(&c, &mi), SKV_OK, "memory info (mixed)") ||
+                !SKVT_CHECK(mi.device_value_slots == 1 && mi.host_value_slots == slots - 1,
+                            "%s: a budget of one store and %lld chunk caches places %lld slots on the device, %lld on "
+                            "the host", w->name, (long long)(slots - 1), (long long)mi.device_value_slots,
+                            (long long)mi.host_value_slots))
+                return -1;
+        }
     }
-    if (pl >= P_POOL_DEVICE) c.pool_device_bytes = 256ll << 20;
+    if (pl == P_POOL_DEVICE || pl == P_POOL_HOST) c.pool_device_bytes = 256ll << 20;
     if (pl == P_POOL_HOST) c.pool_host_bytes = 128ll << 20;
     skv_cache *cache = NULL;
     skv_status st = skv_cache_create(&c, &cache);
@@ -417,19 +431,23 @@ static void case_placement(uint64_t seed)
         for (int repro = 1; repro >= 0; repro--) {
             printf("e. %s, %s: fp8 values on the host and in pools\n", w.name, repro ? "reproducible mode" : "default mode");
             w.cfg.reproducible = repro;
-            res x[4];
-            for (int p = 0; p < 4; p++) x[p] = get(&w, SKV_BACKEND_CUDA, 1, p);
+            res x[N_PLACES];
+            for (int p = 0; p < N_PLACES; p++) x[p] = get(&w, SKV_BACKEND_CUDA, 1, p);
             if (repro) {
-                for (int p = 1; p < 4; p++) same_bits(&w, &x[p], &x[P_DEVICE], 1);
+                for (int p = 1; p < N_PLACES; p++) same_bits(&w, &x[p], &x[P_DEVICE], 1);
             } else {
                 same_bits(&w, &x[P_POOL_DEVICE], &x[P_DEVICE], 1);
                 same_bits(&w, &x[P_POOL_HOST], &x[P_HOST], 1);
-                close_to(&w, &x[P_HOST], &x[P_DEVICE], 1e-6);
-                if (x[P_HOST].ok && x[P_DEVICE].ok)
-                    SKVT_CHECK(!memcmp(x[P_HOST].sel, x[P_DEVICE].sel, sel_count(&w) * 4), "%s: host and device "
-                               "placements select differently", w.name);
+                static const int split[2] = {P_HOST, P_MIXED}; /* placements with host slots */
+                for (int j = 0; j < 2; j++) {
+                    const int p = split[j];
+                    close_to(&w, &x[p], &x[P_DEVICE], 1e-6);
+                    if (x[p].ok && x[P_DEVICE].ok)
+                        SKVT_CHECK(!memcmp(x[p].sel, x[P_DEVICE].sel, sel_count(&w) * 4),
+                                   "%s: %s and %s select differently", w.name, x[p].what, x[P_DEVICE].what);
+                }
             }
-            for (int p = 0; p < 4; p++) drop(&x[p]);
+            for (int p = 0; p < N_PLACES; p++) drop(&x[p]);
         }
     }
 }
