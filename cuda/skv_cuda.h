@@ -235,8 +235,9 @@ typedef struct skv_cuda_seq {
                                   point (skv_cuda_canon_wprep, skv_cuda_canon_wq_bytes), prepared whenever
                                   w is written (prefill, snapshot load); NULL when no decode rebuild reads
                                   it (default mode without rescoring, or skv_cuda_canon_uses_wq(sh, 1) == 0) */
-    const skv_bf16 *vstore;    /* [Hk, n_cand, c, D]: device memory, or the device alias of the pinned
-                                  host store (host slot) */
+    const unsigned char *vstore; /* [Hk, n_cand] chunk records of sh.vrec bytes (bf16 [c, D], or fp8
+                                  codes [c, D] and exponents [c]: skv_cuda_fp8.cuh): device memory, or
+                                  the device alias of the pinned host store (host slot) */
     const skv_bf16 *out_k, *out_v; /* [Hk, O*c, D] exact outlier chunks */
     const skv_bf16 *loc_k, *loc_v; /* [Hk, n_local, D] local window */
     skv_bf16 *gen_k, *gen_v;       /* [Hk, gen_cap, D] generated tokens */
@@ -244,7 +245,7 @@ typedef struct skv_cuda_seq {
                                            (entries [k, S) of a head's row -1) */
     int32_t *pub_sel_cnt;      /* [Hk] each head's count k at that step (NULL: a dense slot) */
     /* chunk cache of a host slot; vc_data NULL for a device slot */
-    skv_bf16 *vc_data;         /* [Hk, E, c, D] */
+    unsigned char *vc_data;    /* [Hk, E] chunk records of sh.vrec bytes */
     int32_t *vc_slot_of;       /* [Hk, cand_max] entry of each candidate (-1) */
     int32_t *vc_owner, *vc_stamp; /* [Hk, E] candidate held (-1), last step used (-1) */
     int64_t n;                 /* prompt length */
@@ -282,6 +283,9 @@ typedef struct skv_cuda_shape {
     /* the rescoring (docs/DESIGN.md 4.5.1): W candidates per (sequence, KV head) rescored by their
        canonical keys (config.select_candidates, at most cand_max); 0: none */
     int32_t W;
+    /* the value records (lay.value_dtype, lay.vrec): SKV_VALUE_BF16 or SKV_VALUE_FP8, bytes per chunk record */
+    int32_t value_dtype;
+    int64_t vrec;
 } skv_cuda_shape;
 
 /* How a decode (or span) attention splits into work items per (sequence, query head). */
@@ -596,15 +600,21 @@ cudaError_t skv_cuda_combine_append(cudaStream_t st, const skv_cuda_shape *sh, s
 cudaError_t skv_cuda_fetch(cudaStream_t st, const skv_cuda_shape *sh, const skv_cuda_seq *seqs,
                            const skv_cuda_dws *ws);
 
-/* Op-level: v_out [Hk, S*c, D]: chunk s of head h = store[h][idx[h][s]] (c*D values). */
+/* Op-level: v_out [Hk, S*c, D]: chunk s of head h = store[h][idx[h][s]] (c*D values; an fp8
+   record decoded, skv_fp8_decode_chunk's bits). */
 cudaError_t skv_cuda_gather(cudaStream_t st, int32_t Hk, int32_t D, int32_t c, int32_t n_store, int32_t S,
-                            const skv_bf16 *store, const int32_t *idx, skv_bf16 *v_out);
+                            int32_t value_dtype, const void *store, const int32_t *idx, skv_bf16 *v_out);
 
 /* Prefill: dst [Hk, m, c, D], chunk (h, i) = tokens ids[h*m + i]*c .. +c-1 of head h of
    src [n, Hk, D] (token-major). dst may be mapped pinned host memory. At most max_blocks
    blocks (<= 0: as many as the work needs, up to 65535). */
 cudaError_t skv_cuda_gather_chunks(cudaStream_t st, const skv_bf16 *src, int32_t Hk, int32_t D, int32_t c,
                                    const int32_t *ids, int32_t m, skv_bf16 *dst, int32_t max_blocks);
+/* The same chunks as chunk records of value_dtype: bf16 as skv_cuda_gather_chunks, fp8 encoded
+   (skv_fp8_encode_chunk's bytes, one warp per record) into dst [Hk, m] records of
+   skv_value_chunk_bytes(value_dtype, c, D) bytes. */
+cudaError_t skv_cuda_store_chunks(cudaStream_t st, int32_t value_dtype, const skv_bf16 *src, int32_t Hk, int32_t D,
+                                  int32_t c, const int32_t *ids, int32_t m, void *dst, int32_t max_blocks);
 
 /* y[i] = skv_f32_to_bf16(x[i]). */
 cudaError_t skv_cuda_f32_to_bf16(cudaStream_t st, const float *x, skv_bf16 *y, int64_t n);

@@ -37,6 +37,11 @@
  * shares the item's max per head (one barrier); the warps' sums and O are added in warp order,
  * so the result has the same bits whatever runs first. Four groups per SM hide each other's load
  * latency.
+ *
+ * fp8 values (sh.value_dtype, skv_cuda_fp8.cuh) are decoded into the bf16 V tile as they land:
+ * the general kernel converts 8 codes per load, the fragment kernel (attend_mma_kernel<true>)
+ * copies a selected row's codes (cp.async) into the upper half of its V row and converts them in
+ * place before P V; everything after the tile is the bf16 path's.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -298,14 +303,14 @@ __global__ void __launch_bounds__(kAtNT) attend_kernel(const AttendArgs a)
             }
             const int64_t ts = t0 + row;
             const int32_t s = (int32_t)(ts / c), i = (int32_t)(ts - (int64_t)s * c);
-            const uint16_t *src;
-            if (host) {
-                const int32_t e = a.vsrc[bh * S + s] & 0x7fffffff;
-                src = sq.vc_data + (((int64_t)h * sh.vc_chunks + e) * c + i) * D;
-            } else {
-                src = sq.vstore + (((int64_t)h * sq.n_cand + a.sel_idx[bh * S + s]) * c + i) * D;
-            }
+            const unsigned char *rec = host ? sq.vc_data + ((int64_t)h * sh.vc_chunks + (a.vsrc[bh * S + s] & 0x7fffffff)) * sh.vrec
+                                            : sq.vstore + ((int64_t)h * sq.n_cand + a.sel_idx[bh * S + s]) * sh.vrec;
             const int left = D - cc * 8;
+            if (sh.value_dtype == SKV_VALUE_FP8) { /* decoded here (block-uniform) */
+                fp8_load8_bf16(dv, fp8_row(rec, i, D) + cc * 8, left, fp8_exp(rec, i, c, D));
+                continue;
+            }
+            const uint16_t *src = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * D;
             if ((((uintptr_t)src & 15) == 0) && left >= 8) cp_async16(dv, src + cc * 8);
             else load8_slow(dv, src + cc * 8, left);
         }
@@ -403,8 +408,9 @@ struct MmCtx {
 };
 
 /* Where one row (token) of an item comes from: its position (-1: none), the source of its U row
-   (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros), and whether its P V waits
-   for the fetch of a missed chunk. */
+   (selected) or K row (resident; NULL: zeros), its V row (NULL: zeros; a selected row of fp8 values:
+   its codes), and whether its P V waits for the fetch of a missed chunk (miss 1; a selected row of
+   fp8 values that is not missed: its exponent k in bits 8.., miss = k * 256). */
 struct MmRow {
     int64_t pos;
     const uint16_t *uk, *v;
@@ -426,7 +432,9 @@ __device__ __forceinline__ bool mm_empty(const AttendArgs &a, const MmCtx &c, in
     return (int64_t)(item - c.n_sel) * kMmTT >= c.T;
 }
 
-/* The sources of row `row` of item `item` (the selection lookups; no shared memory written). */
+/* The sources of row `row` of item `item` (the selection lookups; no shared memory written). FP8:
+   the cache's values are fp8 records (a selected row's v is its codes). */
+template <bool FP8>
 __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int row, const AttSpan *sp)
 {
     MmRow m;
@@ -444,12 +452,19 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
             const int32_t s = ts / cc, i = ts - s * cc;
             m.pos = (int64_t)a.sel_ids[bh * S + s] * cc + i;
             m.uk = sq.u + m.pos * sh.r;
+            const unsigned char *rec = nullptr;
             if (sq.vc_data) {
                 const int32_t v = a.vsrc[bh * S + s];
                 m.miss = v < 0 && a.pbuf; /* missed: its P V comes after the fetch */
-                if (!m.miss) m.v = sq.vc_data + (((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * cc + i) * kMmD;
+                if (!m.miss) rec = sq.vc_data + ((int64_t)c.h * sh.vc_chunks + (v & 0x7fffffff)) * sh.vrec;
             } else {
-                m.v = sq.vstore + (((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * cc + i) * kMmD;
+                rec = sq.vstore + ((int64_t)c.h * sq.n_cand + a.sel_idx[bh * S + s]) * sh.vrec;
+            }
+            if (FP8 && rec) { /* the codes (read as bytes), the exponent now */
+                m.v = reinterpret_cast<const uint16_t *>(fp8_row(rec, i, kMmD));
+                m.miss = fp8_exp(rec, i, cc, kMmD) * 256;
+            } else if (rec) {
+                m.v = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * kMmD;
             }
         }
     } else {
@@ -463,26 +478,6 @@ __device__ MmRow mm_lookup(const AttendArgs &a, const MmCtx &c, int item, int ro
         }
     }
     return m;
-}
-
-/* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
-   they are if-converted into predicated loads that every copy issues. */
-__device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
-{
-    for (int p = half; p < n; p += 2) {
-        if (!src) store_zero16(dst + p * 8);
-        else load8_slow(dst + p * 8, src + p * 8, 8);
-    }
-}
-
-/* 16-byte pieces half, half + 2, ... of a row of n pieces from src (NULL: zeros) into dst. */
-__device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, int n, int half)
-{
-    if (src && ((uintptr_t)src & 15) == 0) {
-        for (int p = half; p < n; p += 2) cp_async16(dst + p * 8, src + p * 8);
-    } else {
-        mm_copy_row_slow(dst, src, n, half);
-    }
 }
 
 /* Issue (cp.async, not committed) the U or K row of m into the warp's block (row rw of 16), and
@@ -512,6 +507,7 @@ __device__ __forceinline__ int mm_item(const MmCtx &c, int x, int split, int nr_
     return p < nr_x ? c.n_sel + x + p * split : x + (p - nr_x) * split;
 }
 
+template <bool FP8> /* the values are fp8 records (sh.value_dtype): decoded in shared memory */
 __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_constant__ AttendArgs a, int split)
 {
     __shared__ AttSpan sp_s[SKV_MAX_SPANS];
@@ -603,6 +599,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
      * with an empty group after it for the same count.
      */
     bool issued = false;
+    constexpr bool fp8 = FP8;
     for (int pi = q, par = 0; pi < n_x; pi += kMmGroups, par ^= 1) {
         const int item = mm_item(c, x, split, nr_x, pi);
         if (mm_empty(a, c, item)) {
@@ -616,9 +613,9 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             continue;
         }
         if (!issued) {
-            const MmRow m = mm_lookup(a, c, item, row, sp_s);
+            const MmRow m = mm_lookup<FP8>(a, c, item, row, sp_s);
             mm_issue_uk(a, L, UKw, tok_s + par * kMmTT, miss_s + par * kMmTT, item < c.n_sel, r, row, rw, half, m);
-            mm_copy_row(Vs + row * kMmLdv, m.v, kMmD / 8, half);
+            mm_copy_v(Vs + row * kMmLdv, m.v, half, fp8 && item < c.n_sel);
             cp_async_commit();
             cp_async_commit();
         }
@@ -628,7 +625,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         const bool has_nx = nx >= 0 && !(item >= c.n_sel && nx < c.n_sel) && !mm_empty(a, c, nx);
         issued = has_nx;
         MmRow mn;
-        if (has_nx) mn = mm_lookup(a, c, nx, row, sp_s);
+        if (has_nx) mn = mm_lookup<FP8>(a, c, nx, row, sp_s);
         const int64_t *tok = tok_s + par * kMmTT;
         const int32_t *miss = miss_s + par * kMmTT;
         cp_async_wait_group<1>();
@@ -742,7 +739,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int tk = 16 * w + 8 * nt + 2 * t + e;
-                    if (tk < nvalid && miss[tk]) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tk] = p[e];
+                    if (tk < nvalid && (fp8 ? miss[tk] & 1 : miss[tk])) a.pbuf[(head0 + g) * SC + (int64_t)item * kMmTT + tk] = p[e];
                 }
             }
         }
@@ -750,6 +747,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
         ps += __shfl_xor_sync(kFullMask, ps, 2);
         cp_async_wait_group<1>();
         __syncwarp(); /* the warp's V rows of the item */
+        if (fp8 && sel) mm_decode_row(Vs + row * kMmLdv, half, miss[row] >> 8); /* group-uniform; k from the row's lookup */
         /* O^T = V^T P^T (A: V^T from V rows 16w .. 16w + 15; B: P, which is S^T's layout);
            m-tile i: dims 16i + g, 16i + g + 8; heads 2t, 2t + 1 */
         float o[8][4];
@@ -791,7 +789,7 @@ __global__ void __launch_bounds__(kMmNT, 1) attend_mma_kernel(const __grid_const
             a.part_ml[(head0 + qt) * a.it.n_items + item] = make_float2(mq, l);
         }
         group_bar(q); /* the partials, red_m and red_l read before they are rewritten */
-        if (has_nx) mm_copy_row(Vs + row * kMmLdv, mn.v, kMmD / 8, half);
+        if (has_nx) mm_copy_v(Vs + row * kMmLdv, mn.v, half, fp8 && nx < c.n_sel);
         cp_async_commit();
     }
     cp_async_wait_all();
@@ -909,9 +907,10 @@ static cudaError_t attend_mma(cudaStream_t st, const skv_cuda_shape *sh, const s
     if (split > ceil_div64(n_items, kMmGroups)) split = ceil_div64(n_items, kMmGroups); /* a few items per group */
     if (split < 1) split = 1;
     const size_t smem = mm_layout(sh->r).bytes;
-    cudaError_t e = allow_smem(attend_mma_kernel, smem);
+    const auto k = sh->value_dtype == SKV_VALUE_FP8 ? attend_mma_kernel<true> : attend_mma_kernel<false>;
+    cudaError_t e = allow_smem(k, smem);
     if (e != cudaSuccess) return e;
-    return launch(attend_mma_kernel, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
+    return launch(k, dim3((unsigned)split, (unsigned)sh->Hk, (unsigned)sh->B), dim3(kMmNT), smem,
                   st, pdl != 0, a, (int)split);
 }
 

@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
 {
     constexpr int TT = att_tt(DT);
     __shared__ int32_t tokm[TT];  /* the item's missed tokens */
-    __shared__ const uint16_t *vrow[TT];
+    __shared__ const unsigned char *vrow[TT]; /* the token's value row (bf16, or fp8 codes with vexp) */
+    __shared__ int32_t vexp[TT];
     __shared__ int nm;
     const int D = DT ? DT : a.D;
     const int tid = threadIdx.x, item = blockIdx.x, b = blockIdx.z;
@@ -49,7 +50,10 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
             const int32_t v = a.vsrc[bh * S + s];
             if (v < 0) {
                 tokm[m] = t;
-                vrow[m] = sq.vc_data + (((int64_t)h * sh.vc_chunks + (v & 0x7fffffff)) * c + i) * D;
+                const unsigned char *rec = sq.vc_data + ((int64_t)h * sh.vc_chunks + (v & 0x7fffffff)) * sh.vrec;
+                const bool fp8 = sh.value_dtype == SKV_VALUE_FP8;
+                vrow[m] = rec + (int64_t)i * D * (fp8 ? 1 : 2);
+                vexp[m] = fp8 ? fp8_exp(rec, i, c, D) : 0;
                 m++;
             }
         }
@@ -62,7 +66,11 @@ __global__ void __launch_bounds__(kAtNT) attend_missed_kernel(const AttendArgs a
         const int g = i / D, d = i - g * D;
         const float *pw = a.pbuf + (head0 + g) * SC + t0;
         float acc = 0.0f;
-        for (int k = 0; k < nm; k++) acc = fmaf(pw[tokm[k]], skv_bf16_to_f32(vrow[k][d]), acc);
+        if (sh.value_dtype == SKV_VALUE_FP8) /* block-uniform; the decoded bf16 value, exactly */
+            for (int k = 0; k < nm; k++) acc = fmaf(pw[tokm[k]], fp8x2_to_f32(vrow[k][d], fp8_scale(vexp[k])).x, acc);
+        else
+            for (int k = 0; k < nm; k++)
+                acc = fmaf(pw[tokm[k]], skv_bf16_to_f32(reinterpret_cast<const uint16_t *>(vrow[k])[d]), acc);
         float *dst = a.part_acc + ((head0 + g) * a.it.n_items + item) * D + d;
         *dst += acc;
     }

@@ -2,8 +2,8 @@
  * skv_cuda_attn.cuh - what the attention files of cuda/ share (skv_cuda_attend.cu,
  * skv_cuda_attend_missed.cu): the work items and the shared-memory layout of step 4, the key
  * rebuild of one tile (U W_h on tensor or CUDA cores, then RoPE), the kernels' arguments
- * (AttendArgs) and the resident spans a range walks, and the fragment kernel's shape test and
- * layout. Header-only, in an anonymous namespace (each
+ * (AttendArgs) and the resident spans a range walks, and the fragment kernel's shape test, layout
+ * and row copies (bf16 rows, and fp8 codes decoded in place: skv_cuda_fp8.cuh). Header-only, in an anonymous namespace (each
  * file has its own copy), included once per file after skv_cuda_common.cuh.
  *
  * Nothing here is on the exact-selection path (docs/DESIGN.md section 5): tensor
@@ -31,6 +31,7 @@
 
 #include "skv_cuda.h"
 #include "skv_cuda_common.cuh"
+#include "skv_cuda_fp8.cuh"
 #include "skv_numerics.h"
 #include "skv_plan.h"
 
@@ -550,6 +551,73 @@ constexpr int kMmMaxRes = 256;   /* resident items of one tile each: up to 16k r
 constexpr size_t kMmSmemMax = 220 * 1024; /* dynamic shared memory, below the opt-in limit of sm_90 */
 
 static_assert(kMmMaxG * kMmD * sizeof(float) <= 16 * kMmLdv * 2, "a warp's partial fits in its 16 V rows");
+
+/* fp8 values: the 128 codes of a row (src: NULL: zeros) into the upper half of its bf16 row dst
+   (bytes 128 .. 255), 16-byte pieces half, half + 2, ..; mm_decode_row makes them bf16 in place.
+   The fallback of an unaligned row (or none) of attend_mma_kernel's mm_copy_v. */
+__device__ __noinline__ void mm_copy_codes_slow(uint16_t *dst, const uint16_t *src, int half)
+{
+    unsigned char *d = reinterpret_cast<unsigned char *>(dst) + kMmD;
+    const uint8_t *c = reinterpret_cast<const uint8_t *>(src);
+    for (int p = half; p < kMmD / 16; p += 2) {
+        const uint2 lo = c ? fp8_load8_slow(c + 16 * p, 8) : make_uint2(0u, 0u);
+        const uint2 hi = c ? fp8_load8_slow(c + 16 * p + 8, 8) : make_uint2(0u, 0u);
+        *reinterpret_cast<uint4 *>(d + 16 * p) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+}
+
+/* The codes of a row (mm_copy_v, landed) to bf16 in place, with the row's exponent k: the thread's
+   pieces half, half + 2, .. are read, then (the warp's other thread of the row reads the bytes this
+   one overwrites) written as bf16 pieces 2p, 2p + 1. Every lane of the warp calls it. */
+__device__ __forceinline__ void mm_decode_row(uint16_t *row, int half, int k)
+{
+    const unsigned char *c = reinterpret_cast<const unsigned char *>(row) + kMmD;
+    uint4 codes[kMmD / 32];
+#pragma unroll
+    for (int j = 0; j < kMmD / 32; j++) codes[j] = *reinterpret_cast<const uint4 *>(c + 16 * (half + 2 * j));
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kMmD / 32; j++) {
+        const int p = half + 2 * j;
+        *reinterpret_cast<uint4 *>(row + 16 * p) = fp8x8_to_bf16(make_uint2(codes[j].x, codes[j].y), k);
+        *reinterpret_cast<uint4 *>(row + 16 * p + 8) = fp8x8_to_bf16(make_uint2(codes[j].z, codes[j].w), k);
+    }
+    __syncwarp();
+}
+
+/* mm_copy_row's rare paths (zeros, or a source that is not 16-byte aligned), out of line: inlined,
+   they are if-converted into predicated loads that every copy issues. */
+__device__ __noinline__ void mm_copy_row_slow(uint16_t *dst, const uint16_t *src, int n, int half)
+{
+    for (int p = half; p < n; p += 2) {
+        if (!src) store_zero16(dst + p * 8);
+        else load8_slow(dst + p * 8, src + p * 8, 8);
+    }
+}
+
+/* 16-byte pieces half, half + 2, ... of a row of n pieces from src (NULL: zeros) into dst. */
+__device__ __forceinline__ void mm_copy_row(uint16_t *dst, const uint16_t *src, int n, int half)
+{
+    if (src && ((uintptr_t)src & 15) == 0) {
+        for (int p = half; p < n; p += 2) cp_async16(dst + p * 8, src + p * 8);
+    } else {
+        mm_copy_row_slow(dst, src, n, half);
+    }
+}
+
+/* The V row of m into dst: bf16 values, or (fp8: a selected item of an fp8 cache) the codes. */
+__device__ __forceinline__ void mm_copy_v(uint16_t *dst, const uint16_t *src, int half, bool fp8)
+{
+    if (!fp8) {
+        mm_copy_row(dst, src, kMmD / 8, half);
+    } else if (src && ((uintptr_t)src & 15) == 0) {
+        unsigned char *d = reinterpret_cast<unsigned char *>(dst) + kMmD;
+        const unsigned char *c = reinterpret_cast<const unsigned char *>(src);
+        for (int p = half; p < kMmD / 16; p += 2) cp_async16(d + 16 * p, c + 16 * p);
+    } else {
+        mm_copy_codes_slow(dst, src, half);
+    }
+}
 
 struct MmLayout {
     int ldk;                    /* U and K rows: max(r + 8, 136) elements (odd multiples of 16 bytes:

@@ -192,11 +192,6 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
                                char *host, char *msg, size_t cap)
 {
     *bctx = NULL;
-    if (lay->value_dtype != SKV_VALUE_BF16) {
-        snprintf(msg, cap, "value_dtype = %d: fp8 value stores are not in this build of the cuda backend",
-                 (int)lay->value_dtype);
-        return SKV_ERR_UNSUPPORTED;
-    }
     int least = 0, greatest = 0, prio = 0; /* stream priorities (below) */
     skv_cuda_cache *k = (skv_cuda_cache *)calloc(1, sizeof *k);
     if (!k) {
@@ -380,12 +375,12 @@ skv_status skv_cuda_cache_open(void **bctx, const skv_config *cfg, const skv_lay
             s->pub_sel_ids = (int32_t *)(sd + lay->sel_ids);
             s->pub_sel_cnt = (int32_t *)(sd + lay->sel_cnt);
             if (pooled ? !lay->values_host : j < lay->n_dev_slots) {
-                if (!pooled) s->vstore = (const skv_bf16 *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
+                if (!pooled) s->vstore = (const unsigned char *)(dev + lay->dev_values + (size_t)j * lay->slot_values);
             } else { /* a chunk cache (the pool mode: every sparse slot's, n_dev_slots being 0) */
                 const size_t hi = (size_t)(j - lay->n_dev_slots);
                 char *vc = dev + lay->dev_vcache + hi * lay->slot_vcache;
-                if (!pooled) s->vstore = (const skv_bf16 *)(k->host_dev + hi * lay->slot_host);
-                s->vc_data = (skv_bf16 *)(vc + lay->vc_data);
+                if (!pooled) s->vstore = (const unsigned char *)(k->host_dev + hi * lay->slot_host);
+                s->vc_data = (unsigned char *)(vc + lay->vc_data);
                 s->vc_slot_of = (int32_t *)(vc + lay->vc_slot_of);
                 s->vc_owner = (int32_t *)(vc + lay->vc_owner);
                 s->vc_stamp = (int32_t *)(vc + lay->vc_stamp);

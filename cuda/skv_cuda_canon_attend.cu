@@ -14,7 +14,8 @@
  * same e_j into Z in the same order). The fixed tree: every lane's 68 values into shared memory,
  * then a warp per value, lane t holding lanes t + 32 i: levels 128, 64, 32 in registers, 16 .. 1
  * by shuffles (lane k adds lane k + w's value), then N_d / Z.) Built with --fmad=false
- * (CU_EXACT): the results are ref's, bit for bit.
+ * (CU_EXACT): the results are ref's, bit for bit. fp8 value records (a.value_dtype): the selected
+ * span's 16 codes of a block in one 16-byte load, decoded to the exact floats of skv_fp8_decode.
  */
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -24,6 +25,7 @@
 #include "skv_cuda.h"
 #include "skv_cuda_common.cuh"
 #include "skv_cuda_canon_attn.cuh"
+#include "skv_cuda_fp8.cuh"
 #include "skv_numerics.h"
 #include "skv_plan.h"
 
@@ -68,6 +70,7 @@ constexpr int kAtNV = kAtGC * kAtDC + kAtGC; /* 68 values per lane */
 constexpr int kAtTok = 2;                    /* tokens of a lane in flight */
 constexpr int kAtVQ = kAtDC / 8;             /* uint4 pieces per value row */
 static_assert(kAtDC % 8 == 0, "whole uint4 pieces per value row");
+static_assert(kAtDC == 16, "one uint4 of fp8 codes per value row");
 __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendArgs a)
 {
     const int h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x, G = a.G, D = a.D;
@@ -115,19 +118,23 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
         for (int si = 0; si < ns; si++) {
             const int64_t n = sp[si].n, ts = sp[si].ts;
             const int kind = sp[si].kind;
-            const uint16_t *vb = sp[si].v; /* kind 0: the span's rows; else the head's chunks in the store or cache */
+            const uint16_t *vb = sp[si].v; /* kind 0: the span's rows */
+            const unsigned char *rb = nullptr; /* else the head's chunk records in the store or cache */
             if (kind) {
                 const skv_cuda_seq &sq = a.seqs[b];
-                vb = kind == 1 ? (const uint16_t *)sq.vstore + (int64_t)h * sq.n_cand * a.c * D
-                               : (const uint16_t *)sq.vc_data + (int64_t)h * a.vc_chunks * a.c * D;
+                rb = kind == 1 ? sq.vstore + (int64_t)h * sq.n_cand * a.vrec : sq.vc_data + (int64_t)h * a.vc_chunks * a.vrec;
             }
+            /* fp8 records (span-uniform): vr[k] points at the token's codes d0 .., ex[k] is its exponent */
+            const bool f8 = kind && a.value_dtype == SKV_VALUE_FP8;
             for (int64_t t = (int64_t)((lane - base) & (kAtLanes - 1)); t < n; t += kAtTok * kAtLanes) {
                 bool ok[kAtTok];
                 const uint16_t *vr[kAtTok];
+                int32_t ex[kAtTok];
 #pragma unroll
                 for (int k = 0; k < kAtTok; k++) {
                     const int64_t tk = t + k * kAtLanes;
                     ok[k] = tk < n;
+                    ex[k] = 0;
                     if (!ok[k]) {
                         vr[k] = nullptr;
                     } else if (kind == 0) {
@@ -137,7 +144,13 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
                         if (c_log < 32) sel = (uint32_t)tk >> c_log, i = (uint32_t)tk & cm;
                         else sel = at_chunk_of(tk, a.c, i);
                         const int32_t ch = sel_sm ? sel_s[sel] : at_sel_chunk(a, kind, bh, sel);
-                        vr[k] = vb + ((int64_t)ch * a.c + i) * D + d0;
+                        const unsigned char *rec = rb + (int64_t)ch * a.vrec;
+                        if (f8) {
+                            vr[k] = reinterpret_cast<const uint16_t *>(rec + (int64_t)i * D + d0);
+                            ex[k] = fp8_exp(rec, (int32_t)i, a.c, D);
+                        } else {
+                            vr[k] = reinterpret_cast<const uint16_t *>(rec) + (int64_t)i * D + d0;
+                        }
                     }
                 }
                 float w[kAtTok][kAtGC];
@@ -150,7 +163,15 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
                     for (int qv = 0; qv < kAtVQ; qv++) raw[k][qv] = make_uint4(0, 0, 0, 0);
                     if (!ok[k]) continue;
                     const uint16_t *v = vr[k];
-                    if (dvec && ((uintptr_t)v & 15) == 0) {
+                    if (f8) { /* 16 codes: one 16-byte load where it can */
+                        const uint8_t *c8 = reinterpret_cast<const uint8_t *>(v);
+                        if (dvec && ((uintptr_t)c8 & 15) == 0) {
+                            raw[k][0] = __ldg(reinterpret_cast<const uint4 *>(c8));
+                        } else {
+                            const uint2 lo = fp8_load8_slow(c8, D - d0), hi = fp8_load8_slow(c8 + 8, D - d0 - 8);
+                            raw[k][0] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+                        }
+                    } else if (dvec && ((uintptr_t)v & 15) == 0) {
 #pragma unroll
                         for (int qv = 0; qv < kAtVQ; qv++) raw[k][qv] = __ldg(reinterpret_cast<const uint4 *>(v) + qv);
                     } else {
@@ -167,8 +188,12 @@ __global__ void __launch_bounds__(kAtLanes, 2) canon_attend_kernel(const AttendA
                 for (int k = 0; k < kAtTok; k++) {
                     if (!ok[k]) break;
                     float f[kAtDC];
+                    if (f8) {
+                        fp8x16_to_f32(raw[k][0], ex[k], f); /* the decoded values, exactly */
+                    } else {
 #pragma unroll
-                    for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[k][qv], f + 8 * qv);
+                        for (int qv = 0; qv < kAtVQ; qv++) bf16x8_to_f32(raw[k][qv], f + 8 * qv);
+                    }
 #pragma unroll
                     for (int x = 0; x < kAtGC; x++) {
                         z[x] = SKV_ADD(z[x], w[k][x]);
@@ -311,6 +336,7 @@ cudaError_t skv_cuda_canon_decode_attend(cudaStream_t st, const skv_cuda_shape *
     a.sel_idx = ws->sel_idx, a.vsrc = ws->vsrc;
     a.sel_cnt = sh->S > 0 ? ws->sel_cnt : NULL;
     a.O = sh->O, a.c = sh->c, a.S = sh->S, a.gen_cap = sh->gen_cap, a.vc_chunks = sh->vc_chunks;
+    a.value_dtype = sh->value_dtype, a.vrec = sh->vrec;
     a.n_spans = SKV_N_SPANS;
     return launch_attend(st, a, sh->B, ws->canon_tmax);
 }

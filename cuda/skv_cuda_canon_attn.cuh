@@ -59,6 +59,8 @@ struct AttendArgs {
     const int32_t *sel_idx, *vsrc; /* [B, Hk, S] */
     const int32_t *sel_cnt;        /* [B, Hk] the step's counts (NULL: S every head) */
     int32_t O, c, S, gen_cap, vc_chunks;
+    int32_t value_dtype;           /* the selected span's records: vrec bytes each (skv_cuda_shape) */
+    int64_t vrec;
 };
 
 /* The five spans of (sequence b, KV head h) at decode into sp[] (skv_plan_spans; the selected span's

@@ -270,13 +270,8 @@ skv_status skv_cuda_gather_op(int32_t Hk, int32_t D, int32_t c, int32_t n_store,
                               const void *store, const int32_t *idx, const int32_t *counts, skv_bf16 *v_out)
 {
     if (counts) return skv_cuda_op_per_head("gather_values");
-    if (value_dtype != SKV_VALUE_BF16) {
-        skv_cuda_note("gather_values: fp8 records are not an op-level call of the cuda backend (its caches decode "
-                      "them in their attention)");
-        return SKV_ERR_UNSUPPORTED;
-    }
     skv_cuda_op op = {{0}, 0};
-    return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, (const skv_bf16 *)store, idx, v_out),
+    return skv_cuda_op_end(&op, skv_cuda_gather(0, Hk, D, c, n_store, S, value_dtype, store, idx, v_out),
                            "gather_values");
 }
 

@@ -18,9 +18,10 @@
  * free for the caller.
  *
  * The launchers: skv_cuda_find_nonfinite, skv_cuda_rope (no k_post given),
- * skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the outlier chunks; the candidates' values
- * on ost), skv_cuda_factorize and skv_cuda_f32_to_bf16 or skv_cuda_rank_store on fst (and
- * skv_cuda_canon_wprep, reproducible mode or the rescoring), skv_cuda_set_seq.
+ * skv_cuda_landmarks_outliers, skv_cuda_gather_chunks (the outlier chunks), skv_cuda_store_chunks
+ * (the candidates' value records on ost, fp8 ones encoded there), skv_cuda_factorize and
+ * skv_cuda_f32_to_bf16 or skv_cuda_rank_store on fst (and skv_cuda_canon_wprep, reproducible mode
+ * or the rescoring), skv_cuda_set_seq.
  */
 #include <stdio.h>
 #include <string.h>
@@ -77,12 +78,13 @@ static skv_status skv_cuda_prefill_finite(skv_cuda_cache *k, int64_t n, const sk
 
 /* The value store's address for the kernels: a place in the pinned host arena (vstore_host) by its
    device alias (the same address under unified addressing), device memory as it is. */
-static const skv_bf16 *skv_cuda_store_of(const skv_cuda_cache *k, const skv_slot_mem *mem)
+static const unsigned char *skv_cuda_store_of(const skv_cuda_cache *k, const skv_slot_mem *mem)
 {
-    if (!mem->vstore_host || !mem->vstore) return (const skv_bf16 *)mem->vstore;
+    const unsigned char *v = (const unsigned char *)mem->vstore;
+    if (!mem->vstore_host || !mem->vstore) return v;
     if (mem->vstore >= k->host && (size_t)(mem->vstore - k->host) < k->lay.host_total)
-        return (const skv_bf16 *)(k->host_dev + (mem->vstore - k->host));
-    return (const skv_bf16 *)mem->vstore;
+        return (const unsigned char *)(k->host_dev + (mem->vstore - k->host));
+    return v;
 }
 
 /*
@@ -239,8 +241,8 @@ skv_status skv_cuda_cache_prefill(void *bctx, int32_t layer, int32_t seq, int64_
     CK(cudaEventRecord(k->side_ev, ps));
     CK(cudaStreamWaitEvent(os, k->side_ev, 0));
     CK(cudaEventRecord(pt->e[SKV_PE_O0], os));
-    CK(skv_cuda_gather_chunks(os, k->vstage, Hk, D, cs, cand_ids, n_cand, (skv_bf16 *)hs->vstore,
-                              host_slot ? k->offload_blocks : 0));
+    CK(skv_cuda_store_chunks(os, lay->value_dtype, k->vstage, Hk, D, cs, cand_ids, n_cand, (void *)hs->vstore,
+                             host_slot ? k->offload_blocks : 0));
     CK(cudaEventRecord(pt->e[SKV_PE_O1], os));
     CK(cudaEventRecord(k->off_ev, os));
     /* U and W of the slot, in bf16. Enqueued last, so pst does not idle while the host issues the

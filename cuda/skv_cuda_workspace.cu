@@ -108,6 +108,8 @@ skv_cuda_shape skv_cuda_shape_of(const skv_config *cfg, const skv_layout *lay)
     sh.sel_min = cfg->select_min_chunks;
     sh.sel_mass = cfg->select_mass;
     sh.W = lay->W; /* the rescoring's candidates (docs/DESIGN.md 4.5.1): min(select_candidates, cand_max) */
+    sh.value_dtype = lay->value_dtype;
+    sh.vrec = (int64_t)lay->vrec;
     return sh;
 }
 

@@ -8,7 +8,7 @@
 #             tests/gpu/test_python_cuda.py); a short decode benchmark (and
 #             the ncu profile when NCU_CONFIGS is set, the per-instruction hot spots
 #             of the kernels NCU_HOT names)
-#   decode    build; test_cuda, test_cuda_serve, test_serve and test_placement; the decode benchmark over every
+#   decode    build; test_cuda, test_cuda_serve, test_cuda_fp8, test_serve and test_placement; the decode benchmark over every
 #             placement, workload, context and batch (skv-bench decode) with the dense
 #             SDPA baseline of the same run, joined into decode.json; the per-kernel
 #             device times and DRAM bytes of decode steps (ncu)
@@ -83,7 +83,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_cuda_serve test_serve test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
+  for t in test_cuda test_cuda_serve test_cuda_fp8 test_serve test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   # test_contract calls internal functions (skv_rescore_head): the static library, the plugin next to it
   cc $CFL tests/test_contract.c $COMMON build/libshadowkv.a ${LNK#build/dev/libshadowkv.so.0} -ldl -o build/dev/test_contract
@@ -159,7 +159,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_cuda_serve test_serve test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
+TESTS="test_cuda test_cuda_serve test_cuda_fp8 test_serve test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -201,6 +201,7 @@ case "$MODE" in
   quick)
     run_test test_cuda $TBIN/test_cuda
     run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_cuda_fp8 $TBIN/test_cuda_fp8
     run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
@@ -213,11 +214,13 @@ case "$MODE" in
   decode)
     run_test test_cuda $TBIN/test_cuda
     run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_cuda_fp8 $TBIN/test_cuda_fp8
     run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement ;;
   full)
     run_test test_cuda $TBIN/test_cuda
     run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_cuda_fp8 $TBIN/test_cuda_fp8
     run_test test_serve $TBIN/test_serve
     run_test test_placement $TBIN/test_placement
     run_test backend_ops_cuda $TBIN/backend_ops -b cuda
