@@ -46,6 +46,8 @@
  *                          the op-level span attention and key rebuild
  *                          (rebuild_kernel), the item plans
  *   skv_cuda_attend_missed.cu  the pass for chunks fetched late (host slots)
+ *   skv_cuda_fp8.cuh       fp8 value records on the device (config.value_dtype): the
+ *                          exact decode of codes to bf16 the attention kernels use
  *   skv_cuda_combine.cu  the combine of the partials and the append (step 5)
  *   skv_cuda_copy.cu     the fetch of missed chunks, the op-level gather, the
  *                        prefill's value offload, f32 -> bf16
