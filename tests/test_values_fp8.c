@@ -286,7 +286,8 @@ static void test_bad(skv_backend be, uint64_t seed)
     skvt_rng_seed(&r, seed);
     skvt_lowrank_prompt(&r, (size_t)s.Hk * s.D, s.n, k, v);
     v[np / 2] = 0x7fc0; /* NaN */
-    void *dk = skvt_dbuf(be, k, np * 2), *dv = skvt_dbuf(be, v, np * 2);
+    void *dk = skvt_dbuf(be, k, np * 2), *dv = skvt_dbuf(be, v, np * 2); /* cuda: zeroed device buffers */
+    skvt_dput(be, dk, k, np * 2), skvt_dput(be, dv, v, np * 2);
     skv_status st = skv_prefill(c, 0, 0, s.n, dk, dv, NULL);
     if (!st) st = skv_cache_sync(c);
     SKVT_CHECK_STATUS(st, SKV_ERR_NONFINITE, "prefill fp8 with a NaN value");
