@@ -134,6 +134,15 @@ def _resolve_backend(backend: Any) -> str:
 _CONFIG_ENUMS = {"backend", "factorize", "select_mode", "value_dtype"}
 
 
+def _enum_value(field: str, v: Any, by_name: dict) -> int:
+    """An enum field of config(): one of by_name's names, or one of its numbers."""
+    if isinstance(v, int) and not isinstance(v, bool) and v in by_name.values():
+        return v
+    if isinstance(v, str) and v in by_name:
+        return by_name[v]
+    raise ValueError(f"{field} {v!r}: expected one of {sorted(by_name)}")
+
+
 def config(**fields: Any) -> Config:
     """A skv_config with the library's defaults (a Llama-3-8B shape), then `fields` set.
 
@@ -166,19 +175,9 @@ def config(**fields: Any) -> Config:
                 raise ValueError(f"factorize {v!r}: expected one of {sorted(_ffi.ROUTES)}")
             c.factorize = _ffi.ROUTES[v]
         elif k == "select_mode":
-            if isinstance(v, int) and not isinstance(v, bool) and v in _ffi.SELECT_MODE_NAMES:
-                c.select_mode = v
-            elif v in _ffi.SELECT_MODES:
-                c.select_mode = _ffi.SELECT_MODES[v]
-            else:
-                raise ValueError(f"select_mode {v!r}: expected one of {sorted(_ffi.SELECT_MODES)}")
+            c.select_mode = _enum_value(k, v, _ffi.SELECT_MODES)
         elif k == "value_dtype":
-            if isinstance(v, int) and not isinstance(v, bool) and v in _ffi.VALUE_DTYPE_NAMES:
-                c.value_dtype = v
-            elif v in _ffi.VALUE_DTYPES:
-                c.value_dtype = _ffi.VALUE_DTYPES[v]
-            else:
-                raise ValueError(f"value_dtype {v!r}: expected one of {sorted(_ffi.VALUE_DTYPES)}")
+            c.value_dtype = _enum_value(k, v, _ffi.VALUE_DTYPES)
         elif k == "budget" and isinstance(v, str):
             if v != "all":
                 raise ValueError(f"budget {v!r}: expected a number of tokens or 'all'")
