@@ -61,6 +61,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "skv_numerics.h"
 #include "synth.h"
 #include "testutil.h"
 
@@ -146,7 +147,7 @@ static void traffic_of(drow *row, const skv_config *cfg, int32_t n_cand, int32_t
     const double S = row->sel_mean, O = row->variant == SV_DENSE ? 0 : cfg->n_outlier_chunks, Hq = cfg->n_q_heads;
     const double W = cfg->select_candidates < n_cand ? cfg->select_candidates : n_cand; /* rescored: U rows of W */
     /* a selected chunk's values: one record of the value store (bf16 c D, or fp8 c D + c exponents, padded) */
-    const double rec = cfg->value_dtype == SKV_VALUE_FP8 ? c * D + (((int)c + 15) / 16) * 16 : c * D * 2;
+    const double rec = (double)skv_value_chunk_bytes(cfg->value_dtype, cfg->chunk_size, cfg->head_dim);
     const double lm = B * Hk * n_cand * D * 2, urows = B * Hk * (S + W) * c * r * 2, vals = B * Hk * S * rec;
     const double res = B * Hk * (O * c + n_local + n_gen + 1) * D * 2 * 2, qo = B * Hq * D * 6;
     const double missed = row->placement == PL_HOST ? misses * rec : 0;
