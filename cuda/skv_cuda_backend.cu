@@ -168,6 +168,38 @@ static skv_status skv_cuda_check_range(const int32_t *x, int64_t n, int64_t lo, 
     return SKV_ERR_INVALID_ARGUMENT;
 }
 
+/* ---- the cache's device --------------------------------------------------------------------- */
+
+static skv_status skv_cuda_device_enter(int32_t device, int32_t *saved, char *msg, size_t cap)
+{
+    int cur = 0, n = 0;
+    CK(cudaGetDevice(&cur));
+    *saved = cur;
+    if (device < 0 || device == cur) return SKV_OK;
+    CK(cudaGetDeviceCount(&n));
+    if (device >= n) {
+        snprintf(msg, cap, "cuda_device = %d: this machine has %d CUDA device%s (0 to %d)", (int)device, n,
+                 n == 1 ? "" : "s", n - 1);
+        return SKV_ERR_NO_DEVICE;
+    }
+    int major = 0;
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major < 9) {
+        snprintf(msg, cap, "cuda_device = %d has compute capability %d.x; this build runs on 9.0 (Hopper) and newer",
+                 (int)device, major);
+        return SKV_ERR_NO_DEVICE;
+    }
+    CK(cudaSetDevice(device));
+    return SKV_OK;
+}
+
+static void skv_cuda_device_leave(int32_t saved)
+{
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != saved) (void)cudaSetDevice(saved);
+    (void)cudaGetLastError();
+}
+
 /* ---- registration --------------------------------------------------------------------------- */
 
 void skv_cuda_fill_ops(struct skv_backend_ops *ops)
@@ -181,6 +213,8 @@ void skv_cuda_fill_ops(struct skv_backend_ops *ops)
     ops->check_finite = skv_cuda_check_finite;
     ops->check_range = skv_cuda_check_range;
     ops->set_threads = NULL;
+    ops->device_enter = skv_cuda_device_enter;
+    ops->device_leave = skv_cuda_device_leave;
     ops->decode_ws_bytes = NULL; /* the cache's workspace comes from cache_open */
     ops->factorize = skv_cuda_factorize_op;
     ops->op_release = skv_cuda_op_release;

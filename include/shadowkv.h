@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define SKV_VERSION_MAJOR 0
-#define SKV_VERSION_MINOR 6
+#define SKV_VERSION_MINOR 7
 #define SKV_VERSION_PATCH 0
 /** The header's version as one number: major * 10000 + minor * 100 + patch. */
 #define SKV_VERSION_NUMBER (SKV_VERSION_MAJOR * 10000 + SKV_VERSION_MINOR * 100 + SKV_VERSION_PATCH)
@@ -315,6 +315,21 @@ typedef struct skv_config {
     skv_value_dtype value_dtype; /**< the value stores' format: SKV_VALUE_BF16 (default) or SKV_VALUE_FP8
                                    (half the bytes in device memory, host memory and on PCIe; the
                                    prefill encodes, the decode's attention decodes) */
+    /* --- 0.7: tensor parallelism (head shards, docs/tensor-parallel.md) --- */
+    int32_t model_kv_heads;   /**< 0 (default): the cache holds all of the model's KV heads. > 0: the model
+                                   has this many KV heads (>= n_kv_heads) and the cache holds the shard of
+                                   KV heads [kv_head_begin, kv_head_begin + n_kv_heads) with their query
+                                   heads [kv_head_begin G, (kv_head_begin + n_kv_heads) G), G = n_q_heads /
+                                   n_kv_heads. Every tensor the cache takes or gives holds the shard's heads
+                                   only (n_q_heads, n_kv_heads), in the model's order; the factorization
+                                   covers the shard's keys, at the shard's rank (rank <= n_kv_heads D) */
+    int32_t kv_head_begin;    /**< the shard's first KV head of the model, in [0, model_kv_heads -
+                                   n_kv_heads]; 0 when model_kv_heads is 0 */
+    int32_t cuda_device;      /**< cuda: the device the cache lives on. Every call on the cache makes it
+                                   the calling thread's current device and restores the caller's on
+                                   return; cuda_stream must belong to it. -1 (default): the device
+                                   current at skv_cache_create (skv_cache_config reads back its number).
+                                   Other backends ignore it (it must still be >= -1) */
 } skv_config;
 
 /**

@@ -265,6 +265,13 @@ struct skv_backend_ops {
        between run with that many threads (0 = the default). Must not change
        the caller's threading state (OpenMP ICVs, BLAS). Optional. */
     void (*set_threads)(int32_t n_threads);
+    /* The device of a cache (config.cuda_device): device_enter saves the calling thread's current
+       device in *saved and, when device >= 0 differs from it, makes device current (-1: changes
+       nothing); device_leave(saved) makes saved current again. lib/ brackets every call on a cache
+       with the two, and create resolves -1 to the current device. Neither synchronizes. Optional
+       (NULL: the backend has no devices). */
+    skv_status (*device_enter)(int32_t device, int32_t *saved, char *msg, size_t cap);
+    void (*device_leave)(int32_t saved);
     /* Frees what op-level calls keep between calls (cuda: the factorization
        workspace); skv_op_release. Optional. */
     void (*op_release)(void);
@@ -408,7 +415,7 @@ void skv_cpu_fill_ops(struct skv_backend_ops *ops);
  * type a slot takes changes, so a plugin from another build is refused, never
  * called through a mismatched table.
  */
-#define SKV_PLUGIN_ABI 6
+#define SKV_PLUGIN_ABI 7
 #define SKV_CUDA_PLUGIN_SONAME "libshadowkv-cuda.so.0"
 #define SKV_CUDA_PLUGIN_INIT "skv_cuda_plugin_init"
 

@@ -118,6 +118,24 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
     return SKV_OK;
 }
 
+skv_status skv_cache_device_enter(skv_cache *cache, int32_t *saved)
+{
+    *saved = -1;
+    if (!cache || !cache->ops || !cache->ops->device_enter) return SKV_OK;
+    char msg[SKV_ERRMSG_CAP] = "";
+    skv_status st = cache->ops->device_enter(cache->cfg.cuda_device, saved, msg, sizeof msg);
+    if (st) return skv_fail(cache->err, st, "the cache's device (cuda_device = %d): %s", cache->cfg.cuda_device, msg);
+    return SKV_OK;
+}
+
+void skv_cache_device_leave(skv_cache *cache, int32_t saved)
+{
+    if (cache && cache->ops && cache->ops->device_leave) cache->ops->device_leave(saved);
+}
+
+static skv_status skv_cache_build(skv_config c, const skv_layout *lay_, const struct skv_backend_ops *ops,
+                                  size_t ws_bytes, skv_cache **out);
+
 SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
 {
     if (out) *out = NULL;
@@ -129,6 +147,25 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     size_t ws_bytes;
     skv_status st = skv_cache_plan(cfg, 1, &c, &lay, &ops, &ws_bytes);
     if (st) return st;
+    /* everything the cache allocates and opens lives on its device */
+    int32_t saved = -1;
+    if (ops->device_enter) {
+        char msg[SKV_ERRMSG_CAP] = "";
+        if ((st = ops->device_enter(c.cuda_device, &saved, msg, sizeof msg)))
+            return skv_fail(NULL, st, "skv_cache_create: %s", msg);
+        if (c.cuda_device < 0) c.cuda_device = saved;
+    }
+    st = skv_cache_build(c, &lay, ops, ws_bytes, out);
+    if (ops->device_leave) ops->device_leave(saved);
+    return st;
+}
+
+/* skv_cache_create once the config is planned, on the cache's device. */
+static skv_status skv_cache_build(skv_config c, const skv_layout *lay_, const struct skv_backend_ops *ops,
+                                  size_t ws_bytes, skv_cache **out)
+{
+    const skv_layout lay = *lay_;
+    skv_status st;
     if (ops->set_threads && c.n_threads > 1 && (st = skv_probe_threads(c.n_threads))) return st;
     if (c.reproducible && !ops->cache_decode && (!ops->rebuild_keys_canonical || !ops->sparse_attention_canonical))
         return skv_fail(NULL, SKV_ERR_UNSUPPORTED,
@@ -195,9 +232,20 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     return SKV_OK;
 }
 
+static void skv_cache_free_body(skv_cache *cache);
+
 SKV_API void skv_cache_free(skv_cache *cache)
 {
     if (!cache) return;
+    const struct skv_backend_ops *ops = cache->ops; /* the cache is gone when its device is restored */
+    int32_t saved;
+    const int entered = skv_cache_device_enter(cache, &saved) == SKV_OK; /* else: on the current device */
+    skv_cache_free_body(cache);
+    if (entered && ops && ops->device_leave) ops->device_leave(saved);
+}
+
+static void skv_cache_free_body(skv_cache *cache)
+{
     if (cache->ops && cache->ops->cache_close) cache->ops->cache_close(cache->bctx);
     if (cache->ops && cache->staging) skv_pool_close(cache);
     if (cache->ops) {
@@ -538,8 +586,8 @@ done:
 }
 
 /* config.n_threads holds for the backend slots of this call only, on the calling thread (set_threads). */
-SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
-                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+static skv_status skv_prefill_body(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
+                                   const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
 {
     if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
     skv_status st;
@@ -557,9 +605,15 @@ SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t
     return st;
 }
 
+SKV_API skv_status skv_prefill(skv_cache *c, int32_t layer, int32_t seq, int64_t n,
+                               const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    SKV_ON_DEVICE(c, skv_prefill_body(c, layer, seq, n, k_pre, v, k_post));
+}
+
 /* ---- sync -------------------------------------------------------------------------------- */
 
-SKV_API skv_status skv_cache_sync(skv_cache *c)
+static skv_status skv_cache_sync_body(skv_cache *c)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_sync: cache is NULL");
     if (!c->ops->cache_sync) return SKV_OK;
@@ -567,6 +621,11 @@ SKV_API skv_status skv_cache_sync(skv_cache *c)
     if (st) return skv_fail(c->err, st, "%s", skv_cache_last_error(c));
     c->list_steps = 0; /* the host's n_gen is the device's again (skv_decode_run syncs only after device lists) */
     return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_sync(skv_cache *c)
+{
+    SKV_ON_DEVICE(c, skv_cache_sync_body(c));
 }
 
 /* ---- introspection ----------------------------------------------------------------------- */
@@ -591,8 +650,8 @@ static skv_status skv_intro_check(skv_cache *c, const char *fn, int32_t layer, i
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *out,
-                                            size_t out_size)
+static skv_status skv_cache_seq_info_sized_body(skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *out,
+                                                size_t out_size)
 {
     static const char fn[] = "skv_cache_seq_info";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -626,6 +685,12 @@ SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t
     return SKV_OK;
 }
 
+SKV_API skv_status skv_cache_seq_info_sized(skv_cache *c, int32_t layer, int32_t seq, skv_seq_info *out,
+                                            size_t out_size)
+{
+    SKV_ON_DEVICE(c, skv_cache_seq_info_sized_body(c, layer, seq, out, out_size));
+}
+
 /* Copies head kv_head's row of a per-slot region (rows of row_bytes) to the caller. */
 static skv_status skv_read_head_row(const skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
                                     size_t region, size_t row_bytes, void *dst)
@@ -652,24 +717,36 @@ static skv_status skv_selection_check(skv_cache *c, const char *fn, int32_t laye
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_selected(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
-                                      int32_t *ids)
+static skv_status skv_cache_selected_body(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                          int32_t *ids)
 {
     skv_status st = skv_selection_check(c, "skv_cache_selected", layer, seq, kv_head, ids, "ids");
     if (st) return st;
     return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_ids, (size_t)c->lay.S * sizeof *ids, ids);
 }
 
-SKV_API skv_status skv_cache_selected_count(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
-                                            int32_t *count)
+SKV_API skv_status skv_cache_selected(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                      int32_t *ids)
+{
+    SKV_ON_DEVICE(c, skv_cache_selected_body(c, layer, seq, kv_head, ids));
+}
+
+static skv_status skv_cache_selected_count_body(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                                int32_t *count)
 {
     skv_status st = skv_selection_check(c, "skv_cache_selected_count", layer, seq, kv_head, count, "count");
     if (st) return st;
     return skv_read_head_row(c, layer, seq, kv_head, c->lay.sel_cnt, sizeof *count, count);
 }
 
-SKV_API skv_status skv_cache_outliers(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
-                                      int32_t *ids)
+SKV_API skv_status skv_cache_selected_count(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                            int32_t *count)
+{
+    SKV_ON_DEVICE(c, skv_cache_selected_count_body(c, layer, seq, kv_head, count));
+}
+
+static skv_status skv_cache_outliers_body(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                          int32_t *ids)
 {
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_outliers", layer, seq, kv_head, ids, "ids", &sl);
@@ -678,8 +755,14 @@ SKV_API skv_status skv_cache_outliers(skv_cache *c, int32_t layer, int32_t seq, 
                              (size_t)c->cfg.n_outlier_chunks * sizeof *ids, ids);
 }
 
-SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
-                                        int32_t *ids)
+SKV_API skv_status skv_cache_outliers(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                      int32_t *ids)
+{
+    SKV_ON_DEVICE(c, skv_cache_outliers_body(c, layer, seq, kv_head, ids));
+}
+
+static skv_status skv_cache_candidates_body(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                            int32_t *ids)
 {
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_candidates", layer, seq, kv_head, ids, "ids", &sl);
@@ -689,8 +772,14 @@ SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq
     return c->ops->copy2d(ids, 0, MEM(c, layer, seq)->cand_ids + (size_t)kv_head * row, 0, row, 1);
 }
 
-SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
-                                       skv_bf16 *landmarks)
+SKV_API skv_status skv_cache_candidates(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                        int32_t *ids)
+{
+    SKV_ON_DEVICE(c, skv_cache_candidates_body(c, layer, seq, kv_head, ids));
+}
+
+static skv_status skv_cache_landmarks_body(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                           skv_bf16 *landmarks)
 {
     const skv_slot *sl;
     skv_status st = skv_intro_check(c, "skv_cache_landmarks", layer, seq, kv_head, landmarks, "landmarks", &sl);
@@ -700,7 +789,13 @@ SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq,
     return c->ops->copy2d(landmarks, 0, MEM(c, layer, seq)->landmarks + (size_t)kv_head * row, 0, row, 1);
 }
 
-SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t stats_size)
+SKV_API skv_status skv_cache_landmarks(skv_cache *c, int32_t layer, int32_t seq, int32_t kv_head,
+                                       skv_bf16 *landmarks)
+{
+    SKV_ON_DEVICE(c, skv_cache_landmarks_body(c, layer, seq, kv_head, landmarks));
+}
+
+static skv_status skv_cache_stats_sized_body(skv_cache *c, skv_stats *stats, size_t stats_size)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats: cache is NULL");
     if (!stats) return skv_fail(c->err, SKV_ERR_NULL_POINTER, "skv_cache_stats: stats is NULL");
@@ -714,8 +809,13 @@ SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t 
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_layer_stats *stats,
-                                               size_t stats_size)
+SKV_API skv_status skv_cache_stats_sized(skv_cache *c, skv_stats *stats, size_t stats_size)
+{
+    SKV_ON_DEVICE(c, skv_cache_stats_sized_body(c, stats, stats_size));
+}
+
+static skv_status skv_cache_layer_stats_sized_body(skv_cache *c, int32_t layer, skv_layer_stats *stats,
+                                                   size_t stats_size)
 {
     static const char fn[] = "skv_cache_layer_stats";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -743,7 +843,13 @@ SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
+SKV_API skv_status skv_cache_layer_stats_sized(skv_cache *c, int32_t layer, skv_layer_stats *stats,
+                                               size_t stats_size)
+{
+    SKV_ON_DEVICE(c, skv_cache_layer_stats_sized_body(c, layer, stats, stats_size));
+}
+
+static skv_status skv_cache_stats_reset_body(skv_cache *c)
 {
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "skv_cache_stats_reset: cache is NULL");
     skv_status st = skv_cache_sync(c);
@@ -751,6 +857,11 @@ SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
     memset(c->layer_stats, 0, (size_t)c->cfg.n_layers * sizeof *c->layer_stats);
     if (st) return st;
     return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_stats_reset(skv_cache *c)
+{
+    SKV_ON_DEVICE(c, skv_cache_stats_reset_body(c));
 }
 
 /* ---- snapshots ---------------------------------------------------------------------------- */

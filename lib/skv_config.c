@@ -53,6 +53,9 @@ static skv_config skv_defaults(void)
     c.pool_page_bytes = 0;
     c.cuda_prefill_sms = 0;
     c.value_dtype = SKV_VALUE_BF16;
+    c.model_kv_heads = 0;
+    c.kv_head_begin = 0;
+    c.cuda_device = -1;
     return c;
 }
 
@@ -67,11 +70,12 @@ SKV_API const char *skv_version_string(void)
 
 /* A size some published skv_config had: 0.1 ended at factorize, 0.2 added reproducible,
    0.3 the selection mode, ranks per slot and dense layers, 0.4 select_candidates, 0.5 the pools and
-   cuda_prefill_sms, 0.6 value_dtype. */
+   cuda_prefill_sms, 0.6 value_dtype, 0.7 the head shard and cuda_device. */
 static int skv_config_size_ok(size_t size)
 {
     return size == SKV_CONFIG_MIN_SIZE || size == SKV_CONFIG_V02_SIZE || size == SKV_CONFIG_V03_SIZE ||
-           size == SKV_CONFIG_V04_SIZE || size == SKV_CONFIG_V05_SIZE || size == sizeof(skv_config);
+           size == SKV_CONFIG_V04_SIZE || size == SKV_CONFIG_V05_SIZE || size == SKV_CONFIG_V06_SIZE ||
+           size == sizeof(skv_config);
 }
 
 SKV_API skv_status skv_config_init(skv_config *cfg, size_t struct_size)
@@ -210,6 +214,26 @@ static skv_status skv_config_check(char *errbuf, const skv_config *cfg)
     if (cfg->value_dtype != SKV_VALUE_BF16 && cfg->value_dtype != SKV_VALUE_FP8)
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "value_dtype = %d: must be SKV_VALUE_BF16 (0) or SKV_VALUE_FP8 (1)", (int)cfg->value_dtype);
+    if (cfg->model_kv_heads < 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "model_kv_heads = %d: must be >= 0 (0 = the cache holds all the model's KV heads)",
+                        cfg->model_kv_heads);
+    if (cfg->model_kv_heads == 0 && cfg->kv_head_begin != 0)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "kv_head_begin = %d without model_kv_heads: a head shard names the model's KV heads "
+                        "(model_kv_heads > 0)", cfg->kv_head_begin);
+    if (cfg->model_kv_heads > 0 &&
+        (cfg->n_kv_heads > cfg->model_kv_heads || cfg->kv_head_begin < 0 ||
+         cfg->kv_head_begin > cfg->model_kv_heads - cfg->n_kv_heads))
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "head shard: KV heads [%d, %d) of model_kv_heads = %d (kv_head_begin = %d, n_kv_heads = %d): "
+                        "the shard must lie within the model's KV heads",
+                        cfg->kv_head_begin, cfg->kv_head_begin + cfg->n_kv_heads, cfg->model_kv_heads,
+                        cfg->kv_head_begin, cfg->n_kv_heads);
+    if (cfg->cuda_device < -1)
+        return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
+                        "cuda_device = %d: must be a device number >= 0, or -1 (the current device)",
+                        cfg->cuda_device);
     if (cfg->pool_device_bytes == 0 && (cfg->pool_host_bytes || cfg->pool_page_bytes))
         return skv_fail(errbuf, SKV_ERR_INVALID_CONFIG,
                         "pool_%s = %lld without pool_device_bytes: the pools are on only with pool_device_bytes > 0",

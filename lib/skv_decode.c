@@ -312,8 +312,8 @@ static skv_status skv_decode_run(skv_cache *c, const char *fn, int32_t layer, in
     return SKV_OK;
 }
 
-SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
-                              const skv_bf16 *v, float *out)
+static skv_status skv_decode_body(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                                  const skv_bf16 *v, float *out)
 {
     if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
     skv_status st = skv_decode_run(c, "skv_decode", layer, c ? c->cfg.batch_size : 0, c ? c->all_seqs : NULL, q, k, v,
@@ -322,8 +322,14 @@ SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, co
     return st;
 }
 
-SKV_API skv_status skv_decode_active(skv_cache *c, int32_t layer, int32_t n_active, const int32_t *seqs,
-                                     const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
+SKV_API skv_status skv_decode(skv_cache *c, int32_t layer, const skv_bf16 *q, const skv_bf16 *k,
+                              const skv_bf16 *v, float *out)
+{
+    SKV_ON_DEVICE(c, skv_decode_body(c, layer, q, k, v, out));
+}
+
+static skv_status skv_decode_active_body(skv_cache *c, int32_t layer, int32_t n_active, const int32_t *seqs,
+                                         const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
 {
     if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
     skv_status st = skv_decode_run(c, "skv_decode_active", layer, n_active, seqs, q, k, v, out);
@@ -331,8 +337,14 @@ SKV_API skv_status skv_decode_active(skv_cache *c, int32_t layer, int32_t n_acti
     return st;
 }
 
-SKV_API skv_status skv_decode_active_device(skv_cache *c, int32_t layer, const int32_t *n_active, const int32_t *seqs,
-                                            const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
+SKV_API skv_status skv_decode_active(skv_cache *c, int32_t layer, int32_t n_active, const int32_t *seqs,
+                                     const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
+{
+    SKV_ON_DEVICE(c, skv_decode_active_body(c, layer, n_active, seqs, q, k, v, out));
+}
+
+static skv_status skv_decode_active_device_body(skv_cache *c, int32_t layer, const int32_t *n_active, const int32_t *seqs,
+                                                const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
 {
     static const char fn[] = "skv_decode_active_device";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -351,4 +363,10 @@ SKV_API skv_status skv_decode_active_device(skv_cache *c, int32_t layer, const i
     c->list_steps++;
     c->stats.n_decode_calls++;
     return SKV_OK;
+}
+
+SKV_API skv_status skv_decode_active_device(skv_cache *c, int32_t layer, const int32_t *n_active, const int32_t *seqs,
+                                            const skv_bf16 *q, const skv_bf16 *k, const skv_bf16 *v, float *out)
+{
+    SKV_ON_DEVICE(c, skv_decode_active_device_body(c, layer, n_active, seqs, q, k, v, out));
 }

@@ -105,6 +105,9 @@ skv_status skv_probe_threads(int32_t n_threads);
 /* 0.5 ended at cuda_prefill_sms */
 #define SKV_CONFIG_V05_SIZE \
     ((offsetof(skv_config, value_dtype) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
+/* 0.6 ended at value_dtype */
+#define SKV_CONFIG_V06_SIZE \
+    ((offsetof(skv_config, model_kv_heads) + _Alignof(skv_config) - 1) / _Alignof(skv_config) * _Alignof(skv_config))
 #define SKV_STATS_MIN_SIZE sizeof(skv_stats)
 /* 0.1 and 0.2 ended at values_on_device (0.3 added rank and dense): that size, padding included */
 #define SKV_SEQ_INFO_MIN_SIZE \
@@ -140,6 +143,21 @@ typedef struct skv_cache_parts {
     char *err;              /* the cache's message buffer (SKV_ERRMSG_CAP bytes) */
 } skv_cache_parts;
 void skv_cache_parts_get(skv_cache *cache, skv_cache_parts *parts);
+/* A call on a cache runs on the cache's device (config.cuda_device; backends without devices: no-op):
+   skv_cache_device_enter makes it current and saves the caller's in *saved (on failure: the message in
+   the cache and the thread's last error), skv_cache_device_leave restores it. NULL cache: no-op. */
+skv_status skv_cache_device_enter(skv_cache *cache, int32_t *saved);
+void skv_cache_device_leave(skv_cache *cache, int32_t saved);
+/* The body of a public function on cache c: call (a skv_status expression) runs on c's device. */
+#define SKV_ON_DEVICE(c, call)                                   \
+    do {                                                         \
+        int32_t skv_saved_;                                      \
+        skv_status skv_st_ = skv_cache_device_enter(c, &skv_saved_); \
+        if (skv_st_) return skv_st_;                             \
+        skv_st_ = (call);                                        \
+        skv_cache_device_leave(c, skv_saved_);                   \
+        return skv_st_;                                          \
+    } while (0)
 /* config.rank == 0 (docs/DESIGN.md 3.1; lib/skv_rank.c). From the float factors uf [n, m],
    wf [m, Hk D] at m = rank_max of k_pre: the slot's rank into *rank and the factors in bf16 into
    u [n, m], w [m, Hk D] (host memory: ref, cpu), columns of U and rows of W in the stable order

@@ -241,7 +241,7 @@ SKV_API skv_status skv_seq_bytes(const skv_cache *c, int64_t n, size_t *device_b
     return SKV_OK;
 }
 
-SKV_API skv_status skv_cache_usage_sized(skv_cache *c, skv_usage *out, size_t out_size)
+static skv_status skv_cache_usage_sized_body(skv_cache *c, skv_usage *out, size_t out_size)
 {
     static const char fn[] = "skv_cache_usage";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -275,4 +275,9 @@ SKV_API skv_status skv_cache_usage_sized(skv_cache *c, skv_usage *out, size_t ou
     u.seqs_free = c->cfg.batch_size - u.seqs_in_use;
     skv_copy_sized(out, out_size, &u, sizeof u);
     return SKV_OK;
+}
+
+SKV_API skv_status skv_cache_usage_sized(skv_cache *c, skv_usage *out, size_t out_size)
+{
+    SKV_ON_DEVICE(c, skv_cache_usage_sized_body(c, out, out_size));
 }

@@ -22,7 +22,7 @@ static void skv_staging_drop(skv_cache *c, size_t i)
     memset(sg, 0, sizeof *sg);
 }
 
-SKV_API skv_status skv_seq_release(skv_cache *c, int32_t seq)
+static skv_status skv_seq_release_body(skv_cache *c, int32_t seq)
 {
     static const char fn[] = "skv_seq_release";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -49,7 +49,12 @@ SKV_API skv_status skv_seq_release(skv_cache *c, int32_t seq)
     return SKV_OK;
 }
 
-SKV_API skv_status skv_seq_ready(skv_cache *c, int32_t seq, int32_t *ready)
+SKV_API skv_status skv_seq_release(skv_cache *c, int32_t seq)
+{
+    SKV_ON_DEVICE(c, skv_seq_release_body(c, seq));
+}
+
+static skv_status skv_seq_ready_body(skv_cache *c, int32_t seq, int32_t *ready)
 {
     static const char fn[] = "skv_seq_ready";
     if (!c) return skv_fail(NULL, SKV_ERR_NULL_POINTER, "%s: cache is NULL", fn);
@@ -67,6 +72,11 @@ SKV_API skv_status skv_seq_ready(skv_cache *c, int32_t seq, int32_t *ready)
     }
     *ready = 1;
     return SKV_OK;
+}
+
+SKV_API skv_status skv_seq_ready(skv_cache *c, int32_t seq, int32_t *ready)
+{
+    SKV_ON_DEVICE(c, skv_seq_ready_body(c, seq, ready));
 }
 
 /* A piece into its staging, after the work on the cache's stream (its pages may have been a released
@@ -173,11 +183,17 @@ static skv_status skv_piece_run(skv_cache *c, int32_t layer, int32_t seq, int64_
     return SKV_OK;
 }
 
-SKV_API skv_status skv_prefill_piece(skv_cache *c, int32_t layer, int32_t seq, int64_t n_total, int64_t pos0,
-                                     int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+static skv_status skv_prefill_piece_body(skv_cache *c, int32_t layer, int32_t seq, int64_t n_total, int64_t pos0,
+                                         int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
 {
     if (c && c->ops->set_threads) c->ops->set_threads(c->cfg.n_threads);
     skv_status st = skv_piece_run(c, layer, seq, n_total, pos0, n, k_pre, v, k_post);
     if (c && c->ops->set_threads) c->ops->set_threads(0);
     return st;
+}
+
+SKV_API skv_status skv_prefill_piece(skv_cache *c, int32_t layer, int32_t seq, int64_t n_total, int64_t pos0,
+                                     int64_t n, const skv_bf16 *k_pre, const skv_bf16 *v, const skv_bf16 *k_post)
+{
+    SKV_ON_DEVICE(c, skv_prefill_piece_body(c, layer, seq, n_total, pos0, n, k_pre, v, k_post));
 }

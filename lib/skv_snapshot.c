@@ -212,7 +212,7 @@ static skv_status snap_save_begin(skv_cache *cache, const char *fn, skv_cache_pa
     return snap_size(p, size);
 }
 
-SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap, size_t *size)
+static skv_status skv_cache_save_buffer_body(skv_cache *cache, void *buf, size_t cap, size_t *size)
 {
     static const char fn[] = "skv_cache_save_buffer";
     skv_cache_parts p;
@@ -232,7 +232,12 @@ SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap
     return snap_write(&o, &p, need);
 }
 
-SKV_API skv_status skv_cache_save(skv_cache *cache, const char *path)
+SKV_API skv_status skv_cache_save_buffer(skv_cache *cache, void *buf, size_t cap, size_t *size)
+{
+    SKV_ON_DEVICE(cache, skv_cache_save_buffer_body(cache, buf, cap, size));
+}
+
+static skv_status skv_cache_save_body(skv_cache *cache, const char *path)
 {
     static const char fn[] = "skv_cache_save";
     static unsigned counter;
@@ -279,6 +284,11 @@ SKV_API skv_status skv_cache_save(skv_cache *cache, const char *path)
     if (st) unlink(tmp);
     free(tmp);
     return st;
+}
+
+SKV_API skv_status skv_cache_save(skv_cache *cache, const char *path)
+{
+    SKV_ON_DEVICE(cache, skv_cache_save_body(cache, path));
 }
 
 
@@ -498,6 +508,34 @@ static skv_status in_body(snap_in *in, const skv_config *g, const skv_layout *la
 
 
 
+/* snap_load's second pass, into the new cache k. */
+static skv_status snap_load_into(snap_in *in, skv_cache *k, const skv_config *snap_, const skv_layout *lay_,
+                                 skv_seq_state *states, unsigned char *stage)
+{
+    skv_config snap = *snap_;
+    skv_layout lay = *lay_;
+    skv_status st;
+    skv_cache_parts p;
+    skv_cache_parts_get(k, &p);
+    /* pass 2: the same reader, writing into the new cache */
+    if ((st = skv_snap_in_rewind(in)) || (st = skv_snap_in_header(in, &snap, &lay))) return st;
+    memset(states, 0, (size_t)lay.n_slots * sizeof *states);
+    if ((st = in_body(in, p.cfg, p.lay, &p, states, stage))) return st;
+    /* publish: the states, then the backend's own copy of them; the chunk caches start empty */
+    memcpy(p.slots, states, (size_t)lay.n_slots * sizeof *states);
+    if (p.ops->cache_set_states) {
+        char msg[SKV_ERRMSG_CAP] = "";
+        if ((st = p.ops->cache_set_states(p.bctx, p.slots, msg, sizeof msg)))
+            return skv_fail(NULL, st, "skv_cache_load: %s", msg);
+    } else {
+        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_sparse_slots; i++)
+            memset(p.dev + p.lay->dev_vcache + (size_t)(i - p.lay->n_dev_slots) * p.lay->slot_vcache +
+                       p.lay->vc_slot_of,
+                   0xff, p.lay->vc_meta_bytes);
+    }
+    return SKV_OK;
+}
+
 /* Both passes over an opened input; *out on success. */
 static skv_status snap_load(snap_in *in, const skv_config *cfg, skv_cache **out)
 {
@@ -518,26 +556,11 @@ static skv_status snap_load(snap_in *in, const skv_config *cfg, skv_cache **out)
     /* pass 1: everything checked before anything is created */
     if ((st = in_body(in, &snap, &lay, NULL, states, stage))) goto done;
     if ((st = skv_cache_create(&run, &k))) goto done;
-    skv_cache_parts p;
-    skv_cache_parts_get(k, &p);
-    /* pass 2: the same reader, writing into the new cache */
-    if ((st = skv_snap_in_rewind(in)) || (st = skv_snap_in_header(in, &snap, &lay))) goto done;
-    memset(states, 0, (size_t)lay.n_slots * sizeof *states);
-    if ((st = in_body(in, p.cfg, p.lay, &p, states, stage))) goto done;
-    /* publish: the states, then the backend's own copy of them; the chunk caches start empty */
-    memcpy(p.slots, states, (size_t)lay.n_slots * sizeof *states);
-    if (p.ops->cache_set_states) {
-        char msg[SKV_ERRMSG_CAP] = "";
-        if ((st = p.ops->cache_set_states(p.bctx, p.slots, msg, sizeof msg))) {
-            st = skv_fail(NULL, st, "skv_cache_load: %s", msg);
-            goto done;
-        }
-    } else {
-        for (int64_t i = p.lay->n_dev_slots; i < p.lay->n_sparse_slots; i++)
-            memset(p.dev + p.lay->dev_vcache + (size_t)(i - p.lay->n_dev_slots) * p.lay->slot_vcache +
-                       p.lay->vc_slot_of,
-                   0xff, p.lay->vc_meta_bytes);
-    }
+    int32_t saved; /* pass 2 writes into the cache's device */
+    if ((st = skv_cache_device_enter(k, &saved))) goto done;
+    st = snap_load_into(in, k, &snap, &lay, states, stage);
+    skv_cache_device_leave(k, saved);
+    if (st) goto done;
     *out = k;
     k = NULL;
 done:
@@ -546,6 +569,7 @@ done:
     free(states);
     return st;
 }
+
 
 SKV_API skv_status skv_cache_load_buffer(const void *buf, size_t size, const skv_config *cfg, skv_cache **out)
 {

@@ -13,17 +13,19 @@
 
 #include "skv_internal.h"
 
-#define SNAP_VERSION 3u        /* what save writes; load reads versions 1 to 3 */
+#define SNAP_VERSION 4u        /* what save writes; load reads versions 1 to 4 */
 #define SNAP_PREAMBLE 16u      /* magic[8], u32 version, u32 flags */
 #define SNAP_SEC_HEAD 16u      /* u32 tag, u32 reserved, u64 payload length */
 #define SNAP_SEC_CRC 4u        /* u32 CRC32C of head + payload */
 #define SNAP_CONF_BYTES_V1 96u /* version 1's CONF payload */
 #define SNAP_CONF_BYTES_V2 124u /* version 2's: version 1's fields, then the 0.3 fields */
-#define SNAP_CONF_BYTES 128u   /* version 3's: version 2's, then select_candidates (0.4) */
+#define SNAP_CONF_BYTES_V3 128u /* version 3's: version 2's, then select_candidates (0.4) */
+#define SNAP_CONF_BYTES 136u   /* version 4's: version 3's, then the head shard (0.7) */
 #define SNAP_STATE_BYTES_V1 40u /* a version 1 SLOT payload's state fields */
 #define SNAP_STATE_BYTES 48u   /* version 2's: then u32 rank, u32 dense */
-/* The CONF and state bytes of a format version (1 to 3). */
-#define SNAP_CONF_OF(v) ((v) == 1u ? SNAP_CONF_BYTES_V1 : (v) == 2u ? SNAP_CONF_BYTES_V2 : SNAP_CONF_BYTES)
+/* The CONF and state bytes of a format version (1 to 4). */
+#define SNAP_CONF_OF(v)                                                                                   \
+    ((v) == 1u ? SNAP_CONF_BYTES_V1 : (v) == 2u ? SNAP_CONF_BYTES_V2 : (v) == 3u ? SNAP_CONF_BYTES_V3 : SNAP_CONF_BYTES)
 #define SNAP_STATE_OF(v) ((v) == 1u ? SNAP_STATE_BYTES_V1 : SNAP_STATE_BYTES)
 #define SNAP_END_BYTES 16u     /* u64 file size, u32 CRC32C of the bytes before END, u32 reserved */
 #define SNAP_STAGE (1u << 20)  /* host staging buffer for tensor data */
@@ -78,6 +80,10 @@ extern const size_t skv_snap_n_fields;
 /* The fields of version 1 (the first ones; version 2 appends the rest). */
 #define SNAP_N_FIELDS_V1 23u
 #define SNAP_N_FIELDS_V2 29u /* version 2: the 0.3 fields added */
+#define SNAP_N_FIELDS_V3 30u /* version 3: select_candidates added */
+/* The fields a version's CONF holds. */
+#define SNAP_N_FIELDS_OF(v) \
+    ((v) == 1u ? SNAP_N_FIELDS_V1 : (v) == 2u ? SNAP_N_FIELDS_V2 : (v) == 3u ? SNAP_N_FIELDS_V3 : skv_snap_n_fields)
 /* Bytes of one field in the format. */
 static inline size_t snap_field_bytes(snap_ftype t) { return t == F_I64 ? 8 : 4; }
 /* The field's value as 64 bits (an int sign-extended, a float's bit pattern). */

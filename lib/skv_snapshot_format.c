@@ -118,6 +118,9 @@ const snap_field skv_snap_fields[] = {
     FLD("dense_layers", F_I64, dense_layers),
     /* version 3 */
     FLD("select_candidates", F_I32, select_candidates),
+    /* version 4 */
+    FLD("model_kv_heads", F_I32, model_kv_heads),
+    FLD("kv_head_begin", F_I32, kv_head_begin),
 };
 #undef FLD
 const size_t skv_snap_n_fields = sizeof skv_snap_fields / sizeof skv_snap_fields[0];
@@ -424,7 +427,7 @@ skv_status skv_snap_in_header(snap_in *in, skv_config *snap, skv_layout *lay)
     if ((st = skv_snap_in_section_end(in, "CONF", ""))) return st;
     skv_config_init(snap, sizeof *snap); /* older versions: the fields they lack keep their defaults */
     size_t at = 0;
-    for (size_t f = 0; f < (v == 1u ? SNAP_N_FIELDS_V1 : v == 2u ? SNAP_N_FIELDS_V2 : skv_snap_n_fields); f++) {
+    for (size_t f = 0; f < SNAP_N_FIELDS_OF(v); f++) {
         skv_snap_field_set(snap, &skv_snap_fields[f], skv_snap_fields[f].type == F_I64 ? get_u64(b + at) : get_u32(b + at));
         at += snap_field_bytes(skv_snap_fields[f].type);
     }

@@ -480,18 +480,19 @@ static size_t to_version1(unsigned char *s, size_t size, const skv_config *g)
     return at;
 }
 
-/* A version 2 snapshot from a version 3 one: version 2 in the preamble, the CONF payload's
-   first 124 bytes (no select_candidates), the rest unchanged; the END size and checksums
-   recomputed. Returns its size (s is rewritten in place). */
-static size_t to_version2(unsigned char *s, size_t size)
+/* A version 2 or 3 snapshot from a version 4 one: that version in the preamble, the CONF payload's
+   first bytes (124: no select_candidates; 128: no head shard), the rest unchanged; the END size and
+   checksums recomputed. Returns its size (s is rewritten in place). */
+static size_t to_version(unsigned char *s, size_t size, unsigned version)
 {
     size_t st[64];
+    const size_t conf = version == 2 ? 124 : 128;
     const int ns = sections(s, size, st, 64);
-    if (ns < 2 || rd64(s + st[0] + 8) != 128) return size;
-    wr32(s + 8, 2);
-    wr32(s + st[0] + 8, 124);
-    memmove(s + st[0] + 16 + 124, s + st[0] + 16 + 128, size - (st[0] + 16 + 128));
-    size -= 4;
+    if (ns < 2 || rd64(s + st[0] + 8) != 136) return size;
+    wr32(s + 8, version);
+    wr32(s + st[0] + 8, (uint32_t)conf);
+    memmove(s + st[0] + 16 + conf, s + st[0] + 16 + 136, size - (st[0] + 16 + 136));
+    size -= 136 - conf;
     const int n2 = sections(s, size, st, 64);
     if (n2 == ns) wr32(s + st[n2 - 1] + 16, (uint32_t)size), wr32(s + st[n2 - 1] + 20, 0); /* END: the size */
     fix_checksums(s, size);
@@ -501,12 +502,13 @@ static size_t to_version2(unsigned char *s, size_t size)
 /*
  * A snapshot of an older format version, converted from the current one, loads and decodes as the
  * original, bitwise: version 1 (a cache with only version 1's features: the 0.3 fields load at their
- * defaults) and version 2 (the 0.3 fields, the mass rule and a dense layer; select_candidates 0).
+ * defaults), version 2 (the 0.3 fields, the mass rule and a dense layer; select_candidates 0) and
+ * version 3 (no head shard: model_kv_heads and kv_head_begin load as 0).
  */
 static void test_older_version(unsigned version, uint64_t seed)
 {
     skv_config c = base_config();
-    if (version == 2) c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.8f, c.select_min_chunks = 2, c.dense_layers = 1;
+    if (version >= 2) c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.8f, c.select_min_chunks = 2, c.dense_layers = 1;
     world w;
     world_init(&w, &c, seed);
     skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
@@ -515,15 +517,16 @@ static void test_older_version(unsigned version, uint64_t seed)
     char lbl[64];
     snprintf(lbl, sizeof lbl, "version %u", version);
     if (!a || !decode_steps(a, &c, 0, 2) || !(snap = snapshot_of(a, &size))) goto done;
-    const size_t old = version == 1 ? to_version1(snap, size, &c) : to_version2(snap, size);
-    SKVT_CHECK(old < size, "%s snapshot (%zu bytes) not smaller than version 3's (%zu)", lbl, old, size);
+    const size_t old = version == 1 ? to_version1(snap, size, &c) : to_version(snap, size, version);
+    SKVT_CHECK(old < size, "%s snapshot (%zu bytes) not smaller than version 4's (%zu)", lbl, old, size);
     skv_config q = skv_config_default();
     skv_status st = skv_snapshot_config_buffer(snap, old, &q, NULL, NULL);
     SKVT_CHECK_STATUS(st, SKV_OK, "snapshot_config of an older snapshot");
     const int fields_ok = version == 1 ? q.select_mode == SKV_SELECT_FIXED && q.select_mass == 0.95f &&
                                              q.dense_layers == 0 && q.rank_max == 0 && q.rank == c.rank
                                        : q.select_mode == SKV_SELECT_MASS && q.select_mass == 0.8f && q.dense_layers == 1;
-    SKVT_CHECK(st || (fields_ok && q.select_candidates == 0), "%s: the fields it lacks are not the defaults", lbl);
+    SKVT_CHECK(st || (fields_ok && q.select_candidates == 0 && q.model_kv_heads == 0 && q.kv_head_begin == 0),
+               "%s: the fields it lacks are not the defaults", lbl);
     q.backend = SKV_BACKEND_CPU; /* the saving cache's backend: outputs bitwise equal by the default mode's rules */
     st = skv_cache_load_buffer(snap, old, &q, &b);
     if (!SKVT_CHECK_STATUS(st, SKV_OK, "load of an older snapshot")) {
@@ -532,7 +535,34 @@ static void test_older_version(unsigned version, uint64_t seed)
     }
     compare_state(a, b, &c, lbl);
     compare_decode(a, b, &c, 2, 4, 0.0, lbl);
-    printf("  %s snapshot: %zu bytes (version 3: %zu) loads\n", lbl, old, size);
+    printf("  %s snapshot: %zu bytes (version 4: %zu) loads\n", lbl, old, size);
+done:
+    free(snap);
+    skv_cache_free(a);
+    skv_cache_free(b);
+    world_free(&w);
+}
+
+/* A head shard's snapshot keeps its range: snapshot_config reads it back; a load whose cfg names
+   another shard of the model is refused (SKV_ERR_INVALID_CONFIG naming the field). */
+static void test_shard_fields(const skv_config *sh, uint64_t seed)
+{
+    world w;
+    world_init(&w, sh, seed);
+    skv_cache *a = world_cache(&w, SKV_BACKEND_CPU, SKV_VALUES_ALL_DEVICE), *b = NULL;
+    unsigned char *snap = NULL;
+    size_t size = 0;
+    if (!a || !decode_steps(a, sh, 0, 1) || !(snap = snapshot_of(a, &size))) goto done;
+    skv_config q = skv_config_default();
+    SKVT_CHECK_STATUS(skv_snapshot_config_buffer(snap, size, &q, NULL, NULL), SKV_OK, "snapshot_config of a shard");
+    SKVT_CHECK(q.model_kv_heads == sh->model_kv_heads && q.kv_head_begin == sh->kv_head_begin,
+               "shard snapshot: model_kv_heads %d, kv_head_begin %d read back as %d, %d", sh->model_kv_heads,
+               sh->kv_head_begin, q.model_kv_heads, q.kv_head_begin);
+    q.backend = SKV_BACKEND_CPU;
+    q.kv_head_begin = sh->kv_head_begin + 2; /* the next shard of the same model */
+    skv_status st = skv_cache_load_buffer(snap, size, &q, &b);
+    SKVT_CHECK(st == SKV_ERR_INVALID_CONFIG && !b && strstr(skv_last_error(), "kv_head_begin"),
+               "load of a shard's snapshot as another shard: %s (%s)", skv_status_string(st), skv_last_error());
 done:
     free(snap);
     skv_cache_free(a);
@@ -635,7 +665,7 @@ static void test_errors(uint64_t seed)
     memset(m + size, 0, 64);
     load_fails(m, size + 1, NULL, SKV_ERR_FORMAT, "END", "one byte after the END section");
     /* version, older and newer, checksums recomputed: the version check must be what fires */
-    const uint32_t versions[] = {0, 4, 0xffffffffu};
+    const uint32_t versions[] = {0, 5, 0xffffffffu};
     for (int i = 0; i < 3; i++) {
         memcpy(m, snap, size);
         wr32(m + 8, versions[i]);
@@ -1058,8 +1088,16 @@ int main(void)
     rs.select_min_chunks = 1;
     roundtrip(&rs, C, R, 0, 3, 0, 1, 1e-5, g_seed + 64);
     roundtrip(&rs, C, G, 1, 2, 0, 1, xb, g_seed + 65);
+    /* 0.7: a head shard (KV heads 2..3 of 6); its range is a model field, and must match on load */
+    skv_config sh = c;
+    sh.model_kv_heads = 6, sh.kv_head_begin = 2;
+    roundtrip(&sh, C, R, 1, 3, 0, 1, 1e-5, g_seed + 66);
+    roundtrip(&sh, C, C, 0, 2, 1, 0, 0.0, g_seed + 67);
+    roundtrip(&sh, G, C, 0, 2, 0, 0, xb, g_seed + 68);
+    test_shard_fields(&sh, g_seed + 69);
     test_older_version(1, g_seed + 57);
     test_older_version(2, g_seed + 58);
+    test_older_version(3, g_seed + 59);
     test_errors(g_seed + 20);
     test_reproducible(g_seed + 30);
     test_snapshot_config(g_seed + 40);
