@@ -166,6 +166,53 @@ int main(void)
                        skv_last_error());
         }
     }
+    /* the head shard and cuda_device (0.7): a 0.6 caller (its struct ended at value_dtype) gets no shard
+       and the current device whatever lies past its struct; a shard outside the model's KV heads, a begin
+       without model_kv_heads and a device below -1 are refused, the message naming the field */
+    {
+        const size_t al = _Alignof(skv_config);
+        const size_t v06 = (offsetof(skv_config, model_kv_heads) + al - 1) / al * al;
+        const skv_config d = skv_config_default();
+        SKVT_CHECK(d.model_kv_heads == 0 && d.kv_head_begin == 0 && d.cuda_device == -1,
+                   "defaults: model_kv_heads %d, kv_head_begin %d, cuda_device %d", d.model_kv_heads, d.kv_head_begin,
+                   d.cuda_device);
+        skv_config b = small_config();
+        b.backend = SKV_BACKEND_REF;
+        b.struct_size = v06;
+        memset((char *)&b + v06, 0x5A, sizeof b - v06);
+        skv_cache *k = NULL;
+        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.6 size, garbage past it)");
+        if (SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, "create(0.6 size)")) {
+            const skv_config *kc = skv_cache_config(k);
+            SKVT_CHECK(kc->model_kv_heads == 0 && kc->kv_head_begin == 0 && kc->cuda_device == -1,
+                       "0.6 caller on ref: model_kv_heads %d, kv_head_begin %d, cuda_device %d", kc->model_kv_heads,
+                       kc->kv_head_begin, kc->cuda_device);
+            skv_cache_free(k);
+        }
+        const skv_config s0 = small_config();
+        struct { int32_t model, begin, dev; skv_status want; const char *field; } cases[] = {
+            {s0.n_kv_heads, 0, -1, SKV_OK, NULL},
+            {4 * s0.n_kv_heads, 3 * s0.n_kv_heads, 0, SKV_OK, NULL},
+            {4 * s0.n_kv_heads, 1, 7, SKV_OK, NULL},
+            {0, 1, -1, SKV_ERR_INVALID_CONFIG, "kv_head_begin"},
+            {-1, 0, -1, SKV_ERR_INVALID_CONFIG, "model_kv_heads"},
+            {s0.n_kv_heads - 1, 0, -1, SKV_ERR_INVALID_CONFIG, "head shard"},
+            {4 * s0.n_kv_heads, 3 * s0.n_kv_heads + 1, -1, SKV_ERR_INVALID_CONFIG, "head shard"},
+            {4 * s0.n_kv_heads, -1, -1, SKV_ERR_INVALID_CONFIG, "head shard"},
+            {0, 0, -2, SKV_ERR_INVALID_CONFIG, "cuda_device"},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            skv_config g = small_config();
+            g.model_kv_heads = cases[i].model, g.kv_head_begin = cases[i].begin, g.cuda_device = cases[i].dev;
+            char what[96];
+            snprintf(what, sizeof what, "validate(model_kv_heads %d, kv_head_begin %d, cuda_device %d)",
+                     cases[i].model, cases[i].begin, cases[i].dev);
+            SKVT_CHECK_STATUS(skv_config_validate(&g), cases[i].want, what);
+            if (cases[i].field)
+                SKVT_CHECK(strstr(skv_last_error(), cases[i].field) != NULL, "%s: message names %s: %s", what,
+                           cases[i].field, skv_last_error());
+        }
+    }
     /* a refused factorize route */
     skv_config f = small_config();
     f.factorize = (skv_factorize_route)7;

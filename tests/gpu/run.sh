@@ -83,7 +83,7 @@ if [ "$MODE" = pack ]; then
   LNK="build/dev/libshadowkv.so.0 -Wl,-rpath,\$ORIGIN -L$L -L$L/openblas-pthread -llapacke -lopenblas -lm -lpthread
        -L/usr/local/cuda/lib64 -lcusolver -lcublas -lcudart -lstdc++"
   COMMON="build/obj/examples/synth.o build/obj/tests/common/testutil.o"
-  for t in test_cuda test_cuda_serve test_cuda_fp8 test_values_fp8 test_serve test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
+  for t in test_cuda test_cuda_serve test_cuda_fp8 test_values_fp8 test_tp_shard test_serve test_placement backend_ops test_accuracy test_e2e test_canonical_factor test_snapshot test_rank \
     test_canonical_decode; do cc $CFL tests/$t.c $COMMON $LNK -o build/dev/$t; done
   # test_contract calls internal functions (skv_rescore_head): the static library, the plugin next to it
   cc $CFL tests/test_contract.c $COMMON build/libshadowkv.a ${LNK#build/dev/libshadowkv.so.0} -ldl -o build/dev/test_contract
