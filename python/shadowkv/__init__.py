@@ -51,7 +51,7 @@ from ._ffi import Config, RopeConfig
 
 __all__ = ["ShadowKVError", "Cache", "config", "validate", "memory", "snapshot_config", "backend_available", "version",
            "library_path", "ops", "Config", "RopeConfig", "VALUES_ALL_DEVICE", "BUDGET_ALL", "as_bf16", "as_float32",
-           "scaled_config", "min_prompt_len", "has_function"]
+           "scaled_config", "shard_config", "shard_heads", "min_prompt_len", "has_function"]
 
 VALUES_ALL_DEVICE = _ffi.VALUES_ALL_DEVICE
 BUDGET_ALL = _ffi.BUDGET_ALL  # config budget: every candidate chunk at every step (budget="all" in config())
@@ -161,8 +161,10 @@ def config(**fields: Any) -> Config:
     (include/shadowkv.h, "Memory pools"); cuda_prefill_sms (0.5, cuda) confines the prefill's work
     beside the decode to that many streaming multiprocessors (0: all); value_dtype (0.6) takes
     "bf16" (default) or "fp8": the candidate chunks' values kept as fp8 e4m3 with a power-of-two
-    scale per token and KV head (docs/DESIGN.md section 13). Nothing is validated here;
-    validate() or Cache() does.
+    scale per token and KV head (docs/DESIGN.md section 13); model_kv_heads and kv_head_begin
+    (0.7) make the cache a head shard of a tensor-parallel group (shard_config() fills them);
+    cuda_device (0.7) is the GPU a cuda cache lives on (-1: torch's current device). Nothing is
+    validated here; validate() or Cache() does.
     """
     c = Config()
     _check(lib().skv_config_init(ctypes.byref(c), ctypes.sizeof(c)), "skv_config_init")
@@ -354,7 +356,12 @@ class Cache:
         if want_cuda:
             torch = _torch()
             if torch.cuda.is_available():  # else the library reports SKV_ERR_NO_DEVICE with its reason
-                s = stream if stream is not None else torch.cuda.current_stream()
+                if c.cuda_device < 0:  # the device of the stream, or torch's current one
+                    c.cuda_device = stream.device.index if stream is not None else torch.cuda.current_device()
+                elif stream is not None and stream.device.index != c.cuda_device:
+                    raise ValueError(f"stream is on cuda:{stream.device.index}, the cache's cuda_device is "
+                                     f"{c.cuda_device}")
+                s = stream if stream is not None else torch.cuda.current_stream(c.cuda_device)
                 c.cuda_stream = ctypes.c_void_p(s.cuda_stream)
                 self._stream = s
         elif stream is not None:
@@ -794,3 +801,4 @@ def min_prompt_len(cfg: Config, layer: Optional[int] = None) -> int:
 
 from . import ops  # noqa: E402  (ops uses the helpers above)
 from ._scaled import scaled_config  # noqa: E402
+from ._shard import shard_config, shard_heads  # noqa: E402

@@ -42,7 +42,7 @@ BUDGET_ALL = -1
 
 # SKV_VERSION_NUMBER of the include/shadowkv.h these declarations mirror; the library's
 # major number must agree (its minor number may be newer: structs only grow at the end)
-HEADER_VERSION = 600
+HEADER_VERSION = 700
 
 VALUES_ALL_DEVICE = -1
 MAX_SPANS = 16
@@ -101,6 +101,10 @@ class Config(Structure):
         ("cuda_prefill_sms", c_int32),
         # 0.6: value precision
         ("value_dtype", c_int32),
+        # 0.7: tensor parallelism (head shards) and the cache's device
+        ("model_kv_heads", c_int32),
+        ("kv_head_begin", c_int32),
+        ("cuda_device", c_int32),
     ]
 
 
