@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node 2 examples/tp_decode.py            # GPUs, NCCL
     torchrun --standalone --nproc_per_node 2 examples/tp_decode.py --cpu --small   # CPU, gloo
+    torchrun --standalone --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo
+                                                       # two ranks on one GPU (a one-GPU machine)
 
 What it runs: a stack of attention layers with Llama-3-8B's shapes (hidden 4096, 32 query heads,
 8 KV heads, head dim 128, 32 layers; --small: a shape for CPUs), tensor parallel the way vLLM,
@@ -56,6 +58,10 @@ def parse():
     p.add_argument("--small", action="store_true", help="a small shape (CPU-sized) instead of Llama-3-8B's")
     for k in ("layers", "ctx", "batch", "steps"):
         p.add_argument("--" + k, type=int, help=f"override the shape's {k}")
+    p.add_argument("--dist-backend", choices=("nccl", "gloo"),
+                   help="the collective's backend (default: nccl on GPUs, gloo with --cpu)")
+    p.add_argument("--same-gpu", action="store_true",
+                   help="every rank on GPU 0 (a one-GPU machine; NCCL refuses two ranks on one GPU: use gloo)")
     p.add_argument("--seed", type=int, default=31)
     p.add_argument("--no-check", action="store_true", help="skip the single-process run")
     a = p.parse_args()
@@ -181,10 +187,10 @@ def main() -> int:
     a = parse()
     sh = a.shape
     on_gpu = not a.cpu
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    dist.init_process_group(a.dist_backend or ("nccl" if on_gpu else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(0 if a.same_gpu else int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
     def log(msg):

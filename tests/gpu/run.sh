@@ -47,6 +47,14 @@
 #             and the prefill beside the decode (beside.json: skv-bench serve --beside, default and
 #             high-priority streams, SERVE_ROUNDS (2) rounds each, for each prefill partition of
 #             SERVE_SMS: "0 16 32" runs --prefill-sms 0, 16 and 32 (default "0": all SMs))
+#   tp        build; tensor parallelism (docs/tensor-parallel.md): test_tp_shard (shard caches in one
+#             process against their own processes, one GPU each where there are several), the tests
+#             the device guard touches (test_cuda, test_cuda_serve, test_cuda_fp8, test_values_fp8,
+#             test_snapshot); examples/tp_decode.py under torchrun: NCCL over every GPU of the
+#             machine (Llama-3-8B shape, TP_CTX (16384) tokens, 32 layers), and two ranks on GPU 0
+#             through gloo; then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and
+#             --tp 2, on one GPU (one rank's compute, no all-reduce) and, with 2+ GPUs, under
+#             torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -67,8 +75,8 @@
 set -uo pipefail
 MODE=${1:-quick}
 case "$MODE" in
-  quick|decode|full|prefill|sanitize|repro|ab|modes|serve|pack) ;;
-  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|modes|pack)"; exit 2 ;;
+  quick|decode|full|prefill|sanitize|repro|ab|modes|serve|tp|pack) ;;
+  *) echo "unknown mode $MODE (quick|decode|full|prefill|sanitize|repro|ab|modes|serve|tp|pack)"; exit 2 ;;
 esac
 if [ "$MODE" = pack ]; then
   set -e
@@ -159,7 +167,7 @@ if [ -n "${PREBUILT:-}" ]; then
   stamp "prebuilt binaries in $PREBUILT (no build)"
 else
 stamp "build"
-TESTS="test_cuda test_cuda_serve test_cuda_fp8 test_serve test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
+TESTS="test_cuda test_cuda_serve test_cuda_fp8 test_values_fp8 test_tp_shard test_serve test_placement backend_ops test_contract test_accuracy test_e2e test_numerics test_bad_input test_threads test_canonical_factor test_snapshot test_canonical_decode test_rank"
 make -j"$(nproc)" $MAKEVARS lib $BIN/skv-bench $BIN/demo $(for t in $TESTS; do echo $TBIN/$t; done) \
   >"$TMP/build.txt" 2>&1
 rc=$?
@@ -274,6 +282,35 @@ case "$MODE" in
         --steps-max 200 --stream $s --prefill-sms $p ${SERVE_ARGS:-} --json 2>/dev/null | sed 's/$/,/' >> "$OUT/beside.json"
     done; done; done
     sed -i '$ s/,$//' "$OUT/beside.json"; echo "]" >> "$OUT/beside.json"; cat "$OUT/beside.json" ;;
+  tp)
+    run_test test_tp_shard $TBIN/test_tp_shard
+    run_test test_cuda $TBIN/test_cuda
+    run_test test_cuda_serve $TBIN/test_cuda_serve
+    run_test test_cuda_fp8 $TBIN/test_cuda_fp8
+    run_test test_values_fp8 $TBIN/test_values_fp8
+    run_test test_snapshot $TBIN/test_snapshot
+    NGPU=$(nvidia-smi -L | grep -c '^GPU')
+    lib=$PWD/$BIN/libshadowkv.so; [ -e "$lib" ] || lib=$PWD/$BIN/libshadowkv.so.0
+    PYENV="env SHADOWKV_LIBRARY=$lib PYTHONPATH=$PWD/python NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}"
+    TR="python3 -m torch.distributed.run --standalone"
+    run_test tp_decode_nccl_$NGPU $PYENV $TR --nproc_per_node "$NGPU" examples/tp_decode.py --ctx "${TP_CTX:-16384}"
+    run_test tp_decode_gloo_same_gpu $PYENV $TR --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo \
+      --ctx "${TP_CTX:-16384}"
+    echo "[" > "$OUT/tp.json"
+    for tp in 1 2; do for r in $(seq ${TP_ROUNDS:-1}); do
+      stamp "e2e --tp $tp on one GPU, round $r"
+      timeout 580 $PYENV python3 bench/e2e_throughput.py --ctx "${TP_E2E_CTX:-131072}" --tp $tp ${TP_E2E_ARGS:-} \
+        --json "$TMP/e2e_tp$tp.json" > "$TMP/e2e_tp$tp.txt" 2>&1; echo "  rc $?"; tail -4 "$TMP/e2e_tp$tp.txt"
+      [ -s "$TMP/e2e_tp$tp.json" ] && { cat "$TMP/e2e_tp$tp.json"; echo ","; } >> "$OUT/tp.json"
+    done; done
+    if [ "$NGPU" -ge 2 ]; then
+      stamp "e2e --tp 2 under torchrun, NCCL, 2 GPUs"
+      timeout 580 $PYENV $TR --nproc_per_node 2 bench/e2e_throughput.py --ctx "${TP_E2E_CTX:-131072}" --tp 2 \
+        ${TP_E2E_ARGS:-} --json "$TMP/e2e_tp2_dist.json" > "$TMP/e2e_tp2_dist.txt" 2>&1; echo "  rc $?"
+      tail -4 "$TMP/e2e_tp2_dist.txt"
+      [ -s "$TMP/e2e_tp2_dist.json" ] && { cat "$TMP/e2e_tp2_dist.json"; echo ","; } >> "$OUT/tp.json"
+    fi
+    sed -i '$ s/,$//' "$OUT/tp.json"; echo "]" >> "$OUT/tp.json" ;;
   modes)
     run_test test_cuda $TBIN/test_cuda
     run_test test_contract $TBIN/test_contract 40
