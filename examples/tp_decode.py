@@ -18,7 +18,8 @@ SGLang and Megatron split attention:
     across ranks (NCCL on GPUs, gloo on CPUs), then the residual.
 
 The prompts' keys and values (low rank plus noise, as attention keys are) and the weights are
-drawn from --seed on the CPU, the same on every rank, and each rank takes its heads.
+drawn from --seed layer by layer on the rank's device, the same numbers on every rank, and each
+rank keeps its heads.
 
 The check: after the distributed run, rank 0 runs the same shards in one process, on its one
 device, one cache per shard, the all-reduce replaced by the shards' partial outputs summed in
@@ -73,30 +74,43 @@ def parse():
 
 
 class Model:
-    """Weights (float32) and inputs of the whole model, drawn from the seed on the CPU."""
+    """The whole model's weights (float32) and prompts, drawn per layer from the seed on the device
+    that asks (the same numbers in every process on the same kind of device), so a rank never
+    holds more than one layer of the whole model at a time."""
 
     def __init__(self, sh: dict, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        H, hq, hk, d, L = sh["hidden"], sh["hq"], sh["hk"], sh["d"], sh["layers"]
-        s = H ** -0.5
+        self.sh, self.seed = sh, seed
+
+    def _gen(self, layer: int, what: int, dev) -> torch.Generator:
+        return torch.Generator(device=dev).manual_seed(self.seed * 1000003 + layer * 16 + what)
+
+    def weights(self, layer: int, dev) -> dict:
+        sh = self.sh
+        H, hq, hk, d = sh["hidden"], sh["hq"], sh["hk"], sh["d"]
+        g = self._gen(layer, 0, dev)
 
         def w(*shape, scale=1.0):
-            return torch.randn(*shape, generator=g) * scale
+            return torch.randn(*shape, generator=g, device=dev) * scale
 
-        self.wq = [w(H, hq * d, scale=s) for _ in range(L)]
-        self.wk = [w(H, hk * d, scale=s) for _ in range(L)]
-        self.wv = [w(H, hk * d, scale=s) for _ in range(L)]
-        self.wo = [w(hq * d, H, scale=(hq * d) ** -0.5 * 0.5) for _ in range(L)]
-        self.norm = [1.0 + 0.1 * w(H) for _ in range(L)]
-        self.x0 = w(sh["batch"], H)
-        # prompts: pre-RoPE keys of rank 32 per layer (a latent smooth in position) plus noise
-        T, latent = sh["ctx"], 32
-        self.k_pre, self.v = [], []
-        for _ in range(L):
-            z = torch.cumsum(w(sh["batch"], T, latent, scale=0.2), dim=1) / (T ** 0.5) + w(sh["batch"], T, latent)
-            k = z @ w(latent, hk * d, scale=latent ** -0.5) + 0.05 * w(sh["batch"], T, hk * d)
-            self.k_pre.append(k.reshape(sh["batch"], T, hk, d))
-            self.v.append(w(sh["batch"], T, hk, d))
+        return dict(wq=w(H, hq * d, scale=H ** -0.5), wk=w(H, hk * d, scale=H ** -0.5),
+                    wv=w(H, hk * d, scale=H ** -0.5), wo=w(hq * d, H, scale=(hq * d) ** -0.5 * 0.5),
+                    norm=1.0 + 0.1 * w(H))
+
+    def prompt(self, layer: int, dev) -> tuple:
+        """Pre-RoPE keys [B, T, Hk, D] of rank 32 (a latent smooth in position) plus noise, and values."""
+        sh = self.sh
+        B, T, hk, d, latent = sh["batch"], sh["ctx"], sh["hk"], sh["d"], 32
+        g = self._gen(layer, 1, dev)
+
+        def w(*shape, scale=1.0):
+            return torch.randn(*shape, generator=g, device=dev) * scale
+
+        z = torch.cumsum(w(B, T, latent, scale=0.2), dim=1) / (T ** 0.5) + w(B, T, latent)
+        k = z @ w(latent, hk * d, scale=latent ** -0.5) + 0.05 * w(B, T, hk * d)
+        return k.view(B, T, hk, d), w(B, T, hk, d)
+
+    def x0(self, dev) -> torch.Tensor:
+        return torch.randn(self.sh["batch"], self.sh["hidden"], generator=self._gen(0, 2, dev), device=dev)
 
 
 class Shard:
@@ -108,17 +122,21 @@ class Shard:
         d = sh["d"]
         q = slice(heads["q"].start * d, heads["q"].stop * d)
         kv = slice(heads["kv"].start * d, heads["kv"].stop * d)
-        self.wq = [x[:, q].contiguous().to(dev) for x in m.wq]
-        self.wk = [x[:, kv].contiguous().to(dev) for x in m.wk]
-        self.wv = [x[:, kv].contiguous().to(dev) for x in m.wv]
-        self.wo = [x[q, :].contiguous().to(dev) for x in m.wo]
-        self.norm = [x.to(dev) for x in m.norm]
+        self.wq, self.wk, self.wv, self.wo, self.norm = [], [], [], [], []
         self.hq, self.hk, self.d = self.cfg.n_q_heads, self.cfg.n_kv_heads, d
         self.cache = shadowkv.Cache(self.cfg)
         for layer in range(sh["layers"]):
+            w = m.weights(layer, dev)
+            self.wq.append(w["wq"][:, q].contiguous())
+            self.wk.append(w["wk"][:, kv].contiguous())
+            self.wv.append(w["wv"][:, kv].contiguous())
+            self.wo.append(w["wo"][q, :].contiguous())
+            self.norm.append(w["norm"])
+            k_pre, v = m.prompt(layer, dev)
             for b in range(sh["batch"]):
-                self.cache.prefill(layer, b, m.k_pre[layer][b, :, heads["kv"]].to(dev, torch.bfloat16).contiguous(),
-                                   m.v[layer][b, :, heads["kv"]].to(dev, torch.bfloat16).contiguous())
+                self.cache.prefill(layer, b, k_pre[b, :, heads["kv"]].to(torch.bfloat16).contiguous(),
+                                   v[b, :, heads["kv"]].to(torch.bfloat16).contiguous())
+            del w, k_pre, v
 
     def attend(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The rank's attention of `layer` at the step: its output [B, Hq/s, D] (float32) and its
@@ -216,7 +234,7 @@ def main() -> int:
 
     dist.barrier()
     t0 = time.perf_counter()
-    outs, x_in, x_out, t_red = run([mine], sh, m.x0.to(dev), all_reduce, log=log)
+    outs, x_in, x_out, t_red = run([mine], sh, m.x0(dev), all_reduce, log=log)
     if on_gpu:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -246,7 +264,7 @@ def main() -> int:
             return y
 
         # fed the distributed run's hidden states: every cache sees exactly what its rank saw
-        ref_outs, _, ref_x_out, _ = run(ref_shards, sh, m.x0.to(dev), local_sum, feed=x_in)
+        ref_outs, _, ref_x_out, _ = run(ref_shards, sh, m.x0(dev), local_sum, feed=x_in)
         log(f"single-process run of the {world} shards on {dev}: {time.perf_counter() - t0:.1f} s")
         bad = [(t, layer, i) for t in range(sh["steps"]) for layer in range(sh["layers"]) for i in range(world)
                if not torch.equal(gathered[i][t, layer], ref_outs[t][layer][i])]

@@ -54,7 +54,8 @@
 #             machine (Llama-3-8B shape, TP_CTX (16384) tokens, 32 layers), and two ranks on GPU 0
 #             through gloo; then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and
 #             --tp 2, on one GPU (one rank's compute, no all-reduce) and, with 2+ GPUs, under
-#             torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options)
+#             torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options,
+#             TP_ROUNDS (1) repeats, TP_E2E=0 skips them)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -297,13 +298,13 @@ case "$MODE" in
     run_test tp_decode_gloo_same_gpu $PYENV $TR --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo \
       --ctx "${TP_CTX:-16384}"
     echo "[" > "$OUT/tp.json"
-    for tp in 1 2; do for r in $(seq ${TP_ROUNDS:-1}); do
+    [ "${TP_E2E:-1}" = 1 ] && for tp in 1 2; do for r in $(seq ${TP_ROUNDS:-1}); do
       stamp "e2e --tp $tp on one GPU, round $r"
       timeout 580 $PYENV python3 bench/e2e_throughput.py --ctx "${TP_E2E_CTX:-131072}" --tp $tp ${TP_E2E_ARGS:-} \
         --json "$TMP/e2e_tp$tp.json" > "$TMP/e2e_tp$tp.txt" 2>&1; echo "  rc $?"; tail -4 "$TMP/e2e_tp$tp.txt"
       [ -s "$TMP/e2e_tp$tp.json" ] && { cat "$TMP/e2e_tp$tp.json"; echo ","; } >> "$OUT/tp.json"
     done; done
-    if [ "$NGPU" -ge 2 ]; then
+    if [ "$NGPU" -ge 2 ] && [ "${TP_E2E:-1}" = 1 ]; then
       stamp "e2e --tp 2 under torchrun, NCCL, 2 GPUs"
       timeout 580 $PYENV $TR --nproc_per_node 2 bench/e2e_throughput.py --ctx "${TP_E2E_CTX:-131072}" --tp 2 \
         ${TP_E2E_ARGS:-} --json "$TMP/e2e_tp2_dist.json" > "$TMP/e2e_tp2_dist.txt" 2>&1; echo "  rc $?"
