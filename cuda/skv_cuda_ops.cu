@@ -77,13 +77,14 @@ static skv_cuda_seq *skv_cuda_op_seq(skv_cuda_op *op, const skv_cuda_seq *h)
  * Op-level factorization. One workspace (handles + buffers, skv_cuda_factor) is kept for
  * the process and reused while (d, r) match and n fits, so repeated calls run warm; it is
  * rebuilt for a larger n or another shape, and freed by skv_op_release (the library
- * registers no exit handler). A call that finds it busy (another thread) builds and frees
- * a private one.
+ * registers no exit handler). A call that finds it busy (another thread), or made on
+ * another device than the one it lives on, builds and frees a private one.
  */
 static pthread_mutex_t skv_cuda_fop_lock = PTHREAD_MUTEX_INITIALIZER;
 static skv_cuda_factor *skv_cuda_fop;
 static int64_t skv_cuda_fop_n;
 static int32_t skv_cuda_fop_d, skv_cuda_fop_r;
+static int skv_cuda_fop_dev; /* the device it lives on (a call on another device builds a private one) */
 
 void skv_cuda_op_release(void)
 {
@@ -98,14 +99,21 @@ skv_status skv_cuda_factorize_op(skv_factorize_route route, int64_t n, int32_t d
 {
     char msg[SKV_ERRMSG_CAP];
     skv_status st = SKV_OK;
-    if (pthread_mutex_trylock(&skv_cuda_fop_lock) == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) (void)cudaGetLastError();
+    int locked = pthread_mutex_trylock(&skv_cuda_fop_lock) == 0;
+    if (locked && skv_cuda_fop && skv_cuda_fop_dev != dev) { /* kept for its own device */
+        pthread_mutex_unlock(&skv_cuda_fop_lock);
+        locked = 0;
+    }
+    if (locked) {
         if (skv_cuda_fop && (skv_cuda_fop_d != d || skv_cuda_fop_r != r || skv_cuda_fop_n < n)) {
             skv_cuda_factor_destroy(skv_cuda_fop);
             skv_cuda_fop = NULL;
         }
         if (!skv_cuda_fop) {
             st = skv_cuda_factor_create(&skv_cuda_fop, n, d, r, 0, NULL, msg, sizeof msg);
-            skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r;
+            skv_cuda_fop_n = n, skv_cuda_fop_d = d, skv_cuda_fop_r = r, skv_cuda_fop_dev = dev;
         }
         if (st == SKV_OK) st = skv_cuda_factorize(skv_cuda_fop, route, n, a, u, w, 0, 1, msg, sizeof msg);
         pthread_mutex_unlock(&skv_cuda_fop_lock);
