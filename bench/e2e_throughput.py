@@ -2,7 +2,8 @@
 
 A plain torch module with Llama-3-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads,
 head_dim 128, vocab 128256), random bf16 weights, every projection and MLP a cuBLAS GEMM as in the
-real model. Two caches, one GPU, one run:
+real model (or, with --tp N, one rank's shard of it: "Tensor parallelism" below). Two caches, one
+GPU, one run:
 
   dense  a static KV cache [B, Hk, T, D] per layer and F.scaled_dot_product_attention (flash, GQA)
          at the largest batch that fits the GPU's memory;
@@ -59,11 +60,56 @@ How a decode step is driven (--graphs, the same for both caches):
   from Python on skv).
 
   Each run takes 2 * (steps + warmup) decode tokens whatever the mode (skv's gen_capacity and
-  dense's cache length are sized for that), so the memory accounting is the same in both modes.
+  dense's cache length are sized for that), so the memory accounting is the same in both modes;
+  under torchrun (--tp) 3 * (steps + warmup) + 4 (the timing without collectives, the check step).
+
+Tensor parallelism (--tp N, default 1; issue 31; bench/tp_model.py has the details):
+
+  The model is one rank's shard of Megatron-style TP N: the QKV projection column-parallel (the
+  rank's Hq/N query heads and Hk/N KV heads), the O projection row-parallel (input Hq D/N), MLP
+  gate and up column-parallel and down row-parallel (intermediate 14336/N), embedding and LM head
+  vocab-parallel (128256/N rows). Every rank draws the whole model's weights and keeps its slices,
+  so TP N's shards are TP 1's model cut up. Each cache holds the rank's heads only: dense a
+  [B, Hk/N, T, D] cache per layer, skv a head-shard cache (shadowkv.shard_config(cfg, N, rank):
+  the model's rank capped at the shard's width; cuda_device the rank's GPU), prefilled from the
+  rank's heads of the same generated keys and values as TP 1's.
+
+  torchrun --nproc_per_node N (world size N): rank r runs on cuda:LOCAL_RANK (NCCL; gloo with
+  --cpu). The row-parallel outputs are summed by torch.distributed.all_reduce inside the segments
+  (2 per layer, after the O projection and after the MLP's down projection, and 1 after the
+  vocab-parallel embedding, where a token's row lives on one rank), and the LM head's argmax
+  all-gathers each rank's (largest logit, token id) pair and takes the largest (the first on
+  ties). With piecewise graphs the collectives are captured in the segments' graphs (NCCL
+  collectives can be captured; every rank captures and replays the same graphs in the same
+  order); a second graph set, the same segments with every collective replaced by nothing (the
+  comm flag of Stepper.segment), is captured into the same pool and timed in the same run, before
+  the set with them. Each run records step_ms_nocomm, allreduce_ms_per_step (the difference) and
+  allreduce_share (of the step), allreduces_per_step (2 L + 1), allreduce_bytes_per_step ((2 L +
+  1) B hidden 2; layer_allreduce_bytes_per_step the layers' 2 L B hidden 2 alone) and
+  allgather_bytes_per_step. Without graphs the eager steps are timed both ways. A time is the
+  slowest rank's (the max of the ranks' medians); tokens/s of TP N is the batch over that step
+  time (the ranks step in lock step on the same batch). Each rank sizes its largest batch from its
+  own memory (its weights and heads) and the group takes the least (an all-reduce MIN); the host
+  memory skv may pin is split between the ranks of a host (--host-gib is per rank). After each
+  run one eager step with the collectives checks the ranks against each other (tp_check): the
+  final hidden states equal on every rank (the all-reduce hands every rank the same sums), the
+  tokens equal, and each token the argmax of the whole vocab's logits gathered from the ranks;
+  --smoke fails if not. Only rank 0 prints and writes the JSON.
+
+  One process with --tp N > 1: rank 0's shard alone, every collective skipped (its output is the
+  rank's partial result, so the numbers are not a model's but what one GPU of TP N computes per
+  step, without communication: what a one-GPU machine can measure). The JSON says
+  "allreduce": "none (one rank's compute alone)"; the all-reduce fields are null.
+
+  The JSON's tp, world_size, allreduce and shard (the rank's q_heads, kv_heads, mlp, vocab) say
+  which. TP N's tokens are not TP 1's bit for bit (the sums differ); nothing here compares them.
 
     python3 bench/e2e_throughput.py --json out.json [--ctx 131072] [--steps 32] [--e2e] [--graphs none]
     python3 bench/e2e_throughput.py --smoke        # 2 layers, 8k context, batch 2 and 1, seconds
     python3 bench/e2e_throughput.py --smoke --cpu  # the same on the CPU (cpu backend, tiny widths, no graphs)
+    torchrun --nproc_per_node 8 bench/e2e_throughput.py --tp 8 --json out.json   # TP 8 on 8 GPUs
+    python3 bench/e2e_throughput.py --tp 8 --json out.json  # one GPU's compute of TP 8, no communication
+    torchrun --standalone --nproc_per_node 2 bench/e2e_throughput.py --smoke --cpu --tp 2  # gloo, the ranks checked
 """
 from __future__ import annotations
 
@@ -693,8 +739,10 @@ def main():
     model = Model(dev)
     model.tables(a.ctx + max(n_decode_tokens(a.steps, a.warmup), a.e2e_tokens) + 8)
     sync()
+    empty_cache()  # --tp: the whole matrices drawn for the rank's slices leave torch's cache, so free memory counts them
     if dev.type == "cuda":
-        log(f"model: {torch.cuda.memory_allocated() / GIB:.1f} GiB of weights")
+        log(f"model: {torch.cuda.memory_allocated() / GIB:.1f} GiB of weights" +
+            (f" (rank {TP.rank}'s shard of TP {TP.n})" if TP.n > 1 else ""))
     out = dict(gpu=name, date=time.strftime("%Y-%m-%d"), ctx=a.ctx, steps=a.steps, layers=L, graphs=a.graphs,
                model=f"Llama-3-8B shapes{'' if L == 32 and not a.cpu else ' (reduced)'}, random bf16 weights, "
                "plain torch module" + (f", rank 0's shard of TP {TP.n}" if TP.n > 1 else ""),
