@@ -326,8 +326,9 @@ class Stepper:
         """Captures the L + 1 segments (one memory pool) and, under torchrun (--tp), the L + 1
         segments without collectives (graphs_nocomm, the same pool: every segment's temporaries
         die within its capture, so any replay order is safe). Call after at least one eager step
-        (the skv cache captures its own per-layer graphs on its first decode of each layer; with
-        --tp that step also created NCCL's communicator), never with attention work outstanding
+        (the skv cache captures its own per-layer graphs on its first decode of each layer; under
+        torchrun that step also ran every collective eagerly, after tp_model.init's warm-up
+        all-reduce created NCCL's communicator), never with attention work outstanding
         that the segments' warm-up could disturb: the warm-up below runs every segment once (no
         attention) with the position of the next step, whose real step then rewrites everything
         it wrote; tok is restored. Every rank captures the same collectives in the same order."""
@@ -619,7 +620,7 @@ def skv_run(model, ctx, steps, warmup, batch, host_limit, dev, graphs):
                / max(1, st["n_prefill_calls"]), value_cache_hits=st2["value_cache_hits"],
                value_cache_misses=st2["value_cache_misses"],
                kernels_per_layer_step=st2["decode_launches"] / max(1, st2["n_decode_calls"]),
-               rank=cfg.rank, **TP.comm_fields(L, B, HID))
+               factor_rank=cfg.rank, **TP.comm_fields(L, B, HID))
     res.update({k: v for k, v in r.items() if k != "step_ms"})
     stp.close()
     cache.close()

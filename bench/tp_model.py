@@ -106,10 +106,12 @@ class TP:
         return out[:, 1].gather(0, r[None])[0].long()
 
     def comm_fields(self, L, B, hidden):
-        """What one decode step communicates (null without collectives)."""
+        """The run's group and what one decode step communicates (null without collectives)."""
         if not self.dist:
-            return dict(allreduces_per_step=None, allreduce_bytes_per_step=None, allgather_bytes_per_step=None)
-        return dict(allreduces_per_step=2 * L + 1, allreduce_bytes_per_step=(2 * L + 1) * B * hidden * 2,
+            return dict(tp=self.n, world_size=self.world, allreduces_per_step=None, allreduce_bytes_per_step=None,
+                        layer_allreduce_bytes_per_step=None, allgather_bytes_per_step=None)
+        return dict(tp=self.n, world_size=self.world, allreduces_per_step=2 * L + 1,
+                    allreduce_bytes_per_step=(2 * L + 1) * B * hidden * 2,
                     layer_allreduce_bytes_per_step=2 * L * B * hidden * 2,
                     allgather_bytes_per_step=self.n * 2 * B * 4)
 
