@@ -55,7 +55,8 @@
 #             through gloo; then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and
 #             --tp 2, on one GPU (one rank's compute, no all-reduce) and, with 2+ GPUs, under
 #             torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options,
-#             TP_ROUNDS (1) repeats, TP_E2E=0 skips them)
+#             TP_LIST ("1 2") the TP degrees, TP_ROUNDS (1) repeats, TP_E2E=0 skips them; TP_TESTS=0
+#             skips the tests and tp_decode.py)
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
@@ -284,21 +285,23 @@ case "$MODE" in
     done; done; done
     sed -i '$ s/,$//' "$OUT/beside.json"; echo "]" >> "$OUT/beside.json"; cat "$OUT/beside.json" ;;
   tp)
-    run_test test_tp_shard $TBIN/test_tp_shard
-    run_test test_cuda $TBIN/test_cuda
-    run_test test_cuda_serve $TBIN/test_cuda_serve
-    run_test test_cuda_fp8 $TBIN/test_cuda_fp8
-    run_test test_values_fp8 $TBIN/test_values_fp8
-    run_test test_snapshot $TBIN/test_snapshot
     NGPU=$(nvidia-smi -L | grep -c '^GPU')
     lib=$PWD/$BIN/libshadowkv.so; [ -e "$lib" ] || lib=$PWD/$BIN/libshadowkv.so.0
     PYENV="env SHADOWKV_LIBRARY=$lib PYTHONPATH=$PWD/python NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}"
     TR="python3 -m torch.distributed.run --standalone"
-    run_test tp_decode_nccl_$NGPU $PYENV $TR --nproc_per_node "$NGPU" examples/tp_decode.py --ctx "${TP_CTX:-16384}"
-    run_test tp_decode_gloo_same_gpu $PYENV $TR --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo \
-      --ctx "${TP_CTX:-16384}"
+    if [ "${TP_TESTS:-1}" = 1 ]; then
+      run_test test_tp_shard $TBIN/test_tp_shard
+      run_test test_cuda $TBIN/test_cuda
+      run_test test_cuda_serve $TBIN/test_cuda_serve
+      run_test test_cuda_fp8 $TBIN/test_cuda_fp8
+      run_test test_values_fp8 $TBIN/test_values_fp8
+      run_test test_snapshot $TBIN/test_snapshot
+      run_test tp_decode_nccl_$NGPU $PYENV $TR --nproc_per_node "$NGPU" examples/tp_decode.py --ctx "${TP_CTX:-16384}"
+      run_test tp_decode_gloo_same_gpu $PYENV $TR --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo \
+        --ctx "${TP_CTX:-16384}"
+    fi
     echo "[" > "$OUT/tp.json"
-    [ "${TP_E2E:-1}" = 1 ] && for tp in 1 2; do for r in $(seq ${TP_ROUNDS:-1}); do
+    [ "${TP_E2E:-1}" = 1 ] && for tp in ${TP_LIST:-1 2}; do for r in $(seq ${TP_ROUNDS:-1}); do
       stamp "e2e --tp $tp on one GPU, round $r"
       timeout 580 $PYENV python3 bench/e2e_throughput.py --ctx "${TP_E2E_CTX:-131072}" --tp $tp ${TP_E2E_ARGS:-} \
         --json "$TMP/e2e_tp$tp.json" > "$TMP/e2e_tp$tp.txt" 2>&1; echo "  rc $?"; tail -4 "$TMP/e2e_tp$tp.txt"
