@@ -26,6 +26,10 @@
  *    continue beside the cache's stream, on the library's own streams (from
  *    copies of the inputs), and the next skv_decode waits for them on the
  *    device. skv_op_* run on the legacy default stream and return when done.
+ *  - cuda: a cache lives on config.cuda_device; every call on it runs there and
+ *    restores the calling thread's current device (no synchronization). Its
+ *    tensors must be on that device. skv_op_* and skv_buffer_* use the current
+ *    device.
  *  - The library never prints and never exits. A failing call leaves a
  *    message naming the bad argument and its value in skv_last_error()
  *    (thread-local) and, for calls on a cache, in skv_cache_last_error().
