@@ -100,12 +100,15 @@ static skv_config conf_of(const uint8_t *s, size_t size, skv_backend be)
     c.dense_layers = rd64(p + 116);
     if (rd32(s + 8) < 3 || size < 32 + 128) return c; /* version 2: select_candidates keeps its default */
     c.select_candidates = (int32_t)rd32(p + 124);
+    if (rd32(s + 8) < 4 || size < 32 + 136) return c; /* version 3: no head shard */
+    c.model_kv_heads = (int32_t)rd32(p + 128);
+    c.kv_head_begin = (int32_t)rd32(p + 132);
     return c;
 }
 
 /* Whether two configs hold the same model fields (floats bit for bit). */
 /* The format version a save writes (docs/DESIGN.md 11.1); older inputs are re-saved in it. */
-#define SNAP_FORMAT_CURRENT 3u
+#define SNAP_FORMAT_CURRENT 4u
 
 static int same_model(const skv_config *a, const skv_config *b)
 {
@@ -118,7 +121,8 @@ static int same_model(const skv_config *a, const skv_config *b)
            a->factorize == b->factorize && a->reproducible == b->reproducible && a->select_mode == b->select_mode &&
            memcmp(&a->select_mass, &b->select_mass, 4) == 0 && a->select_min_chunks == b->select_min_chunks &&
            a->rank_max == b->rank_max && memcmp(&a->rank_error_target, &b->rank_error_target, 4) == 0 &&
-           a->dense_layers == b->dense_layers && a->select_candidates == b->select_candidates;
+           a->dense_layers == b->dense_layers && a->select_candidates == b->select_candidates &&
+           a->model_kv_heads == b->model_kv_heads && a->kv_head_begin == b->kv_head_begin;
 }
 
 /* A loaded cache is usable: it saves back to the loaded bytes (an input of an older format version:

@@ -41,7 +41,8 @@ static void fill(skv_bf16 *x, size_t n, unsigned seed)
 /* A tiny cache: L layers, B sequences, prompts of n tokens, `steps` decode steps, layers
    [0, prefill_layers) prefilled; v03: the 0.3 features (the mass selection with a floor, layer 0
    dense; 2: every chunk instead); 3: the rescoring (select_candidates 3, fixed); 4: the rescoring
-   of 2 candidates with the mass rule over every chunk (format version 3's field). */
+   of 2 candidates with the mass rule over every chunk (format version 3's field); 5: a head shard,
+   KV head 2 of 3 (format version 4's fields). */
 static void seed(const char *dir, int L, int B, int64_t n, int steps, int prefill_layers, int host_values, int v03)
 {
     skv_config c = skv_config_default();
@@ -54,6 +55,7 @@ static void seed(const char *dir, int L, int B, int64_t n, int steps, int prefil
     if (v03 == 3) c.select_candidates = 3;
     if (v03 == 4)
         c.budget = SKV_BUDGET_ALL, c.select_mode = SKV_SELECT_MASS, c.select_mass = 0.7f, c.select_candidates = 2;
+    if (v03 == 5) c.model_kv_heads = 3, c.kv_head_begin = 2;
     skv_cache *k = NULL;
     if (skv_cache_create(&c, &k)) {
         fprintf(stderr, "gen_load_seeds: create: %s\n", skv_last_error());
@@ -112,6 +114,7 @@ int main(int argc, char **argv)
     seed(argv[1], 2, 1, 20, 1, 2, 1, 2); /* every chunk, a dense layer 1, host values */
     seed(argv[1], 2, 2, 16, 2, 2, 0, 3); /* the rescoring */
     seed(argv[1], 1, 1, 20, 2, 1, 1, 4); /* the rescoring, the mass rule over every chunk, host values */
+    seed(argv[1], 2, 1, 16, 2, 2, 0, 5); /* a head shard */
     printf("gen_load_seeds: %d files in %s\n", n_written, argv[1]);
     return 0;
 }

@@ -270,12 +270,13 @@ _SNAP_FIELDS = [("n_layers", "i"), ("n_q_heads", "i"), ("n_kv_heads", "i"), ("he
 _SNAP_FIELDS_V2 = _SNAP_FIELDS + [("select_mode", "i"), ("select_mass", "f"), ("select_min_chunks", "i"),
                                   ("rank_max", "i"), ("rank_error_target", "f"), ("dense_layers", "Q")]
 _SNAP_FIELDS_V3 = _SNAP_FIELDS_V2 + [("select_candidates", "i")]
-_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2, 3: _SNAP_FIELDS_V3}
+_SNAP_FIELDS_V4 = _SNAP_FIELDS_V3 + [("model_kv_heads", "i"), ("kv_head_begin", "i")]
+_SNAP_FIELDS_OF = {1: _SNAP_FIELDS, 2: _SNAP_FIELDS_V2, 3: _SNAP_FIELDS_V3, 4: _SNAP_FIELDS_V4}
 _SNAP_CONF = {v: "<" + "".join(t for _, t in f) for v, f in _SNAP_FIELDS_OF.items()}
 
 
 def _read_snapshot_config(path: Any) -> Optional[Config]:
-    """The config a snapshot file holds, or None when its header cannot be read as version 1 to 3."""
+    """The config a snapshot file holds, or None when its header cannot be read as version 1 to 4."""
     try:
         with open(path, "rb") as f:
             head = f.read(32 + max(struct.calcsize(x) for x in _SNAP_CONF.values()))
@@ -302,10 +303,10 @@ def _read_snapshot_config(path: Any) -> Optional[Config]:
 def snapshot_config(path: Any) -> Config:
     """The config stored in a snapshot file (its model fields; the runtime fields at their
     defaults, backend auto): what Cache.load(path) creates the cache from. Raises ValueError
-    when the file does not start with a version 1 or 2 snapshot header (Cache.load then says why)."""
+    when the file does not start with a version 1 to 4 snapshot header (Cache.load then says why)."""
     c = _read_snapshot_config(path)
     if c is None:
-        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 or 2 shadowkv snapshot header")
+        raise ValueError(f"{os.fspath(path)!r}: not a readable version 1 to 4 shadowkv snapshot header")
     return c
 
 

@@ -164,5 +164,5 @@ def test_snapshot_config_reads_version_2_conf(tmp_path):
     assert c.select_mode == 1 and abs(c.select_mass - 0.9) < 1e-7 and c.select_min_chunks == 3
     assert c.rank_max == 48 and abs(c.rank_error_target - 0.2) < 1e-7 and c.dense_layers == (1 << 63) | 1
     path.write_bytes(head.replace(struct.pack("<II", 2, 0), struct.pack("<II", 3, 0)))
-    with pytest.raises(ValueError, match="version 1 or 2"):
+    with pytest.raises(ValueError, match="version 1 to 4"):
         shadowkv.snapshot_config(path)

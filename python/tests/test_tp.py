@@ -58,3 +58,24 @@ def test_tp_decode_gloo(ranks):
     assert p.returncode == 0, out[-6000:]
     assert f"[rank 0/{ranks}] PASS" in out, out[-6000:]
     assert "bitwise equal to the single-process run's: True" in out, out[-6000:]
+
+
+def test_shard_snapshot_keeps_its_range(tmp_path):
+    """A shard's snapshot names its range (format version 4); Python reads it back, and loading it
+    as another shard of the model is refused."""
+    import numpy as np
+    cfg = shadowkv.config(backend="cpu", n_layers=1, n_q_heads=8, n_kv_heads=4, head_dim=16, rank=16, chunk_size=4,
+                          budget=16, n_outlier_chunks=2, n_local_chunks=1, max_prompt_len=64, gen_capacity=2)
+    sh = shadowkv.shard_config(cfg, 2, 1)
+    rng = np.random.default_rng(31)
+    with shadowkv.Cache(sh, arrays="numpy") as c:
+        k = rng.standard_normal((48, 2, 16)).astype(np.float32)
+        c.prefill(0, 0, k, rng.standard_normal((48, 2, 16)).astype(np.float32))
+        c.save(tmp_path / "shard1.snap")
+    got = shadowkv.snapshot_config(tmp_path / "shard1.snap")
+    assert (got.model_kv_heads, got.kv_head_begin, got.n_kv_heads, got.n_q_heads) == (4, 2, 2, 4)
+    other = shadowkv.shard_config(cfg, 2, 0)
+    with pytest.raises(shadowkv.ShadowKVError, match="kv_head_begin"):
+        shadowkv.Cache.load(tmp_path / "shard1.snap", config=other)
+    with shadowkv.Cache.load(tmp_path / "shard1.snap", config=sh) as c2:
+        assert c2.config.kv_head_begin == 2
