@@ -377,8 +377,7 @@ class Cache:
         self.backend = _ffi.BACKEND_NAMES[self._lib.skv_cache_backend(h)]
         if self.backend == "cuda":
             torch = _torch()
-            self.device = torch.device("cuda", self._stream.device.index if self._stream is not None
-                                       else torch.cuda.current_device())
+            self.device = torch.device("cuda", self.config.cuda_device)  # the library resolved -1
         else:
             self.device = "cpu"
             self._stream = None  # auto resolved to cpu (SKV_BACKEND): no stream
