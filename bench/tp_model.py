@@ -45,9 +45,9 @@ import torch.distributed as dist
 class TP:
     """Rank `rank` of a tensor-parallel group of n; dist: the collectives run (world size n)."""
 
-    def __init__(self, n=1, rank=0, world=1, dev=None, backend=None):
+    def __init__(self, n=1, rank=0, world=1, dev=None, backend=None, collectives=None):
         self.n, self.rank, self.world, self.dev, self.backend = n, rank, world, dev, backend
-        self.dist = world > 1
+        self.dist = world > 1 if collectives is None else collectives
         self.local_world = 1  # the ranks on this host (they share its memory)
 
     def describe(self):
@@ -164,11 +164,13 @@ def init(n, cpu):
     """(TP, device) of this process. Under torchrun (WORLD_SIZE > 1) the world must be n: gloo on
     the CPU, NCCL on cuda:LOCAL_RANK (made the current device), warmed by one all-reduce so the
     communicator exists before any memory is measured or any graph is captured. Otherwise rank 0
-    of n alone, without collectives."""
+    of n alone, without collectives. SKV_TP_COLLECTIVES=1 under torchrun with one process (--tp 1)
+    runs the collectives anyway, over a group of one: the captured NCCL path on a one-GPU machine."""
     if n < 1:
         raise SystemExit(f"--tp {n}: expected >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    force = world == 1 and "RANK" in os.environ and os.environ.get("SKV_TP_COLLECTIVES") == "1"
+    if world == 1 and not force:
         return TP(n, 0, 1, None), torch.device("cpu" if cpu else "cuda")
     if world != n:
         raise SystemExit(f"--tp {n} in a world of {world} processes: launch with torchrun --nproc_per_node {n}")
@@ -182,7 +184,7 @@ def init(n, cpu):
         dist.init_process_group(backend, device_id=dev)
     if dist.get_world_size() != n or dist.get_rank() != rank:
         raise SystemExit(f"torch.distributed: rank {dist.get_rank()} of {dist.get_world_size()}, expected {rank} of {n}")
-    tp = TP(n, rank, world, dev, backend)
+    tp = TP(n, rank, world, dev, backend, collectives=True)
     tp.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     w = torch.ones(1, device=dev)
     dist.all_reduce(w)
