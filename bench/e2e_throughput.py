@@ -100,6 +100,8 @@ Tensor parallelism (--tp N, default 1; issue 31; bench/tp_model.py has the detai
   rank's partial result, so the numbers are not a model's but what one GPU of TP N computes per
   step, without communication: what a one-GPU machine can measure). The JSON says
   "allreduce": "none (one rank's compute alone)"; the all-reduce fields are null.
+  SKV_TP_COLLECTIVES=1 under torchrun with one process and --tp 1 runs every collective anyway,
+  over a group of one (NCCL on the GPU): the captured-collective path checked on one GPU.
 
   The JSON's tp, world_size, allreduce and shard (the rank's q_heads, kv_heads, mlp, vocab) say
   which. TP N's tokens are not TP 1's bit for bit (the sums differ); nothing here compares them.

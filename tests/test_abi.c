@@ -30,6 +30,23 @@ static skv_config small_config(void)
     return c;
 }
 
+/* A cache created (on ref) from a config of an older, smaller struct_size, with garbage past the
+   caller's struct: validation and create must read only `size` bytes. NULL (a failed check) if not. */
+static skv_cache *older_caller(size_t size, const char *version)
+{
+    skv_config b = small_config();
+    b.backend = SKV_BACKEND_REF;
+    b.struct_size = size;
+    memset((char *)&b + size, 0x5A, sizeof b - size);
+    skv_cache *k = NULL;
+    char what[64];
+    snprintf(what, sizeof what, "validate(%s size, garbage past it)", version);
+    SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, what);
+    snprintf(what, sizeof what, "create(%s size)", version);
+    if (!SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, what)) return NULL;
+    return k;
+}
+
 int main(void)
 {
     /* version: header and library agree, and the string spells the number */
@@ -144,13 +161,8 @@ int main(void)
         const size_t v05 = (offsetof(skv_config, value_dtype) + al - 1) / al * al;
         SKVT_CHECK(skv_config_default().value_dtype == SKV_VALUE_BF16, "default value_dtype = %d",
                    (int)skv_config_default().value_dtype);
-        skv_config b = small_config();
-        b.backend = SKV_BACKEND_REF;
-        b.struct_size = v05;
-        memset((char *)&b + v05, 0x5A, sizeof b - v05);
-        skv_cache *k = NULL;
-        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.5 size, garbage past it)");
-        if (SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, "create(0.5 size)")) {
+        skv_cache *k = older_caller(v05, "0.5");
+        if (k) {
             SKVT_CHECK(skv_cache_config(k)->value_dtype == SKV_VALUE_BF16, "0.5 caller: value_dtype %d",
                        (int)skv_cache_config(k)->value_dtype);
             skv_cache_free(k);
@@ -176,13 +188,8 @@ int main(void)
         SKVT_CHECK(d.model_kv_heads == 0 && d.kv_head_begin == 0 && d.cuda_device == -1,
                    "defaults: model_kv_heads %d, kv_head_begin %d, cuda_device %d", d.model_kv_heads, d.kv_head_begin,
                    d.cuda_device);
-        skv_config b = small_config();
-        b.backend = SKV_BACKEND_REF;
-        b.struct_size = v06;
-        memset((char *)&b + v06, 0x5A, sizeof b - v06);
-        skv_cache *k = NULL;
-        SKVT_CHECK_STATUS(skv_config_validate(&b), SKV_OK, "validate(0.6 size, garbage past it)");
-        if (SKVT_CHECK_STATUS(skv_cache_create(&b, &k), SKV_OK, "create(0.6 size)")) {
+        skv_cache *k = older_caller(v06, "0.6");
+        if (k) {
             const skv_config *kc = skv_cache_config(k);
             SKVT_CHECK(kc->model_kv_heads == 0 && kc->kv_head_begin == 0 && kc->cuda_device == -1,
                        "0.6 caller on ref: model_kv_heads %d, kv_head_begin %d, cuda_device %d", kc->model_kv_heads,
