@@ -52,8 +52,8 @@
 #             the device guard touches (test_cuda, test_cuda_serve, test_cuda_fp8, test_values_fp8,
 #             test_snapshot); examples/tp_decode.py under torchrun: NCCL over every GPU of the
 #             machine (Llama-3-8B shape, TP_CTX (16384) tokens, 32 layers), and two ranks on GPU 0
-#             through gloo; then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and
-#             --tp 2, on one GPU (one rank's compute, no all-reduce) and, with 2+ GPUs, under
+#             through gloo; e2e_throughput --smoke with its collectives over an NCCL group of one;
+#             then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and --tp 2, on one GPU (one rank's compute, no all-reduce) and, with 2+ GPUs, under
 #             torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options,
 #             TP_LIST ("1 2") the TP degrees, TP_ROUNDS (1) repeats, TP_E2E=0 skips them; TP_TESTS=0
 #             skips the tests and tp_decode.py)
@@ -299,6 +299,9 @@ case "$MODE" in
       run_test tp_decode_nccl_$NGPU $PYENV $TR --nproc_per_node "$NGPU" examples/tp_decode.py --ctx "${TP_CTX:-16384}"
       run_test tp_decode_gloo_same_gpu $PYENV $TR --nproc_per_node 2 examples/tp_decode.py --same-gpu --dist-backend gloo \
         --ctx "${TP_CTX:-16384}"
+      # the collectives captured in the CUDA graphs, over a group of one (runs on any machine)
+      run_test e2e_smoke_nccl_group_of_one $PYENV SKV_TP_COLLECTIVES=1 $TR --nproc_per_node 1 bench/e2e_throughput.py \
+        --smoke --tp 1
     fi
     echo "[" > "$OUT/tp.json"
     [ "${TP_E2E:-1}" = 1 ] && for tp in ${TP_LIST:-1 2}; do for r in $(seq ${TP_ROUNDS:-1}); do
