@@ -54,9 +54,10 @@
 #             machine (Llama-3-8B shape, TP_CTX (16384) tokens, 32 layers), and two ranks on GPU 0
 #             through gloo; e2e_throughput --smoke with its collectives over an NCCL group of one;
 #             then bench/e2e_throughput.py at TP_E2E_CTX (131072) for --tp 1 and --tp 2, on one GPU
-#             (one rank's compute, no all-reduce) and, with 2+ GPUs, under torchrun with NCCL (the all-reduce's share measured): tp.json (TP_E2E_ARGS adds options,
-#             TP_LIST ("1 2") the TP degrees, TP_ROUNDS (1) repeats, TP_E2E=0 skips them; TP_TESTS=0
-#             skips the tests and tp_decode.py)
+#             (one rank's compute, no all-reduce) and, with 2+ GPUs, under torchrun with NCCL (the
+#             all-reduce's share measured): tp.json. TP_E2E_ARGS adds options, TP_LIST ("1 2") the
+#             TP degrees, TP_ROUNDS (1) repeats, TP_E2E=0 skips them; TP_TESTS=0 skips the tests,
+#             tp_decode.py and the smoke
 #   pack      (on a build machine with nvcc, no GPU needed) build the binaries the
 #             decode modes run (and backend_ops, test_contract, test_accuracy, test_e2e, test_snapshot) into
 #             build/dev: one stripped libshadowkv.so.0 (and the cuda plugin
