@@ -118,14 +118,22 @@ SKV_API skv_status skv_cache_memory(const skv_config *cfg, size_t *device_bytes,
     return SKV_OK;
 }
 
+/* ops->device_enter(device) (none: *saved = -1); a failure's message into errbuf, after fn. */
+static skv_status skv_ops_device_enter(const struct skv_backend_ops *ops, int32_t device, int32_t *saved,
+                                       char *errbuf, const char *fn)
+{
+    *saved = -1;
+    if (!ops || !ops->device_enter) return SKV_OK;
+    char msg[SKV_ERRMSG_CAP] = "";
+    skv_status st = ops->device_enter(device, saved, msg, sizeof msg);
+    return st ? skv_fail(errbuf, st, "%s: %s", fn, msg) : SKV_OK;
+}
+
 skv_status skv_cache_device_enter(skv_cache *cache, int32_t *saved)
 {
     *saved = -1;
-    if (!cache || !cache->ops || !cache->ops->device_enter) return SKV_OK;
-    char msg[SKV_ERRMSG_CAP] = "";
-    skv_status st = cache->ops->device_enter(cache->cfg.cuda_device, saved, msg, sizeof msg);
-    if (st) return skv_fail(cache->err, st, "the cache's device (cuda_device = %d): %s", cache->cfg.cuda_device, msg);
-    return SKV_OK;
+    return cache ? skv_ops_device_enter(cache->ops, cache->cfg.cuda_device, saved, cache->err, "the cache's device")
+                 : SKV_OK;
 }
 
 void skv_cache_device_leave(skv_cache *cache, int32_t saved)
@@ -148,13 +156,9 @@ SKV_API skv_status skv_cache_create(const skv_config *cfg, skv_cache **out)
     skv_status st = skv_cache_plan(cfg, 1, &c, &lay, &ops, &ws_bytes);
     if (st) return st;
     /* everything the cache allocates and opens lives on its device */
-    int32_t saved = -1;
-    if (ops->device_enter) {
-        char msg[SKV_ERRMSG_CAP] = "";
-        if ((st = ops->device_enter(c.cuda_device, &saved, msg, sizeof msg)))
-            return skv_fail(NULL, st, "skv_cache_create: %s", msg);
-        if (c.cuda_device < 0) c.cuda_device = saved;
-    }
+    int32_t saved;
+    if ((st = skv_ops_device_enter(ops, c.cuda_device, &saved, NULL, "skv_cache_create"))) return st;
+    if (ops->device_enter && c.cuda_device < 0) c.cuda_device = saved;
     st = skv_cache_build(c, &lay, ops, ws_bytes, out);
     if (ops->device_leave) ops->device_leave(saved);
     return st;
