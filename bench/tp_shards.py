@@ -40,6 +40,9 @@ Workloads:
          pre-/post-RoPE keys and values, teacher-forced decode q/k/v), the model-scaled defaults
          of that script (rank Hk*D/2 = 96, fixed budget), 3 shards of one KV head (rank 96, capped at
          64, and 32).
+  memory skv_cache_memory's device bytes of one sequence of every layer (32) at --ctx (128k) per GPU
+         of TP 1 and --splits, bf16 and fp8 values (the shard at the model's rank capped at its
+         width, shadowkv.shard_config): what each sequence costs each GPU of a group
 
   python3 bench/tp_shards.py synth --n 16384 --steps 4 --layers 2 --extra-ranks 64,80 --json out-synth.json
   python3 bench/tp_shards.py real build/realmodel/smollm2-acts.npz --extra-ranks 48 --json out-real.json
@@ -383,6 +386,29 @@ def real(args):
                 fields=dict(sf, rank=rank), rows=rows)
 
 
+def memory(args):
+    """skv_cache_memory's device bytes of a one-sequence cache of every layer, per GPU (one shard
+    cache), for each split and value dtype: what a sequence costs each GPU of a TP group."""
+    import shadowkv
+    rows = []
+    for vd in args.value_dtypes.split(","):
+        f = shadowkv.scaled_config(8, 128, args.ctx, n_layers=args.layers, rescore=False)
+        whole = shadowkv.config(backend="cpu", n_layers=args.layers, n_q_heads=32, n_kv_heads=8, head_dim=128,
+                                batch_size=1, max_prompt_len=args.ctx, gen_capacity=args.gen_capacity,
+                                value_dtype=vd, **f)
+        for n in [1] + extra_ranks(args.splits):
+            c = shadowkv.shard_config(whole, n, 0)
+            b = shadowkv.memory(c)["device_bytes"]
+            rows.append(dict(tp=n, value_dtype=vd, rank_per_shard=c.rank, device_bytes_per_gpu=b,
+                             gib_per_gpu=round(b / 2 ** 30, 3)))
+            log(f"{vd} tp {n}: rank {c.rank}, {b / 2 ** 30:.3f} GiB per GPU")
+    for r in rows:
+        one = next(x for x in rows if x["tp"] == 1 and x["value_dtype"] == r["value_dtype"])
+        r["of_tp1"] = round(r["device_bytes_per_gpu"] / one["device_bytes_per_gpu"], 3)
+    return dict(workload="memory", shape="Llama-3-8B (Hq 32, Hk 8, D 128)", ctx=args.ctx, layers=args.layers,
+                gen_capacity=args.gen_capacity, rows=rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -415,6 +441,14 @@ def main(argv=None):
     r.add_argument("--extra-ranks", default="", help="more ranks per shard to run at every split")
     r.add_argument("--backend", default="cpu")
     r.add_argument("--json", default=None)
+    y = sub.add_parser("memory", help="device bytes per GPU of one sequence, per split (skv_cache_memory)")
+    y.add_argument("--ctx", type=int, default=131072)
+    y.add_argument("--layers", type=int, default=32)
+    y.add_argument("--gen-capacity", type=int, default=1024)
+    y.add_argument("--splits", default="2,4,8")
+    y.add_argument("--value-dtypes", default="bf16,fp8")
+    y.add_argument("--backend", default="cpu")
+    y.add_argument("--json", default=None)
     m = sub.add_parser("merge", help="merge result files into one")
     m.add_argument("files", nargs="+")
     m.add_argument("--out", required=True)
@@ -429,7 +463,7 @@ def main(argv=None):
         return
     import shadowkv
     log(f"libshadowkv {shadowkv.version()} ({shadowkv.library_path()})")
-    res = synth(args) if args.cmd == "synth" else real(args)
+    res = synth(args) if args.cmd == "synth" else memory(args) if args.cmd == "memory" else real(args)
     res.update(machine=f"{platform.machine()} {os.cpu_count()} cpus", date=time.strftime("%Y-%m-%d", time.gmtime()),
                command="python3 bench/tp_shards.py " + " ".join(sys.argv[1:] if argv is None else argv),
                backend=args.backend, seconds=round(time.time() - T0, 1))
